@@ -1,0 +1,1 @@
+"""xattn_jax: attention research in JAX and Flax NNX."""

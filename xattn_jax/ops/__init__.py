@@ -1,0 +1,1 @@
+"""Pure jax.numpy attention ops: no parameters, no Flax."""
