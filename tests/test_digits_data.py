@@ -1,0 +1,93 @@
+"""Properties of the bundled-digits data module."""
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.image
+import numpy as np
+import pytest
+
+from xattn_jax.data import digits
+
+
+@pytest.fixture(scope="module")
+def split():
+  return digits.load_digits_split()
+
+
+def test_split_is_stratified_and_covers_the_data_set(split):
+  assert len(split.train_labels) + len(split.test_labels) == 1797
+  train_share = np.bincount(split.train_labels, minlength=10) / len(split.train_labels)
+  test_share = np.bincount(split.test_labels, minlength=10) / len(split.test_labels)
+  np.testing.assert_allclose(train_share, test_share, atol=0.01)
+
+
+def test_split_is_the_same_every_time(split):
+  again = digits.load_digits_split()
+  np.testing.assert_array_equal(again.test_images, split.test_images)
+  np.testing.assert_array_equal(again.train_labels, split.train_labels)
+
+
+def test_standardised_training_pixels_have_zero_mean_and_unit_std(split):
+  pixels = split.standardize(split.train_images)
+  assert abs(pixels.mean()) < 1e-5 and abs(pixels.std() - 1.0) < 1e-5
+
+
+def test_resize_to_the_same_grid_returns_the_images_exactly(split):
+  np.testing.assert_array_equal(digits.resize_images(split.test_images, (8, 8)), split.test_images)
+
+
+def test_resize_keeps_a_linear_ramp_linear():
+  # A ramp linear in the row, on an 8x8 grid, resized to 16x12: interior output rows keep equal steps.
+  ramp = np.broadcast_to(np.arange(8, dtype=np.float32)[:, None], (1, 8, 8))
+  resized = digits.resize_images(ramp, (16, 12))
+  assert resized.shape == (1, 16, 12)
+  steps = np.diff(resized[0, 1:-1, 0])
+  np.testing.assert_allclose(steps, 0.5, atol=1e-6)
+  np.testing.assert_allclose(resized[0], resized[0, :, :1].repeat(12, axis=1), atol=1e-6)
+
+
+def test_train_batch_is_a_pure_function_of_seed_and_step(split):
+  a = digits.train_batch(split, 7, seed=3, batch_size=32, max_shift=1)
+  b = digits.train_batch(split, 7, seed=3, batch_size=32, max_shift=1)
+  c = digits.train_batch(split, 8, seed=3, batch_size=32, max_shift=1)
+  np.testing.assert_array_equal(a["images"], b["images"])
+  np.testing.assert_array_equal(a["labels"], b["labels"])
+  assert not np.array_equal(a["images"], c["images"])
+
+
+def test_process_slices_tile_the_global_batch(split):
+  whole = digits.train_batch(split, 5, seed=0, batch_size=24)
+  parts = [digits.train_batch(split, 5, seed=0, batch_size=24, process_index=i, process_count=3) for i in range(3)]
+  np.testing.assert_array_equal(np.concatenate([p["images"] for p in parts]), whole["images"])
+  np.testing.assert_array_equal(np.concatenate([p["labels"] for p in parts]), whole["labels"])
+
+
+def test_one_epoch_visits_every_training_image_once(split):
+  # 1437 training images = 479 batches of 3: the stream's first epoch is a permutation.
+  n = len(split.train_labels)
+  assert n % 3 == 0
+  images = np.concatenate([digits.train_batch(split, s, seed=1, batch_size=3)["images"] for s in range(n // 3)])
+  expected = split.standardize(split.train_images)[..., None]
+  order = lambda x: x.reshape(len(x), -1)[np.lexsort(x.reshape(len(x), -1).T)]
+  np.testing.assert_array_equal(order(images), order(expected))
+
+
+def test_eval_batches_cover_each_test_image_once_with_weights(split):
+  batches = list(digits.eval_batches(split, 64, grid=(12, 12)))
+  assert all(b["images"].shape == (64, 12, 12, 1) for b in batches)
+  weights = np.concatenate([b["weights"] for b in batches])
+  labels = np.concatenate([b["labels"] for b in batches])[weights > 0]
+  assert weights.sum() == len(split.test_labels)
+  np.testing.assert_array_equal(labels, split.test_labels)
+
+
+def test_batch_size_not_divisible_by_process_count_raises(split):
+  with pytest.raises(ValueError, match="batch_size"):
+    digits.train_batch(split, 0, seed=0, batch_size=10, process_index=0, process_count=3)
+
+
+def test_png_with_dark_ink_on_white_reads_as_ink_high(tmp_path, split):
+  image = split.test_images[0]
+  path = str(tmp_path / "digit.png")
+  matplotlib.image.imsave(path, 1.0 - image, cmap="gray", vmin=0.0, vmax=1.0)
+  np.testing.assert_allclose(digits.read_image_file(path), image, atol=1 / 255 + 1e-6)

@@ -1,0 +1,189 @@
+"""scikit-learn's bundled handwritten digits: a fixed split, normalised pixels, deterministic batches.
+
+The 1,797 grey-scale 8x8 images of `sklearn.datasets.load_digits` ship inside scikit-learn, so nothing is
+downloaded. Pixels there are integers 0..16, ink high. This module
+
+- splits them once, stratified by class, with a fixed seed (`load_digits_split`);
+- scales pixels to [0, 1] and standardises them with the training set's mean and standard deviation (one
+  scalar each, so a resized image keeps the same statistics);
+- optionally resizes images to another grid (`resize_images`, bilinear with half-pixel centres), e.g. to
+  evaluate a reader on 16x16 = 256 features after training on 64;
+- serves batches as pure functions of (seed, step, process_index, process_count) (`train_batch`), so the step
+  is the position in the data stream and a resumed run sees exactly the batches an uninterrupted one would,
+  and the test set exactly once in padded batches with weights (`eval_batches`).
+
+Host-side numpy only: images come out as float32 `[batch, height, width, 1]`, labels as int32 `[batch]`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterator
+
+import numpy as np
+
+NUM_CLASSES = 10
+NATIVE_GRID = (8, 8)
+_RAW_MAX = 16.0  # load_digits pixels are integers 0..16
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitsSplit:
+  """The digits, split once. Images are in [0, 1] (not yet standardised), `[n, 8, 8]` float32."""
+  train_images: np.ndarray  # [n_train, 8, 8]
+  train_labels: np.ndarray  # [n_train] int32
+  test_images: np.ndarray  # [n_test, 8, 8]
+  test_labels: np.ndarray  # [n_test] int32
+  mean: float  # pixel mean of the training images, in [0, 1] units
+  std: float  # pixel standard deviation of the training images
+
+  def standardize(self, images: np.ndarray) -> np.ndarray:
+    """(images - mean) / std with the training statistics; images in [0, 1] units."""
+    return ((images - self.mean) / self.std).astype(np.float32)
+
+
+def load_digits_split(*, test_fraction: float = 0.2, split_seed: int = 0) -> DigitsSplit:
+  """Stratified train/test split of the bundled digits (default 1,437 train / 360 test images).
+
+  The split depends only on (test_fraction, split_seed): every class keeps its share in both parts.
+  """
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f"load_digits_split: test_fraction must be in (0, 1), got {test_fraction}")
+  from sklearn.datasets import load_digits  # imported here: sklearn is slow to import and only data needs it
+  from sklearn.model_selection import train_test_split
+
+  digits = load_digits()
+  images = (digits.images / _RAW_MAX).astype(np.float32)  # [1797, 8, 8]
+  labels = digits.target.astype(np.int32)
+  train_x, test_x, train_y, test_y = train_test_split(
+      images, labels, test_size=test_fraction, stratify=labels, random_state=split_seed)
+  return DigitsSplit(train_images=train_x, train_labels=train_y, test_images=test_x, test_labels=test_y,
+                     mean=float(train_x.mean()), std=float(train_x.std()))
+
+
+def _linear_resize_matrix(old: int, new: int) -> np.ndarray:
+  """[new, old] weights of 1D linear interpolation with half-pixel centres (as jax.image.resize)."""
+  centres = (np.arange(new) + 0.5) * old / new - 0.5  # output pixel centres in input coordinates
+  centres = np.clip(centres, 0.0, old - 1)
+  lower = np.floor(centres).astype(int)
+  upper = np.minimum(lower + 1, old - 1)
+  frac = centres - lower
+  weights = np.zeros((new, old), np.float64)
+  weights[np.arange(new), lower] += 1.0 - frac
+  weights[np.arange(new), upper] += frac
+  return weights
+
+
+def resize_images(images: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+  """Bilinear resize of images `[n, height, width]` to `[n, grid[0], grid[1]]` (float32).
+
+  Each output pixel is a convex combination of input pixels, so standardising before or after resizing gives
+  the same result, and the unchanged grid returns the images exactly. No antialiasing when shrinking.
+  """
+  images = np.asarray(images)
+  if images.ndim != 3:
+    raise ValueError(f"resize_images: images must be [n, height, width], got shape {list(images.shape)}")
+  if len(grid) != 2 or min(grid) < 1:
+    raise ValueError(f"resize_images: grid must be (height, width) of positive ints, got {grid}")
+  height, width = images.shape[1:]
+  if (height, width) == tuple(grid):
+    return images.astype(np.float32)
+  rows = _linear_resize_matrix(height, grid[0])  # [h2, h]
+  cols = _linear_resize_matrix(width, grid[1])  # [w2, w]
+  return np.einsum("ih,nhw,jw->nij", rows, images, cols).astype(np.float32)
+
+
+def _check_process(batch_size: int, process_index: int, process_count: int) -> int:
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"digits: need 0 <= process_index < process_count, got process_index={process_index}, "
+                     f"process_count={process_count}")
+  if batch_size < 1 or batch_size % process_count:
+    raise ValueError(f"digits: batch_size must be a positive multiple of process_count={process_count}, "
+                     f"got batch_size={batch_size}")
+  return batch_size // process_count
+
+
+def _shift_images(images: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+  """Translate each image `[n, h, w]` by integer (row, col) `shifts [n, 2]`, filling with background 0."""
+  n, h, w = images.shape
+  max_shift = int(np.abs(shifts).max(initial=0))
+  padded = np.pad(images, ((0, 0), (max_shift, max_shift), (max_shift, max_shift)))
+  out = np.empty_like(images)
+  for i, (dr, dc) in enumerate(shifts):
+    out[i] = padded[i, max_shift - dr: max_shift - dr + h, max_shift - dc: max_shift - dc + w]
+  return out
+
+
+def train_batch(split: DigitsSplit, step: int, *, seed: int, batch_size: int, process_index: int = 0,
+                process_count: int = 1, grid: tuple[int, int] | None = None,
+                max_shift: int = 0) -> dict[str, np.ndarray]:
+  """This process's slice of global training batch number `step`: a pure function of its arguments.
+
+  The global stream walks through a fresh seeded permutation of the training set every epoch: example number
+  `step * batch_size + j` is `permutation(seed, epoch)[position in epoch]`. Each of the `process_count`
+  processes takes its own contiguous `batch_size / process_count` rows of the global batch.
+  `max_shift` > 0 translates each image by a random integer offset in [-max_shift, max_shift] per axis
+  (drawn from (seed, step, row), so augmentation is as deterministic as the order).
+
+  Returns `images` float32 `[batch_size / process_count, height, width, 1]` (standardised, resized to
+  `grid` when given) and `labels` int32 `[batch_size / process_count]`.
+  """
+  if step < 0:
+    raise ValueError(f"train_batch: step must be >= 0, got {step}")
+  local = _check_process(batch_size, process_index, process_count)
+  num_train = len(split.train_labels)
+  positions = step * batch_size + process_index * local + np.arange(local)  # global stream positions
+  epochs, offsets = np.divmod(positions, num_train)
+  indices = np.empty(local, np.int64)
+  for epoch in np.unique(epochs):
+    permutation = np.random.default_rng([seed, int(epoch)]).permutation(num_train)
+    indices[epochs == epoch] = permutation[offsets[epochs == epoch]]
+  images = split.train_images[indices]
+  if max_shift:
+    rng = np.random.default_rng([seed, step, 1 + process_index])
+    images = _shift_images(images, rng.integers(-max_shift, max_shift + 1, size=(local, 2)))
+  if grid is not None:
+    images = resize_images(images, grid)
+  return {"images": split.standardize(images)[..., None], "labels": split.train_labels[indices]}
+
+
+def eval_batches(split: DigitsSplit, batch_size: int, *, process_index: int = 0, process_count: int = 1,
+                 grid: tuple[int, int] | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """Every test image exactly once, in order, in global batches of `batch_size` (this process's slice).
+
+  The last global batch is padded with zero images whose `weights` are 0 (all others 1), so every batch has
+  the same shape and averages weighted by `weights` count each test image once across processes.
+  """
+  local = _check_process(batch_size, process_index, process_count)
+  images = split.standardize(resize_images(split.test_images, grid) if grid else split.test_images)
+  labels = split.test_labels
+  for start in range(0, len(labels), batch_size):
+    rows = np.arange(start + process_index * local, start + (process_index + 1) * local)
+    valid = rows < len(labels)
+    safe_rows = np.where(valid, rows, 0)
+    yield {"images": np.where(valid[:, None, None], images[safe_rows], 0.0).astype(np.float32)[..., None],
+           "labels": np.where(valid, labels[safe_rows], 0).astype(np.int32),
+           "weights": valid.astype(np.float32)}
+
+
+def read_image_file(path: str) -> np.ndarray:
+  """One grey-scale image `[height, width]` in [0, 1], ink high, from a `.npy` array or a PNG file.
+
+  `.npy`: a 2D array; values above 1 are taken to be on the data set's 0..16 scale. PNG: read with
+  matplotlib, colour channels averaged (alpha dropped); a mostly light image (dark ink on white paper) is
+  inverted so that ink is high as in the data set.
+  """
+  if not os.path.exists(path):
+    raise ValueError(f"read_image_file: no such file {path!r}")
+  if path.endswith(".npy"):
+    image = np.load(path).astype(np.float32)
+    if image.ndim != 2:
+      raise ValueError(f"read_image_file: {path!r} must hold a 2D [height, width] array, got {list(image.shape)}")
+    return image / _RAW_MAX if image.max() > 1.0 else image
+  if path.lower().endswith(".png"):
+    import matplotlib.image  # only inference reads PNGs
+    image = np.asarray(matplotlib.image.imread(path), np.float32)
+    if image.ndim == 3:
+      image = image[..., :3].mean(axis=-1)
+    return 1.0 - image if image.mean() > 0.5 else image
+  raise ValueError(f"read_image_file: {path!r} must end in .npy or .png")
