@@ -1,0 +1,283 @@
+"""Multi-head attention as a Flax NNX module, with caches passed in and out as explicit values.
+
+One module serves self-attention (`x_kv` is None) and cross-attention (a query stream of width
+`in_features` reading a key/value stream of width `kv_features`, as torch's kdim / vdim). All
+passes go through the same two halves:
+
+  project_memory(x_kv)        -> MemoryCache(keys, values)     [batch, kv_len, kv_heads, head_dim]
+  attend(x_q, memory_cache)   -> out                           [batch, q_len, out_features]
+
+`__call__` is exactly `attend(x_q, project_memory(x_kv))`; a decoder projects the encoder memory
+once and reuses the MemoryCache for every step. Self-attention decoding keeps a `KVCache` of
+fixed capacity that `extend` fills with `lax.dynamic_update_slice` (a prompt of any length, or one
+token at a time) and returns advanced, so a step is a pure function (tokens, cache) -> (out, cache).
+
+Parameters carry logical axis names (`nnx.with_partitioning`, not sharded eagerly, so the module
+builds anywhere); the training code maps the names to mesh axes:
+  query kernel [in_features, heads * head_dim]         ("embed", "heads")
+  key / value kernels [kv_features, kv_heads * head_dim] ("embed", "kv")  -- kv heads may not split
+  output kernel [heads * head_dim, out_features]       ("heads", "embed")
+"""
+from __future__ import annotations
+
+import chex
+import einops
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.ops import attention as attention_ops
+from xattn_jax.ops import masks as masks_lib
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Self-attention cache: the first `index` rows of keys / values are filled.
+
+  keys, values: [batch, max_length, kv_heads, head_dim]; index: int32 scalar.
+  A pytree, so caches of several layers can be stacked and carried through jit / scan.
+  """
+  keys: jax.Array
+  values: jax.Array
+  index: jax.Array
+
+
+@flax.struct.dataclass
+class MemoryCache:
+  """Cross-attention cache: a memory's projected keys and values, [batch, kv_len, kv_heads, head_dim]."""
+  keys: jax.Array
+  values: jax.Array
+
+
+def _check_features(name: str, x, features: int) -> None:
+  if x.ndim != 3 or x.shape[-1] != features:
+    raise ValueError(f"MultiHeadAttention: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
+
+
+def _check_broadcastable(name: str, array, target: tuple[int, ...]) -> None:
+  """Raises ValueError unless array is rank 4 and broadcasts to target = (batch, heads, q_len, kv_len)."""
+  ok = array.ndim == 4 and all(a in (1, t) for a, t in zip(array.shape, target))
+  if not ok:
+    raise ValueError(
+        f"MultiHeadAttention: {name} must broadcast to [batch, heads, q_len, kv_len] = {list(target)}, "
+        f"got {name}{list(array.shape)}")
+  if name == "mask" and array.dtype != jnp.bool_:
+    raise ValueError(f"MultiHeadAttention: mask must be boolean (True = may attend), got dtype {array.dtype}")
+
+
+def _is_traced(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head (and grouped-query) attention: softmax(q k^T / sqrt(head_dim) + bias, mask) v.
+
+  Args:
+    num_heads: query heads.
+    in_features: width of the query input x_q.
+    kv_features: width of the key/value input x_kv; None = in_features (self-attention).
+    num_kv_heads: key/value heads (GQA / MQA); must divide num_heads. None = num_heads.
+    head_dim: per-head width; None = in_features // num_heads.
+    out_features: output width; None = in_features.
+    use_bias: biases on the four projections.
+    dropout_rate: dropout on the attention probabilities when not deterministic (this pass then
+      materializes the [b, heads, q, kv] weights instead of calling the fused op).
+    rotary: a RotarySpec applied to q and k from explicit positions, or None.
+    implementation: passed to `ops.attention.dot_product_attention` (None = its default choice).
+    dtype: compute dtype; param_dtype: storage dtype of the parameters.
+  """
+
+  def __init__(self, num_heads: int, in_features: int, kv_features: int | None = None, *,
+               num_kv_heads: int | None = None, head_dim: int | None = None, out_features: int | None = None,
+               use_bias: bool = True, dropout_rate: float = 0.0, rotary: RotarySpec | None = None,
+               implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    kv_features = in_features if kv_features is None else kv_features
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    out_features = in_features if out_features is None else out_features
+    for name, value in (("num_heads", num_heads), ("in_features", in_features), ("kv_features", kv_features),
+                        ("num_kv_heads", num_kv_heads), ("out_features", out_features)):
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {name}={value!r}")
+    if num_heads % num_kv_heads:
+      raise ValueError(
+          f"MultiHeadAttention: num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
+          f"num_kv_heads={num_kv_heads}")
+    if head_dim is None:
+      if in_features % num_heads:
+        raise ValueError(
+            f"MultiHeadAttention: in_features must be divisible by num_heads when head_dim is None, got "
+            f"in_features={in_features}, num_heads={num_heads}")
+      head_dim = in_features // num_heads
+    if not isinstance(head_dim, int) or head_dim <= 0:
+      raise ValueError(f"MultiHeadAttention: head_dim must be a positive int, got head_dim={head_dim!r}")
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(f"MultiHeadAttention: dropout_rate must be in [0, 1), got dropout_rate={dropout_rate}")
+    if rotary is not None:
+      rotary.check_head_dim(head_dim)
+
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.in_features, self.kv_features, self.out_features = in_features, kv_features, out_features
+    self.dropout_rate, self.rotary, self.implementation, self.dtype = dropout_rate, rotary, implementation, dtype
+
+    def linear(fan_in, fan_out, axes):
+      return nnx.Linear(
+          fan_in, fan_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), axes, eager_sharding=False),
+          bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False),
+          rngs=rngs)
+
+    self.query = linear(in_features, num_heads * head_dim, ("embed", "heads"))
+    self.key = linear(kv_features, num_kv_heads * head_dim, ("embed", "kv"))
+    self.value = linear(kv_features, num_kv_heads * head_dim, ("embed", "kv"))
+    self.out = linear(num_heads * head_dim, out_features, ("heads", "embed"))
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+  # --- projections ---------------------------------------------------------------------------
+
+  def _default_positions(self, name: str, positions, batch: int, length: int, start=0):
+    """Positions for the rotary spec: given ones, or start + arange(length) for 1D RoPE."""
+    if self.rotary is None or positions is not None:
+      return positions
+    if self.rotary.kind != "rope":
+      raise ValueError(
+          f"MultiHeadAttention: rotary kind {self.rotary.kind!r} needs explicit {name} "
+          f"({'[batch, length, 2]' if self.rotary.kind == 'rope_2d' else '[3, batch, length]'}), got None")
+    return jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+  def _split_heads(self, x, num_heads: int, positions):
+    x = einops.rearrange(x, "b t (n h) -> b t n h", n=num_heads)
+    if self.rotary is not None:
+      x = self.rotary.apply(x, positions)
+    return x
+
+  def _project_query(self, x_q, query_positions, start=0):
+    """x_q [b, t, in_features] -> q [b, t, heads, head_dim], rotated if the layer is rotary."""
+    _check_features("x_q", x_q, self.in_features)
+    positions = self._default_positions("query_positions", query_positions, x_q.shape[0], x_q.shape[1], start)
+    return self._split_heads(self.query(x_q), self.num_heads, positions)
+
+  def _project_key_value(self, x_kv, key_positions, start=0):
+    """x_kv [b, s, kv_features] -> keys, values [b, s, kv_heads, head_dim] (keys rotated if rotary)."""
+    _check_features("x_kv", x_kv, self.kv_features)
+    positions = self._default_positions("key_positions", key_positions, x_kv.shape[0], x_kv.shape[1], start)
+    keys = self._split_heads(self.key(x_kv), self.num_kv_heads, positions)
+    values = einops.rearrange(self.value(x_kv), "b s (k h) -> b s k h", k=self.num_kv_heads)
+    return keys, values
+
+  # --- the attention itself -------------------------------------------------------------------
+
+  def _check_mask_bias(self, q, keys, mask, bias):
+    target = (q.shape[0], self.num_heads, q.shape[1], keys.shape[1])
+    if mask is not None:
+      _check_broadcastable("mask", mask, target)
+    if bias is not None:
+      _check_broadcastable("bias", bias, target)
+    if keys.shape[0] != q.shape[0]:
+      raise ValueError(f"MultiHeadAttention: memory batch {keys.shape[0]} differs from x_q batch {q.shape[0]}")
+
+  def _attend_heads(self, q, keys, values, *, mask, bias, is_causal, deterministic):
+    """q [b, t, n, h], keys / values [b, s, k, h] -> [b, t, out_features]."""
+    self._check_mask_bias(q, keys, mask, bias)
+    if self.dropout_rate > 0.0 and not deterministic:
+      # Dropout acts on the probabilities, so this pass needs them explicitly.
+      weights = attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
+      weights = self.dropout(weights, deterministic=False).astype(values.dtype)
+      weights = einops.rearrange(weights, "b (k g) t s -> b k g t s", k=self.num_kv_heads)
+      heads = jnp.einsum("bkgts,bskh->btkgh", weights, values)
+      heads = einops.rearrange(heads, "b t k g h -> b t (k g) h")
+    else:
+      heads = attention_ops.dot_product_attention(
+          q, keys, values, bias=bias, mask=mask, is_causal=is_causal, implementation=self.implementation)
+    chex.assert_shape(heads, (q.shape[0], q.shape[1], self.num_heads, self.head_dim))
+    return self.out(einops.rearrange(heads, "b t n h -> b t (n h)"))
+
+  # --- public passes --------------------------------------------------------------------------
+
+  def project_memory(self, x_kv, *, key_positions=None) -> MemoryCache:
+    """Projects a memory x_kv [b, s, kv_features] once into its keys and values."""
+    keys, values = self._project_key_value(x_kv, key_positions)
+    return MemoryCache(keys=keys, values=values)
+
+  def attend(self, x_q, memory_cache: MemoryCache, *, mask=None, bias=None, query_positions=None,
+             is_causal: bool = False, deterministic: bool = True):
+    """Queries x_q [b, t, in_features] attend to a projected memory -> [b, t, out_features].
+
+    mask (bool, True = may attend) and bias broadcast to [b, heads, t, kv_len]; is_causal aligns
+    the queries with the last t keys.
+    """
+    q = self._project_query(x_q, query_positions)
+    return self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias,
+                              is_causal=is_causal, deterministic=deterministic)
+
+  def __call__(self, x_q, x_kv=None, *, mask=None, bias=None, query_positions=None, key_positions=None,
+               is_causal: bool = False, deterministic: bool = True):
+    """Full pass: self-attention over x_q when x_kv is None, else cross-attention to x_kv.
+
+    x_q [b, t, in_features], x_kv [b, s, kv_features] -> [b, t, out_features]. For
+    self-attention key_positions defaults to query_positions.
+    """
+    if x_kv is None:
+      x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
+    memory_cache = self.project_memory(x_kv, key_positions=key_positions)
+    return self.attend(x_q, memory_cache, mask=mask, bias=bias, query_positions=query_positions,
+                       is_causal=is_causal, deterministic=deterministic)
+
+  def attention_weights(self, x_q, x_kv=None, *, mask=None, bias=None, query_positions=None,
+                        key_positions=None, is_causal: bool = False):
+    """Attention probabilities [b, heads, t, s] in float32 (for plots), same projections as __call__."""
+    if x_kv is None:
+      x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
+    keys, _ = self._project_key_value(x_kv, key_positions)
+    q = self._project_query(x_q, query_positions)
+    self._check_mask_bias(q, keys, mask, bias)
+    return attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
+
+  # --- self-attention decoding ----------------------------------------------------------------
+
+  def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    """An empty self-attention cache of capacity max_length, in dtype (default: compute dtype)."""
+    if batch_size <= 0 or max_length <= 0:
+      raise ValueError(
+          f"MultiHeadAttention.init_cache: batch_size and max_length must be positive, got "
+          f"batch_size={batch_size}, max_length={max_length}")
+    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+    dtype = self.dtype if dtype is None else dtype
+    return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
+
+  def extend(self, x, cache: KVCache, *, positions=None, mask=None, deterministic: bool = True):
+    """Appends x [b, t, in_features] to the cache and attends causally to everything filled so far.
+
+    Works for a pre-fill prompt (t > 1) and for single steps. With 1D RoPE, positions default to
+    cache.index + arange(t). mask (e.g. key padding [b, 1, 1, max_length]) is ANDed with the causal
+    mask, which already hides the unfilled rows. Returns (out [b, t, out_features], advanced cache).
+
+    Overflow: if t > max_length, or cache.index is concrete and index + t > max_length, this raises.
+    Under jit the index is traced and cannot be checked at trace time; dynamic_update_slice would
+    then clamp the write and overwrite the newest rows, so instead the output is set to NaN, which
+    makes a decode past capacity impossible to miss.
+    """
+    _check_features("x", x, self.in_features)
+    batch, length = x.shape[:2]
+    expected = (batch, cache.keys.shape[1], self.num_kv_heads, self.head_dim)
+    if cache.keys.shape != expected or cache.values.shape != expected:
+      raise ValueError(
+          f"MultiHeadAttention.extend: cache keys / values must be [batch, max_length, kv_heads, head_dim] = "
+          f"{list(expected)}, got keys{list(cache.keys.shape)}, values{list(cache.values.shape)}")
+    max_length = cache.keys.shape[1]
+    if length > max_length or (not _is_traced(cache.index) and int(cache.index) + length > max_length):
+      raise ValueError(
+          f"MultiHeadAttention.extend: cache of max_length={max_length} cannot take {length} more tokens at "
+          f"index={cache.index if not _is_traced(cache.index) else 'traced'}")
+    index = cache.index
+    q = self._project_query(x, positions, start=index)
+    new_keys, new_values = self._project_key_value(x, positions, start=index)
+    keys = jax.lax.dynamic_update_slice(cache.keys, new_keys.astype(cache.keys.dtype), (0, index, 0, 0))
+    values = jax.lax.dynamic_update_slice(cache.values, new_values.astype(cache.values.dtype), (0, index, 0, 0))
+    # Query i sits at position index + i and sees keys 0 .. index + i: filled rows only.
+    causal = masks_lib.causal_mask(length, max_length, offset=index)  # [1, 1, t, max_length]
+    out = self._attend_heads(q, keys, values, mask=masks_lib.combine_masks(causal, mask), bias=None,
+                             is_causal=False, deterministic=deterministic)
+    out = jnp.where(index + length <= max_length, out, jnp.nan)
+    return out, KVCache(keys=keys, values=values, index=index + length)

@@ -1,0 +1,257 @@
+"""Transformer blocks built on MultiHeadAttention: encoder, decoder, gated and plain cross-attention.
+
+Shapes: token streams x [batch, length, features], memories [batch, memory_length, memory_features],
+masks boolean (True = may attend) broadcastable to [batch, heads, q_len, kv_len].
+
+Blocks hold only parameters (and dropout rngs): `__call__` and `decode` change no Python-side
+state, so stacks of blocks can be built with `nnx.vmap` and run with `nnx.scan`, and a decode
+step is a pure function of (x, cache) -> (out, cache).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention
+from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.ops import masks as masks_lib
+
+NORM_PLACEMENTS = ("pre", "post")
+ACTIVATIONS: dict[str, Callable] = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
+
+
+def _check_choice(name: str, value, allowed) -> None:
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {tuple(allowed)}, got {name}={value!r}")
+
+
+def _layer_norm(features, dtype, param_dtype, rngs):
+  return nnx.LayerNorm(
+      features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+      scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",), eager_sharding=False),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",), eager_sharding=False))
+
+
+class MLP(nnx.Module):
+  """Position-wise feed-forward: out(dropout(activation(x W_in + b_in))). [b, t, features] -> [b, t, out]."""
+
+  def __init__(self, features: int, hidden_features: int, out_features: int | None = None, *,
+               activation: str = "gelu", dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    _check_choice("activation", activation, ACTIVATIONS)
+    out_features = features if out_features is None else out_features
+    self.features, self.activation = features, activation
+
+    def linear(fan_in, fan_out, axes):
+      return nnx.Linear(
+          fan_in, fan_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+          kernel_init=nnx.with_partitioning(nnx.initializers.xavier_uniform(), axes, eager_sharding=False),
+          bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False))
+
+    self.wi = linear(features, hidden_features, ("embed", "mlp"))
+    self.wo = linear(hidden_features, out_features, ("mlp", "embed"))
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+  def __call__(self, x, *, deterministic: bool = True):
+    if x.shape[-1] != self.features:
+      raise ValueError(f"MLP: x must be [..., {self.features}], got x{list(x.shape)}")
+    hidden = ACTIVATIONS[self.activation](self.wi(x))
+    return self.wo(self.dropout(hidden, deterministic=deterministic))
+
+
+class _Residual(nnx.Module):
+  """x + dropout(f(norm(x))) (pre-norm) or norm(x + dropout(f(x))) (post-norm, Vaswani et al.).
+
+  gated: the branch is scaled by tanh(gate), gate a scalar parameter starting at zero (Flamingo).
+  """
+
+  def __init__(self, features, norm, dropout_rate, dtype, param_dtype, rngs, gated=False):
+    _check_choice("norm", norm, NORM_PLACEMENTS)
+    self.norm_placement = norm
+    self.norm = _layer_norm(features, dtype, param_dtype, rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.gate = nnx.Param(jnp.zeros((), param_dtype)) if gated else None
+
+  def __call__(self, x, sublayer, deterministic):
+    """sublayer maps the (normalized) stream to (y, extra); returns (new stream, extra)."""
+    inputs = self.norm(x) if self.norm_placement == "pre" else x
+    y, extra = sublayer(inputs)
+    y = self.dropout(y, deterministic=deterministic)
+    if self.gate is not None:
+      y = jnp.tanh(self.gate[...]).astype(y.dtype) * y
+    x = x + y
+    return (x if self.norm_placement == "pre" else self.norm(x)), extra
+
+
+class EncoderBlock(nnx.Module):
+  """Bidirectional self-attention then MLP, each in a residual with LayerNorm. [b, t, f] -> [b, t, f]."""
+
+  def __init__(self, features: int, num_heads: int, mlp_features: int, *, num_kv_heads: int | None = None,
+               head_dim: int | None = None, norm: str = "pre", dropout_rate: float = 0.0,
+               attention_dropout_rate: float = 0.0, activation: str = "gelu", rotary: RotarySpec | None = None,
+               implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attention = MultiHeadAttention(
+        num_heads, features, num_kv_heads=num_kv_heads, head_dim=head_dim, dropout_rate=attention_dropout_rate,
+        rotary=rotary, implementation=implementation, **common)
+    self.mlp = MLP(features, mlp_features, activation=activation, dropout_rate=dropout_rate, **common)
+    self.attention_residual = _Residual(features, norm, dropout_rate, **common)
+    self.mlp_residual = _Residual(features, norm, dropout_rate, **common)
+
+  def __call__(self, x, *, mask=None, positions=None, deterministic: bool = True):
+    """mask: e.g. key padding [b, 1, 1, t]; positions: for a rotary attention layer."""
+    x, _ = self.attention_residual(x, lambda h: (self.attention(
+        h, mask=mask, query_positions=positions, deterministic=deterministic), None), deterministic)
+    x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
+    return x
+
+
+@flax.struct.dataclass
+class DecoderCache:
+  """One decoder layer's cache: the growing self-attention KVCache and the memory's projection."""
+  self_attention: KVCache
+  cross_attention: MemoryCache
+
+
+class DecoderBlock(nnx.Module):
+  """Causal self-attention, cross-attention to a memory, then MLP; residuals with pre / post LayerNorm."""
+
+  def __init__(self, features: int, num_heads: int, mlp_features: int, *, memory_features: int | None = None,
+               num_kv_heads: int | None = None, head_dim: int | None = None, norm: str = "pre",
+               dropout_rate: float = 0.0, attention_dropout_rate: float = 0.0, activation: str = "gelu",
+               rotary: RotarySpec | None = None, implementation: str | None = None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    attention = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dropout_rate=attention_dropout_rate,
+                     implementation=implementation, **common)
+    self.self_attention = MultiHeadAttention(num_heads, features, rotary=rotary, **attention)
+    # The memory carries its own positions (encoded by the encoder), so no rotary here.
+    self.cross_attention = MultiHeadAttention(num_heads, features, memory_features, **attention)
+    self.mlp = MLP(features, mlp_features, activation=activation, dropout_rate=dropout_rate, **common)
+    self.self_residual = _Residual(features, norm, dropout_rate, **common)
+    self.cross_residual = _Residual(features, norm, dropout_rate, **common)
+    self.mlp_residual = _Residual(features, norm, dropout_rate, **common)
+
+  def _cross_and_mlp(self, x, memory_cache, memory_mask, deterministic):
+    x, _ = self.cross_residual(x, lambda h: (self.cross_attention.attend(
+        h, memory_cache, mask=memory_mask, deterministic=deterministic), None), deterministic)
+    x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
+    return x
+
+  def __call__(self, x, memory, *, self_mask=None, positions=None, memory_mask=None,
+               deterministic: bool = True):
+    """Full pass: x [b, t, features], memory [b, s, memory_features] -> [b, t, features].
+
+    self_mask is ANDed with the causal mask (e.g. target padding); memory_mask hides padded
+    memory rows ([b, 1, 1, s]); positions feed a rotary self-attention.
+    """
+    x, _ = self.self_residual(x, lambda h: (self.self_attention(
+        h, mask=self_mask, query_positions=positions, is_causal=True, deterministic=deterministic), None),
+        deterministic)
+    memory_cache = self.cross_attention.project_memory(memory)
+    return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
+
+  def init_cache(self, memory, max_length: int) -> DecoderCache:
+    """An empty self-attention cache of capacity max_length and the memory's keys / values, projected once."""
+    return DecoderCache(
+        self_attention=self.self_attention.init_cache(memory.shape[0], max_length),
+        cross_attention=self.cross_attention.project_memory(memory))
+
+  def decode(self, x, cache: DecoderCache, *, positions=None, self_mask=None, memory_mask=None,
+             deterministic: bool = True):
+    """Pre-fill (t > 1) or one step (t = 1): x [b, t, features] -> (out [b, t, features], cache).
+
+    self_mask broadcasts to [b, heads, t, max_length] (e.g. prompt padding); memory_mask as in __call__.
+    """
+    def self_attend(h):
+      return self.self_attention.extend(h, cache.self_attention, positions=positions, mask=self_mask,
+                                        deterministic=deterministic)
+
+    x, self_cache = self.self_residual(x, self_attend, deterministic)
+    x = self._cross_and_mlp(x, cache.cross_attention, memory_mask, deterministic)
+    return x, cache.replace(self_attention=self_cache)
+
+
+class CrossAttentionBlock(nnx.Module):
+  """Queries attend to inputs, then an MLP (the Perceiver's / Q-Former's cross block), pre-norm.
+
+  x [b, n, features], inputs [b, m, input_features] -> [b, n, features]. With normalize_inputs the
+  inputs get their own LayerNorm before the attention, as in the Perceiver. With gated, each
+  residual branch is scaled by tanh(alpha), alpha starting at zero (see GatedCrossAttentionBlock).
+  """
+
+  def __init__(self, features: int, input_features: int, num_heads: int, mlp_features: int, *,
+               num_kv_heads: int | None = None, head_dim: int | None = None, dropout_rate: float = 0.0,
+               attention_dropout_rate: float = 0.0, activation: str = "gelu", implementation: str | None = None,
+               normalize_inputs: bool = True, gated: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.input_norm = _layer_norm(input_features, dtype, param_dtype, rngs) if normalize_inputs else None
+    self.attention = MultiHeadAttention(
+        num_heads, features, input_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dropout_rate=attention_dropout_rate, implementation=implementation, **common)
+    self.mlp = MLP(features, mlp_features, activation=activation, dropout_rate=dropout_rate, **common)
+    self.attention_residual = _Residual(features, "pre", dropout_rate, gated=gated, **common)
+    self.mlp_residual = _Residual(features, "pre", dropout_rate, gated=gated, **common)
+
+  def __call__(self, x, inputs, *, mask=None, deterministic: bool = True):
+    """mask: e.g. input padding [b, 1, 1, m]."""
+    if self.input_norm is not None:
+      inputs = self.input_norm(inputs)
+    x, _ = self.attention_residual(x, lambda h: (self.attention(
+        h, inputs, mask=mask, deterministic=deterministic), None), deterministic)
+    x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
+    return x
+
+
+class GatedCrossAttentionBlock(CrossAttentionBlock):
+  """Flamingo's gated cross-attention (GATED XATTN-DENSE), inserted before a frozen block of a host model.
+
+  x <- x + tanh(alpha_attention) * cross_attention(norm(x), memory)
+  x <- x + tanh(alpha_mlp) * mlp(norm(x))
+  Both alphas start at zero, so an inserted block is exactly the identity at initialisation. The
+  memory is not normalized here (Flamingo's resampler output already is).
+  x [b, t, features], memory [b, m, memory_features] -> [b, t, features].
+  """
+
+  def __init__(self, features: int, memory_features: int, num_heads: int, mlp_features: int, **options):
+    super().__init__(features, memory_features, num_heads, mlp_features, normalize_inputs=False, gated=True,
+                     **options)
+
+  def __call__(self, x, memory, *, memory_mask=None, deterministic: bool = True):
+    return super().__call__(x, memory, mask=memory_mask, deterministic=deterministic)
+
+
+class LearnedQueryPooling(nnx.Module):
+  """N learned queries read any number M of inputs through a CrossAttentionBlock.
+
+  inputs [b, M, input_features] (+ optional valid [b, M] bool) -> [b, num_queries, features].
+  The inputs carry no positions here, so the result is invariant to permuting them.
+  """
+
+  def __init__(self, num_queries: int, features: int, input_features: int, num_heads: int, *,
+               mlp_features: int | None = None, dropout_rate: float = 0.0, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if num_queries <= 0:
+      raise ValueError(f"LearnedQueryPooling: num_queries must be positive, got num_queries={num_queries}")
+    self.input_features = input_features
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
+    self.queries = nnx.Param(init(rngs.params(), (num_queries, features), param_dtype))
+    self.block = CrossAttentionBlock(
+        features, input_features, num_heads, 4 * features if mlp_features is None else mlp_features,
+        dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, inputs, *, valid=None, deterministic: bool = True):
+    if inputs.ndim != 3 or inputs.shape[-1] != self.input_features:
+      raise ValueError(
+          f"LearnedQueryPooling: inputs must be [batch, M, {self.input_features}], got inputs{list(inputs.shape)}")
+    if valid is not None and valid.shape != inputs.shape[:2]:
+      raise ValueError(
+          f"LearnedQueryPooling: valid must be bool {list(inputs.shape[:2])}, got valid{list(valid.shape)}")
+    queries = jnp.broadcast_to(self.queries[...], (inputs.shape[0], *self.queries.shape))  # [b, N, features]
+    mask = None if valid is None else masks_lib.padding_mask(valid)
+    return self.block(queries.astype(inputs.dtype), inputs, mask=mask, deterministic=deterministic)
