@@ -1,57 +1,172 @@
-"""Scaled dot-product attention (reference dense path; H1 extends with chunked / cuDNN)."""
+"""Scaled dot-product attention: validation, dispatch to dense / chunked / cuDNN, attention weights.
+
+Shapes follow `jax.nn.dot_product_attention`: query [batch, q_len, heads, head_dim], key and value
+[batch, kv_len, kv_heads, head_dim] with kv_heads dividing heads (MQA / GQA). Boolean masks
+(True = may attend) and biases broadcast to [batch, heads, q_len, kv_len]. `is_causal` aligns the
+queries to the LAST q_len keys (see `masks.causal_mask`). Softmax runs in float32; a query that may
+attend to no key returns zeros with finite gradients, in every implementation.
+
+Implementations:
+  "xla":     dense softmax over all keys at once, one (batch, kv head) unit and query block at a
+             time so the score block stays in cache; a custom VJP recomputes it in the backward.
+  "chunked": online softmax over key blocks: forward and backward memory linear in length.
+  "cudnn":   `jax.nn.dot_product_attention(implementation="cudnn")` on GPU, where cuDNN allows.
+  None:      cuDNN when allowed, otherwise the fastest XLA path at that size (`select_implementation`).
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from xattn_jax.ops import blocked_attention
 from xattn_jax.ops import masks as masks_lib
 
+IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
+# Above this many keys the default CPU path switches from one-pass ("xla") to online softmax
+# ("chunked"): both run at about the same speed there, and chunked needs far less memory.
+_CHUNKED_FROM_KV_LEN = 4096
 
-def _validate(query, key, value):
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError(
-        "dot_product_attention: query, key and value must be [batch, length, heads, head_dim], got "
-        f"query{list(query.shape)}, key{list(key.shape)}, value{list(value.shape)}")
+
+def _shape(x) -> list[int]:
+  return list(jnp.shape(x))
+
+
+def _validate_qkv(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if jnp.ndim(x) != 4:
+      raise ValueError(f"dot_product_attention: {name} must be rank 4 [batch, length, heads, head_dim], "
+                       f"got {name}{_shape(x)}")
   b, _, n, h = query.shape
   if key.shape[0] != b or key.shape[3] != h:
-    raise ValueError(f"dot_product_attention: key must be [{b}, kv_len, kv_heads, {h}], got key{list(key.shape)}")
-  if value.shape[:3] != key.shape[:3]:
-    raise ValueError(
-        f"dot_product_attention: value must be [{key.shape[0]}, {key.shape[1]}, {key.shape[2]}, head_dim], "
-        f"got value{list(value.shape)}")
+    raise ValueError(f"dot_product_attention: key must be [{b}, kv_len, kv_heads, {h}] (query's batch and "
+                     f"head_dim), got key{_shape(key)} with query{_shape(query)}")
   if n % key.shape[2]:
-    raise ValueError(f"dot_product_attention: heads={n} must be divisible by kv_heads={key.shape[2]}")
+    raise ValueError(f"dot_product_attention: heads={n} of query{_shape(query)} must be divisible by "
+                     f"kv_heads={key.shape[2]} of key{_shape(key)}")
+  if value.shape != key.shape:
+    raise ValueError(f"dot_product_attention: value must have key's shape {_shape(key)}, got value{_shape(value)}")
+
+
+def _validate_broadcast(name, x, target):
+  """x must broadcast to target = [batch, heads, q_len, kv_len]; returns x as rank 4."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim > 4 or any(d not in (1, t) for d, t in zip(x.shape[::-1], target[::-1])):
+    raise ValueError(f"dot_product_attention: {name} must broadcast to [batch, heads, q_len, kv_len]="
+                     f"{list(target)}, got {name}{_shape(x)}")
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise ValueError(f"dot_product_attention: mask must be bool (True = may attend), got {x.dtype}{_shape(x)}")
+  if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"dot_product_attention: bias must be floating point, got {x.dtype}{_shape(x)}")
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def cudnn_unsupported_reason(*, backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
+                             has_mask: bool, has_bias: bool, is_causal: bool) -> str | None:
+  """Why cuDNN flash attention cannot take this case, or None if it can. Pure: testable on CPU."""
+  if backend != "gpu":
+    return f"needs a GPU backend, got {backend!r}"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
+  if head_dim > 128 or head_dim % 8:
+    return f"needs head_dim <= 128 and a multiple of 8, got {head_dim}"
+  if has_mask:
+    # Our boolean masks may hide every key of a row (which must give zeros); cuDNN's masks may not.
+    return "takes no boolean mask here (use is_causal, or the xla / chunked paths)"
+  if is_causal and q_len != kv_len:
+    return f"aligns causal masks top-left, so needs q_len == kv_len, got {q_len} and {kv_len}"
+  if has_bias and (q_len % 2 or kv_len % 2):
+    return f"needs even lengths with a bias, got q_len={q_len}, kv_len={kv_len}"
+  return None
+
+
+def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
+                          has_mask: bool = False, has_bias: bool = False, is_causal: bool = False) -> str:
+  """The implementation `implementation=None` takes for this case (pure function of static facts)."""
+  if cudnn_unsupported_reason(backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len,
+                              has_mask=has_mask, has_bias=has_bias, is_causal=is_causal) is None:
+    return "cudnn"
+  return "chunked" if kv_len >= _CHUNKED_FROM_KV_LEN else "xla"
+
+
+def choose_blocking(implementation: str, q_len: int, kv_len: int) -> blocked_attention.Blocking:
+  """Block sizes by length, measured on CPU: a [groups, block_q, block_k] f32 score block near L2 size."""
+  if implementation == "xla":
+    if q_len * kv_len <= 256 * 256:
+      # Small problems: vectorize several (unit, query block) items per loop step.
+      return blocked_attention.Blocking(block_q=q_len, block_k=kv_len, items_per_step=8)
+    return blocked_attention.Blocking(block_q=max(16, min(512, 2 ** 18 // kv_len)), block_k=kv_len)
+  return blocked_attention.Blocking(block_q=256, block_k=512)
+
+
+def _causal_offsets(batch: int, q_len: int, kv_len: int):
+  return jnp.full((batch,), kv_len - q_len, jnp.int32)
+
+
+def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False, scale=None,
+                          implementation=None):
+  """softmax(query key^T * scale + bias, masked) value.
+
+  Args:
+    query: [batch, q_len, heads, head_dim].
+    key, value: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0.
+    bias: float, broadcastable to [batch, heads, q_len, kv_len], added to the scaled scores.
+    mask: bool, broadcastable to [batch, heads, q_len, kv_len]; True = may attend.
+    is_causal: query i may attend to keys 0 .. kv_len - q_len + i (queries are the last keys).
+    scale: score scale; default head_dim ** -0.5.
+    implementation: None, "xla", "chunked" or "cudnn" (see the module docstring).
+  Returns:
+    [batch, q_len, heads, head_dim] in query's dtype.
+  """
+  _validate_qkv(query, key, value)
+  b, t, n, h = query.shape
+  s = key.shape[1]
+  target = (b, n, t, s)
+  mask = _validate_broadcast("mask", mask, target)
+  bias = _validate_broadcast("bias", bias, target)
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"dot_product_attention: implementation must be None or one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  scale = h ** -0.5 if scale is None else scale
+  facts = dict(dtype=query.dtype, head_dim=h, q_len=t, kv_len=s, has_mask=mask is not None,
+               has_bias=bias is not None, is_causal=bool(is_causal))
+  if implementation is None:
+    implementation = select_implementation(backend=jax.default_backend(), **facts)
+  if implementation == "cudnn":
+    reason = cudnn_unsupported_reason(backend=jax.default_backend(), **facts)
+    if reason is not None:
+      raise ValueError(f"dot_product_attention: implementation='cudnn' {reason}")
+    return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=scale, is_causal=bool(is_causal),
+                                        implementation="cudnn")
+  return blocked_attention.blocked_attention(
+      query, key, value, mask=mask, bias=bias, query_offset=_causal_offsets(b, t, s),
+      is_causal=bool(is_causal), scale=scale, blocking=choose_blocking(implementation, t, s))
 
 
 def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scale=None):
-  """Softmax probabilities [batch, heads, q_len, kv_len] in float32; fully masked rows are zero."""
+  """Softmax probabilities [batch, heads, q_len, kv_len] in float32 (dense; for plots and probes).
+
+  Rows whose keys are all masked are zero. Arguments as in `dot_product_attention`.
+  """
+  _validate_qkv(query, key, key)
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
+  mask = _validate_broadcast("mask", mask, (b, n, t, s))
+  bias = _validate_broadcast("bias", bias, (b, n, t, s))
   scale = h ** -0.5 if scale is None else scale
-  q = query.reshape(b, t, k, n // k, h)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=jnp.float32) * scale
+  grouped_query = query.reshape(b, t, k, n // k, h)
+  scores = jnp.einsum("btkgh,bskh->bkgts", grouped_query, key, preferred_element_type=jnp.float32) * scale
   scores = scores.reshape(b, n, t, s)
   if bias is not None:
     scores = scores + bias.astype(jnp.float32)
   if is_causal:
     mask = masks_lib.combine_masks(mask, masks_lib.causal_mask(t, s))
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, scores.shape)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1)
-  if mask is not None:
-    # A query that may see no key gets zero weight everywhere (zero output, finite gradient).
-    weights = jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0)
-  return weights
-
-
-def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False, scale=None,
-                          implementation=None):
-  """softmax(q k^T * scale + bias, masked) v. Shapes as jax.nn.dot_product_attention."""
-  _validate(query, key, value)
-  b, t, n, h = query.shape
-  k = key.shape[2]
-  weights = attention_weights(query, key, bias=bias, mask=mask, is_causal=is_causal, scale=scale)
-  weights = weights.reshape(b, k, n // k, t, -1).astype(value.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", weights, value)
-  return out.reshape(b, t, n, h)
+  if mask is None:
+    return jax.nn.softmax(scores, axis=-1)
+  scores = jnp.where(mask, scores, -jnp.inf)
+  # A query that may see no key gets zero weight everywhere (zero output, finite gradient).
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+  return weights / jnp.where(row_sum > 0, row_sum, 1.0)

@@ -1,0 +1,280 @@
+"""Attention computed block by block, with a custom VJP that recomputes blocks in the backward.
+
+The work is cut into units (one batch element and one kv head, with the `groups` query heads that
+share it) and, inside a unit, into query blocks and key blocks. Only one block of scores
+[groups, block_q, block_k] exists at a time, so it stays in cache, and the memory of forward and
+backward is linear in the sequence length (flash-attention style: the forward keeps only the
+output and the log-sum-exp of every query row; the backward recomputes the probabilities).
+
+With `block_k >= kv_len` the softmax over keys is done in one pass (the dense "xla" path); with a
+smaller `block_k` an online softmax runs over the key blocks (the "chunked" path).
+
+Masks never need to be materialized at [q, kv]: causal masking is built inside each block from
+positions (query i sits at `query_offset[b] + i`, key j at j), and a boolean mask or bias keeps its
+own broadcast shape, so only the block it covers is sliced out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+  """Static work split. items_per_step > 1 vectorizes that many (unit, query block) items."""
+  block_q: int
+  block_k: int
+  items_per_step: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  blocking: Blocking
+  is_causal: bool
+  scale: float
+  q_len: int  # unpadded lengths; keys at positions >= kv_len are padding added here
+  kv_len: int
+  kv_heads: int
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+  if x is None or x.shape[axis] in (1, size):
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _unit_slice(x, batch_index, head_index):
+  """x [B', K', G', T', S'] (B', K' each 1 or full) -> [G', T', S'] for one unit."""
+  if x is None:
+    return None
+  x = x[batch_index] if x.shape[0] > 1 else x[0]
+  return x[head_index] if x.shape[0] > 1 else x[0]
+
+
+def _block_slice(x, q_start, k_start, block_q, block_k):
+  """x [G', T', S'] -> [G', block_q | 1, block_k | 1]: the part a score block sees."""
+  if x is None:
+    return None
+  if x.shape[1] > 1:
+    x = lax.dynamic_slice_in_dim(x, q_start, block_q, axis=1)
+  if x.shape[2] > 1:
+    x = lax.dynamic_slice_in_dim(x, k_start, block_k, axis=2)
+  return x
+
+
+def _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Static):
+  """Masked scaled scores [groups, block_q, block_k] in float32 (-inf where masked)."""
+  bq, bk = st.blocking.block_q, st.blocking.block_k
+  s = jnp.einsum("gqh,kh->gqk", q_blk, k_blk, preferred_element_type=jnp.float32) * st.scale
+  bias_blk = _block_slice(bias_u, q_start, k_start, bq, bk)
+  if bias_blk is not None:
+    s = s + bias_blk.astype(jnp.float32)
+  key_positions = k_start + jnp.arange(bk)  # [block_k]
+  valid = None
+  if st.kv_len % bk:
+    valid = key_positions < st.kv_len  # padding keys added to fill the last block
+  if st.is_causal:
+    query_positions = offset_u + q_start + jnp.arange(bq)  # [block_q]
+    causal = key_positions[None, :] <= query_positions[:, None]
+    valid = causal if valid is None else valid & causal
+  mask_blk = _block_slice(mask_u, q_start, k_start, bq, bk)
+  if mask_blk is not None:
+    valid = mask_blk if valid is None else valid & mask_blk
+  if valid is not None:
+    s = jnp.where(valid, s, -jnp.inf)
+  return s
+
+
+def _key_blocks_needed(offset_u, q_start, st: _Static, num_key_blocks: int):
+  """Number of leading key blocks a query block can see (causal skips blocks above the diagonal)."""
+  if not st.is_causal:
+    return num_key_blocks
+  last_key = offset_u + q_start + st.blocking.block_q - 1
+  return jnp.clip(last_key // st.blocking.block_k + 1, 0, num_key_blocks)
+
+
+def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st: _Static):
+  """One (unit, query block): out [groups, block_q, head_dim], lse [groups, block_q]."""
+  bq, bk = st.blocking.block_q, st.blocking.block_k
+  batch_index, head_index = unit // st.kv_heads, unit % st.kv_heads
+  k_u, v_u = key[unit], value[unit]  # [kv_len_padded, head_dim]
+  mask_u = _unit_slice(mask, batch_index, head_index)
+  bias_u = _unit_slice(bias, batch_index, head_index)
+  offset_u = query_offset[batch_index]
+  q_start = q_index * bq
+  num_key_blocks = k_u.shape[0] // bk
+  g = q_blk.shape[0]
+
+  def step(kb, carry):
+    row_max, row_sum, acc = carry
+    k_start = kb * bk
+    k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
+    v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
+    s = _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
+    new_max = jnp.maximum(row_max, s.max(axis=-1))
+    # A row with no visible key so far keeps max -inf; use 0 so exp() gives 0, not NaN.
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    p = jnp.exp(s - safe_max[..., None])  # [groups, block_q, block_k]
+    rescale = jnp.exp(row_max - safe_max)
+    row_sum = row_sum * rescale + p.sum(axis=-1)
+    pv = jnp.einsum("gqk,kh->gqh", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    return new_max, row_sum, acc * rescale[..., None] + pv
+
+  init = (jnp.full((g, bq), -jnp.inf, jnp.float32), jnp.zeros((g, bq), jnp.float32),
+          jnp.zeros((g, bq, value.shape[-1]), jnp.float32))
+  if num_key_blocks == 1:
+    row_max, row_sum, acc = step(0, init)
+  else:
+    row_max, row_sum, acc = lax.fori_loop(
+        0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
+  seen = row_sum > 0
+  # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
+  out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
+  lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(row_sum), jnp.inf)
+  return out.astype(q_blk.dtype), lse
+
+
+def _forward(q_items, key, value, mask, bias, query_offset, st: _Static):
+  """q_items [units * num_q_blocks, groups, block_q, head_dim] -> (out like q_items, lse)."""
+  num_items = q_items.shape[0]
+  num_q_blocks = num_items // key.shape[0]
+  items = jnp.arange(num_items)
+  fn = functools.partial(_forward_item, key=key, value=value, mask=mask, bias=bias,
+                         query_offset=query_offset, st=st)
+  return lax.map(lambda xs: fn(xs[0], xs[1] // num_q_blocks, xs[1] % num_q_blocks),
+                 (q_items, items), batch_size=st.blocking.items_per_step if st.blocking.items_per_step > 1 else None)
+
+
+def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, query_offset, st):
+  """Gradients of one unit: dq [num_q_blocks, groups, block_q, h], dk, dv [kv_len_padded, h], dbias."""
+  bq, bk = st.blocking.block_q, st.blocking.block_k
+  batch_index, head_index = unit // st.kv_heads, unit % st.kv_heads
+  k_u, v_u = key[unit], value[unit]
+  mask_u = _unit_slice(mask, batch_index, head_index)
+  bias_u = _unit_slice(bias, batch_index, head_index)
+  offset_u = query_offset[batch_index]
+  num_key_blocks = k_u.shape[0] // bk
+
+  def key_step(kb, carry, q_blk, do_blk, lse_blk, delta_blk, q_start):
+    dq_blk, dk, dv, dbias = carry
+    k_start = kb * bk
+    k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
+    v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
+    s = _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
+    p = jnp.exp(s - lse_blk[..., None])  # [groups, block_q, block_k]
+    dv_blk = jnp.einsum("gqk,gqh->kh", p.astype(do_blk.dtype), do_blk, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("gqh,kh->gqk", do_blk, v_blk, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_blk[..., None])  # d loss / d scores, before the scale
+    ds_in = ds.astype(q_blk.dtype)
+    dq_blk = dq_blk + jnp.einsum("gqk,kh->gqh", ds_in, k_blk, preferred_element_type=jnp.float32)
+    dk_blk = jnp.einsum("gqk,gqh->kh", ds_in, q_blk, preferred_element_type=jnp.float32)
+    dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, k_start, bk) + dk_blk, k_start, 0)
+    dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, k_start, bk) + dv_blk, k_start, 0)
+    if dbias is not None:
+      # Sum ds over the axes the bias broadcasts along, then add into the bias's own block.
+      g_, t_, s_ = dbias.shape
+      part = ds.sum(axis=tuple(a for a, n in enumerate((g_, t_, s_)) if n == 1), keepdims=True)
+      starts = (0, q_start if t_ > 1 else 0, k_start if s_ > 1 else 0)
+      dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, part.shape) + part, starts)
+    return dq_blk, dk, dv, dbias
+
+  def query_step(qi, carry):
+    dq, dk, dv, dbias = carry
+    q_start = qi * bq
+    q_blk, do_blk, lse_blk, delta_blk = q_u[qi], o_grad_u[qi], lse_u[qi], delta_u[qi]
+    step = functools.partial(key_step, q_blk=q_blk, do_blk=do_blk, lse_blk=lse_blk,
+                             delta_blk=delta_blk, q_start=q_start)
+    init = (jnp.zeros(q_blk.shape, jnp.float32), dk, dv, dbias)
+    if num_key_blocks == 1:
+      dq_blk, dk, dv, dbias = step(0, init)
+    else:
+      dq_blk, dk, dv, dbias = lax.fori_loop(
+          0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
+    return dq.at[qi].set(dq_blk), dk, dv, dbias
+
+  dbias0 = None if bias_u is None else jnp.zeros(bias_u.shape, jnp.float32)
+  init = (jnp.zeros(q_u.shape, jnp.float32), jnp.zeros(k_u.shape, jnp.float32),
+          jnp.zeros(v_u.shape, jnp.float32), dbias0)
+  if q_u.shape[0] == 1:
+    dq, dk, dv, dbias = query_step(0, init)
+  else:
+    dq, dk, dv, dbias = lax.fori_loop(0, q_u.shape[0], query_step, init)
+  return dq * st.scale, dk * st.scale, dv, dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q_items, key, value, mask, bias, query_offset, st):
+  return _forward(q_items, key, value, mask, bias, query_offset, st)[0]
+
+
+def _attention_fwd(q_items, key, value, mask, bias, query_offset, st):
+  out, lse = _forward(q_items, key, value, mask, bias, query_offset, st)
+  return out, (q_items, key, value, mask, bias, query_offset, out, lse)
+
+
+def _attention_bwd(st, residuals, o_grad):
+  q_items, key, value, mask, bias, query_offset, out, lse = residuals
+  units = key.shape[0]
+  per_unit = lambda x: x.reshape(units, -1, *x.shape[1:])  # [units, num_q_blocks, ...]
+  delta = jnp.einsum("igqh,igqh->igq", o_grad.astype(jnp.float32), out.astype(jnp.float32))
+  fn = functools.partial(_backward_unit, key=key, value=value, mask=mask, bias=bias,
+                         query_offset=query_offset, st=st)
+  dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), (per_unit(q_items), per_unit(o_grad), per_unit(lse),
+                                                   per_unit(delta), jnp.arange(units)))
+  if bias is not None:
+    # dbias per unit [batch * kv_heads, G', T', S'] -> the bias's broadcast shape [B', K', G', T', S'].
+    dbias = dbias.reshape(-1, st.kv_heads, *dbias.shape[1:])
+    dbias = dbias.sum(axis=tuple(a for a in (0, 1) if bias.shape[a] == 1), keepdims=True).astype(bias.dtype)
+  return (dq.reshape(q_items.shape).astype(q_items.dtype), dk.astype(key.dtype), dv.astype(value.dtype),
+          None, dbias, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal: bool, scale: float,
+                      blocking: Blocking):
+  """Attention over blocks; shapes as `dot_product_attention` (inputs already validated).
+
+  Args:
+    query: [batch, q_len, heads, head_dim]; key, value: [batch, kv_len, kv_heads, head_dim].
+    mask: None or bool [B', heads | 1, T', S'] with B' in {1, batch}, T' in {1, q_len}, S' in {1, kv_len}.
+    bias: None or float, shaped like mask.
+    query_offset: int [batch], absolute position of query 0 (used when is_causal).
+  Returns:
+    [batch, q_len, heads, head_dim] in query's dtype.
+  """
+  b, t, n, h = query.shape
+  s, kv_heads = key.shape[1], key.shape[2]
+  groups = n // kv_heads
+  bq = min(blocking.block_q, t)
+  bk = min(blocking.block_k, s)
+  t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
+  blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
+  st = _Static(blocking=blocking, is_causal=is_causal, scale=float(scale), q_len=t, kv_len=s,
+               kv_heads=kv_heads)
+
+  def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
+    if x is None:
+      return None
+    x = x.reshape(x.shape[0], kv_heads, groups, *x.shape[2:]) if x.shape[1] > 1 else x[:, :, None]
+    return _pad_axis(_pad_axis(x, 3, t_pad, pad_value), 4, s_pad, pad_value)
+
+  query = _pad_axis(query, 1, t_pad)
+  key, value = _pad_axis(key, 1, s_pad), _pad_axis(value, 1, s_pad)
+  # [b, t, (k g), h] -> items [(b k nq), g, bq, h]; keys [b, s, k, h] -> [(b k), s, h]
+  q_items = query.reshape(b, t_pad // bq, bq, kv_heads, groups, h).transpose(0, 3, 1, 4, 2, 5)
+  q_items = q_items.reshape(-1, groups, bq, h)
+  key_units = key.transpose(0, 2, 1, 3).reshape(b * kv_heads, s_pad, h)
+  value_units = value.transpose(0, 2, 1, 3).reshape(b * kv_heads, s_pad, h)
+  out = _attention(q_items, key_units, value_units, five_d(mask, False), five_d(bias, 0.0),
+                   query_offset, st)
+  out = out.reshape(b, kv_heads, t_pad // bq, groups, bq, h).transpose(0, 2, 4, 1, 3, 5)
+  return out.reshape(b, t_pad, n, h)[:, :t]
