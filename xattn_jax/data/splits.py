@@ -1,0 +1,43 @@
+"""Deterministic train / eval membership from a stable hash of a key.
+
+A key's side of the split depends only on (seed, key), not on which other keys exist, so
+widening a date range or appending lines to a corpus never moves an old example across the
+split, and identical keys (the same date in every format, a repeated source sentence) always
+land on the same side.
+"""
+from __future__ import annotations
+
+import hashlib
+
+
+def stable_unit_interval(key: str, seed: int) -> float:
+  """A number in [0, 1) fixed by (seed, key) across runs, processes and Python versions.
+
+  Python's built-in ``hash`` is salted per process, so it cannot be used here.
+  """
+  digest = hashlib.blake2b(f"{seed}\x00{key}".encode("utf-8"), digest_size=8).digest()
+  return int.from_bytes(digest, "big") / 2.0**64
+
+
+def check_eval_fraction(eval_fraction: float) -> None:
+  """Raises ValueError unless 0 <= eval_fraction < 1."""
+  if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0.0 <= eval_fraction < 1.0:
+    raise ValueError(f"eval_fraction must be a number in [0, 1), got {eval_fraction!r}")
+
+
+def is_eval_key(key: str, *, seed: int, eval_fraction: float) -> bool:
+  """True if ``key`` belongs to the eval side of the split (about ``eval_fraction`` of all keys)."""
+  return stable_unit_interval(key, seed) < eval_fraction
+
+
+def split_by_key(items, key_fn, *, seed: int = 0, eval_fraction: float = 0.05):
+  """Splits ``items`` into (train, eval) lists, keeping the input order within each side.
+
+  Every item with the same ``key_fn(item)`` goes to the same side, so an eval key is never seen
+  in training.
+  """
+  check_eval_fraction(eval_fraction)
+  train, evaluation = [], []
+  for item in items:
+    (evaluation if is_eval_key(key_fn(item), seed=seed, eval_fraction=eval_fraction) else train).append(item)
+  return train, evaluation
