@@ -1,0 +1,76 @@
+"""Parallel TSV corpora: good files read exactly, every malformed file is refused with file and line."""
+import pytest
+
+from xattn_jax.data import splits
+from xattn_jax.data.tsv import CorpusFormatError, read_parallel_tsv
+
+
+def write(tmp_path, data: bytes, name="corpus.tsv"):
+  path = tmp_path / name
+  path.write_bytes(data)
+  return path
+
+
+def test_reads_pairs_in_order_and_keeps_text_exactly(tmp_path):
+  path = write(tmp_path, "Nov 29, 2026\t29 nov. 2026\n 2 spaces  \t日本語 \u202f.\n".encode())
+  assert read_parallel_tsv(path) == [("Nov 29, 2026", "29 nov. 2026"), (" 2 spaces  ", "日本語 \u202f.")]
+
+
+def test_crlf_bom_and_trailing_blank_lines_are_accepted(tmp_path):
+  path = write(tmp_path, b"\xef\xbb\xbfa\tb\r\nc\td\r\n\r\n  \n\n")
+  assert read_parallel_tsv(path) == [("a", "b"), ("c", "d")]
+
+
+def test_last_line_without_newline_is_read(tmp_path):
+  assert read_parallel_tsv(write(tmp_path, b"a\tb\nc\td")) == [("a", "b"), ("c", "d")]
+
+
+@pytest.mark.parametrize("data, line_number, problem", [
+    (b"a\tb\nno tab here\nc\td\n", 2, "no tab"),
+    (b"a\tb\nc\td\ne\tf\tg\n", 3, "2 tabs"),
+    (b"\tb\n", 1, "empty source"),
+    (b"a\tb\nc\t  \n", 2, "empty target"),
+    (b"a\tb\n\nc\td\n", 2, "blank line"),
+    (b"a\tb\nc\td\ncaf\xe9\tx\n", 3, "not valid UTF-8 at byte 4"),
+])
+def test_malformed_line_raises_with_file_and_line_number(tmp_path, data, line_number, problem):
+  path = write(tmp_path, data)
+  with pytest.raises(CorpusFormatError, match=problem) as caught:
+    read_parallel_tsv(path)
+  assert f"{path}:{line_number}: " in str(caught.value)
+  assert caught.value.line_number == line_number
+
+
+def test_every_malformed_line_is_reported_at_once(tmp_path):
+  path = write(tmp_path, b"x\n" * 8 + b"a\tb\n")
+  with pytest.raises(CorpusFormatError) as caught:
+    read_parallel_tsv(path)
+  assert [n for n, _ in caught.value.problems] == list(range(1, 9))
+  assert "and 3 more malformed lines" in str(caught.value)
+
+
+@pytest.mark.parametrize("data", [b"", b"\n\n", b"\r\n  \n"])
+def test_empty_file_raises_naming_it(tmp_path, data):
+  path = write(tmp_path, data)
+  with pytest.raises(CorpusFormatError, match=f"{path}: the file is empty"):
+    read_parallel_tsv(path)
+
+
+def test_missing_file_and_directory_raise_corpus_errors(tmp_path):
+  with pytest.raises(CorpusFormatError, match="missing.tsv: no such file"):
+    read_parallel_tsv(tmp_path / "missing.tsv")
+  with pytest.raises(CorpusFormatError, match="not a regular file"):
+    read_parallel_tsv(tmp_path)
+
+
+def test_corpus_error_is_a_value_error():
+  assert issubclass(CorpusFormatError, ValueError)
+
+
+def test_split_by_key_keeps_equal_keys_together_and_is_deterministic():
+  items = [(f"sentence {i % 50}", f"target {i}") for i in range(400)]
+  train, evaluation = splits.split_by_key(items, lambda pair: pair[0], seed=3, eval_fraction=0.2)
+  assert sorted(train + evaluation) == sorted(items)
+  assert not {s for s, _ in train} & {s for s, _ in evaluation}
+  assert evaluation and (train, evaluation) == splits.split_by_key(items, lambda pair: pair[0], seed=3,
+                                                                   eval_fraction=0.2)

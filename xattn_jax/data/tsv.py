@@ -1,0 +1,94 @@
+"""A user's parallel corpus: UTF-8 lines of ``source<TAB>target``, checked before training starts.
+
+Decisions:
+  * CRLF line endings are accepted (the ``\\r`` before ``\\n`` is removed), and so is a UTF-8 byte
+    order mark at the start of the file: both are what spreadsheet exports on Windows write.
+  * Blank lines at the end of the file are ignored; a blank line anywhere else is an error, since it
+    usually means a line was split by accident.
+  * A side that is empty or only whitespace is an error. Otherwise the text is kept exactly.
+  * Every malformed line is found in one pass; the error names the file, the first few 1-based line
+    numbers and what is wrong with each, so a user can fix the file in one go.
+"""
+from __future__ import annotations
+
+import os
+
+_MAX_REPORTED_PROBLEMS = 5
+
+
+class CorpusFormatError(ValueError):
+  """A parallel corpus file is missing, empty, not UTF-8, or has malformed lines.
+
+  Attributes:
+    path: the file.
+    line_number: 1-based number of the first malformed line, or None for whole-file problems.
+    problems: ``(line_number, description)`` for every malformed line found.
+  """
+
+  def __init__(self, path, problems: list[tuple[int | None, str]]):
+    self.path = os.fspath(path)
+    self.problems = problems
+    self.line_number = problems[0][0]
+    shown = [f"{self.path}:{n}: {what}" if n is not None else f"{self.path}: {what}"
+             for n, what in problems[:_MAX_REPORTED_PROBLEMS]]
+    more = len(problems) - len(shown)
+    if more:
+      shown.append(f"... and {more} more malformed line{'s' if more > 1 else ''}")
+    super().__init__("invalid parallel corpus (expected UTF-8 'source<TAB>target' lines):\n  " + "\n  ".join(shown))
+
+
+def _line_problem(raw: bytes) -> tuple[str | None, tuple[str, str] | None]:
+  """(description of what is wrong, None) or (None, (source, target)) for one line without its newline."""
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as error:
+    return f"not valid UTF-8 at byte {error.start + 1} of the line ({raw[error.start:error.start + 4]!r})", None
+  if not text.strip():
+    return "blank line (blank lines are only allowed at the end of the file)", None
+  tabs = text.count("\t")
+  if tabs == 0:
+    return "no tab: expected 'source<TAB>target'", None
+  if tabs > 1:
+    return f"{tabs} tabs: expected exactly one, between source and target", None
+  source, target = text.split("\t")
+  for side, value in (("source", source), ("target", target)):
+    if not value.strip():
+      return f"empty {side}", None
+  return None, (source, target)
+
+
+def read_parallel_tsv(path) -> list[tuple[str, str]]:
+  """Reads ``source<TAB>target`` lines into a list of (source, target) string pairs, in file order.
+
+  Raises:
+    CorpusFormatError (a ValueError): the file is missing, not a regular file, empty, or has a
+      malformed line (not UTF-8, blank, no tab, more than one tab, an empty side); the message names
+      the file and the 1-based line numbers.
+  """
+  if not isinstance(path, (str, os.PathLike)):
+    raise ValueError(f"path must be a str or os.PathLike naming a TSV file, got {type(path).__name__} {path!r}")
+  if not os.path.exists(path):
+    raise CorpusFormatError(path, [(None, "no such file")])
+  if not os.path.isfile(path):
+    raise CorpusFormatError(path, [(None, "not a regular file")])
+  with open(path, "rb") as f:
+    data = f.read()
+  if data.startswith(b"\xef\xbb\xbf"):
+    data = data[3:]
+  lines = data.split(b"\n")
+  lines = [line[:-1] if line.endswith(b"\r") else line for line in lines]
+  while lines and not lines[-1].strip():
+    lines.pop()
+  if not lines:
+    raise CorpusFormatError(path, [(None, "the file is empty (no 'source<TAB>target' lines)")])
+
+  pairs, problems = [], []
+  for line_number, raw in enumerate(lines, start=1):
+    problem, pair = _line_problem(raw)
+    if problem is not None:
+      problems.append((line_number, problem))
+    else:
+      pairs.append(pair)
+  if problems:
+    raise CorpusFormatError(path, problems)
+  return pairs
