@@ -1,0 +1,209 @@
+"""Greedy and beam search over explicit caches, checked on tiny hand-made models."""
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from xattn_jax import decoding
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB, DIM, BATCH, MAX_LEN = 7, 8, 3, 6
+
+
+def _sum_model(params):
+  """A tiny causal model whose state is a per-example source vector plus the running sum of
+  token embeddings (a stand-in for an encoder memory and a self-attention cache).
+
+  full(prefix [b, t]) -> logits [b, t, vocab] recomputes everything from the prefix;
+  step(tokens [b, 1], cache) -> (logits [b, 1, vocab], cache) keeps the sum and the position in
+  the cache (the position as a scalar, a leaf with no batch axis, as a real fill index).
+  EOS grows likelier with position so that sequences end at different steps; PAD and BOS are
+  never predicted.
+  """
+  embed, out, sources = params
+  never = jnp.zeros(VOCAB).at[PAD].set(-1e9).at[BOS].set(-1e9)
+
+  def logits_at(state, position):
+    eos_bias = (1.5 * position - 3.0) * jax.nn.one_hot(EOS, VOCAB)
+    return jnp.tanh(state) @ out + eos_bias + never
+
+  def full(prefix, sources=sources):
+    states = sources[:, None] + jnp.cumsum(embed[prefix], axis=1)  # -> [b, t, dim]
+    return logits_at(states, jnp.arange(prefix.shape[1])[None, :, None] + 0.0)
+
+  def step(tokens, cache):
+    state, position = cache
+    state = state + embed[tokens[:, 0]]
+    return logits_at(state, position + 0.0)[:, None], (state, position + 1)
+
+  return full, step
+
+
+def _random_params(seed):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(k1, (VOCAB, DIM)), 2.0 * jax.random.normal(k2, (DIM, VOCAB)),
+          jax.random.normal(k3, (BATCH, DIM)))
+
+
+def _first_cache(params):
+  return params[2], jnp.int32(0)
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size", "alpha"))
+def _greedy_and_beam(params, beam_size, alpha):
+  _, step = _sum_model(params)
+  greedy = decoding.greedy_search(step, _first_cache(params), batch_size=BATCH, max_length=MAX_LEN,
+                                  bos_id=BOS, eos_id=EOS)
+  beam = decoding.beam_search(step, _first_cache(params), batch_size=BATCH, beam_size=beam_size,
+                              max_length=MAX_LEN, bos_id=BOS, eos_id=EOS, alpha=alpha)
+  return greedy, beam
+
+
+def _sequence_log_prob(full, tokens, **full_kwargs):
+  """Log-probability of generated tokens [b, L] (up to and including EOS) by the full model."""
+  prefix = np.concatenate([np.full((tokens.shape[0], 1), BOS), tokens[:, :-1]], axis=1)
+  log_probs = np.asarray(jax.nn.log_softmax(full(jnp.asarray(prefix), **full_kwargs)))  # [b, L, vocab]
+  picked = np.take_along_axis(log_probs, tokens[:, :, None], axis=-1)[:, :, 0]
+  ended_before = np.cumsum(tokens == EOS, axis=1) - (tokens == EOS)
+  return np.where(ended_before > 0, 0.0, picked).sum(axis=1)
+
+
+def test_cached_greedy_equals_argmax_of_full_model_on_growing_prefix():
+  params = _random_params(0)
+  full, _ = _sum_model(params)
+  greedy, _ = _greedy_and_beam(params, 1, 0.0)
+  prefix = np.full((BATCH, 1), BOS)
+  finished = np.zeros(BATCH, bool)
+  for t in range(MAX_LEN):
+    choice = np.asarray(jnp.argmax(full(jnp.asarray(prefix))[:, -1], axis=-1))
+    choice = np.where(finished, PAD, choice)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens[:, t]), choice, err_msg=f"step {t}")
+    finished |= choice == EOS
+    prefix = np.concatenate([prefix, choice[:, None]], axis=1)
+  assert finished.any() and not finished.all(), "the model should finish some sequences, not all"
+
+
+def test_greedy_score_is_log_probability_of_its_tokens():
+  params = _random_params(1)
+  full, _ = _sum_model(params)
+  greedy, _ = _greedy_and_beam(params, 1, 0.0)
+  tokens = np.asarray(greedy.tokens)
+  np.testing.assert_allclose(np.asarray(greedy.scores), _sequence_log_prob(full, tokens), rtol=1e-5)
+
+
+def test_greedy_pads_after_eos():
+  greedy, _ = _greedy_and_beam(_random_params(2), 1, 0.0)
+  tokens = np.asarray(greedy.tokens)
+  after_eos = np.cumsum(tokens == EOS, axis=1) - (tokens == EOS) > 0
+  assert after_eos.any()
+  assert (tokens[after_eos] == PAD).all()
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_beam_size_one_equals_greedy(seed):
+  greedy, beam = _greedy_and_beam(_random_params(seed), 1, 0.0)
+  np.testing.assert_array_equal(np.asarray(beam.tokens[:, 0]), np.asarray(greedy.tokens))
+  np.testing.assert_allclose(np.asarray(beam.scores[:, 0]), np.asarray(greedy.scores), rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed, alpha", [(0, 0.0), (1, 0.6)])
+def test_beam_scores_match_full_model_rescoring(seed, alpha):
+  """Each returned beam's score is its full-model log-probability over its length penalty,
+  which holds only if the cache rows followed their parent beams."""
+  params = _random_params(seed)
+  full, _ = _sum_model(params)
+  _, beam = _greedy_and_beam(params, 3, alpha)
+  tokens = np.asarray(beam.tokens).reshape(BATCH * 3, MAX_LEN)
+  ended = (tokens == EOS).any(axis=1)
+  lengths = np.where(ended, np.argmax(tokens == EOS, axis=1) + 1, MAX_LEN)
+  expected = _sequence_log_prob(full, tokens, sources=jnp.repeat(params[2], 3, axis=0)) / ((5.0 + lengths) / 6.0) ** alpha
+  np.testing.assert_allclose(np.asarray(beam.scores).reshape(-1), expected, rtol=1e-4)
+  finished_first = np.sort(~ended.reshape(BATCH, 3), axis=1) == ~ended.reshape(BATCH, 3)
+  assert finished_first.all(), "finished hypotheses must come before unfinished ones"
+
+
+def _markov_step(table):
+  """Next-token logits depend only on the last token: table [vocab, vocab] of probabilities."""
+  log_table = jnp.log(jnp.asarray(table) + 1e-9)
+
+  def step(tokens, cache):
+    return log_table[tokens[:, 0]][:, None], cache + 1
+
+  return step
+
+
+# Vocabulary: 0 pad, 1 BOS, 2 EOS, 3 "A", 4 "B". Greedy takes A (0.6) and then ends (0.36):
+# 0.216 in all; B (0.4) then EOS (0.9) is 0.36, the best sequence, which beam search must find.
+_TRAP = np.array([
+    [1.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.6, 0.4],
+    [1.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.36, 0.32, 0.32],
+    [0.0, 0.0, 0.9, 0.05, 0.05],
+])
+
+
+def _best_sequence_by_enumeration(table, max_length):
+  best, best_p = None, -1.0
+  for length in range(1, max_length + 1):
+    for body in itertools.product([3, 4], repeat=length - 1):
+      seq = (BOS,) + body + (EOS,)
+      p = np.prod([table[a, b] for a, b in zip(seq[:-1], seq[1:])])
+      if p > best_p:
+        best, best_p = seq[1:], p
+  return best, best_p
+
+
+def test_beam_search_finds_best_sequence_where_greedy_does_not():
+  step = _markov_step(_TRAP)
+  run = jax.jit(lambda: (
+      decoding.greedy_search(step, jnp.zeros(1), batch_size=1, max_length=4, bos_id=BOS, eos_id=EOS),
+      decoding.beam_search(step, jnp.zeros(1), batch_size=1, beam_size=2, max_length=4, bos_id=BOS,
+                           eos_id=EOS, alpha=0.0)))
+  greedy, beam = run()
+  best, best_p = _best_sequence_by_enumeration(_TRAP, 4)
+  assert best == (4, EOS)
+  assert tuple(np.asarray(greedy.tokens[0, :2])) == (3, EOS)
+  assert tuple(np.asarray(beam.tokens[0, 0, :2])) == best
+  np.testing.assert_allclose(float(beam.scores[0, 0]), np.log(best_p), rtol=1e-5)
+
+
+def test_beam_search_jits_once_for_repeated_calls():
+  calls = chex.assert_max_traces(n=1)(
+      lambda table: decoding.beam_search(_markov_step(table), jnp.zeros(2), batch_size=2, beam_size=2,
+                                         max_length=4, bos_id=BOS, eos_id=EOS))
+  jitted = jax.jit(calls)
+  jitted(jnp.asarray(_TRAP))
+  jitted(jnp.asarray(_TRAP) * 0.5)
+
+
+def test_expand_beams_skips_leaves_without_batch_axis():
+  cache = {"keys": jnp.arange(6.0).reshape(2, 3), "index": jnp.int32(4)}
+  expanded = decoding.expand_beams(cache, 2)
+  chex.assert_shape(expanded["keys"], (4, 3))
+  np.testing.assert_array_equal(np.asarray(expanded["keys"][1]), np.asarray(cache["keys"][0]))
+  assert expanded["index"].shape == ()
+
+
+@pytest.mark.parametrize("argument, kwargs", [
+    ("beam_size", dict(beam_size=0)),
+    ("max_length", dict(max_length=0)),
+    ("alpha", dict(alpha=-1.0)),
+])
+def test_beam_search_rejects_bad_arguments(argument, kwargs):
+  args = dict(batch_size=1, beam_size=2, max_length=4, bos_id=BOS, eos_id=EOS)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=argument):
+    decoding.beam_search(_markov_step(_TRAP), jnp.zeros(1), **args)
+
+
+def test_decode_step_with_wrong_logits_shape_is_rejected():
+  bad_step = lambda tokens, cache: (jnp.zeros((tokens.shape[0], VOCAB)), cache)
+  with pytest.raises(ValueError, match=r"logits \[2, 1, vocab\]"):
+    decoding.greedy_search(bad_step, None, batch_size=2, max_length=3, bos_id=BOS, eos_id=EOS)

@@ -1,0 +1,195 @@
+"""Greedy and beam search over an explicit decoder cache, jitted with `lax.while_loop`.
+
+Both searches drive an abstract step function
+
+    decode_step(tokens: int32[batch, 1], cache) -> (logits: float[batch, 1, vocab], cache)
+
+that consumes one target token per sequence and returns the next-token logits and the advanced
+cache. The cache is any pytree: for the translator it holds, per decoder layer, the growing
+self-attention keys/values and the cross-attention keys/values projected once from the encoder
+memory, so no step ever recomputes the memory's projections.
+
+Beam search keeps `beam_size` live hypotheses per example in a flattened `[batch * beams]` batch
+(example-major: row `b * beams + k` is beam k of example b). After each step it reorders the cache
+rows by the chosen parent beams. Cache leaves are gathered along `cache_batch_axis`; leaves with
+no such axis (a scalar fill index, or one stacked per layer) are shared by all rows and pass through.
+
+Sequences: `tokens[:, t]` is the token generated at step t (the BOS fed first is not included);
+after EOS every position holds `pad_id`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DecodeStep = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+# Large negative score for impossible hypotheses: finite so that arithmetic on it stays finite.
+NEG_INF = -1.0e7
+
+
+class GreedyOutput(NamedTuple):
+  tokens: jax.Array  # int32[batch, max_length]
+  scores: jax.Array  # float32[batch]: sum of the chosen tokens' log-probabilities
+
+
+class BeamOutput(NamedTuple):
+  tokens: jax.Array  # int32[batch, beams, max_length], best beam first
+  scores: jax.Array  # float32[batch, beams]: length-penalised log-probabilities, descending
+
+
+def _check_common(batch_size, max_length, bos_id, eos_id):
+  for name, value, low in (("batch_size", batch_size, 1), ("max_length", max_length, 1),
+                           ("bos_id", bos_id, 0), ("eos_id", eos_id, 0)):
+    if not isinstance(value, int) or value < low:
+      raise ValueError(f"decoding: {name} must be an int >= {low}, got {value!r}")
+
+
+def _next_logits(decode_step, tokens, cache, expected_rows):
+  """Runs one step on tokens [rows] and returns float32 logits [rows, vocab] and the new cache."""
+  logits, cache = decode_step(tokens[:, None], cache)
+  if logits.ndim != 3 or logits.shape[:2] != (expected_rows, 1):
+    raise ValueError(f"decoding: decode_step must return logits [{expected_rows}, 1, vocab], "
+                     f"got logits{list(logits.shape)}")
+  return logits[:, 0].astype(jnp.float32), cache
+
+
+def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
+                  eos_id: int, pad_id: int = 0) -> GreedyOutput:
+  """Picks the most likely token at every step until each sequence emits EOS or max_length.
+
+  The loop stops early once every sequence has finished. Call inside `jax.jit` (the loop is a
+  `lax.while_loop`; `decode_step` is traced once).
+  """
+  _check_common(batch_size, max_length, bos_id, eos_id)
+
+  def cond(state):
+    step, _, _, _, finished, _ = state
+    return jnp.logical_and(step < max_length, jnp.logical_not(jnp.all(finished)))
+
+  def body(state):
+    step, last, tokens, scores, finished, cache = state
+    logits, cache = _next_logits(decode_step, last, cache, batch_size)  # -> [batch, vocab]
+    log_probs = jax.nn.log_softmax(logits)
+    choice = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)  # -> [batch]
+    chosen = jnp.take_along_axis(log_probs, choice[:, None], axis=-1)[:, 0]
+    # A finished sequence keeps emitting padding and its score stops changing.
+    choice = jnp.where(finished, pad_id, choice)
+    scores = scores + jnp.where(finished, 0.0, chosen)
+    tokens = lax.dynamic_update_slice(tokens, choice[:, None], (0, step))
+    finished = finished | (choice == eos_id)
+    return step + 1, choice, tokens, scores, finished, cache
+
+  state = (jnp.int32(0), jnp.full((batch_size,), bos_id, jnp.int32),
+           jnp.full((batch_size, max_length), pad_id, jnp.int32), jnp.zeros((batch_size,), jnp.float32),
+           jnp.zeros((batch_size,), bool), cache)
+  _, _, tokens, scores, _, _ = lax.while_loop(cond, body, state)
+  return GreedyOutput(tokens, scores)
+
+
+def length_penalty(length, alpha: float):
+  """GNMT length normalisation ((5 + length) / 6) ** alpha (Wu et al., 2016); 1 when alpha = 0."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def _map_rows(fn, cache, axis: int):
+  """Applies fn(leaf, axis) to the cache leaves that have a batch axis; others pass through."""
+  return jax.tree.map(lambda x: fn(x, axis) if jnp.ndim(x) > axis else x, cache)
+
+
+def expand_beams(cache, beam_size: int, *, cache_batch_axis: int = 0):
+  """Repeats each example's cache rows beam_size times: [..., batch, ...] -> [..., batch * beams, ...]."""
+  return _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, cache_batch_axis)
+
+
+def _gather_beams(tree, parent, batch_size, beam_size, axis):
+  """Selects rows of a flattened [batch * beams] tree by parent beam indices parent [batch, beams]."""
+  rows = (jnp.arange(batch_size)[:, None] * beam_size + parent).reshape(-1)  # -> [batch * beams]
+  return _map_rows(lambda x, ax: jnp.take(x, rows, axis=ax), tree, axis)
+
+
+def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: int, max_length: int,
+                bos_id: int, eos_id: int, pad_id: int = 0, alpha: float = 0.6,
+                cache_batch_axis: int = 0) -> BeamOutput:
+  """Beam search with GNMT length penalty and early stopping.
+
+  `cache` is the cache for `batch_size` examples (it is expanded to `batch_size * beam_size` rows
+  here, so the memory's keys/values are still projected once per example). Each step scores
+  `2 * beam_size` candidates per example. An EOS candidate becomes a finished hypothesis (score =
+  log-probability / length_penalty(length, alpha)) only when it ranks within the top `beam_size`
+  candidates, so beam_size = 1 with alpha = 0 is exactly greedy search. The remaining best
+  non-EOS candidates stay live. The loop stops at max_length, or once no live beam can still beat
+  the worst kept finished hypothesis of any example (early stop). Finished hypotheses are
+  returned first; when an example has fewer than beam_size of them, its best live beams
+  (unfinished at max_length) fill the remaining slots.
+  """
+  _check_common(batch_size, max_length, bos_id, eos_id)
+  if not isinstance(beam_size, int) or beam_size < 1:
+    raise ValueError(f"beam_search: beam_size must be an int >= 1, got {beam_size!r}")
+  if alpha < 0:
+    raise ValueError(f"beam_search: alpha (length penalty exponent) must be >= 0, got {alpha}")
+  b, k = batch_size, beam_size
+  rows = b * k
+  cache = expand_beams(cache, k, cache_batch_axis=cache_batch_axis)
+
+  def cond(state):
+    step, _, live_scores, _, finished_scores, finished_any, _ = state
+    # Log-probabilities only fall as a sequence grows; with alpha >= 0 the penalty is largest at
+    # max_length, so this bound is the best score any live beam can still reach.
+    best_live = live_scores[:, 0] / length_penalty(max_length, alpha)  # -> [batch]
+    worst_finished = jnp.where(finished_any[:, -1], finished_scores[:, -1], NEG_INF)
+    can_improve = jnp.any(best_live > worst_finished)
+    return jnp.logical_and(step < max_length, can_improve)
+
+  def body(state):
+    step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, cache = state
+    last = jnp.where(step == 0, bos_id,
+                     lax.dynamic_index_in_dim(live_tokens, jnp.maximum(step - 1, 0), axis=2, keepdims=False))
+    logits, cache = _next_logits(decode_step, last.reshape(rows), cache, rows)  # -> [batch * beams, vocab]
+    vocab = logits.shape[-1]
+    log_probs = jax.nn.log_softmax(logits).reshape(b, k, vocab)
+    candidates = (live_scores[:, :, None] + log_probs).reshape(b, k * vocab)  # -> [batch, beams * vocab]
+    top_scores, top_ids = lax.top_k(candidates, 2 * k)  # -> [batch, 2 * beams]
+    parent = top_ids // vocab  # -> [batch, 2 * beams]
+    token = (top_ids % vocab).astype(jnp.int32)
+    top_tokens = jnp.take_along_axis(live_tokens, parent[:, :, None], axis=1)  # -> [batch, 2 * beams, max_length]
+    top_tokens = lax.dynamic_update_slice_in_dim(top_tokens, token[:, :, None], step, axis=2)
+    is_eos = token == eos_id
+
+    # Live: the best beam_size candidates that did not end; EOS ones are pushed to the bottom.
+    live_candidates = jnp.where(is_eos, NEG_INF, top_scores)
+    live_scores, live_rank = lax.top_k(live_candidates, k)  # -> [batch, beams]
+    live_tokens = jnp.take_along_axis(top_tokens, live_rank[:, :, None], axis=1)
+    cache = _gather_beams(cache, jnp.take_along_axis(parent, live_rank, axis=1), b, k, cache_batch_axis)
+
+    # Finished: EOS candidates within the top beam_size, merged with earlier finished hypotheses.
+    in_top_k = jnp.arange(2 * k)[None, :] < k
+    # Candidates grown from the dead initial beams (only when vocab < 2 * beams) never finish.
+    new_finished = is_eos & in_top_k & (top_scores > NEG_INF / 2)
+    new_scores = jnp.where(new_finished, top_scores / length_penalty(step + 1, alpha), NEG_INF)
+    all_scores = jnp.concatenate([finished_scores, new_scores], axis=1)  # -> [batch, 3 * beams]
+    all_tokens = jnp.concatenate([finished_tokens, top_tokens], axis=1)
+    all_any = jnp.concatenate([finished_any, new_finished], axis=1)
+    finished_scores, keep = lax.top_k(all_scores, k)  # -> [batch, beams]
+    finished_tokens = jnp.take_along_axis(all_tokens, keep[:, :, None], axis=1)
+    finished_any = jnp.take_along_axis(all_any, keep, axis=1)
+    return step + 1, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, cache
+
+  # Only beam 0 starts live, so the first step does not pick k copies of the same token.
+  live_scores = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
+  state = (jnp.int32(0), jnp.full((b, k, max_length), pad_id, jnp.int32), live_scores,
+           jnp.full((b, k, max_length), pad_id, jnp.int32), jnp.full((b, k), NEG_INF, jnp.float32),
+           jnp.zeros((b, k), bool), cache)
+  step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, _ = lax.while_loop(
+      cond, body, state)
+  # Finished hypotheses rank first; live (unfinished at max_length) ones fill the remaining slots.
+  live_scores = live_scores / length_penalty(step, alpha)
+  rank_key = jnp.concatenate([jnp.where(finished_any, finished_scores, -jnp.inf),
+                              live_scores + 2 * NEG_INF], axis=1)  # -> [batch, 2 * beams]
+  _, order = lax.top_k(rank_key, k)  # -> [batch, beams]
+  tokens = jnp.take_along_axis(jnp.concatenate([finished_tokens, live_tokens], axis=1), order[:, :, None], axis=1)
+  scores = jnp.take_along_axis(jnp.concatenate([finished_scores, live_scores], axis=1), order, axis=1)
+  return BeamOutput(tokens, scores)
