@@ -1,0 +1,120 @@
+"""Tokenizers: exact round trips, special ids, and a SentencePiece model that is reproducible and reused."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from xattn_jax.data import dates, tokenizers
+
+
+@pytest.fixture(scope="module")
+def date_text():
+  """Training and held-out date strings in English, French, German and Japanese."""
+  train, held_out = [], []
+  for locale in ("fr", "de", "ja"):
+    pairs = dates.date_pairs(locale, first_year=1995, last_year=2004, eval_fraction=0.05)
+    train += [text for pair in pairs.train for text in pair]
+    held_out += [text for pair in pairs.eval for text in pair]
+  return train, held_out
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(date_text, tmp_path_factory):
+  path = tmp_path_factory.mktemp("spm") / "dates.model"
+  return tokenizers.train_sentencepiece(date_text[0], path, vocab_size=200)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text())
+def test_byte_round_trip_of_any_unicode(text):
+  tokenizer = tokenizers.ByteTokenizer()
+  ids = tokenizer.encode(text)
+  assert tokenizer.decode(ids) == text
+  assert all(3 <= i < tokenizer.vocab_size for i in ids)
+
+
+def test_byte_decode_stops_at_eos_and_skips_pad_and_bos():
+  tokenizer = tokenizers.ByteTokenizer()
+  ids = tokenizer.encode("29 nov.")
+  assert tokenizer.decode([tokenizer.bos_id] + ids[:3] + [tokenizer.pad_id] + ids[3:] + [tokenizer.eos_id]
+                          + tokenizer.encode("junk")) == "29 nov."
+
+
+def test_byte_pieces_label_specials_ascii_and_bytes():
+  tokenizer = tokenizers.ByteTokenizer()
+  assert [tokenizer.id_to_piece(i) for i in (0, 1, 2)] == ["<pad>", "<s>", "</s>"]
+  assert [tokenizer.id_to_piece(i) for i in tokenizer.encode("a日")] == ["a", "<0xE6>", "<0x97>", "<0xA5>"]
+
+
+def test_byte_encode_rejects_what_utf8_cannot_hold():
+  with pytest.raises(ValueError, match="not encodable as UTF-8"):
+    tokenizers.ByteTokenizer().encode("lone \ud800 surrogate")
+  with pytest.raises(ValueError, match="text must be a str"):
+    tokenizers.ByteTokenizer().encode(b"bytes")
+
+
+def test_sentencepiece_round_trips_unseen_dates_in_every_locale(sentencepiece_model, date_text):
+  held_out = date_text[1]
+  assert any("年" in text for text in held_out) and any("März" in text or "Mai" in text for text in held_out)
+  for text in held_out:
+    assert sentencepiece_model.decode(sentencepiece_model.encode(text)) == text
+
+
+def test_sentencepiece_has_the_shared_special_ids(sentencepiece_model):
+  model = sentencepiece_model
+  assert (model.pad_id, model.bos_id, model.eos_id, model.vocab_size) == (0, 1, 2, 200)
+  ids = model.encode("dimanche 29 novembre 2026")
+  assert min(ids) > 2
+  assert model.decode([model.bos_id] + ids + [model.eos_id, 7, 9]) == "dimanche 29 novembre 2026"
+  assert "".join(model.id_to_piece(i) for i in ids).replace("\u2581", " ").strip() == "dimanche 29 novembre 2026"
+
+
+def test_sentencepiece_training_is_deterministic(sentencepiece_model, date_text, tmp_path):
+  again = tokenizers.train_sentencepiece(date_text[0], tmp_path / "again.model", vocab_size=200)
+  with open(sentencepiece_model.model_path, "rb") as first, open(again.model_path, "rb") as second:
+    assert first.read() == second.read()
+
+
+def test_existing_sentencepiece_model_is_reused(sentencepiece_model):
+  with open(sentencepiece_model.model_path, "rb") as f:
+    before = f.read()
+  reused = tokenizers.train_sentencepiece(["completely different text"], sentencepiece_model.model_path,
+                                          vocab_size=200)
+  with open(sentencepiece_model.model_path, "rb") as f:
+    assert f.read() == before
+  assert reused.encode("29. Mai 2000") == sentencepiece_model.encode("29. Mai 2000")
+
+
+def test_existing_model_with_another_vocab_size_raises(sentencepiece_model):
+  with pytest.raises(ValueError, match="has vocab_size 200, but vocab_size=300"):
+    tokenizers.train_sentencepiece(["x"], sentencepiece_model.model_path, vocab_size=300)
+
+
+def test_unigram_model_also_round_trips(date_text, tmp_path):
+  model = tokenizers.train_sentencepiece(date_text[0], tmp_path / "unigram.model", vocab_size=100,
+                                         model_type="unigram", max_sentences=5000)
+  assert all(model.decode(model.encode(text)) == text for text in date_text[1])
+
+
+def test_subsampled_training_still_covers_every_character(date_text, tmp_path):
+  model = tokenizers.train_sentencepiece(date_text[0], tmp_path / "few.model", vocab_size=100, max_sentences=30)
+  assert all(model.decode(model.encode(text)) == text for text in date_text[1])
+
+
+def test_vocab_smaller_than_the_alphabet_raises(date_text, tmp_path):
+  with pytest.raises(ValueError, match="vocab_size=40 cannot hold every character.*at least 64"):
+    tokenizers.train_sentencepiece(date_text[0], tmp_path / "tiny.model", vocab_size=40)
+
+
+def test_vocab_too_large_for_corpus_raises_with_the_limit(tmp_path):
+  with pytest.raises(ValueError, match=r"vocab_size=5000 is too large .* at most \d+ pieces"):
+    tokenizers.train_sentencepiece(["abc def", "def ghi"], tmp_path / "small.model", vocab_size=5000)
+  assert not (tmp_path / "small.model").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"vocab_size": 4}, "vocab_size must be an integer >= 8"),
+    ({"vocab_size": 64, "model_type": "word"}, "model_type must be 'bpe' or 'unigram'"),
+    ({"vocab_size": 64, "max_sentences": 0}, "max_sentences"),
+])
+def test_bad_training_arguments_raise(tmp_path, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    tokenizers.train_sentencepiece(["abc"], tmp_path / "m.model", **kwargs)

@@ -1,0 +1,225 @@
+"""Tokenizers with one small interface: bytes, or a SentencePiece model trained on the training text.
+
+Every tokenizer has ``pad_id = 0``, ``bos_id = 1``, ``eos_id = 2``; ``encode`` returns the text's ids
+without BOS / EOS (batching adds them), and ``decode`` stops at the first EOS and skips pad and BOS,
+so it can be fed a decoder's raw output row.
+"""
+from __future__ import annotations
+
+import abc
+import io
+import os
+import random
+import re
+from collections.abc import Iterable, Sequence
+
+import sentencepiece
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+class Tokenizer(abc.ABC):
+  """Text <-> token ids. ``vocab_size`` counts the special ids."""
+  pad_id: int = PAD_ID
+  bos_id: int = BOS_ID
+  eos_id: int = EOS_ID
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    """Number of ids: every id is in ``range(vocab_size)``."""
+
+  @abc.abstractmethod
+  def encode(self, text: str) -> list[int]:
+    """The ids of ``text``, without BOS or EOS."""
+
+  @abc.abstractmethod
+  def _decode_ids(self, ids: list[int]) -> str:
+    """Text of ids that hold no special id."""
+
+  @abc.abstractmethod
+  def id_to_piece(self, token_id: int) -> str:
+    """A short readable label for one id (attention-map axes): a character, a piece or a byte."""
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """``encode`` of each text."""
+    return [self.encode(text) for text in texts]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of ``ids`` up to the first EOS, with pad and BOS ids skipped. Accepts numpy rows."""
+    kept = []
+    for token_id in ids:
+      token_id = int(token_id)
+      if token_id == self.eos_id:
+        break
+      if token_id in (self.pad_id, self.bos_id):
+        continue
+      if not 0 <= token_id < self.vocab_size:
+        raise ValueError(f"decode: id {token_id} is outside this tokenizer's vocabulary [0, {self.vocab_size})")
+      kept.append(token_id)
+    return self._decode_ids(kept)
+
+  def _check_text(self, text) -> None:
+    if not isinstance(text, str):
+      raise ValueError(f"encode: text must be a str, got {type(text).__name__} {text!r:.80}")
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes shifted past the specials: byte b has id b + 3; vocab_size 259.
+
+  Round-trips any string that UTF-8 can encode; ``decode`` replaces an invalid byte sequence (a
+  model's mistake) with U+FFFD rather than raising.
+  """
+  _OFFSET = 3
+
+  @property
+  def vocab_size(self) -> int:
+    return 256 + self._OFFSET
+
+  def encode(self, text: str) -> list[int]:
+    self._check_text(text)
+    try:
+      data = text.encode("utf-8")
+    except UnicodeEncodeError as error:
+      raise ValueError(f"encode: text is not encodable as UTF-8 ({error.reason} at {error.start}): {text!r:.80}") from None
+    return [byte + self._OFFSET for byte in data]
+
+  def _decode_ids(self, ids: list[int]) -> str:
+    return bytes(token_id - self._OFFSET for token_id in ids).decode("utf-8", errors="replace")
+
+  def id_to_piece(self, token_id: int) -> str:
+    token_id = int(token_id)
+    specials = {self.pad_id: "<pad>", self.bos_id: "<s>", self.eos_id: "</s>"}
+    if token_id in specials:
+      return specials[token_id]
+    if not self._OFFSET <= token_id < self.vocab_size:
+      raise ValueError(f"id_to_piece: id {token_id} is outside [0, {self.vocab_size})")
+    byte = token_id - self._OFFSET
+    return chr(byte) if 0x21 <= byte < 0x7F else f"<0x{byte:02X}>"
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A trained SentencePiece model; ids 0..3 are pad, BOS, EOS, unknown."""
+
+  def __init__(self, model_path):
+    model_path = os.fspath(model_path)
+    if not os.path.isfile(model_path):
+      raise ValueError(f"model_path {model_path!r} is not a SentencePiece model file")
+    self.model_path = model_path
+    self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    ids = (self._processor.pad_id(), self._processor.bos_id(), self._processor.eos_id())
+    if ids != (PAD_ID, BOS_ID, EOS_ID):
+      raise ValueError(f"SentencePiece model {model_path!r} has (pad, bos, eos) ids {ids}; this project "
+                       f"needs {(PAD_ID, BOS_ID, EOS_ID)} (train it with train_sentencepiece)")
+
+  @property
+  def vocab_size(self) -> int:
+    return self._processor.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    self._check_text(text)
+    return self._processor.encode(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    for text in texts:
+      self._check_text(text)
+    return self._processor.encode(list(texts))
+
+  def _decode_ids(self, ids: list[int]) -> str:
+    return self._processor.decode(ids)
+
+  def id_to_piece(self, token_id: int) -> str:
+    token_id = int(token_id)
+    if not 0 <= token_id < self.vocab_size:
+      raise ValueError(f"id_to_piece: id {token_id} is outside [0, {self.vocab_size})")
+    return self._processor.id_to_piece(token_id)
+
+
+def _training_sample(texts: Sequence[str], limit: int) -> list[str]:
+  """All texts, or a seeded random ``limit`` of them plus one text for each character the sample missed.
+
+  Random, not strided: the corpus is periodic (source, target, next format, ...) and a stride can
+  skip a whole side or format. The added texts make ``character_coverage=1.0`` cover every character.
+  """
+  if len(texts) <= limit:
+    return list(texts)
+  sample = [texts[i] for i in sorted(random.Random(0).sample(range(len(texts)), limit))]
+  seen = set().union(*map(set, sample))
+  for text in texts:
+    unseen = set(text) - seen
+    if unseen:
+      sample.append(text)
+      seen |= unseen
+  return sample
+
+
+def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, model_type: str = "bpe",
+                        max_sentences: int = 100_000) -> SentencePieceTokenizer:
+  """Trains a SentencePiece model on ``texts`` into ``model_path``; reuses the file if it exists.
+
+  Reuse makes a resumed run tokenize exactly as the run it continues. Training is deterministic
+  (one thread, no sampling inside SentencePiece: beyond ``max_sentences`` texts a seeded random
+  subset is used, topped up so that every character occurs), so two runs on the same text write
+  identical models.
+
+  Settings chosen so that ``decode(encode(x)) == x`` for any text made of training characters:
+  character coverage 1.0, the ``identity`` normalization (NFKC would rewrite e.g. no-break spaces
+  that CLDR uses) and no whitespace collapsing. BPE is the default because it trains ~30x faster
+  than unigram here (0.5 s vs ~15 s on 440k date strings).
+
+  Args:
+    texts: training sentences (both sides of the corpus, for a shared vocabulary).
+    model_path: where the ``.model`` file goes (inside the workdir); its folder is created.
+    vocab_size: number of pieces, including the 4 special ones.
+    model_type: ``bpe`` or ``unigram``.
+    max_sentences: cap on the sentences given to the trainer.
+
+  Raises:
+    ValueError: bad arguments; a corpus too small for ``vocab_size`` (says the largest possible);
+      an existing model file whose vocabulary size differs from ``vocab_size``.
+  """
+  model_path = os.fspath(model_path)
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
+    raise ValueError(f"vocab_size must be an integer >= 8, got {vocab_size!r}")
+  if model_type not in ("bpe", "unigram"):
+    raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+  if os.path.exists(model_path):
+    tokenizer = SentencePieceTokenizer(model_path)
+    if tokenizer.vocab_size != vocab_size:
+      raise ValueError(f"existing SentencePiece model {model_path!r} has vocab_size {tokenizer.vocab_size}, "
+                       f"but vocab_size={vocab_size} was asked; delete the file to retrain")
+    return tokenizer
+  if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+    raise ValueError(f"texts must be a non-empty sequence of strings, got {type(texts).__name__}")
+  if isinstance(max_sentences, bool) or not isinstance(max_sentences, int) or max_sentences < 1:
+    raise ValueError(f"max_sentences must be a positive integer, got {max_sentences!r}")
+  sample = _training_sample(texts, max_sentences)
+  for i, text in enumerate(sample):
+    if not isinstance(text, str):
+      raise ValueError(f"texts[{i}] must be a str, got {type(text).__name__}")
+
+  model = io.BytesIO()
+  try:
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=3, num_threads=1, shuffle_input_sentence=False,
+        minloglevel=2)
+  except RuntimeError as error:
+    largest = re.search(r"value <= (\d+)", str(error))
+    if largest:
+      raise ValueError(f"vocab_size={vocab_size} is too large for this training text ({len(sample)} sentences): "
+                       f"SentencePiece can build at most {largest.group(1)} pieces; lower vocab_size") from None
+    needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(error))
+    if needed:
+      raise ValueError(f"vocab_size={vocab_size} cannot hold every character of the training text plus the 4 "
+                       f"special pieces: it needs at least {needed.group(1)}") from None
+    raise ValueError(f"SentencePiece training failed for {model_path!r}: {error}") from None
+
+  os.makedirs(os.path.dirname(model_path) or ".", exist_ok=True)
+  # Write then rename, so an interrupted run never leaves a truncated model to be "reused".
+  partial_path = f"{model_path}.partial.{os.getpid()}"
+  with open(partial_path, "wb") as f:
+    f.write(model.getvalue())
+  os.replace(partial_path, model_path)
+  return SentencePieceTokenizer(model_path)
