@@ -1,0 +1,328 @@
+"""Fixed-shape numpy batches of tokenized (source, target) pairs for an encoder-decoder (host side).
+
+A batch is a dict of int32 arrays, 0 = padding everywhere:
+
+  inputs          [batch, S]  source ids
+  targets         [batch, T]  target ids followed by EOS (what the decoder must predict)
+  decoder_inputs  [batch, T]  BOS followed by targets[:-1] (teacher forcing), so
+                              decoder_inputs[:, 0] == BOS and decoder_inputs[:, 1:] == targets[:, :-1]
+                              within each example
+
+Lengths, key-padding masks and loss weights follow from ``!= 0``. With packing, rows hold several
+examples and four more arrays say which (as in flax's examples/wmt):
+
+  inputs_segmentation, targets_segmentation  [batch, S] / [batch, T]  1, 2, ... per example, 0 = padding
+  inputs_position, targets_position          [batch, S] / [batch, T]  0, 1, ... restarting per example
+
+``train_batch`` is a pure function of (seed, step, process_index, process_count): epoch e uses the
+permutation seeded by (seed, e) and the step picks a slice of it, so the step IS the position in the
+data stream and a resumed run sees exactly the batches it would have seen. Each epoch drops the
+remainder of ``num_units // batch_size`` (a different remainder each epoch). Every process takes its
+contiguous slice of the global batch; shapes are decided on the global batch, so all processes agree.
+
+Examples longer than ``max_source_length`` / ``max_target_length`` are TRUNCATED (not dropped), with
+one warning that counts them; a truncated target keeps its EOS as the last token.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from xattn_jax.data import tokenizers
+
+
+def round_up(length: int, multiple: int) -> int:
+  """The smallest multiple of ``multiple`` that is >= max(length, 1)."""
+  return -(-max(length, 1) // multiple) * multiple
+
+
+def tokenize_pairs(pairs: Sequence[tuple[str, str]], tokenizer: tokenizers.Tokenizer,
+                   target_tokenizer: tokenizers.Tokenizer | None = None) -> list[tuple[list[int], list[int]]]:
+  """Encodes (source, target) text pairs; the target side uses ``target_tokenizer`` if given."""
+  target_tokenizer = target_tokenizer or tokenizer
+  sources = tokenizer.encode_batch([source for source, _ in pairs])
+  targets = target_tokenizer.encode_batch([target for _, target in pairs])
+  return list(zip(sources, targets))
+
+
+class _Ragged:
+  """Variable-length int32 sequences stored flat: sequence i is data[starts[i]:starts[i] + lengths[i]]."""
+
+  def __init__(self, sequences: Sequence[Sequence[int]]):
+    self.lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+    self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+    self.data = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(self.lengths.sum()))
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    return self.data[self.starts[i]:self.starts[i] + self.lengths[i]]
+
+
+class TranslationBatches:
+  """Batches of one split's examples: deterministic training batches and exhaustive eval batches.
+
+  Args:
+    examples: (source ids, target ids) per example, without BOS / EOS; no id may be pad, BOS or
+      EOS, and a source may not be empty.
+    bos_id, eos_id: decoder start and end ids (pad is always 0).
+    max_source_length, max_target_length: S and T, the row lengths (T counts the EOS). None: the
+      longest example, rounded up to ``pad_multiple``. Longer examples are truncated, with a warning.
+    length_bucketing: each epoch is sorted by padded length before being cut into batches (the
+      batch order is then shuffled), and a batch is padded only to its own longest example rounded
+      up to ``pad_multiple``; shapes come from the bounded set {pad_multiple, 2 * pad_multiple, ...,
+      S} x {..., T}, so jit compiles a bounded number of times.
+    packing: examples are packed once, next-fit in a fixed shuffled order, into rows of length S and
+      T, and training samples rows instead of examples. Packing is fixed across epochs (only the row
+      order changes) so that a step maps to its batch in O(1). Eval batches are never packed.
+    pad_multiple: the rounding for derived and bucketed lengths.
+  """
+
+  def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, bos_id: int = tokenizers.BOS_ID,
+               eos_id: int = tokenizers.EOS_ID, max_source_length: int | None = None,
+               max_target_length: int | None = None, length_bucketing: bool = False, packing: bool = False,
+               pad_multiple: int = 8):
+    if not isinstance(examples, Sequence) or len(examples) == 0:
+      raise ValueError(f"examples must be a non-empty sequence of (source ids, target ids), got {type(examples).__name__}"
+                       f"{'' if not isinstance(examples, Sequence) else ' of length 0'}")
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_multiple", pad_multiple)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if bos_id == eos_id:
+      raise ValueError(f"bos_id and eos_id must differ, got {bos_id} for both")
+    if length_bucketing and packing:
+      raise ValueError("length_bucketing and packing are alternatives (packed rows are already full); choose one")
+    for i, example in enumerate(examples):
+      if len(example) != 2:
+        raise ValueError(f"examples[{i}] must be a (source ids, target ids) pair, got {len(example)} items")
+      if len(example[0]) == 0:
+        raise ValueError(f"examples[{i}] has an empty source; every example needs at least one source token")
+    self.bos_id, self.eos_id, self.pad_multiple = int(bos_id), int(eos_id), int(pad_multiple)
+    self.length_bucketing, self.packing = bool(length_bucketing), bool(packing)
+
+    source = _Ragged([s for s, _ in examples])
+    target = _Ragged([t for _, t in examples])
+    for name, ragged in (("source", source), ("target", target)):
+      special = np.isin(ragged.data, [0, self.bos_id, self.eos_id]) | (ragged.data < 0)
+      if special.any():
+        position = int(np.argmax(special))
+        example = int(np.searchsorted(ragged.starts, position, side="right") - 1)
+        raise ValueError(f"examples[{example}] {name} holds id {int(ragged.data[position])}: ids must be positive "
+                         f"and not pad (0), bos_id ({self.bos_id}) or eos_id ({self.eos_id})")
+
+    self.max_source_length = self._row_length("max_source_length", max_source_length, source.lengths.max())
+    self.max_target_length = self._row_length("max_target_length", max_target_length, target.lengths.max() + 1)
+    if self.max_target_length < 2:
+      raise ValueError(f"max_target_length must be >= 2 (one target token plus EOS), got {self.max_target_length}")
+    self.num_truncated = int(np.sum((source.lengths > self.max_source_length)
+                                    | (target.lengths + 1 > self.max_target_length)))
+    if self.num_truncated:
+      warnings.warn(f"{self.num_truncated} of {len(examples)} examples are longer than max_source_length="
+                    f"{self.max_source_length} or max_target_length={self.max_target_length} (EOS included) "
+                    f"and were truncated", stacklevel=2)
+    self._source = source
+    self._target = target
+    self.source_lengths = np.minimum(source.lengths, self.max_source_length)           # [num_examples]
+    self.target_lengths = np.minimum(target.lengths + 1, self.max_target_length)       # [num_examples], EOS included
+    self._rows = self._pack() if packing else None  # list of example-index arrays, one per packed row
+    self._epoch_cache: tuple = (None, None)
+
+  @classmethod
+  def from_pairs(cls, pairs: Sequence[tuple[str, str]], tokenizer: tokenizers.Tokenizer,
+                 target_tokenizer: tokenizers.Tokenizer | None = None, **kwargs) -> "TranslationBatches":
+    """Tokenizes (source, target) text pairs and batches them; ``kwargs`` as for the constructor.
+
+    BOS / EOS ids are the target tokenizer's.
+    """
+    target_tokenizer = target_tokenizer or tokenizer
+    return cls(tokenize_pairs(pairs, tokenizer, target_tokenizer), bos_id=target_tokenizer.bos_id,
+               eos_id=target_tokenizer.eos_id, **kwargs)
+
+  def _row_length(self, name: str, value, longest: int) -> int:
+    if value is None:
+      return round_up(int(longest), self.pad_multiple)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    return int(value)
+
+  @property
+  def num_examples(self) -> int:
+    return len(self.source_lengths)
+
+  @property
+  def num_units(self) -> int:
+    """What training samples: examples, or packed rows when packing."""
+    return len(self._rows) if self.packing else self.num_examples
+
+  # ---------------------------------------------------------------- one example's arrays
+
+  def _source_ids(self, i: int) -> np.ndarray:
+    return self._source[i][:self.source_lengths[i]]
+
+  def _target_ids(self, i: int) -> np.ndarray:
+    """Target ids with EOS appended, truncated so that EOS stays last."""
+    return np.append(self._target[i][:self.target_lengths[i] - 1], self.eos_id)
+
+  # ---------------------------------------------------------------- packing
+
+  def _pack(self) -> list[np.ndarray]:
+    """Next-fit packing in a fixed shuffled order: a row is closed when the next example's source
+    or target would overflow it."""
+    order = np.random.default_rng(0).permutation(self.num_examples)
+    rows, current, used_source, used_target = [], [], 0, 0
+    for i in order:
+      source_length, target_length = self.source_lengths[i], self.target_lengths[i]
+      if current and (used_source + source_length > self.max_source_length
+                      or used_target + target_length > self.max_target_length):
+        rows.append(np.array(current))
+        current, used_source, used_target = [], 0, 0
+      current.append(i)
+      used_source += source_length
+      used_target += target_length
+    rows.append(np.array(current))
+    return rows
+
+  # ---------------------------------------------------------------- array assembly
+
+  def _assemble(self, rows: Sequence[Sequence[int]], source_length: int, target_length: int,
+                segmented: bool) -> dict[str, np.ndarray]:
+    """Arrays for rows of example indices, each row's examples laid end to end."""
+    batch = len(rows)
+    inputs = np.zeros((batch, source_length), np.int32)
+    targets = np.zeros((batch, target_length), np.int32)
+    decoder_inputs = np.zeros((batch, target_length), np.int32)
+    if segmented:
+      segmentation = {k: np.zeros((batch, n), np.int32) for k, n in
+                      (("inputs", source_length), ("targets", target_length))}
+      position = {k: np.zeros_like(v) for k, v in segmentation.items()}
+    for r, row in enumerate(rows):
+      source_at = target_at = 0
+      for segment, i in enumerate(row, start=1):
+        source_ids, target_ids = self._source_ids(i), self._target_ids(i)
+        source_end, target_end = source_at + len(source_ids), target_at + len(target_ids)
+        inputs[r, source_at:source_end] = source_ids
+        targets[r, target_at:target_end] = target_ids
+        decoder_inputs[r, target_at] = self.bos_id
+        decoder_inputs[r, target_at + 1:target_end] = target_ids[:-1]
+        if segmented:
+          segmentation["inputs"][r, source_at:source_end] = segment
+          segmentation["targets"][r, target_at:target_end] = segment
+          position["inputs"][r, source_at:source_end] = np.arange(len(source_ids))
+          position["targets"][r, target_at:target_end] = np.arange(len(target_ids))
+        source_at, target_at = source_end, target_end
+    batch_arrays = {"inputs": inputs, "targets": targets, "decoder_inputs": decoder_inputs}
+    if segmented:
+      for k in ("inputs", "targets"):
+        batch_arrays[f"{k}_segmentation"] = segmentation[k]
+        batch_arrays[f"{k}_position"] = position[k]
+    return batch_arrays
+
+  # ---------------------------------------------------------------- training
+
+  def steps_per_epoch(self, batch_size: int) -> int:
+    """Global batches per epoch: ``num_units // batch_size`` (the remainder is dropped)."""
+    _check_positive_int("batch_size", batch_size)
+    steps = self.num_units // batch_size
+    if steps == 0:
+      raise ValueError(f"batch_size={batch_size} is larger than the {self.num_units} training "
+                       f"{'packed rows' if self.packing else 'examples'}")
+    return steps
+
+  def _epoch_batches(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
+    """Unit indices of every global batch of one epoch: [steps_per_epoch, batch_size].
+
+    Cached for the latest (seed, epoch, batch_size): consecutive steps share an epoch.
+    """
+    key = (seed, epoch, batch_size)
+    if self._epoch_cache[0] == key:
+      return self._epoch_cache[1]
+    batches = self._compute_epoch_batches(seed, epoch, batch_size)
+    self._epoch_cache = (key, batches)
+    return batches
+
+  def _compute_epoch_batches(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
+    steps = self.steps_per_epoch(batch_size)
+    rng = np.random.default_rng([seed, epoch])
+    units = rng.permutation(self.num_units)[:steps * batch_size]
+    if self.length_bucketing:
+      source_bucket = (self.source_lengths[units] + self.pad_multiple - 1) // self.pad_multiple
+      target_bucket = (self.target_lengths[units] + self.pad_multiple - 1) // self.pad_multiple
+      # Stable sort keeps the random order inside a bucket; then shuffle which batch comes when.
+      units = units[np.lexsort((target_bucket, source_bucket))]
+      return units.reshape(steps, batch_size)[rng.permutation(steps)]
+    return units.reshape(steps, batch_size)
+
+  def train_batch(self, step: int, *, seed: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> dict[str, np.ndarray]:
+    """This process's share of global training batch ``step``: arrays [batch_size // process_count, ...].
+
+    A pure function of its arguments. ``batch_size`` is the GLOBAL batch size and must be divisible
+    by ``process_count``; process p gets rows [p * b, (p + 1) * b) of the global batch, b =
+    batch_size // process_count.
+    """
+    _check_nonnegative_int("step", step)
+    _check_nonnegative_int("seed", seed)
+    _check_positive_int("batch_size", batch_size)
+    _check_process(process_index, process_count)
+    if batch_size % process_count:
+      raise ValueError(f"batch_size={batch_size} (global) must be divisible by process_count={process_count}")
+    epoch, step_in_epoch = divmod(step, self.steps_per_epoch(batch_size))
+    units = self._epoch_batches(int(seed), int(epoch), int(batch_size))[step_in_epoch]  # [batch_size]
+    local = batch_size // process_count
+    local_units = units[process_index * local:(process_index + 1) * local]
+    if self.packing:
+      return self._assemble([self._rows[u] for u in local_units], self.max_source_length,
+                            self.max_target_length, segmented=True)
+    source_length, target_length = self.max_source_length, self.max_target_length
+    if self.length_bucketing:
+      source_length = min(round_up(int(self.source_lengths[units].max()), self.pad_multiple), source_length)
+      target_length = min(round_up(int(self.target_lengths[units].max()), self.pad_multiple), target_length)
+    return self._assemble([[u] for u in local_units], source_length, target_length, segmented=False)
+
+  # ---------------------------------------------------------------- evaluation
+
+  def num_eval_batches(self, batch_size: int) -> int:
+    """Global eval batches: ceil(num_examples / batch_size)."""
+    _check_positive_int("batch_size", batch_size)
+    return -(-self.num_examples // batch_size)
+
+  def eval_batches(self, batch_size: int, *, process_index: int = 0,
+                   process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    """Every example exactly once, in order, one per row, at the fixed shape [b, S] / [b, T].
+
+    ``batch_size`` is global, as in ``train_batch``. Besides the usual arrays each batch has
+    ``example_index`` [b] int32 (the example's position in ``examples``; -1 on padding) and
+    ``example_weights`` [b] float32 (1 for a real example, 0 for the all-padding rows that fill the
+    last batch).
+    """
+    _check_process(process_index, process_count)
+    if batch_size % process_count:
+      raise ValueError(f"batch_size={batch_size} (global) must be divisible by process_count={process_count}")
+    local = batch_size // process_count
+    for batch_number in range(self.num_eval_batches(batch_size)):
+      start = batch_number * batch_size + process_index * local
+      indices = np.arange(start, start + local)
+      indices = np.where(indices < self.num_examples, indices, -1).astype(np.int32)
+      rows = [[i] if i >= 0 else [] for i in indices]
+      batch = self._assemble(rows, self.max_source_length, self.max_target_length, segmented=False)
+      batch["example_index"] = indices
+      batch["example_weights"] = (indices >= 0).astype(np.float32)
+      yield batch
+
+
+def _check_positive_int(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_nonnegative_int(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _check_process(process_index, process_count) -> None:
+  _check_positive_int("process_count", process_count)
+  _check_nonnegative_int("process_index", process_index)
+  if process_index >= process_count:
+    raise ValueError(f"process_index must be in [0, process_count={process_count}), got {process_index}")
