@@ -1,0 +1,9 @@
+"""Data for the models: bundled and user data sets, tokenizers and host-side numpy batching.
+
+  dates.py       English -> target-locale date pairs from Babel's CLDR data, split by date
+  tsv.py         a user's parallel corpus (source<TAB>target), validated line by line
+  splits.py      stable hash-based train / eval membership
+  tokenizers.py  ByteTokenizer and a SentencePiece model trained into the workdir
+  batching.py    TranslationBatches: deterministic train batches by step, buckets, packing, eval
+  digits.py      scikit-learn's bundled 8x8 digits for the latent readers
+"""

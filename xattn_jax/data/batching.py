@@ -60,6 +60,17 @@ class _Ragged:
     return self.data[self.starts[i]:self.starts[i] + self.lengths[i]]
 
 
+def _check_no_special_ids(name: str, sequences: _Ragged, bos_id: int, eos_id: int) -> None:
+  """Raises ValueError naming the first example whose ids include pad, BOS, EOS or a negative id:
+  inside a row they would read as padding or as the end of the sentence."""
+  special = np.isin(sequences.data, [0, bos_id, eos_id]) | (sequences.data < 0)
+  if special.any():
+    position = int(np.argmax(special))
+    example = int(np.searchsorted(sequences.starts, position, side="right") - 1)
+    raise ValueError(f"examples[{example}] {name} holds id {int(sequences.data[position])}: ids must be positive "
+                     f"and not pad (0), bos_id ({bos_id}) or eos_id ({eos_id})")
+
+
 class TranslationBatches:
   """Batches of one split's examples: deterministic training batches and exhaustive eval batches.
 
@@ -104,12 +115,7 @@ class TranslationBatches:
     source = _Ragged([s for s, _ in examples])
     target = _Ragged([t for _, t in examples])
     for name, ragged in (("source", source), ("target", target)):
-      special = np.isin(ragged.data, [0, self.bos_id, self.eos_id]) | (ragged.data < 0)
-      if special.any():
-        position = int(np.argmax(special))
-        example = int(np.searchsorted(ragged.starts, position, side="right") - 1)
-        raise ValueError(f"examples[{example}] {name} holds id {int(ragged.data[position])}: ids must be positive "
-                         f"and not pad (0), bos_id ({self.bos_id}) or eos_id ({self.eos_id})")
+      _check_no_special_ids(name, ragged, self.bos_id, self.eos_id)
 
     self.max_source_length = self._row_length("max_source_length", max_source_length, source.lengths.max())
     self.max_target_length = self._row_length("max_target_length", max_target_length, target.lengths.max() + 1)
