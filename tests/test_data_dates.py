@@ -106,3 +106,9 @@ def test_unknown_locale_raises_naming_valid_ones():
 def test_bad_arguments_raise_value_error_naming_them(kwargs, message):
   with pytest.raises(ValueError, match=message):
     dates.date_pairs("fr", **kwargs)
+
+
+def test_every_french_eval_word_occurs_in_training(french):
+  """Eval dates are new combinations of known parts: no word of an eval pair is unseen in training."""
+  train_words = {word for pair in french.train for text in pair for word in text.split()}
+  assert {word for pair in french.eval for text in pair for word in text.split()} <= train_words
