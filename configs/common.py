@@ -1,0 +1,117 @@
+"""What every config shares, and the one parser for `get_config(arg)` variant strings.
+
+A config file builds on `base_config()` and fills in `task` and `model`:
+
+    def get_config(arg=None):
+      args = common.parse_arg(arg, size="small", posenc="learned")
+      config = common.base_config()
+      config.task.name = "toy_reverse"
+      ...
+      return config
+
+`--config=configs/x.py:size=tiny,posenc=rope` passes "size=tiny,posenc=rope" as `arg`.
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+# Logical axis name -> mesh axes ("" = replicated, "a,b" = sharded over both). Layers annotate their
+# parameters with these names; `xattn_jax.training.sharding` applies the rules.
+DEFAULT_SHARDING_RULES = {
+    "batch": "data,fsdp",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv": "",
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "length": "",
+    "layers": "",
+}
+
+
+def parse_arg(arg: str | None, **defaults) -> ConfigDict:
+  """Parses "key=value,flag,..." into a ConfigDict over `defaults`.
+
+  Each value is converted to the type of its default (bool accepts true/false/1/0/yes/no); a bare
+  `flag` sets a bool default to True. An unknown key raises a ValueError listing the known ones, so
+  a misspelt variant fails as loudly as a misspelt `--config.x` override.
+  """
+  result = ConfigDict(dict(defaults))
+  for item in (arg or "").split(","):
+    item = item.strip()
+    if not item:
+      continue
+    key, has_value, value = item.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f"config argument {key!r} in {arg!r}: allowed keys are {sorted(defaults)}")
+    default = defaults[key]
+    if not has_value:
+      if not isinstance(default, bool):
+        raise ValueError(f"config argument {key!r} in {arg!r} needs a value ({key}=...)")
+      result[key] = True
+    elif isinstance(default, bool):
+      lowered = value.strip().lower()
+      if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"config argument {key}={value!r}: expected a boolean (true/false)")
+      result[key] = lowered in ("true", "1", "yes")
+    else:
+      try:
+        result[key] = type(default)(value.strip())
+      except ValueError:
+        raise ValueError(
+            f"config argument {key}={value!r}: expected {type(default).__name__}") from None
+  return result
+
+
+def base_config() -> ConfigDict:
+  """Defaults every job shares: loop lengths, optimizer, logging, checkpoints, mesh, precision."""
+  config = ConfigDict()
+  config.seed = 0
+  config.total_steps = 1000
+  config.batch_size = 32            # global: summed over every process and device
+  config.eval_batch_size = 64       # global; eval examples are padded up with weight-0 rows
+  # Resume order: a checkpoint in the workdir > `init_from` (parameters only) > from scratch.
+  config.init_from = ""             # a checkpoint directory (workdir/checkpoints or one step in it)
+
+  # Filled in by each job's config file.
+  config.task = ConfigDict({"name": ""})
+  config.model = ConfigDict({"name": ""})
+
+  config.optimizer = ConfigDict({
+      "name": "adamw",              # adamw | adam | sgd
+      "learning_rate": 1e-3,        # peak, reached at the end of warmup
+      "warmup_steps": 100,
+      "schedule": "cosine",         # cosine | rsqrt | constant (after linear warmup)
+      "final_learning_rate_fraction": 0.0,  # cosine ends at learning_rate * this
+      "b1": 0.9,
+      "b2": 0.98,
+      "eps": 1e-9,
+      "momentum": 0.9,              # sgd only
+      "weight_decay": 0.01,
+      # Parameters whose path contains one of these substrings get no weight decay; vectors (biases,
+      # norm scales) never do.
+      "weight_decay_exclude": "bias,scale,embedding",
+      "grad_clip_norm": 1.0,        # global-norm clipping; 0 disables
+  })
+
+  config.log_every_steps = 50
+  config.eval_every_steps = 500
+  config.logging = ConfigDict({"tensorboard": True, "plot": True})
+  config.checkpoint = ConfigDict({
+      "every_steps": 500,           # also saved at the end and on SIGTERM
+      "keep": 2,                    # the last `keep` checkpoints ...
+      "best_metric": "eval/loss",   # ... plus the best by this eval metric ("" = none)
+      "best_mode": "min",           # min | max
+  })
+
+  # Mesh axis sizes; -1 takes the remaining devices (at most one axis may be -1).
+  config.mesh = ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+  config.sharding_rules = ConfigDict(DEFAULT_SHARDING_RULES)
+  config.precision = ConfigDict({"param_dtype": "float32", "compute_dtype": "float32"})
+
+  config.infer = ConfigDict({"input_file": "-"})  # "-" reads stdin; one input per line
+
+  # Test-only knobs: fault injection and slowing the loop down so a signal can land mid-run.
+  config.debug = ConfigDict({"nan_at_step": -1, "step_delay_s": 0.0})
+  return config

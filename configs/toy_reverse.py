@@ -1,0 +1,50 @@
+"""Toy task: reverse random letter strings. Tiny, synthetic, for tests and as a template.
+
+    python launch.py --config=configs/toy_reverse.py:size=tiny,posenc=rope --workdir=workdirs/toy
+    echo hello | python launch.py --config=configs/toy_reverse.py:size=tiny --workdir=workdirs/toy \
+        --mode=infer
+"""
+from __future__ import annotations
+
+from configs import common
+
+SIZES = {
+    # d_model, num_heads, num_layers, mlp_dim
+    "tiny": (32, 2, 1, 64),
+    "small": (64, 4, 2, 128),
+    "base": (128, 4, 4, 256),
+}
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, size="small", posenc="learned", scan=False)
+  if args.size not in SIZES:
+    raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
+  config = common.base_config()
+  config.total_steps = 2000
+  config.batch_size = 32
+  config.eval_batch_size = 64
+  config.log_every_steps = 100
+  config.eval_every_steps = 500
+  config.checkpoint.every_steps = 500
+  config.optimizer.learning_rate = 3e-3
+  config.optimizer.warmup_steps = 100
+
+  config.task.name = "toy_reverse"
+  config.task.min_length = 1
+  config.task.max_length = 12         # strings are padded to this length
+  config.task.num_eval_examples = 256
+  config.task.label_smoothing = 0.0
+
+  d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
+  config.model.name = "reverser"
+  config.model.d_model = d_model
+  config.model.num_heads = num_heads
+  config.model.num_layers = num_layers
+  config.model.mlp_dim = mlp_dim
+  config.model.dropout_rate = 0.0
+  config.model.posenc = args.posenc   # none | learned | sinusoidal | rope
+  config.model.rotary_dim = 0         # rope only; 0 = the whole head_dim
+  config.model.scan_layers = args.scan
+  config.model.remat = "none"         # none | full | dots | dots_no_batch
+  return config

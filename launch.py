@@ -1,0 +1,53 @@
+"""python launch.py --config=configs/NAME.py[:ARG] --workdir=DIR [--mode=train|eval|infer] [--config.a.b=V]
+
+Parses flags, validates the config (before any JAX computation), starts multi-host JAX when asked,
+and hands over to `xattn_jax.training.loop.run`. An invalid config or override prints one line on
+stderr naming the field and exits with status 2; a diverged run exits with status 1.
+"""
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/NAME.py[:ARG]", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run: config, metrics, checkpoints.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "infer"], "What to do with the workdir.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "HOST:PORT of process 0 (multi-host).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Number of processes (multi-host).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index (multi-host).")
+
+
+def fail(message: str, status: int = 2):
+  print(f"launch.py: {message}", file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def parse_flags(argv):
+  """absl parsing, with a bad flag, config file or override reported in one line (status 2)."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # flags.Error, and the raw AttributeError / KeyError of an unknown --config.key
+    cause = e.__cause__ or e
+    fail(f"{type(cause).__name__}: {' '.join(str(cause).split())}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    fail(f"unexpected arguments {argv[1:]}")
+  if not _WORKDIR.value:
+    fail("--workdir is required")
+  if _CONFIG.value is None:
+    fail("--config is required")
+  from xattn_jax.training import distributed, loop, validation
+  try:
+    validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
+  except validation.ConfigError as e:
+    fail(str(e))
+  except (loop.TrainingDiverged, loop.RunError) as e:
+    fail(f"{type(e).__name__}: {e}", status=1)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

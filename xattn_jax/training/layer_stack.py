@@ -1,0 +1,81 @@
+"""Stacked layers: build N identical blocks as one module with a leading `layers` axis, apply them
+with `nnx.scan` (compile time independent of depth) or unrolled, under a remat policy chosen by name.
+
+    self.blocks = layer_stack.create_stack(lambda rngs: Block(..., rngs=rngs), num_layers, rngs)
+    ...
+    x = layer_stack.apply_stack(self.blocks, x, mask, scan=config.scan_layers, remat="dots")
+
+A block is called as `block(x, *args, **kwargs) -> x` and must not change Python-side state. Its
+parameters get the logical axis name "layers" prepended to their sharding names (replicated by the
+default rules). Scanned and unrolled application compute the same function of the same parameters.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+# Name -> what jax.checkpoint may keep from the forward pass (None = no remat at all).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+LAYERS_AXIS = "layers"
+
+
+def remat_policy(name: str):
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"remat={name!r}: allowed are {sorted(REMAT_POLICIES)}")
+  return REMAT_POLICIES[name]
+
+
+def create_stack(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
+  """`num_layers` independently initialised blocks stored as one module, params [num_layers, ...]."""
+  if num_layers < 1:
+    raise ValueError(f"create_stack: num_layers must be >= 1, got {num_layers}")
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+  def create(rngs):
+    return make_block(rngs)
+
+  return create(rngs)
+
+
+def num_layers(stack) -> int:
+  return jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+
+def _body(remat: str):
+  def call(block, x, args, kwargs):
+    return block(x, *args, **kwargs)
+
+  policy = remat_policy(remat)
+  if remat != "none":
+    call = nnx.remat(call, policy=policy)
+  return call
+
+
+def apply_stack(stack, x, *args, scan: bool = True, remat: str = "none", **kwargs):
+  """x -> block_{L-1}(... block_0(x, *args, **kwargs) ..., *args, **kwargs).
+
+  `args` / `kwargs` (masks, positions) are shared by every layer. With `scan=True` the layers run
+  as one `nnx.scan` (one traced block); otherwise as a Python loop over slices of the stack.
+  """
+  call = _body(remat)
+  if scan:
+    @nnx.scan(in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry,
+              transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+    def run_layers(block, carry, args, kwargs):
+      return call(block, carry, args, kwargs)
+
+    return run_layers(stack, x, args, kwargs)
+  graphdef, state = nnx.split(stack)
+  for i in range(num_layers(stack)):
+    block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+    x = call(block, x, args, kwargs)
+  return x

@@ -1,0 +1,363 @@
+"""`run(config, workdir, mode)`: train, evaluate or run inference for any registered task.
+
+Where a train run starts (the resume order):
+  1. the newest readable checkpoint in `<workdir>/checkpoints` (step, parameters, optimizer state,
+     RNG key; the data position is the step itself, so the losses continue exactly);
+  2. otherwise `config.init_from` (parameters only; step 0, a fresh optimizer);
+  3. otherwise from scratch (parameters from `config.seed`).
+
+Steps count completed updates: update number s (1-based) reads the task's train batch s - 1, and
+checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` rows with "step": s.
+
+A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
+that step is saved. SIGTERM finishes the current step, saves a checkpoint and returns normally.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging as py_logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import metrics as metrics_lib
+from xattn_jax.training import optim, sharding, tasks, validation
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss or the gradient norm became NaN or infinite."""
+
+
+class RunError(RuntimeError):
+  """The run cannot proceed (e.g. nothing to evaluate); the message says why."""
+
+
+class _Run:
+  """The pieces of one run, built in order: task, mesh, abstract state, jitted steps."""
+
+  def __init__(self, config, workdir):
+    self.config = config
+    self.workdir = workdir
+    self.task = tasks.get_task_class(config.task.name)(config, workdir)
+    self.mesh = sharding.make_mesh(config.mesh)
+    self.rules = config.sharding_rules
+    self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    self.schedule = optim.make_schedule(config.optimizer, config.total_steps)
+    tx = optim.make_optimizer(config.optimizer, config.total_steps)
+    dtype = jnp.dtype(config.precision.compute_dtype)
+    param_dtype = jnp.dtype(config.precision.param_dtype)
+
+    def init():
+      with nnx.use_eager_sharding(False):  # placement comes from our rules, below
+        model = self.task.make_model(nnx.Rngs(params=config.seed), dtype=dtype, param_dtype=param_dtype)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(init))
+    self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
+    self.init_state = jax.jit(lambda: nnx.state(init()), out_shardings=self.shardings)
+    self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    self._check_process_rows()
+
+  def _check_process_rows(self):
+    for size in (self.config.batch_size, self.config.eval_batch_size):
+      local = size // self.process_count
+      expected = (self.process_index * local, (self.process_index + 1) * local)
+      if sharding.process_rows(self.batch_sharding, size) != expected:
+        raise RunError(f"the mesh gives process {self.process_index} batch rows "
+                       f"{sharding.process_rows(self.batch_sharding, size)}, not {expected}")
+
+  def batch(self, local_batch, global_size):
+    return sharding.global_batch(local_batch, self.mesh, self.rules, global_size)
+
+  def model(self, state):
+    return nnx.merge(self.graphdef, state)[0]
+
+  # Checkpoint items are plain nested dicts of arrays: independent of nnx Variable classes.
+  def split_pure(self, state):
+    return nnx.to_pure_dict(state[0]), nnx.to_pure_dict(state[1])
+
+  def abstract_pure(self):
+    abstract = checkpoints_lib.abstract_with_shardings(self.abstract_state, self.shardings)
+    return self.split_pure(abstract)
+
+  def from_pure(self, model_dict, optimizer_dict, state=None):
+    state = state if state is not None else jax.tree.map(lambda x: x, self.abstract_state)
+    nnx.replace_by_pure_dict(state[0], model_dict)
+    if optimizer_dict is not None:
+      nnx.replace_by_pure_dict(state[1], optimizer_dict)
+    return state
+
+  def make_train_step(self):
+    task, graphdef, schedule = self.task, self.graphdef, self.schedule
+    nan_at_step = self.config.debug.nan_at_step
+
+    def train_step(state, batch, step, rng_key):
+      model, optimizer = nnx.merge(graphdef, state)
+
+      def loss_fn(model):
+        loss, aux = task.loss(model, batch, rngs=nnx.Rngs(dropout=jax.random.fold_in(rng_key, step)))
+        if nan_at_step >= 0:  # test-only fault injection (static: costs nothing when off)
+          loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
+        return loss, aux
+
+      (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+      optimizer.update(model, grads)
+      metrics = {"train/loss": loss, "train/grad_norm": optax.global_norm(grads),
+                 "train/learning_rate": schedule(step)}
+      metrics.update({f"train/{k}": v for k, v in aux.items()})
+      return nnx.state((model, optimizer)), metrics
+
+    return jax.jit(train_step, donate_argnums=0,
+                   in_shardings=(self.shardings, self.batch_sharding, None, None),
+                   out_shardings=(self.shardings, None))
+
+  def evaluate(self, state) -> dict[str, float]:
+    if not hasattr(self, "_eval_step"):
+      task, graphdef = self.task, self.graphdef
+      self._eval_step = jax.jit(lambda s, b: task.eval_metrics(nnx.merge(graphdef, s)[0], b),
+                                in_shardings=(self.shardings, self.batch_sharding))
+    totals = None
+    for local in self.task.eval_batches(process_index=self.process_index,
+                                        process_count=self.process_count):
+      sums = self._eval_step(state, self.batch(local, self.config.eval_batch_size))
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    totals = jax.device_get(totals) or {}
+    values = {f"eval/{k}": float(s) / max(float(w), 1e-12) for k, (s, w) in totals.items()}
+    values.update({f"eval/{k}": float(v) for k, v in self.task.extra_eval(self.model(state)).items()})
+    return values
+
+
+def _write_config(config, workdir):
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+  with open(os.path.join(workdir, "config.txt"), "w") as f:
+    f.write(str(config))
+  with open(os.path.join(workdir, "config.py"), "w") as f:
+    f.write('"""The resolved config of this run; pass it back as --config=<this file>."""\n'
+            "import json\n\nfrom ml_collections import ConfigDict\n\n"
+            f"CONFIG = {config.to_json_best_effort(sort_keys=True)!r}\n\n\n"
+            "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
+
+
+def check_same_model(config, workdir):
+  """Raises ConfigError when `config` changes the model or task of the run already in `workdir`."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  current = json.loads(config.to_json_best_effort())
+
+  def compare(old, new, prefix):
+    for key in sorted(set(old) | set(new)):
+      a, b = old.get(key), new.get(key)
+      if isinstance(a, dict) and isinstance(b, dict):
+        compare(a, b, f"{prefix}.{key}")
+      elif a != b:
+        raise validation.ConfigError(
+            f"{prefix}.{key}", b, f"the run in {workdir} was made with {a!r}; keep it, or use a new "
+            "--workdir")
+
+  for section in ("model", "task"):
+    compare(saved.get(section, {}), current.get(section, {}), section)
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+  """Yields a dict whose "stop" turns True on SIGTERM (restoring the old handler afterwards)."""
+  flag = {"stop": False}
+
+  def handler(signum, frame):
+    logging.warning("SIGTERM received: saving a checkpoint after the current step.")
+    flag["stop"] = True
+
+  try:
+    previous = signal.signal(signal.SIGTERM, handler)
+  except ValueError:  # not the main thread: no signal handling
+    yield flag
+    return
+  try:
+    yield flag
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _restore(run, checkpoints):
+  """(state, step, rng_key) from the workdir, else init_from, else scratch."""
+  restored = checkpoints.restore_latest(*run.abstract_pure())
+  if restored is not None:
+    model_dict, optimizer_dict, meta = restored
+    key = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+    logging.info("Resuming from checkpoint step %d in %s", meta["step"], checkpoints.directory)
+    return run.from_pure(model_dict, optimizer_dict), meta["step"], key
+  state = run.init_state()
+  if run.config.init_from:
+    model_dict = checkpoints_lib.restore_model_from(run.config.init_from, run.abstract_pure()[0])
+    state = run.from_pure(model_dict, None, state)
+    logging.info("Initialised parameters from %s", run.config.init_from)
+  return state, 0, jax.random.key(run.config.seed)
+
+
+def _format_duration(seconds: float) -> str:
+  return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
+  """Trains from wherever `_restore` starts to config.total_steps; returns the last eval metrics.
+
+  `make_writer(start_step)` returns the MetricsWriter (which drops rows past start_step).
+  """
+  config = run.config
+  state, start_step, rng_key = _restore(run, checkpoints)
+  writer = make_writer(start_step)
+  train_step = run.make_train_step()
+  rng_data = [int(x) for x in np.asarray(jax.random.key_data(rng_key)).ravel()]
+  pending: list[tuple[int, dict]] = []   # per-step metrics not yet checked for NaN
+  last_eval: dict[str, float] = {}
+  step = start_step
+  timer_step, timer_start = None, None
+
+  def flush_pending(hold_step=None):
+    """Checks every pending step for NaN / inf (in step order) and writes the logged ones.
+
+    The row of `hold_step` is returned instead of written, so its eval metrics can join it.
+    """
+    held = None
+    for pending_step, values in jax.device_get(pending):
+      for name in ("train/loss", "train/grad_norm"):
+        if not np.isfinite(values[name]):
+          saved = checkpoints.steps()
+          raise TrainingDiverged(
+              f"{name} = {float(values[name])} at step {pending_step}; stopping. Last checkpoint: "
+              f"{'step ' + str(saved[-1]) if saved else 'none'} (left untouched)")
+      if pending_step % config.log_every_steps == 0 or pending_step == config.total_steps:
+        now = time.perf_counter()
+        rate = (pending_step - timer_step) / (now - timer_start) if timer_step is not None and \
+            pending_step > timer_step else float("nan")
+        row = {k: float(v) for k, v in values.items()}
+        row["train/steps_per_second"] = rate
+        if pending_step == hold_step:
+          held = row
+        else:
+          writer.write(pending_step, row)
+        left = (config.total_steps - pending_step) / rate if rate == rate and rate > 0 else float("nan")
+        logging.info("step %d/%d: loss %.4f, grad norm %.3g, %.1f steps/s, %s left", pending_step,
+                     config.total_steps, row["train/loss"], row["train/grad_norm"], rate,
+                     _format_duration(left) if left == left else "?")
+    pending.clear()
+    return held or {}
+
+  def save(at_step, metrics=None):
+    model_dict, optimizer_dict = run.split_pure(state)
+    checkpoints.save(at_step, model_dict, optimizer_dict,
+                     {"step": at_step, "rng": rng_data, "metrics": metrics or {}}, metrics)
+
+  with _sigterm_flag() as signal_flag, contextlib.closing(writer):
+    while step < config.total_steps and not signal_flag["stop"]:
+      local = run.task.train_batch(step, process_index=run.process_index,
+                                   process_count=run.process_count)
+      state, step_metrics = train_step(state, run.batch(local, config.batch_size),
+                                       jnp.asarray(step, jnp.int32), rng_key)
+      step += 1
+      pending.append((step, step_metrics))
+      if timer_step is None:  # time from the end of the first (compiling) step on
+        jax.block_until_ready(step_metrics)
+        timer_step, timer_start = step, time.perf_counter()
+      if config.debug.step_delay_s:
+        time.sleep(config.debug.step_delay_s)
+      is_last = step == config.total_steps
+      do_eval = step % config.eval_every_steps == 0 or is_last
+      do_save = step % config.checkpoint.every_steps == 0 or is_last or signal_flag["stop"]
+      if do_eval or do_save or step % config.log_every_steps == 0:
+        train_row = flush_pending(hold_step=step if do_eval else None)
+      if do_eval:
+        last_eval = run.evaluate(state)
+        writer.write(step, {**train_row, **last_eval})
+        logging.info("step %d eval: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
+      if do_save:
+        save(step, last_eval if do_eval else None)
+      if do_eval or do_save:  # steps/s measures training only
+        timer_step, timer_start = step, time.perf_counter()
+    flush_pending()
+    if signal_flag["stop"] and step not in checkpoints.steps():
+      save(step)
+  return last_eval
+
+
+def _quiet_library_logs():
+  """Keeps orbax's and jax's INFO chatter (several lines per checkpoint) out of the run's log."""
+  def keep(record):
+    return record.levelno >= py_logging.WARNING or not any(
+        part in record.pathname for part in ("/orbax/", "/jax/", "/jaxlib/"))
+
+  # Library records reach the absl handler both through the absl logger and by propagation from
+  # their own Python loggers; the handler that finally writes them is the python_handler.
+  logging.get_absl_handler().python_handler.addFilter(keep)
+
+
+def run(config, workdir: str, mode: str = "train", *, output=None):
+  """Validates `config`, then trains (`train`), evaluates the newest checkpoint (`eval`) or runs the
+  task's inference on the newest checkpoint (`infer`, lines from config.infer.input_file, "-" = stdin,
+  outputs to `output` or stdout). Returns the final eval metrics (train, eval) or the outputs (infer).
+  """
+  _quiet_library_logs()
+  validation.validate_config(config, mode=mode, device_count=jax.device_count(),
+                             process_count=jax.process_count())
+  check_same_model(config, workdir)
+  is_writer = jax.process_index() == 0
+  if is_writer:
+    os.makedirs(workdir, exist_ok=True)
+    if mode == "train":
+      _write_config(config, workdir)
+  run_ = _Run(config, workdir)
+  checkpoints = checkpoints_lib.Checkpoints(
+      workdir, keep=config.checkpoint.keep, best_metric=config.checkpoint.best_metric,
+      best_mode=config.checkpoint.best_mode)
+  try:
+    if mode == "train":
+      result = train(run_, checkpoints, lambda start_step: metrics_lib.MetricsWriter(
+          workdir, active=is_writer, tensorboard=config.logging.tensorboard, resume_step=start_step))
+      if is_writer and config.logging.plot:
+        metrics_lib.plot_losses(workdir)
+      return result
+    restored = checkpoints.restore_latest(*run_.abstract_pure())
+    if restored is None:
+      raise RunError(f"no checkpoint in {checkpoints.directory} to {mode} with")
+    state = run_.from_pure(restored[0], restored[1])
+    step = restored[2]["step"]
+    if mode == "eval":
+      values = run_.evaluate(state)
+      logging.info("eval at step %d: %s", step, values)
+      if is_writer:
+        with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:
+          f.write(json.dumps({"step": step, **values}) + "\n")
+      return values
+    return _infer(run_, state, config.infer.input_file, output)
+  finally:
+    checkpoints.close()
+
+
+def _infer(run_, state, input_file, output):
+  import sys
+  if input_file == "-":
+    lines = sys.stdin.read().splitlines()
+  else:
+    with open(input_file) as f:
+      lines = f.read().splitlines()
+  outputs = run_.task.infer(run_.model(state), [line for line in lines if line.strip()])
+  if jax.process_index() == 0:
+    stream = output or sys.stdout
+    for line in outputs:
+      stream.write(line + "\n")
+    stream.flush()
+  return outputs

@@ -1,0 +1,99 @@
+"""The run's record: `metrics.jsonl` (one JSON object per line, flushed), TensorBoard, a loss plot.
+
+Only process 0 writes. On resume, lines past the restored step are dropped first, so the file reads
+as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from absl import logging
+
+
+def read_metrics(path: str) -> list[dict]:
+  """Every complete line of a metrics.jsonl (a line cut off by a crash is skipped)."""
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows
+
+
+class MetricsWriter:
+  """Appends metrics rows to `<workdir>/metrics.jsonl` and TensorBoard; a no-op off process 0."""
+
+  def __init__(self, workdir: str, *, active: bool, tensorboard: bool, resume_step: int = 0):
+    self.active = active
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._file = None
+    self._tensorboard = None
+    if not active:
+      return
+    self._truncate_after(resume_step)
+    self._file = open(self.path, "a")
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # imports torch when installed: only when asked for
+      self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
+
+  def _truncate_after(self, step: int):
+    kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      for row in kept:
+        f.write(json.dumps(row) + "\n")
+    os.replace(tmp, self.path)
+
+  def write(self, step: int, values: dict):
+    """One line `{"step": step, **values}`; non-finite floats are written as strings."""
+    if not self.active:
+      return
+    row = {"step": int(step)}
+    for key, value in values.items():
+      value = float(value)
+      row[key] = value if math.isfinite(value) else str(value)
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    if self._tensorboard is not None:
+      for key, value in values.items():
+        self._tensorboard.add_scalar(key, float(value), step)
+      self._tensorboard.flush()
+
+  def close(self):
+    if self._file is not None:
+      self._file.close()
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+
+
+def plot_losses(workdir: str):
+  """Writes `<workdir>/loss.png`: train loss per logged step, and eval loss where computed."""
+  rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  train = [(r["step"], r["train/loss"]) for r in rows if isinstance(r.get("train/loss"), float)]
+  evals = [(r["step"], r["eval/loss"]) for r in rows if isinstance(r.get("eval/loss"), float)]
+  if not train:
+    return
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+  except ImportError:
+    logging.warning("matplotlib is not installed: no loss plot")
+    return
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(*zip(*train), label="train/loss")
+  if evals:
+    ax.plot(*zip(*evals), "o-", label="eval/loss")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss")
+  ax.set_yscale("log")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, "loss.png"), dpi=100)
+  plt.close(fig)

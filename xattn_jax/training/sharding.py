@@ -1,0 +1,96 @@
+"""Device mesh, logical-axis sharding rules and global batches.
+
+Parameters carry logical axis names (`nnx.with_partitioning(init, ("embed", "mlp"))`, stored as the
+Variable's `out_sharding` metadata); config.sharding_rules maps each name to mesh axes
+(`embed -> fsdp`, `heads -> tensor`, ...). A dimension not divisible by its mesh axes' total size,
+or whose mesh axis is already used by an earlier dimension of the same array, is replicated instead.
+Names without a rule are replicated. Batches are sharded over the `batch` rule (data, fsdp).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xattn_jax.training import validation
+
+MESH_AXES = validation.MESH_AXES
+
+
+def make_mesh(mesh_config, devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all), -1 taking the remaining devices.
+
+  Axis types are Auto (GSPMD propagation): with Explicit axes a matmul over a sharded contracting
+  dimension raises. Devices stay in jax.devices() order, so each process owns a contiguous block
+  of the data axis, which is what `global_batch` assumes.
+  """
+  devices = jax.devices() if devices is None else devices
+  sizes = validation.mesh_shape(mesh_config, len(devices))
+  device_grid = np.asarray(devices).reshape([sizes[a] for a in MESH_AXES])
+  return Mesh(device_grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def _rule_axes(rules, name) -> tuple[str, ...]:
+  if name is None or name not in rules:
+    return ()
+  return tuple(a.strip() for a in rules[name].split(",") if a.strip())
+
+
+def logical_to_spec(names, shape, rules, mesh: Mesh) -> PartitionSpec:
+  """PartitionSpec for an array of `shape` whose dimensions have logical `names`."""
+  if names is None:
+    return PartitionSpec()
+  if len(names) != len(shape):
+    raise ValueError(f"logical_to_spec: names {tuple(names)} do not match shape {tuple(shape)}")
+  used: set[str] = set()
+  spec = []
+  for name, size in zip(names, shape):
+    axes = tuple(a for a in _rule_axes(rules, name) if mesh.shape[a] > 1 and a not in used)
+    if axes and size % math.prod(mesh.shape[a] for a in axes) == 0:
+      used.update(axes)
+      spec.append(axes[0] if len(axes) == 1 else axes)
+    else:
+      spec.append(None)
+  return PartitionSpec(*spec)
+
+
+def state_shardings(abstract_state, mesh: Mesh, rules):
+  """The same nnx.State (e.g. from nnx.eval_shape) with each Variable holding its NamedSharding."""
+  def sharding(variable):
+    names = variable.get_metadata().get("out_sharding")
+    return variable.replace(NamedSharding(mesh, logical_to_spec(names, variable.shape, rules, mesh)))
+
+  return jax.tree.map(sharding, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+  """Sharding of a batch array: axis 0 over the `batch` rule's mesh axes, the rest replicated."""
+  axes = _rule_axes(rules, "batch")
+  return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+
+
+def process_rows(sharding: NamedSharding, global_batch_size: int) -> tuple[int, int]:
+  """[start, stop) of the global batch rows held by this process's devices (must be contiguous)."""
+  index_map = sharding.addressable_devices_indices_map((global_batch_size,))
+  starts = sorted({idx[0].start or 0 for idx in index_map.values()})
+  stops = sorted({global_batch_size if idx[0].stop is None else idx[0].stop for idx in index_map.values()})
+  start, stop = starts[0], stops[-1]
+  covered = sum(b - a for a, b in zip(starts, stops))
+  if covered != stop - start:
+    raise ValueError(f"this process's batch rows are not contiguous: starts {starts}, stops {stops}")
+  return start, stop
+
+
+def global_batch(local_batch: dict, mesh: Mesh, rules, global_batch_size: int) -> dict:
+  """Assembles each process's rows into global jax.Arrays sharded over (data, fsdp)."""
+  sharding = batch_sharding(mesh, rules)
+
+  def make(array):
+    array = np.asarray(array)
+    shape = (global_batch_size,) + array.shape[1:]
+    return jax.make_array_from_process_local_data(sharding, array, shape)
+
+  return jax.tree.map(make, local_batch)

@@ -1,0 +1,123 @@
+"""The task interface: what a job plugs into the training loop, and the registry of tasks by name.
+
+A task owns everything problem-specific: its config checks, its model, its batches, its loss and
+metrics, and what inference means. The loop (`xattn_jax.training.loop`) owns everything else:
+optimizer, jit, sharding, checkpoints, logging. Data flows one way: config -> task -> model -> loop.
+
+To add a task, subclass `Task` and register it:
+
+    @tasks.register("translate")
+    class TranslateTask(tasks.Task):
+      ...
+
+and make sure its module is imported: either add `"translate": "xattn_jax.models.translate_task"`
+to `TASK_MODULES` below (imported lazily, only when that name is asked for), or name the class
+directly in config as `task.name = "some.module:TranslateTask"`.
+
+The contract (all shapes are per process unless said otherwise; B = config.batch_size is global):
+
+- `validate(config)` (classmethod): raise `validation.ConfigError(field, value, allowed)` for any
+  task field that is wrong, BEFORE anything is built. Check data files exist here. No JAX calls.
+- `__init__(config, workdir)`: host-side setup (read data, train or load a tokenizer into the
+  workdir). Runs on every process.
+- `make_model(rngs, *, dtype, param_dtype) -> nnx.Module`: parameters annotated with logical axis
+  names (`nnx.with_partitioning`) from {"embed", "heads", "kv", "mlp", "vocab", "length", None};
+  `dtype` is the compute dtype, `param_dtype` the storage dtype.
+- `train_batch(step, *, process_index, process_count) -> dict[str, np.ndarray]`: rows
+  `[p * B/P, (p+1) * B/P)` of the global batch number `step` (0-based), a pure function of
+  (config.seed, step, process_index, process_count). The step IS the data position: resume is exact.
+  Every array has the batch on axis 0.
+- `loss(model, batch, *, rngs) -> (loss, aux)`: traced inside the jitted train step; `loss` a float32
+  scalar (mean over the global batch), `aux` a dict of float32 scalars logged as `train/<name>`.
+  `rngs` is an `nnx.Rngs(dropout=...)` derived from (seed, step).
+- `eval_batches(*, process_index, process_count) -> Iterable[dict[str, np.ndarray]]`: this process's
+  rows of each global eval batch (size config.eval_batch_size, same row split as train_batch); every
+  eval example once, the last batch padded with rows whose weight is 0. Every process yields the same
+  number of batches.
+- `eval_metrics(model, batch) -> dict[str, (sum, weight)]`: traced; the loop sums both parts over
+  all batches and logs `eval/<name>` = total sum / total weight.
+- `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
+  of generated text); logged as `eval/<name>`. Default: none.
+- `infer(model, lines: list[str]) -> list[str]`: one output line per input line.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar, Iterable
+
+import numpy as np
+
+_REGISTRY: dict[str, type["Task"]] = {}
+
+# Short names whose module is imported on first use (so importing this file stays cheap).
+TASK_MODULES = {
+    "toy_reverse": "xattn_jax.training.toy_reverse",
+}
+
+
+class Task:
+  """Base class of a task; see the module docstring for the contract."""
+
+  name: ClassVar[str] = ""
+
+  def __init__(self, config, workdir: str | None = None):
+    self.config = config
+    self.workdir = workdir
+
+  @classmethod
+  def validate(cls, config) -> None:
+    """Raises validation.ConfigError for an invalid task-specific field."""
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    raise NotImplementedError
+
+  def train_batch(self, step: int, *, process_index: int, process_count: int) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+  def loss(self, model, batch, *, rngs) -> tuple[Any, dict[str, Any]]:
+    raise NotImplementedError
+
+  def eval_batches(self, *, process_index: int, process_count: int) -> Iterable[dict[str, np.ndarray]]:
+    raise NotImplementedError
+
+  def eval_metrics(self, model, batch) -> dict[str, tuple[Any, Any]]:
+    raise NotImplementedError
+
+  def extra_eval(self, model) -> dict[str, float]:
+    return {}
+
+  def infer(self, model, lines: list[str]) -> list[str]:
+    raise NotImplementedError
+
+
+def register(name: str):
+  """Class decorator: makes a Task subclass available as `config.task.name = name`."""
+  def wrap(cls):
+    cls.name = name
+    _REGISTRY[name] = cls
+    return cls
+  return wrap
+
+
+def allowed_names() -> list[str]:
+  return sorted(set(_REGISTRY) | set(TASK_MODULES))
+
+
+def get_task_class(name: str) -> type[Task]:
+  """The Task class for a registered short name or a "package.module:ClassName" path.
+
+  Raises KeyError (with the allowed names) for an unknown name.
+  """
+  if name not in _REGISTRY and name in TASK_MODULES:
+    importlib.import_module(TASK_MODULES[name])
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  module_name, colon, class_name = name.partition(":")
+  if colon:
+    try:
+      cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+      cls = None
+    if isinstance(cls, type) and issubclass(cls, Task):
+      return cls
+  raise KeyError(f"allowed are {allowed_names()} or 'package.module:TaskClass'")

@@ -1,0 +1,206 @@
+"""Toy task: reverse strings of lowercase letters with a tiny bidirectional transformer.
+
+Tokens: 0 = padding, 1..26 = 'a'..'z'. An example of length n (padded to task.max_length) has
+targets[i] = inputs[n - 1 - i] for i < n and 0 after. The model tags every position at once, so
+inference is one forward pass. Small enough to train in seconds: the template and test bed for the
+training loop.
+"""
+from __future__ import annotations
+
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xattn_jax.ops import attention as attention_ops
+from xattn_jax.ops import masks as masks_lib
+from xattn_jax.ops import positions as positions_lib
+from xattn_jax.training import layer_stack, optim, tasks, validation
+
+ALPHABET = string.ascii_lowercase
+VOCAB_SIZE = len(ALPHABET) + 1
+POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope")
+MODELS = ("reverser",)
+_TRAIN_STREAM, _EVAL_STREAM = 0, 1
+
+
+def _init(names, init=nnx.initializers.lecun_normal()):
+  return nnx.with_partitioning(init, names)
+
+
+class ReverserBlock(nnx.Module):
+  """Pre-LayerNorm bidirectional self-attention + MLP, each with a residual."""
+
+  def __init__(self, d_model, num_heads, mlp_dim, *, posenc, rotary_dim, dtype, param_dtype, rngs):
+    def linear(n_in, n_out, names):
+      return nnx.Linear(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
+                        rngs=rngs)
+
+    self.num_heads = num_heads
+    self.posenc = posenc
+    self.rotary_dim = rotary_dim
+    self.attention_norm = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.query = linear(d_model, d_model, ("embed", "heads"))
+    self.key = linear(d_model, d_model, ("embed", "heads"))
+    self.value = linear(d_model, d_model, ("embed", "heads"))
+    self.out = linear(d_model, d_model, ("heads", "embed"))
+    self.mlp_norm = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp_in = linear(d_model, mlp_dim, ("embed", "mlp"))
+    self.mlp_out = linear(mlp_dim, d_model, ("mlp", "embed"))
+
+  def _heads(self, x):
+    b, t, d = x.shape
+    return x.reshape(b, t, self.num_heads, d // self.num_heads)  # -> [b, t, heads, head_dim]
+
+  def _rotate(self, x, positions):
+    if self.posenc != "rope":
+      return x
+    head_dim = x.shape[-1]
+    rotary_dim = self.rotary_dim or head_dim
+    rotated = positions_lib.apply_rope(x[..., :rotary_dim], positions)
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+  def __call__(self, x, mask, positions):
+    """x [b, t, d_model], mask [b, 1, 1, t] (True = real token), positions [b, t] -> [b, t, d_model]."""
+    h = self.attention_norm(x)
+    q = self._rotate(self._heads(self.query(h)), positions)
+    k = self._rotate(self._heads(self.key(h)), positions)
+    v = self._heads(self.value(h))
+    attended = attention_ops.dot_product_attention(q, k, v, mask=mask)  # [b, t, heads, head_dim]
+    x = x + self.out(attended.reshape(x.shape))
+    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class Reverser(nnx.Module):
+  """Embedding + position encoding -> stacked ReverserBlocks -> LayerNorm -> logits [b, t, vocab]."""
+
+  def __init__(self, model_config, max_length, *, dtype, param_dtype, rngs):
+    c = model_config
+    self.posenc = c.posenc
+    self.scan_layers = c.scan_layers
+    self.remat = c.remat
+    self.dtype = dtype
+    self.embed = nnx.Embed(VOCAB_SIZE, c.d_model, embedding_init=_init(("vocab", "embed"),
+                                                                       nnx.initializers.normal(1.0)),
+                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if c.posenc == "learned":
+      self.position_table = nnx.Param(_init(("length", "embed"), nnx.initializers.normal(0.02))(
+          rngs.params(), (max_length, c.d_model), param_dtype))
+    self.blocks = layer_stack.create_stack(
+        lambda r: ReverserBlock(c.d_model, c.num_heads, c.mlp_dim, posenc=c.posenc,
+                                rotary_dim=c.rotary_dim, dtype=dtype, param_dtype=param_dtype, rngs=r),
+        c.num_layers, rngs)
+    self.final_norm = nnx.LayerNorm(c.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.logits = nnx.Linear(c.d_model, VOCAB_SIZE, kernel_init=_init(("embed", "vocab")),
+                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, tokens):
+    """tokens [b, t] int (0 = padding) -> logits [b, t, vocab]."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    x = self.embed(tokens)  # [b, t, d_model]
+    if self.posenc == "learned":
+      x = x + self.position_table[...][:t].astype(x.dtype)
+    elif self.posenc == "sinusoidal":
+      x = x + positions_lib.sinusoidal(positions, x.shape[-1]).astype(x.dtype)
+    mask = masks_lib.padding_mask(tokens != 0)  # [b, 1, 1, t]
+    x = layer_stack.apply_stack(self.blocks, x, mask, positions, scan=self.scan_layers,
+                                remat=self.remat)
+    return self.logits(self.final_norm(x))
+
+
+def encode(text: str, max_length: int) -> np.ndarray:
+  if not text or any(ch not in ALPHABET for ch in text) or len(text) > max_length:
+    raise ValueError(f"toy_reverse input {text!r}: needs 1 to {max_length} letters a-z")
+  return np.array([ALPHABET.index(ch) + 1 for ch in text], np.int32)
+
+
+def decode(ids) -> str:
+  return "".join(ALPHABET[i - 1] for i in ids if i > 0)
+
+
+@tasks.register("toy_reverse")
+class ToyReverseTask(tasks.Task):
+  """Reverse random letter strings (see the module docstring)."""
+
+  @classmethod
+  def validate(cls, config):
+    validation.require_choice(config, "model.name", MODELS)
+    validation.require_choice(config, "model.posenc", POSITION_ENCODINGS)
+    validation.require_positive(config, "model.num_layers", "model.mlp_dim", "task.min_length",
+                                "task.max_length", "task.num_eval_examples")
+    if config.task.min_length > config.task.max_length:
+      raise validation.ConfigError("task.min_length", config.task.min_length,
+                                   f"must be <= task.max_length={config.task.max_length}")
+    if not 0.0 <= config.task.label_smoothing < 1.0:
+      raise validation.ConfigError("task.label_smoothing", config.task.label_smoothing, "must be in [0, 1)")
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    return Reverser(self.config.model, self.config.task.max_length, dtype=dtype,
+                    param_dtype=param_dtype, rngs=rngs)
+
+  def _examples(self, stream: int, index: int, count: int) -> dict[str, np.ndarray]:
+    """`count` random examples, a pure function of (seed, stream, index)."""
+    task = self.config.task
+    rng = np.random.default_rng([self.config.seed, stream, index])
+    lengths = rng.integers(task.min_length, task.max_length + 1, size=count)
+    letters = rng.integers(1, VOCAB_SIZE, size=(count, task.max_length), dtype=np.int32)
+    valid = np.arange(task.max_length)[None, :] < lengths[:, None]  # [count, max_length]
+    inputs = np.where(valid, letters, 0).astype(np.int32)
+    # Position i of the target reads position n - 1 - i of the input.
+    source_index = np.clip(lengths[:, None] - 1 - np.arange(task.max_length)[None, :], 0, None)
+    targets = np.where(valid, np.take_along_axis(inputs, source_index, axis=1), 0).astype(np.int32)
+    return {"inputs": inputs, "targets": targets, "weights": np.ones(count, np.float32)}
+
+  def train_batch(self, step, *, process_index, process_count):
+    size = self.config.batch_size // process_count
+    batch = self._examples(_TRAIN_STREAM, step, self.config.batch_size)
+    return {k: v[process_index * size:(process_index + 1) * size] for k, v in batch.items()}
+
+  def _token_losses(self, model, batch):
+    logits = model(batch["inputs"])  # [b, t, vocab]
+    token_weights = (batch["targets"] != 0) * batch["weights"][:, None]  # [b, t]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], token_weights,
+                                               self.config.task.label_smoothing)
+    return logits, token_weights, loss_sum, weight_sum
+
+  def loss(self, model, batch, *, rngs):
+    _, _, loss_sum, weight_sum = self._token_losses(model, batch)
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+
+  def eval_batches(self, *, process_index, process_count):
+    total = self.config.task.num_eval_examples
+    size = self.config.eval_batch_size
+    examples = self._examples(_EVAL_STREAM, 0, total)
+    local = size // process_count
+    for start in range(0, total, size):
+      batch = {}
+      for key, array in examples.items():
+        chunk = array[start:start + size]
+        pad = [(0, size - len(chunk))] + [(0, 0)] * (array.ndim - 1)
+        batch[key] = np.pad(chunk, pad)  # padded rows have weight 0
+      yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
+
+  def eval_metrics(self, model, batch):
+    logits, token_weights, loss_sum, weight_sum = self._token_losses(model, batch)
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (token_weights == 0)  # [b, t]
+    return {
+        "loss": (loss_sum, weight_sum),
+        "token_accuracy": (jnp.sum(correct * token_weights), weight_sum),
+        "exact_match": (jnp.sum(jnp.all(correct, axis=-1) * batch["weights"]), jnp.sum(batch["weights"])),
+    }
+
+  def infer(self, model, lines):
+    """Each line (letters a-z) reversed by the model."""
+    max_length = self.config.task.max_length
+    inputs = np.zeros((len(lines), max_length), np.int32)
+    for row, line in enumerate(lines):
+      try:
+        ids = encode(line.strip(), max_length)
+      except ValueError as e:
+        raise ValueError(f"input line {row + 1}: {e}") from None
+      inputs[row, :len(ids)] = ids
+    predictions = np.asarray(jnp.argmax(nnx.jit(lambda m, x: m(x))(model, inputs), axis=-1))
+    return [decode(pred[:np.count_nonzero(ids)]) for pred, ids in zip(predictions, inputs)]

@@ -1,0 +1,165 @@
+"""Config checks that run before anything is compiled or allocated.
+
+Every failure is a `ConfigError` whose one-line message names the config field, the value it got and
+what is allowed; `launch.py` prints it to stderr and exits with status 2. The checks here cover what
+every job shares; each task adds its own through `Task.validate(config)`, and the attention-shape
+checks below run over `config.model` and every sub-dict of it (encoder / decoder / reader).
+"""
+from __future__ import annotations
+
+import os
+
+from ml_collections import ConfigDict
+
+from xattn_jax.training import tasks as tasks_lib
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "rsqrt", "constant")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ROTARY_ENCODINGS = ("rope", "rope_2d", "mrope")
+
+
+class ConfigError(ValueError):
+  """An invalid config field: `config.<field>=<value>: <what is allowed>`."""
+
+  def __init__(self, field: str, value, allowed: str):
+    super().__init__(f"config.{field}={value!r}: {allowed}")
+    self.field = field
+    self.value = value
+
+
+def _get(config, field: str):
+  node = config
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+def require_positive(config, *fields: str, allow_zero: bool = False):
+  for field in fields:
+    value = _get(config, field)
+    if not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
+      raise ConfigError(field, value, "must be a " + ("non-negative" if allow_zero else "positive")
+                        + " integer")
+
+
+def require_choice(config, field: str, allowed):
+  value = _get(config, field)
+  if value not in allowed:
+    raise ConfigError(field, value, f"allowed are {sorted(allowed)}")
+
+
+def require_file(field: str, path: str):
+  """For tasks: a data file named by `field` must exist before training starts."""
+  if not path or not os.path.isfile(path):
+    raise ConfigError(field, path, "no such file")
+
+
+def _check_mesh_sizes(mesh_config) -> dict[str, int]:
+  sizes = {axis: mesh_config[axis] for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    if not isinstance(size, int) or (size < 1 and size != -1):
+      raise ConfigError(f"mesh.{axis}", size, "must be a positive integer or -1 (the rest)")
+  free = [axis for axis, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ConfigError(f"mesh.{free[1]}", -1, f"only one mesh axis may be -1, got {free}")
+  return sizes
+
+
+def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
+  """Resolves -1 in the mesh sizes against the device count; raises ConfigError if they do not fit."""
+  sizes = _check_mesh_sizes(mesh_config)
+  free = [axis for axis, size in sizes.items() if size == -1]
+  fixed = 1
+  for size in sizes.values():
+    fixed *= size if size != -1 else 1
+  if free:
+    if device_count % fixed:
+      raise ConfigError(f"mesh.{free[0]}", -1,
+                        f"the other axes ({fixed} devices) do not divide the {device_count} devices")
+    sizes[free[0]] = device_count // fixed
+  elif fixed != device_count:
+    raise ConfigError("mesh", dict(sizes), f"needs {fixed} devices, but {device_count} are available")
+  return sizes
+
+
+def check_attention_dims(model_config, prefix: str = "model"):
+  """d_model divisible by num_heads; even rotary dims; mrope sections adding up to rotary_dim / 2."""
+  fields = model_config.keys()
+  if "d_model" in fields and "num_heads" in fields:
+    d_model, num_heads = model_config.d_model, model_config.num_heads
+    if not isinstance(num_heads, int) or num_heads < 1:
+      raise ConfigError(f"{prefix}.num_heads", num_heads, "must be a positive integer")
+    if d_model % num_heads:
+      raise ConfigError(f"{prefix}.d_model", d_model,
+                        f"must be divisible by {prefix}.num_heads={num_heads}")
+    head_dim = model_config.get("head_dim", 0) or d_model // num_heads
+    if model_config.get("posenc", "") in ROTARY_ENCODINGS:
+      rotary_dim = model_config.get("rotary_dim", 0) or head_dim
+      field = f"{prefix}.rotary_dim" if model_config.get("rotary_dim", 0) else f"{prefix}.d_model"
+      multiple = 4 if model_config.posenc == "rope_2d" else 2
+      if rotary_dim % multiple or rotary_dim > head_dim:
+        raise ConfigError(field, model_config.get(field.rsplit(".", 1)[1]),
+                          f"rotary dimension {rotary_dim} must be a multiple of {multiple} and at "
+                          f"most head_dim={head_dim} ({model_config.posenc})")
+      if model_config.posenc == "mrope":
+        sections = tuple(model_config.get("mrope_sections", ()))
+        if len(sections) != 3 or sum(sections) != rotary_dim // 2:
+          raise ConfigError(f"{prefix}.mrope_sections", sections,
+                            f"needs 3 sections (time, height, width) summing to rotary_dim / 2 = "
+                            f"{rotary_dim // 2} frequency pairs")
+  if "remat" in fields:
+    if model_config.remat not in REMAT_POLICIES:
+      raise ConfigError(f"{prefix}.remat", model_config.remat, f"allowed are {list(REMAT_POLICIES)}")
+  for key in fields:
+    if isinstance(model_config[key], ConfigDict):
+      check_attention_dims(model_config[key], f"{prefix}.{key}")
+
+
+def validate_config(config, *, mode: str = "train", device_count: int | None = None,
+                    process_count: int = 1):
+  """Checks the shared fields, then the model's attention shapes, then the task's own fields.
+
+  With `device_count` (known only after jax.distributed.initialize) the mesh is checked too.
+  """
+  if mode not in ("train", "eval", "infer"):
+    raise ConfigError("mode", mode, "allowed are ['eval', 'infer', 'train']")
+  try:
+    task_class = tasks_lib.get_task_class(config.task.name)
+  except KeyError as e:
+    raise ConfigError("task.name", config.task.name, e.args[0]) from None
+  require_positive(config, "total_steps", "batch_size", "eval_batch_size", "log_every_steps",
+                   "eval_every_steps", "checkpoint.every_steps", "checkpoint.keep")
+  require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
+  require_choice(config, "optimizer.name", OPTIMIZERS)
+  require_choice(config, "optimizer.schedule", SCHEDULES)
+  if not config.optimizer.learning_rate > 0:
+    raise ConfigError("optimizer.learning_rate", config.optimizer.learning_rate, "must be > 0")
+  require_choice(config, "checkpoint.best_mode", ("min", "max"))
+  require_choice(config, "precision.param_dtype", DTYPES)
+  require_choice(config, "precision.compute_dtype", DTYPES)
+  for name, axes in config.sharding_rules.items():
+    for axis in filter(None, axes.split(",")):
+      if axis.strip() not in MESH_AXES:
+        raise ConfigError(f"sharding_rules.{name}", axes,
+                          f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
+  if config.init_from and not os.path.isdir(config.init_from):
+    raise ConfigError("init_from", config.init_from, "no such checkpoint directory")
+  if mode == "infer" and config.infer.input_file != "-":
+    require_file("infer.input_file", config.infer.input_file)
+  if config.batch_size % process_count:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"must be divisible by the number of processes ({process_count})")
+  if device_count is not None:
+    sizes = mesh_shape(config.mesh, device_count)
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    for field in ("batch_size", "eval_batch_size"):
+      if config[field] % batch_shards:
+        raise ConfigError(field, config[field],
+                          f"must be divisible by mesh data x fsdp = {batch_shards}")
+  else:
+    _check_mesh_sizes(config.mesh)
+  check_attention_dims(config.model)
+  task_class.validate(config)
