@@ -198,6 +198,22 @@ def test_mrope_with_equal_axes_equals_1d_rope():
                              atol=1e-6)
 
 
+def test_mrope_matches_qwen2_vl_torch_formulation():
+  torch = pytest.importorskip("torch")
+  x = _normal(22, (1, 9, 2, 16))
+  positions = P.mrope_position_ids([[("text", 2), ("image", (1, 2, 2)), ("text", 3)]])  # [3, 1, 9]
+  sections = (2, 3, 3)
+  inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+  angles = torch.tensor(positions, dtype=torch.float64)[..., None] * inv_freq  # [3, b, t, 8]
+  cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [3, b, t, 16]
+  # Qwen2-VL: split cos/sin into mrope_section * 2 chunks, chunk i reads axis i % 3.
+  cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(list(sections) * 2, dim=-1))], -1)[:, :, None]
+  sin = torch.cat([c[i % 3] for i, c in enumerate(sin.split(list(sections) * 2, dim=-1))], -1)[:, :, None]
+  xt = torch.tensor(np.asarray(x), dtype=torch.float64)
+  rotate_half = torch.cat([-xt[..., 8:], xt[..., :8]], -1)
+  np.testing.assert_allclose(mrope(x, positions, sections), (xt * cos + rotate_half * sin).numpy(), atol=1e-5)
+
+
 def test_mrope_width_positions_move_only_the_width_section():
   x = _normal(15, (1, 4, 2, 16))
   positions = jnp.stack([jnp.arange(4)[None]] * 3)  # [3, 1, 4]
@@ -313,10 +329,11 @@ def test_bilinear_resize_of_a_linear_table_stays_linear(old_grid, new_grid):
 
 
 @pytest.mark.parametrize("method", ["bilinear", "bicubic"])
-def test_resize_with_aligned_corners_keeps_corner_cells(method):
-  table = _normal(18, (4 * 5, 3)).reshape(4, 5, 3)
-  resized = resize(table.reshape(20, 3), (4, 5), (9, 6), method).reshape(9, 6, 3)
-  np.testing.assert_allclose(resized[::8, ::5], table[::3, ::4], atol=1e-5)
+def test_resize_to_refined_grid_keeps_values_at_original_grid_points(method):
+  # With aligned corners, a (h, w) -> (2h - 1, 2w - 1) resize puts every other new cell on an old cell.
+  table = _normal(18, (3 * 4, 5))
+  resized = resize(table, (3, 4), (5, 7), method).reshape(5, 7, 5)
+  np.testing.assert_allclose(resized[::2, ::2], table.reshape(3, 4, 5), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,9 +96,9 @@ def learned_lookup(table, positions) -> jax.Array:
   their static length.
   """
   table = jnp.asarray(table)
-  if table.ndim != 2:
-    raise ValueError(f"learned_lookup: table must be [max_len, dim], got shape {list(table.shape)}")
-  positions = jnp.asarray(positions) if not isinstance(positions, jax.core.Tracer) else positions
+  if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
+    raise ValueError(f"learned_lookup: table must be a float [max_len, dim], got {table.dtype}{list(table.shape)}")
+  positions = jnp.asarray(positions)
   if not jnp.issubdtype(positions.dtype, jnp.integer):
     raise ValueError(f"learned_lookup: positions must be integers, got dtype {positions.dtype}")
   table_size = table.shape[0]
@@ -170,7 +170,7 @@ def _rotate(x, angles, layout: str):
 
 def _check_rope_input(x, rotary_dim, layout, function: str, multiple_of: int = 2):
   """Validates x [..., length, heads, head_dim] and returns the number of rotated channels."""
-  x = jnp.asarray(x) if not isinstance(x, jax.core.Tracer) else x
+  x = jnp.asarray(x)
   if x.ndim < 3 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{function}: x must be a float array [batch, length, heads, head_dim], "
                      f"got {x.dtype}{list(x.shape)}")
@@ -370,7 +370,7 @@ def resize_2d_table(table, old_grid: tuple[int, int], new_grid: tuple[int, int],
   so a table linear in (row, column) stays linear under bilinear resizing; align_corners=False
   uses half-pixel centers with antialiased downsampling (jax.image.resize, as timm).
   """
-  table = jnp.asarray(table) if not isinstance(table, jax.core.Tracer) else table
+  table = jnp.asarray(table)
   _check_choice(method, RESIZE_METHODS, "resize_2d_table", "method")
   grids = {}
   for name, grid in (("old_grid", old_grid), ("new_grid", new_grid)):

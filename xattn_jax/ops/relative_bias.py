@@ -101,7 +101,7 @@ def t5_relative_bias(query_positions, key_positions, table, *, bidirectional: bo
                      max_distance: int = 128) -> jax.Array:
   """T5 relative bias: table [num_buckets, heads] read at the bucket of key - query: [batch, heads, q, kv]."""
   query_positions, key_positions = _pair_positions(query_positions, key_positions, "t5_relative_bias")
-  table = jnp.asarray(table) if not isinstance(table, jax.core.Tracer) else table
+  table = jnp.asarray(table)
   if table.ndim != 2:
     raise ValueError(f"t5_relative_bias: table must be [num_buckets, heads], got shape {list(table.shape)}")
   relative = (key_positions[:, None, :] - query_positions[:, :, None]).astype(jnp.int32)  # [batch, q, kv]
