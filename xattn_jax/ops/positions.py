@@ -10,7 +10,6 @@ Relative position biases (ALiBi, T5 buckets) live in `xattn_jax.ops.relative_bia
 from __future__ import annotations
 
 from collections.abc import Sequence
-import math
 
 import chex
 import einops
@@ -344,7 +343,7 @@ def fourier_features(coords, num_bands: int, max_resolution, concat_pos: bool = 
   """
   coords = _as_positions(coords, "fourier_features", "coords")
   if coords.ndim < 1:
-    raise ValueError(f"fourier_features: coords must be [..., d], got a scalar")
+    raise ValueError(f"fourier_features: coords must be [..., d], got shape {list(coords.shape)}")
   num_axes = coords.shape[-1]
   num_bands = _check_positive_int(num_bands, "fourier_features", "num_bands")
   resolution = (max_resolution,) * num_axes if np.ndim(max_resolution) == 0 else tuple(max_resolution)
