@@ -258,6 +258,10 @@ class MultiHeadAttention(nnx.Module):
     then clamp the write and overwrite the newest rows, so instead the output is set to NaN, which
     makes a decode past capacity impossible to miss.
     """
+    if self.kv_features != self.in_features:
+      raise ValueError(
+          f"MultiHeadAttention.extend: self-attention needs kv_features == in_features, got "
+          f"kv_features={self.kv_features}, in_features={self.in_features}")
     _check_features("x", x, self.in_features)
     batch, length = x.shape[:2]
     expected = (batch, cache.keys.shape[1], self.num_kv_heads, self.head_dim)

@@ -1,0 +1,227 @@
+"""Properties of the MultiHeadAttention layer: equivariance, causality, cross-attention, caches, validation.
+
+Speed: eager JAX compiles every op for every new shape, which is slow on a loaded 2-core box, so
+inputs are numpy, layers are built once per configuration and every pass runs under one jit.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xattn_jax.layers.attention import KVCache, MultiHeadAttention
+from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.ops import masks as masks_lib
+
+
+def _normal(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@functools.cache
+def _layer(num_heads=4, in_features=16, kv_features=None, seed=0, **options):
+  return MultiHeadAttention(num_heads, in_features, kv_features, rngs=nnx.Rngs(seed), **options)
+
+
+@functools.partial(nnx.jit, static_argnames=("method", "is_causal", "deterministic"))
+def _run(layer, *args, method="__call__", is_causal=None, deterministic=None, **kwargs):
+  """layer.method(*args, **kwargs) under jit; the static flags are passed only when given."""
+  for name, flag in (("is_causal", is_causal), ("deterministic", deterministic)):
+    if flag is not None:
+      kwargs[name] = flag
+  return getattr(layer, method)(*args, **kwargs)
+
+
+def _decode_in_pieces(layer, x, prompt_length, max_length):
+  """Pre-fills x[:, :prompt_length] then feeds the rest one token at a time."""
+  cache = layer.init_cache(x.shape[0], max_length)
+  out, cache = _run(layer, x[:, :prompt_length], cache, method="extend")
+  outs = [out]
+  for i in range(prompt_length, x.shape[1]):
+    out, cache = _run(layer, x[:, i:i + 1], cache, method="extend")
+    outs.append(out)
+  return jnp.concatenate(outs, axis=1), cache
+
+
+@settings(max_examples=4, deadline=None)
+@given(length=st.sampled_from([3, 6]), seed=st.integers(0, 2**16))
+def test_self_attention_without_positions_is_permutation_equivariant(length, seed):
+  layer = _layer()
+  x = _normal(seed, (2, length, 16))
+  permutation = np.random.default_rng(seed).permutation(length)
+  np.testing.assert_allclose(_run(layer, x[:, permutation]), _run(layer, x)[:, permutation], atol=1e-5)
+
+
+def test_rotary_self_attention_is_not_permutation_equivariant():
+  layer = _layer(rotary=RotarySpec())
+  x = _normal(1, (2, 6, 16))
+  permutation = np.array([1, 0, 2, 3, 5, 4])
+  assert not np.allclose(_run(layer, x[:, permutation]), _run(layer, x)[:, permutation], atol=1e-3)
+
+
+def test_causal_output_is_unchanged_except_last_when_last_token_changes():
+  layer = _layer(rotary=RotarySpec())
+  x = _normal(2, (2, 6, 16))
+  changed = x.copy()
+  changed[:, -1] = _normal(3, (2, 16))
+  before, after = _run(layer, x, is_causal=True), _run(layer, changed, is_causal=True)
+  np.testing.assert_array_equal(before[:, :-1], after[:, :-1])
+  assert np.all(np.abs(before[:, -1] - after[:, -1]).max(axis=-1) > 1e-4)
+
+
+def test_causal_gradient_of_output_wrt_later_input_is_exactly_zero():
+  layer = _layer(num_kv_heads=2)
+  x = _normal(4, (1, 6, 16))
+  # jacobian[t, f, s, g] = d out[0, t, f] / d x[0, s, g]
+  jacobian = nnx.jit(lambda layer, x: jax.jacrev(lambda x: layer(x, is_causal=True)[0])(x)[:, :, 0])(layer, x)
+  influence = np.abs(np.asarray(jacobian)).sum(axis=(1, 3))  # [t, s]
+  assert np.all(influence[np.triu_indices(6, k=1)] == 0.0)
+  assert np.all(influence[np.tril_indices(6)] > 0.0)
+
+
+@pytest.mark.parametrize("kv_features", [64, 256])
+def test_cross_attention_returns_one_row_per_query_whatever_the_keys(kv_features):
+  layer = _layer(kv_features=kv_features)
+  for kv_length in (1, 9):
+    chex.assert_shape(_run(layer, _normal(5, (2, 6, 16)), _normal(6, (2, kv_length, kv_features))), (2, 6, 16))
+
+
+def test_cross_attention_weight_rows_sum_to_one():
+  layer = _layer(kv_features=24)
+  weights = _run(layer, _normal(7, (2, 6, 16)), _normal(8, (2, 9, 24)), method="attention_weights")
+  chex.assert_shape(weights, (2, 4, 6, 9))
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+
+
+def test_cross_attention_ignores_padded_keys():
+  layer = _layer(kv_features=24)
+  x_q, x_kv = _normal(9, (2, 6, 16)), _normal(10, (2, 9, 24))
+  mask = masks_lib.padding_mask(np.arange(9)[None, :] < np.array([[9], [6]]))  # item 1: last 3 keys padded
+  changed = x_kv.copy()
+  changed[1, 6:] = _normal(11, (3, 24))
+  np.testing.assert_array_equal(_run(layer, x_q, x_kv, mask=mask), _run(layer, x_q, changed, mask=mask))
+  weights = _run(layer, x_q, x_kv, mask=mask, method="attention_weights")
+  assert np.all(weights[1, :, :, 6:] == 0.0)
+
+
+def test_call_with_memory_equals_attend_to_projected_memory():
+  layer = _layer(kv_features=24, num_kv_heads=2)
+  x_q, x_kv = _normal(12, (2, 6, 16)), _normal(13, (2, 9, 24))
+  attend = nnx.jit(lambda layer, x_q, x_kv: layer.attend(x_q, layer.project_memory(x_kv)))
+  np.testing.assert_array_equal(_run(layer, x_q, x_kv), attend(layer, x_q, x_kv))
+
+
+@pytest.mark.parametrize("rotary", [None, RotarySpec(), RotarySpec(layout="interleaved")])
+def test_cached_decode_equals_full_causal_pass(rotary):
+  layer = _layer(num_kv_heads=2, rotary=rotary)
+  x = _normal(14, (2, 6, 16))
+  decoded, cache = _decode_in_pieces(layer, x, prompt_length=3, max_length=8)
+  np.testing.assert_allclose(decoded, _run(layer, x, is_causal=True), atol=1e-5)
+  assert int(cache.index) == 6
+
+
+def test_cached_prefill_with_key_padding_equals_full_pass_with_padding():
+  layer = _layer(rotary=RotarySpec())
+  x = _normal(15, (2, 6, 16))
+  valid = np.array([[True] * 6, [False, False] + [True] * 4])  # item 1 left-padded by 2
+  full = _run(layer, x, mask=masks_lib.padding_mask(valid), is_causal=True)
+  cache_valid = np.pad(valid, ((0, 0), (0, 2)), constant_values=True)  # [b, max_length]
+  out, _ = _run(layer, x, layer.init_cache(2, 8), mask=masks_lib.padding_mask(cache_valid), method="extend")
+  np.testing.assert_allclose(out, full, atol=1e-5)
+
+
+def test_extend_past_capacity_raises_with_concrete_index():
+  layer = _layer()
+  full_cache = KVCache(**{**vars(layer.init_cache(2, 8)), "index": jnp.array(5, jnp.int32)})
+  with pytest.raises(ValueError, match="max_length=8"):
+    layer.extend(_normal(16, (2, 6, 16)), full_cache)
+
+
+def test_extend_past_capacity_under_jit_returns_nan():
+  layer = _layer()
+  cache = layer.init_cache(2, 8)
+  out, cache = _run(layer, _normal(17, (2, 6, 16)), cache, method="extend")
+  assert np.all(np.isfinite(out))
+  out, _ = _run(layer, _normal(18, (2, 6, 16)), cache, method="extend")
+  assert np.all(np.isnan(out))
+
+
+def test_init_cache_is_empty_with_declared_shapes():
+  cache = _layer(num_kv_heads=2).init_cache(3, 5, dtype=jnp.bfloat16)
+  assert isinstance(cache, KVCache)
+  chex.assert_shape([cache.keys, cache.values], (3, 5, 2, 4))
+  assert cache.keys.dtype == jnp.bfloat16 and int(cache.index) == 0
+
+
+def test_jit_and_grad_do_not_retrace_on_second_call():
+  graphdef, params, rest = nnx.split(_layer(kv_features=24), nnx.Param, ...)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def loss_grad(params, x_q, x_kv):
+    return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x_q, x_kv) ** 2))(params)
+
+  for seed in (21, 22):
+    grads = loss_grad(params, _normal(seed, (2, 6, 16)), _normal(seed + 1, (2, 9, 24)))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_compute_dtype_is_bfloat16_while_params_stay_float32():
+  layer = _layer(dtype=jnp.bfloat16)
+  assert _run(layer, _normal(23, (2, 6, 16))).dtype == jnp.bfloat16
+  assert layer.query.kernel[...].dtype == jnp.float32
+
+
+def test_params_carry_logical_axis_names():
+  specs = nnx.get_partition_spec(nnx.state(_layer(kv_features=24), nnx.Param))
+  assert tuple(specs["query"]["kernel"].get_value()) == ("embed", "heads")
+  assert tuple(specs["key"]["kernel"].get_value()) == ("embed", "kv")
+  assert tuple(specs["out"]["kernel"].get_value()) == ("heads", "embed")
+
+
+def test_attention_dropout_is_active_only_when_not_deterministic():
+  layer = MultiHeadAttention(4, 16, dropout_rate=0.5, rngs=nnx.Rngs(0))
+  x = _normal(24, (2, 6, 16))
+  np.testing.assert_allclose(_run(layer, x), _run(_layer(), x), atol=1e-6)  # same init seed, no dropout
+  assert not np.allclose(_run(layer, x, deterministic=False), _run(layer, x), atol=1e-4)
+
+
+@pytest.mark.parametrize("options, argument", [
+    (dict(num_heads=4, in_features=16, num_kv_heads=3), "num_kv_heads"),
+    (dict(num_heads=3, in_features=16), "in_features"),
+    (dict(num_heads=4, in_features=16, rotary=RotarySpec(rotary_dim=3)), "rotary_dim"),
+    (dict(num_heads=4, in_features=20, rotary=RotarySpec()), "rotary_dim"),
+    (dict(num_heads=4, in_features=16, dropout_rate=1.0), "dropout_rate"),
+])
+def test_bad_construction_raises_value_error_naming_argument(options, argument):
+  with pytest.raises(ValueError, match=argument):
+    MultiHeadAttention(rngs=nnx.Rngs(0), **options)
+
+
+def test_unknown_rotary_kind_raises_value_error_naming_kind():
+  with pytest.raises(ValueError, match="kind"):
+    RotarySpec(kind="alibi")
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(x_q=_normal(0, (2, 6, 12))), "x_q"),
+    (dict(x_kv=_normal(1, (2, 9, 16))), "x_kv"),
+    (dict(mask=np.ones((2, 1, 6, 4), bool)), "mask"),
+    (dict(mask=np.ones((2, 1, 1, 9), np.float32)), "mask"),
+    (dict(bias=np.ones((6, 9), np.float32)), "bias"),
+])
+def test_bad_inputs_raise_value_error_naming_argument(kwargs, argument):
+  kwargs = {"x_q": _normal(0, (2, 6, 16)), "x_kv": _normal(1, (2, 9, 24)), **kwargs}
+  with pytest.raises(ValueError, match=argument):
+    _run(_layer(kv_features=24), **kwargs)
+
+
+def test_extend_with_cache_of_other_batch_raises_value_error_naming_cache():
+  layer = _layer()
+  with pytest.raises(ValueError, match="cache"):
+    layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(3, 8))
