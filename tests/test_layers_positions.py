@@ -1,0 +1,126 @@
+"""Properties of the position-encoding modules chosen by name (xattn_jax.layers.positions)."""
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xattn_jax.layers import positions as position_layers
+from xattn_jax.layers.attention import MultiHeadAttention
+from xattn_jax.ops import positions as positions_ops
+
+GRID_ENCODINGS = ("learned_2d", "sincos_2d", "fourier")
+
+
+def _normal(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _make(name, **options):
+  options = {"features": 16, "max_length": 8, "grid": (3, 4), "head_dim": 8, **options}
+  return position_layers.make_position_encoding(name, rngs=nnx.Rngs(0), **options)
+
+
+@functools.partial(nnx.jit, static_argnames=("grid",))
+def _add(encoding, x, positions=None, grid=None):
+  return encoding.add_to_inputs(x, positions, grid=grid)
+
+
+def test_unknown_position_encoding_name_raises_listing_allowed_names():
+  with pytest.raises(ValueError, match="allowed: none, learned, sinusoidal, rope, learned_2d") as error:
+    _make("alibi_typo")
+  assert all(name in str(error.value) for name in position_layers.POSITION_ENCODINGS)
+
+
+@pytest.mark.parametrize("name, missing", [("learned", "max_length"), ("learned_2d", "grid"),
+                                           ("fourier", "grid"), ("mrope", "head_dim")])
+def test_missing_required_option_raises_naming_it(name, missing):
+  with pytest.raises(ValueError, match=missing):
+    _make(name, **{missing: None})
+
+
+def test_rope_with_odd_rotary_dim_raises_naming_rotary_dim():
+  with pytest.raises(ValueError, match="rotary_dim"):
+    _make("rope", rotary_dim=3)
+
+
+@pytest.mark.parametrize("name", ["sinusoidal", "learned"])
+def test_attention_over_additive_positions_is_not_permutation_equivariant(name):
+  encoding, layer = _make(name), MultiHeadAttention(4, 16, rngs=nnx.Rngs(1))
+  run = nnx.jit(lambda encoding, layer, x: layer(encoding.add_to_inputs(x)))
+  x = _normal(0, (2, 6, 16))
+  permutation = np.array([1, 0, 2, 3, 5, 4])
+  assert not np.allclose(run(encoding, layer, x[:, permutation]), run(encoding, layer, x)[:, permutation],
+                         atol=1e-3)
+
+
+@pytest.mark.parametrize("name, kind", [("none", None), ("rope", "rope"), ("rope_2d", "rope_2d"),
+                                        ("mrope", "mrope")])
+def test_rotary_and_none_encodings_leave_inputs_unchanged(name, kind):
+  encoding = _make(name)
+  x = _normal(1, (2, 6, 16))
+  np.testing.assert_array_equal(encoding.add_to_inputs(x), x)
+  assert (encoding.rotary is None) if kind is None else encoding.rotary.kind == kind
+
+
+def test_learned_positions_add_table_row_at_each_position():
+  encoding = _make("learned")
+  positions = np.array([[0, 5, 7], [3, 3, 1]])
+  out = _add(encoding, np.zeros((2, 3, 16), np.float32), positions)
+  np.testing.assert_array_equal(out, encoding.table[...][positions])
+
+
+def test_learned_positions_longer_than_table_raise_naming_table_size():
+  with pytest.raises(ValueError, match="8 rows"):
+    _make("learned").add_to_inputs(np.zeros((1, 9, 16), np.float32))
+
+
+@pytest.mark.parametrize("name", GRID_ENCODINGS)
+def test_grid_encoding_default_positions_are_the_row_major_grid(name):
+  encoding = _make(name, num_extra_tokens=1)
+  x = _normal(2, (2, 13, 16))
+  grid_positions = np.broadcast_to(np.asarray(positions_ops.grid_positions(3, 4)), (2, 12, 2))
+  np.testing.assert_allclose(_add(encoding, x), _add(encoding, x, grid_positions), atol=1e-6)
+
+
+def test_learned_2d_adds_its_class_row_and_grid_rows():
+  encoding = _make("learned_2d", num_extra_tokens=1)
+  out = _add(encoding, np.zeros((2, 13, 16), np.float32))
+  np.testing.assert_array_equal(out[0], encoding.table[...])
+
+
+def test_learned_2d_on_another_grid_uses_the_resized_table():
+  encoding = _make("learned_2d", num_extra_tokens=1)
+  out = _add(encoding, np.zeros((1, 21, 16), np.float32), grid=(4, 5))
+  resized = positions_ops.resize_2d_table(encoding.table[...], (3, 4), (4, 5), num_extra_tokens=1)
+  np.testing.assert_allclose(out[0], resized, atol=1e-6)
+
+
+def test_fourier_encoding_projects_fourier_features_of_the_normalized_grid():
+  encoding = _make("fourier", num_fourier_bands=4)
+  out = _add(encoding, np.zeros((1, 12, 16), np.float32))
+  features = positions_ops.fourier_features(positions_ops.normalized_grid(3, 4), 4, (3, 4))
+  np.testing.assert_allclose(out[0], encoding.projection(features), atol=1e-5)
+
+
+def test_grid_encoding_with_wrong_token_count_raises_naming_positions():
+  with pytest.raises(ValueError, match="positions"):
+    _make("sincos_2d", num_extra_tokens=1).add_to_inputs(np.zeros((1, 12, 16), np.float32))
+
+
+def test_mrope_attention_on_text_positions_equals_rope_attention():
+  # Text tokens carry the same index on the time, height and width axes (Qwen2-VL), where MRoPE is RoPE.
+  mrope, rope = _make("mrope").rotary, _make("rope").rotary
+  text_positions = np.broadcast_to(np.arange(6), (2, 6))
+  x = _normal(3, (2, 6, 32))
+  run = nnx.jit(lambda layer, x, p: layer(x, query_positions=p, is_causal=True))
+  out_mrope = run(MultiHeadAttention(4, 32, rotary=mrope, rngs=nnx.Rngs(2)), x, np.stack([text_positions] * 3))
+  out_rope = run(MultiHeadAttention(4, 32, rotary=rope, rngs=nnx.Rngs(2)), x, text_positions)
+  np.testing.assert_allclose(out_mrope, out_rope, atol=1e-5)
+
+
+def test_rope_2d_attention_without_positions_raises_naming_the_positions():
+  layer = MultiHeadAttention(4, 32, rotary=_make("rope_2d").rotary, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"(query|key)_positions \(\[batch, length, 2\]\)"):
+    layer(_normal(4, (1, 4, 32)))

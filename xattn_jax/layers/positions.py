@@ -1,0 +1,251 @@
+"""Position-encoding modules, chosen by name from config.
+
+Every module has the same interface:
+  add_to_inputs(x, positions=None, *, grid=None) -> x   additive encodings add themselves to the
+      embeddings x [b, t, features]; rotary ones and "none" return x unchanged.
+  rotary                                                 a RotarySpec for MultiHeadAttention to rotate
+      q and k with, or None for additive encodings.
+  attention_bias(query_positions, key_positions)         an additive score bias [b, heads, q, kv], or
+      None (every encoding here): the hook for relative encodings such as ALiBi or T5 buckets.
+
+Positions are explicit: [b, t] ints for sequences (None = 0..t-1), [b, M, 2] (row, column) for
+images (None = the row-major grid). Image encodings take the input's grid (height, width) as `grid`
+(default: the grid they were built for) and may carry `num_extra_tokens` leading non-grid tokens
+(a class token): x is then [b, num_extra + M, features], positions cover the M grid tokens only,
+and the extra tokens get their own learned rows (learned_2d) or nothing (fixed encodings).
+
+Adding an encoding means one module (or function of the options), one entry in
+POSITION_ENCODINGS and one test.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.ops import positions as positions_ops
+
+
+def _sequence_positions(x, positions):
+  """positions [b, t], or 0..t-1 for every row of x [b, t, features]."""
+  if positions is None:
+    return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+  if positions.shape != x.shape[:2]:
+    raise ValueError(f"add_to_inputs: positions must be [batch, length] = {list(x.shape[:2])}, "
+                     f"got positions{list(positions.shape)}")
+  return positions
+
+
+class NoPositions(nnx.Module):
+  """"none": no position information at all (attention is then permutation equivariant)."""
+  rotary = None
+
+  def add_to_inputs(self, x, positions=None, *, grid=None):
+    del positions, grid
+    return x
+
+  def attention_bias(self, query_positions, key_positions):
+    del query_positions, key_positions
+    return None
+
+
+class RotaryPositions(NoPositions):
+  """"rope", "rope_2d", "mrope": nothing added to the inputs; the attention layers rotate q and k."""
+
+  def __init__(self, spec: RotarySpec):
+    self.rotary = spec
+
+
+class LearnedPositions(NoPositions):
+  """"learned": a trained table [max_length, features] (std 0.02), row p added at position p."""
+
+  def __init__(self, max_length: int, features: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
+    self.table = nnx.Param(init(rngs.params(), (max_length, features), param_dtype))
+
+  def add_to_inputs(self, x, positions=None, *, grid=None):
+    if positions is None:
+      # Positions 0..t-1 are static, so a too-short table is caught at trace time.
+      positions_ops.check_positions_fit(x.shape[1] - 1, self.table.shape[0], "LearnedPositions.add_to_inputs")
+    table = self.table[...]
+    return x + positions_ops.learned_lookup(table, _sequence_positions(x, positions)).astype(x.dtype)
+
+
+class SinusoidalPositions(NoPositions):
+  """"sinusoidal": the fixed table of Vaswani et al., sin / cos of position / base^(2i/features)."""
+
+  def __init__(self, features: int, *, base: float = 10000.0):
+    self.features, self.base = features, base
+
+  def add_to_inputs(self, x, positions=None, *, grid=None):
+    encoding = positions_ops.sinusoidal(_sequence_positions(x, positions), self.features, self.base)
+    return x + encoding.astype(x.dtype)
+
+
+class _GridPositions(NoPositions):
+  """Shared handling of image positions: grid defaults, extra leading tokens, shape checks.
+
+  Subclasses define `encode(positions [b, M, 2], grid) -> [b, M, features]` on the input grid.
+  """
+
+  def __init__(self, grid, num_extra_tokens: int):
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(int(g) > 0 for g in grid)):
+      raise ValueError(f"{type(self).__name__}: grid must be (height, width) of positive ints, got grid={grid!r}")
+    if num_extra_tokens < 0:
+      raise ValueError(f"{type(self).__name__}: num_extra_tokens must be >= 0, got {num_extra_tokens}")
+    self.grid, self.num_extra_tokens = tuple(int(g) for g in grid), num_extra_tokens
+
+  def extra_rows(self, features: int):
+    """[num_extra_tokens, features] added to the leading non-grid tokens."""
+    return jnp.zeros((self.num_extra_tokens, features))
+
+  def add_to_inputs(self, x, positions=None, *, grid=None):
+    grid = self.grid if grid is None else tuple(grid)
+    batch, length = x.shape[:2]
+    if positions is None:
+      positions = jnp.broadcast_to(positions_ops.grid_positions(*grid), (batch, grid[0] * grid[1], 2))
+    if positions.ndim != 3 or positions.shape[0] != batch or positions.shape[-1] != 2 \
+        or length != self.num_extra_tokens + positions.shape[1]:
+      raise ValueError(
+          f"{type(self).__name__}.add_to_inputs: positions must be [batch, M, 2] with x [batch, "
+          f"{self.num_extra_tokens} + M, features], got positions{list(positions.shape)}, x{list(x.shape)}")
+    encoding = self.encode(positions, grid)  # [b, M, features]
+    extra = jnp.broadcast_to(self.extra_rows(x.shape[-1]), (batch, self.num_extra_tokens, x.shape[-1]))
+    return x + jnp.concatenate([extra, encoding], axis=1).astype(x.dtype)
+
+
+class Learned2DPositions(_GridPositions):
+  """"learned_2d": a trained table [num_extra + h*w, features] (ViT), resized when the input grid differs."""
+
+  def __init__(self, grid, features: int, *, num_extra_tokens: int = 0, resize_method: str = "bilinear",
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    super().__init__(grid, num_extra_tokens)
+    self.resize_method = resize_method
+    rows = num_extra_tokens + self.grid[0] * self.grid[1]
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
+    self.table = nnx.Param(init(rngs.params(), (rows, features), param_dtype))
+
+  def extra_rows(self, features: int):
+    return self.table[...][:self.num_extra_tokens]
+
+  def encode(self, positions, grid):
+    table = positions_ops.resize_2d_table(self.table[...], self.grid, grid, self.resize_method,
+                                          self.num_extra_tokens)[self.num_extra_tokens:]  # [h2 * w2, features]
+    return positions_ops.learned_lookup(table, positions[..., 0] * grid[1] + positions[..., 1])
+
+
+class SinCos2DPositions(_GridPositions):
+  """"sincos_2d": the fixed 2D sine-cosine table (MAE / big_vision), half the channels per axis."""
+
+  def __init__(self, grid, features: int, *, num_extra_tokens: int = 0, base: float = 10000.0):
+    super().__init__(grid, num_extra_tokens)
+    self.features, self.base = features, base
+
+  def encode(self, positions, grid):
+    return positions_ops.sincos_2d(positions, self.features, self.base)
+
+
+class FourierPositions(_GridPositions):
+  """"fourier": Perceiver Fourier features of the cell's coordinates in [-1, 1], PROJECTED to features.
+
+  The Perceiver concatenates the features to the input channels; here a linear map brings them to
+  the embedding width and they are added, so every encoding keeps the same interface and width.
+  Coordinates are normalized per input grid (a corner cell sits at +-1 on any grid); the band
+  frequencies run up to max_resolution / 2 (default: the configured grid).
+  """
+
+  def __init__(self, grid, features: int, *, num_bands: int = 16, max_resolution=None, num_extra_tokens: int = 0,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    super().__init__(grid, num_extra_tokens)
+    self.num_bands = num_bands
+    self.max_resolution = self.grid if max_resolution is None else max_resolution
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False)
+    self.projection = nnx.Linear(2 * (2 * num_bands + 1), features, kernel_init=init, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+
+  def encode(self, positions, grid):
+    # Cell k of n sits at -1 + 2k / (n - 1), as in normalized_grid; a one-cell axis sits at -1.
+    spans = jnp.maximum(jnp.array(grid, jnp.float32) - 1.0, 1.0)
+    coords = 2.0 * positions.astype(jnp.float32) / spans - 1.0  # [b, M, 2]
+    return self.projection(positions_ops.fourier_features(coords, self.num_bands, self.max_resolution))
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionOptions:
+  """Everything a registry entry may need; each entry takes what it uses and checks it is set."""
+  name: str
+  features: int
+  max_length: int | None = None
+  grid: tuple[int, int] | None = None
+  num_heads: int | None = None
+  head_dim: int | None = None
+  base: float = 10000.0
+  rope_layout: str = "split"
+  rotary_dim: int | None = None
+  mrope_sections: tuple[int, ...] | None = None
+  rope_scaling: str | None = None
+  rope_scaling_factor: float = 1.0
+  num_extra_tokens: int = 0
+  num_fourier_bands: int = 16
+  dtype: object = jnp.float32
+  param_dtype: object = jnp.float32
+
+  def require(self, field: str):
+    value = getattr(self, field)
+    if value is None:
+      raise ValueError(f"make_position_encoding: {self.name!r} needs {field}, got {field}=None")
+    return value
+
+  def rotary(self, kind: str) -> RotarySpec:
+    sections = self.mrope_sections
+    if kind == "mrope" and sections is None:
+      sections = _default_mrope_sections(self.rotary_dim or self.require("head_dim"))
+    spec = RotarySpec(kind=kind, base=self.base, layout=self.rope_layout, rotary_dim=self.rotary_dim,
+                      sections=sections, scaling=self.rope_scaling, scaling_factor=self.rope_scaling_factor)
+    if self.head_dim is not None:
+      spec.check_head_dim(self.head_dim)
+    return spec
+
+
+def _default_mrope_sections(rotary_dim: int) -> tuple[int, int, int]:
+  """Qwen2-VL's split scaled to any width: 3/8 of the frequency pairs each to height and width,
+  the rest to time ((16, 24, 24) for head_dim 128)."""
+  pairs = rotary_dim // 2
+  spatial = 3 * pairs // 8
+  return (pairs - 2 * spatial, spatial, spatial)
+
+
+POSITION_ENCODINGS: dict[str, Callable[[PositionOptions, nnx.Rngs], nnx.Module]] = {
+    "none": lambda o, rngs: NoPositions(),
+    "learned": lambda o, rngs: LearnedPositions(o.require("max_length"), o.features, param_dtype=o.param_dtype,
+                                                rngs=rngs),
+    "sinusoidal": lambda o, rngs: SinusoidalPositions(o.features, base=o.base),
+    "rope": lambda o, rngs: RotaryPositions(o.rotary("rope")),
+    "learned_2d": lambda o, rngs: Learned2DPositions(o.require("grid"), o.features,
+                                                     num_extra_tokens=o.num_extra_tokens,
+                                                     param_dtype=o.param_dtype, rngs=rngs),
+    "sincos_2d": lambda o, rngs: SinCos2DPositions(o.require("grid"), o.features,
+                                                   num_extra_tokens=o.num_extra_tokens, base=o.base),
+    "fourier": lambda o, rngs: FourierPositions(o.require("grid"), o.features, num_bands=o.num_fourier_bands,
+                                                num_extra_tokens=o.num_extra_tokens, dtype=o.dtype,
+                                                param_dtype=o.param_dtype, rngs=rngs),
+    "rope_2d": lambda o, rngs: RotaryPositions(o.rotary("rope_2d")),
+    "mrope": lambda o, rngs: RotaryPositions(o.rotary("mrope")),
+}
+
+
+def make_position_encoding(name: str, *, features: int, rngs: nnx.Rngs, **options) -> nnx.Module:
+  """The position-encoding module registered under name (see POSITION_ENCODINGS and PositionOptions).
+
+  E.g. make_position_encoding("learned", features=512, max_length=256, rngs=rngs), or
+  make_position_encoding("rope", features=512, head_dim=64, rngs=rngs).
+  """
+  if name not in POSITION_ENCODINGS:
+    raise ValueError(f"make_position_encoding: unknown name {name!r}; allowed: {', '.join(POSITION_ENCODINGS)}")
+  unknown = set(options) - {f.name for f in dataclasses.fields(PositionOptions)}
+  if unknown:
+    raise ValueError(f"make_position_encoding: unknown options {sorted(unknown)}")
+  return POSITION_ENCODINGS[name](PositionOptions(name=name, features=features, **options), rngs)
