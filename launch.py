@@ -27,8 +27,15 @@ def parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # flags.Error, and the raw AttributeError / KeyError of an unknown --config.key
-    cause = e.__cause__ or e
-    fail(f"{type(cause).__name__}: {' '.join(str(cause).split())}")
+    text = str(e).replace("\\n", "\n").strip()
+    if "Traceback" in text:  # an error inside get_config(): its last line says what went wrong
+      text = text.splitlines()[-1]
+    if isinstance(e, (AttributeError, KeyError)):  # unknown --config.key: name the override
+      key = text.splitlines()[0].strip("'\"\\ ")
+      overrides = [a.split("=")[0] for a in argv if a.startswith("--config.") and key in a]
+      hint = " ".join(text.splitlines()[1:]).rstrip("'")
+      text = f"unknown config field {' '.join(overrides) or key}: {hint}"
+    fail(" ".join(text.split()))
 
 
 def main(argv):

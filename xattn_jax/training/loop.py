@@ -112,7 +112,7 @@ class _Run:
 
       (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
       optimizer.update(model, grads)
-      metrics = {"train/loss": loss, "train/grad_norm": optax.global_norm(grads),
+      metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
                  "train/learning_rate": schedule(step)}
       metrics.update({f"train/{k}": v for k, v in aux.items()})
       return nnx.state((model, optimizer)), metrics

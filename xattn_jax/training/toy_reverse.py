@@ -21,7 +21,7 @@ from xattn_jax.training import layer_stack, optim, tasks, validation
 
 ALPHABET = string.ascii_lowercase
 VOCAB_SIZE = len(ALPHABET) + 1
-POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope")
+POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope", "mrope")
 MODELS = ("reverser",)
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 
@@ -33,14 +33,16 @@ def _init(names, init=nnx.initializers.lecun_normal()):
 class ReverserBlock(nnx.Module):
   """Pre-LayerNorm bidirectional self-attention + MLP, each with a residual."""
 
-  def __init__(self, d_model, num_heads, mlp_dim, *, posenc, rotary_dim, dtype, param_dtype, rngs):
+  def __init__(self, d_model, num_heads, mlp_dim, *, posenc, rotary_dim, mrope_sections, dtype,
+               param_dtype, rngs):
     def linear(n_in, n_out, names):
       return nnx.Linear(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
                         rngs=rngs)
 
     self.num_heads = num_heads
     self.posenc = posenc
-    self.rotary_dim = rotary_dim
+    self.rotary_dim = rotary_dim or None  # None: the whole head_dim
+    self.mrope_sections = tuple(mrope_sections)
     self.attention_norm = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.query = linear(d_model, d_model, ("embed", "heads"))
     self.key = linear(d_model, d_model, ("embed", "heads"))
@@ -55,12 +57,13 @@ class ReverserBlock(nnx.Module):
     return x.reshape(b, t, self.num_heads, d // self.num_heads)  # -> [b, t, heads, head_dim]
 
   def _rotate(self, x, positions):
-    if self.posenc != "rope":
-      return x
-    head_dim = x.shape[-1]
-    rotary_dim = self.rotary_dim or head_dim
-    rotated = positions_lib.apply_rope(x[..., :rotary_dim], positions)
-    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+    if self.posenc == "rope":
+      return positions_lib.apply_rope(x, positions, rotary_dim=self.rotary_dim)
+    if self.posenc == "mrope":
+      # Text only: time, height and width positions all equal the token index.
+      positions = jnp.broadcast_to(positions, (3,) + positions.shape)  # [3, b, t]
+      return positions_lib.apply_mrope(x, positions, self.mrope_sections, rotary_dim=self.rotary_dim)
+    return x
 
   def __call__(self, x, mask, positions):
     """x [b, t, d_model], mask [b, 1, 1, t] (True = real token), positions [b, t] -> [b, t, d_model]."""
@@ -90,7 +93,7 @@ class Reverser(nnx.Module):
           rngs.params(), (max_length, c.d_model), param_dtype))
     self.blocks = layer_stack.create_stack(
         lambda r: ReverserBlock(c.d_model, c.num_heads, c.mlp_dim, posenc=c.posenc,
-                                rotary_dim=c.rotary_dim, dtype=dtype, param_dtype=param_dtype, rngs=r),
+                                rotary_dim=c.rotary_dim, mrope_sections=c.mrope_sections, dtype=dtype, param_dtype=param_dtype, rngs=r),
         c.num_layers, rngs)
     self.final_norm = nnx.LayerNorm(c.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.logits = nnx.Linear(c.d_model, VOCAB_SIZE, kernel_init=_init(("embed", "vocab")),

@@ -1,0 +1,241 @@
+"""In-process properties of the training pieces: config parsing, validation, optimizer, loss,
+layer stacking, sharding rules. Fast; the launcher's end-to-end behaviour is in test_launch.py."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from absl import flags
+from flax import nnx
+from ml_collections import config_flags
+
+from configs import common, toy_reverse
+from xattn_jax.training import layer_stack, optim, sharding, tasks, validation
+from xattn_jax.training.toy_reverse import ToyReverseTask
+
+
+def _load_config(*argv):
+  """The config exactly as launch.py resolves it from command-line arguments."""
+  flag_values = flags.FlagValues()
+  argv = ["prog", *argv]
+  config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
+  flag_values(argv)
+  return flag_values.config
+
+
+def _abstract_model(config):
+  task = ToyReverseTask(config)
+  with nnx.use_eager_sharding(False):
+    return nnx.eval_shape(lambda: task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32))
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def test_parse_arg_converts_values_to_the_default_types():
+  args = common.parse_arg("size=tiny,layers=3,rate=0.5,scan", size="small", layers=1, rate=0.1, scan=False)
+  assert (args.size, args.layers, args.rate, args.scan) == ("tiny", 3, 0.5, True)
+
+
+def test_parse_arg_rejects_an_unknown_key_listing_the_allowed_ones():
+  with pytest.raises(ValueError, match=r"'sise'.*\['scan', 'size'\]"):
+    common.parse_arg("sise=tiny", size="small", scan=False)
+
+
+def test_variant_argument_and_override_reach_the_model():
+  config = _load_config("--config=configs/toy_reverse.py:size=tiny,posenc=rope,scan",
+                        "--config.model.d_model=48", "--config.model.num_layers=3")
+  model = _abstract_model(config)
+  assert model.embed.embedding.shape == (27, 48)  # 26 letters + padding
+  assert model.blocks.query.kernel.shape == (3, 48, 48)  # 3 stacked layers
+  assert model.scan_layers and model.posenc == "rope" and not hasattr(model, "position_table")
+
+
+def test_misspelt_override_is_rejected_by_the_locked_config():
+  with pytest.raises(Exception, match="d_modle"):
+    _load_config("--config=configs/toy_reverse.py:size=tiny", "--config.model.d_modle=48")
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("task.name", "nope"), ("optimizer.name", "lamb"), ("optimizer.schedule", "step"),
+    ("model.posenc", "alibi"), ("model.remat", "some"), ("model.name", "other"),
+])
+def test_unknown_name_is_a_config_error_naming_the_field(field, value):
+  config = toy_reverse.get_config("size=tiny")
+  section, key = field.split(".")
+  config[section][key] = value
+  with pytest.raises(validation.ConfigError, match=rf"^config\.{field}='{value}': allowed"):
+    validation.validate_config(config)
+
+
+def test_d_model_not_divisible_by_heads_is_a_config_error():
+  config = toy_reverse.get_config("size=tiny")
+  config.model.d_model, config.model.num_heads = 30, 4
+  with pytest.raises(validation.ConfigError, match=r"config\.model\.d_model=30: must be divisible"):
+    validation.validate_config(config)
+
+
+def test_odd_rotary_dimension_is_a_config_error():
+  config = toy_reverse.get_config("size=tiny,posenc=rope")
+  config.model.rotary_dim = 7
+  with pytest.raises(validation.ConfigError, match=r"config\.model\.rotary_dim=7"):
+    validation.validate_config(config)
+
+
+def test_mrope_sections_not_adding_up_is_a_config_error():
+  config = toy_reverse.get_config("size=tiny,posenc=mrope")
+  config.model.mrope_sections = (1, 2, 2)
+  with pytest.raises(validation.ConfigError, match=r"config\.model\.mrope_sections"):
+    validation.validate_config(config)
+
+
+@pytest.mark.parametrize("mesh,devices", [({"data": 3}, 8), ({"data": -1, "fsdp": 3}, 8),
+                                          ({"data": -1, "fsdp": -1}, 8), ({"data": 2, "tensor": 2}, 8)])
+def test_mesh_that_does_not_match_the_device_count_is_a_config_error(mesh, devices):
+  config = toy_reverse.get_config("size=tiny")
+  config.mesh.update(mesh)
+  with pytest.raises(validation.ConfigError, match=r"config\.mesh"):
+    validation.validate_config(config, device_count=devices)
+
+
+def test_mesh_minus_one_takes_the_remaining_devices():
+  assert validation.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_unknown_task_name_lists_the_registered_tasks():
+  with pytest.raises(KeyError, match="toy_reverse"):
+    tasks.get_task_class("no_such_task")
+
+
+def test_task_can_be_named_by_module_path():
+  assert tasks.get_task_class("xattn_jax.training.toy_reverse:ToyReverseTask") is ToyReverseTask
+
+
+# --- optimizer and loss -------------------------------------------------------------------------
+
+def test_schedule_warms_up_linearly_to_the_peak():
+  config = toy_reverse.get_config("size=tiny").optimizer
+  config.learning_rate, config.warmup_steps = 1e-2, 10
+  schedule = optim.make_schedule(config, total_steps=100)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 5e-3, 1e-2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,expected_at_40", [("cosine", 0.5e-2), ("rsqrt", 1e-2 * (10 / 40) ** 0.5),
+                                                 ("constant", 1e-2)])
+def test_schedule_decays_as_named_after_warmup(name, expected_at_40):
+  config = toy_reverse.get_config("size=tiny").optimizer
+  config.learning_rate, config.warmup_steps, config.schedule = 1e-2, 10, name
+  schedule = optim.make_schedule(config, total_steps=70)  # cosine: halfway through 60 decay steps
+  np.testing.assert_allclose(schedule(40), expected_at_40, rtol=1e-5)
+
+
+def test_weight_decay_spares_biases_norms_and_embeddings():
+  model = _abstract_model(toy_reverse.get_config("size=tiny"))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  mask = optim.weight_decay_mask(params, "bias,scale,embedding")
+  assert mask["blocks"]["query"]["kernel"] and mask["logits"]["kernel"]
+  assert not mask["blocks"]["query"]["bias"] and not mask["final_norm"]["scale"]
+  assert not mask["embed"]["embedding"]
+
+
+def test_cross_entropy_with_smoothing_matches_torch():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5, 11)).astype(np.float32)
+  targets = rng.integers(1, 11, size=(3, 5))
+  targets[0, 3:] = 0  # padding, masked out below
+  weights = (targets != 0).astype(np.float32)
+  loss_sum, weight_sum = optim.cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                             jnp.asarray(weights), label_smoothing=0.1)
+  expected = torch.nn.functional.cross_entropy(torch.tensor(logits[weights > 0]),
+                                               torch.tensor(targets[weights > 0]), label_smoothing=0.1)
+  np.testing.assert_allclose(loss_sum / weight_sum, expected.item(), rtol=1e-5)
+
+
+def test_cross_entropy_rejects_mismatched_targets():
+  with pytest.raises(ValueError, match=r"targets must be logits.shape\[:-1\]=\[2, 3\]"):
+    optim.cross_entropy(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4), jnp.int32))
+
+
+def test_gradient_clipping_bounds_the_update_norm():
+  config = toy_reverse.get_config("size=tiny").optimizer
+  config.name, config.grad_clip_norm, config.warmup_steps, config.schedule = "sgd", 0.5, 0, "constant"
+  config.learning_rate, config.momentum = 1.0, 0.0
+  tx = optim.make_optimizer(config, total_steps=10)
+  grads = {"w": jnp.full((4,), 10.0)}
+  updates, _ = tx.update(grads, tx.init(grads), grads)
+  np.testing.assert_allclose(optax.tree.norm(updates), 0.5, rtol=1e-6)
+
+
+# --- layer stacking -----------------------------------------------------------------------------
+
+class _Block(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 8, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                                     ("embed", "mlp")), rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+  def __call__(self, x, scale):
+    return x + scale * jnp.tanh(self.linear(self.norm(x)))
+
+
+@pytest.fixture(scope="module")
+def stack():
+  with nnx.use_eager_sharding(False):
+    return layer_stack.create_stack(_Block, 4, nnx.Rngs(0))
+
+
+def test_stacked_blocks_are_initialised_independently(stack):
+  kernels = stack.linear.kernel[...]
+  assert kernels.shape == (4, 8, 8) and not np.allclose(kernels[0], kernels[1])
+
+
+def test_stacked_params_get_the_layers_logical_axis(stack):
+  assert stack.linear.kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_scanned_and_unrolled_layers_give_the_same_outputs_and_gradients(stack, remat):
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+
+  def loss(model, scan):
+    return jnp.sum(layer_stack.apply_stack(model, x, 0.5, scan=scan, remat=remat) ** 2)
+
+  scanned, scanned_grads = nnx.value_and_grad(loss)(stack, True)
+  unrolled, unrolled_grads = nnx.value_and_grad(loss)(stack, False)
+  np.testing.assert_allclose(scanned, unrolled, rtol=1e-5)
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(scanned_grads)),
+                              nnx.to_pure_dict(nnx.state(unrolled_grads)), rtol=1e-4, atol=1e-6)
+
+
+def test_unknown_remat_policy_is_rejected():
+  with pytest.raises(ValueError, match="allowed are"):
+    layer_stack.remat_policy("everything")
+
+
+# --- sharding rules -----------------------------------------------------------------------------
+
+class _FakeMesh:
+  shape = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_logical_names_map_to_mesh_axes_by_rules():
+  spec = sharding.logical_to_spec(("embed", "mlp"), (8, 16), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == ("fsdp", "tensor")
+
+
+def test_dimension_not_divisible_by_its_mesh_axes_is_replicated():
+  spec = sharding.logical_to_spec(("vocab", "embed"), (27, 8), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == (None, "fsdp")
+
+
+def test_mesh_axis_is_used_once_per_array():
+  spec = sharding.logical_to_spec(("heads", "mlp"), (8, 8), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == ("tensor", None)
+
+
+def test_batch_rule_shards_over_data_and_fsdp():
+  spec = sharding.logical_to_spec(("batch", None), (8, 5), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == (("data", "fsdp"), None)
