@@ -1,0 +1,195 @@
+"""Properties of the blocks: cached decoding, memory projected once, gating, pooling, scan over stacks."""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xattn_jax.layers import blocks
+from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.ops import masks as masks_lib
+
+FEATURES, MEMORY_FEATURES, HEADS, MLP_FEATURES = 16, 24, 4, 32
+
+
+def _normal(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@functools.cache
+def _decoder(norm="pre", seed=0):
+  return blocks.DecoderBlock(FEATURES, HEADS, MLP_FEATURES, memory_features=MEMORY_FEATURES, norm=norm,
+                             rotary=RotarySpec(), rngs=nnx.Rngs(seed))
+
+
+@nnx.jit
+def _decode(block, x, cache, memory_mask):
+  return block.decode(x, cache, memory_mask=memory_mask)
+
+
+@nnx.jit
+def _decoder_pass(block, x, memory, memory_mask):
+  return block(x, memory, memory_mask=memory_mask)
+
+
+def _memory_and_mask():
+  memory = _normal(1, (2, 5, MEMORY_FEATURES))
+  return memory, masks_lib.padding_mask(np.arange(5)[None] < np.array([[5], [3]]))  # item 1: 2 padded rows
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_decoder_block_cached_decode_equals_full_pass(norm):
+  block, (memory, memory_mask) = _decoder(norm), _memory_and_mask()
+  x = _normal(2, (2, 6, FEATURES))
+  cache = block.init_cache(memory, max_length=8)
+  out, cache = _decode(block, x[:, :3], cache, memory_mask)  # pre-fill the prompt
+  outs = [out]
+  for i in range(3, 6):
+    out, cache = _decode(block, x[:, i:i + 1], cache, memory_mask)
+    outs.append(out)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), _decoder_pass(block, x, memory, memory_mask), atol=1e-5)
+
+
+def test_decoder_memory_is_projected_once_per_memory(monkeypatch):
+  # Only the cross-attention key and value kernels read MEMORY_FEATURES-wide inputs.
+  memory_projections = []
+  linear_call = nnx.Linear.__call__
+
+  def counting_call(self, x):
+    if self.in_features == MEMORY_FEATURES:
+      memory_projections.append(x.shape)
+    return linear_call(self, x)
+
+  monkeypatch.setattr(nnx.Linear, "__call__", counting_call)
+  block, (memory, memory_mask) = _decoder(), _memory_and_mask()
+  cache = block.init_cache(memory, max_length=8)
+  assert len(memory_projections) == 2  # keys and values
+  step = nnx.jit(lambda block, x, cache: block.decode(x, cache, memory_mask=memory_mask))  # traced afresh
+  for i in range(3):
+    _, cache = step(block, _normal(i, (2, 1, FEATURES)), cache)
+  assert len(memory_projections) == 2
+
+
+def test_decoder_output_ignores_padded_memory_rows():
+  block, (memory, memory_mask) = _decoder(), _memory_and_mask()
+  x = _normal(3, (2, 6, FEATURES))
+  changed = memory.copy()
+  changed[1, 3:] = _normal(4, (2, MEMORY_FEATURES))
+  np.testing.assert_array_equal(_decoder_pass(block, x, memory, memory_mask),
+                                _decoder_pass(block, x, changed, memory_mask))
+
+
+def test_post_norm_encoder_output_rows_are_normalized():
+  block = blocks.EncoderBlock(FEATURES, HEADS, MLP_FEATURES, norm="post", rngs=nnx.Rngs(0))
+  out = nnx.jit(lambda block, x: block(x))(block, _normal(5, (2, 6, FEATURES)))
+  np.testing.assert_allclose(out.mean(-1), 0.0, atol=1e-5)
+  np.testing.assert_allclose(out.var(-1), 1.0, atol=1e-3)
+
+
+def test_encoder_block_ignores_padded_tokens():
+  block = blocks.EncoderBlock(FEATURES, HEADS, MLP_FEATURES, rngs=nnx.Rngs(0))
+  run = nnx.jit(lambda block, x, mask: block(x, mask=mask))
+  x, mask = _normal(6, (2, 6, FEATURES)), masks_lib.padding_mask(np.arange(6)[None] < np.array([[6], [4]]))
+  changed = x.copy()
+  changed[1, 4:] = _normal(7, (2, FEATURES))
+  np.testing.assert_array_equal(run(block, x, mask)[1, :4], run(block, changed, mask)[1, :4])
+
+
+def test_gated_cross_attention_block_is_identity_at_init_and_not_after_gates_open():
+  block = blocks.GatedCrossAttentionBlock(FEATURES, MEMORY_FEATURES, HEADS, MLP_FEATURES, rngs=nnx.Rngs(0))
+  run = nnx.jit(lambda block, x, memory: block(x, memory))
+  x, memory = _normal(8, (2, 6, FEATURES)), _normal(9, (2, 5, MEMORY_FEATURES))
+  np.testing.assert_array_equal(run(block, x, memory), x)
+  block.attention_residual.gate[...] = jnp.array(0.5)
+  assert not np.allclose(run(block, x, memory), x, atol=1e-3)
+
+
+@functools.cache
+def _pooling():
+  return blocks.LearnedQueryPooling(3, FEATURES, MEMORY_FEATURES, HEADS, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _pool(pooling, inputs, valid):
+  return pooling(inputs, valid=valid)
+
+
+def test_learned_query_pooling_gives_one_row_per_query_for_any_input_count():
+  for num_inputs in (64, 256, 257):
+    inputs = _normal(num_inputs, (2, num_inputs, MEMORY_FEATURES))
+    chex.assert_shape(_pool(_pooling(), inputs, np.ones((2, num_inputs), bool)), (2, 3, FEATURES))
+
+
+def test_learned_query_pooling_is_invariant_to_permuting_the_inputs():
+  inputs, valid = _normal(10, (2, 64, MEMORY_FEATURES)), np.arange(64)[None] < np.array([[64], [50]])
+  permutation = np.random.default_rng(0).permutation(64)
+  np.testing.assert_allclose(_pool(_pooling(), inputs[:, permutation], valid[:, permutation]),
+                             _pool(_pooling(), inputs, valid), atol=1e-5)
+
+
+def test_learned_query_pooling_ignores_invalid_inputs():
+  inputs, valid = _normal(11, (2, 64, MEMORY_FEATURES)), np.arange(64)[None] < np.array([[64], [50]])
+  changed = inputs.copy()
+  changed[1, 50:] = _normal(12, (14, MEMORY_FEATURES))
+  np.testing.assert_array_equal(_pool(_pooling(), inputs, valid), _pool(_pooling(), changed, valid))
+
+
+def test_learned_queries_start_with_standard_deviation_002():
+  queries = blocks.LearnedQueryPooling(256, FEATURES, MEMORY_FEATURES, HEADS, rngs=nnx.Rngs(0)).queries[...]
+  assert 0.018 < float(queries.std()) < 0.022 and abs(float(queries.mean())) < 0.002
+
+
+def test_stacked_decoder_blocks_decode_under_nnx_scan_like_the_full_pass():
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make_stack(key):
+    return blocks.DecoderBlock(FEATURES, HEADS, MLP_FEATURES, memory_features=MEMORY_FEATURES,
+                               rotary=RotarySpec(), rngs=nnx.Rngs(key))
+
+  @nnx.jit
+  def full_pass(stack, x, memory):
+    run = nnx.scan(lambda x, block: (block(x, memory), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    return run(x, stack)[0]
+
+  @nnx.jit
+  def decode(stack, x, caches):
+    run = nnx.scan(lambda x, block, cache: block.decode(x, cache), in_axes=(nnx.Carry, 0, 0),
+                   out_axes=(nnx.Carry, 0))
+    return run(x, stack, caches)
+
+  stack = make_stack(jax.random.split(jax.random.key(0), 2))
+  memory, x = _normal(13, (2, 5, MEMORY_FEATURES)), _normal(14, (2, 4, FEATURES))
+  caches = nnx.vmap(lambda block: block.init_cache(memory, 6), in_axes=0, out_axes=0)(stack)
+  chex.assert_shape(caches.self_attention.keys, (2, 2, 6, HEADS, FEATURES // HEADS))  # [layers, b, ...]
+  prefill, caches = decode(stack, x[:, :3], caches)
+  step, caches = decode(stack, x[:, 3:], caches)
+  np.testing.assert_allclose(jnp.concatenate([prefill, step], 1), full_pass(stack, x, memory), atol=1e-5)
+  np.testing.assert_array_equal(caches.self_attention.index, [4, 4])
+
+
+def test_decoder_block_jit_and_grad_do_not_retrace_on_second_call():
+  graphdef, params, rest = nnx.split(_decoder(), nnx.Param, ...)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def loss_grad(params, x, memory):
+    return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x, memory) ** 2))(params)
+
+  for seed in (15, 16):
+    grads = loss_grad(params, _normal(seed, (2, 6, FEATURES)), _normal(seed + 1, (2, 5, MEMORY_FEATURES)))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_mlp_and_norm_choices_are_validated():
+  with pytest.raises(ValueError, match="norm"):
+    blocks.EncoderBlock(FEATURES, HEADS, MLP_FEATURES, norm="sandwich", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="activation"):
+    blocks.MLP(FEATURES, MLP_FEATURES, activation="swish2", rngs=nnx.Rngs(0))
+
+
+def test_mlp_kernels_carry_logical_axis_names():
+  specs = nnx.get_partition_spec(nnx.state(blocks.MLP(FEATURES, MLP_FEATURES, rngs=nnx.Rngs(0)), nnx.Param))
+  assert tuple(specs["wi"]["kernel"].get_value()) == ("embed", "mlp")
+  assert tuple(specs["wo"]["kernel"].get_value()) == ("mlp", "embed")
