@@ -1,0 +1,265 @@
+"""launch.py end to end on the toy task, in subprocesses: validation, the workdir record,
+determinism, exact resume after SIGTERM / SIGKILL, the NaN guard, corrupted checkpoints, eval and
+infer modes. Expensive runs are module-scoped fixtures shared between assertions."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+# A tiny, fast run: checkpoints and eval at steps 4 and 8, a metrics row every step.
+OVERRIDES = {
+    "total_steps": STEPS, "batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 16,
+    "log_every_steps": 1, "eval_every_steps": 4, "checkpoint.every_steps": 4,
+    "optimizer.warmup_steps": 2, "logging.tensorboard": False, "logging.plot": False,
+}
+CONFIG = "configs/toy_reverse.py:size=tiny"
+# Compiled programs are shared between the subprocesses of a test session (same HLO, same result).
+COMPILE_CACHE = tempfile.mkdtemp(prefix="xattn_jax_test_compile_cache_")
+
+
+def launch_args(workdir, *extra, overrides=None):
+  merged = {**OVERRIDES, **(overrides or {})}
+  return ([sys.executable, "launch.py", f"--config={CONFIG}", f"--workdir={workdir}"]
+          + [f"--config.{k}={v}" for k, v in merged.items()] + list(extra))
+
+
+def subprocess_env(device_count=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={device_count}"
+  return env
+
+
+def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300):
+  return subprocess.run(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, input=stdin,
+                        capture_output=True, text=True, env=subprocess_env(device_count), timeout=timeout)
+
+
+def start(workdir, *extra, overrides=None):
+  return subprocess.Popen(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+
+
+def metrics_rows(workdir):
+  with open(Path(workdir) / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def train_losses(workdir):
+  """{step: train/loss}; fails if a step was logged twice (the file must read as one run)."""
+  rows = [r for r in metrics_rows(workdir) if "train/loss" in r]
+  steps = [r["step"] for r in rows]
+  assert len(steps) == len(set(steps)), f"steps logged more than once: {steps}"
+  return {r["step"]: r["train/loss"] for r in rows}
+
+
+def checkpoint_steps(workdir):
+  directory = Path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
+
+
+def model_params(workdir, step):
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(Path(workdir).resolve() / "checkpoints" / str(step) / "model")
+
+
+def assert_same_params(a, b):
+  flat_a, flat_b = (dict(_flatten(x)) for x in (a, b))
+  assert flat_a.keys() == flat_b.keys()
+  for key in flat_a:
+    np.testing.assert_array_equal(np.asarray(flat_a[key]), np.asarray(flat_b[key]), err_msg=key)
+
+
+def _flatten(tree, prefix=""):
+  if isinstance(tree, dict):
+    for key, value in tree.items():
+      yield from _flatten(value, f"{prefix}/{key}")
+  else:
+    yield prefix, tree
+
+
+def wait_for(predicate, process, timeout=240):
+  deadline = time.time() + timeout
+  while not predicate():
+    assert process.poll() is None, f"run ended early: {process.communicate()[1][-2000:]}"
+    assert time.time() < deadline, "timed out waiting for the run"
+    time.sleep(0.05)
+
+
+# --- fail fast on an invalid config -------------------------------------------------------------
+
+@pytest.mark.parametrize("extra,field", [
+    (["--config.model.d_modle=48"], "model.d_modle"),
+    ([f"--config={CONFIG},sise=tiny"], "sise"),
+    (["--config.model.d_model=30", "--config.model.num_heads=4"], "model.d_model"),
+    (["--config.model.posenc=rope", "--config.model.rotary_dim=7"], "model.rotary_dim"),
+    (["--config.model.posenc=mrope", "--config.model.mrope_sections=(1,2,2)"], "model.mrope_sections"),
+    (["--config.model.posenc=alibi"], "model.posenc"),
+    (["--config.task.name=nope"], "task.name"),
+    (["--config.mesh.data=3"], "mesh"),
+    (["--mode=infer", "--config.infer.input_file=/nonexistent/inputs.txt"], "infer.input_file"),
+])
+def test_invalid_config_fails_in_one_line_naming_the_field_before_anything_runs(tmp_path, extra, field):
+  workdir = tmp_path / "run"
+  result = launch(workdir, *extra)
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert field in lines[0] and "Traceback" not in result.stderr
+  assert not workdir.exists()  # nothing was built: not even the workdir
+
+
+# --- one reference run, and what it leaves in the workdir ---------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("reference") / "run"
+  result = launch(workdir, overrides={"logging.tensorboard": True, "logging.plot": True})
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def repeat(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("repeat") / "run"
+  result = launch(workdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir
+
+
+@pytest.mark.slow
+def test_workdir_holds_config_metrics_tensorboard_checkpoints_and_plot(reference):
+  assert json.loads((reference / "config.json").read_text())["total_steps"] == STEPS
+  assert "d_model: 32" in (reference / "config.txt").read_text()
+  assert (reference / "config.py").exists() and (reference / "loss.png").stat().st_size > 0
+  assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
+  assert checkpoint_steps(reference) == [4, 8]
+
+
+@pytest.mark.slow
+def test_metrics_have_a_row_per_logged_step_with_train_and_eval_values(reference):
+  rows = {r["step"]: r for r in metrics_rows(reference)}
+  assert sorted(rows) == list(range(1, STEPS + 1))
+  for row in rows.values():
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/steps_per_second"} <= row.keys()
+  assert {"eval/loss", "eval/token_accuracy", "eval/exact_match"} <= rows[4].keys() & rows[8].keys()
+
+
+@pytest.mark.slow
+def test_same_seed_gives_identical_losses(reference, repeat):
+  assert train_losses(reference) == train_losses(repeat)
+
+
+@pytest.mark.slow
+def test_eval_mode_reports_the_latest_checkpoints_metrics(reference):
+  result = launch(reference, "--mode=eval")
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = json.loads((reference / "eval_results.jsonl").read_text().splitlines()[-1])
+  logged = {r["step"]: r for r in metrics_rows(reference)}[STEPS]
+  assert evaluated["step"] == STEPS
+  np.testing.assert_allclose(evaluated["eval/loss"], logged["eval/loss"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_infer_mode_answers_each_input_line(reference):
+  result = launch(reference, "--mode=infer", stdin="abc\nhello\n")
+  assert result.returncode == 0, result.stderr[-3000:]
+  outputs = result.stdout.splitlines()
+  assert [len(line) for line in outputs] == [3, 5] and all(line.isalpha() for line in outputs)
+
+
+@pytest.mark.slow
+def test_changing_the_model_of_an_existing_run_is_refused(reference):
+  result = launch(reference, "--config.model.d_model=64")
+  assert result.returncode == 2
+  assert "model.d_model" in result.stderr.strip().splitlines()[-1]
+
+
+# --- interruption and exact resume --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sigterm_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("sigterm") / "run"
+  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
+  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, process)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=240)
+  stopped = {"returncode": process.returncode, "steps": checkpoint_steps(workdir), "stderr": stderr}
+  resumed = launch(workdir)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  return workdir, stopped
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_mid_run_and_exits_zero(sigterm_run):
+  _, stopped = sigterm_run
+  assert stopped["returncode"] == 0, stopped["stderr"][-3000:]
+  assert stopped["steps"] and stopped["steps"][-1] < STEPS
+
+
+@pytest.mark.slow
+def test_resume_after_sigterm_logs_the_same_losses_and_parameters(sigterm_run, reference):
+  workdir, _ = sigterm_run
+  assert train_losses(workdir) == train_losses(reference)
+  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+
+
+@pytest.fixture(scope="module")
+def sigkill_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("sigkill") / "run"
+  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
+  wait_for(lambda: (workdir / "checkpoints" / "4").exists(), process)
+  process.kill()
+  process.communicate(timeout=60)
+  killed_steps = checkpoint_steps(workdir)
+  resumed = launch(workdir)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  return workdir, killed_steps
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_logs_the_same_losses_and_parameters(sigkill_run, reference):
+  workdir, killed_steps = sigkill_run
+  assert killed_steps == [4]
+  assert train_losses(workdir) == train_losses(reference)
+  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, reference):
+  workdir = tmp_path / "run"
+  result = launch(workdir, overrides={"debug.nan_at_step": 6})
+  assert result.returncode == 1
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert "TrainingDiverged" in last_line and "step 6" in last_line
+  assert checkpoint_steps(workdir) == [4]
+  assert max(train_losses(workdir)) == 5
+  assert_same_params(model_params(workdir, 4), model_params(reference, 4))
+
+
+@pytest.mark.slow
+def test_corrupted_latest_checkpoint_falls_back_to_the_older_one(tmp_path, repeat, reference):
+  workdir = tmp_path / "run"
+  shutil.copytree(repeat, workdir)
+  for path in (workdir / "checkpoints" / "8" / "model").rglob("*"):
+    if path.is_file():
+      path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])  # truncated files
+  result = launch(workdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "step 8" in result.stderr and "cannot be read" in result.stderr
+  assert list((workdir / "corrupt_checkpoints").iterdir())
+  assert train_losses(workdir) == train_losses(reference)
+  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
