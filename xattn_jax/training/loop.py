@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import metrics as metrics_lib
@@ -294,6 +295,11 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
   return last_eval
 
 
+def _barrier(name: str):
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def _quiet_library_logs():
   """Keeps orbax's and jax's INFO chatter (several lines per checkpoint) out of the run's log."""
   def keep(record):
@@ -315,10 +321,12 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
                              process_count=jax.process_count())
   check_same_model(config, workdir)
   is_writer = jax.process_index() == 0
+  _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
     if mode == "train":
       _write_config(config, workdir)
+  _barrier("workdir ready")
   run_ = _Run(config, workdir)
   checkpoints = checkpoints_lib.Checkpoints(
       workdir, keep=config.checkpoint.keep, best_metric=config.checkpoint.best_metric,

@@ -1,0 +1,81 @@
+"""Sharded and multi-process training give the single-device losses: 8 simulated CPU devices
+under three meshes, and two processes on 127.0.0.1 with two devices each."""
+import json
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_launch import OVERRIDES, REPO, launch, launch_args, subprocess_env, train_losses
+
+MESHES = {
+    "data8": {"data": 8, "fsdp": 1, "tensor": 1},
+    "data2_fsdp2_tensor2": {"data": 2, "fsdp": 2, "tensor": 2},
+    "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1},
+}
+
+# One process, three runs: imports and device setup are paid once.
+_RUN_MESHES = """
+import json, sys
+from configs import toy_reverse
+from xattn_jax.training import loop
+overrides, meshes, root = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+for name, mesh in meshes.items():
+  config = toy_reverse.get_config("size=tiny")
+  config.update_from_flattened_dict({**overrides, **{"mesh." + k: v for k, v in mesh.items()}})
+  loop.run(config, f"{root}/{name}")
+"""
+
+
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("single") / "run"
+  result = launch(workdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return train_losses(workdir)
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory):
+  root = tmp_path_factory.mktemp("meshes")
+  result = subprocess.run([sys.executable, "-c", _RUN_MESHES, json.dumps(OVERRIDES), json.dumps(MESHES),
+                           str(root)], cwd=REPO, capture_output=True, text=True,
+                          env=subprocess_env(device_count=8), timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_sharded_mesh_gives_the_single_device_losses(eight_devices, single_device, mesh):
+  losses = train_losses(eight_devices / mesh)
+  assert sorted(losses) == sorted(single_device)
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_device_losses(tmp_path, single_device):
+  workdir = tmp_path / "run"
+  address = f"127.0.0.1:{_free_port()}"
+  processes = [
+      subprocess.Popen(launch_args(workdir, f"--coordinator_address={address}", "--num_processes=2",
+                                   f"--process_id={i}"),
+                       cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env=subprocess_env(device_count=2))
+      for i in range(2)]
+  outputs = [p.communicate(timeout=600) for p in processes]
+  for process, (_, stderr) in zip(processes, outputs):
+    assert process.returncode == 0, stderr[-3000:]
+  losses = train_losses(workdir)
+  assert sorted(losses) == sorted(single_device)
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
