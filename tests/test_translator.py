@@ -1,0 +1,176 @@
+"""The encoder-decoder translator: shapes, causality, caches, packing, position switch."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xattn_jax.models import translator as translator_lib
+from xattn_jax.models.translator import StackSize, Translator
+
+VOCAB = 40
+# Widths differ on purpose; one layer each keeps compile times short (stacking is tested with two).
+ENCODER, DECODER = StackSize(32, 4, 1, 64), StackSize(48, 4, 1, 64)
+TWO_LAYERS = StackSize(32, 4, 2, 64)
+
+
+def _model(position_encoding="sinusoidal", *, encoder=ENCODER, decoder=DECODER, **options):
+  options.setdefault("share_embeddings", encoder.d_model == decoder.d_model)
+  return Translator(VOCAB, encoder=encoder, decoder=decoder, position_encoding=position_encoding, max_length=16,
+                    rngs=nnx.Rngs(params=0, dropout=1), **options)
+
+
+def _tokens(seed, batch, length, pad_from=None):
+  ids = np.random.default_rng(seed).integers(3, VOCAB, (batch, length)).astype(np.int32)
+  if pad_from is not None:
+    ids[-1, pad_from:] = 0  # the last row is padded
+  return jnp.asarray(ids)
+
+
+def _full_and_cached(state, graphdef, inputs, decoder_inputs, prompt_length):
+  """Teacher-forced logits, and the same from a prompt pre-fill then one token per decode_step."""
+  model = nnx.merge(graphdef, state)
+  full = model(inputs, decoder_inputs)
+  cache = model.init_cache(model.encode(inputs), inputs != 0, decoder_inputs.shape[1])
+  first, cache = model.decode_step(decoder_inputs[:, :prompt_length], cache)
+  steps = [first]
+  for t in range(prompt_length, decoder_inputs.shape[1]):
+    logits, cache = model.decode_step(decoder_inputs[:, t:t + 1], cache)
+    steps.append(logits)
+  return full, jnp.concatenate(steps, axis=1)
+
+
+@nnx.jit
+def _forward(model, inputs, decoder_inputs, **packing):
+  return model(inputs, decoder_inputs, **packing)
+
+
+def _compare_cached(model):
+  graphdef, state = nnx.split(model)
+  full, cached = jax.jit(_full_and_cached, static_argnums=(1, 4))(
+      state, graphdef, _tokens(0, 2, 7, pad_from=4), _tokens(1, 2, 4), 2)
+  np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=2e-5, rtol=2e-5)
+
+
+def test_shapes_of_memory_and_logits_with_different_widths():
+  model = _model()
+  inputs, decoder_inputs = _tokens(0, 3, 7), _tokens(1, 3, 5)
+  chex.assert_shape(nnx.jit(lambda m, x: m.encode(x))(model, inputs), (3, 7, ENCODER.d_model))
+  logits = _forward(model, inputs, decoder_inputs)
+  chex.assert_shape(logits, (3, 5, VOCAB))
+  assert logits.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("position_encoding", translator_lib.POSITION_ENCODINGS)
+def test_cached_decode_steps_equal_full_forward(position_encoding):
+  _compare_cached(_model(position_encoding))
+
+
+def test_cached_decode_steps_equal_scanned_full_forward():
+  _compare_cached(_model("rope", encoder=TWO_LAYERS, decoder=TWO_LAYERS, scan_layers=True, tie_output=False))
+
+
+def test_decoder_logits_do_not_depend_on_later_target_embeddings():
+  model = _model("rope", encoder=TWO_LAYERS, decoder=TWO_LAYERS)
+  inputs = _tokens(0, 1, 6)
+  embedded = jax.random.normal(jax.random.key(0), (1, 5, TWO_LAYERS.d_model))
+
+  @nnx.jit
+  def jacobian(model, inputs, embedded):
+    memory, memory_mask = model.encode(inputs), model.memory_mask(inputs)
+    logit_sums = lambda x: model.decode_embeddings(x, memory, memory_mask)[0].sum(-1)  # -> [t]
+    return jax.jacrev(logit_sums)(embedded)[:, 0]  # -> [t (logits), t (embeddings), d_model]
+
+  norms = np.asarray(jnp.abs(jacobian(model, inputs, embedded)).sum(-1))  # -> [t, t]
+  later = np.triu(np.ones_like(norms, dtype=bool), k=1)
+  assert (norms[later] == 0).all(), f"logits depend on later positions: {norms}"
+  assert (norms[~later] > 0).all()
+
+
+def test_padded_source_tokens_do_not_change_logits():
+  model = _model()
+  inputs = _tokens(0, 2, 7, pad_from=4)
+  changed = inputs.at[-1, 1].set(jnp.where(inputs[-1, 1] == 5, 6, 5))  # a different real token
+  decoder_inputs = _tokens(1, 2, 5)
+  short = _forward(model, inputs[:, :4], decoder_inputs)
+  padded = _forward(model, inputs, decoder_inputs)
+  np.testing.assert_allclose(np.asarray(padded[-1]), np.asarray(short[-1]), atol=1e-5)
+  assert not np.allclose(np.asarray(_forward(model, changed, decoder_inputs)[-1]), np.asarray(padded[-1]), atol=1e-5)
+
+
+def test_packed_rows_equal_examples_run_separately():
+  model = _model("rope", encoder=TWO_LAYERS, decoder=TWO_LAYERS)
+  src_a, src_b, tgt_a, tgt_b = _tokens(0, 1, 3), _tokens(1, 1, 4), _tokens(2, 1, 2), _tokens(3, 1, 3)
+  inputs = jnp.concatenate([src_a, src_b, jnp.zeros((1, 1), jnp.int32)], axis=1)  # -> [1, 8]
+  decoder_inputs = jnp.concatenate([tgt_a, tgt_b, jnp.zeros((1, 1), jnp.int32)], axis=1)  # -> [1, 6]
+  packed = _forward(model, inputs, decoder_inputs,
+                 inputs_segmentation=jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]]),
+                 inputs_positions=jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]]),
+                 targets_segmentation=jnp.array([[1, 1, 2, 2, 2, 0]]),
+                 targets_positions=jnp.array([[0, 1, 0, 1, 2, 0]]))
+  # The same two examples as two padded rows of an ordinary batch.
+  separate = _forward(model, jnp.concatenate([jnp.pad(src_a, ((0, 0), (0, 1))), src_b]),
+                      jnp.concatenate([jnp.pad(tgt_a, ((0, 0), (0, 1))), tgt_b]))  # -> [2, 3, vocab]
+  np.testing.assert_allclose(np.asarray(packed[0, :2]), np.asarray(separate[0, :2]), atol=2e-5)
+  np.testing.assert_allclose(np.asarray(packed[0, 2:5]), np.asarray(separate[1]), atol=2e-5)
+
+
+def test_greedy_generation_equals_argmax_of_full_model_on_growing_prefix():
+  model = _model("learned")
+  inputs = _tokens(0, 2, 6, pad_from=3)
+  steps = 5
+  generated = nnx.jit(translator_lib.generate, static_argnames=("max_length", "bos_id", "eos_id"))(
+      model, inputs, max_length=steps, bos_id=1, eos_id=2)
+  # The prefix lives in a fixed-length buffer (one compiled shape); the causal decoder ignores
+  # the unfilled tail, as test_decoder_logits_do_not_depend_on_later_target_embeddings checks.
+  prefix = jnp.zeros((2, steps), jnp.int32).at[:, 0].set(1)
+  for t in range(steps):
+    choice = jnp.argmax(_forward(model, inputs, prefix)[:, t], axis=-1).astype(jnp.int32)
+    np.testing.assert_array_equal(np.asarray(generated[:, t]), np.asarray(choice), err_msg=f"step {t}")
+    if t + 1 < steps:
+      prefix = prefix.at[:, t + 1].set(choice)
+
+
+def test_rope_switch_rotates_self_attention_and_adds_no_parameters():
+  rope, sinusoidal = _model("rope"), _model("sinusoidal")
+  assert rope.decoder_blocks.self_attention.rotary.kind == "rope"
+  assert rope.encoder_blocks.attention.rotary.kind == "rope"
+  assert sinusoidal.decoder_blocks.self_attention.rotary is None
+  shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
+  assert shapes(rope) == shapes(sinusoidal)
+  inputs, decoder_inputs = _tokens(0, 1, 5), _tokens(1, 1, 4)
+  assert not np.allclose(np.asarray(_forward(rope, inputs, decoder_inputs)),
+                         np.asarray(_forward(sinusoidal, inputs, decoder_inputs)))
+
+
+def test_cross_attention_weights_are_distributions_over_real_source_tokens():
+  model = _model()
+  inputs = _tokens(0, 2, 7, pad_from=4)
+  weights = nnx.jit(lambda m, x, y: m.cross_attention_weights(x, y))(model, inputs, _tokens(1, 2, 5))
+  chex.assert_shape(weights, (DECODER.num_layers, 2, DECODER.num_heads, 5, 7))
+  np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
+  assert (np.asarray(weights[:, -1, :, :, 4:]) == 0).all()
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  inputs, decoder_inputs = _tokens(0, 2, 6), _tokens(1, 2, 5)
+  full = _forward(_model(), inputs, decoder_inputs)
+  half = _forward(_model(dtype=jnp.bfloat16), inputs, decoder_inputs)
+  assert half.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(half), np.asarray(full), atol=0.15)
+
+
+@pytest.mark.parametrize("options, argument", [
+    (dict(position_encoding="alibi"), "position_encoding"),
+    (dict(share_embeddings=True), "share_embeddings"),
+    (dict(remat="everything"), "remat"),
+])
+def test_invalid_options_are_rejected(options, argument):
+  with pytest.raises(ValueError, match=argument):
+    _model(**options)
+
+
+def test_float_tokens_are_rejected():
+  with pytest.raises(ValueError, match="inputs"):
+    _model().encode(jnp.zeros((1, 3)))

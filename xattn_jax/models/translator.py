@@ -1,0 +1,315 @@
+"""The encoder-decoder translator of Vaswani et al. (2017), composed from the shared layers.
+
+  encode(inputs [b, s])                      -> memory [b, s, encoder.d_model]
+  __call__(inputs [b, s], decoder_inputs [b, t]) -> logits [b, t, vocab]   (training, teacher forcing)
+  init_cache(memory, memory_valid [b, s], max_length) -> TranslatorCache
+  decode_step(tokens [b, t], cache)          -> (logits [b, t, vocab], cache)
+
+The encoder is a stack of bidirectional self-attention blocks; each decoder block runs causal
+self-attention over the target so far, cross-attention from the target to the encoder output
+(masked only by the source padding) and an MLP. Token id 0 is padding in both streams.
+
+The decode cache holds, per decoder layer, the self-attention keys/values (filled as tokens arrive)
+and the cross-attention keys/values projected from the memory once per source sentence, plus the
+memory's padding mask and the next target position. Every array leaf with a batch axis has it
+first, so beam search can reorder rows directly (`decoding.beam_search(cache_batch_axis=0)`).
+
+The blocks are stacked (`training.layer_stack`): the training pass runs them with `nnx.scan` when
+`scan_layers` is set, else as a Python loop over the same stacked parameters, so checkpoints do not
+depend on the switch. Decoding always loops over the layers, so each layer's cache is updated in
+place inside the decode loop instead of being restacked every step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax import decoding
+from xattn_jax.layers import blocks
+from xattn_jax.layers import positions as position_layers
+from xattn_jax.ops import masks as masks_lib
+from xattn_jax.training import layer_stack
+
+PAD_ID = 0
+POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSize:
+  """Width and depth of one side (encoder or decoder)."""
+  d_model: int
+  num_heads: int
+  num_layers: int
+  mlp_dim: int
+
+
+SIZES = {
+    # name: (encoder, decoder)
+    "tiny": (StackSize(128, 4, 2, 512), StackSize(128, 4, 2, 512)),
+    "base": (StackSize(512, 8, 6, 2048), StackSize(512, 8, 6, 2048)),
+}
+
+
+@flax.struct.dataclass
+class TranslatorCache:
+  """Decode state: one DecoderCache per layer, the memory's padding mask [b, 1, 1, s], and the
+  position of the next target token (int32 scalar, the same for every row)."""
+  layers: tuple[blocks.DecoderCache, ...]
+  memory_mask: jax.Array
+  position: jax.Array
+
+
+def _check_tokens(name: str, tokens) -> None:
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"Translator: {name} must be int [batch, length], got {tokens.dtype}{list(tokens.shape)}")
+
+
+def _default_positions(tokens, positions, start=0):
+  """Explicit positions [b, t], or start + arange(t) for every row."""
+  if positions is not None:
+    chex.assert_equal_shape([tokens, positions])
+    return positions
+  return jnp.broadcast_to(start + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+class Translator(nnx.Module):
+  """Encoder-decoder transformer over one shared token id space (id 0 = padding).
+
+  Args:
+    vocab_size: number of token ids (source and target share the id space).
+    encoder, decoder: StackSize of each side; their widths may differ (the decoder's
+      cross-attention reads encoder.d_model-wide memories).
+    position_encoding: "none" | "learned" | "sinusoidal" | "rope" (added to the embeddings, or
+      rotating queries and keys of the self-attention layers).
+    max_length: longest sequence the learned position table covers (and the rope/sinusoidal
+      positions are meant for).
+    share_embeddings: one embedding table for source and target (needs equal widths).
+    tie_output: the output projection is the transposed target embedding.
+    norm: "pre" (LayerNorm inside each residual, plus a final LayerNorm) or "post" (Vaswani).
+    scan_layers, remat: how the training pass runs the stacks (see module doc; remat by name).
+    dtype: compute dtype (e.g. bfloat16 for mixed precision); param_dtype: storage dtype. Logits
+      are returned in float32.
+  """
+
+  def __init__(self, vocab_size: int, *, encoder: StackSize, decoder: StackSize,
+               position_encoding: str = "sinusoidal", max_length: int = 256, share_embeddings: bool = True,
+               tie_output: bool = True, norm: str = "pre", dropout_rate: float = 0.0,
+               attention_dropout_rate: float = 0.0, activation: str = "relu", scan_layers: bool = False,
+               remat: str = "none", implementation: str | None = None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+      raise ValueError(f"Translator: vocab_size must be an int >= 2, got vocab_size={vocab_size!r}")
+    if position_encoding not in POSITION_ENCODINGS:
+      raise ValueError(f"Translator: position_encoding must be one of {POSITION_ENCODINGS}, "
+                       f"got position_encoding={position_encoding!r}")
+    if share_embeddings and encoder.d_model != decoder.d_model:
+      raise ValueError(f"Translator: share_embeddings needs encoder.d_model == decoder.d_model, got "
+                       f"{encoder.d_model} and {decoder.d_model}")
+    layer_stack.remat_policy(remat)  # raises for an unknown policy name
+    self.vocab_size, self.max_length, self.norm = vocab_size, max_length, norm
+    self.share_embeddings, self.tie_output = share_embeddings, tie_output
+    self.scan_layers, self.remat, self.dtype = scan_layers, remat, dtype
+    self.position_encoding = position_encoding
+    common = dict(dtype=dtype, param_dtype=param_dtype)
+
+    def embed(features):
+      init = nnx.with_partitioning(nnx.initializers.normal(features ** -0.5), ("vocab", "embed"),
+                                   eager_sharding=False)
+      return nnx.Embed(vocab_size, features, embedding_init=init, rngs=rngs, **common)
+
+    def positions(side: StackSize):
+      return position_layers.make_position_encoding(
+          position_encoding, features=side.d_model, max_length=max_length, num_heads=side.num_heads,
+          head_dim=side.d_model // side.num_heads, rngs=rngs, **common)
+
+    self.source_embed = embed(encoder.d_model)
+    self.target_embed = None if share_embeddings else embed(decoder.d_model)
+    self.source_positions, self.target_positions = positions(encoder), positions(decoder)
+    block_options = dict(norm=norm, dropout_rate=dropout_rate, attention_dropout_rate=attention_dropout_rate,
+                         activation=activation, implementation=implementation, **common)
+    self.encoder_blocks = layer_stack.create_stack(
+        lambda r: blocks.EncoderBlock(encoder.d_model, encoder.num_heads, encoder.mlp_dim,
+                                      rotary=self.source_positions.rotary, rngs=r, **block_options),
+        encoder.num_layers, rngs)
+    self.decoder_blocks = layer_stack.create_stack(
+        lambda r: blocks.DecoderBlock(decoder.d_model, decoder.num_heads, decoder.mlp_dim,
+                                      memory_features=encoder.d_model, rotary=self.target_positions.rotary,
+                                      rngs=r, **block_options),
+        decoder.num_layers, rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+    def layer_norm(features):
+      init = lambda base: nnx.with_partitioning(base, ("embed",), eager_sharding=False)
+      return nnx.LayerNorm(features, scale_init=init(nnx.initializers.ones_init()),
+                           bias_init=init(nnx.initializers.zeros_init()), rngs=rngs, **common)
+
+    # Pre-norm residual streams are never normalised inside the stack; post-norm ones already are.
+    self.encoder_norm = layer_norm(encoder.d_model) if norm == "pre" else None
+    self.decoder_norm = layer_norm(decoder.d_model) if norm == "pre" else None
+    self.output = None if tie_output else nnx.Linear(
+        decoder.d_model, vocab_size, rngs=rngs,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab"),
+                                          eager_sharding=False), **common)
+    self.encoder_size, self.decoder_size = encoder, decoder
+
+  # --- pieces -----------------------------------------------------------------------------------
+
+  def _target_table(self) -> nnx.Embed:
+    return self.source_embed if self.target_embed is None else self.target_embed
+
+  def _embed(self, table: nnx.Embed, position_encoding, tokens, positions, deterministic):
+    """tokens [b, t] -> [b, t, d_model]: scaled embeddings (Vaswani et al.) plus additive positions."""
+    x = table(tokens) * jnp.sqrt(float(table.features)).astype(self.dtype)
+    x = position_encoding.add_to_inputs(x, positions)
+    return self.dropout(x, deterministic=deterministic)
+
+  def _logits(self, x):
+    """Decoder output [b, t, d_model] -> float32 logits [b, t, vocab]."""
+    if self.decoder_norm is not None:
+      x = self.decoder_norm(x)
+    logits = self._target_table().attend(x) if self.output is None else self.output(x)
+    return logits.astype(jnp.float32)
+
+  def decoder_layers(self):
+    """The stacked decoder blocks, one module per layer (slices of the same parameters)."""
+    graphdef, state = nnx.split(self.decoder_blocks)
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+            for i in range(self.decoder_size.num_layers)]
+
+  @staticmethod
+  def memory_mask(inputs, *, inputs_segmentation=None, targets_segmentation=None):
+    """Cross-attention mask: source padding [b, 1, 1, s], or same-segment [b, 1, t, s] when packed."""
+    if inputs_segmentation is not None and targets_segmentation is not None:
+      return masks_lib.segment_mask(targets_segmentation, inputs_segmentation)
+    return masks_lib.padding_mask(inputs != PAD_ID)
+
+  # --- public passes ----------------------------------------------------------------------------
+
+  def encode(self, inputs, *, inputs_positions=None, inputs_segmentation=None, deterministic: bool = True):
+    """inputs [b, s] -> memory [b, s, encoder.d_model]; padded rows of the memory are ignored later."""
+    _check_tokens("inputs", inputs)
+    positions = _default_positions(inputs, inputs_positions)
+    if inputs_segmentation is None:
+      mask = masks_lib.padding_mask(inputs != PAD_ID)  # [b, 1, 1, s]
+    else:
+      mask = masks_lib.segment_mask(inputs_segmentation, inputs_segmentation)  # [b, 1, s, s]
+    x = self._embed(self.source_embed, self.source_positions, inputs, positions, deterministic)
+    x = layer_stack.apply_stack(self.encoder_blocks, x, scan=self.scan_layers, remat=self.remat, mask=mask,
+                                positions=positions, deterministic=deterministic)
+    memory = x if self.encoder_norm is None else self.encoder_norm(x)
+    chex.assert_shape(memory, (*inputs.shape, self.encoder_size.d_model))
+    return memory
+
+  def decode(self, decoder_inputs, memory, memory_mask, *, targets_positions=None, targets_segmentation=None,
+             deterministic: bool = True):
+    """Full teacher-forced decoder pass: decoder_inputs [b, t] -> logits [b, t, vocab] (float32)."""
+    _check_tokens("decoder_inputs", decoder_inputs)
+    positions = _default_positions(decoder_inputs, targets_positions)
+    x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic)
+    return self.decode_embeddings(x, memory, memory_mask, targets_positions=positions,
+                                  targets_segmentation=targets_segmentation, deterministic=deterministic)
+
+  def decode_embeddings(self, x, memory, memory_mask, *, targets_positions=None, targets_segmentation=None,
+                        deterministic: bool = True):
+    """The decoder stack and output layer on embedded targets x [b, t, decoder.d_model] -> logits."""
+    chex.assert_rank(x, 3)
+    positions = _default_positions(x[..., 0], targets_positions)
+    self_mask = None if targets_segmentation is None else masks_lib.segment_mask(
+        targets_segmentation, targets_segmentation)  # [b, 1, t, t]; the block adds the causal mask
+    x = layer_stack.apply_stack(self.decoder_blocks, x, memory, scan=self.scan_layers, remat=self.remat,
+                                self_mask=self_mask, positions=positions, memory_mask=memory_mask,
+                                deterministic=deterministic)
+    return self._logits(x)
+
+  def __call__(self, inputs, decoder_inputs, *, inputs_positions=None, inputs_segmentation=None,
+               targets_positions=None, targets_segmentation=None, deterministic: bool = True):
+    """Training pass: inputs [b, s], decoder_inputs [b, t] (BOS + target[:-1]) -> logits [b, t, vocab].
+
+    For packed rows pass the segment ids (0 = padding) and per-segment positions of both streams.
+    """
+    if (inputs_segmentation is None) != (targets_segmentation is None):
+      raise ValueError("Translator: pass both inputs_segmentation and targets_segmentation (packed rows) or "
+                       "neither")
+    memory = self.encode(inputs, inputs_positions=inputs_positions, inputs_segmentation=inputs_segmentation,
+                         deterministic=deterministic)
+    memory_mask = self.memory_mask(inputs, inputs_segmentation=inputs_segmentation,
+                                   targets_segmentation=targets_segmentation)
+    return self.decode(decoder_inputs, memory, memory_mask, targets_positions=targets_positions,
+                       targets_segmentation=targets_segmentation, deterministic=deterministic)
+
+  # --- incremental decoding ---------------------------------------------------------------------
+
+  def init_cache(self, memory, memory_valid, max_length: int) -> TranslatorCache:
+    """A cache for up to max_length target tokens; projects the memory's keys/values once per layer.
+
+    memory [b, s, encoder.d_model]; memory_valid bool [b, s] (True = real source token).
+    """
+    if memory.ndim != 3 or memory.shape[-1] != self.encoder_size.d_model:
+      raise ValueError(f"Translator.init_cache: memory must be [batch, length, {self.encoder_size.d_model}], "
+                       f"got memory{list(memory.shape)}")
+    if memory_valid.shape != memory.shape[:2] or memory_valid.dtype != jnp.bool_:
+      raise ValueError(f"Translator.init_cache: memory_valid must be bool {list(memory.shape[:2])}, got "
+                       f"{memory_valid.dtype}{list(memory_valid.shape)}")
+    if not isinstance(max_length, int) or max_length < 1:
+      raise ValueError(f"Translator.init_cache: max_length must be a positive int, got {max_length!r}")
+    layers = tuple(block.init_cache(memory, max_length) for block in self.decoder_layers())
+    return TranslatorCache(layers=layers, memory_mask=masks_lib.padding_mask(memory_valid),
+                           position=jnp.zeros((), jnp.int32))
+
+  def decode_step(self, tokens, cache: TranslatorCache):
+    """Feeds tokens [b, t] (t = 1 per step, or a prompt) -> (logits [b, t, vocab], advanced cache)."""
+    _check_tokens("tokens", tokens)
+    positions = _default_positions(tokens, None, start=cache.position)
+    x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
+    new_layers = []
+    for block, layer_cache in zip(self.decoder_layers(), cache.layers):
+      x, layer_cache = block.decode(x, layer_cache, positions=positions, memory_mask=cache.memory_mask)
+      new_layers.append(layer_cache)
+    cache = cache.replace(layers=tuple(new_layers), position=cache.position + tokens.shape[1])
+    return self._logits(x), cache
+
+  # --- inspection -------------------------------------------------------------------------------
+
+  def cross_attention_weights(self, inputs, decoder_inputs):
+    """Cross-attention probabilities [layers, b, heads, t, s] of the teacher-forced pass (for plots).
+
+    Recomputes each decoder layer's query stream the way DecoderBlock does (self-attention
+    residual, then the cross-attention residual's LayerNorm when pre-norm) and asks the layer's
+    cross-attention for its weights.
+    """
+    _check_tokens("decoder_inputs", decoder_inputs)
+    memory = self.encode(inputs)
+    memory_mask = self.memory_mask(inputs)
+    positions = _default_positions(decoder_inputs, None)
+    x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic=True)
+    weights = []
+    for block in self.decoder_layers():
+      after_self, _ = block.self_residual(x, lambda h, block=block: (block.self_attention(
+          h, query_positions=positions, is_causal=True), None), True)
+      queries = block.cross_residual.norm(after_self) if self.norm == "pre" else after_self
+      weights.append(block.cross_attention.attention_weights(queries, memory, mask=memory_mask))
+      x = block(x, memory, positions=positions, memory_mask=memory_mask)
+    return jnp.stack(weights)  # -> [layers, b, heads, t, s]
+
+
+def generate(model: Translator, inputs, *, max_length: int, bos_id: int, eos_id: int, beam_size: int = 1,
+             alpha: float = 0.6):
+  """Translates inputs [b, s] -> tokens [b, max_length] (EOS then padding), greedy when beam_size = 1.
+
+  The memory is encoded and its cross-attention keys/values projected once; the search then runs
+  as one `lax.while_loop` over `decode_step`. Wrap in `nnx.jit` (max_length, ids, beam_size and
+  alpha static).
+  """
+  _check_tokens("inputs", inputs)
+  memory = model.encode(inputs)  # -> [b, s, encoder.d_model]
+  cache = model.init_cache(memory, inputs != PAD_ID, max_length)
+  common = dict(batch_size=inputs.shape[0], max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=PAD_ID)
+  if beam_size == 1:
+    return decoding.greedy_search(model.decode_step, cache, **common).tokens
+  beams = decoding.beam_search(model.decode_step, cache, beam_size=beam_size, alpha=alpha, **common)
+  return beams.tokens[:, 0]  # the best beam -> [b, max_length]
