@@ -246,12 +246,13 @@ class MultiHeadAttention(nnx.Module):
     dtype = self.dtype if dtype is None else dtype
     return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
 
-  def extend(self, x, cache: KVCache, *, positions=None, mask=None, deterministic: bool = True):
+  def extend(self, x, cache: KVCache, *, positions=None, mask=None, bias=None, deterministic: bool = True):
     """Appends x [b, t, in_features] to the cache and attends causally to everything filled so far.
 
     Works for a pre-fill prompt (t > 1) and for single steps. With 1D RoPE, positions default to
     cache.index + arange(t). mask (e.g. key padding [b, 1, 1, max_length]) is ANDed with the causal
-    mask, which already hides the unfilled rows. Returns (out [b, t, out_features], advanced cache).
+    mask, which already hides the unfilled rows. bias (e.g. ALiBi between these queries and every
+    cache row) broadcasts to [b, heads, t, max_length]. Returns (out [b, t, out_features], advanced cache).
 
     Overflow: if t > max_length, or cache.index is concrete and index + t > max_length, this raises.
     Under jit the index is traced and cannot be checked at trace time; dynamic_update_slice would
@@ -281,7 +282,7 @@ class MultiHeadAttention(nnx.Module):
     values = jax.lax.dynamic_update_slice(cache.values, new_values.astype(cache.values.dtype), (0, index, 0, 0))
     # Query i sits at position index + i and sees keys 0 .. index + i: filled rows only.
     causal = masks_lib.causal_mask(length, max_length, offset=index)  # [1, 1, t, max_length]
-    out = self._attend_heads(q, keys, values, mask=masks_lib.combine_masks(causal, mask), bias=None,
+    out = self._attend_heads(q, keys, values, mask=masks_lib.combine_masks(causal, mask), bias=bias,
                              is_causal=False, deterministic=deterministic)
     out = jnp.where(index + length <= max_length, out, jnp.nan)
     return out, KVCache(keys=keys, values=values, index=index + length)

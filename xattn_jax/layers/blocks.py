@@ -102,10 +102,11 @@ class EncoderBlock(nnx.Module):
     self.attention_residual = _Residual(features, norm, dropout_rate, **common)
     self.mlp_residual = _Residual(features, norm, dropout_rate, **common)
 
-  def __call__(self, x, *, mask=None, positions=None, deterministic: bool = True):
-    """mask: e.g. key padding [b, 1, 1, t]; positions: for a rotary attention layer."""
+  def __call__(self, x, *, mask=None, positions=None, bias=None, deterministic: bool = True):
+    """mask: e.g. key padding [b, 1, 1, t]; positions: for a rotary attention layer; bias: a relative
+    position bias [b, heads, t, t] added to the self-attention scores (ALiBi, T5)."""
     x, _ = self.attention_residual(x, lambda h: (self.attention(
-        h, mask=mask, query_positions=positions, deterministic=deterministic), None), deterministic)
+        h, mask=mask, bias=bias, query_positions=positions, deterministic=deterministic), None), deterministic)
     x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
     return x
 
@@ -142,16 +143,17 @@ class DecoderBlock(nnx.Module):
     x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
     return x
 
-  def __call__(self, x, memory, *, self_mask=None, positions=None, memory_mask=None,
+  def __call__(self, x, memory, *, self_mask=None, positions=None, memory_mask=None, self_bias=None,
                deterministic: bool = True):
     """Full pass: x [b, t, features], memory [b, s, memory_features] -> [b, t, features].
 
     self_mask is ANDed with the causal mask (e.g. target padding); memory_mask hides padded
-    memory rows ([b, 1, 1, s]); positions feed a rotary self-attention.
+    memory rows ([b, 1, 1, s]); positions feed a rotary self-attention; self_bias [b, heads, t, t]
+    is a relative position bias on the self-attention scores only.
     """
     x, _ = self.self_residual(x, lambda h: (self.self_attention(
-        h, mask=self_mask, query_positions=positions, is_causal=True, deterministic=deterministic), None),
-        deterministic)
+        h, mask=self_mask, bias=self_bias, query_positions=positions, is_causal=True,
+        deterministic=deterministic), None), deterministic)
     memory_cache = self.cross_attention.project_memory(memory)
     return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
 
@@ -162,14 +164,15 @@ class DecoderBlock(nnx.Module):
         cross_attention=self.cross_attention.project_memory(memory))
 
   def decode(self, x, cache: DecoderCache, *, positions=None, self_mask=None, memory_mask=None,
-             deterministic: bool = True):
+             self_bias=None, deterministic: bool = True):
     """Pre-fill (t > 1) or one step (t = 1): x [b, t, features] -> (out [b, t, features], cache).
 
-    self_mask broadcasts to [b, heads, t, max_length] (e.g. prompt padding); memory_mask as in __call__.
+    self_mask and self_bias broadcast to [b, heads, t, max_length] (e.g. prompt padding, a relative
+    position bias between these queries and every cache row); memory_mask as in __call__.
     """
     def self_attend(h):
       return self.self_attention.extend(h, cache.self_attention, positions=positions, mask=self_mask,
-                                        deterministic=deterministic)
+                                        bias=self_bias, deterministic=deterministic)
 
     x, self_cache = self.self_residual(x, self_attend, deterministic)
     x = self._cross_and_mlp(x, cache.cross_attention, memory_mask, deterministic)

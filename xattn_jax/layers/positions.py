@@ -5,8 +5,10 @@ Every module has the same interface:
       embeddings x [b, t, features]; rotary ones and "none" return x unchanged.
   rotary                                                 a RotarySpec for MultiHeadAttention to rotate
       q and k with, or None for additive encodings.
-  attention_bias(query_positions, key_positions)         an additive score bias [b, heads, q, kv], or
-      None (every encoding here): the hook for relative encodings such as ALiBi or T5 buckets.
+  attention_bias(query_positions, key_positions)         an additive score bias [b, heads, q, kv] for
+      the SELF-attention of the stack the module belongs to ("alibi", "t5_bias"), or None. Positions
+      are [b, q] and [b, kv] ints. Cross-attention gets no position bias: its keys are another
+      sequence, whose positions are not comparable with the queries'.
 
 Positions are explicit: [b, t] ints for sequences (None = 0..t-1), [b, M, 2] (row, column) for
 images (None = the row-major grid). Image encodings take the input's grid (height, width) as `grid`
@@ -27,6 +29,7 @@ from flax import nnx
 
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import positions as positions_ops
+from xattn_jax.ops import relative_bias
 
 
 def _sequence_positions(x, positions):
@@ -173,6 +176,50 @@ class FourierPositions(_GridPositions):
     return self.projection(positions_ops.fourier_features(coords, self.num_bands, self.max_resolution))
 
 
+class AlibiPositions(NoPositions):
+  """"alibi": nothing added to the inputs; scores get -slope_h * |i - j| (Press et al. 2022).
+
+  causal=True (a decoder's self-attention) uses the paper's causal form -slope_h * (i - j), which
+  equals the symmetric one on every key a causal mask leaves visible.
+  """
+
+  def __init__(self, num_heads: int, *, causal: bool = False):
+    self.num_heads, self.causal = num_heads, causal
+
+  def attention_bias(self, query_positions, key_positions):
+    slopes = relative_bias.alibi_slopes(self.num_heads)  # [heads], a constant
+    return relative_bias.alibi_bias(query_positions, key_positions, slopes, causal=self.causal)
+
+
+class T5BiasPositions(NoPositions):
+  """"t5_bias": a learned table [num_buckets, heads] read at the T5 bucket of key - query position.
+
+  One table per stack, shared by its layers (as in T5). Bidirectional buckets (separate ones for
+  keys before and after the query) for an encoder; unidirectional ones for a causal decoder, whose
+  queries never see later keys. Starts at zero, so the untrained model has no position bias.
+  """
+
+  def __init__(self, num_heads: int, *, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    del rngs  # zero init needs no randomness; kept for the registry's uniform signature
+    multiple = 4 if bidirectional else 2  # bidirectional: two halves, each split into exact and log buckets
+    if not isinstance(num_buckets, int) or num_buckets <= 0 or num_buckets % multiple:
+      raise ValueError(f"T5BiasPositions: num_buckets must be a positive multiple of {multiple} "
+                       f"(bidirectional={bidirectional}), got num_buckets={num_buckets!r}")
+    exact = num_buckets // (2 if bidirectional else 1) // 2
+    if max_distance <= exact:
+      raise ValueError(f"T5BiasPositions: max_distance must exceed the {exact} exactly bucketed offsets, "
+                       f"got max_distance={max_distance}")
+    # Replicated: the table is tiny, and num_heads need not divide over the tensor axis.
+    init = nnx.with_partitioning(nnx.initializers.zeros_init(), (None, None), eager_sharding=False)
+    self.table = nnx.Param(init(None, (num_buckets, num_heads), param_dtype))
+    self.bidirectional, self.max_distance = bidirectional, max_distance
+
+  def attention_bias(self, query_positions, key_positions):
+    return relative_bias.t5_relative_bias(query_positions, key_positions, self.table[...],
+                                          bidirectional=self.bidirectional, max_distance=self.max_distance)
+
+
 @dataclasses.dataclass(frozen=True)
 class PositionOptions:
   """Everything a registry entry may need; each entry takes what it uses and checks it is set."""
@@ -190,6 +237,9 @@ class PositionOptions:
   rope_scaling_factor: float = 1.0
   num_extra_tokens: int = 0
   num_fourier_bands: int = 16
+  causal: bool = False  # the stack's self-attention is causal: T5 buckets unidirectional, ALiBi causal form
+  num_buckets: int = 32
+  max_distance: int = 128
   dtype: object = jnp.float32
   param_dtype: object = jnp.float32
 
@@ -234,6 +284,10 @@ POSITION_ENCODINGS: dict[str, Callable[[PositionOptions, nnx.Rngs], nnx.Module]]
                                                 param_dtype=o.param_dtype, rngs=rngs),
     "rope_2d": lambda o, rngs: RotaryPositions(o.rotary("rope_2d")),
     "mrope": lambda o, rngs: RotaryPositions(o.rotary("mrope")),
+    "alibi": lambda o, rngs: AlibiPositions(o.require("num_heads"), causal=o.causal),
+    "t5_bias": lambda o, rngs: T5BiasPositions(o.require("num_heads"), bidirectional=not o.causal,
+                                               num_buckets=o.num_buckets, max_distance=o.max_distance,
+                                               param_dtype=o.param_dtype, rngs=rngs),
 }
 
 
