@@ -64,13 +64,19 @@ def parse_arg(arg: str | None, **defaults) -> ConfigDict:
   return result
 
 
-def base_config() -> ConfigDict:
-  """Defaults every job shares: loop lengths, optimizer, logging, checkpoints, mesh, precision."""
+def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_size: int = 64,
+                log_every_steps: int = 50, eval_every_steps: int = 500, checkpoint_every_steps: int = 500,
+                learning_rate: float = 1e-3, warmup_steps: int = 100) -> ConfigDict:
+  """Defaults every job shares: loop lengths, optimizer, logging, checkpoints, mesh, precision.
+
+  The keyword arguments are the settings jobs most often change, so a config file sets its loop
+  in one call instead of repeating the same assignments.
+  """
   config = ConfigDict()
   config.seed = 0
-  config.total_steps = 1000
-  config.batch_size = 32            # global: summed over every process and device
-  config.eval_batch_size = 64       # global; eval examples are padded up with weight-0 rows
+  config.total_steps = total_steps
+  config.batch_size = batch_size            # global: summed over every process and device
+  config.eval_batch_size = eval_batch_size  # global; eval examples are padded up with weight-0 rows
   # Resume order: a checkpoint in the workdir > `init_from` (parameters only) > from scratch.
   config.init_from = ""             # a checkpoint directory (workdir/checkpoints or one step in it)
 
@@ -80,8 +86,8 @@ def base_config() -> ConfigDict:
 
   config.optimizer = ConfigDict({
       "name": "adamw",              # adamw | adam | sgd
-      "learning_rate": 1e-3,        # peak, reached at the end of warmup
-      "warmup_steps": 100,
+      "learning_rate": learning_rate,  # peak, reached at the end of warmup
+      "warmup_steps": warmup_steps,
       "schedule": "cosine",         # cosine | rsqrt | constant (after linear warmup)
       "final_learning_rate_fraction": 0.0,  # cosine ends at learning_rate * this
       "b1": 0.9,
@@ -95,11 +101,11 @@ def base_config() -> ConfigDict:
       "grad_clip_norm": 1.0,        # global-norm clipping; 0 disables
   })
 
-  config.log_every_steps = 50
-  config.eval_every_steps = 500
+  config.log_every_steps = log_every_steps
+  config.eval_every_steps = eval_every_steps
   config.logging = ConfigDict({"tensorboard": True, "plot": True})
   config.checkpoint = ConfigDict({
-      "every_steps": 500,           # also saved at the end and on SIGTERM
+      "every_steps": checkpoint_every_steps,  # also saved at the end and on SIGTERM
       "keep": 2,                    # the last `keep` checkpoints ...
       "best_metric": "eval/loss",   # ... plus the best by this eval metric ("" = none)
       "best_mode": "min",           # min | max

@@ -20,16 +20,7 @@ def get_config(arg=None):
   args = common.parse_arg(arg, size="small", posenc="learned", scan=False)
   if args.size not in SIZES:
     raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
-  config = common.base_config()
-  config.total_steps = 2000
-  config.batch_size = 32
-  config.eval_batch_size = 64
-  config.log_every_steps = 100
-  config.eval_every_steps = 500
-  config.checkpoint.every_steps = 500
-  config.optimizer.learning_rate = 3e-3
-  config.optimizer.warmup_steps = 100
-
+  config = common.base_config(total_steps=2000, log_every_steps=100, learning_rate=3e-3)
   config.task.name = "toy_reverse"
   config.task.min_length = 1
   config.task.max_length = 12         # strings are padded to this length
