@@ -103,7 +103,8 @@ class _Run:
     nan_at_step = self.config.debug.nan_at_step
 
     def train_step(state, batch, step, rng_key):
-      model, optimizer = nnx.merge(graphdef, state)
+      # copy=True: a model holding nnx.Rngs must not mutate the Variables of the traced input.
+      model, optimizer = nnx.merge(graphdef, state, copy=True)
 
       def loss_fn(model):
         loss, aux = task.loss(model, batch, rngs=nnx.Rngs(dropout=jax.random.fold_in(rng_key, step)))
@@ -125,8 +126,9 @@ class _Run:
   def evaluate(self, state) -> dict[str, float]:
     if not hasattr(self, "_eval_step"):
       task, graphdef = self.task, self.graphdef
-      self._eval_step = jax.jit(lambda s, b: task.eval_metrics(nnx.merge(graphdef, s)[0], b),
-                                in_shardings=(self.shardings, self.batch_sharding))
+      self._eval_step = jax.jit(
+          lambda s, b: task.eval_metrics(nnx.merge(graphdef, s, copy=True)[0], b),
+          in_shardings=(self.shardings, self.batch_sharding))
     totals = None
     for local in self.task.eval_batches(process_index=self.process_index,
                                         process_count=self.process_count):

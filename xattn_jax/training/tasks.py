@@ -51,7 +51,10 @@ _REGISTRY: dict[str, type["Task"]] = {}
 
 # Short names whose module is imported on first use (so importing this file stays cheap).
 TASK_MODULES = {
+    "algorithmic": "xattn_jax.training.algorithmic_task",
+    "digits": "xattn_jax.training.digits_task",
     "toy_reverse": "xattn_jax.training.toy_reverse",
+    "translate": "xattn_jax.training.translate_task",
 }
 
 
@@ -109,7 +112,10 @@ def get_task_class(name: str) -> type[Task]:
   Raises KeyError (with the allowed names) for an unknown name.
   """
   if name not in _REGISTRY and name in TASK_MODULES:
-    importlib.import_module(TASK_MODULES[name])
+    try:
+      importlib.import_module(TASK_MODULES[name])
+    except ModuleNotFoundError as e:
+      raise KeyError(f"task {name!r} needs {TASK_MODULES[name]}, which cannot be imported ({e})") from None
   if name in _REGISTRY:
     return _REGISTRY[name]
   module_name, colon, class_name = name.partition(":")
