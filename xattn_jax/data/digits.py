@@ -166,6 +166,12 @@ def eval_batches(split: DigitsSplit, batch_size: int, *, process_index: int = 0,
            "weights": valid.astype(np.float32)}
 
 
+def to_unit_range(images: np.ndarray) -> np.ndarray:
+  """Images on the data set's 0..16 scale (any value above 1) mapped to [0, 1]; others kept as they are."""
+  images = np.asarray(images, np.float32)
+  return images / _RAW_MAX if images.max(initial=0.0) > 1.0 else images
+
+
 def read_image_file(path: str) -> np.ndarray:
   """One grey-scale image `[height, width]` in [0, 1], ink high, from a `.npy` array or a PNG file.
 
@@ -179,7 +185,7 @@ def read_image_file(path: str) -> np.ndarray:
     image = np.load(path).astype(np.float32)
     if image.ndim != 2:
       raise ValueError(f"read_image_file: {path!r} must hold a 2D [height, width] array, got {list(image.shape)}")
-    return image / _RAW_MAX if image.max() > 1.0 else image
+    return to_unit_range(image)
   if path.lower().endswith(".png"):
     import matplotlib.image  # only inference reads PNGs
     image = np.asarray(matplotlib.image.imread(path), np.float32)

@@ -1,0 +1,27 @@
+"""The Perceiver latent reader on the digits.
+
+    python launch.py --config=configs/perceiver_digits.py --workdir=workdirs/perceiver_digits
+    python launch.py --config=configs/perceiver_digits.py:posenc=rope_2d,repeats=2 --workdir=...
+"""
+from __future__ import annotations
+
+from configs import common
+from configs.digits_common import digits_config
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, steps=1500, posenc="fourier", latents=32, width=64, blocks=2, repeats=1, patch=1)
+  config = digits_config(total_steps=args.steps, learning_rate=2e-3)
+  config.model.name = "perceiver"
+  config.model.posenc = args.posenc         # fourier | sincos_2d | learned_2d | rope_2d | none
+  config.model.patch_size = args.patch      # 1: pixels are the elements (M = 64 on 8x8 images)
+  config.model.grid = f"{8 // args.patch}x{8 // args.patch}"  # element grid in training (learned_2d table)
+  config.model.num_latents = args.latents   # N
+  config.model.d_model = args.width
+  config.model.num_heads = 4
+  config.model.num_blocks = args.blocks     # latent self-attention blocks ...
+  config.model.num_repeats = args.repeats   # ... run this many times with shared weights
+  config.model.mlp_ratio = 2
+  config.model.scan_layers = False
+  config.model.remat = "none"
+  return config

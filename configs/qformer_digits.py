@@ -1,0 +1,29 @@
+"""Learned queries (BLIP-2 Q-Former) over a frozen ViT's patch features, or the LLaVA-style MLP connector.
+
+    python launch.py --config=configs/qformer_digits.py --workdir=workdirs/qformer_digits
+    python launch.py --config=configs/qformer_digits.py:connector=mlp --workdir=workdirs/mlp_digits
+
+The frozen encoder is the ViT trained by configs/vit_digits.py in `model.encoder_workdir`; if that
+workdir holds no checkpoint yet, the ViT is trained there first.
+"""
+from __future__ import annotations
+
+from configs import common
+from configs.digits_common import digits_config
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, steps=800, connector="qformer", queries=32, encoder="workdirs/vit_digits")
+  config = digits_config(total_steps=args.steps, learning_rate=2e-3)
+  config.model.name = "qformer"
+  config.model.connector = args.connector   # qformer: N = num_queries tokens | mlp: one token per feature
+  config.model.encoder_workdir = args.encoder
+  config.model.encoder_config = "configs/vit_digits.py"  # trains the encoder when its workdir is empty
+  config.model.num_queries = args.queries
+  config.model.d_model = 64
+  config.model.num_heads = 4
+  config.model.num_blocks = 2               # query blocks; cross-attention in every ...
+  config.model.cross_attention_every = 2    # ... second one (blocks 0, 2, ...), as BLIP-2
+  config.model.num_consumer_blocks = 1      # self-attention over the handed-on tokens before the head
+  config.model.mlp_ratio = 2
+  return config

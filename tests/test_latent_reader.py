@@ -1,0 +1,145 @@
+"""Properties of the latent readers (Perceiver, Q-Former), the ViT encoder and freezing it."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from xattn_jax.models import latent_reader, vit
+
+WIDTH, HEADS, LATENTS = 32, 2, 8
+POSITION_ENCODINGS = ("fourier", "sincos_2d", "learned_2d", "rope_2d", "none")
+
+
+def make_perceiver(posenc="fourier", **options):
+  return latent_reader.Perceiver(num_classes=10, grid=(8, 8), width=WIDTH, num_latents=LATENTS, num_heads=HEADS,
+                                 num_blocks=1, mlp_ratio=2, position_encoding=posenc, rngs=nnx.Rngs(0), **options)
+
+
+def make_qformer(connector="qformer"):
+  encoder = vit.ViT(num_classes=10, grid=(8, 8), width=WIDTH, num_heads=HEADS, num_blocks=1, mlp_ratio=2,
+                    rngs=nnx.Rngs(1))
+  return latent_reader.QFormer(encoder, num_classes=10, connector=connector, num_queries=LATENTS, width=WIDTH,
+                               num_heads=HEADS, num_blocks=2, mlp_ratio=2, rngs=nnx.Rngs(2))
+
+
+def random_inputs(m, seed=0, batch=2, side=16):
+  """Pixel features [b, m, 1] at random distinct cells of a side x side grid: positions [b, m, 2]."""
+  keys = jax.random.split(jax.random.key(seed), 2)
+  features = jax.random.normal(keys[0], (batch, m, 1))
+  cells = jax.random.permutation(keys[1], side * side)[:m]
+  positions = jnp.stack([cells // side, cells % side], axis=-1).astype(jnp.int32)
+  return features, jnp.broadcast_to(positions, (batch, m, 2)), (side, side)
+
+
+# Everything runs jitted: eager NNX modules compile every small op separately, which is slow.
+@nnx.jit(static_argnames="grid")
+def read(model, features, positions, valid=None, grid=(16, 16)):
+  return model.read(model.embed_elements(features, positions, grid), positions, valid=valid)
+
+
+@nnx.jit(static_argnames="grid")
+def add_positions(position_module, x, grid):
+  return position_module.add_to_inputs(x, grid=grid)
+
+
+@pytest.mark.parametrize("m", [64, 256, 257])
+def test_reader_returns_n_rows_whatever_the_number_of_inputs(m):
+  model = make_perceiver()
+  features, positions, grid = random_inputs(m, side=17)
+  chex.assert_shape(read(model, features, positions, grid=grid), (2, LATENTS, WIDTH))
+
+
+@pytest.mark.parametrize("posenc", POSITION_ENCODINGS)
+def test_reader_is_a_set_function_of_feature_position_pairs(posenc):
+  model = make_perceiver(posenc)
+  features, positions, _ = random_inputs(48)
+  permutation = jax.random.permutation(jax.random.key(7), 48)
+  chex.assert_trees_all_close(read(model, features[:, permutation], positions[:, permutation]),
+                              read(model, features, positions), atol=1e-5)
+
+
+def test_masked_padding_inputs_change_nothing():
+  model = make_perceiver("rope_2d")  # the padded keys carry rotated positions too
+  features, positions, _ = random_inputs(40)
+  extra_features, extra_positions, _ = random_inputs(24, seed=1)
+  padded_features = jnp.concatenate([features, 100.0 * extra_features], axis=1)
+  padded_positions = jnp.concatenate([positions, extra_positions], axis=1)
+  valid = jnp.arange(64)[None, :].repeat(2, axis=0) < 40
+  chex.assert_trees_all_close(read(model, padded_features, padded_positions, valid),
+                              read(model, features, positions), atol=1e-5)
+
+
+def test_repeats_share_the_latent_stack_weights():
+  count = lambda model: sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count(make_perceiver(num_repeats=3)) == count(make_perceiver(num_repeats=1))
+
+
+def test_learned_2d_table_is_added_exactly_on_the_training_grid():
+  encoder = vit.ViT(num_classes=10, grid=(8, 8), width=WIDTH, num_heads=HEADS, num_blocks=1, rngs=nnx.Rngs(0))
+  zeros = jnp.zeros((1, 1 + 64, WIDTH))
+  added = add_positions(encoder.positions, zeros, (8, 8))
+  np.testing.assert_array_equal(added[0], encoder.positions.table[...])
+
+
+def test_learned_2d_resize_to_a_new_grid_keeps_the_class_row():
+  encoder = vit.ViT(num_classes=10, grid=(8, 8), width=WIDTH, num_heads=HEADS, num_blocks=1, rngs=nnx.Rngs(0))
+  added = add_positions(encoder.positions, jnp.zeros((1, 1 + 12 * 16, WIDTH)), (12, 16))
+  np.testing.assert_array_equal(added[0, 0], encoder.positions.table[...][0])
+  assert not np.allclose(added[0, 1:65], encoder.positions.table[...][1:])  # the grid rows did change
+
+
+def test_qformer_hands_on_n_tokens_and_the_mlp_connector_one_per_feature():
+  images = jnp.zeros((2, 12, 12, 1))  # M = 144 patch features
+  tokens = nnx.jit(lambda model, images: model.tokens(images))
+  chex.assert_shape(tokens(make_qformer("qformer"), images), (2, LATENTS, WIDTH))
+  chex.assert_shape(tokens(make_qformer("mlp"), images), (2, 144, WIDTH))
+
+
+def test_qformer_queries_cross_attend_every_other_block():
+  model = make_qformer()
+  assert [block.cross_attention is not None for block in model.blocks] == [True, False]
+
+
+def _loss(model, images, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
+
+
+def test_no_gradient_reaches_the_frozen_encoder():
+  model = make_qformer()
+  images, labels = jax.random.normal(jax.random.key(0), (4, 8, 8, 1)), jnp.arange(4)
+  everything = nnx.DiffState(0, nnx.Any(nnx.Param, latent_reader.FrozenParam))
+  grads = nnx.jit(nnx.grad(_loss, argnums=everything))(model, images, labels)
+  encoder_grads = jax.tree.leaves(grads["encoder"])
+  assert encoder_grads and all(not np.any(g) for g in encoder_grads)
+  assert any(np.any(g) for g in jax.tree.leaves(grads["queries"]))
+
+
+def test_frozen_encoder_is_bit_for_bit_unchanged_by_training_steps():
+  model = make_qformer()
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+  encoder_before = jax.tree.map(np.array, nnx.state(model.encoder, latent_reader.FrozenParam))
+  queries_before = np.array(model.queries.queries[...])
+
+  @nnx.jit
+  def step(model, optimizer, images, labels):
+    optimizer.update(model, nnx.grad(_loss)(model, images, labels))
+
+  for seed in range(3):
+    step(model, optimizer, jax.random.normal(jax.random.key(seed), (4, 8, 8, 1)), jnp.arange(4))
+  chex.assert_trees_all_equal(jax.tree.map(np.array, nnx.state(model.encoder, latent_reader.FrozenParam)), encoder_before)
+  assert not np.array_equal(model.queries.queries[...], queries_before)
+
+
+def test_unknown_connector_raises_naming_it():
+  encoder = vit.ViT(num_classes=10, width=WIDTH, num_heads=HEADS, num_blocks=1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="connector"):
+    latent_reader.QFormer(encoder, num_classes=10, connector="resampler", width=WIDTH, rngs=nnx.Rngs(0))
+
+
+def test_valid_mask_of_the_wrong_shape_raises_naming_it():
+  features, positions, grid = random_inputs(16)
+  with pytest.raises(ValueError, match="valid"):
+    read(make_perceiver(), features, positions, jnp.ones((2, 15), bool))

@@ -1,0 +1,91 @@
+"""A small Vision Transformer: the image encoder whose patch features the Q-Former reads.
+
+images [b, H, W, C] -> patches [b, M, p*p*C] (M = (H/p) * (W/p), row-major) -> linear embedding
+-> + learned 2D position table (resized to the input's patch grid when it differs from the grid
+it was trained on) -> a class token in front -> encoder blocks -> LayerNorm.
+`features(images)` returns the patch features [b, M, width] (class token dropped) for a reader;
+`__call__(images)` classifies from the class token, which is how the encoder is pre-trained
+(`configs/vit_digits.py`) before the Q-Former freezes it.
+"""
+from __future__ import annotations
+
+import chex
+import einops
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax.layers import EncoderBlock, make_position_encoding
+from xattn_jax.training import layer_stack
+
+
+def patchify(images, patch_size: int):
+  """images [b, H, W, C] -> (patches [b, M, p*p*C], positions [b, M, 2] int32 (row, col), grid (H/p, W/p)).
+
+  Patches are taken row-major; a patch's position is its (row, column) on the patch grid.
+  """
+  if images.ndim != 4:
+    raise ValueError(f"patchify: images must be [batch, height, width, channels], got images{list(images.shape)}")
+  batch, height, width, _ = images.shape
+  if patch_size < 1 or height % patch_size or width % patch_size:
+    raise ValueError(f"patchify: height and width must be multiples of patch_size={patch_size}, got "
+                     f"images{list(images.shape)}")
+  grid = (height // patch_size, width // patch_size)
+  patches = einops.rearrange(images, "b (gh p) (gw q) c -> b (gh gw) (p q c)", p=patch_size, q=patch_size)
+  rows, cols = jnp.meshgrid(jnp.arange(grid[0]), jnp.arange(grid[1]), indexing="ij")
+  positions = jnp.stack([rows.ravel(), cols.ravel()], axis=-1).astype(jnp.int32)  # [M, 2]
+  return patches, jnp.broadcast_to(positions, (batch, *positions.shape)), grid
+
+
+class ViT(nnx.Module):
+  """Vision Transformer classifier with a class token and a learned 2D position table.
+
+  Args:
+    num_classes: outputs of the head (read from the class token).
+    channels: image channels; patch_size: side of a square patch (1 = every pixel is a token).
+    grid: the (height, width) patch grid of training images: the shape of the learned table, which is
+      resized (bilinear) to any other grid, the class token's row untouched.
+    width, num_heads, num_blocks, mlp_ratio: transformer sizes.
+    scan_layers / remat: run the blocks with nnx.scan, under a remat policy by name.
+  """
+
+  def __init__(self, *, num_classes: int, channels: int = 1, patch_size: int = 1, grid: tuple[int, int] = (8, 8),
+               width: int = 64, num_heads: int = 4, num_blocks: int = 4, mlp_ratio: int = 4,
+               dropout_rate: float = 0.0, scan_layers: bool = False, remat: str = "none", dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if patch_size < 1 or num_blocks < 1 or num_classes < 1:
+      raise ValueError(f"ViT: patch_size, num_blocks and num_classes must be positive, got patch_size={patch_size}, "
+                       f"num_blocks={num_blocks}, num_classes={num_classes}")
+    self.width, self.patch_size, self.scan_layers, self.remat, self.dtype = width, patch_size, scan_layers, remat, dtype
+    self.embed = nnx.Linear(
+        channels * patch_size ** 2, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",), eager_sharding=False))
+    self.class_token = nnx.Param(nnx.with_partitioning(
+        nnx.initializers.normal(0.02), (None, "embed"), eager_sharding=False)(rngs.params(), (1, width), param_dtype))
+    self.positions = make_position_encoding("learned_2d", features=width, grid=tuple(grid), num_extra_tokens=1,
+                                            rngs=rngs)
+    self.blocks = layer_stack.create_stack(
+        lambda r: EncoderBlock(width, num_heads, mlp_ratio * width, dropout_rate=dropout_rate, dtype=dtype,
+                               param_dtype=param_dtype, rngs=r), num_blocks, rngs)
+    self.norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def encode(self, images, *, deterministic: bool = True):
+    """images [b, H, W, C] -> tokens [b, 1 + M, width]: the class token, then the M patches row-major."""
+    patches, positions, grid = patchify(images, self.patch_size)
+    x = self.embed(patches.astype(self.dtype))  # [b, M, width]
+    class_token = jnp.broadcast_to(self.class_token[...].astype(x.dtype), (x.shape[0], 1, x.shape[-1]))
+    x = self.positions.add_to_inputs(jnp.concatenate([class_token, x], axis=1), positions, grid=grid)
+    x = layer_stack.apply_stack(self.blocks, x, scan=self.scan_layers, remat=self.remat,
+                                deterministic=deterministic)
+    x = self.norm(x)
+    chex.assert_shape(x, (images.shape[0], 1 + patches.shape[1], self.width))
+    return x
+
+  def features(self, images, *, deterministic: bool = True):
+    """The patch features [b, M, width] a reader looks at (class token dropped)."""
+    return self.encode(images, deterministic=deterministic)[:, 1:]
+
+  def __call__(self, images, *, deterministic: bool = True):
+    """images [b, H, W, C] -> logits [b, num_classes] (float32), from the class token."""
+    return self.head(self.encode(images, deterministic=deterministic)[:, 0]).astype(jnp.float32)

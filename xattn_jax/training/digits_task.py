@@ -1,0 +1,282 @@
+"""Digit classification on scikit-learn's bundled 8x8 digits, for any of three models (`config.model.name`):
+
+- "vit": the small ViT that is later frozen as the Q-Former's encoder (`configs/vit_digits.py`);
+- "perceiver": the Perceiver latent reader over pixels or patches (`configs/perceiver_digits.py`);
+- "qformer": learned queries (or, with `model.connector="mlp"`, an MLP connector) over the frozen ViT's
+  patch features (`configs/qformer_digits.py`). The encoder comes from the ViT run in
+  `model.encoder_workdir`: its resolved config gives the architecture and its newest checkpoint the
+  weights. When that workdir holds no checkpoint, the ViT is trained there first with the config file
+  `model.encoder_config`.
+
+Batches are `images` [b, H, W, 1] (standardised pixels) and `labels` [b]; see `xattn_jax.data.digits`.
+Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the reader passes to what
+follows it: N latents / queries, or M features for the MLP connector and the ViT). Eval also reports
+`eval/accuracy_HxW` on the test images resized to each grid in `data.extra_eval_grids` (reading more
+features than in training) and writes the readers' attention maps as `attention_maps.png` in the workdir.
+
+Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
+or a PNG file; the output line is the file name and the predicted digit(s). `test:K` classifies test image K.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from ml_collections import ConfigDict
+
+from xattn_jax.data import digits
+from xattn_jax.models import latent_reader, vit
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import optim, tasks, validation
+
+MODELS = ("vit", "perceiver", "qformer")
+POSITION_ENCODINGS = ("fourier", "sincos_2d", "learned_2d", "rope_2d", "none")
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_grid(text: str, field: str = "grid") -> tuple[int, int]:
+  """"12x16" -> (12, 16)."""
+  try:
+    height, width = (int(part) for part in text.lower().split("x"))
+  except ValueError:
+    raise validation.ConfigError(field, text, "must look like HEIGHTxWIDTH, e.g. 16x16") from None
+  if height < 1 or width < 1:
+    raise validation.ConfigError(field, text, "needs a positive height and width")
+  return height, width
+
+
+def _grids(text: str, field: str) -> list[tuple[int, int]]:
+  return [parse_grid(part.strip(), field) for part in text.split(",") if part.strip()]
+
+
+def _config_path(spec: str) -> str:
+  """The file of "path/to/config.py[:arg]", relative to the working directory or else to the repository."""
+  path = spec.partition(":")[0]
+  return path if os.path.isfile(path) else os.path.join(_REPOSITORY, path)
+
+
+def _load_config_file(spec: str) -> ConfigDict:
+  """get_config(arg) of "path/to/config.py[:arg]", as launch.py's --config would load it."""
+  module_spec = importlib.util.spec_from_file_location("encoder_config", _config_path(spec))
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(spec.partition(":")[2] or None)
+
+
+def _has_checkpoint(workdir: str) -> bool:
+  directory = os.path.join(workdir, "checkpoints")
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def _select(tree: dict, template: dict) -> dict:
+  """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
+  return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
+          for key, sub in template.items()}
+
+
+def make_vit(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
+  return vit.ViT(num_classes=digits.NUM_CLASSES, patch_size=model_config.patch_size,
+                 grid=parse_grid(model_config.grid), width=model_config.d_model, num_heads=model_config.num_heads,
+                 num_blocks=model_config.num_blocks, mlp_ratio=model_config.mlp_ratio,
+                 scan_layers=model_config.scan_layers,
+                 remat=model_config.remat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+@tasks.register("digits")
+class DigitsTask(tasks.Task):
+  """Classify the bundled digits with a ViT, a Perceiver or a Q-Former (see the module docstring)."""
+
+  @classmethod
+  def validate(cls, config):
+    validation.require_choice(config, "model.name", MODELS)
+    validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio")
+    validation.require_positive(config, "data.max_shift", allow_zero=True)
+    if not 0.0 < config.data.test_fraction < 1.0:
+      raise validation.ConfigError("data.test_fraction", config.data.test_fraction, "must be in (0, 1)")
+    train_grid = parse_grid(config.data.grid, "data.grid")
+    for grid in [train_grid] + _grids(config.data.extra_eval_grids, "data.extra_eval_grids"):
+      patch = config.model.get("patch_size", 1)
+      if config.model.name != "qformer" and (grid[0] % patch or grid[1] % patch):
+        raise validation.ConfigError("model.patch_size", patch, f"must divide every image grid, got {grid}")
+    name = config.model.name
+    if name == "perceiver":
+      validation.require_choice(config, "model.posenc", POSITION_ENCODINGS)
+      validation.require_positive(config, "model.num_latents", "model.num_repeats", "model.patch_size")
+      parse_grid(config.model.grid, "model.grid")
+    if name == "vit":
+      validation.require_positive(config, "model.patch_size")
+      parse_grid(config.model.grid, "model.grid")
+    if name == "qformer":
+      validation.require_choice(config, "model.connector", latent_reader.CONNECTORS)
+      validation.require_positive(config, "model.num_queries", "model.cross_attention_every",
+                                  "model.num_consumer_blocks")
+      if not _has_checkpoint(config.model.encoder_workdir) and not os.path.isfile(
+          _config_path(config.model.encoder_config)):
+        raise validation.ConfigError(
+            "model.encoder_config", config.model.encoder_config,
+            f"no such config file, and model.encoder_workdir={config.model.encoder_workdir!r} holds no "
+            "checkpoint to load the frozen encoder from")
+
+  def __init__(self, config, workdir=None):
+    super().__init__(config, workdir)
+    self.split = digits.load_digits_split(test_fraction=config.data.test_fraction,
+                                          split_seed=config.data.split_seed)
+    self.grid = parse_grid(config.data.grid, "data.grid")
+    self.extra_grids = _grids(config.data.extra_eval_grids, "data.extra_eval_grids")
+    self.encoder_config = self.encoder_weights = None
+    if config.model.name == "qformer":
+      self.encoder_config, self.encoder_weights = self._load_encoder()
+
+  # --- the frozen encoder -----------------------------------------------------------------------
+
+  def _load_encoder(self):
+    """(ViT model config, its trained parameters as a pure dict), training the ViT first if needed."""
+    model = self.config.model
+    if not _has_checkpoint(model.encoder_workdir):
+      logging.info("No encoder checkpoint in %s: training the ViT there first (%s)", model.encoder_workdir,
+                   model.encoder_config)
+      from xattn_jax.training import loop  # the loop imports tasks; import it only when needed
+      loop.run(_load_config_file(model.encoder_config), model.encoder_workdir, "train")
+    with open(os.path.join(model.encoder_workdir, "config.json")) as f:
+      encoder_config = ConfigDict(json.load(f)).model
+    abstract = nnx.eval_shape(lambda: make_vit(encoder_config, rngs=nnx.Rngs(params=0, dropout=0)))
+    restored = checkpoints_lib.restore_model_from(os.path.join(model.encoder_workdir, "checkpoints"),
+                                                  nnx.to_pure_dict(nnx.state(abstract)))
+    # Only the parameters: the encoder's RNG state (dropout keys) plays no part in a frozen encoder.
+    return encoder_config, _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+
+  # --- the contract -----------------------------------------------------------------------------
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    model = self.config.model
+    # The layers' Dropout modules want a "dropout" stream at construction even when they never drop.
+    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
+    if model.name == "vit":
+      return make_vit(model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if model.name == "perceiver":
+      return latent_reader.Perceiver(
+          num_classes=digits.NUM_CLASSES, patch_size=model.patch_size, grid=parse_grid(model.grid),
+          width=model.d_model, num_latents=model.num_latents, num_heads=model.num_heads,
+          num_blocks=model.num_blocks, num_repeats=model.num_repeats, mlp_ratio=model.mlp_ratio,
+          position_encoding=model.posenc, scan_layers=model.scan_layers,
+          remat=model.remat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    encoder = make_vit(self.encoder_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    state = nnx.state(encoder, nnx.Param)
+    nnx.replace_by_pure_dict(state, self.encoder_weights)
+    nnx.update(encoder, state)
+    return latent_reader.QFormer(
+        encoder, num_classes=digits.NUM_CLASSES, connector=model.connector, num_queries=model.num_queries,
+        width=model.d_model, num_heads=model.num_heads, num_blocks=model.num_blocks,
+        cross_attention_every=model.cross_attention_every, num_consumer_blocks=model.num_consumer_blocks,
+        mlp_ratio=model.mlp_ratio, dtype=dtype, param_dtype=param_dtype,
+        rngs=rngs)
+
+  def train_batch(self, step, *, process_index, process_count):
+    return digits.train_batch(self.split, step, seed=self.config.seed, batch_size=self.config.batch_size,
+                              process_index=process_index, process_count=process_count, grid=self.grid,
+                              max_shift=self.config.data.max_shift)
+
+  def _tokens_handed_on(self, model, images) -> int:
+    """N for the readers; M (the number of patches) for the MLP connector and the ViT."""
+    if isinstance(model, latent_reader.Perceiver):
+      return model.latents.queries.shape[0]
+    if isinstance(model, latent_reader.QFormer) and model.connector == "qformer":
+      return model.queries.queries.shape[0]
+    patch = model.encoder.patch_size if isinstance(model, latent_reader.QFormer) else model.patch_size
+    return (images.shape[1] // patch) * (images.shape[2] // patch)
+
+  def loss(self, model, batch, *, rngs):
+    del rngs  # no dropout: the digits models regularise through data.max_shift augmentation
+    logits = model(batch["images"], deterministic=True)
+    loss_sum, count = optim.cross_entropy(logits, batch["labels"], label_smoothing=self.config.task.label_smoothing)
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == batch["labels"])
+    return loss_sum / count, {"accuracy": accuracy,
+                              "tokens_handed_on": jnp.float32(self._tokens_handed_on(model, batch["images"]))}
+
+  def eval_batches(self, *, process_index, process_count):
+    return digits.eval_batches(self.split, self.config.eval_batch_size, process_index=process_index,
+                               process_count=process_count, grid=self.grid)
+
+  def eval_metrics(self, model, batch):
+    logits = model(batch["images"])
+    weights = batch["weights"]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], weights)
+    correct = (jnp.argmax(logits, axis=-1) == batch["labels"]) * weights
+    tokens = self._tokens_handed_on(model, batch["images"])
+    return {"loss": (loss_sum, weight_sum), "accuracy": (jnp.sum(correct), jnp.sum(weights)),
+            "tokens_handed_on": (jnp.float32(tokens), jnp.float32(1.0))}
+
+  # --- host-side evaluation, pictures and inference ---------------------------------------------
+
+  @functools.cached_property
+  def _predict(self):
+    return nnx.jit(lambda model, images: jnp.argmax(model(images), axis=-1))
+
+  def _classify(self, model, images: np.ndarray) -> np.ndarray:
+    """Predicted digits [n] for images [n, H, W] in [0, 1] units (standardised here), in eval batches."""
+    images = self.split.standardize(images)[..., None]
+    size = self.config.eval_batch_size
+    return np.concatenate([np.asarray(self._predict(model, images[start:start + size]))
+                           for start in range(0, len(images), size)])
+
+  def extra_eval(self, model):
+    """Accuracy on the test images resized to each extra grid; attention maps into the workdir."""
+    results = {}
+    for grid in self.extra_grids:
+      predictions = self._classify(model, digits.resize_images(self.split.test_images, grid))
+      results[f"accuracy_{grid[0]}x{grid[1]}"] = float(np.mean(predictions == self.split.test_labels))
+    if self.workdir and jax.process_index() == 0 and self.config.task.num_attention_images:
+      self.write_attention_maps(model, os.path.join(self.workdir, "attention_maps"))
+    return results
+
+  def write_attention_maps(self, model, directory: str) -> list[str]:
+    """One PNG per test image: the image next to each query's attention over it (heads averaged)."""
+    if not hasattr(model, "cross_attention_weights") or getattr(model, "connector", "qformer") != "qformer":
+      return []
+    from xattn_jax.training import digits_plots  # matplotlib only when pictures are asked for
+    count = self.config.task.num_attention_images
+    images = digits.resize_images(self.split.test_images[:count], self.grid)
+    weights = np.asarray(nnx.jit(lambda m, x: m.cross_attention_weights(x))(
+        model, self.split.standardize(images)[..., None]))  # [count, heads, N, M]
+    patch = model.encoder.patch_size if isinstance(model, latent_reader.QFormer) else model.patch_size
+    grid = (self.grid[0] // patch, self.grid[1] // patch)
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for k in range(count):
+      path = os.path.join(directory, f"test_{k}.png")
+      digits_plots.plot_query_attention(images[k], weights[k].mean(axis=0).reshape(-1, *grid), path,
+                                        title=f"test image {k} (label {self.split.test_labels[k]})")
+      paths.append(path)
+    return paths
+
+  def _read_input(self, line: str) -> np.ndarray:
+    """Images [n, H, W] in [0, 1] named by one input line."""
+    if line.startswith("test:"):
+      index = int(line[len("test:"):])
+      if not 0 <= index < len(self.split.test_labels):
+        raise ValueError(f"{line!r}: the test set has images 0..{len(self.split.test_labels) - 1}")
+      return self.split.test_images[index][None]
+    if line.endswith(".npy"):
+      array = np.load(line).astype(np.float32)
+      if array.ndim == 3:  # a stack of images, each read like a single one
+        return digits.to_unit_range(array)
+    return digits.read_image_file(line)[None]
+
+  def infer(self, model, lines):
+    """One line per input: the input name, a tab, the predicted digit (several for a stack)."""
+    outputs = []
+    for number, line in enumerate(lines, 1):
+      try:
+        images = self._read_input(line.strip())
+      except (ValueError, OSError) as e:
+        raise ValueError(f"input line {number}: {e}") from None
+      predictions = self._classify(model, digits.resize_images(images, self.grid))
+      outputs.append(f"{line.strip()}\t{' '.join(str(p) for p in predictions)}")
+    return outputs
