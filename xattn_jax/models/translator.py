@@ -111,6 +111,11 @@ class Translator(nnx.Module):
       raise ValueError(f"Translator: share_embeddings needs encoder.d_model == decoder.d_model, got "
                        f"{encoder.d_model} and {decoder.d_model}")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
+    if scan_layers and (dropout_rate > 0 or attention_dropout_rate > 0):
+      # layer_stack.apply_stack(scan=True) hands keyword arguments to nnx.scan as traced values,
+      # so the Python flag `deterministic` that dropout needs cannot reach the blocks.
+      raise ValueError(f"Translator: scan_layers=True needs dropout_rate == attention_dropout_rate == 0, got "
+                       f"dropout_rate={dropout_rate}, attention_dropout_rate={attention_dropout_rate}")
     self.vocab_size, self.max_length, self.norm = vocab_size, max_length, norm
     self.share_embeddings, self.tie_output = share_embeddings, tie_output
     self.scan_layers, self.remat, self.dtype = scan_layers, remat, dtype

@@ -1,0 +1,96 @@
+"""The default job: the encoder-decoder translator on bundled English -> French CLDR dates.
+
+    python launch.py --config=configs/translate_dates.py --workdir=workdirs/dates
+    python launch.py --config=configs/translate_dates.py:size=base,locale=de --workdir=workdirs/dates_de
+    python launch.py --config=configs/translate_dates.py --workdir=workdirs/dates \
+        --config.model.position_encoding=rope
+    echo "Sunday, November 29, 2026" | python launch.py --config=configs/translate_dates.py \
+        --workdir=workdirs/dates --mode=infer
+
+`tiny` (the default) reaches eval exact match >= 0.99 in a few minutes on 2 CPU cores; `base` is
+the 6+6-layer, d_model 512 model of Vaswani et al.
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from configs import common
+
+# name: (d_model, num_heads, num_layers, mlp_dim) of both the encoder and the decoder
+SIZES = {
+    "tiny": (128, 4, 2, 256),
+    "base": (512, 8, 6, 2048),
+}
+
+
+def translator_config(args) -> ConfigDict:
+  """Everything but the data: shared with configs/translate_tsv.py."""
+  if args.size not in SIZES:
+    raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
+  config = common.base_config()
+  # Measured on 2 loaded CPU cores: exact match 1.0 on held-out dates from step ~500 (tiny,
+  # sentencepiece); 1200 steps (~3 minutes) leaves margin.
+  config.total_steps = 1200
+  config.batch_size = 64
+  config.eval_batch_size = 256
+  config.log_every_steps = 100
+  config.eval_every_steps = 400
+  config.checkpoint.every_steps = 400
+  config.checkpoint.best_metric = "eval/exact_match"
+  config.checkpoint.best_mode = "max"
+  config.optimizer.learning_rate = 2e-3
+  config.optimizer.warmup_steps = 100
+
+  config.task.name = "xattn_jax.training.translate_task:TranslateTask"
+  config.task.label_smoothing = 0.1
+  config.task.beam_size = 1            # 1 = greedy; eval and infer decode this way
+  config.task.length_penalty = 0.6     # GNMT alpha, beam search only
+  config.task.max_decode_length = 0    # 0 = model.max_length (decoding stops at EOS anyway)
+  config.task.num_decode_examples = 0  # eval sentences decoded for exact match / BLEU / chrF; 0 = all
+  config.task.num_samples_logged = 3
+  config.task.num_attention_plots = 3  # cross-attention PNGs written at each eval
+  config.task.attention_per_head = False
+
+  d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
+  side = dict(d_model=d_model, num_heads=num_heads, num_layers=num_layers, mlp_dim=mlp_dim)
+  config.model.name = "translator"
+  config.model.encoder = ConfigDict(side)  # the two sides may be given different sizes
+  config.model.decoder = ConfigDict(side)
+  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope
+  config.model.max_length = 64 if args.size == "tiny" else 256
+  config.model.share_embeddings = True  # one table for source and target (one shared vocabulary)
+  config.model.tie_output = True        # output projection = transposed target embedding
+  config.model.norm = "pre"             # pre | post (Vaswani et al.)
+  config.model.activation = "relu"
+  config.model.dropout_rate = 0.0 if args.size == "tiny" else 0.1
+  config.model.attention_dropout_rate = 0.0
+  config.model.scan_layers = args.scan
+  config.model.remat = "none"           # none | full | dots | dots_no_batch
+  config.model.implementation = ""      # attention kernel; "" = the op's default choice
+
+  config.data = ConfigDict({
+      "source": "dates",
+      "target_locale": "fr",
+      "formats": "full,long,medium",
+      "first_year": 1900,
+      "last_year": 2099,
+      "eval_fraction": 0.01,
+      "split_seed": 0,
+      "train_file": "",
+      "eval_file": "",
+      "tokenizer": args.tokenizer,      # sentencepiece | bytes
+      "vocab_size": 512,                # sentencepiece only
+      "max_source_length": 0,           # 0 = the longest training example, rounded up to 8
+      "max_target_length": 0,
+      "length_bucketing": False,
+      "packing": False,
+  })
+  return config
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", tokenizer="sentencepiece", locale="fr",
+                          scan=False)
+  config = translator_config(args)
+  config.data.target_locale = args.locale
+  return config

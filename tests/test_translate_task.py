@@ -1,0 +1,128 @@
+"""The translation task: configs, validation, and launch.py train / infer runs in subprocesses."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from configs import translate_dates, translate_tsv
+from xattn_jax.training import tasks, validation
+from xattn_jax.training import translate_task
+
+REPO = Path(__file__).resolve().parents[1]
+# A very small model on two years of dates: a few steps, one eval, a checkpoint.
+TINY = {
+    "total_steps": 4, "batch_size": 8, "eval_batch_size": 16, "log_every_steps": 2, "eval_every_steps": 4,
+    "checkpoint.every_steps": 4, "optimizer.warmup_steps": 1, "logging.tensorboard": False,
+    "model.encoder.d_model": 32, "model.encoder.num_layers": 1, "model.encoder.mlp_dim": 64,
+    "model.decoder.d_model": 32, "model.decoder.num_layers": 1, "model.decoder.mlp_dim": 64,
+    "model.max_length": 32, "task.num_decode_examples": 16, "task.num_attention_plots": 1,
+}
+DATES = {**TINY, "data.first_year": 2000, "data.last_year": 2001, "data.eval_fraction": 0.05,
+         "data.vocab_size": 128}
+COMPILE_CACHE = tempfile.mkdtemp(prefix="xattn_jax_translate_compile_cache_")
+
+
+def launch(config, workdir, overrides, *extra, stdin=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             XLA_FLAGS="--xla_backend_optimization_level=0")  # halves compile time; nothing here is timed
+  args = ([sys.executable, "launch.py", f"--config={config}", f"--workdir={workdir}"]
+          + [f"--config.{k}={v}" for k, v in overrides.items()] + list(extra))
+  return subprocess.run(args, cwd=REPO, input=stdin, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _config(module=translate_dates, arg=None, **overrides):
+  config = module.get_config(arg)
+  for key, value in {**DATES, **overrides}.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def dates_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("dates")
+  result = launch("configs/translate_dates.py", workdir, DATES)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, result
+
+
+def test_task_is_registered_by_short_name_and_by_path():
+  assert tasks.get_task_class("translate") is translate_task.TranslateTask
+  assert tasks.get_task_class(translate_dates.get_config().task.name) is translate_task.TranslateTask
+
+
+def test_position_encoding_override_reaches_the_model(tmp_path):
+  config = _config(**{"model.position_encoding": "rope", "data.tokenizer": "bytes"})
+  model = translate_task.TranslateTask(config, str(tmp_path)).make_model(
+      nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  assert model.decoder_blocks.self_attention.rotary.kind == "rope"
+  assert model.position_encoding == "rope"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model.position_encoding", "alibi"),
+    ("data.tokenizer", "words"),
+    ("data.target_locale", "xx_NOWHERE"),
+    ("model.encoder.num_layers", 0),
+    ("task.label_smoothing", 1.5),
+])
+def test_invalid_fields_are_reported_by_name(field, value):
+  with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):
+    validation.validate_config(_config(**{field: value}))
+
+
+@pytest.mark.slow
+def test_dates_run_logs_translation_metrics_and_attention_maps(dates_run):
+  workdir, _ = dates_run
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  eval_row = [row for row in rows if "eval/bleu" in row][-1]
+  for name in ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf"):
+    assert name in eval_row
+  assert (workdir / "plots" / "cross_attention_0.png").stat().st_size > 0
+  assert (workdir / translate_task.SPM_FILE).is_file()
+
+
+@pytest.mark.slow
+def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
+  workdir, _ = dates_run
+  tokenizer = workdir / translate_task.SPM_FILE
+  before = tokenizer.stat().st_mtime_ns
+  lines = "Monday, January 3, 2000\nJan 4, 2001\nFebruary 5, 2000\n"
+  result = launch("configs/translate_dates.py", workdir, DATES, "--mode=infer", stdin=lines)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert len(result.stdout.splitlines()) == 3
+  assert tokenizer.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_tsv_config_trains_on_a_user_corpus(tmp_path):
+  corpus = "".join(f"{n} cats\t{n} chats\n" for n in range(40))
+  (tmp_path / "train.tsv").write_text(corpus)
+  (tmp_path / "eval.tsv").write_text("41 cats\t41 chats\n")
+  overrides = {**TINY, "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
+               "data.tokenizer": "bytes"}
+  result = launch("configs/translate_tsv.py", tmp_path / "work", overrides)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "eval/chrf" in (tmp_path / "work" / "metrics.jsonl").read_text()
+
+
+def test_tsv_config_rejects_a_malformed_line_with_file_and_line(tmp_path):
+  train = tmp_path / "train.tsv"
+  train.write_text("one\tun\ntwo deux\nthree\ttrois\n")
+  (tmp_path / "eval.tsv").write_text("four\tquatre\n")
+  result = launch("configs/translate_tsv.py", tmp_path / "work",
+                  {"data.train_file": train, "data.eval_file": tmp_path / "eval.tsv"})
+  assert result.returncode == 2
+  assert f"{train}:2" in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+  assert not (tmp_path / "work" / "checkpoints").exists()

@@ -1,0 +1,268 @@
+"""Translation task: the encoder-decoder Translator on CLDR date pairs or a user's TSV corpus.
+
+Config (see configs/translate_dates.py and configs/translate_tsv.py):
+  data.source          "dates" (bundled: English -> data.target_locale, split by date) or "tsv"
+                       (data.train_file / data.eval_file of UTF-8 "source<TAB>target" lines)
+  data.tokenizer       "sentencepiece" (trained on both sides of the training text into
+                       <workdir>/tokenizer/, reused on resume and in eval / infer) or "bytes"
+  model.*              Translator sizes and options; model.position_encoding in none | learned |
+                       sinusoidal | rope
+  task.*               label smoothing, decoding (beam_size 1 = greedy, length_penalty), how many
+                       eval sentences to decode, log and plot
+
+Metrics: eval/loss and eval/accuracy (teacher-forced token accuracy) from the jitted eval step;
+eval/exact_match, eval/bleu and eval/chrf (sacrebleu) from decoding the eval sources. Each eval
+also logs a few sample translations and writes cross-attention maps (target tokens by source
+tokens, per decoder layer) to <workdir>/plots/cross_attention_<k>.png.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sacrebleu
+from absl import logging
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from xattn_jax.data import batching, dates, tokenizers, tsv
+from xattn_jax.models import translator as translator_lib
+from xattn_jax.training import optim, tasks, validation
+from xattn_jax.training import translate_plots
+
+DATA_SOURCES = ("dates", "tsv")
+TOKENIZERS = ("sentencepiece", "bytes")
+NORMS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu", "silu")
+SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
+_PACKING_KEYS = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
+
+
+def _read_tsv(field: str, path: str):
+  """The pairs of a TSV corpus, or a ConfigError naming the field, the file and the bad line."""
+  validation.require_file(field, path)
+  try:
+    return tsv.read_parallel_tsv(path)
+  except tsv.CorpusFormatError as error:
+    raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+
+
+def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.StackSize]:
+  return tuple(translator_lib.StackSize(side.d_model, side.num_heads, side.num_layers, side.mlp_dim)
+               for side in (model_config.encoder, model_config.decoder))
+
+
+@tasks.register("translate")
+class TranslateTask(tasks.Task):
+  """English -> target-locale dates, or any parallel corpus (see the module docstring)."""
+
+  @classmethod
+  def validate(cls, config):
+    data, model, task = config.data, config.model, config.task
+    validation.require_choice(config, "model.name", ("translator",))
+    validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
+    validation.require_choice(config, "model.norm", NORMS)
+    validation.require_choice(config, "model.activation", ACTIVATIONS)
+    for side in ("encoder", "decoder"):
+      validation.require_positive(config, *(f"model.{side}.{f}" for f in ("d_model", "num_heads", "num_layers",
+                                                                          "mlp_dim")))
+      head_dim = model[side].d_model // model[side].num_heads
+      if model.position_encoding == "rope" and head_dim % 2:
+        raise validation.ConfigError(f"model.{side}.d_model", model[side].d_model,
+                                     f"rope needs an even head_dim, got {head_dim}")
+    if model.share_embeddings and model.encoder.d_model != model.decoder.d_model:
+      raise validation.ConfigError("model.share_embeddings", True,
+                                   "needs model.encoder.d_model == model.decoder.d_model")
+    validation.require_positive(config, "model.max_length", "task.beam_size")
+    validation.require_positive(config, "task.max_decode_length", "task.num_decode_examples",
+                                "task.num_samples_logged", "task.num_attention_plots",
+                                "data.max_source_length", "data.max_target_length", allow_zero=True)
+    for field, value in (("model.dropout_rate", model.dropout_rate),
+                         ("model.attention_dropout_rate", model.attention_dropout_rate),
+                         ("task.label_smoothing", task.label_smoothing)):
+      if not 0.0 <= value < 1.0:
+        raise validation.ConfigError(field, value, "must be in [0, 1)")
+    if model.scan_layers and (model.dropout_rate > 0 or model.attention_dropout_rate > 0):
+      raise validation.ConfigError("model.scan_layers", True,
+                                   "needs model.dropout_rate = model.attention_dropout_rate = 0 (see Translator)")
+    if task.length_penalty < 0:
+      raise validation.ConfigError("task.length_penalty", task.length_penalty, "must be >= 0")
+    validation.require_choice(config, "data.source", DATA_SOURCES)
+    validation.require_choice(config, "data.tokenizer", TOKENIZERS)
+    if data.length_bucketing and data.packing:
+      raise validation.ConfigError("data.packing", True, "choose data.packing or data.length_bucketing, not both")
+    for field, value in (("data.max_source_length", data.max_source_length),
+                         ("data.max_target_length", data.max_target_length),
+                         ("task.max_decode_length", task.max_decode_length)):
+      if value > model.max_length:
+        raise validation.ConfigError(field, value, f"must be <= model.max_length={model.max_length}")
+    if data.source == "dates":
+      try:
+        dates.parse_locale(data.target_locale)
+      except ValueError as error:
+        raise validation.ConfigError("data.target_locale", data.target_locale, str(error)) from None
+    else:
+      # Reads both files now, so a malformed line stops the run before anything is built.
+      _read_tsv("data.train_file", data.train_file)
+      _read_tsv("data.eval_file", data.eval_file)
+
+  def __init__(self, config, workdir=None):
+    super().__init__(config, workdir)
+    self.train_pairs, self.eval_pairs = self._pairs()
+    self.tokenizer = self._tokenizer()
+    self.vocab_size = self.tokenizer.vocab_size
+    self._generate = nnx.jit(translator_lib.generate,
+                             static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
+    self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
+        inputs, decoder_inputs))
+
+  # --- data -------------------------------------------------------------------------------------
+
+  def _pairs(self):
+    data = self.config.data
+    if data.source == "dates":
+      pairs = dates.date_pairs(data.target_locale, formats=tuple(f.strip() for f in data.formats.split(",")),
+                               first_year=data.first_year, last_year=data.last_year,
+                               eval_fraction=data.eval_fraction, seed=data.split_seed)
+      return pairs.train, pairs.eval
+    return _read_tsv("data.train_file", data.train_file), _read_tsv("data.eval_file", data.eval_file)
+
+  def _tokenizer(self) -> tokenizers.Tokenizer:
+    data = self.config.data
+    if data.tokenizer == "bytes":
+      return tokenizers.ByteTokenizer()
+    if not self.workdir:
+      raise ValueError("TranslateTask: data.tokenizer='sentencepiece' needs a workdir to keep the model in")
+    path = os.path.join(self.workdir, SPM_FILE)
+    if jax.process_index() == 0:  # trains it, or reuses the file a previous run of this workdir wrote
+      texts = [text for pair in self.train_pairs for text in pair]
+      tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size)
+    if jax.process_count() > 1:  # the others read process 0's file once it is written
+      multihost_utils.sync_global_devices("sentencepiece model written")
+    return tokenizer if jax.process_index() == 0 else tokenizers.SentencePieceTokenizer(path)
+
+  def _batches(self, pairs):
+    data = self.config.data
+    return batching.TranslationBatches.from_pairs(
+        pairs, self.tokenizer, max_source_length=data.max_source_length or None,
+        max_target_length=data.max_target_length or None, length_bucketing=data.length_bucketing,
+        packing=data.packing)
+
+  @functools.cached_property
+  def train_batches(self) -> batching.TranslationBatches:
+    return self._batches(self.train_pairs)
+
+  @functools.cached_property
+  def eval_data(self) -> batching.TranslationBatches:
+    # Eval sources and targets may be longer than any training example; never truncate them.
+    return batching.TranslationBatches.from_pairs(self.eval_pairs, self.tokenizer)
+
+  # --- model and losses -------------------------------------------------------------------------
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    model = self.config.model
+    encoder, decoder = stack_sizes(model)
+    # The loop hands over a params stream only; dropout gets its own stream from it.
+    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
+    return translator_lib.Translator(
+        self.vocab_size, encoder=encoder, decoder=decoder, position_encoding=model.position_encoding,
+        max_length=model.max_length, share_embeddings=model.share_embeddings, tie_output=model.tie_output,
+        norm=model.norm, dropout_rate=model.dropout_rate, attention_dropout_rate=model.attention_dropout_rate,
+        activation=model.activation, scan_layers=model.scan_layers, remat=model.remat,
+        implementation=model.implementation or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def train_batch(self, step, *, process_index, process_count):
+    return self.train_batches.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
+                                          process_index=process_index, process_count=process_count)
+
+  def _logits(self, model, batch, deterministic=True):
+    packing = {k: batch[k] for k in _PACKING_KEYS if k in batch}
+    return model(batch["inputs"], batch["decoder_inputs"], deterministic=deterministic, **packing)
+
+  def loss(self, model, batch, *, rngs):
+    if self.config.model.dropout_rate > 0 or self.config.model.attention_dropout_rate > 0:
+      # Stacked layers hold one dropout key per layer; match_shape reseeds each from this step's key.
+      nnx.reseed(model, dropout=rngs.dropout(), policy="match_shape")
+    logits = self._logits(model, batch, deterministic=False)  # -> [b, t, vocab]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0,
+                                               self.config.task.label_smoothing)
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+
+  def eval_batches(self, *, process_index, process_count):
+    return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,
+                                       process_count=process_count)
+
+  def eval_metrics(self, model, batch):
+    logits = self._logits(model, batch)
+    weights = (batch["targets"] != 0) * batch["example_weights"][:, None]  # -> [b, t]
+    # The loss without smoothing, so it is comparable across label_smoothing settings.
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], weights)
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["targets"]) * weights)
+    return {"loss": (loss_sum, weight_sum), "accuracy": (correct, weight_sum)}
+
+  # --- decoding ---------------------------------------------------------------------------------
+
+  def translate_ids(self, model, inputs: np.ndarray, max_length: int) -> list[str]:
+    """Decodes inputs [n, s] in batches of eval_batch_size (the last one padded) -> n strings."""
+    task, size = self.config.task, self.config.eval_batch_size
+    outputs = []
+    for start in range(0, len(inputs), size):
+      chunk = inputs[start:start + size]
+      padded = np.pad(chunk, ((0, size - len(chunk)), (0, 0)))  # one compiled shape for every chunk
+      padded[len(chunk):, 0] = self.tokenizer.eos_id  # padding rows need one real source token
+      ids = self._generate(model, jnp.asarray(padded), max_length=max_length, bos_id=self.tokenizer.bos_id,
+                           eos_id=self.tokenizer.eos_id, beam_size=task.beam_size, alpha=task.length_penalty)
+      outputs += [self.tokenizer.decode(row) for row in np.asarray(ids)[:len(chunk)]]
+    return outputs
+
+  def _max_decode_length(self) -> int:
+    # The search stops once every row has emitted EOS, so a generous bound costs little.
+    return self.config.task.max_decode_length or self.config.model.max_length
+
+  def extra_eval(self, model):
+    """Decodes the first task.num_decode_examples eval sources (0 = all) and scores them."""
+    task = self.config.task
+    count = task.num_decode_examples or len(self.eval_pairs)
+    pairs = self.eval_pairs[:count]
+    inputs = np.concatenate([batch["inputs"] for batch in self.eval_data.eval_batches(self.config.eval_batch_size)])
+    hypotheses = self.translate_ids(model, inputs[:len(pairs)], self._max_decode_length())
+    references = [target for _, target in pairs]
+    for (source, target), hypothesis in list(zip(pairs, hypotheses))[:task.num_samples_logged]:
+      logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
+    if self.workdir and task.num_attention_plots and jax.process_index() == 0:
+      self._plot_attention(model, inputs[:task.num_attention_plots])
+    return {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)])),
+            "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+            "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score}
+
+  def _plot_attention(self, model, inputs):
+    """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each."""
+    generated = np.asarray(self._generate(model, jnp.asarray(inputs), max_length=self._max_decode_length(),
+                                          bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id))
+    decoder_inputs = np.concatenate([np.full((len(inputs), 1), self.tokenizer.bos_id, np.int32),
+                                     generated[:, :-1]], axis=1)
+    weights = np.asarray(self._attention(model, jnp.asarray(inputs), jnp.asarray(decoder_inputs)))
+    for k in range(len(inputs)):
+      source = [self.tokenizer.id_to_piece(i) for i in inputs[k] if i != 0]
+      length = int(np.argmax(generated[k] == self.tokenizer.eos_id)) + 1 if (
+          generated[k] == self.tokenizer.eos_id).any() else generated.shape[1]
+      target = [self.tokenizer.id_to_piece(i) for i in generated[k, :length]]
+      path = os.path.join(self.workdir, "plots", f"cross_attention_{k}.png")
+      translate_plots.plot_cross_attention(weights[:, k, :, :length, :len(source)], source, target, path,
+                                           per_head=self.config.task.attention_per_head)
+
+  def infer(self, model, lines):
+    """One translation per input line."""
+    limit = self.config.model.max_length
+    encoded = self.tokenizer.encode_batch(lines)
+    for number, ids in enumerate(encoded, start=1):
+      if not ids or len(ids) > limit:
+        raise ValueError(f"input line {number} has {len(ids)} tokens; the model takes 1 to {limit} "
+                         f"(model.max_length)")
+    inputs = np.zeros((len(lines), batching.round_up(max(map(len, encoded)), 8)), np.int32)
+    for row, ids in enumerate(encoded):
+      inputs[row, :len(ids)] = ids
+    return self.translate_ids(model, inputs, self._max_decode_length())
