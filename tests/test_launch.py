@@ -1,6 +1,7 @@
 """launch.py end to end on the toy task, in subprocesses: validation, the workdir record,
 determinism, exact resume after SIGTERM / SIGKILL, the NaN guard, corrupted checkpoints, eval and
 infer modes. Expensive runs are module-scoped fixtures shared between assertions."""
+import atexit
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ OVERRIDES = {
 CONFIG = "configs/toy_reverse.py:size=tiny"
 # Compiled programs are shared between the subprocesses of a test session (same HLO, same result).
 COMPILE_CACHE = tempfile.mkdtemp(prefix="xattn_jax_test_compile_cache_")
+atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
 
 
 def launch_args(workdir, *extra, overrides=None):
