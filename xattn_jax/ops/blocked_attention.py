@@ -36,7 +36,6 @@ class Blocking:
 class _Static:
   blocking: Blocking
   is_causal: bool
-  scale: float
   q_len: int  # unpadded lengths; keys at positions >= kv_len are padding added here
   kv_len: int
   kv_heads: int
@@ -70,9 +69,9 @@ def _block_slice(x, q_start, k_start, block_q, block_k):
 
 
 def _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Static):
-  """Masked scaled scores [groups, block_q, block_k] in float32 (-inf where masked)."""
+  """Masked scores [groups, block_q, block_k] in float32 (-inf where masked); q_blk is pre-scaled."""
   bq, bk = st.blocking.block_q, st.blocking.block_k
-  s = jnp.einsum("gqh,kh->gqk", q_blk, k_blk, preferred_element_type=jnp.float32) * st.scale
+  s = jnp.einsum("gqh,kh->gqk", q_blk, k_blk, preferred_element_type=jnp.float32)
   bias_blk = _block_slice(bias_u, q_start, k_start, bq, bk)
   if bias_blk is not None:
     s = s + bias_blk.astype(jnp.float32)
@@ -127,11 +126,16 @@ def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st
     pv = jnp.einsum("gqk,kh->gqh", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     return new_max, row_sum, acc * rescale[..., None] + pv
 
-  init = (jnp.full((g, bq), -jnp.inf, jnp.float32), jnp.zeros((g, bq), jnp.float32),
-          jnp.zeros((g, bq, value.shape[-1]), jnp.float32))
   if num_key_blocks == 1:
-    row_max, row_sum, acc = step(0, init)
+    # One pass: no running maximum to correct.
+    s = _scores(q_blk, k_u, mask_u, bias_u, offset_u, q_start, 0, st)
+    row_max = s.max(axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
+    row_sum = p.sum(axis=-1)
+    acc = jnp.einsum("gqk,kh->gqh", p.astype(v_u.dtype), v_u, preferred_element_type=jnp.float32)
   else:
+    init = (jnp.full((g, bq), -jnp.inf, jnp.float32), jnp.zeros((g, bq), jnp.float32),
+            jnp.zeros((g, bq, value.shape[-1]), jnp.float32))
     row_max, row_sum, acc = lax.fori_loop(
         0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
   seen = row_sum > 0
@@ -162,51 +166,58 @@ def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, 
   offset_u = query_offset[batch_index]
   num_key_blocks = k_u.shape[0] // bk
 
-  def key_step(kb, carry, q_blk, do_blk, lse_blk, delta_blk, q_start):
-    dq_blk, dk, dv, dbias = carry
+  # dk and dv are accumulated transposed, [head_dim, kv_len]: "hq,qk->hk" with the small q / dout
+  # block transposed feeds the matmul without transposing the large [block_q, block_k] blocks.
+  def key_step(kb, carry, q_blk, do_blk, q_t, do_t, lse_blk, delta_blk, q_start):
+    dq_blk, dk_t, dv_t, dbias = carry
     k_start = kb * bk
     k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
     v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
     s = _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
     p = jnp.exp(s - lse_blk[..., None])  # [groups, block_q, block_k]
-    dv_blk = jnp.einsum("gqk,gqh->kh", p.astype(do_blk.dtype), do_blk, preferred_element_type=jnp.float32)
     dp = jnp.einsum("gqh,kh->gqk", do_blk, v_blk, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_blk[..., None])  # d loss / d scores, before the scale
-    ds_in = ds.astype(q_blk.dtype)
-    dq_blk = dq_blk + jnp.einsum("gqk,kh->gqh", ds_in, k_blk, preferred_element_type=jnp.float32)
-    dk_blk = jnp.einsum("gqk,gqh->kh", ds_in, q_blk, preferred_element_type=jnp.float32)
-    dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, k_start, bk) + dk_blk, k_start, 0)
-    dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, k_start, bk) + dv_blk, k_start, 0)
+    ds = p * (dp - delta_blk[..., None])  # d loss / d scores
+    p_rows = p.reshape(-1, bk).astype(do_t.dtype)  # [(groups block_q), block_k]
+    ds_rows = ds.reshape(-1, bk).astype(q_t.dtype)
+    dq_blk = dq_blk + jnp.einsum("gqk,kh->gqh", ds_rows.reshape(ds.shape), k_blk,
+                                 preferred_element_type=jnp.float32)
+    dv_t_blk = jnp.einsum("hq,qk->hk", do_t, p_rows, preferred_element_type=jnp.float32)
+    dk_t_blk = jnp.einsum("hq,qk->hk", q_t, ds_rows, preferred_element_type=jnp.float32)
+    add = lambda acc, blk: lax.dynamic_update_slice_in_dim(
+        acc, lax.dynamic_slice_in_dim(acc, k_start, bk, axis=1) + blk, k_start, axis=1)
+    dk_t, dv_t = add(dk_t, dk_t_blk), add(dv_t, dv_t_blk)
     if dbias is not None:
       # Sum ds over the axes the bias broadcasts along, then add into the bias's own block.
       g_, t_, s_ = dbias.shape
       part = ds.sum(axis=tuple(a for a, n in enumerate((g_, t_, s_)) if n == 1), keepdims=True)
       starts = (0, q_start if t_ > 1 else 0, k_start if s_ > 1 else 0)
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, part.shape) + part, starts)
-    return dq_blk, dk, dv, dbias
+    return dq_blk, dk_t, dv_t, dbias
 
   def query_step(qi, carry):
-    dq, dk, dv, dbias = carry
+    dq, dk_t, dv_t, dbias = carry
     q_start = qi * bq
     q_blk, do_blk, lse_blk, delta_blk = q_u[qi], o_grad_u[qi], lse_u[qi], delta_u[qi]
-    step = functools.partial(key_step, q_blk=q_blk, do_blk=do_blk, lse_blk=lse_blk,
-                             delta_blk=delta_blk, q_start=q_start)
-    init = (jnp.zeros(q_blk.shape, jnp.float32), dk, dv, dbias)
+    h = q_blk.shape[-1]
+    step = functools.partial(key_step, q_blk=q_blk, do_blk=do_blk, q_t=q_blk.reshape(-1, h).T,
+                             do_t=do_blk.reshape(-1, h).T, lse_blk=lse_blk, delta_blk=delta_blk,
+                             q_start=q_start)
+    init = (jnp.zeros(q_blk.shape, jnp.float32), dk_t, dv_t, dbias)
     if num_key_blocks == 1:
-      dq_blk, dk, dv, dbias = step(0, init)
+      dq_blk, dk_t, dv_t, dbias = step(0, init)
     else:
-      dq_blk, dk, dv, dbias = lax.fori_loop(
+      dq_blk, dk_t, dv_t, dbias = lax.fori_loop(
           0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
-    return dq.at[qi].set(dq_blk), dk, dv, dbias
+    return dq.at[qi].set(dq_blk), dk_t, dv_t, dbias
 
   dbias0 = None if bias_u is None else jnp.zeros(bias_u.shape, jnp.float32)
-  init = (jnp.zeros(q_u.shape, jnp.float32), jnp.zeros(k_u.shape, jnp.float32),
-          jnp.zeros(v_u.shape, jnp.float32), dbias0)
+  init = (jnp.zeros(q_u.shape, jnp.float32), jnp.zeros(k_u.shape[::-1], jnp.float32),
+          jnp.zeros(v_u.shape[::-1], jnp.float32), dbias0)
   if q_u.shape[0] == 1:
-    dq, dk, dv, dbias = query_step(0, init)
+    dq, dk_t, dv_t, dbias = query_step(0, init)
   else:
-    dq, dk, dv, dbias = lax.fori_loop(0, q_u.shape[0], query_step, init)
-  return dq * st.scale, dk * st.scale, dv, dbias
+    dq, dk_t, dv_t, dbias = lax.fori_loop(0, q_u.shape[0], query_step, init)
+  return dq, dk_t.T, dv_t.T, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -251,6 +262,14 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
   Returns:
     [batch, q_len, heads, head_dim] in query's dtype.
   """
+  # Scaling the queries once is cheaper than scaling every score block (autodiff applies it to dq).
+  query = query * jnp.asarray(scale, query.dtype)
+  return _blocked_attention(query, key, value, mask, bias, query_offset, is_causal=is_causal, blocking=blocking)
+
+
+# Jitted so that eager calls compile the block loops once per shape instead of op by op.
+@functools.partial(jax.jit, static_argnames=("is_causal", "blocking"))
+def _blocked_attention(query, key, value, mask, bias, query_offset, *, is_causal: bool, blocking: Blocking):
   b, t, n, h = query.shape
   s, kv_heads = key.shape[1], key.shape[2]
   groups = n // kv_heads
@@ -258,7 +277,7 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
-  st = _Static(blocking=blocking, is_causal=is_causal, scale=float(scale), q_len=t, kv_len=s,
+  st = _Static(blocking=blocking, is_causal=is_causal, q_len=t, kv_len=s,
                kv_heads=kv_heads)
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid

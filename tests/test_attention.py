@@ -1,0 +1,324 @@
+"""dot_product_attention: every implementation against a plain reference, masks, causality, validation."""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from xattn_jax.ops import attention, blocked_attention, masks
+
+HAS_GPU = jax.default_backend() == "gpu"
+# "chunked" runs with tiny blocks (see the fixture) so the small test shapes span several query and
+# key blocks, padded last blocks and skipped causal blocks.
+IMPLEMENTATIONS = ["xla", "chunked"]
+SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
+
+
+@pytest.fixture(autouse=True)
+def small_chunked_blocks(monkeypatch):
+  default = attention.choose_blocking
+  monkeypatch.setattr(attention, "choose_blocking",
+                      lambda impl, t, s: SMALL_BLOCKS if impl == "chunked" else default(impl, t, s))
+
+
+def reference_attention(query, key, value, bias=None, mask=None, is_causal=False):
+  """Straightforward dense attention in float32; rows with no visible key give zeros."""
+  b, t, n, h = query.shape
+  s, kv_heads = key.shape[1], key.shape[2]
+  key = jnp.repeat(key.astype(jnp.float32), n // kv_heads, axis=2)  # [b, s, n, h]
+  value = jnp.repeat(value.astype(jnp.float32), n // kv_heads, axis=2)
+  scores = jnp.einsum("btnh,bsnh->bnts", query.astype(jnp.float32), key) / np.sqrt(h)
+  if bias is not None:
+    scores = scores + bias
+  if is_causal:
+    mask = masks.combine_masks(mask, masks.causal_mask(t, s))
+  if mask is not None:
+    scores = jnp.where(mask, scores, -1e30)
+  weights = jax.nn.softmax(scores, axis=-1)
+  if mask is not None:
+    weights = jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0)
+  return jnp.einsum("bnts,bsnh->btnh", weights, value)
+
+
+def random_inputs(seed, b=2, t=6, s=11, heads=4, kv_heads=2, h=8, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  query = jnp.asarray(rng.normal(size=(b, t, heads, h)), dtype)
+  key = jnp.asarray(rng.normal(size=(b, s, kv_heads, h)), dtype)
+  value = jnp.asarray(rng.normal(size=(b, s, kv_heads, h)), dtype)
+  return query, key, value, rng
+
+
+def make_case(kind, seed, **shape):
+  """(query, key, value, kwargs) for one masking kind."""
+  query, key, value, rng = random_inputs(seed, **shape)
+  b, t, n, _ = query.shape
+  s = key.shape[1]
+  kwargs = {}
+  if kind == "bool_mask":
+    mask = rng.random((b, n, t, s)) > 0.4
+    mask[0, 0, 0] = False  # one query that sees nothing
+    kwargs["mask"] = jnp.asarray(mask)
+  elif kind == "key_padding":
+    kwargs["mask"] = masks.padding_mask(jnp.asarray([s - 3, 0][:b]), kv_len=s)  # second batch: all padding
+  elif kind == "segments":
+    q_ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, t)), axis=1))
+    k_ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, s)), axis=1))
+    kwargs["mask"] = masks.segment_mask(q_ids, k_ids)
+  elif kind == "causal":  # q_len == kv_len; q_len < kv_len is in "bias_mask_causal" and the MQA test
+    key, value = key[:, :t], value[:, :t]
+    kwargs["is_causal"] = True
+  elif kind == "bias":
+    kwargs["bias"] = jnp.asarray(rng.normal(size=(1, n, t, s)), jnp.float32)
+  elif kind == "bias_mask_causal":
+    kwargs["bias"] = jnp.asarray(rng.normal(size=(b, 1, 1, s)), jnp.float32)
+    kwargs["mask"] = jnp.asarray(rng.random((b, 1, t, s)) > 0.3)
+    kwargs["is_causal"] = True
+  return query, key, value, kwargs
+
+
+def output_and_grads(fn, query, key, value, kwargs, cotangent):
+  """fn's output and the gradients of <output, cotangent> w.r.t. query, key, value and bias (or None).
+
+  One jitted function per call, so forward and backward compile together (test speed).
+  """
+  bias = kwargs.get("bias")
+  rest = {k: v for k, v in kwargs.items() if k != "bias"}
+
+  @jax.jit
+  def run(q, k, v, bias, cotangent):
+    def loss(q, k, v, bias):
+      out = fn(q, k, v, bias=bias, **rest)
+      return jnp.sum(out.astype(jnp.float32) * cotangent), out
+    grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+    return out, grads
+
+  return run(query, key, value, bias, cotangent)
+
+
+def assert_matches_reference(implementation, query, key, value, kwargs, atol):
+  ours = functools.partial(attention.dot_product_attention, implementation=implementation)
+  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=query.shape), jnp.float32)
+  out, got = output_and_grads(ours, query, key, value, kwargs, cotangent)
+  expected, want = output_and_grads(reference_attention, query, key, value, kwargs, cotangent)
+  chex.assert_equal_shape([out, query])
+  assert out.dtype == query.dtype
+  np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=atol, rtol=atol)
+  for name, g, w in zip(("query", "key", "value", "bias"), got, want):
+    if w is None:
+      continue
+    assert bool(jnp.all(jnp.isfinite(g))), f"non-finite gradient for {name}"
+    np.testing.assert_allclose(g.astype(jnp.float32), w.astype(jnp.float32), atol=atol, rtol=atol,
+                               err_msg=f"gradient w.r.t. {name}")
+
+
+KINDS = ["none", "bool_mask", "key_padding", "segments", "causal", "bias", "bias_mask_causal"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_and_gradients_match_reference(implementation, kind):
+  query, key, value, kwargs = make_case(kind, seed=KINDS.index(kind))
+  assert_matches_reference(implementation, query, key, value, kwargs, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_multi_query_attention_matches_reference(implementation):
+  # The cases above use grouped queries (4 heads over 2 kv heads); here all heads share one kv head.
+  query, key, value, _ = random_inputs(seed=1, heads=4, kv_heads=1)
+  assert_matches_reference(implementation, query, key, value, {"is_causal": True}, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference(implementation):
+  query, key, value, kwargs = make_case("bool_mask", seed=5, dtype=jnp.bfloat16)
+  assert_matches_reference(implementation, query, key, value, kwargs, atol=3e-2)
+
+
+@settings(max_examples=3, deadline=None)
+@given(b=st.integers(1, 2), t=st.integers(1, 13), s=st.integers(1, 19), kv_heads=st.sampled_from([1, 2]),
+       groups=st.sampled_from([1, 2]), causal=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups, causal, seed):
+  query, key, value, rng = random_inputs(seed, b=b, t=t, s=s, heads=kv_heads * groups, kv_heads=kv_heads, h=4)
+  mask = jnp.asarray(rng.random((b, 1, t, s)) > 0.3)
+  assert_matches_reference("chunked", query, key, value, {"mask": mask, "is_causal": causal}, atol=2e-5)
+
+
+def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch):
+  monkeypatch.undo()  # the default block sizes: 600 keys span two key blocks, the second padded
+  query, key, value, _ = random_inputs(seed=7, b=1, t=300, s=600, heads=2, kv_heads=1, h=8)
+  chunked = attention.dot_product_attention(query, key, value, is_causal=True, implementation="chunked")
+  dense = attention.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(chunked, dense, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")
+def test_cudnn_matches_reference():
+  query, key, value, _ = random_inputs(seed=11, b=2, t=16, s=16, heads=4, kv_heads=2, h=64, dtype=jnp.bfloat16)
+  assert_matches_reference("cudnn", query, key, value, {"is_causal": True}, atol=3e-2)
+
+
+# --- causality -------------------------------------------------------------------------------------
+
+
+def test_causal_weights_are_zero_above_the_diagonal_and_rows_sum_to_one():
+  query, key, _, _ = random_inputs(seed=2, t=5, s=8)
+  weights = attention.attention_weights(query, key, is_causal=True)
+  chex.assert_shape(weights, (2, 4, 5, 8))
+  above = ~masks.causal_mask(5, 8)[0, 0]
+  assert bool(jnp.all(weights[:, :, above] == 0.0))
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_changing_the_last_key_and_value_changes_only_the_last_output(implementation):
+  query, key, value, _ = random_inputs(seed=4, t=10, s=10)
+  attend = functools.partial(attention.dot_product_attention, is_causal=True, implementation=implementation)
+  before = attend(query, key, value)
+  after = attend(query, key.at[:, -1].add(3.0), value.at[:, -1].add(3.0))
+  np.testing.assert_array_equal(before[:, :-1], after[:, :-1])
+  assert not np.allclose(before[:, -1], after[:, -1])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_causal_output_has_zero_gradient_wrt_later_inputs(implementation):
+  query, key, value, _ = random_inputs(seed=6, b=1, t=9, s=9, heads=2, kv_heads=1, h=4)
+  attend = functools.partial(attention.dot_product_attention, is_causal=True, implementation=implementation)
+  # jacobian[i, ..., j, ...]: d output row i / d input row j
+  jacobians = jax.jacrev(lambda q, k, v: attend(q, k, v)[0, :, 0, 0], argnums=(0, 1, 2))(query, key, value)
+  later = np.triu(np.ones((9, 9), bool), k=1)  # j > i
+  for jacobian in jacobians:
+    per_pair = jnp.abs(jacobian[:, 0]).sum(axis=(-2, -1))  # [i, j]
+    assert bool(jnp.all(per_pair[later] == 0.0))
+
+
+# --- padding ---------------------------------------------------------------------------------------
+
+
+def test_padded_keys_get_zero_weight():
+  query, key, _, _ = random_inputs(seed=8)
+  mask = masks.padding_mask(jnp.array([7, 3]), kv_len=11)
+  weights = attention.attention_weights(query, key, mask=mask)
+  assert bool(jnp.all(weights[0, :, :, 7:] == 0.0)) and bool(jnp.all(weights[1, :, :, 3:] == 0.0))
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_changing_padded_keys_and_values_changes_nothing(implementation):
+  query, key, value, _ = random_inputs(seed=9)
+  mask = masks.padding_mask(jnp.array([7, 3]), kv_len=11)
+  attend = functools.partial(attention.dot_product_attention, mask=mask, implementation=implementation)
+  noise = jnp.asarray(np.random.default_rng(0).normal(size=key.shape), key.dtype)
+  padded = ~mask[:, 0, 0, :, None, None]  # [b, s, 1, 1]
+  np.testing.assert_array_equal(attend(query, key, value),
+                                attend(query, jnp.where(padded, noise, key), jnp.where(padded, noise, value)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fully_padded_query_gives_zeros_and_finite_gradients(implementation):
+  query, key, value, _ = random_inputs(seed=10)
+  mask = masks.padding_mask(jnp.array([5, 0]), kv_len=11)  # batch 1 sees no key at all
+  attend = functools.partial(attention.dot_product_attention, mask=mask, implementation=implementation)
+  out = attend(query, key, value)
+  assert bool(jnp.all(out[1] == 0.0))
+  grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2), argnums=(0, 1, 2))(query, key, value)
+  for g in grads:
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
+# --- PyTorch oracle --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("causal", [False, True], ids=["bool_mask", "causal"])
+def test_matches_torch_scaled_dot_product_attention(implementation, causal):
+  torch = pytest.importorskip("torch")
+  query, key, value, rng = random_inputs(seed=12, t=10, s=10, heads=4, kv_heads=4)
+  mask = None if causal else jnp.asarray(rng.random((2, 4, 10, 10)) > 0.3).at[..., 0].set(True)
+  out = attention.dot_product_attention(query, key, value, mask=mask, is_causal=causal,
+                                        implementation=implementation)
+  to_torch = lambda x: torch.from_numpy(np.array(x)).transpose(1, 2)  # -> [b, heads, length, h]
+  expected = torch.nn.functional.scaled_dot_product_attention(
+      to_torch(query), to_torch(key), to_torch(value), is_causal=causal,
+      attn_mask=None if mask is None else torch.from_numpy(np.array(mask)))
+  np.testing.assert_allclose(out, expected.transpose(1, 2).numpy(), atol=1e-5, rtol=1e-5)
+
+
+# --- tracing ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_jit_grad_does_not_retrace_for_the_same_shapes(implementation):
+  query, key, value, _ = random_inputs(seed=13)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def grads(q, k, v):
+    return jax.grad(lambda q: attention.dot_product_attention(q, k, v, is_causal=True,
+                                                              implementation=implementation).sum())(q)
+
+  chex.clear_trace_counter()
+  grads(query, key, value)
+  grads(query + 1.0, key, value)
+
+
+# --- dispatch --------------------------------------------------------------------------------------
+
+
+def _select(**overrides):
+  facts = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=64, q_len=128, kv_len=128, has_mask=False,
+               has_bias=False, is_causal=True)
+  return attention.select_implementation(**{**facts, **overrides})
+
+
+def test_dispatch_picks_cudnn_on_gpu_for_bf16_causal():
+  assert _select() == "cudnn"
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(backend="cpu"), dict(dtype=jnp.float32), dict(head_dim=36), dict(head_dim=256), dict(has_mask=True),
+    dict(q_len=1, kv_len=128), dict(has_bias=True, q_len=127, kv_len=127),
+], ids=["cpu", "float32", "head_dim_not_multiple_of_8", "head_dim_too_big", "bool_mask", "causal_q_lt_kv",
+        "bias_odd_length"])
+def test_dispatch_avoids_cudnn_where_it_cannot_run(overrides):
+  assert _select(**overrides) in ("xla", "chunked")
+
+
+def test_dispatch_on_cpu_switches_to_chunked_for_long_sequences():
+  assert _select(backend="cpu", q_len=512, kv_len=512) == "xla"
+  assert _select(backend="cpu", q_len=16384, kv_len=16384) == "chunked"
+
+
+def test_explicit_cudnn_without_support_raises_the_reason():
+  query, key, value, _ = random_inputs(seed=0)
+  with pytest.raises(ValueError, match="cudnn"):
+    attention.dot_product_attention(query, key, value, implementation="cudnn")
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+
+def _validation_cases():
+  q, k, v = jnp.zeros((2, 5, 4, 8)), jnp.zeros((2, 7, 2, 8)), jnp.zeros((2, 7, 2, 8))
+  return [
+      ("rank", dict(query=q[0], key=k, value=v), ["query", "[5, 4, 8]"]),
+      ("head_dim", dict(query=q, key=jnp.zeros((2, 7, 2, 6)), value=v), ["key", "[2, 7, 2, 6]"]),
+      ("heads_divisible", dict(query=jnp.zeros((2, 5, 3, 8)), key=k, value=v), ["heads=3", "kv_heads=2"]),
+      ("value_shape", dict(query=q, key=k, value=jnp.zeros((2, 6, 2, 8))), ["value", "[2, 6, 2, 8]"]),
+      ("mask_broadcast", dict(query=q, key=k, value=v, mask=jnp.ones((2, 4, 5, 6), bool)),
+       ["mask", "[2, 4, 5, 6]", "[2, 4, 5, 7]"]),
+      ("mask_dtype", dict(query=q, key=k, value=v, mask=jnp.ones((2, 1, 1, 7))), ["mask", "bool", "float32"]),
+      ("bias_broadcast", dict(query=q, key=k, value=v, bias=jnp.ones((3, 1, 5, 7))), ["bias", "[3, 1, 5, 7]"]),
+      ("implementation", dict(query=q, key=k, value=v, implementation="flash"),
+       ["implementation", "'flash'", "chunked"]),
+  ]
+
+
+@pytest.mark.parametrize("name, kwargs, needles", _validation_cases(), ids=[c[0] for c in _validation_cases()])
+def test_invalid_arguments_raise_value_error_naming_argument_and_shapes(name, kwargs, needles):
+  with pytest.raises(ValueError) as info:
+    attention.dot_product_attention(**kwargs)
+  for needle in needles:
+    assert needle in str(info.value), (name, str(info.value))
