@@ -1,0 +1,193 @@
+"""Attention speed and memory on this machine: our implementations vs jax.nn and torch SDPA.
+
+Speed: batch 8, 8 heads, head_dim 64, float32, lengths 128 / 512 / 2048; forward and
+forward+backward (gradients w.r.t. query, key and value of the output's sum), medians of several
+runs after a warm-up, `block_until_ready` on every result; torch runs with as many threads as JAX
+has cores. Memory: peak resident set of dense (`jax.nn.dot_product_attention`, which materializes
+the [batch, heads, q, kv] scores) versus our paths at length 16384 (batch 1, 8 heads), each in its
+own fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
+
+  python experiments/bench_attention.py           # full run, several minutes
+  python experiments/bench_attention.py --quick   # seconds: tiny sizes, writes to /tmp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from xattn_jax.ops import attention  # noqa: E402
+
+OURS = {"ours (default)": None, "ours xla": "xla", "ours chunked": "chunked"}
+
+
+def jax_attention_fn(name):
+  if name == "jax.nn":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
+  return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation=OURS[name])
+
+
+def forward_and_backward(fn):
+  """(jitted forward, jitted gradients of sum(output) w.r.t. q, k, v)."""
+  return jax.jit(fn), jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
+
+
+def median_ms(run, repeats):
+  run()  # warm-up (and compile)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run()
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def torch_runners(arrays, threads):
+  import torch
+  torch.set_num_threads(threads)
+  # torch SDPA takes [batch, heads, length, head_dim]
+  q, k, v = (torch.from_numpy(np.array(x)).transpose(1, 2).contiguous() for x in arrays)
+  qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+  def forward():
+    with torch.no_grad():
+      torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+  def backward():
+    torch.nn.functional.scaled_dot_product_attention(qg, kg, vg).sum().backward()
+
+  return forward, backward
+
+
+def speed_rows(lengths, batch, heads, head_dim, threads, repeats_at):
+  rows = []
+  rng = np.random.default_rng(0)
+  for length in lengths:
+    arrays = [jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3)]
+    repeats = repeats_at(length)
+    row = {"length": length, "ms": {}}
+    torch_fwd, torch_bwd = torch_runners(arrays, threads)
+    row["ms"]["torch SDPA"] = [median_ms(torch_fwd, repeats), median_ms(torch_bwd, repeats)]
+    for name in ("jax.nn", *OURS):
+      fwd, bwd = forward_and_backward(jax_attention_fn(name))
+      row["ms"][name] = [median_ms(lambda: jax.block_until_ready(fwd(*arrays)), repeats),
+                         median_ms(lambda: jax.block_until_ready(bwd(*arrays)), repeats)]
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  return rows
+
+
+def memory_worker(name, mode, length, heads, head_dim, repeats):
+  """Runs in a fresh process: prints peak RSS growth (MB), time (ms) and XLA's temp buffer size."""
+  rng = np.random.default_rng(0)
+  arrays = [jnp.asarray(rng.normal(size=(1, length, heads, head_dim)), jnp.float32) for _ in range(3)]
+  fwd, bwd = forward_and_backward(jax_attention_fn(name))
+  fn = fwd if mode == "forward" else bwd
+  compiled = fn.lower(*arrays).compile()
+  temp_mb = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+  rss = lambda field: int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(field))) / 1024
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak resident set (VmHWM) so compile time does not count
+  baseline = rss("VmRSS:")
+  ms = median_ms(lambda: jax.block_until_ready(compiled(*arrays)), repeats)
+  print(json.dumps({"peak_rss_growth_mb": rss("VmHWM:") - baseline, "ms": ms, "xla_temp_mb": temp_mb}))
+
+
+def memory_rows(names, length, heads, head_dim, repeats):
+  rows = []
+  for mode in ("forward", "forward+backward"):
+    for name in names:
+      # The dense forward+backward keeps several [heads, q, kv] float32 arrays: skip it when the
+      # machine cannot hold them instead of pushing every other process into swap or the OOM killer.
+      needed_gb = heads * length * length * 4 * (2 if mode == "forward" else 4) / 2 ** 30
+      available_gb = int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemAvailable"))) / 2 ** 20
+      row = {"implementation": name, "mode": mode, "length": length}
+      if name == "jax.nn" and needed_gb > 0.8 * available_gb:
+        row["skipped"] = f"needs ~{needed_gb:.0f} GB, {available_gb:.0f} GB available"
+      else:
+        cmd = [sys.executable, __file__, "--memory_worker", f"{name}|{mode}|{length}|{heads}|{head_dim}|{repeats}"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode:
+          row["skipped"] = f"worker failed: {result.stderr.strip().splitlines()[-1:]}"
+        else:
+          row.update(json.loads(result.stdout.strip().splitlines()[-1]))
+      print(json.dumps(row), flush=True)
+      rows.append(row)
+  return rows
+
+
+def to_markdown(meta, speed, memory):
+  lines = [f"# Attention benchmark ({meta['date']})", "",
+           f"Machine: {meta['machine']}; JAX {meta['jax']} on {meta['jax_devices']} CPU device(s) using "
+           f"{meta['cores']} cores; torch {meta['torch']} with {meta['torch_threads']} threads. "
+           f"Load average at start: {meta['load_average']}. Medians of {meta['repeats']} runs after a warm-up.", "",
+           f"## Speed: batch {meta['batch']}, {meta['heads']} heads, head_dim {meta['head_dim']}, float32 (ms)", "",
+           "| length | implementation | forward | fwd+bwd | fwd / torch | fwd+bwd / torch | fwd / jax.nn | "
+           "fwd+bwd / jax.nn |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for row in speed:
+    torch_ms, jax_ms = row["ms"]["torch SDPA"], row["ms"]["jax.nn"]
+    for name, (fwd, bwd) in row["ms"].items():
+      lines.append(f"| {row['length']} | {name} | {fwd:.1f} | {bwd:.1f} | {fwd / torch_ms[0]:.2f} | "
+                   f"{bwd / torch_ms[1]:.2f} | {fwd / jax_ms[0]:.2f} | {bwd / jax_ms[1]:.2f} |")
+  lines += ["", f"## Memory: batch 1, {meta['heads']} heads, head_dim {meta['head_dim']}, float32, each in a "
+            "fresh process", "",
+            "Peak resident-set growth while running the compiled function (after compiling), its median "
+            "time, and XLA's own temp-buffer size for that program.", "",
+            "| length | implementation | mode | peak RSS growth (MB) | XLA temp (MB) | ms |",
+            "| --- | --- | --- | --- | --- | --- |"]
+  for row in memory:
+    if "skipped" in row:
+      lines.append(f"| {row['length']} | {row['implementation']} | {row['mode']} | skipped: {row['skipped']} | | |")
+    else:
+      lines.append(f"| {row['length']} | {row['implementation']} | {row['mode']} | {row['peak_rss_growth_mb']:.0f} | "
+                   f"{row['xla_temp_mb']:.0f} | {row['ms']:.0f} |")
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds; writes under /tmp")
+  parser.add_argument("--out_dir", default=None, help="default experiments/results (or /tmp with --quick)")
+  parser.add_argument("--memory_worker", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.memory_worker:
+    name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
+    memory_worker(name, mode, int(length), int(heads), int(head_dim), int(repeats))
+    return
+
+  import torch
+  cores = os.cpu_count()
+  batch, heads, head_dim = (2, 2, 16) if args.quick else (8, 8, 64)
+  lengths = (32, 64) if args.quick else (128, 512, 2048)
+  memory_length = 256 if args.quick else 16384
+  repeats_at = (lambda length: 2) if args.quick else (lambda length: 9 if length <= 512 else 3)
+  meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.processor() or platform.machine()}, "
+          f"{cores} cores", "cores": cores, "jax": jax.__version__, "jax_devices": jax.local_device_count(),
+          "torch": torch.__version__, "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+          "batch": batch, "heads": heads, "head_dim": head_dim, "repeats": "3 (length 2048) / 9" if not args.quick else 2}
+  speed = speed_rows(lengths, batch, heads, head_dim, cores, repeats_at)
+  memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
+                       repeats=2 if args.quick else 3)
+  out_dir = args.out_dir or ("/tmp/attention_benchmark_quick" if args.quick else
+                             os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+  os.makedirs(out_dir, exist_ok=True)
+  markdown = to_markdown(meta, speed, memory)
+  with open(os.path.join(out_dir, "attention_benchmark.md"), "w") as f:
+    f.write(markdown)
+  with open(os.path.join(out_dir, "attention_benchmark.json"), "w") as f:
+    json.dump({"meta": meta, "speed": speed, "memory": memory}, f, indent=1)
+  print(markdown)
+
+
+if __name__ == "__main__":
+  main()
