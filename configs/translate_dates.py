@@ -41,7 +41,7 @@ def translator_config(args) -> ConfigDict:
   config.optimizer.learning_rate = 2e-3
   config.optimizer.warmup_steps = 100
 
-  config.task.name = "xattn_jax.training.translate_task:TranslateTask"
+  config.task.name = "translate"
   config.task.label_smoothing = 0.1
   config.task.beam_size = 1            # 1 = greedy; eval and infer decode this way
   config.task.length_penalty = 0.6     # GNMT alpha, beam search only

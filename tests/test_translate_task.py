@@ -56,9 +56,9 @@ def dates_run(tmp_path_factory):
   return workdir, result
 
 
-def test_task_is_registered_by_short_name_and_by_path():
-  assert tasks.get_task_class("translate") is translate_task.TranslateTask
-  assert tasks.get_task_class(translate_dates.get_config().task.name) is translate_task.TranslateTask
+def test_both_configs_name_the_translate_task():
+  for module in (translate_dates, translate_tsv):
+    assert tasks.get_task_class(module.get_config().task.name) is translate_task.TranslateTask
 
 
 def test_position_encoding_override_reaches_the_model(tmp_path):
