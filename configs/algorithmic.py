@@ -1,0 +1,56 @@
+"""Length generalization: train the translator to reverse (or copy) strings of up to 32 symbols,
+evaluate exact match on lengths 1-32, 33-64 and 65-128.
+
+    python launch.py --config=configs/algorithmic.py:posenc=alibi --workdir=workdirs/alg_alibi
+    python launch.py --config=configs/algorithmic.py:posenc=rope,operation=copy --workdir=... \
+        --config.model.rope_scaling=ntk --config.model.rope_scaling_factor=4
+    echo abcabd | python launch.py --config=configs/algorithmic.py:posenc=alibi --workdir=workdirs/alg_alibi \
+        --mode=infer
+"""
+from __future__ import annotations
+
+from configs import common
+
+SIZES = {
+    # d_model, num_heads, num_layers (encoder and decoder each), mlp_dim
+    "micro": (32, 2, 1, 64),   # smoke tests only
+    "tiny": (64, 4, 2, 256),
+    "small": (128, 4, 3, 512),
+}
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", operation="reverse")
+  if args.size not in SIZES:
+    raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
+  config = common.base_config()
+  config.total_steps = 3000
+  config.batch_size = 64
+  config.eval_batch_size = 64
+  config.log_every_steps = 100
+  config.eval_every_steps = 1000
+  config.checkpoint.every_steps = 1000
+  config.checkpoint.best_metric = ""   # the last step is the result; eval runs on every band
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.warmup_steps = 200
+
+  config.task.name = "algorithmic"
+  config.task.operation = args.operation     # reverse | copy
+  config.task.num_symbols = 16
+  config.task.min_length = 1
+  config.task.train_max_length = 32
+  config.task.eval_bands = "1-32,33-64,65-128"  # inclusive length ranges; one exact-match metric each
+  config.task.num_eval_examples = 128           # per band
+  config.task.label_smoothing = 0.0
+
+  d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
+  config.model.name = "translator"
+  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | alibi | t5_bias
+  config.model.d_model = d_model
+  config.model.num_heads = num_heads
+  config.model.num_layers = num_layers
+  config.model.mlp_dim = mlp_dim
+  config.model.rope_scaling = ""          # "" | linear | ntk (RoPE length scaling)
+  config.model.rope_scaling_factor = 1.0
+  config.model.scan_layers = False
+  return config

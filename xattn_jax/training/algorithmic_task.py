@@ -1,0 +1,163 @@
+"""Length generalization: the encoder-decoder translator copies or reverses random symbol strings.
+
+Training draws lengths from [task.min_length, task.train_max_length] (1..32 by default); evaluation
+holds a fixed set of `task.num_eval_examples` strings per length band in `task.eval_bands`
+("1-32,33-64,65-128"), and logs `eval/exact_match_LO_HI` per band besides the loss and token
+accuracy over all of them.
+
+Exact match is read from the teacher-forced pass: an output is an exact match when the argmax at
+every target position (EOS included) is the target. That is the same event as greedy decoding
+returning the target: if every teacher-forced prediction is right, each greedy step sees the gold
+prefix and picks the gold token; if greedy returns the target, its prefixes were the gold ones. So
+no decoding loop is needed for the metric.
+
+Position tables: the model's `max_length` (and so a "learned" table) covers the longest eval band
+plus EOS, but training only ever reaches rows 0..train_max_length, so rows past it stay at their
+random initialisation (std 0.02). The learned encoding's long-band scores measure exactly that, and
+the ablation's table says so.
+
+Symbols print as letters 'a', 'b', ... for `launch.py --mode=infer` (one string per line).
+"""
+from __future__ import annotations
+
+import string
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xattn_jax.data import algorithmic
+from xattn_jax.models import translator as translator_lib
+from xattn_jax.training import optim, tasks, validation
+
+_TRAIN_STREAM, _EVAL_STREAM = 0, 1
+LETTERS = string.ascii_lowercase
+
+
+def parse_bands(text: str, field: str = "task.eval_bands") -> list[tuple[int, int]]:
+  """"1-32,33-64" -> [(1, 32), (33, 64)]: inclusive length ranges, each non-empty and >= 1."""
+  try:
+    bands = [tuple(int(part) for part in item.split("-")) for item in text.split(",")]
+  except ValueError:
+    bands = []
+  if not bands or any(len(band) != 2 or not 1 <= band[0] <= band[1] for band in bands):
+    raise validation.ConfigError(field, text, "must be comma-separated LO-HI length ranges, e.g. 1-32,33-64")
+  return bands
+
+
+def band_name(band: tuple[int, int]) -> str:
+  return f"exact_match_{band[0]}_{band[1]}"
+
+
+@tasks.register("algorithmic")
+class AlgorithmicTask(tasks.Task):
+  """Copy or reverse random strings; exact match per length band (see the module docstring)."""
+
+  @classmethod
+  def validate(cls, config):
+    task, model = config.task, config.model
+    validation.require_choice(config, "task.operation", algorithmic.OPERATIONS)
+    validation.require_choice(config, "model.name", ("translator",))
+    validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
+    validation.require_positive(config, "task.min_length", "task.train_max_length", "task.num_eval_examples",
+                                "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim")
+    if not 2 <= task.num_symbols <= len(LETTERS):
+      raise validation.ConfigError("task.num_symbols", task.num_symbols, f"must be in [2, {len(LETTERS)}]")
+    if task.min_length > task.train_max_length:
+      raise validation.ConfigError("task.min_length", task.min_length,
+                                   f"must be <= task.train_max_length={task.train_max_length}")
+    parse_bands(task.eval_bands)
+    if not 0.0 <= task.label_smoothing < 1.0:
+      raise validation.ConfigError("task.label_smoothing", task.label_smoothing, "must be in [0, 1)")
+    if model.rope_scaling not in ("", "linear", "ntk"):
+      raise validation.ConfigError("model.rope_scaling", model.rope_scaling, "allowed are '', 'linear', 'ntk'")
+
+  def __init__(self, config, workdir=None):
+    super().__init__(config, workdir)
+    self.bands = parse_bands(config.task.eval_bands)
+    # Positions 0 .. longest string (its EOS included) must have a row in a learned table.
+    self.max_length = max(config.task.train_max_length, *(hi for _, hi in self.bands)) + 1
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    c = self.config.model
+    side = translator_lib.StackSize(c.d_model, c.num_heads, c.num_layers, c.mlp_dim)
+    rope_scaling = dict(rope_scaling=c.rope_scaling, rope_scaling_factor=c.rope_scaling_factor) \
+        if c.rope_scaling else {}
+    # The loop hands over a params stream only; the (unused, rate 0) dropout layers need a stream too.
+    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
+    return translator_lib.Translator(
+        algorithmic.vocab_size(self.config.task.num_symbols), encoder=side, decoder=side,
+        position_encoding=c.position_encoding, max_length=self.max_length, scan_layers=c.scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **rope_scaling)
+
+  def _examples(self, rng, count, min_length, max_length, width):
+    task = self.config.task
+    return algorithmic.make_examples(rng, count, operation=task.operation, min_length=min_length,
+                                     max_length=max_length, num_symbols=task.num_symbols, width=width)
+
+  def train_batch(self, step, *, process_index, process_count):
+    task, size = self.config.task, self.config.batch_size // process_count
+    rng = np.random.default_rng([self.config.seed, _TRAIN_STREAM, step])
+    batch = self._examples(rng, self.config.batch_size, task.min_length, task.train_max_length,
+                           task.train_max_length)
+    del batch["lengths"]
+    return {k: v[process_index * size:(process_index + 1) * size] for k, v in batch.items()}
+
+  def _token_losses(self, model, batch):
+    logits = model(batch["inputs"], batch["decoder_inputs"])  # [b, t, vocab]
+    token_weights = (batch["targets"] != algorithmic.PAD_ID).astype(jnp.float32)  # [b, t]
+    if "weights" in batch:
+      token_weights = token_weights * batch["weights"][:, None]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], token_weights,
+                                               self.config.task.label_smoothing)
+    return logits, token_weights, loss_sum, weight_sum
+
+  def loss(self, model, batch, *, rngs):
+    del rngs  # the model has no dropout: the sweep compares encodings, not regularisers
+    _, _, loss_sum, weight_sum = self._token_losses(model, batch)
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+
+  def eval_batches(self, *, process_index, process_count):
+    """Each band's examples in batches of eval_batch_size padded to the band's width (weight-0 rows fill up)."""
+    size, local = self.config.eval_batch_size, self.config.eval_batch_size // process_count
+    for index, (lo, hi) in enumerate(self.bands):
+      rng = np.random.default_rng([self.config.seed, _EVAL_STREAM, index])
+      examples = self._examples(rng, self.config.task.num_eval_examples, lo, hi, hi)
+      del examples["lengths"]
+      examples["weights"] = np.ones(len(examples["inputs"]), np.float32)
+      examples["band"] = np.full(len(examples["inputs"]), index, np.int32)
+      for start in range(0, len(examples["inputs"]), size):
+        batch = {}
+        for key, array in examples.items():
+          chunk = array[start:start + size]
+          batch[key] = np.pad(chunk, [(0, size - len(chunk))] + [(0, 0)] * (array.ndim - 1))
+        yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
+
+  def eval_metrics(self, model, batch):
+    logits, token_weights, loss_sum, weight_sum = self._token_losses(model, batch)
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (token_weights == 0)  # [b, t]
+    exact = jnp.all(correct, axis=-1).astype(jnp.float32)  # [b]
+    metrics = {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct * token_weights), weight_sum)}
+    for index, band in enumerate(self.bands):
+      # Every batch reports every band (weight 0 for the others), so the loop can sum them.
+      in_band = batch["weights"] * (batch["band"] == index)
+      metrics[band_name(band)] = (jnp.sum(exact * in_band), jnp.sum(in_band))
+    return metrics
+
+  def infer(self, model, lines):
+    """Each line of letters (one symbol each) copied or reversed by greedy decoding."""
+    num_symbols = self.config.task.num_symbols
+    rows = []
+    for number, line in enumerate(lines, 1):
+      text = line.strip()
+      if not text or len(text) >= self.max_length or any(ch not in LETTERS[:num_symbols] for ch in text):
+        raise ValueError(f"input line {number}: needs 1 to {self.max_length - 1} letters from "
+                         f"{LETTERS[:num_symbols]!r}, got {text!r}")
+      rows.append([algorithmic.FIRST_SYMBOL + LETTERS.index(ch) for ch in text])
+    inputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for row, ids in zip(inputs, rows):
+      row[:len(ids)] = ids
+    generate = nnx.jit(translator_lib.generate, static_argnames=("max_length", "bos_id", "eos_id"))
+    outputs = np.asarray(generate(model, inputs, max_length=self.max_length, bos_id=algorithmic.BOS_ID,
+                                  eos_id=algorithmic.EOS_ID))
+    return ["".join(LETTERS[i - algorithmic.FIRST_SYMBOL] for i in row if i >= algorithmic.FIRST_SYMBOL)
+            for row in outputs]
