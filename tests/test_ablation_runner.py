@@ -1,0 +1,76 @@
+"""The ablation runner (experiments/ablate_positions.py) and its encoding plots (experiments/plot_encodings.py)."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPOSITORY / "experiments"))
+
+import ablate_positions  # noqa: E402
+import plot_encodings  # noqa: E402
+from xattn_jax.ops import positions as positions_ops  # noqa: E402
+
+
+def test_sinusoidal_dot_product_with_position_64_is_largest_at_64():
+  table = np.asarray(positions_ops.sinusoidal(np.arange(129), 64))
+  products = plot_encodings.dot_products(table, 64)
+  assert np.argmax(products) == 64 and products[64] == pytest.approx(32.0, rel=1e-5)  # 32 (sin, cos) pairs
+
+
+def test_dot_products_reject_an_anchor_outside_the_table():
+  with pytest.raises(ValueError, match="row 64"):
+    plot_encodings.dot_products(np.zeros((33, 8)), 64)
+
+
+def test_rope_score_of_identical_query_and_key_peaks_at_offset_zero():
+  offsets = np.arange(-64, 65)
+  scores = plot_encodings.rope_scores(offsets)
+  assert offsets[np.argmax(scores)] == 0
+
+
+def test_linear_rope_scaling_stretches_the_score_curve_by_its_factor():
+  offsets = np.arange(-20, 21)
+  np.testing.assert_allclose(plot_encodings.rope_scores(4 * offsets, scaling="linear", scaling_factor=4.0),
+                             plot_encodings.rope_scores(offsets), rtol=1e-4, atol=1e-3)
+
+
+def test_summary_is_mean_and_sample_std_over_the_seeds_that_finished():
+  keys = [key for key, _ in ablate_positions.EXPERIMENTS[1].metrics]
+  runs = [{key: value for key in keys} for value in (0.2, 0.4, 0.9)]
+  summary = ablate_positions.summarize({("length", "alibi"): runs})
+  cell = summary["length"]["alibi"][keys[0]]
+  assert cell["seeds"] == 3 and cell["mean"] == pytest.approx(0.5) and cell["std"] == pytest.approx(np.std([.2, .4, .9],
+                                                                                                          ddof=1))
+  assert set(summary) == {"length"} and set(summary["length"]) == {"alibi"}
+
+
+def test_markdown_has_one_row_per_finished_encoding_with_its_seed_count():
+  keys = [key for key, _ in ablate_positions.EXPERIMENTS[0].metrics]
+  results = {("dates", "rope"): [dict.fromkeys(keys, 1.0)], ("dates", "none"): [dict.fromkeys(keys, 0.5)] * 2}
+  text = ablate_positions.markdown(ablate_positions.summarize(results), ["a note"])
+  assert "| none | 0.500 ± 0.000 | 0.500 ± 0.000 | 2 |" in text and "| rope | 1.000 ± 0.000 | 1.000 ± 0.000 | 1 |" in text
+  assert "## length" not in text and text.rstrip().endswith("a note")
+
+
+def test_every_cell_has_its_own_workdir_and_seed():
+  todo = ablate_positions.cells(quick=False, seeds=2, only=set())
+  assert len({cell.workdir(pathlib.Path("/w")) for cell in todo}) == len(todo) == 2 * (6 + 6 + 5)
+  assert all(f"--config.seed={cell.seed}" in cell.command(pathlib.Path("/w"), False) for cell in todo)
+
+
+@pytest.mark.slow
+def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path):
+  command = [sys.executable, str(REPOSITORY / "experiments" / "ablate_positions.py"), "--quick",
+             f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
+  first = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=600)
+  assert first.returncode == 0, first.stdout + first.stderr
+  summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
+  assert set(summary) == {"dates", "length", "resolution"}
+  for name in ("length_bands", "resolution", "dot_products", "rope_scores"):
+    assert (tmp_path / "results" / f"ablation_{name}.png").stat().st_size > 1000
+  second = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=600)
+  assert second.returncode == 0 and second.stdout.count("done before") == 3, second.stdout
