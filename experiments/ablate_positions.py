@@ -77,7 +77,7 @@ EXPERIMENTS = (
         {**_QUICK, "model.d_model": 32, "model.num_latents": 8, "model.num_blocks": 1}),
 )
 # --quick runs one cell per experiment, 1 seed: every code path of the runner, the plots included.
-QUICK_CELLS = {"dates": ("t5_bias",), "length": ("learned",), "resolution": ("learned_2d",)}
+QUICK_CELLS = {"dates": ("rope",), "length": ("learned",), "resolution": ("learned_2d",)}
 
 
 @dataclasses.dataclass(frozen=True)
