@@ -7,12 +7,13 @@ import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from configs import translate_dates, translate_tsv
 from xattn_jax.training import tasks, validation
-from xattn_jax.training import translate_task
+from xattn_jax.training import translate_plots, translate_task
 
 REPO = Path(__file__).resolve().parents[1]
 # A very small model on two years of dates: a few steps, one eval, a checkpoint.
@@ -126,3 +127,18 @@ def test_tsv_config_rejects_a_malformed_line_with_file_and_line(tmp_path):
   assert f"{train}:2" in result.stderr
   assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
   assert not (tmp_path / "work" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("per_head, panels", [(False, 2), (True, 6)])
+def test_attention_plot_has_one_panel_per_layer_or_per_layer_and_head(tmp_path, per_head, panels):
+  weights = np.random.default_rng(0).dirichlet(np.ones(4), size=(2, 3, 5))  # -> [layers, heads, t, s]
+  path = tmp_path / "attention.png"
+  figure = translate_plots.plot_cross_attention(weights, list("abcd"), list("vwxyz"), path, per_head=per_head)
+  assert path.stat().st_size > 0
+  assert len(figure.axes) == panels
+  translate_plots.close(figure)
+
+
+def test_attention_plot_rejects_weights_that_do_not_match_the_pieces(tmp_path):
+  with pytest.raises(ValueError, match="target by source"):
+    translate_plots.plot_cross_attention(np.ones((1, 1, 3, 4)), list("abc"), list("xyz"), tmp_path / "a.png")

@@ -48,13 +48,6 @@ class StackSize:
   mlp_dim: int
 
 
-SIZES = {
-    # name: (encoder, decoder)
-    "tiny": (StackSize(128, 4, 2, 512), StackSize(128, 4, 2, 512)),
-    "base": (StackSize(512, 8, 6, 2048), StackSize(512, 8, 6, 2048)),
-}
-
-
 @flax.struct.dataclass
 class TranslatorCache:
   """Decode state: one DecoderCache per layer, the memory's padding mask [b, 1, 1, s], and the

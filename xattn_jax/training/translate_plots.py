@@ -10,7 +10,8 @@ def plot_cross_attention(weights, source_pieces, target_pieces, path, *, per_hea
   """Writes target-by-source cross-attention maps of one sentence to path (a PNG).
 
   weights [layers, heads, t, s] (rows: target tokens, columns: source tokens); one panel per layer
-  with the heads averaged, or with per_head a grid of layers x heads.
+  with the heads averaged, or with per_head a grid of layers x heads. Returns the figure (the
+  caller closes it with matplotlib.pyplot.close).
   """
   weights = np.asarray(weights, np.float32)
   if weights.ndim != 4 or weights.shape[2:] != (len(target_pieces), len(source_pieces)):
@@ -39,4 +40,10 @@ def plot_cross_attention(weights, source_pieces, target_pieces, path, *, per_hea
   figure.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   figure.savefig(path, dpi=110)
+  return figure
+
+
+def close(figure) -> None:
+  """Frees a figure returned by plot_cross_attention."""
+  from matplotlib import pyplot as plt
   plt.close(figure)

@@ -251,8 +251,9 @@ class TranslateTask(tasks.Task):
           generated[k] == self.tokenizer.eos_id).any() else generated.shape[1]
       target = [self.tokenizer.id_to_piece(i) for i in generated[k, :length]]
       path = os.path.join(self.workdir, "plots", f"cross_attention_{k}.png")
-      translate_plots.plot_cross_attention(weights[:, k, :, :length, :len(source)], source, target, path,
-                                           per_head=self.config.task.attention_per_head)
+      figure = translate_plots.plot_cross_attention(weights[:, k, :, :length, :len(source)], source, target,
+                                                    path, per_head=self.config.task.attention_per_head)
+      translate_plots.close(figure)
 
   def infer(self, model, lines):
     """One translation per input line."""
