@@ -64,9 +64,10 @@ EXPERIMENTS = (
          "eval_batch_size": 32, "task.num_decode_examples": 8}),
     Experiment(
         "length", "configs/algorithmic.py:posenc={encoding},operation=copy", SEQUENCE_ENCODINGS,
-        (("eval/exact_match_1_32", "1-32 (trained)"), ("eval/exact_match_33_64", "33-64"),
-         ("eval/exact_match_65_128", "65-128")),
-        {"total_steps": 600, "eval_every_steps": 600, "checkpoint.every_steps": 600},
+        tuple((f"eval/{metric}_{band}", f"{title} {band.replace('_', '-')}") for metric, title in
+              (("exact_match", "exact match"), ("token_accuracy", "token acc.")) for band in ("1_32", "33_64", "65_128")),
+        {"total_steps": 500, "eval_every_steps": 500, "checkpoint.every_steps": 500, "batch_size": 32,
+         "optimizer.learning_rate": 2e-3, "optimizer.warmup_steps": 100, "task.num_eval_examples": 64},
         {**_QUICK, "model.d_model": 32, "model.num_heads": 2, "model.num_layers": 1, "model.mlp_dim": 64,
          "task.num_eval_examples": 8, "eval_batch_size": 8}),
     Experiment(
@@ -180,22 +181,25 @@ def markdown(summary: dict, notes: list[str]) -> str:
   return "\n".join(lines + notes) + "\n"
 
 
-def plot_bars(summary_rows: dict, metrics, path: pathlib.Path, title: str, ylabel: str):
-  """Grouped bars: one group per metric (length band / resolution), one bar per encoding, std as error bar."""
+def plot_bars(summary_rows: dict, panels, path: pathlib.Path, title: str):
+  """Grouped bars, one panel per (ylabel, metrics): a group per metric (length band / resolution), a bar
+  per encoding, the std over seeds as error bar."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
   encodings = list(summary_rows)
   width = 0.8 / max(len(encodings), 1)
-  figure, axis = plt.subplots(figsize=(8, 3.8))
-  for i, encoding in enumerate(encodings):
-    means = [summary_rows[encoding][key]["mean"] for key, _ in metrics]
-    stds = [summary_rows[encoding][key]["std"] for key, _ in metrics]
-    axis.bar(np.arange(len(metrics)) + i * width, means, width, yerr=stds, capsize=2, label=encoding)
-  axis.set_xticks(np.arange(len(metrics)) + width * (len(encodings) - 1) / 2, [t for _, t in metrics])
-  axis.set(ylim=(0, 1.05), ylabel=ylabel, title=title)
-  axis.legend(fontsize=8, ncol=3)
+  figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 3.8), squeeze=False)
+  for axis, (ylabel, metrics) in zip(axes[0], panels):
+    for i, encoding in enumerate(encodings):
+      means = [summary_rows[encoding][key]["mean"] for key, _ in metrics]
+      stds = [summary_rows[encoding][key]["std"] for key, _ in metrics]
+      axis.bar(np.arange(len(metrics)) + i * width, means, width, yerr=stds, capsize=2, label=encoding)
+    axis.set_xticks(np.arange(len(metrics)) + width * (len(encodings) - 1) / 2, [t for _, t in metrics])
+    axis.set(ylim=(0, 1.05), ylabel=ylabel)
+    axis.legend(fontsize=8, ncol=3)
+  figure.suptitle(title)
   figure.tight_layout()
   figure.savefig(path, dpi=110)
   plt.close(figure)
@@ -219,12 +223,14 @@ def write_outputs(results, root: pathlib.Path, out: pathlib.Path, notes: list[st
   (out / "ablation_positions.json").write_text(json.dumps(summary, indent=1) + "\n")
   (out / "ablation_positions.md").write_text(markdown(summary, notes))
   by_name = {e.name: e for e in EXPERIMENTS}
-  for name, filename, title, ylabel in (
-      ("length", "ablation_length_bands.png", "Copying: exact match by length band (trained on 1-32)", "exact match"),
-      ("resolution", "ablation_resolution.png", "Perceiver on digits: accuracy by input resolution (trained 8x8)",
-       "accuracy")):
+  length, resolution = by_name["length"].metrics, by_name["resolution"].metrics
+  for name, filename, title, panels in (
+      ("length", "ablation_length_bands.png", "Copying strings, trained on lengths 1-32: by length band",
+       [("exact match", length[:3]), ("token accuracy", length[3:])]),
+      ("resolution", "ablation_resolution.png", "Perceiver on digits, trained on 8x8: by input resolution",
+       [("accuracy", resolution)])):
     if name in summary:
-      plot_bars(summary[name], by_name[name].metrics, out / filename, title, ylabel)
+      plot_bars(summary[name], panels, out / filename, title)
   learned_dir = root / "length" / "learned" / "seed0"
   table = learned_table(learned_dir) if (learned_dir / "result.json").exists() else None
   plot_encodings.plot_dot_products(str(out / "ablation_dot_products.png"), learned=table,

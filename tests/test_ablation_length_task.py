@@ -86,15 +86,18 @@ def test_eval_batches_hold_each_band_once_with_lengths_inside_it():
   assert seen == {0: 10, 1: 10, 2: 10}
 
 
-def test_every_band_gets_its_own_exact_match_metric():
+def test_every_band_gets_its_own_exact_match_and_token_accuracy():
   config = _config(eval_bands="1-3,4-6", num_eval_examples=2)
   config.eval_batch_size = 2
   task = algorithmic_task.AlgorithmicTask(config)
   model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   batch = next(iter(task.eval_batches(process_index=0, process_count=1)))
   metrics = task.eval_metrics(model, batch)
-  assert {"exact_match_1_3", "exact_match_4_6", "loss", "token_accuracy"} == set(metrics)
+  assert {"exact_match_1_3", "exact_match_4_6", "token_accuracy_1_3", "token_accuracy_4_6", "loss",
+          "token_accuracy"} == set(metrics)
   assert float(metrics["exact_match_4_6"][1]) == 0.0 and float(metrics["exact_match_1_3"][1]) == 2.0
+  # Band 1-3 holds every real token of this batch, EOS included.
+  assert float(metrics["token_accuracy_1_3"][1]) == float(metrics["token_accuracy"][1]) == (batch["targets"] > 0).sum()
 
 
 def test_learned_table_has_a_row_for_every_eval_position_eos_included():

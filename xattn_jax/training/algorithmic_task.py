@@ -2,8 +2,9 @@
 
 Training draws lengths from [task.min_length, task.train_max_length] (1..32 by default); evaluation
 holds a fixed set of `task.num_eval_examples` strings per length band in `task.eval_bands`
-("1-32,33-64,65-128"), and logs `eval/exact_match_LO_HI` per band besides the loss and token
-accuracy over all of them.
+("1-32,33-64,65-128"), and logs `eval/exact_match_LO_HI` and `eval/token_accuracy_LO_HI` per
+band besides the loss and token accuracy over all of them. Token accuracy (EOS included) shows how
+far a model gets when whole strings are not yet right.
 
 Exact match is read from the teacher-forced pass: an output is an exact match when the argmax at
 every target position (EOS included) is the target. That is the same event as greedy decoding
@@ -45,8 +46,8 @@ def parse_bands(text: str, field: str = "task.eval_bands") -> list[tuple[int, in
   return bands
 
 
-def band_name(band: tuple[int, int]) -> str:
-  return f"exact_match_{band[0]}_{band[1]}"
+def band_name(band: tuple[int, int], metric: str = "exact_match") -> str:
+  return f"{metric}_{band[0]}_{band[1]}"
 
 
 @tasks.register("algorithmic")
@@ -139,8 +140,10 @@ class AlgorithmicTask(tasks.Task):
     metrics = {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct * token_weights), weight_sum)}
     for index, band in enumerate(self.bands):
       # Every batch reports every band (weight 0 for the others), so the loop can sum them.
-      in_band = batch["weights"] * (batch["band"] == index)
+      in_band = batch["weights"] * (batch["band"] == index)  # [b]
       metrics[band_name(band)] = (jnp.sum(exact * in_band), jnp.sum(in_band))
+      band_tokens = token_weights * in_band[:, None]  # [b, t]
+      metrics[band_name(band, "token_accuracy")] = (jnp.sum(correct * band_tokens), jnp.sum(band_tokens))
     return metrics
 
   def infer(self, model, lines):
