@@ -170,14 +170,16 @@ def main():
   batch, heads, head_dim = (2, 2, 16) if args.quick else (8, 8, 64)
   lengths = (32, 64) if args.quick else (128, 512, 2048)
   memory_length = 256 if args.quick else 16384
-  repeats_at = (lambda length: 2) if args.quick else (lambda length: 9 if length <= 512 else 3)
-  meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.processor() or platform.machine()}, "
-          f"{cores} cores", "cores": cores, "jax": jax.__version__, "jax_devices": jax.local_device_count(),
-          "torch": torch.__version__, "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-          "batch": batch, "heads": heads, "head_dim": head_dim, "repeats": "3 (length 2048) / 9" if not args.quick else 2}
+  repeats_at = (lambda length: 2) if args.quick else (lambda length: 9 if length <= 512 else 5)
+  meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores,
+          "machine": f"{platform.processor() or platform.machine()}, {cores} cores",
+          "jax": jax.__version__, "jax_devices": jax.local_device_count(), "torch": torch.__version__,
+          "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+          "batch": batch, "heads": heads, "head_dim": head_dim,
+          "repeats": 2 if args.quick else "5 (length 2048) / 9 (shorter); 2 for memory"}
   speed = speed_rows(lengths, batch, heads, head_dim, cores, repeats_at)
   memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
-                       repeats=2 if args.quick else 3)
+                       repeats=2)
   out_dir = args.out_dir or ("/tmp/attention_benchmark_quick" if args.quick else
                              os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   os.makedirs(out_dir, exist_ok=True)

@@ -36,8 +36,7 @@ class Blocking:
 class _Static:
   blocking: Blocking
   is_causal: bool
-  q_len: int  # unpadded lengths; keys at positions >= kv_len are padding added here
-  kv_len: int
+  kv_len: int  # unpadded; keys at positions >= kv_len are padding added to fill the last block
   kv_heads: int
 
 
@@ -152,8 +151,9 @@ def _forward(q_items, key, value, mask, bias, query_offset, st: _Static):
   items = jnp.arange(num_items)
   fn = functools.partial(_forward_item, key=key, value=value, mask=mask, bias=bias,
                          query_offset=query_offset, st=st)
-  return lax.map(lambda xs: fn(xs[0], xs[1] // num_q_blocks, xs[1] % num_q_blocks),
-                 (q_items, items), batch_size=st.blocking.items_per_step if st.blocking.items_per_step > 1 else None)
+  batch_size = st.blocking.items_per_step if st.blocking.items_per_step > 1 else None
+  return lax.map(lambda xs: fn(xs[0], xs[1] // num_q_blocks, xs[1] % num_q_blocks), (q_items, items),
+                 batch_size=batch_size)
 
 
 def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, query_offset, st):
@@ -277,7 +277,7 @@ def _blocked_attention(query, key, value, mask, bias, query_offset, *, is_causal
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
-  st = _Static(blocking=blocking, is_causal=is_causal, q_len=t, kv_len=s,
+  st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s,
                kv_heads=kv_heads)
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
