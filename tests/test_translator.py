@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from xattn_jax import decoding
 from xattn_jax.models import translator as translator_lib
 from xattn_jax.models.translator import StackSize, Translator
 
@@ -130,6 +131,27 @@ def test_greedy_generation_equals_argmax_of_full_model_on_growing_prefix():
     np.testing.assert_array_equal(np.asarray(generated[:, t]), np.asarray(choice), err_msg=f"step {t}")
     if t + 1 < steps:
       prefix = prefix.at[:, t + 1].set(choice)
+
+
+def test_beam_search_scores_equal_full_model_rescoring_of_its_beams():
+  """Beam search reorders the real TranslatorCache rows; a wrong reorder breaks these scores."""
+  model = _model("rope")
+  inputs = _tokens(0, 2, 6, pad_from=3)
+  steps, beams = 4, 3
+
+  @nnx.jit
+  def search(model, inputs):
+    cache = model.init_cache(model.encode(inputs), inputs != 0, steps)
+    # eos_id = VOCAB is never produced, so every beam runs all steps and scores sum log-probs.
+    return decoding.beam_search(model.decode_step, cache, batch_size=2, beam_size=beams, max_length=steps,
+                                bos_id=1, eos_id=VOCAB, alpha=0.0)
+
+  result = search(model, inputs)
+  tokens = result.tokens.reshape(2 * beams, steps)
+  decoder_inputs = jnp.concatenate([jnp.ones((2 * beams, 1), jnp.int32), tokens[:, :-1]], axis=1)
+  log_probs = jax.nn.log_softmax(_forward(model, jnp.repeat(inputs, beams, axis=0), decoder_inputs))
+  expected = jnp.take_along_axis(log_probs, tokens[:, :, None], axis=-1).sum(axis=(1, 2))
+  np.testing.assert_allclose(np.asarray(result.scores).reshape(-1), np.asarray(expected), rtol=1e-4)
 
 
 def test_rope_switch_rotates_self_attention_and_adds_no_parameters():

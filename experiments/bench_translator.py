@@ -1,0 +1,371 @@
+"""Translator speed: training throughput, FLOP/s, cached decoding, beam search, compile time.
+
+Everything is measured in ONE process, side by side, so the ratios hold on a loaded machine:
+  (a) training tokens/s (source + target, forward + backward + AdamW) against torch.nn.Transformer
+      of identical size and batch (eager, CPU, torch threads = the cores JAX uses);
+  (b) the achieved training FLOP/s as a fraction of a float32 2048^3 matmul's FLOP/s;
+  (c) greedy decoding tokens/s: the cached jitted decoder against torch.nn.Transformer re-running
+      its decoder on the growing prefix; and the once-projected cross-attention cache against
+      projecting the memory's keys/values at every step (both in one jitted loop);
+  (d) beam search (beam 4) tokens/s;
+  (e) compile time of the train step at 2, 6 and 12 layers per stack, with and without
+      scan_layers, and the step time of both.
+Times are medians of several runs after a warm-up, each ended by block_until_ready. Results go to
+experiments/results/translator_benchmark.{md,json}.
+
+    python experiments/bench_translator.py           # the full sizes (several minutes)
+    python experiments/bench_translator.py --quick   # a tiny smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from flax import nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from xattn_jax import decoding  # noqa: E402
+from xattn_jax.models import translator as translator_lib  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+BOS = 1
+
+FULL = dict(d_model=512, num_heads=8, num_layers=3, mlp_dim=2048, vocab=8000, batch=32, length=64,
+            new_tokens=64, beam=4, repeats=5, compile_layers=(2, 6, 12))
+QUICK = dict(d_model=64, num_heads=4, num_layers=2, mlp_dim=128, vocab=500, batch=4, length=16,
+             new_tokens=8, beam=2, repeats=2, compile_layers=(1, 2))
+
+
+def median_seconds(fn, repeats: int, warmup: bool = True) -> float:
+  """Median wall time of fn() over `repeats` runs after one warm-up run; fn blocks until done."""
+  if warmup:
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def tokens(rng, size, batch, length):
+  # Ids >= 3 avoid pad / BOS / EOS, so no row has padding.
+  return rng.integers(3, size, (batch, length)).astype(np.int32)
+
+
+# --- JAX side -----------------------------------------------------------------------------------
+
+def make_translator(s, num_layers=None, scan_layers=False, seed=0):
+  side = translator_lib.StackSize(s["d_model"], s["num_heads"], num_layers or s["num_layers"], s["mlp_dim"])
+  return translator_lib.Translator(s["vocab"], encoder=side, decoder=side, position_encoding="sinusoidal",
+                                   max_length=max(s["length"], s["new_tokens"]) + 1, scan_layers=scan_layers,
+                                   rngs=nnx.Rngs(params=seed, dropout=seed))
+
+
+def make_train_step(model):
+  """(state, batch) -> (state, loss) with AdamW, jitted over nnx.split state, state donated."""
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def train_step(state, inputs, decoder_inputs, targets):
+    model, optimizer = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+      logits = model(inputs, decoder_inputs)  # -> [batch, length, vocab]
+      return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return jax.jit(train_step, donate_argnums=0), state
+
+
+def jax_training(s, rng):
+  model = make_translator(s)
+  step, state = make_train_step(model)
+  batch = [jnp.asarray(tokens(rng, s["vocab"], s["batch"], s["length"])) for _ in range(3)]
+  holder = {"state": state}
+
+  def run():
+    holder["state"], loss = step(holder["state"], *batch)
+    loss.block_until_ready()
+
+  return run
+
+
+def decode_functions(model, s):
+  """Jitted greedy (cross-attention cache projected once), greedy re-projecting the memory every
+  step, and beam search: each (inputs [b, s]) -> tokens."""
+  graphdef, state = nnx.split(model)
+  never_eos = s["vocab"]  # an id the model cannot emit, so every run decodes new_tokens steps
+  common = dict(max_length=s["new_tokens"], bos_id=BOS, eos_id=never_eos)
+
+  def start(state, inputs):
+    model = nnx.merge(graphdef, state)
+    memory = model.encode(inputs)  # -> [batch, source_length, d_model]
+    return model, memory, model.init_cache(memory, inputs != 0, s["new_tokens"])
+
+  @jax.jit
+  def greedy(state, inputs):
+    model, _, cache = start(state, inputs)
+    return decoding.greedy_search(model.decode_step, cache, batch_size=inputs.shape[0], **common).tokens
+
+  @jax.jit
+  def greedy_reprojecting(state, inputs):
+    model, memory, cache = start(state, inputs)
+    layers = model.decoder_layers()
+
+    def step(tokens, cache):
+      # Make the memory depend on the loop state, so XLA cannot hoist the projections out of the loop.
+      memory_now = memory + jnp.zeros((), memory.dtype) * cache.position.astype(memory.dtype)
+      fresh = tuple(c.replace(cross_attention=block.cross_attention.project_memory(memory_now))
+                    for block, c in zip(layers, cache.layers))
+      return model.decode_step(tokens, cache.replace(layers=fresh))
+
+    return decoding.greedy_search(step, cache, batch_size=inputs.shape[0], **common).tokens
+
+  @jax.jit
+  def beam(state, inputs):
+    model, _, cache = start(state, inputs)
+    return decoding.beam_search(model.decode_step, cache, batch_size=inputs.shape[0], beam_size=s["beam"],
+                                alpha=0.6, **common).tokens
+
+  return {name: (lambda inputs, f=f: f(state, inputs).block_until_ready())
+          for name, f in (("greedy", greedy), ("greedy_reprojecting", greedy_reprojecting), ("beam", beam))}
+
+
+def matmul_flops_per_second(repeats):
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  seconds = median_seconds(lambda: matmul(a, a).block_until_ready(), max(repeats, 5))
+  return 2 * 2048 ** 3 / seconds
+
+
+def training_flops(s):
+  """Matmul FLOPs of one training step (forward x 3), counting attention over all key positions."""
+  d, f, n, v = s["d_model"], s["mlp_dim"], s["num_layers"], s["vocab"]
+  src = tgt = s["length"]
+  encoder_layer = src * (4 * d * d + 2 * d * f) + 2 * src * src * d
+  decoder_layer = (tgt * (4 * d * d + 2 * d * f) + 2 * tgt * tgt * d   # self-attention and MLP
+                   + tgt * 2 * d * d + src * 2 * d * d + 2 * tgt * src * d)  # cross-attention
+  forward_macs = s["batch"] * (n * (encoder_layer + decoder_layer) + tgt * d * v)
+  return 3 * 2 * forward_macs
+
+
+def compile_and_step_times(s, rng):
+  """Train-step compile seconds {(layers, scan): s} at each depth in s["compile_layers"], and the
+  step seconds {scan: s} at the benchmark depth (unrolled vs scanned, same parameters' shapes)."""
+  batch = [jnp.asarray(tokens(rng, s["vocab"], s["batch"], s["length"])) for _ in range(3)]
+  compile_seconds, step_seconds = {}, {}
+  for layers in sorted(set(s["compile_layers"]) | {s["num_layers"]}):
+    for scan in (False, True):
+      step, state = make_train_step(make_translator(s, num_layers=layers, scan_layers=scan))
+      start = time.perf_counter()
+      compiled = step.lower(state, *batch).compile()
+      compile_seconds[(layers, scan)] = time.perf_counter() - start
+      print(f"  compile layers={layers} scan={scan}: {compile_seconds[(layers, scan)]:.2f} s", flush=True)
+      if layers == s["num_layers"]:
+        holder = {"state": state}
+
+        def run(compiled=compiled, holder=holder):
+          holder["state"], loss = compiled(holder["state"], *batch)
+          loss.block_until_ready()
+
+        step_seconds[scan] = median_seconds(run, s["repeats"])
+  return compile_seconds, step_seconds
+
+
+# --- torch side ---------------------------------------------------------------------------------
+
+class TorchTranslator(torch.nn.Module):
+  """torch.nn.Transformer with the same shape as the JAX model: pre-norm, ReLU, shared embedding
+  scaled by sqrt(d_model), sinusoidal positions, tied output projection."""
+
+  def __init__(self, s):
+    super().__init__()
+    d = s["d_model"]
+    self.embed = torch.nn.Embedding(s["vocab"], d)
+    torch.nn.init.normal_(self.embed.weight, std=d ** -0.5)
+    self.transformer = torch.nn.Transformer(
+        d, s["num_heads"], s["num_layers"], s["num_layers"], s["mlp_dim"], dropout=0.0, batch_first=True,
+        norm_first=True)
+    length = max(s["length"], s["new_tokens"]) + 1
+    i = torch.arange(d // 2, dtype=torch.float32)
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * 10000.0 ** (-2 * i / d)
+    self.register_buffer("positions", torch.stack([angles.sin(), angles.cos()], -1).reshape(length, d))
+
+  def _embed(self, ids):
+    return self.embed(ids) * self.embed.embedding_dim ** 0.5 + self.positions[:ids.shape[1]]
+
+  def encode(self, inputs):
+    return self.transformer.encoder(self._embed(inputs))
+
+  def decode(self, decoder_inputs, memory):
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(decoder_inputs.shape[1])
+    x = self.transformer.decoder(self._embed(decoder_inputs), memory, tgt_mask=mask, tgt_is_causal=True)
+    return x @ self.embed.weight.T  # -> [batch, length, vocab]
+
+  def forward(self, inputs, decoder_inputs):
+    return self.decode(decoder_inputs, self.encode(inputs))
+
+
+def torch_training(s, rng):
+  torch.manual_seed(0)
+  model = TorchTranslator(s)
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+  inputs, decoder_inputs, targets = (torch.from_numpy(tokens(rng, s["vocab"], s["batch"], s["length"])).long()
+                                     for _ in range(3))
+
+  def run():
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(inputs, decoder_inputs)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, s["vocab"]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+
+  return run
+
+
+def torch_greedy(s):
+  torch.manual_seed(0)
+  model = TorchTranslator(s).eval()
+
+  def run(inputs):
+    with torch.inference_mode():
+      memory = model.encode(inputs)
+      prefix = torch.full((inputs.shape[0], 1), BOS, dtype=torch.long)
+      for _ in range(s["new_tokens"]):
+        logits = model.decode(prefix, memory)[:, -1]  # the whole prefix again -> [batch, vocab]
+        prefix = torch.cat([prefix, logits.argmax(-1, keepdim=True)], dim=1)
+    return prefix
+
+  return run
+
+
+# --- report -------------------------------------------------------------------------------------
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+  parser.add_argument("--out", default=str(RESULTS), help="directory for the .md and .json results")
+  args = parser.parse_args()
+  s = QUICK if args.quick else FULL
+  # XLA's CPU backend uses every core this process may run on; torch gets the same number.
+  cores = len(os.sched_getaffinity(0))
+  torch.set_num_threads(cores)
+  rng = np.random.default_rng(0)
+  print(f"sizes: {s}; cores: {cores}; torch threads: {torch.get_num_threads()}", flush=True)
+
+  # (a) + (b)
+  jax_train, torch_train = jax_training(s, rng), torch_training(s, rng)
+  jax_step = median_seconds(jax_train, s["repeats"])
+  torch_step = median_seconds(torch_train, s["repeats"])
+  step_tokens = s["batch"] * 2 * s["length"]
+  matmul_rate = matmul_flops_per_second(s["repeats"])
+  flops = training_flops(s)
+  print(f"train step: jax {jax_step:.3f} s, torch {torch_step:.3f} s", flush=True)
+
+  # (c) + (d)
+  inputs = tokens(rng, s["vocab"], s["batch"], s["length"])
+  jax_decoders = decode_functions(make_translator(s), s)
+  jax_inputs = jnp.asarray(inputs)
+  decode_seconds = {name: median_seconds(lambda f=f: f(jax_inputs), s["repeats"])
+                    for name, f in jax_decoders.items()}
+  torch_inputs = torch.from_numpy(inputs).long()
+  torch_decoder = torch_greedy(s)
+  # Eager torch needs no compile warm-up; each run is long, so two runs.
+  decode_seconds["torch_greedy_rerun"] = median_seconds(lambda: torch_decoder(torch_inputs), 2, warmup=False)
+  new_tokens = s["batch"] * s["new_tokens"]
+  print(f"decode seconds: {decode_seconds}", flush=True)
+
+  # (e)
+  compile_seconds, scan_step_seconds = compile_and_step_times(s, rng)
+
+  layers = s["compile_layers"]
+  results = {
+      "machine": {"cores": cores, "platform": platform.platform(), "jax": jax.__version__,
+                  "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+      "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+      "training": {"jax_step_s": jax_step, "torch_step_s": torch_step,
+                   "jax_tokens_per_s": step_tokens / jax_step, "torch_tokens_per_s": step_tokens / torch_step,
+                   "ratio_vs_torch": torch_step / jax_step},
+      "flops": {"train_step_flops": flops, "achieved_flops_per_s": flops / jax_step,
+                "matmul_2048_flops_per_s": matmul_rate, "fraction_of_matmul": flops / jax_step / matmul_rate},
+      "decoding": {name: {"seconds": t, "new_tokens_per_s": new_tokens / t} for name, t in decode_seconds.items()},
+      "compile_s": {f"layers={n},scan={scan}": c for (n, scan), c in compile_seconds.items()},
+      "step_s_at_benchmark_depth": {f"scan={scan}": t for scan, t in scan_step_seconds.items()},
+  }
+  decoding_ratio = decode_seconds["torch_greedy_rerun"] / decode_seconds["greedy"]
+  cache_ratio = decode_seconds["greedy_reprojecting"] / decode_seconds["greedy"]
+  compile_growth = compile_seconds[(layers[-1], True)] / compile_seconds[(layers[0], True)]
+  unrolled_growth = compile_seconds[(layers[-1], False)] / compile_seconds[(layers[0], False)]
+  scan_slowdown = scan_step_seconds[True] / scan_step_seconds[False]
+  results["summary"] = {"decoding_ratio_vs_torch": decoding_ratio, "cross_cache_speedup": cache_ratio,
+                        "scan_compile_growth": compile_growth, "unrolled_compile_growth": unrolled_growth,
+                        "scan_step_slowdown": scan_slowdown}
+
+  def row(*cells):
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+  t = results["training"]
+  f = results["flops"]
+  d = results["decoding"]
+  lines = [
+      "# Translator benchmark", "",
+      f"{cores} CPU cores ({platform.machine()}), jax {jax.__version__}, torch {torch.__version__} "
+      f"({torch.get_num_threads()} threads), float32. Sizes: d_model {s['d_model']}, {s['num_heads']} heads, "
+      f"{s['num_layers']}+{s['num_layers']} layers, MLP {s['mlp_dim']}, vocab {s['vocab']}, batch {s['batch']}, "
+      f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up. The machine is shared "
+      "with other jobs, so absolute times are pessimistic; ratios were measured side by side.", "",
+      "## Training (forward + backward + AdamW)", "",
+      row("", "step s", "tokens/s (source + target)", "vs torch"), row("---", "---", "---", "---"),
+      row("xattn_jax Translator", f"{t['jax_step_s']:.3f}", f"{t['jax_tokens_per_s']:.0f}",
+          f"{t['ratio_vs_torch']:.2f}x (target >= 1.0x)"),
+      row("torch.nn.Transformer (eager)", f"{t['torch_step_s']:.3f}", f"{t['torch_tokens_per_s']:.0f}", "1.00x"),
+      "",
+      f"Achieved training FLOP/s: {f['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s "
+      f"({f['train_step_flops'] / 1e9:.1f} GFLOP per step, matmul FLOPs x 3); float32 2048^3 matmul: "
+      f"{f['matmul_2048_flops_per_s'] / 1e9:.1f} GFLOP/s; fraction **{f['fraction_of_matmul']:.2f}** (target >= 0.7).",
+      "",
+      f"## Decoding (batch {s['batch']}, source length {s['length']}, {s['new_tokens']} new tokens, EOS disabled)", "",
+      row("", "seconds", "new tokens/s", "vs torch re-run"), row("---", "---", "---", "---"),
+  ]
+  for name, label in (("greedy", "greedy, cached, jitted (cross-attention K/V projected once)"),
+                      ("greedy_reprojecting", "greedy, cached, memory K/V re-projected every step"),
+                      ("beam", f"beam search, beam {s['beam']} (tokens of the best beam)"),
+                      ("torch_greedy_rerun", "torch.nn.Transformer greedy, decoder re-run on the prefix")):
+    lines.append(row(label, f"{d[name]['seconds']:.3f}", f"{d[name]['new_tokens_per_s']:.0f}",
+                     f"{decode_seconds['torch_greedy_rerun'] / d[name]['seconds']:.1f}x"))
+  lines += ["", f"Cached greedy vs torch re-run: **{decoding_ratio:.1f}x** (target >= 10x). Projecting the "
+            f"memory once vs every step: {cache_ratio:.2f}x faster.", "",
+            "## Train-step compile time (layers per stack)", "",
+            row("layers", "compile s, unrolled", "compile s, scan"), row("---", "---", "---")]
+  for n in layers:
+    lines.append(row(n, f"{compile_seconds[(n, False)]:.2f}", f"{compile_seconds[(n, True)]:.2f}"))
+  lines += ["", f"Compile time at {layers[-1]} layers / {layers[0]} layers: scan **{compile_growth:.2f}x** "
+            f"(target <= 1.5x), unrolled {unrolled_growth:.2f}x.", "",
+            f"Train step at {s['num_layers']}+{s['num_layers']} layers: unrolled {scan_step_seconds[False]:.3f} s, "
+            f"scanned {scan_step_seconds[True]:.3f} s: scanned / unrolled **{scan_slowdown:.2f}** (target <= 1.05)."]
+  markdown = "\n".join(lines) + "\n"
+  print(markdown)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  suffix = "_quick" if args.quick else ""
+  (out / f"translator_benchmark{suffix}.md").write_text(markdown)
+  (out / f"translator_benchmark{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+  main()
