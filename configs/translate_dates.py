@@ -56,7 +56,7 @@ def translator_config(args) -> ConfigDict:
   config.model.name = "translator"
   config.model.encoder = ConfigDict(side)  # the two sides may be given different sizes
   config.model.decoder = ConfigDict(side)
-  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope
+  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | alibi | t5_bias
   config.model.max_length = 64 if args.size == "tiny" else 256
   config.model.share_embeddings = True  # one table for source and target (one shared vocabulary)
   config.model.tie_output = True        # output projection = transposed target embedding

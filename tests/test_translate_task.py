@@ -71,7 +71,7 @@ def test_position_encoding_override_reaches_the_model(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("model.position_encoding", "alibi"),
+    ("model.position_encoding", "fourier"),
     ("data.tokenizer", "words"),
     ("data.target_locale", "xx_NOWHERE"),
     ("model.encoder.num_layers", 0),

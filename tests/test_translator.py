@@ -184,7 +184,7 @@ def test_bfloat16_compute_stays_close_to_float32():
 
 
 @pytest.mark.parametrize("options, argument", [
-    (dict(position_encoding="alibi"), "position_encoding"),
+    (dict(position_encoding="rope_2d"), "position_encoding"),
     (dict(share_embeddings=True), "share_embeddings"),
     (dict(remat="everything"), "remat"),
 ])

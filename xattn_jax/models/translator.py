@@ -36,7 +36,8 @@ from xattn_jax.ops import masks as masks_lib
 from xattn_jax.training import layer_stack
 
 PAD_ID = 0
-POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope")
+# Sequence encodings of layers.positions: additive, rotary, or a relative bias on self-attention scores.
+POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope", "alibi", "t5_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +78,9 @@ class Translator(nnx.Module):
     vocab_size: number of token ids (source and target share the id space).
     encoder, decoder: StackSize of each side; their widths may differ (the decoder's
       cross-attention reads encoder.d_model-wide memories).
-    position_encoding: "none" | "learned" | "sinusoidal" | "rope" (added to the embeddings, or
-      rotating queries and keys of the self-attention layers).
+    position_encoding: "none" | "learned" | "sinusoidal" | "rope" | "alibi" | "t5_bias" (added to
+      the embeddings, rotating the self-attention queries and keys, or biasing the self-attention
+      scores; the decoder's relative biases use the causal form).
     max_length: longest sequence the learned position table covers (and the rope/sinusoidal
       positions are meant for).
     share_embeddings: one embedding table for source and target (needs equal widths).
@@ -120,14 +122,14 @@ class Translator(nnx.Module):
                                    eager_sharding=False)
       return nnx.Embed(vocab_size, features, embedding_init=init, rngs=rngs, **common)
 
-    def positions(side: StackSize):
+    def positions(side: StackSize, causal: bool):
       return position_layers.make_position_encoding(
           position_encoding, features=side.d_model, max_length=max_length, num_heads=side.num_heads,
-          head_dim=side.d_model // side.num_heads, rngs=rngs, **common)
+          head_dim=side.d_model // side.num_heads, causal=causal, rngs=rngs, **common)
 
     self.source_embed = embed(encoder.d_model)
     self.target_embed = None if share_embeddings else embed(decoder.d_model)
-    self.source_positions, self.target_positions = positions(encoder), positions(decoder)
+    self.source_positions, self.target_positions = positions(encoder, False), positions(decoder, True)
     block_options = dict(norm=norm, dropout_rate=dropout_rate, attention_dropout_rate=attention_dropout_rate,
                          activation=activation, implementation=implementation, **common)
     self.encoder_blocks = layer_stack.create_stack(
@@ -197,8 +199,9 @@ class Translator(nnx.Module):
     else:
       mask = masks_lib.segment_mask(inputs_segmentation, inputs_segmentation)  # [b, 1, s, s]
     x = self._embed(self.source_embed, self.source_positions, inputs, positions, deterministic)
+    bias = self.source_positions.attention_bias(positions, positions)  # [b, heads, s, s] or None
     x = layer_stack.apply_stack(self.encoder_blocks, x, scan=self.scan_layers, remat=self.remat, mask=mask,
-                                positions=positions, deterministic=deterministic)
+                                positions=positions, bias=bias, deterministic=deterministic)
     memory = x if self.encoder_norm is None else self.encoder_norm(x)
     chex.assert_shape(memory, (*inputs.shape, self.encoder_size.d_model))
     return memory
@@ -219,9 +222,10 @@ class Translator(nnx.Module):
     positions = _default_positions(x[..., 0], targets_positions)
     self_mask = None if targets_segmentation is None else masks_lib.segment_mask(
         targets_segmentation, targets_segmentation)  # [b, 1, t, t]; the block adds the causal mask
+    self_bias = self.target_positions.attention_bias(positions, positions)  # [b, heads, t, t] or None
     x = layer_stack.apply_stack(self.decoder_blocks, x, memory, scan=self.scan_layers, remat=self.remat,
                                 self_mask=self_mask, positions=positions, memory_mask=memory_mask,
-                                deterministic=deterministic)
+                                self_bias=self_bias, deterministic=deterministic)
     return self._logits(x)
 
   def __call__(self, inputs, decoder_inputs, *, inputs_positions=None, inputs_segmentation=None,
@@ -264,9 +268,14 @@ class Translator(nnx.Module):
     _check_tokens("tokens", tokens)
     positions = _default_positions(tokens, None, start=cache.position)
     x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
+    # A relative bias between these queries and every cache row (rows past the fill are masked).
+    capacity = cache.layers[0].self_attention.keys.shape[1]
+    cache_positions = _default_positions(jnp.zeros((tokens.shape[0], capacity), jnp.int32), None)
+    self_bias = self.target_positions.attention_bias(positions, cache_positions)  # [b, heads, t, capacity]
     new_layers = []
     for block, layer_cache in zip(self.decoder_layers(), cache.layers):
-      x, layer_cache = block.decode(x, layer_cache, positions=positions, memory_mask=cache.memory_mask)
+      x, layer_cache = block.decode(x, layer_cache, positions=positions, memory_mask=cache.memory_mask,
+                                    self_bias=self_bias)
       new_layers.append(layer_cache)
     cache = cache.replace(layers=tuple(new_layers), position=cache.position + tokens.shape[1])
     return self._logits(x), cache
@@ -285,13 +294,14 @@ class Translator(nnx.Module):
     memory_mask = self.memory_mask(inputs)
     positions = _default_positions(decoder_inputs, None)
     x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic=True)
+    self_bias = self.target_positions.attention_bias(positions, positions)
     weights = []
     for block in self.decoder_layers():
       after_self, _ = block.self_residual(x, lambda h, block=block: (block.self_attention(
-          h, query_positions=positions, is_causal=True), None), True)
+          h, bias=self_bias, query_positions=positions, is_causal=True), None), True)
       queries = block.cross_residual.norm(after_self) if self.norm == "pre" else after_self
       weights.append(block.cross_attention.attention_weights(queries, memory, mask=memory_mask))
-      x = block(x, memory, positions=positions, memory_mask=memory_mask)
+      x = block(x, memory, positions=positions, memory_mask=memory_mask, self_bias=self_bias)
     return jnp.stack(weights)  # -> [layers, b, heads, t, s]
 
 

@@ -6,7 +6,7 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
   data.tokenizer       "sentencepiece" (trained on both sides of the training text into
                        <workdir>/tokenizer/, reused on resume and in eval / infer) or "bytes"
   model.*              Translator sizes and options; model.position_encoding in none | learned |
-                       sinusoidal | rope
+                       sinusoidal | rope | alibi | t5_bias
   task.*               label smoothing, decoding (beam_size 1 = greedy, length_penalty), how many
                        eval sentences to decode, log and plot
 
