@@ -72,6 +72,15 @@ def test_cached_decode_steps_equal_scanned_full_forward():
   _compare_cached(_model("rope", encoder=TWO_LAYERS, decoder=TWO_LAYERS, scan_layers=True, tie_output=False))
 
 
+def test_scanned_training_pass_with_dropout_equals_unrolled_under_the_same_rngs():
+  inputs, decoder_inputs = _tokens(0, 2, 7, pad_from=4), _tokens(1, 2, 5)
+  train = nnx.jit(lambda m: m(inputs, decoder_inputs, deterministic=False))
+  options = dict(encoder=TWO_LAYERS, decoder=TWO_LAYERS, dropout_rate=0.3, attention_dropout_rate=0.3)
+  scanned = train(_model(scan_layers=True, **options))
+  np.testing.assert_allclose(scanned, train(_model(scan_layers=False, **options)), atol=2e-5, rtol=2e-5)
+  assert not np.allclose(scanned, _forward(_model(scan_layers=True, **options), inputs, decoder_inputs))
+
+
 def test_decoder_logits_do_not_depend_on_later_target_embeddings():
   model = _model("rope", encoder=TWO_LAYERS, decoder=TWO_LAYERS)
   inputs = _tokens(0, 1, 6)

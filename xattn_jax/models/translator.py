@@ -83,6 +83,8 @@ class Translator(nnx.Module):
       scores; the decoder's relative biases use the causal form).
     max_length: longest sequence the learned position table covers (and the rope/sinusoidal
       positions are meant for).
+    rope_scaling, rope_scaling_factor: RoPE length scaling, "linear" (position interpolation) or
+      "ntk" (base scaling), or None.
     share_embeddings: one embedding table for source and target (needs equal widths).
     tie_output: the output projection is the transposed target embedding.
     norm: "pre" (LayerNorm inside each residual, plus a final LayerNorm) or "post" (Vaswani).
@@ -92,7 +94,8 @@ class Translator(nnx.Module):
   """
 
   def __init__(self, vocab_size: int, *, encoder: StackSize, decoder: StackSize,
-               position_encoding: str = "sinusoidal", max_length: int = 256, share_embeddings: bool = True,
+               position_encoding: str = "sinusoidal", max_length: int = 256, rope_scaling: str | None = None,
+               rope_scaling_factor: float = 1.0, share_embeddings: bool = True,
                tie_output: bool = True, norm: str = "pre", dropout_rate: float = 0.0,
                attention_dropout_rate: float = 0.0, activation: str = "relu", scan_layers: bool = False,
                remat: str = "none", implementation: str | None = None, dtype=jnp.float32,
@@ -106,11 +109,6 @@ class Translator(nnx.Module):
       raise ValueError(f"Translator: share_embeddings needs encoder.d_model == decoder.d_model, got "
                        f"{encoder.d_model} and {decoder.d_model}")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
-    if scan_layers and (dropout_rate > 0 or attention_dropout_rate > 0):
-      # layer_stack.apply_stack(scan=True) hands keyword arguments to nnx.scan as traced values,
-      # so the Python flag `deterministic` that dropout needs cannot reach the blocks.
-      raise ValueError(f"Translator: scan_layers=True needs dropout_rate == attention_dropout_rate == 0, got "
-                       f"dropout_rate={dropout_rate}, attention_dropout_rate={attention_dropout_rate}")
     self.vocab_size, self.max_length, self.norm = vocab_size, max_length, norm
     self.share_embeddings, self.tie_output = share_embeddings, tie_output
     self.scan_layers, self.remat, self.dtype = scan_layers, remat, dtype
@@ -125,7 +123,8 @@ class Translator(nnx.Module):
     def positions(side: StackSize, causal: bool):
       return position_layers.make_position_encoding(
           position_encoding, features=side.d_model, max_length=max_length, num_heads=side.num_heads,
-          head_dim=side.d_model // side.num_heads, causal=causal, rngs=rngs, **common)
+          head_dim=side.d_model // side.num_heads, causal=causal, rope_scaling=rope_scaling,
+          rope_scaling_factor=rope_scaling_factor, rngs=rngs, **common)
 
     self.source_embed = embed(encoder.d_model)
     self.target_embed = None if share_embeddings else embed(decoder.d_model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 # Name -> what jax.checkpoint may keep from the forward pass (None = no remat at all).
@@ -50,8 +51,29 @@ def num_layers(stack) -> int:
   return jax.tree.leaves(nnx.state(stack))[0].shape[0]
 
 
-def _body(remat: str):
-  def call(block, x, args, kwargs):
+def _split_static(args, kwargs):
+  """(arrays, rebuild): the array leaves of (args, kwargs), and a function putting them back.
+
+  Only arrays may cross into `nnx.scan` / `nnx.remat` (they become tracers there); Python values
+  such as `deterministic=False`, a kernel name or a float scale must stay Python values, because
+  blocks branch on them. So they are closed over instead of passed.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+  arrays = [leaf for leaf, array in zip(leaves, is_array) if array]
+  static = [leaf for leaf, array in zip(leaves, is_array) if not array]
+
+  def rebuild(arrays):
+    arrays_left, static_left = iter(arrays), iter(static)
+    return jax.tree.unflatten(treedef, [next(arrays_left) if array else next(static_left)
+                                        for array in is_array])
+
+  return arrays, rebuild
+
+
+def _body(remat: str, rebuild):
+  def call(block, x, arrays):
+    args, kwargs = rebuild(arrays)
     return block(x, *args, **kwargs)
 
   policy = remat_policy(remat)
@@ -63,19 +85,23 @@ def _body(remat: str):
 def apply_stack(stack, x, *args, scan: bool = True, remat: str = "none", **kwargs):
   """x -> block_{L-1}(... block_0(x, *args, **kwargs) ..., *args, **kwargs).
 
-  `args` / `kwargs` (masks, positions) are shared by every layer. With `scan=True` the layers run
-  as one `nnx.scan` (one traced block); otherwise as a Python loop over slices of the stack.
+  `args` / `kwargs` (masks, positions, `deterministic`) are shared by every layer: their arrays are
+  broadcast to each layer, everything else (bools, strings, numbers, None) reaches the blocks as
+  the Python value it is. With `scan=True` the layers run as one `nnx.scan` (one traced block);
+  otherwise as a Python loop over slices of the stack. Either way layer i draws its dropout masks
+  from its own slice of the stacked RNG streams, so both give the same function.
   """
-  call = _body(remat)
+  arrays, rebuild = _split_static(args, kwargs)
+  call = _body(remat, rebuild)
   if scan:
-    @nnx.scan(in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry,
+    @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry,
               transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
-    def run_layers(block, carry, args, kwargs):
-      return call(block, carry, args, kwargs)
+    def run_layers(block, carry, arrays):
+      return call(block, carry, arrays)
 
-    return run_layers(stack, x, args, kwargs)
+    return run_layers(stack, x, arrays)
   graphdef, state = nnx.split(stack)
   for i in range(num_layers(stack)):
     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-    x = call(block, x, args, kwargs)
+    x = call(block, x, arrays)
   return x

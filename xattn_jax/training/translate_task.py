@@ -64,6 +64,8 @@ class TranslateTask(tasks.Task):
     data, model, task = config.data, config.model, config.task
     validation.require_choice(config, "model.name", ("translator",))
     validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
+    if model.get("rope_scaling"):
+      validation.require_choice(config, "model.rope_scaling", ("linear", "ntk"))
     validation.require_choice(config, "model.norm", NORMS)
     validation.require_choice(config, "model.activation", ACTIVATIONS)
     for side in ("encoder", "decoder"):
@@ -85,9 +87,6 @@ class TranslateTask(tasks.Task):
                          ("task.label_smoothing", task.label_smoothing)):
       if not 0.0 <= value < 1.0:
         raise validation.ConfigError(field, value, "must be in [0, 1)")
-    if model.scan_layers and (model.dropout_rate > 0 or model.attention_dropout_rate > 0):
-      raise validation.ConfigError("model.scan_layers", True,
-                                   "needs model.dropout_rate = model.attention_dropout_rate = 0 (see Translator)")
     if task.length_penalty < 0:
       raise validation.ConfigError("task.length_penalty", task.length_penalty, "must be >= 0")
     validation.require_choice(config, "data.source", DATA_SOURCES)
@@ -169,7 +168,9 @@ class TranslateTask(tasks.Task):
     rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
     return translator_lib.Translator(
         self.vocab_size, encoder=encoder, decoder=decoder, position_encoding=model.position_encoding,
-        max_length=model.max_length, share_embeddings=model.share_embeddings, tie_output=model.tie_output,
+        max_length=model.max_length, rope_scaling=model.get("rope_scaling") or None,
+        rope_scaling_factor=model.get("rope_scaling_factor", 1.0), share_embeddings=model.share_embeddings,
+        tie_output=model.tie_output,
         norm=model.norm, dropout_rate=model.dropout_rate, attention_dropout_rate=model.attention_dropout_rate,
         activation=model.activation, scan_layers=model.scan_layers, remat=model.remat,
         implementation=model.implementation or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
