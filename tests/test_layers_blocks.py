@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from xattn_jax.layers import blocks
+from xattn_jax.layers.attention import MultiHeadAttention
 from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import masks as masks_lib
 
 FEATURES, MEMORY_FEATURES, HEADS, MLP_FEATURES = 16, 24, 4, 32
@@ -80,6 +82,49 @@ def test_decoder_output_ignores_padded_memory_rows():
   changed[1, 3:] = _normal(4, (2, MEMORY_FEATURES))
   np.testing.assert_array_equal(_decoder_pass(block, x, memory, memory_mask),
                                 _decoder_pass(block, x, changed, memory_mask))
+
+
+def _record_attention_inputs(monkeypatch):
+  """Records (q, keys, mask) of every MultiHeadAttention._attend_heads call of the full passes."""
+  calls = []
+  attend_heads = MultiHeadAttention._attend_heads
+
+  def recording(self, q, keys, values, *, mask, bias, is_causal, deterministic):
+    calls.append((q, keys, mask, bias, is_causal))
+    return attend_heads(self, q, keys, values, mask=mask, bias=bias, is_causal=is_causal,
+                        deterministic=deterministic)
+
+  monkeypatch.setattr(MultiHeadAttention, "_attend_heads", recording)
+  return calls
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_decoder_cross_attention_weights_are_the_probabilities_of_the_full_pass(monkeypatch, norm):
+  block, (memory, memory_mask) = _decoder(norm), _memory_and_mask()
+  x = _normal(8, (2, 6, FEATURES))
+  calls = _record_attention_inputs(monkeypatch)
+  block(x, memory, memory_mask=memory_mask)
+  (q, keys, mask, _, _), = [c for c in calls if c[1].shape[1] == memory.shape[1]]  # the cross-attention
+  weights = block.cross_attention_weights(x, memory, memory_mask=memory_mask)
+  chex.assert_shape(weights, (2, HEADS, 6, 5))
+  np.testing.assert_allclose(weights, attention_ops.attention_weights(q, keys, mask=mask), atol=1e-6)
+  assert (np.asarray(weights[1, :, :, 3:]) == 0).all()  # padded memory rows
+
+
+def test_encoder_attention_weights_are_the_probabilities_of_the_full_pass(monkeypatch):
+  block = blocks.EncoderBlock(FEATURES, HEADS, MLP_FEATURES, rngs=nnx.Rngs(0))
+  x, mask = _normal(9, (2, 6, FEATURES)), masks_lib.padding_mask(np.arange(6)[None] < np.array([[6], [4]]))
+  calls = _record_attention_inputs(monkeypatch)
+  block(x, mask=mask)
+  (q, keys, recorded_mask, _, _), = calls
+  np.testing.assert_allclose(block.attention_weights(x, mask=mask),
+                             attention_ops.attention_weights(q, keys, mask=recorded_mask), atol=1e-6)
+
+
+def test_attention_weights_reject_a_stream_of_the_wrong_width():
+  block, (memory, _) = _decoder(), _memory_and_mask()
+  with pytest.raises(ValueError, match=r"memory must be \[batch, length, 24\], got memory\[2, 5, 16\]"):
+    block.cross_attention_weights(_normal(0, (2, 6, FEATURES)), memory[..., :FEATURES])
 
 
 def test_post_norm_encoder_output_rows_are_normalized():

@@ -29,6 +29,11 @@ def _check_choice(name: str, value, allowed) -> None:
     raise ValueError(f"{name} must be one of {tuple(allowed)}, got {name}={value!r}")
 
 
+def _check_stream(where: str, name: str, x, features: int) -> None:
+  if x.ndim != 3 or x.shape[-1] != features:
+    raise ValueError(f"{where}: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
+
+
 def _layer_norm(features, dtype, param_dtype, rngs):
   return nnx.LayerNorm(
       features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -76,10 +81,13 @@ class _Residual(nnx.Module):
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     self.gate = nnx.Param(jnp.zeros((), param_dtype)) if gated else None
 
+  def branch_inputs(self, x):
+    """What the sublayer sees: norm(x) when pre-norm, x itself when post-norm."""
+    return self.norm(x) if self.norm_placement == "pre" else x
+
   def __call__(self, x, sublayer, deterministic):
     """sublayer maps the (normalized) stream to (y, extra); returns (new stream, extra)."""
-    inputs = self.norm(x) if self.norm_placement == "pre" else x
-    y, extra = sublayer(inputs)
+    y, extra = sublayer(self.branch_inputs(x))
     y = self.dropout(y, deterministic=deterministic)
     if self.gate is not None:
       y = jnp.tanh(self.gate[...]).astype(y.dtype) * y
@@ -109,6 +117,12 @@ class EncoderBlock(nnx.Module):
         h, mask=mask, bias=bias, query_positions=positions, deterministic=deterministic), None), deterministic)
     x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
     return x
+
+  def attention_weights(self, x, *, mask=None, positions=None, bias=None):
+    """Self-attention probabilities [b, heads, t, t] (float32) of this block on x [b, t, features]."""
+    _check_stream("EncoderBlock.attention_weights", "x", x, self.attention.in_features)
+    return self.attention.attention_weights(self.attention_residual.branch_inputs(x), mask=mask, bias=bias,
+                                            query_positions=positions)
 
 
 @flax.struct.dataclass
@@ -151,11 +165,28 @@ class DecoderBlock(nnx.Module):
     memory rows ([b, 1, 1, s]); positions feed a rotary self-attention; self_bias [b, heads, t, t]
     is a relative position bias on the self-attention scores only.
     """
+    x = self._self_attend(x, self_mask, positions, self_bias, deterministic)
+    memory_cache = self.cross_attention.project_memory(memory)
+    return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
+
+  def _self_attend(self, x, self_mask, positions, self_bias, deterministic):
     x, _ = self.self_residual(x, lambda h: (self.self_attention(
         h, mask=self_mask, bias=self_bias, query_positions=positions, is_causal=True,
         deterministic=deterministic), None), deterministic)
-    memory_cache = self.cross_attention.project_memory(memory)
-    return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
+    return x
+
+  def cross_attention_weights(self, x, memory, *, positions=None, self_mask=None, memory_mask=None,
+                              self_bias=None):
+    """Cross-attention probabilities [b, heads, t, s] (float32) of the full pass (arguments as __call__).
+
+    The queries are what the cross-attention sees inside __call__: the stream after the causal
+    self-attention residual, normalised first when pre-norm.
+    """
+    _check_stream("DecoderBlock.cross_attention_weights", "x", x, self.self_attention.in_features)
+    _check_stream("DecoderBlock.cross_attention_weights", "memory", memory, self.cross_attention.kv_features)
+    x = self._self_attend(x, self_mask, positions, self_bias, deterministic=True)
+    return self.cross_attention.attention_weights(self.cross_residual.branch_inputs(x), memory,
+                                                  mask=memory_mask)
 
   def init_cache(self, memory, max_length: int) -> DecoderCache:
     """An empty self-attention cache of capacity max_length and the memory's keys / values, projected once."""

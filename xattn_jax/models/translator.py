@@ -282,12 +282,7 @@ class Translator(nnx.Module):
   # --- inspection -------------------------------------------------------------------------------
 
   def cross_attention_weights(self, inputs, decoder_inputs):
-    """Cross-attention probabilities [layers, b, heads, t, s] of the teacher-forced pass (for plots).
-
-    Recomputes each decoder layer's query stream the way DecoderBlock does (self-attention
-    residual, then the cross-attention residual's LayerNorm when pre-norm) and asks the layer's
-    cross-attention for its weights.
-    """
+    """Cross-attention probabilities [layers, b, heads, t, s] of the teacher-forced pass (for plots)."""
     _check_tokens("decoder_inputs", decoder_inputs)
     memory = self.encode(inputs)
     memory_mask = self.memory_mask(inputs)
@@ -296,10 +291,8 @@ class Translator(nnx.Module):
     self_bias = self.target_positions.attention_bias(positions, positions)
     weights = []
     for block in self.decoder_layers():
-      after_self, _ = block.self_residual(x, lambda h, block=block: (block.self_attention(
-          h, bias=self_bias, query_positions=positions, is_causal=True), None), True)
-      queries = block.cross_residual.norm(after_self) if self.norm == "pre" else after_self
-      weights.append(block.cross_attention.attention_weights(queries, memory, mask=memory_mask))
+      weights.append(block.cross_attention_weights(x, memory, positions=positions, memory_mask=memory_mask,
+                                                   self_bias=self_bias))
       x = block(x, memory, positions=positions, memory_mask=memory_mask, self_bias=self_bias)
     return jnp.stack(weights)  # -> [layers, b, heads, t, s]
 
