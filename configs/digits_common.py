@@ -5,13 +5,12 @@ from ml_collections import ConfigDict
 
 from configs import common
 
-# The task module is named by path, so it is imported on first use without a registry entry.
-DIGITS_TASK = "xattn_jax.training.digits_task:DigitsTask"
-
 
 def digits_config(*, total_steps: int, learning_rate: float) -> ConfigDict:
-  config = common.base_config()
-  config.task.name = DIGITS_TASK
+  config = common.base_config(total_steps=total_steps, batch_size=64, eval_batch_size=120,  # 360 test = 3 x 120
+                              log_every_steps=100, eval_every_steps=1000, checkpoint_every_steps=1000,
+                              learning_rate=learning_rate, warmup_steps=100)
+  config.task.name = "digits"
   config.task.label_smoothing = 0.0
   config.task.num_attention_images = 4      # test images whose query attention maps are drawn (0 = none)
   config.data = ConfigDict({
@@ -21,16 +20,8 @@ def digits_config(*, total_steps: int, learning_rate: float) -> ConfigDict:
       "extra_eval_grids": "12x12,16x16",    # also evaluated on test images resized to these
       "max_shift": 1,                       # random translation by up to this many pixels in training
   })
-  config.total_steps = total_steps
-  config.batch_size = 64
-  config.eval_batch_size = 120              # 360 test images = 3 full batches
-  config.log_every_steps = 100
-  config.eval_every_steps = 500
-  config.checkpoint.every_steps = 500
   config.checkpoint.best_metric = "eval/accuracy"
   config.checkpoint.best_mode = "max"
-  config.optimizer.learning_rate = learning_rate
-  config.optimizer.warmup_steps = 100
   config.optimizer.b2 = 0.99
   config.optimizer.eps = 1e-8
   config.optimizer.weight_decay = 0.05

@@ -2,6 +2,10 @@
 
     python launch.py --config=configs/perceiver_digits.py --workdir=workdirs/perceiver_digits
     python launch.py --config=configs/perceiver_digits.py:posenc=rope_2d,repeats=2 --workdir=...
+
+Measured (2 cores shared with other jobs, load average ~10): test accuracy 0.992 at step 2,000
+(0.961 / 0.953 on the test images resized to 12x12 / 16x16, 144 / 256 inputs never seen in training);
+the run took 8 minutes wall clock but 2 min 42 s of CPU time, i.e. well under 5 minutes on 2 idle cores.
 """
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ from configs.digits_common import digits_config
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1500, posenc="fourier", latents=32, width=64, blocks=2, repeats=1, patch=1)
-  config = digits_config(total_steps=args.steps, learning_rate=2e-3)
+  args = common.parse_arg(arg, steps=2000, posenc="fourier", latents=32, width=64, blocks=2, repeats=1, patch=1)
+  config = digits_config(total_steps=args.steps, learning_rate=3e-3)
   config.model.name = "perceiver"
   config.model.posenc = args.posenc         # fourier | sincos_2d | learned_2d | rope_2d | none
   config.model.patch_size = args.patch      # 1: pixels are the elements (M = 64 on 8x8 images)

@@ -4,7 +4,11 @@
     python launch.py --config=configs/qformer_digits.py:connector=mlp --workdir=workdirs/mlp_digits
 
 The frozen encoder is the ViT trained by configs/vit_digits.py in `model.encoder_workdir`; if that
-workdir holds no checkpoint yet, the ViT is trained there first.
+workdir holds no finished run yet, the ViT is trained (or resumed) there first.
+
+Measured (2 shared cores, load ~10): the ViT reaches 0.975 in 2,000 steps (2 min 13 s wall); the Q-Former
+on its frozen features 0.967 in 1,500 steps (2 min 02 s wall, 1 min 21 s CPU), the MLP connector 0.964:
+both are capped by the frozen features (the ViT overfits the 1,437 training images).
 """
 from __future__ import annotations
 
@@ -13,12 +17,15 @@ from configs.digits_common import digits_config
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=800, connector="qformer", queries=32, encoder="workdirs/vit_digits")
+  args = common.parse_arg(arg, steps=1500, connector="qformer", queries=8, encoder="workdirs/vit_digits")
   config = digits_config(total_steps=args.steps, learning_rate=2e-3)
   config.model.name = "qformer"
   config.model.connector = args.connector   # qformer: N = num_queries tokens | mlp: one token per feature
   config.model.encoder_workdir = args.encoder
   config.model.encoder_config = "configs/vit_digits.py"  # trains the encoder when its workdir is empty
+  # BLIP-2 reads 257 ViT outputs with 32 queries (the model's default); this ViT has 1 + 16 outputs on
+  # 8x8 digits (2x2 patches), so 8 queries keep N < M (and 32 would cost 3x the time per step here).
+  config.task.label_smoothing = 0.1
   config.model.num_queries = args.queries
   config.model.d_model = 64
   config.model.num_heads = 4

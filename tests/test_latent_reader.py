@@ -92,10 +92,10 @@ def test_learned_2d_resize_to_a_new_grid_keeps_the_class_row():
 
 
 def test_qformer_hands_on_n_tokens_and_the_mlp_connector_one_per_feature():
-  images = jnp.zeros((2, 12, 12, 1))  # M = 144 patch features
+  images = jnp.zeros((2, 12, 12, 1))  # M = 1 + 144 encoder outputs (class token and patches)
   tokens = nnx.jit(lambda model, images: model.tokens(images))
   chex.assert_shape(tokens(make_qformer("qformer"), images), (2, LATENTS, WIDTH))
-  chex.assert_shape(tokens(make_qformer("mlp"), images), (2, 144, WIDTH))
+  chex.assert_shape(tokens(make_qformer("mlp"), images), (2, 145, WIDTH))
 
 
 def test_qformer_queries_cross_attend_every_other_block():

@@ -215,7 +215,8 @@ class QFormer(nnx.Module):
   """Learned queries read a frozen image encoder's patch features (BLIP-2), or an MLP connector does (LLaVA).
 
   Args:
-    encoder: the image encoder (e.g. a trained `vit.ViT`), with `features(images) -> [b, M, encoder.width]`;
+    encoder: the image encoder (e.g. a trained `vit.ViT`), with `features(images) -> [b, M, encoder.width]`
+      (for the ViT, M = 1 + patches: the class token and every patch, as BLIP-2 reads its ViT);
       it is frozen here (see `freeze`) and run deterministically, gradients stopped at its features.
     connector: "qformer": `num_queries` learned queries pass through `num_blocks` ReaderBlocks that all
       self-attend and cross-attend to the features in every `cross_attention_every`-th block (blocks 0, 2,
@@ -253,11 +254,11 @@ class QFormer(nnx.Module):
     self.head = _linear(width, num_classes, ("embed", None), **common)
 
   def features(self, images):
-    """The frozen encoder's patch features [b, M, encoder.width]; no gradient flows into the encoder."""
+    """The frozen encoder's output tokens [b, M, encoder.width]; no gradient flows into the encoder."""
     return jax.lax.stop_gradient(self.encoder.features(images, deterministic=True)).astype(self.dtype)
 
   def tokens(self, images, *, deterministic: bool = True):
-    """The tokens handed on: [b, N, width] (qformer) or [b, M, width] (mlp)."""
+    """The tokens handed on: [b, N, width] (qformer) or [b, M, width] (mlp), M = the encoder's outputs."""
     features = self.features(images)
     if self.connector == "mlp":
       return self.projector(features, deterministic=deterministic)
@@ -274,7 +275,7 @@ class QFormer(nnx.Module):
     return self.head(self.norm(x.mean(axis=1))).astype(jnp.float32)
 
   def cross_attention_weights(self, images):
-    """The queries' attention over the patch features in the first block [b, heads, N, M] (qformer only)."""
+    """The queries' attention over the encoder's M outputs in the first block [b, heads, N, M] (qformer only)."""
     if self.connector != "qformer":
       raise ValueError("QFormer.cross_attention_weights: connector='mlp' has no queries to look at")
     features = self.features(images)

@@ -3,8 +3,9 @@
 images [b, H, W, C] -> patches [b, M, p*p*C] (M = (H/p) * (W/p), row-major) -> linear embedding
 -> + learned 2D position table (resized to the input's patch grid when it differs from the grid
 it was trained on) -> a class token in front -> encoder blocks -> LayerNorm.
-`features(images)` returns the patch features [b, M, width] (class token dropped) for a reader;
-`__call__(images)` classifies from the class token, which is how the encoder is pre-trained
+`features(images)` returns every output token [b, 1 + M, width] (the class token first): BLIP-2's
+Q-Former likewise reads all of its ViT's outputs (257 = 1 + 16 x 16). `__call__(images)` classifies
+from the class token, which is how the encoder is pre-trained
 (`configs/vit_digits.py`) before the Q-Former freezes it.
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ class ViT(nnx.Module):
     self.norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def encode(self, images, *, deterministic: bool = True):
+  def features(self, images, *, deterministic: bool = True):
     """images [b, H, W, C] -> tokens [b, 1 + M, width]: the class token, then the M patches row-major."""
     patches, positions, grid = patchify(images, self.patch_size)
     x = self.embed(patches.astype(self.dtype))  # [b, M, width]
@@ -82,10 +83,6 @@ class ViT(nnx.Module):
     chex.assert_shape(x, (images.shape[0], 1 + patches.shape[1], self.width))
     return x
 
-  def features(self, images, *, deterministic: bool = True):
-    """The patch features [b, M, width] a reader looks at (class token dropped)."""
-    return self.encode(images, deterministic=deterministic)[:, 1:]
-
   def __call__(self, images, *, deterministic: bool = True):
     """images [b, H, W, C] -> logits [b, num_classes] (float32), from the class token."""
-    return self.head(self.encode(images, deterministic=deterministic)[:, 0]).astype(jnp.float32)
+    return self.head(self.features(images, deterministic=deterministic)[:, 0]).astype(jnp.float32)

@@ -5,8 +5,8 @@
 - "qformer": learned queries (or, with `model.connector="mlp"`, an MLP connector) over the frozen ViT's
   patch features (`configs/qformer_digits.py`). The encoder comes from the ViT run in
   `model.encoder_workdir`: its resolved config gives the architecture and its newest checkpoint the
-  weights. When that workdir holds no checkpoint, the ViT is trained there first with the config file
-  `model.encoder_config`.
+  weights. When that workdir holds no finished run, the ViT is trained (or resumed) there first, with the
+  config file `model.encoder_config` ("path.py[:arg]").
 
 Batches are `images` [b, H, W, 1] (standardised pixels) and `labels` [b]; see `xattn_jax.data.digits`.
 Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the reader passes to what
@@ -70,9 +70,19 @@ def _load_config_file(spec: str) -> ConfigDict:
   return module.get_config(spec.partition(":")[2] or None)
 
 
-def _has_checkpoint(workdir: str) -> bool:
+def _checkpoint_steps(workdir: str) -> list[int]:
   directory = os.path.join(workdir, "checkpoints")
-  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+  return [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
+
+
+def _encoder_finished(workdir: str) -> bool:
+  """Whether the run in workdir saved a checkpoint at its config's total_steps."""
+  stored = os.path.join(workdir, "config.json")
+  if not os.path.isfile(stored):
+    return False
+  with open(stored) as f:
+    total_steps = json.load(f)["total_steps"]
+  return max(_checkpoint_steps(workdir), default=-1) >= total_steps
 
 
 def _select(tree: dict, template: dict) -> dict:
@@ -117,12 +127,12 @@ class DigitsTask(tasks.Task):
       validation.require_choice(config, "model.connector", latent_reader.CONNECTORS)
       validation.require_positive(config, "model.num_queries", "model.cross_attention_every",
                                   "model.num_consumer_blocks")
-      if not _has_checkpoint(config.model.encoder_workdir) and not os.path.isfile(
+      if not os.path.isfile(os.path.join(config.model.encoder_workdir, "config.json")) and not os.path.isfile(
           _config_path(config.model.encoder_config)):
         raise validation.ConfigError(
             "model.encoder_config", config.model.encoder_config,
             f"no such config file, and model.encoder_workdir={config.model.encoder_workdir!r} holds no "
-            "checkpoint to load the frozen encoder from")
+            "encoder run to load the frozen encoder from")
 
   def __init__(self, config, workdir=None):
     super().__init__(config, workdir)
@@ -137,17 +147,28 @@ class DigitsTask(tasks.Task):
   # --- the frozen encoder -----------------------------------------------------------------------
 
   def _load_encoder(self):
-    """(ViT model config, its trained parameters as a pure dict), training the ViT first if needed."""
-    model = self.config.model
-    if not _has_checkpoint(model.encoder_workdir):
-      logging.info("No encoder checkpoint in %s: training the ViT there first (%s)", model.encoder_workdir,
-                   model.encoder_config)
-      from xattn_jax.training import loop  # the loop imports tasks; import it only when needed
-      loop.run(_load_config_file(model.encoder_config), model.encoder_workdir, "train")
-    with open(os.path.join(model.encoder_workdir, "config.json")) as f:
+    """(ViT model config, its trained parameters as a pure dict), training the ViT first if needed.
+
+    An encoder run that did not reach its total_steps (e.g. stopped by SIGTERM) is resumed to the end
+    first; if it still does not get there, this raises rather than freeze a half-trained encoder.
+    """
+    from xattn_jax.training import loop  # the loop imports tasks; import it only when needed
+    workdir = self.config.model.encoder_workdir
+    if not _encoder_finished(workdir):
+      stored = os.path.join(workdir, "config.json")
+      if os.path.isfile(stored):
+        with open(stored) as f:
+          encoder_run = ConfigDict(json.load(f))
+      else:
+        encoder_run = _load_config_file(self.config.model.encoder_config)
+      logging.info("Training the frozen encoder first in %s", workdir)
+      loop.run(encoder_run, workdir, "train")
+      if not _encoder_finished(workdir):
+        raise loop.RunError(f"the encoder run in {workdir} stopped before its last step; run again to resume it")
+    with open(os.path.join(workdir, "config.json")) as f:
       encoder_config = ConfigDict(json.load(f)).model
     abstract = nnx.eval_shape(lambda: make_vit(encoder_config, rngs=nnx.Rngs(params=0, dropout=0)))
-    restored = checkpoints_lib.restore_model_from(os.path.join(model.encoder_workdir, "checkpoints"),
+    restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints"),
                                                   nnx.to_pure_dict(nnx.state(abstract)))
     # Only the parameters: the encoder's RNG state (dropout keys) plays no part in a frozen encoder.
     return encoder_config, _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
@@ -184,13 +205,13 @@ class DigitsTask(tasks.Task):
                               max_shift=self.config.data.max_shift)
 
   def _tokens_handed_on(self, model, images) -> int:
-    """N for the readers; M (the number of patches) for the MLP connector and the ViT."""
+    """N for the readers; the ViT's whole sequence, 1 + M patches, for the MLP connector and the ViT."""
     if isinstance(model, latent_reader.Perceiver):
       return model.latents.queries.shape[0]
     if isinstance(model, latent_reader.QFormer) and model.connector == "qformer":
       return model.queries.queries.shape[0]
     patch = model.encoder.patch_size if isinstance(model, latent_reader.QFormer) else model.patch_size
-    return (images.shape[1] // patch) * (images.shape[2] // patch)
+    return 1 + (images.shape[1] // patch) * (images.shape[2] // patch)
 
   def loss(self, model, batch, *, rngs):
     del rngs  # no dropout: the digits models regularise through data.max_shift augmentation
@@ -237,7 +258,11 @@ class DigitsTask(tasks.Task):
     return results
 
   def write_attention_maps(self, model, directory: str) -> list[str]:
-    """One PNG per test image: the image next to each query's attention over it (heads averaged)."""
+    """One PNG per test image: the image next to each query's attention over it (heads averaged).
+
+    For the Q-Former the class token's share of the attention is left out of the maps (it has no place
+    on the image), so a query's map sums to one minus what it gives the class token.
+    """
     if not hasattr(model, "cross_attention_weights") or getattr(model, "connector", "qformer") != "qformer":
       return []
     from xattn_jax.training import digits_plots  # matplotlib only when pictures are asked for
@@ -245,7 +270,10 @@ class DigitsTask(tasks.Task):
     images = digits.resize_images(self.split.test_images[:count], self.grid)
     weights = np.asarray(nnx.jit(lambda m, x: m.cross_attention_weights(x))(
         model, self.split.standardize(images)[..., None]))  # [count, heads, N, M]
-    patch = model.encoder.patch_size if isinstance(model, latent_reader.QFormer) else model.patch_size
+    if isinstance(model, latent_reader.QFormer):
+      patch, weights = model.encoder.patch_size, weights[..., 1:]  # drop the class token's column
+    else:
+      patch = model.patch_size
     grid = (self.grid[0] // patch, self.grid[1] // patch)
     os.makedirs(directory, exist_ok=True)
     paths = []
