@@ -176,10 +176,10 @@ def main():
           "jax": jax.__version__, "jax_devices": jax.local_device_count(), "torch": torch.__version__,
           "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
           "batch": batch, "heads": heads, "head_dim": head_dim,
-          "repeats": 2 if args.quick else "5 (length 2048) / 9 (shorter); 2 for memory"}
+          "repeats": 2 if args.quick else "5 (length 2048) / 9 (shorter); 1 for memory"}
   speed = speed_rows(lengths, batch, heads, head_dim, cores, repeats_at)
   memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
-                       repeats=2)
+                       repeats=1 if not args.quick else 2)
   out_dir = args.out_dir or ("/tmp/attention_benchmark_quick" if args.quick else
                              os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   os.makedirs(out_dir, exist_ok=True)
