@@ -39,6 +39,7 @@ def get_config(arg=None):
   pairs = d_model // num_heads // 2
   config.model.mrope_sections = (pairs // 4, pairs - pairs // 4 - (pairs - pairs // 4) // 2,
                                  (pairs - pairs // 4) // 2)
+  config.model.dropout_rate = 0.0     # residual dropout (exact resume: keys depend on (seed, step))
   config.model.scan_layers = args.scan
   config.model.remat = "none"         # none | full | dots | dots_no_batch
   return config

@@ -1,6 +1,7 @@
 """launch.py end to end on the toy task, in subprocesses: validation, the workdir record,
 determinism, exact resume after SIGTERM / SIGKILL, the NaN guard, corrupted checkpoints, eval and
-infer modes. Expensive runs are module-scoped fixtures shared between assertions."""
+infer modes. Expensive runs are module-scoped fixtures shared between assertions. Every run trains
+with dropout, so determinism and exact resume cover the dropout keys too."""
 import atexit
 import json
 import os
@@ -12,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -23,6 +25,7 @@ OVERRIDES = {
     "total_steps": STEPS, "batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 16,
     "log_every_steps": 1, "eval_every_steps": 4, "checkpoint.every_steps": 4,
     "optimizer.warmup_steps": 2, "logging.tensorboard": False, "logging.plot": False,
+    "model.dropout_rate": 0.1,
 }
 CONFIG = "configs/toy_reverse.py:size=tiny"
 # Compiled programs are shared between the subprocesses of a test session (same HLO, same result).
@@ -80,10 +83,17 @@ def model_params(workdir, step):
 
 
 def assert_same_params(a, b):
+  """Equal parameters, and equal dropout RNG state (typed keys compared through their key data)."""
   flat_a, flat_b = (dict(_flatten(x)) for x in (a, b))
   assert flat_a.keys() == flat_b.keys()
   for key in flat_a:
-    np.testing.assert_array_equal(np.asarray(flat_a[key]), np.asarray(flat_b[key]), err_msg=key)
+    np.testing.assert_array_equal(_numpy(flat_a[key]), _numpy(flat_b[key]), err_msg=key)
+
+
+def _numpy(array):
+  if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+    array = jax.random.key_data(array)
+  return np.asarray(array)
 
 
 def _flatten(tree, prefix=""):

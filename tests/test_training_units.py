@@ -12,7 +12,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from configs import common, toy_reverse
-from xattn_jax.training import layer_stack, optim, sharding, tasks, validation
+from xattn_jax.training import layer_stack, loop, optim, sharding, tasks, validation
 from xattn_jax.training.toy_reverse import ToyReverseTask
 
 
@@ -167,6 +167,30 @@ def test_gradient_clipping_bounds_the_update_norm():
   grads = {"w": jnp.full((4,), 10.0)}
   updates, _ = tx.update(grads, tx.init(grads), grads)
   np.testing.assert_allclose(optax.tree.norm(updates), 0.5, rtol=1e-6)
+
+
+# --- dropout keys -------------------------------------------------------------------------------
+
+def _toy_loss_after_reseed(dropout_rate, step, seed=0):
+  config = toy_reverse.get_config("size=tiny")
+  config.model.dropout_rate = dropout_rate
+  task = ToyReverseTask(config)
+  with nnx.use_eager_sharding(False):
+    model = task.make_model(loop.model_rngs(seed), dtype=jnp.float32, param_dtype=jnp.float32)
+  batch = task.train_batch(0, process_index=0, process_count=1)
+  loop.reseed_for_step(model, jax.random.key(seed), step)
+  return float(_toy_loss(model, batch, task))
+
+
+@nnx.jit(static_argnums=2)
+def _toy_loss(model, batch, task):
+  return task.loss(model, batch, rngs=None)[0]
+
+
+def test_dropout_masks_are_a_pure_function_of_seed_and_step():
+  assert _toy_loss_after_reseed(0.3, step=5) == _toy_loss_after_reseed(0.3, step=5)
+  assert _toy_loss_after_reseed(0.3, step=5) != _toy_loss_after_reseed(0.3, step=6)
+  assert _toy_loss_after_reseed(0.0, step=5) == _toy_loss_after_reseed(0.0, step=6)
 
 
 # --- layer stacking -----------------------------------------------------------------------------

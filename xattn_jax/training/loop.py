@@ -43,6 +43,33 @@ class RunError(RuntimeError):
   """The run cannot proceed (e.g. nothing to evaluate); the message says why."""
 
 
+# Stream ids folded into the run's key, so the model's dropout masks and a task's own randomness
+# never share keys.
+_DROPOUT_STREAM, _TASK_STREAM = 0, 1
+
+
+def model_rngs(seed: int) -> nnx.Rngs:
+  """The Rngs a task's make_model receives: `params` from the seed, and a `dropout` stream that
+  nnx.Dropout layers fork at construction (its key is replaced every step, see reseed_for_step)."""
+  return nnx.Rngs(params=seed, dropout=jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM))
+
+
+def reseed_for_step(model, rng_key, step) -> None:
+  """Sets every `dropout` stream of `model` to a key that is a pure function of (run key, step).
+
+  Resuming from checkpoint s therefore draws the same dropout masks at step s + 1 as the run it
+  continues, whatever RNG state the checkpoint holds. Stacked layers hold one key per layer
+  ([layers] shaped): `match_shape` splits this step's key into one per layer.
+  """
+  step_key = jax.random.fold_in(jax.random.fold_in(rng_key, _DROPOUT_STREAM), step)
+  nnx.reseed(model, dropout=step_key, policy="match_shape")
+
+
+def task_rngs(rng_key, step) -> nnx.Rngs:
+  """The `rngs` handed to Task.loss: any randomness a task draws itself (not the model's dropout)."""
+  return nnx.Rngs(jax.random.fold_in(jax.random.fold_in(rng_key, _TASK_STREAM), step))
+
+
 class _Run:
   """The pieces of one run, built in order: task, mesh, abstract state, jitted steps."""
 
@@ -60,7 +87,7 @@ class _Run:
 
     def init():
       with nnx.use_eager_sharding(False):  # placement comes from our rules, below
-        model = self.task.make_model(nnx.Rngs(params=config.seed), dtype=dtype, param_dtype=param_dtype)
+        model = self.task.make_model(model_rngs(config.seed), dtype=dtype, param_dtype=param_dtype)
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(init))
@@ -105,9 +132,10 @@ class _Run:
     def train_step(state, batch, step, rng_key):
       # copy=True: a model holding nnx.Rngs must not mutate the Variables of the traced input.
       model, optimizer = nnx.merge(graphdef, state, copy=True)
+      reseed_for_step(model, rng_key, step)
 
       def loss_fn(model):
-        loss, aux = task.loss(model, batch, rngs=nnx.Rngs(dropout=jax.random.fold_in(rng_key, step)))
+        loss, aux = task.loss(model, batch, rngs=task_rngs(rng_key, step))
         if nan_at_step >= 0:  # test-only fault injection (static: costs nothing when off)
           loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
         return loss, aux

@@ -22,14 +22,18 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   workdir). Runs on every process.
 - `make_model(rngs, *, dtype, param_dtype) -> nnx.Module`: parameters annotated with logical axis
   names (`nnx.with_partitioning`) from {"embed", "heads", "kv", "mlp", "vocab", "length", None};
-  `dtype` is the compute dtype, `param_dtype` the storage dtype.
+  `dtype` is the compute dtype, `param_dtype` the storage dtype. `rngs` has a `params` stream (from
+  config.seed) and a `dropout` stream: pass it to `nnx.Dropout` layers as is. Before each train step
+  the loop reseeds every `dropout` stream of the model from (seed, step), so dropout needs no
+  handling in the task and resume stays exact.
 - `train_batch(step, *, process_index, process_count) -> dict[str, np.ndarray]`: rows
   `[p * B/P, (p+1) * B/P)` of the global batch number `step` (0-based), a pure function of
   (config.seed, step, process_index, process_count). The step IS the data position: resume is exact.
   Every array has the batch on axis 0.
 - `loss(model, batch, *, rngs) -> (loss, aux)`: traced inside the jitted train step; `loss` a float32
   scalar (mean over the global batch), `aux` a dict of float32 scalars logged as `train/<name>`.
-  `rngs` is an `nnx.Rngs(dropout=...)` derived from (seed, step).
+  `rngs` is an `nnx.Rngs` derived from (seed, step) for any randomness the task draws itself
+  (`rngs.noise()`); the model's dropout streams are already reseeded for this step.
 - `eval_batches(*, process_index, process_count) -> Iterable[dict[str, np.ndarray]]`: this process's
   rows of each global eval batch (size config.eval_batch_size, same row split as train_batch); every
   eval example once, the last batch padded with rows whose weight is 0. Every process yields the same

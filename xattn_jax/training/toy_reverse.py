@@ -33,8 +33,8 @@ def _init(names, init=nnx.initializers.lecun_normal()):
 class ReverserBlock(nnx.Module):
   """Pre-LayerNorm bidirectional self-attention + MLP, each with a residual."""
 
-  def __init__(self, d_model, num_heads, mlp_dim, *, posenc, rotary_dim, mrope_sections, dtype,
-               param_dtype, rngs):
+  def __init__(self, d_model, num_heads, mlp_dim, *, posenc, rotary_dim, mrope_sections, dropout_rate,
+               dtype, param_dtype, rngs):
     def linear(n_in, n_out, names):
       return nnx.Linear(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
                         rngs=rngs)
@@ -51,6 +51,9 @@ class ReverserBlock(nnx.Module):
     self.mlp_norm = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.mlp_in = linear(d_model, mlp_dim, ("embed", "mlp"))
     self.mlp_out = linear(mlp_dim, d_model, ("mlp", "embed"))
+    # One stream per residual branch, forked from the loop's `dropout` stream.
+    self.attention_dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.mlp_dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
   def _heads(self, x):
     b, t, d = x.shape
@@ -65,15 +68,19 @@ class ReverserBlock(nnx.Module):
       return positions_lib.apply_mrope(x, positions, self.mrope_sections, rotary_dim=self.rotary_dim)
     return x
 
-  def __call__(self, x, mask, positions):
-    """x [b, t, d_model], mask [b, 1, 1, t] (True = real token), positions [b, t] -> [b, t, d_model]."""
+  def __call__(self, x, mask, positions, *, deterministic=True):
+    """x [b, t, d_model], mask [b, 1, 1, t] (True = real token), positions [b, t] -> [b, t, d_model].
+
+    Residual dropout on both branches unless deterministic.
+    """
     h = self.attention_norm(x)
     q = self._rotate(self._heads(self.query(h)), positions)
     k = self._rotate(self._heads(self.key(h)), positions)
     v = self._heads(self.value(h))
     attended = attention_ops.dot_product_attention(q, k, v, mask=mask)  # [b, t, heads, head_dim]
-    x = x + self.out(attended.reshape(x.shape))
-    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+    x = x + self.attention_dropout(self.out(attended.reshape(x.shape)), deterministic=deterministic)
+    return x + self.mlp_dropout(self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x)))),
+                                deterministic=deterministic)
 
 
 class Reverser(nnx.Module):
@@ -93,14 +100,15 @@ class Reverser(nnx.Module):
           rngs.params(), (max_length, c.d_model), param_dtype))
     self.blocks = layer_stack.create_stack(
         lambda r: ReverserBlock(c.d_model, c.num_heads, c.mlp_dim, posenc=c.posenc,
-                                rotary_dim=c.rotary_dim, mrope_sections=c.mrope_sections, dtype=dtype, param_dtype=param_dtype, rngs=r),
+                                rotary_dim=c.rotary_dim, mrope_sections=c.mrope_sections,
+                                dropout_rate=c.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=r),
         c.num_layers, rngs)
     self.final_norm = nnx.LayerNorm(c.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.logits = nnx.Linear(c.d_model, VOCAB_SIZE, kernel_init=_init(("embed", "vocab")),
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, tokens):
-    """tokens [b, t] int (0 = padding) -> logits [b, t, vocab]."""
+  def __call__(self, tokens, *, deterministic=True):
+    """tokens [b, t] int (0 = padding) -> logits [b, t, vocab]; dropout only when not deterministic."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     x = self.embed(tokens)  # [b, t, d_model]
@@ -110,7 +118,7 @@ class Reverser(nnx.Module):
       x = x + positions_lib.sinusoidal(positions, x.shape[-1]).astype(x.dtype)
     mask = masks_lib.padding_mask(tokens != 0)  # [b, 1, 1, t]
     x = layer_stack.apply_stack(self.blocks, x, mask, positions, scan=self.scan_layers,
-                                remat=self.remat)
+                                remat=self.remat, deterministic=deterministic)
     return self.logits(self.final_norm(x))
 
 
@@ -137,8 +145,10 @@ class ToyReverseTask(tasks.Task):
     if config.task.min_length > config.task.max_length:
       raise validation.ConfigError("task.min_length", config.task.min_length,
                                    f"must be <= task.max_length={config.task.max_length}")
-    if not 0.0 <= config.task.label_smoothing < 1.0:
-      raise validation.ConfigError("task.label_smoothing", config.task.label_smoothing, "must be in [0, 1)")
+    for field, value in (("task.label_smoothing", config.task.label_smoothing),
+                         ("model.dropout_rate", config.model.dropout_rate)):
+      if not 0.0 <= value < 1.0:
+        raise validation.ConfigError(field, value, "must be in [0, 1)")
 
   def make_model(self, rngs, *, dtype, param_dtype):
     return Reverser(self.config.model, self.config.task.max_length, dtype=dtype,
@@ -162,15 +172,16 @@ class ToyReverseTask(tasks.Task):
     batch = self._examples(_TRAIN_STREAM, step, self.config.batch_size)
     return {k: v[process_index * size:(process_index + 1) * size] for k, v in batch.items()}
 
-  def _token_losses(self, model, batch):
-    logits = model(batch["inputs"])  # [b, t, vocab]
+  def _token_losses(self, model, batch, deterministic=True):
+    logits = model(batch["inputs"], deterministic=deterministic)  # [b, t, vocab]
     token_weights = (batch["targets"] != 0) * batch["weights"][:, None]  # [b, t]
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], token_weights,
                                                self.config.task.label_smoothing)
     return logits, token_weights, loss_sum, weight_sum
 
   def loss(self, model, batch, *, rngs):
-    _, _, loss_sum, weight_sum = self._token_losses(model, batch)
+    del rngs  # dropout draws from the model's own streams, reseeded by the loop each step
+    _, _, loss_sum, weight_sum = self._token_losses(model, batch, deterministic=False)
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):

@@ -164,8 +164,6 @@ class TranslateTask(tasks.Task):
   def make_model(self, rngs, *, dtype, param_dtype):
     model = self.config.model
     encoder, decoder = stack_sizes(model)
-    # The loop hands over a params stream only; dropout gets its own stream from it.
-    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
     return translator_lib.Translator(
         self.vocab_size, encoder=encoder, decoder=decoder, position_encoding=model.position_encoding,
         max_length=model.max_length, rope_scaling=model.get("rope_scaling") or None,
@@ -184,9 +182,7 @@ class TranslateTask(tasks.Task):
     return model(batch["inputs"], batch["decoder_inputs"], deterministic=deterministic, **packing)
 
   def loss(self, model, batch, *, rngs):
-    if self.config.model.dropout_rate > 0 or self.config.model.attention_dropout_rate > 0:
-      # Stacked layers hold one dropout key per layer; match_shape reseeds each from this step's key.
-      nnx.reseed(model, dropout=rngs.dropout(), policy="match_shape")
+    del rngs  # the loop has reseeded the model's dropout streams for this step
     logits = self._logits(model, batch, deterministic=False)  # -> [b, t, vocab]
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0,
                                                self.config.task.label_smoothing)
