@@ -7,7 +7,10 @@ stderr naming the field and exits with status 2; a diverged run exits with statu
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
+
+USAGE = ("python launch.py --config=configs/NAME.py[:ARG] --workdir=DIR [--mode=train|eval|infer] "
+         "[--config.a.b=V]  (--helpfull lists every flag)")
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/NAME.py[:ARG]", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the run: config, metrics, checkpoints.")
@@ -40,11 +43,16 @@ def parse_flags(argv):
 
 def main(argv):
   if len(argv) > 1:
-    fail(f"unexpected arguments {argv[1:]}")
-  if not _WORKDIR.value:
-    fail("--workdir is required")
+    fail(f"unexpected arguments {argv[1:]}; usage: {USAGE}")
   if _CONFIG.value is None:
-    fail("--config is required")
+    fail(f"--config is required; usage: {USAGE}")
+  if not isinstance(_CONFIG.value, ConfigDict):
+    # ml_collections keeps a file that failed to load as a placeholder raising on first use.
+    error = getattr(_CONFIG.value, "_error", None)
+    reason = str(error).strip().splitlines()[-1].strip() if error else "get_config() returned no ConfigDict"
+    fail(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]} cannot be loaded: {reason}")
+  if not _WORKDIR.value:
+    fail(f"--workdir is required; usage: {USAGE}")
   from xattn_jax.training import distributed, loop, validation
   try:
     validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)

@@ -135,6 +135,24 @@ def test_invalid_config_fails_in_one_line_naming_the_field_before_anything_runs(
   assert not workdir.exists()  # nothing was built: not even the workdir
 
 
+@pytest.mark.parametrize("argv,expected", [
+    ([], "--config is required; usage: python launch.py --config="),
+    (["--config=configs/missing.py", "--workdir=WORKDIR"],
+     "--config=configs/missing.py cannot be loaded: [Errno 2] No such file"),
+    (["--config=configs/missing.py:size=tiny", "--workdir=WORKDIR"], "cannot be loaded"),
+    (["--config=configs/toy_reverse.py"], "--workdir is required; usage:"),
+])
+def test_missing_or_unloadable_config_is_a_one_line_usage_error(tmp_path, argv, expected):
+  workdir = tmp_path / "run"
+  argv = [arg.replace("WORKDIR", str(workdir)) for arg in argv]
+  result = subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO, capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and expected in lines[0], result.stderr
+  assert not workdir.exists()
+
+
 # --- one reference run, and what it leaves in the workdir ---------------------------------------
 
 @pytest.fixture(scope="module")
