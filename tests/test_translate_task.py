@@ -9,10 +9,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import translate_dates, translate_tsv
-from xattn_jax.training import tasks, validation
+from xattn_jax.training import loop, tasks, validation
 from xattn_jax.training import translate_plots, translate_task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +64,7 @@ def test_both_configs_name_the_translate_task():
 def test_position_encoding_override_reaches_the_model(tmp_path):
   config = _config(**{"model.position_encoding": "rope", "data.tokenizer": "bytes"})
   model = translate_task.TranslateTask(config, str(tmp_path)).make_model(
-      nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+      loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   assert model.decoder_blocks.self_attention.rotary.kind == "rope"
   assert model.position_encoding == "rope"
 
