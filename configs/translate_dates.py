@@ -58,6 +58,8 @@ def translator_config(args) -> ConfigDict:
   config.model.decoder = ConfigDict(side)
   config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | alibi | t5_bias
   config.model.max_length = 64 if args.size == "tiny" else 256
+  config.model.rope_scaling = ""        # "" | linear | ntk: RoPE length scaling (position_encoding=rope)
+  config.model.rope_scaling_factor = 1.0
   config.model.share_embeddings = True  # one table for source and target (one shared vocabulary)
   config.model.tie_output = True        # output projection = transposed target embedding
   config.model.norm = "pre"             # pre | post (Vaswani et al.)

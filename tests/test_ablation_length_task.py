@@ -118,3 +118,35 @@ def test_unknown_rope_scaling_is_rejected():
   config.model.rope_scaling = "yarn"
   with pytest.raises(validation.ConfigError, match="config.model.rope_scaling='yarn'"):
     validation.validate_config(config)
+
+
+def test_rope_scaling_override_reaches_the_models_rotary_layers():
+  config = algorithmic_config.get_config("size=micro,posenc=rope")
+  config.model.rope_scaling, config.model.rope_scaling_factor = "ntk", 4.0
+  validation.validate_config(config)
+  task = algorithmic_task.AlgorithmicTask(config)
+  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  for rotary in (model.source_positions.rotary, model.target_positions.rotary):
+    assert (rotary.scaling, rotary.scaling_factor) == ("ntk", 4.0)
+
+
+@pytest.mark.parametrize("posenc", ["alibi", "t5_bias"])
+def test_relative_encodings_give_the_decoder_causal_and_the_encoder_symmetric_variants(posenc):
+  task = algorithmic_task.AlgorithmicTask(algorithmic_config.get_config(f"size=micro,posenc={posenc}"))
+  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  if posenc == "alibi":
+    assert (model.source_positions.causal, model.target_positions.causal) == (False, True)
+  else:
+    assert (model.source_positions.bidirectional, model.target_positions.bidirectional) == (True, False)
+
+
+def test_dates_config_rope_scaling_override_reaches_the_translator(tmp_path):
+  from configs import translate_dates
+  from xattn_jax.training import translate_task
+  config = translate_dates.get_config("posenc=rope,tokenizer=bytes")
+  config.data.first_year, config.data.last_year = 2000, 2000
+  config.model.rope_scaling, config.model.rope_scaling_factor = "linear", 2.0
+  validation.validate_config(config)
+  model = translate_task.TranslateTask(config, str(tmp_path)).make_model(nnx.Rngs(0), dtype=jnp.float32,
+                                                                         param_dtype=jnp.float32)
+  assert (model.target_positions.rotary.scaling, model.target_positions.rotary.scaling_factor) == ("linear", 2.0)

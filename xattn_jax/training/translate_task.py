@@ -68,13 +68,10 @@ class TranslateTask(tasks.Task):
       validation.require_choice(config, "model.rope_scaling", ("linear", "ntk"))
     validation.require_choice(config, "model.norm", NORMS)
     validation.require_choice(config, "model.activation", ACTIVATIONS)
+    # validation.check_attention_dims has already checked each side's head_dim for rope.
     for side in ("encoder", "decoder"):
       validation.require_positive(config, *(f"model.{side}.{f}" for f in ("d_model", "num_heads", "num_layers",
                                                                           "mlp_dim")))
-      head_dim = model[side].d_model // model[side].num_heads
-      if model.position_encoding == "rope" and head_dim % 2:
-        raise validation.ConfigError(f"model.{side}.d_model", model[side].d_model,
-                                     f"rope needs an even head_dim, got {head_dim}")
     if model.share_embeddings and model.encoder.d_model != model.decoder.d_model:
       raise validation.ConfigError("model.share_embeddings", True,
                                    "needs model.encoder.d_model == model.decoder.d_model")
