@@ -11,7 +11,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from configs import common, toy_reverse
+from configs import common, toy_reverse, translate_dates
 from xattn_jax.training import layer_stack, loop, optim, sharding, tasks, validation
 from xattn_jax.training.toy_reverse import ToyReverseTask
 
@@ -49,7 +49,7 @@ def test_variant_argument_and_override_reach_the_model():
   model = _abstract_model(config)
   assert model.embed.embedding.shape == (27, 48)  # 26 letters + padding
   assert model.blocks.query.kernel.shape == (3, 48, 48)  # 3 stacked layers
-  assert model.scan_layers and model.posenc == "rope" and not hasattr(model, "position_table")
+  assert model.scan_layers and model.position_encoding == "rope" and not hasattr(model, "position_table")
 
 
 def test_misspelt_override_is_rejected_by_the_locked_config():
@@ -61,7 +61,7 @@ def test_misspelt_override_is_rejected_by_the_locked_config():
 
 @pytest.mark.parametrize("field,value", [
     ("task.name", "nope"), ("optimizer.name", "lamb"), ("optimizer.schedule", "step"),
-    ("model.posenc", "alibi"), ("model.remat", "some"), ("model.name", "other"),
+    ("model.position_encoding", "alibi"), ("model.remat", "some"), ("model.name", "other"),
 ])
 def test_unknown_name_is_a_config_error_naming_the_field(field, value):
   config = toy_reverse.get_config("size=tiny")
@@ -90,6 +90,13 @@ def test_mrope_sections_not_adding_up_is_a_config_error():
   config.model.mrope_sections = (1, 2, 2)
   with pytest.raises(validation.ConfigError, match=r"config\.model\.mrope_sections"):
     validation.validate_config(config)
+
+
+def test_rotary_head_dim_check_reaches_the_translators_encoder_and_decoder():
+  config = translate_dates.get_config("posenc=rope")
+  config.model.decoder.d_model, config.model.decoder.num_heads = 36, 4  # head_dim 9
+  with pytest.raises(validation.ConfigError, match=r"model\.decoder\.d_model=36: rotary dimension 9"):
+    validation.check_attention_dims(config.model)
 
 
 @pytest.mark.parametrize("mesh,devices", [({"data": 3}, 8), ({"data": -1, "fsdp": 3}, 8),

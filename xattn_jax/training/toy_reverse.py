@@ -33,14 +33,14 @@ def _init(names, init=nnx.initializers.lecun_normal()):
 class ReverserBlock(nnx.Module):
   """Pre-LayerNorm bidirectional self-attention + MLP, each with a residual."""
 
-  def __init__(self, d_model, num_heads, mlp_dim, *, posenc, rotary_dim, mrope_sections, dropout_rate,
-               dtype, param_dtype, rngs):
+  def __init__(self, d_model, num_heads, mlp_dim, *, position_encoding, rotary_dim, mrope_sections,
+               dropout_rate, dtype, param_dtype, rngs):
     def linear(n_in, n_out, names):
       return nnx.Linear(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
                         rngs=rngs)
 
     self.num_heads = num_heads
-    self.posenc = posenc
+    self.position_encoding = position_encoding
     self.rotary_dim = rotary_dim or None  # None: the whole head_dim
     self.mrope_sections = tuple(mrope_sections)
     self.attention_norm = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -60,9 +60,9 @@ class ReverserBlock(nnx.Module):
     return x.reshape(b, t, self.num_heads, d // self.num_heads)  # -> [b, t, heads, head_dim]
 
   def _rotate(self, x, positions):
-    if self.posenc == "rope":
+    if self.position_encoding == "rope":
       return positions_lib.apply_rope(x, positions, rotary_dim=self.rotary_dim)
-    if self.posenc == "mrope":
+    if self.position_encoding == "mrope":
       # Text only: time, height and width positions all equal the token index.
       positions = jnp.broadcast_to(positions, (3,) + positions.shape)  # [3, b, t]
       return positions_lib.apply_mrope(x, positions, self.mrope_sections, rotary_dim=self.rotary_dim)
@@ -88,18 +88,18 @@ class Reverser(nnx.Module):
 
   def __init__(self, model_config, max_length, *, dtype, param_dtype, rngs):
     c = model_config
-    self.posenc = c.posenc
+    self.position_encoding = c.position_encoding
     self.scan_layers = c.scan_layers
     self.remat = c.remat
     self.dtype = dtype
     self.embed = nnx.Embed(VOCAB_SIZE, c.d_model, embedding_init=_init(("vocab", "embed"),
                                                                        nnx.initializers.normal(1.0)),
                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    if c.posenc == "learned":
+    if c.position_encoding == "learned":
       self.position_table = nnx.Param(_init(("length", "embed"), nnx.initializers.normal(0.02))(
           rngs.params(), (max_length, c.d_model), param_dtype))
     self.blocks = layer_stack.create_stack(
-        lambda r: ReverserBlock(c.d_model, c.num_heads, c.mlp_dim, posenc=c.posenc,
+        lambda r: ReverserBlock(c.d_model, c.num_heads, c.mlp_dim, position_encoding=c.position_encoding,
                                 rotary_dim=c.rotary_dim, mrope_sections=c.mrope_sections,
                                 dropout_rate=c.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=r),
         c.num_layers, rngs)
@@ -112,9 +112,9 @@ class Reverser(nnx.Module):
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     x = self.embed(tokens)  # [b, t, d_model]
-    if self.posenc == "learned":
+    if self.position_encoding == "learned":
       x = x + self.position_table[...][:t].astype(x.dtype)
-    elif self.posenc == "sinusoidal":
+    elif self.position_encoding == "sinusoidal":
       x = x + positions_lib.sinusoidal(positions, x.shape[-1]).astype(x.dtype)
     mask = masks_lib.padding_mask(tokens != 0)  # [b, 1, 1, t]
     x = layer_stack.apply_stack(self.blocks, x, mask, positions, scan=self.scan_layers,
@@ -139,7 +139,7 @@ class ToyReverseTask(tasks.Task):
   @classmethod
   def validate(cls, config):
     validation.require_choice(config, "model.name", MODELS)
-    validation.require_choice(config, "model.posenc", POSITION_ENCODINGS)
+    validation.require_choice(config, "model.position_encoding", POSITION_ENCODINGS)
     validation.require_positive(config, "model.num_layers", "model.mlp_dim", "task.min_length",
                                 "task.max_length", "task.num_eval_examples")
     if config.task.min_length > config.task.max_length:

@@ -85,9 +85,14 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   return sizes
 
 
-def check_attention_dims(model_config, prefix: str = "model"):
-  """d_model divisible by num_heads; even rotary dims; mrope sections adding up to rotary_dim / 2."""
+def check_attention_dims(model_config, prefix: str = "model", position_encoding: str = ""):
+  """d_model divisible by num_heads; even rotary dims; mrope sections adding up to rotary_dim / 2.
+
+  `position_encoding` is read from the section itself or inherited from the enclosing one, so an
+  encoder-decoder's `model.position_encoding` applies to `model.encoder` and `model.decoder`.
+  """
   fields = model_config.keys()
+  position_encoding = model_config.get("position_encoding", position_encoding)
   if "d_model" in fields and "num_heads" in fields:
     d_model, num_heads = model_config.d_model, model_config.num_heads
     if not isinstance(num_heads, int) or num_heads < 1:
@@ -96,15 +101,15 @@ def check_attention_dims(model_config, prefix: str = "model"):
       raise ConfigError(f"{prefix}.d_model", d_model,
                         f"must be divisible by {prefix}.num_heads={num_heads}")
     head_dim = model_config.get("head_dim", 0) or d_model // num_heads
-    if model_config.get("posenc", "") in ROTARY_ENCODINGS:
+    if position_encoding in ROTARY_ENCODINGS:
       rotary_dim = model_config.get("rotary_dim", 0) or head_dim
       field = f"{prefix}.rotary_dim" if model_config.get("rotary_dim", 0) else f"{prefix}.d_model"
-      multiple = 4 if model_config.posenc == "rope_2d" else 2
+      multiple = 4 if position_encoding == "rope_2d" else 2
       if rotary_dim % multiple or rotary_dim > head_dim:
         raise ConfigError(field, model_config.get(field.rsplit(".", 1)[1]),
                           f"rotary dimension {rotary_dim} must be a multiple of {multiple} and at "
-                          f"most head_dim={head_dim} ({model_config.posenc})")
-      if model_config.posenc == "mrope":
+                          f"most head_dim={head_dim} ({position_encoding})")
+      if position_encoding == "mrope":
         sections = tuple(model_config.get("mrope_sections", ()))
         if len(sections) != 3 or sum(sections) != rotary_dim // 2:
           raise ConfigError(f"{prefix}.mrope_sections", sections,
@@ -115,7 +120,7 @@ def check_attention_dims(model_config, prefix: str = "model"):
       raise ConfigError(f"{prefix}.remat", model_config.remat, f"allowed are {list(REMAT_POLICIES)}")
   for key in fields:
     if isinstance(model_config[key], ConfigDict):
-      check_attention_dims(model_config[key], f"{prefix}.{key}")
+      check_attention_dims(model_config[key], f"{prefix}.{key}", position_encoding)
 
 
 def validate_config(config, *, mode: str = "train", device_count: int | None = None,
