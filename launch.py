@@ -2,7 +2,8 @@
 
 Parses flags, validates the config (before any JAX computation), starts multi-host JAX when asked,
 and hands over to `xattn_jax.training.loop.run`. An invalid config or override prints one line on
-stderr naming the field and exits with status 2; a diverged run exits with status 1.
+stderr naming the field and exits with status 2, as does data the task cannot build (a corpus too
+small for its vocabulary); a diverged run exits with status 1.
 """
 import sys
 
@@ -58,7 +59,7 @@ def main(argv):
     validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
-  except validation.ConfigError as e:
+  except (validation.ConfigError, loop.DataError) as e:
     fail(str(e))
   except (loop.TrainingDiverged, loop.RunError) as e:
     fail(f"{type(e).__name__}: {e}", status=1)

@@ -128,6 +128,28 @@ def test_tsv_config_rejects_a_malformed_line_with_file_and_line(tmp_path):
   assert not (tmp_path / "work" / "checkpoints").exists()
 
 
+def _assert_one_line_exit_2_and_no_workdir(result, workdir, *expected):
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert all(text in lines[0] for text in expected), lines[0]
+  assert not workdir.exists()  # not even the config of a run that never started
+
+
+def test_corpus_too_small_for_the_vocabulary_is_one_line_naming_the_field_and_file(tmp_path):
+  train = tmp_path / "train.tsv"
+  train.write_text("one\tun\ntwo\tdeux\nthree\ttrois\nfour\tquatre\nfive\tcinq\n")
+  workdir = tmp_path / "work"
+  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train, "data.eval_file": train})
+  _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.data.vocab_size=4000", str(train))
+
+
+def test_data_the_task_cannot_build_is_one_line_naming_the_problem(tmp_path):
+  workdir = tmp_path / "work"
+  result = launch("configs/translate_dates.py", workdir, {"data.formats": "full,bogus"})
+  _assert_one_line_exit_2_and_no_workdir(result, workdir, "cannot build its data", "'bogus'")
+
+
 @pytest.mark.parametrize("per_head, panels", [(False, 2), (True, 6)])
 def test_attention_plot_has_one_panel_per_layer_or_per_layer_and_head(tmp_path, per_head, panels):
   weights = np.random.default_rng(0).dirichlet(np.ones(4), size=(2, 3, 5))  # -> [layers, heads, t, s]

@@ -19,6 +19,7 @@ import datetime
 import json
 import logging as py_logging
 import os
+import shutil
 import signal
 import time
 
@@ -41,6 +42,10 @@ class TrainingDiverged(RuntimeError):
 
 class RunError(RuntimeError):
   """The run cannot proceed (e.g. nothing to evaluate); the message says why."""
+
+
+class DataError(ValueError):
+  """The task could not build its data or tokenizer from the configured files; the message says which."""
 
 
 # Stream ids folded into the run's key, so the model's dropout masks and a task's own randomness
@@ -76,7 +81,16 @@ class _Run:
   def __init__(self, config, workdir):
     self.config = config
     self.workdir = workdir
-    self.task = tasks.get_task_class(config.task.name)(config, workdir)
+    task_class = tasks.get_task_class(config.task.name)
+    try:
+      self.task = task_class(config, workdir)
+    except validation.ConfigError:
+      raise
+    except ValueError as error:
+      # The user's files are read (and a tokenizer trained) only here, after validation: what is
+      # wrong with them is theirs to fix, so it is reported in one line like a config error.
+      raise DataError(f"task {config.task.name!r} cannot build its data: {' '.join(str(error).split())}") \
+          from None
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = config.sharding_rules
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
@@ -351,13 +365,19 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
                              process_count=jax.process_count())
   check_same_model(config, workdir)
   is_writer = jax.process_index() == 0
+  new_workdir = is_writer and mode == "train" and not os.path.exists(workdir)
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
     if mode == "train":
       _write_config(config, workdir)
   _barrier("workdir ready")
-  run_ = _Run(config, workdir)
+  try:
+    run_ = _Run(config, workdir)
+  except (validation.ConfigError, DataError):
+    if new_workdir:  # it holds only this run's config so far: leave nothing half-made behind
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
   checkpoints = checkpoints_lib.Checkpoints(
       workdir, keep=config.checkpoint.keep, best_metric=config.checkpoint.best_metric,
       best_mode=config.checkpoint.best_mode)

@@ -135,7 +135,12 @@ class TranslateTask(tasks.Task):
     path = os.path.join(self.workdir, SPM_FILE)
     if jax.process_index() == 0:  # trains it, or reuses the file a previous run of this workdir wrote
       texts = [text for pair in self.train_pairs for text in pair]
-      tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size)
+      try:
+        tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size)
+      except ValueError as error:  # e.g. a corpus too small for the vocabulary
+        corpus = f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
+        raise validation.ConfigError("data.vocab_size", data.vocab_size,
+                                     f"{' '.join(str(error).split())} (tokenizer trained on {corpus})") from None
     if jax.process_count() > 1:  # the others read process 0's file once it is written
       multihost_utils.sync_global_devices("sentencepiece model written")
     return tokenizer if jax.process_index() == 0 else tokenizers.SentencePieceTokenizer(path)
