@@ -19,6 +19,9 @@ from xattn_jax.layers import EncoderBlock, make_position_encoding
 from xattn_jax.training import layer_stack
 
 
+POOLS = ("token", "gap")
+
+
 def patchify(images, patch_size: int):
   """images [b, H, W, C] -> (patches [b, M, p*p*C], positions [b, M, 2] int32 (row, col), grid (H/p, W/p)).
 
@@ -46,17 +49,22 @@ class ViT(nnx.Module):
     grid: the (height, width) patch grid of training images: the shape of the learned table, which is
       resized (bilinear) to any other grid, the class token's row untouched.
     width, num_heads, num_blocks, mlp_ratio: transformer sizes.
+    pool: what the head reads: "token" (the class token) or "gap" (the mean of the patch tokens, which
+      generalises better on small data sets, Beyer et al. 2022).
     scan_layers / remat: run the blocks with nnx.scan, under a remat policy by name.
   """
 
   def __init__(self, *, num_classes: int, channels: int = 1, patch_size: int = 1, grid: tuple[int, int] = (8, 8),
                width: int = 64, num_heads: int = 4, num_blocks: int = 4, mlp_ratio: int = 4,
-               dropout_rate: float = 0.0, scan_layers: bool = False, remat: str = "none", dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dropout_rate: float = 0.0, pool: str = "token", scan_layers: bool = False, remat: str = "none",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if pool not in POOLS:
+      raise ValueError(f"ViT: pool must be one of {POOLS}, got pool={pool!r}")
     if patch_size < 1 or num_blocks < 1 or num_classes < 1:
       raise ValueError(f"ViT: patch_size, num_blocks and num_classes must be positive, got patch_size={patch_size}, "
                        f"num_blocks={num_blocks}, num_classes={num_classes}")
     self.width, self.patch_size, self.scan_layers, self.remat, self.dtype = width, patch_size, scan_layers, remat, dtype
+    self.pool = pool
     self.embed = nnx.Linear(
         channels * patch_size ** 2, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False),
@@ -84,5 +92,7 @@ class ViT(nnx.Module):
     return x
 
   def __call__(self, images, *, deterministic: bool = True):
-    """images [b, H, W, C] -> logits [b, num_classes] (float32), from the class token."""
-    return self.head(self.features(images, deterministic=deterministic)[:, 0]).astype(jnp.float32)
+    """images [b, H, W, C] -> logits [b, num_classes] (float32), from the class token or the patches' mean."""
+    tokens = self.features(images, deterministic=deterministic)
+    pooled = tokens[:, 0] if self.pool == "token" else tokens[:, 1:].mean(axis=1)
+    return self.head(pooled).astype(jnp.float32)

@@ -95,6 +95,7 @@ def make_vit(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
   return vit.ViT(num_classes=digits.NUM_CLASSES, patch_size=model_config.patch_size,
                  grid=parse_grid(model_config.grid), width=model_config.d_model, num_heads=model_config.num_heads,
                  num_blocks=model_config.num_blocks, mlp_ratio=model_config.mlp_ratio,
+                 pool=model_config.get("pool", "token"),
                  scan_layers=model_config.scan_layers,
                  remat=model_config.remat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -122,6 +123,7 @@ class DigitsTask(tasks.Task):
       parse_grid(config.model.grid, "model.grid")
     if name == "vit":
       validation.require_positive(config, "model.patch_size")
+      validation.require_choice(config, "model.pool", vit.POOLS)
       parse_grid(config.model.grid, "model.grid")
     if name == "qformer":
       validation.require_choice(config, "model.connector", latent_reader.CONNECTORS)
