@@ -52,7 +52,9 @@ def test_markdown_has_one_row_per_finished_encoding_with_its_seed_count():
   keys = [key for key, _ in ablate_positions.EXPERIMENTS[0].metrics]
   results = {("dates", "rope"): [dict.fromkeys(keys, 1.0)], ("dates", "none"): [dict.fromkeys(keys, 0.5)] * 2}
   text = ablate_positions.markdown(ablate_positions.summarize(results), ["a note"])
-  assert "| none | 0.500 ± 0.000 | 0.500 ± 0.000 | 2 |" in text and "| rope | 1.000 ± 0.000 | 1.000 ± 0.000 | 1 |" in text
+  columns = len(keys)
+  assert "| none |" + " 0.500 ± 0.000 |" * columns + " 2 |" in text
+  assert "| rope |" + " 1.000 ± 0.000 |" * columns + " 1 |" in text
   assert "## length" not in text and text.rstrip().endswith("a note")
 
 
