@@ -11,7 +11,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from configs import common, toy_reverse, translate_dates
+from configs import common, perceiver_digits, toy_reverse, translate_dates
 from xattn_jax.training import layer_stack, loop, optim, sharding, tasks, validation
 from xattn_jax.training.toy_reverse import ToyReverseTask
 
@@ -96,6 +96,12 @@ def test_rotary_head_dim_check_reaches_the_translators_encoder_and_decoder():
   config = translate_dates.get_config("posenc=rope")
   config.model.decoder.d_model, config.model.decoder.num_heads = 36, 4  # head_dim 9
   with pytest.raises(validation.ConfigError, match=r"model\.decoder\.d_model=36: rotary dimension 9"):
+    validation.check_attention_dims(config.model)
+
+
+def test_rotary_head_dim_check_covers_the_perceivers_rope_2d():
+  config = perceiver_digits.get_config("posenc=rope_2d,width=24")  # 4 heads: head_dim 6
+  with pytest.raises(validation.ConfigError, match=r"model\.d_model=24: rotary dimension 6 must be a multiple of 4"):
     validation.check_attention_dims(config.model)
 
 

@@ -118,7 +118,7 @@ class DigitsTask(tasks.Task):
         raise validation.ConfigError("model.patch_size", patch, f"must divide every image grid, got {grid}")
     name = config.model.name
     if name == "perceiver":
-      validation.require_choice(config, "model.posenc", POSITION_ENCODINGS)
+      validation.require_choice(config, "model.position_encoding", POSITION_ENCODINGS)
       validation.require_positive(config, "model.num_latents", "model.num_repeats", "model.patch_size")
       parse_grid(config.model.grid, "model.grid")
     if name == "vit":
@@ -188,7 +188,7 @@ class DigitsTask(tasks.Task):
           num_classes=digits.NUM_CLASSES, patch_size=model.patch_size, grid=parse_grid(model.grid),
           width=model.d_model, num_latents=model.num_latents, num_heads=model.num_heads,
           num_blocks=model.num_blocks, num_repeats=model.num_repeats, mlp_ratio=model.mlp_ratio,
-          position_encoding=model.posenc, scan_layers=model.scan_layers,
+          position_encoding=model.position_encoding, scan_layers=model.scan_layers,
           remat=model.remat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     encoder = make_vit(self.encoder_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     state = nnx.state(encoder, nnx.Param)
