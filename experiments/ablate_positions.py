@@ -241,7 +241,7 @@ def write_outputs(results, root: pathlib.Path, out: pathlib.Path, notes: list[st
   learned_dir = root / "length" / "learned" / "seed0"
   table = learned_table(learned_dir) if (learned_dir / "result.json").exists() else None
   plot_encodings.plot_dot_products(str(out / "ablation_dot_products.png"), learned=table,
-                                   learned_note="(length task; rows > 33 untrained)")
+                                   learned_note="(length task; rows >= 33 untrained)")
   plot_encodings.plot_rope_scores(str(out / "ablation_rope_scores.png"))
 
 
