@@ -4,11 +4,10 @@ import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import algorithmic as algorithmic_config
 from xattn_jax.data import algorithmic
-from xattn_jax.training import algorithmic_task, validation
+from xattn_jax.training import algorithmic_task, loop, validation
 
 
 def _examples(operation, seed=0, count=16, min_length=1, max_length=9, width=None):
@@ -90,7 +89,7 @@ def test_every_band_gets_its_own_exact_match_and_token_accuracy():
   config = _config(eval_bands="1-3,4-6", num_eval_examples=2)
   config.eval_batch_size = 2
   task = algorithmic_task.AlgorithmicTask(config)
-  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   batch = next(iter(task.eval_batches(process_index=0, process_count=1)))
   metrics = task.eval_metrics(model, batch)
   assert {"exact_match_1_3", "exact_match_4_6", "token_accuracy_1_3", "token_accuracy_4_6", "loss",
@@ -125,7 +124,7 @@ def test_rope_scaling_override_reaches_the_models_rotary_layers():
   config.model.rope_scaling, config.model.rope_scaling_factor = "ntk", 4.0
   validation.validate_config(config)
   task = algorithmic_task.AlgorithmicTask(config)
-  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   for rotary in (model.source_positions.rotary, model.target_positions.rotary):
     assert (rotary.scaling, rotary.scaling_factor) == ("ntk", 4.0)
 
@@ -133,7 +132,7 @@ def test_rope_scaling_override_reaches_the_models_rotary_layers():
 @pytest.mark.parametrize("posenc", ["alibi", "t5_bias"])
 def test_relative_encodings_give_the_decoder_causal_and_the_encoder_symmetric_variants(posenc):
   task = algorithmic_task.AlgorithmicTask(algorithmic_config.get_config(f"size=micro,posenc={posenc}"))
-  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   if posenc == "alibi":
     assert (model.source_positions.causal, model.target_positions.causal) == (False, True)
   else:
@@ -147,6 +146,6 @@ def test_dates_config_rope_scaling_override_reaches_the_translator(tmp_path):
   config.data.first_year, config.data.last_year = 2000, 2000
   config.model.rope_scaling, config.model.rope_scaling_factor = "linear", 2.0
   validation.validate_config(config)
-  model = translate_task.TranslateTask(config, str(tmp_path)).make_model(nnx.Rngs(0), dtype=jnp.float32,
+  model = translate_task.TranslateTask(config, str(tmp_path)).make_model(loop.model_rngs(0), dtype=jnp.float32,
                                                                          param_dtype=jnp.float32)
   assert (model.target_positions.rotary.scaling, model.target_positions.rotary.scaling_factor) == ("linear", 2.0)

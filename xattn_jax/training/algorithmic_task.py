@@ -84,8 +84,6 @@ class AlgorithmicTask(tasks.Task):
     side = translator_lib.StackSize(c.d_model, c.num_heads, c.num_layers, c.mlp_dim)
     rope_scaling = dict(rope_scaling=c.rope_scaling, rope_scaling_factor=c.rope_scaling_factor) \
         if c.rope_scaling else {}
-    # The loop hands over a params stream only; the (unused, rate 0) dropout layers need a stream too.
-    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
     return translator_lib.Translator(
         algorithmic.vocab_size(self.config.task.num_symbols), encoder=side, decoder=side,
         position_encoding=c.position_encoding, max_length=self.max_length, scan_layers=c.scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **rope_scaling)
