@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from xattn_jax.ops import attention  # noqa: E402
 
-OURS = {"ours (default)": None, "ours xla": "xla", "ours chunked": "chunked"}
+OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked"}
 
 
 def jax_attention_fn(name):

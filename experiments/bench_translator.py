@@ -327,8 +327,9 @@ def main():
       f"{cores} CPU cores ({platform.machine()}), jax {jax.__version__}, torch {torch.__version__} "
       f"({torch.get_num_threads()} threads), float32. Sizes: d_model {s['d_model']}, {s['num_heads']} heads, "
       f"{s['num_layers']}+{s['num_layers']} layers, MLP {s['mlp_dim']}, vocab {s['vocab']}, batch {s['batch']}, "
-      f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up. The machine is shared "
-      "with other jobs, so absolute times are pessimistic; ratios were measured side by side.", "",
+      f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up; "
+      f"1-minute load average when writing: {os.getloadavg()[0]:.1f} (2 or more = other jobs competed, absolute "
+      "times pessimistic). JAX and torch were measured side by side in one process.", "",
       "## Training (forward + backward + AdamW)", "",
       row("", "step s", "tokens/s (source + target)", "vs torch"), row("---", "---", "---", "---"),
       row("xattn_jax Translator", f"{t['jax_step_s']:.3f}", f"{t['jax_tokens_per_s']:.0f}",

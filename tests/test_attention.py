@@ -13,7 +13,7 @@ from xattn_jax.ops import attention, blocked_attention, masks
 HAS_GPU = jax.default_backend() == "gpu"
 # "chunked" runs with tiny blocks (see the fixture) so the small test shapes span several query and
 # key blocks, padded last blocks and skipped causal blocks.
-IMPLEMENTATIONS = ["xla", "chunked"]
+IMPLEMENTATIONS = ["dense", "xla", "chunked"]
 SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
 
 
@@ -283,10 +283,12 @@ def test_dispatch_picks_cudnn_on_gpu_for_bf16_causal():
 ], ids=["cpu", "float32", "head_dim_not_multiple_of_8", "head_dim_too_big", "bool_mask", "causal_q_lt_kv",
         "bias_odd_length"])
 def test_dispatch_avoids_cudnn_where_it_cannot_run(overrides):
-  assert _select(**overrides) in ("xla", "chunked")
+  assert _select(**overrides) in ("dense", "xla", "chunked")
 
 
 def test_dispatch_on_cpu_switches_to_chunked_for_long_sequences():
+  assert _select(backend="cpu", q_len=64, kv_len=64) == "dense"
+  assert _select(backend="cpu", q_len=1, kv_len=4096) == "dense"  # a decode step
   assert _select(backend="cpu", q_len=512, kv_len=512) == "xla"
   assert _select(backend="cpu", q_len=16384, kv_len=16384) == "chunked"
 

@@ -7,11 +7,13 @@ queries to the LAST q_len keys (see `masks.causal_mask`). Softmax runs in float3
 attend to no key returns zeros with finite gradients, in every implementation.
 
 Implementations:
+  "dense":   plain einsum + float32 softmax with XLA's own autodiff: one fused program, the fastest
+             CPU path for short sequences (training at length 64, a decode step's single query).
   "xla":     dense softmax over all keys at once, one (batch, kv head) unit and query block at a
              time so the score block stays in cache; a custom VJP recomputes it in the backward.
   "chunked": online softmax over key blocks: forward and backward memory linear in length.
   "cudnn":   `jax.nn.dot_product_attention(implementation="cudnn")` on GPU, where cuDNN allows.
-  None:      cuDNN when allowed, otherwise the fastest XLA path at that size (`select_implementation`).
+  None:      cuDNN when allowed, otherwise the fastest CPU path at that size (`select_implementation`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ import jax.numpy as jnp
 from xattn_jax.ops import blocked_attention
 from xattn_jax.ops import masks as masks_lib
 
-IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
+IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
+# Up to this many scores per (batch, head) the default CPU path is "dense": below it the blocked
+# kernel's loop and custom VJP cost more than the cache locality they buy.
+_DENSE_UP_TO_SCORES = 128 * 128
 # Above this many keys the default CPU path switches from one-pass ("xla") to online softmax
 # ("chunked"): both run at about the same speed there, and chunked needs far less memory.
 _CHUNKED_FROM_KV_LEN = 4096
@@ -87,6 +92,8 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
   if cudnn_unsupported_reason(backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len,
                               has_mask=has_mask, has_bias=has_bias, is_causal=is_causal) is None:
     return "cudnn"
+  if q_len * kv_len <= _DENSE_UP_TO_SCORES:
+    return "dense"
   return "chunked" if kv_len >= _CHUNKED_FROM_KV_LEN else "xla"
 
 
@@ -117,7 +124,7 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     mask: bool, broadcastable to [batch, heads, q_len, kv_len]; True = may attend.
     is_causal: query i may attend to keys 0 .. kv_len - q_len + i (queries are the last keys).
     scale: score scale; default head_dim ** -0.5.
-    implementation: None, "xla", "chunked" or "cudnn" (see the module docstring).
+    implementation: None, "dense", "xla", "chunked" or "cudnn" (see the module docstring).
   Returns:
     [batch, q_len, heads, head_dim] in query's dtype.
   """
@@ -141,6 +148,11 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       raise ValueError(f"dot_product_attention: implementation='cudnn' {reason}")
     return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=scale, is_causal=bool(is_causal),
                                         implementation="cudnn")
+  if implementation == "dense":
+    k = key.shape[2]
+    weights = attention_weights(query, key, bias=bias, mask=mask, is_causal=is_causal, scale=scale)
+    weights = weights.reshape(b, k, n // k, t, s).astype(value.dtype)  # -> [b, kv_heads, groups, t, s]
+    return jnp.einsum("bkgts,bskh->btkgh", weights, value).reshape(b, t, n, h)
   return blocked_attention.blocked_attention(
       query, key, value, mask=mask, bias=bias, query_offset=_causal_offsets(b, t, s),
       is_causal=bool(is_causal), scale=scale, blocking=choose_blocking(implementation, t, s))
