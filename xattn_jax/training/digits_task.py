@@ -12,7 +12,7 @@ Batches are `images` [b, H, W, 1] (standardised pixels) and `labels` [b]; see `x
 Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the reader passes to what
 follows it: N latents / queries, or M features for the MLP connector and the ViT). Eval also reports
 `eval/accuracy_HxW` on the test images resized to each grid in `data.extra_eval_grids` (reading more
-features than in training) and writes the readers' attention maps as `attention_maps.png` in the workdir.
+features than in training) and writes the readers' attention maps as `attention_maps/test_K.png` in the workdir.
 
 Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
 or a PNG file; the output line is the file name and the predicted digit(s). `test:K` classifies test image K.
