@@ -23,16 +23,10 @@ def get_config(arg=None):
   args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", operation="reverse")
   if args.size not in SIZES:
     raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
-  config = common.base_config()
-  config.total_steps = 3000
-  config.batch_size = 64
-  config.eval_batch_size = 64
-  config.log_every_steps = 100
-  config.eval_every_steps = 1000
-  config.checkpoint.every_steps = 1000
+  config = common.base_config(total_steps=3000, batch_size=64, eval_batch_size=64, log_every_steps=100,
+                              eval_every_steps=1000, checkpoint_every_steps=1000, learning_rate=1e-3,
+                              warmup_steps=200)
   config.checkpoint.best_metric = ""   # the last step is the result; eval runs on every band
-  config.optimizer.learning_rate = 1e-3
-  config.optimizer.warmup_steps = 200
 
   config.task.name = "algorithmic"
   config.task.operation = args.operation     # reverse | copy
