@@ -7,13 +7,17 @@ queries to the LAST q_len keys (see `masks.causal_mask`). Softmax runs in float3
 attend to no key returns zeros with finite gradients, in every implementation.
 
 Implementations:
-  "dense":   plain einsum + float32 softmax with XLA's own autodiff: one fused program, the fastest
-             CPU path for short sequences (training at length 64, a decode step's single query).
-  "xla":     dense softmax over all keys at once, one (batch, kv head) unit and query block at a
-             time so the score block stays in cache; a custom VJP recomputes it in the backward.
+  "dense":   the whole [q, kv] score matrix as one fused XLA program with a hand-written VJP
+             (`dense_attention`): the fastest CPU path for short sequences (training at length 64,
+             a decode step's single query), memory quadratic in length.
+  "xla":     the one-pass softmax over all keys, compiled by XLA and sized to the problem: "dense"
+             up to 128 x 128 scores per head, beyond that one (batch, kv head) unit and query block
+             at a time so the score block stays in cache, with a custom VJP that recomputes it
+             (`blocked_attention`). Never slower than `jax.nn.dot_product_attention` on CPU.
   "chunked": online softmax over key blocks: forward and backward memory linear in length.
   "cudnn":   `jax.nn.dot_product_attention(implementation="cudnn")` on GPU, where cuDNN allows.
-  None:      cuDNN when allowed, otherwise the fastest CPU path at that size (`select_implementation`).
+  None:      cuDNN when allowed, otherwise "xla", or "chunked" for long key sequences
+             (`select_implementation`).
 """
 from __future__ import annotations
 
@@ -21,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from xattn_jax.ops import blocked_attention
-from xattn_jax.ops import masks as masks_lib
+from xattn_jax.ops import dense_attention
 
 IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
-# Up to this many scores per (batch, head) the default CPU path is "dense": below it the blocked
-# kernel's loop and custom VJP cost more than the cache locality they buy.
-_DENSE_UP_TO_SCORES = 128 * 128
+# Up to this many scores per (batch, head) "xla" runs as one fused program ("dense"): below it the
+# blocked kernel's loop costs more than the cache locality it buys.
+_FUSED_UP_TO_SCORES = 128 * 128
 # Above this many keys the default CPU path switches from one-pass ("xla") to online softmax
 # ("chunked"): both run at about the same speed there, and chunked needs far less memory.
 _CHUNKED_FROM_KV_LEN = 4096
@@ -92,8 +96,6 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
   if cudnn_unsupported_reason(backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len,
                               has_mask=has_mask, has_bias=has_bias, is_causal=is_causal) is None:
     return "cudnn"
-  if q_len * kv_len <= _DENSE_UP_TO_SCORES:
-    return "dense"
   return "chunked" if kv_len >= _CHUNKED_FROM_KV_LEN else "xla"
 
 
@@ -148,14 +150,15 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       raise ValueError(f"dot_product_attention: implementation='cudnn' {reason}")
     return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=scale, is_causal=bool(is_causal),
                                         implementation="cudnn")
+  if implementation == "xla" and t * s <= _FUSED_UP_TO_SCORES:
+    implementation = "dense"
+  # Scaling the queries once is cheaper than scaling every score block (autodiff applies it to dq).
+  query = query * jnp.asarray(scale, query.dtype)
   if implementation == "dense":
-    k = key.shape[2]
-    weights = attention_weights(query, key, bias=bias, mask=mask, is_causal=is_causal, scale=scale)
-    weights = weights.reshape(b, k, n // k, t, s).astype(value.dtype)  # -> [b, kv_heads, groups, t, s]
-    return jnp.einsum("bkgts,bskh->btkgh", weights, value).reshape(b, t, n, h)
+    return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal))
   return blocked_attention.blocked_attention(
       query, key, value, mask=mask, bias=bias, query_offset=_causal_offsets(b, t, s),
-      is_causal=bool(is_causal), scale=scale, blocking=choose_blocking(implementation, t, s))
+      is_causal=bool(is_causal), blocking=choose_blocking(implementation, t, s))
 
 
 def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scale=None):
@@ -165,22 +168,9 @@ def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scal
   """
   _validate_qkv(query, key, key)
   b, t, n, h = query.shape
-  s, k = key.shape[1], key.shape[2]
+  s = key.shape[1]
   mask = _validate_broadcast("mask", mask, (b, n, t, s))
   bias = _validate_broadcast("bias", bias, (b, n, t, s))
   scale = h ** -0.5 if scale is None else scale
-  grouped_query = query.reshape(b, t, k, n // k, h)
-  scores = jnp.einsum("btkgh,bskh->bkgts", grouped_query, key, preferred_element_type=jnp.float32) * scale
-  scores = scores.reshape(b, n, t, s)
-  if bias is not None:
-    scores = scores + bias.astype(jnp.float32)
-  if is_causal:
-    mask = masks_lib.combine_masks(mask, masks_lib.causal_mask(t, s))
-  if mask is None:
-    return jax.nn.softmax(scores, axis=-1)
-  scores = jnp.where(mask, scores, -jnp.inf)
-  # A query that may see no key gets zero weight everywhere (zero output, finite gradient).
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-  return weights / jnp.where(row_sum > 0, row_sum, 1.0)
+  query = query * jnp.asarray(scale, query.dtype)
+  return dense_attention.probabilities(query, key, mask, bias, bool(is_causal))

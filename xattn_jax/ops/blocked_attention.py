@@ -38,6 +38,7 @@ class _Static:
   is_causal: bool
   kv_len: int  # unpadded; keys at positions >= kv_len are padding added to fill the last block
   kv_heads: int
+  may_hide_rows: bool  # some query row may see no key (masks, biases, causal with q_len > kv_len)
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -67,10 +68,17 @@ def _block_slice(x, q_start, k_start, block_q, block_k):
   return x
 
 
-def _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Static):
-  """Masked scores [groups, block_q, block_k] in float32 (-inf where masked); q_blk is pre-scaled."""
+def _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Static):
+  """Masked float32 scores [groups * block_q, block_k] (-inf where masked); q_rows is pre-scaled.
+
+  Query rows are [groups * block_q, head_dim]: 2-D matmuls and row reductions run ~15% faster on
+  CPU than with a separate groups axis; masks see the free reshape to [groups, block_q, block_k].
+  """
   bq, bk = st.blocking.block_q, st.blocking.block_k
-  s = jnp.einsum("gqh,kh->gqk", q_blk, k_blk, preferred_element_type=jnp.float32)
+  s = jnp.einsum("qh,kh->qk", q_rows, k_blk, preferred_element_type=jnp.float32)
+  if bias_u is None and mask_u is None and not st.is_causal and st.kv_len % bk == 0:
+    return s
+  s = s.reshape(-1, bq, bk)
   bias_blk = _block_slice(bias_u, q_start, k_start, bq, bk)
   if bias_blk is not None:
     s = s + bias_blk.astype(jnp.float32)
@@ -87,7 +95,12 @@ def _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Stati
     valid = mask_blk if valid is None else valid & mask_blk
   if valid is not None:
     s = jnp.where(valid, s, -jnp.inf)
-  return s
+  return s.reshape(-1, bk)
+
+
+def _finite_or_zero(row_max, st: _Static):
+  """A row with no visible key keeps max -inf; 0 in its place makes exp() give 0, not NaN."""
+  return jnp.where(jnp.isfinite(row_max), row_max, 0.0) if st.may_hide_rows else row_max
 
 
 def _key_blocks_needed(offset_u, q_start, st: _Static, num_key_blocks: int):
@@ -108,40 +121,44 @@ def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st
   offset_u = query_offset[batch_index]
   q_start = q_index * bq
   num_key_blocks = k_u.shape[0] // bk
-  g = q_blk.shape[0]
+  g, _, h = q_blk.shape
+  q_rows = q_blk.reshape(-1, h)  # [groups * block_q, head_dim]
 
   def step(kb, carry):
     row_max, row_sum, acc = carry
     k_start = kb * bk
     k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
     v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
-    s = _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
+    s = _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
     new_max = jnp.maximum(row_max, s.max(axis=-1))
     # A row with no visible key so far keeps max -inf; use 0 so exp() gives 0, not NaN.
-    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-    p = jnp.exp(s - safe_max[..., None])  # [groups, block_q, block_k]
+    safe_max = _finite_or_zero(new_max, st)
+    p = jnp.exp(s - safe_max[..., None])  # [groups * block_q, block_k]
     rescale = jnp.exp(row_max - safe_max)
     row_sum = row_sum * rescale + p.sum(axis=-1)
-    pv = jnp.einsum("gqk,kh->gqh", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("qk,kh->qh", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     return new_max, row_sum, acc * rescale[..., None] + pv
 
   if num_key_blocks == 1:
     # One pass: no running maximum to correct.
-    s = _scores(q_blk, k_u, mask_u, bias_u, offset_u, q_start, 0, st)
+    s = _scores(q_rows, k_u, mask_u, bias_u, offset_u, q_start, 0, st)
     row_max = s.max(axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
+    p = jnp.exp(s - _finite_or_zero(row_max, st)[..., None])
     row_sum = p.sum(axis=-1)
-    acc = jnp.einsum("gqk,kh->gqh", p.astype(v_u.dtype), v_u, preferred_element_type=jnp.float32)
+    acc = jnp.einsum("qk,kh->qh", p.astype(v_u.dtype), v_u, preferred_element_type=jnp.float32)
   else:
-    init = (jnp.full((g, bq), -jnp.inf, jnp.float32), jnp.zeros((g, bq), jnp.float32),
-            jnp.zeros((g, bq, value.shape[-1]), jnp.float32))
+    init = (jnp.full((g * bq,), -jnp.inf, jnp.float32), jnp.zeros((g * bq,), jnp.float32),
+            jnp.zeros((g * bq, h), jnp.float32))
     row_max, row_sum, acc = lax.fori_loop(
         0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
-  seen = row_sum > 0
-  # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
-  out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
-  lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(row_sum), jnp.inf)
-  return out.astype(q_blk.dtype), lse
+  if not st.may_hide_rows:  # every row saw a key: no guards (they cost ~10% of the forward)
+    out, lse = acc / row_sum[..., None], row_max + jnp.log(row_sum)
+  else:
+    seen = row_sum > 0
+    # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(row_sum), jnp.inf)
+  return out.reshape(q_blk.shape).astype(q_blk.dtype), lse.reshape(g, bq)
 
 
 def _forward(q_items, key, value, mask, bias, query_offset, st: _Static):
@@ -168,47 +185,47 @@ def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, 
 
   # dk and dv are accumulated transposed, [head_dim, kv_len]: "hq,qk->hk" with the small q / dout
   # block transposed feeds the matmul without transposing the large [block_q, block_k] blocks.
-  def key_step(kb, carry, q_blk, do_blk, q_t, do_t, lse_blk, delta_blk, q_start):
-    dq_blk, dk_t, dv_t, dbias = carry
+  # Query rows are [groups * block_q, ...] as in the forward.
+  def key_step(kb, carry, q_rows, do_rows, q_t, do_t, lse_rows, delta_rows, q_start):
+    dq_rows, dk_t, dv_t, dbias = carry
     k_start = kb * bk
     k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
     v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
-    s = _scores(q_blk, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
-    p = jnp.exp(s - lse_blk[..., None])  # [groups, block_q, block_k]
-    dp = jnp.einsum("gqh,kh->gqk", do_blk, v_blk, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_blk[..., None])  # d loss / d scores
-    p_rows = p.reshape(-1, bk).astype(do_t.dtype)  # [(groups block_q), block_k]
-    ds_rows = ds.reshape(-1, bk).astype(q_t.dtype)
-    dq_blk = dq_blk + jnp.einsum("gqk,kh->gqh", ds_rows.reshape(ds.shape), k_blk,
-                                 preferred_element_type=jnp.float32)
-    dv_t_blk = jnp.einsum("hq,qk->hk", do_t, p_rows, preferred_element_type=jnp.float32)
-    dk_t_blk = jnp.einsum("hq,qk->hk", q_t, ds_rows, preferred_element_type=jnp.float32)
+    s = _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
+    p = jnp.exp(s - lse_rows[..., None])  # [groups * block_q, block_k]
+    dp = jnp.einsum("qh,kh->qk", do_rows, v_blk, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_rows[..., None])  # d loss / d scores
+    ds_low = ds.astype(q_t.dtype)
+    dq_rows = dq_rows + jnp.einsum("qk,kh->qh", ds_low, k_blk, preferred_element_type=jnp.float32)
+    dv_t_blk = jnp.einsum("hq,qk->hk", do_t, p.astype(do_t.dtype), preferred_element_type=jnp.float32)
+    dk_t_blk = jnp.einsum("hq,qk->hk", q_t, ds_low, preferred_element_type=jnp.float32)
     add = lambda acc, blk: lax.dynamic_update_slice_in_dim(
         acc, lax.dynamic_slice_in_dim(acc, k_start, bk, axis=1) + blk, k_start, axis=1)
     dk_t, dv_t = add(dk_t, dk_t_blk), add(dv_t, dv_t_blk)
     if dbias is not None:
       # Sum ds over the axes the bias broadcasts along, then add into the bias's own block.
       g_, t_, s_ = dbias.shape
+      ds = ds.reshape(-1, bq, bk)
       part = ds.sum(axis=tuple(a for a, n in enumerate((g_, t_, s_)) if n == 1), keepdims=True)
       starts = (0, q_start if t_ > 1 else 0, k_start if s_ > 1 else 0)
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, part.shape) + part, starts)
-    return dq_blk, dk_t, dv_t, dbias
+    return dq_rows, dk_t, dv_t, dbias
 
   def query_step(qi, carry):
     dq, dk_t, dv_t, dbias = carry
     q_start = qi * bq
-    q_blk, do_blk, lse_blk, delta_blk = q_u[qi], o_grad_u[qi], lse_u[qi], delta_u[qi]
-    h = q_blk.shape[-1]
-    step = functools.partial(key_step, q_blk=q_blk, do_blk=do_blk, q_t=q_blk.reshape(-1, h).T,
-                             do_t=do_blk.reshape(-1, h).T, lse_blk=lse_blk, delta_blk=delta_blk,
+    h = q_u.shape[-1]
+    q_rows, do_rows = q_u[qi].reshape(-1, h), o_grad_u[qi].reshape(-1, h)
+    step = functools.partial(key_step, q_rows=q_rows, do_rows=do_rows, q_t=q_rows.T, do_t=do_rows.T,
+                             lse_rows=lse_u[qi].reshape(-1), delta_rows=delta_u[qi].reshape(-1),
                              q_start=q_start)
-    init = (jnp.zeros(q_blk.shape, jnp.float32), dk_t, dv_t, dbias)
+    init = (jnp.zeros(q_rows.shape, jnp.float32), dk_t, dv_t, dbias)
     if num_key_blocks == 1:
-      dq_blk, dk_t, dv_t, dbias = step(0, init)
+      dq_rows, dk_t, dv_t, dbias = step(0, init)
     else:
-      dq_blk, dk_t, dv_t, dbias = lax.fori_loop(
+      dq_rows, dk_t, dv_t, dbias = lax.fori_loop(
           0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
-    return dq.at[qi].set(dq_blk), dk_t, dv_t, dbias
+    return dq.at[qi].set(dq_rows.reshape(q_u.shape[1:])), dk_t, dv_t, dbias
 
   dbias0 = None if bias_u is None else jnp.zeros(bias_u.shape, jnp.float32)
   init = (jnp.zeros(q_u.shape, jnp.float32), jnp.zeros(k_u.shape[::-1], jnp.float32),
@@ -250,26 +267,20 @@ def _attention_bwd(st, residuals, o_grad):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal: bool, scale: float,
-                      blocking: Blocking):
+# Jitted so that eager calls compile the block loops once per shape instead of op by op.
+@functools.partial(jax.jit, static_argnames=("is_causal", "blocking"))
+def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal: bool, blocking: Blocking):
   """Attention over blocks; shapes as `dot_product_attention` (inputs already validated).
 
   Args:
-    query: [batch, q_len, heads, head_dim]; key, value: [batch, kv_len, kv_heads, head_dim].
+    query: [batch, q_len, heads, head_dim], already multiplied by the score scale;
+      key, value: [batch, kv_len, kv_heads, head_dim].
     mask: None or bool [B', heads | 1, T', S'] with B' in {1, batch}, T' in {1, q_len}, S' in {1, kv_len}.
     bias: None or float, shaped like mask.
     query_offset: int [batch], absolute position of query 0 (used when is_causal).
   Returns:
     [batch, q_len, heads, head_dim] in query's dtype.
   """
-  # Scaling the queries once is cheaper than scaling every score block (autodiff applies it to dq).
-  query = query * jnp.asarray(scale, query.dtype)
-  return _blocked_attention(query, key, value, mask, bias, query_offset, is_causal=is_causal, blocking=blocking)
-
-
-# Jitted so that eager calls compile the block loops once per shape instead of op by op.
-@functools.partial(jax.jit, static_argnames=("is_causal", "blocking"))
-def _blocked_attention(query, key, value, mask, bias, query_offset, *, is_causal: bool, blocking: Blocking):
   b, t, n, h = query.shape
   s, kv_heads = key.shape[1], key.shape[2]
   groups = n // kv_heads
@@ -277,8 +288,8 @@ def _blocked_attention(query, key, value, mask, bias, query_offset, *, is_causal
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
-  st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s,
-               kv_heads=kv_heads)
+  may_hide_rows = mask is not None or bias is not None or (is_causal and t > s)
+  st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads, may_hide_rows=may_hide_rows)
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
     if x is None:
