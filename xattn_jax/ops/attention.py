@@ -11,7 +11,7 @@ Implementations:
              (`dense_attention`): the fastest CPU path for short sequences (training at length 64,
              a decode step's single query), memory quadratic in length.
   "xla":     the one-pass softmax over all keys, compiled by XLA and sized to the problem: "dense"
-             up to 128 x 128 scores per head, beyond that one (batch, kv head) unit and query block
+             up to 256 x 256 scores per head, beyond that one (batch, kv head) unit and query block
              at a time so the score block stays in cache, with a custom VJP that recomputes it
              (`blocked_attention`). Never slower than `jax.nn.dot_product_attention` on CPU.
   "chunked": online softmax over key blocks: forward and backward memory linear in length.
@@ -30,7 +30,7 @@ from xattn_jax.ops import dense_attention
 IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
 # Up to this many scores per (batch, head) "xla" runs as one fused program ("dense"): below it the
 # blocked kernel's loop costs more than the cache locality it buys.
-_FUSED_UP_TO_SCORES = 128 * 128
+_FUSED_UP_TO_SCORES = 256 * 256
 # Above this many keys the default CPU path switches from one-pass ("xla") to online softmax
 # ("chunked"): both run at about the same speed there, and chunked needs far less memory.
 _CHUNKED_FROM_KV_LEN = 4096
@@ -96,7 +96,9 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
   if cudnn_unsupported_reason(backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len,
                               has_mask=has_mask, has_bias=has_bias, is_causal=is_causal) is None:
     return "cudnn"
-  return "chunked" if kv_len >= _CHUNKED_FROM_KV_LEN else "xla"
+  if q_len * kv_len > _FUSED_UP_TO_SCORES and kv_len >= _CHUNKED_FROM_KV_LEN:
+    return "chunked"
+  return "xla"
 
 
 def choose_blocking(implementation: str, q_len: int, kv_len: int) -> blocked_attention.Blocking:

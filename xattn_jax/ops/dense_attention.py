@@ -5,7 +5,8 @@ divide of the [..., head_dim] rows by the row sums, which is cheaper than dividi
 probabilities. Under differentiation the forward keeps the normalized float32 probabilities as the
 residual and the backward is the textbook softmax backward without recomputation. Measured on CPU
 (batch 8, 8 heads, head_dim 64, length 128) both beat XLA's autodiff of the plain formula and
-`jax.nn.dot_product_attention`; above ~128 x 128 scores per head the blocked kernel wins.
+`jax.nn.dot_product_attention`; at 256 x 256 it still beats the blocked kernel (7 vs 15 ms forward),
+at 512 x 512 the blocked kernel wins (the score tensor no longer fits in cache).
 
 Inputs are validated by `attention.dot_product_attention`; queries arrive already scaled.
 """
