@@ -134,6 +134,27 @@ def test_multi_query_attention_matches_reference(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", ["bias_mask_causal", "segments"])
+def test_heads_major_key_value_layout_matches_reference(implementation, kind):
+  # kv_layout="bksh" takes key / value as [batch, kv_heads, kv_len, head_dim] (a decode cache's
+  # layout); outputs and gradients (returned in that layout) must match the default layout's.
+  query, key, value, kwargs = make_case(kind, seed=11)
+  to_heads_major = lambda x: x.transpose(0, 2, 1, 3)
+
+  def heads_major(q, k, v, **kw):
+    return attention.dot_product_attention(q, to_heads_major(k), to_heads_major(v), implementation=implementation,
+                                           kv_layout="bksh", **kw)
+
+  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=query.shape), jnp.float32)
+  out, got = output_and_grads(heads_major, query, key, value, kwargs, cotangent)
+  expected, want = output_and_grads(reference_attention, query, key, value, kwargs, cotangent)
+  np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+  for g, w in zip(got, want):
+    if w is not None:
+      np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference(implementation):
   query, key, value, kwargs = make_case("bool_mask", seed=5, dtype=jnp.bfloat16)
   assert_matches_reference(implementation, query, key, value, kwargs, atol=3e-2)
@@ -317,6 +338,9 @@ def _validation_cases():
       ("bias_broadcast", dict(query=q, key=k, value=v, bias=jnp.ones((3, 1, 5, 7))), ["bias", "[3, 1, 5, 7]"]),
       ("implementation", dict(query=q, key=k, value=v, implementation="flash"),
        ["implementation", "'flash'", "chunked"]),
+      ("kv_layout", dict(query=q, key=k, value=v, kv_layout="bhsd"), ["kv_layout", "'bhsd'", "bksh"]),
+      ("heads_major_head_dim", dict(query=q, key=jnp.zeros((2, 2, 7, 6)), value=v, kv_layout="bksh"),
+       ["key", "[2, kv_heads, kv_len, 8]", "[2, 2, 7, 6]"]),
   ]
 
 

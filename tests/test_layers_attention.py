@@ -154,7 +154,7 @@ def test_extend_past_capacity_under_jit_returns_nan():
 def test_init_cache_is_empty_with_declared_shapes():
   cache = _layer(num_kv_heads=2).init_cache(3, 5, dtype=jnp.bfloat16)
   assert isinstance(cache, KVCache)
-  chex.assert_shape([cache.keys, cache.values], (3, 5, 2, 4))
+  chex.assert_shape([cache.keys, cache.values], (3, 2, 5, 4))  # [b, kv_heads, max_length, h]
   assert cache.keys.dtype == jnp.bfloat16 and int(cache.index) == 0
 
 

@@ -90,7 +90,8 @@ def _record_attention_inputs(monkeypatch):
   attend_heads = MultiHeadAttention._attend_heads
 
   def recording(self, q, keys, values, *, mask, bias, is_causal, deterministic):
-    calls.append((q, keys, mask, bias, is_causal))
+    # The layer hands its kernel heads-major keys [b, k, s, h]; recorded as [b, s, k, h].
+    calls.append((q, keys.transpose(0, 2, 1, 3), mask, bias, is_causal))
     return attend_heads(self, q, keys, values, mask=mask, bias=bias, is_causal=is_causal,
                         deterministic=deterministic)
 
@@ -207,7 +208,7 @@ def test_stacked_decoder_blocks_decode_under_nnx_scan_like_the_full_pass():
   stack = make_stack(jax.random.split(jax.random.key(0), 2))
   memory, x = _normal(13, (2, 5, MEMORY_FEATURES)), _normal(14, (2, 4, FEATURES))
   caches = nnx.vmap(lambda block: block.init_cache(memory, 6), in_axes=0, out_axes=0)(stack)
-  chex.assert_shape(caches.self_attention.keys, (2, 2, 6, HEADS, FEATURES // HEADS))  # [layers, b, ...]
+  chex.assert_shape(caches.self_attention.keys, (2, 2, HEADS, 6, FEATURES // HEADS))  # [layers, b, k, s, h]
   prefill, caches = decode(stack, x[:, :3], caches)
   step, caches = decode(stack, x[:, 3:], caches)
   np.testing.assert_allclose(jnp.concatenate([prefill, step], 1), full_pass(stack, x, memory), atol=1e-5)

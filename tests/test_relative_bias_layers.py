@@ -60,7 +60,7 @@ def _decoder_pass(block, encoding, x, memory, positions):
 
 @nnx.jit
 def _decode(block, encoding, x, cache, positions):
-  key_positions = _positions(0, cache.self_attention.keys.shape[1], x.shape[0])  # every cache row
+  key_positions = _positions(0, cache.self_attention.max_length, x.shape[0])  # every cache row
   return block.decode(x, cache, positions=positions, self_bias=encoding.attention_bias(positions, key_positions))
 
 

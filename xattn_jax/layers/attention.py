@@ -4,13 +4,15 @@ One module serves self-attention (`x_kv` is None) and cross-attention (a query s
 `in_features` reading a key/value stream of width `kv_features`, as torch's kdim / vdim). All
 passes go through the same two halves:
 
-  project_memory(x_kv)        -> MemoryCache(keys, values)     [batch, kv_len, kv_heads, head_dim]
+  project_memory(x_kv)        -> MemoryCache(keys, values)     [batch, kv_heads, kv_len, head_dim]
   attend(x_q, memory_cache)   -> out                           [batch, q_len, out_features]
 
 `__call__` is exactly `attend(x_q, project_memory(x_kv))`; a decoder projects the encoder memory
 once and reuses the MemoryCache for every step. Self-attention decoding keeps a `KVCache` of
 fixed capacity that `extend` fills with `lax.dynamic_update_slice` (a prompt of any length, or one
 token at a time) and returns advanced, so a step is a pure function (tokens, cache) -> (out, cache).
+Both caches keep keys / values heads-major, [batch, kv_heads, length, head_dim]: the attention
+kernel reads them without transposing the whole cache at every step (`kv_layout="bksh"`).
 
 Parameters carry logical axis names (`nnx.with_partitioning`, not sharded eagerly, so the module
 builds anywhere); the training code maps the names to mesh axes:
@@ -36,17 +38,22 @@ from xattn_jax.ops import masks as masks_lib
 class KVCache:
   """Self-attention cache: the first `index` rows of keys / values are filled.
 
-  keys, values: [batch, max_length, kv_heads, head_dim]; index: int32 scalar.
+  keys, values: [batch, kv_heads, max_length, head_dim]; index: int32 scalar.
   A pytree, so caches of several layers can be stacked and carried through jit / scan.
   """
   keys: jax.Array
   values: jax.Array
   index: jax.Array
 
+  @property
+  def max_length(self) -> int:
+    """The capacity: how many rows the cache can hold."""
+    return self.keys.shape[-2]
+
 
 @flax.struct.dataclass
 class MemoryCache:
-  """Cross-attention cache: a memory's projected keys and values, [batch, kv_len, kv_heads, head_dim]."""
+  """Cross-attention cache: a memory's projected keys and values, [batch, kv_heads, kv_len, head_dim]."""
   keys: jax.Array
   values: jax.Array
 
@@ -65,6 +72,11 @@ def _check_broadcastable(name: str, array, target: tuple[int, ...]) -> None:
         f"got {name}{list(array.shape)}")
   if name == "mask" and array.dtype != jnp.bool_:
     raise ValueError(f"MultiHeadAttention: mask must be boolean (True = may attend), got dtype {array.dtype}")
+
+
+def _heads_major(x):
+  """[b, s, k, h] -> [b, k, s, h], the caches' layout."""
+  return x.transpose(0, 2, 1, 3)
 
 
 def _is_traced(x) -> bool:
@@ -169,7 +181,8 @@ class MultiHeadAttention(nnx.Module):
   # --- the attention itself -------------------------------------------------------------------
 
   def _check_mask_bias(self, q, keys, mask, bias):
-    target = (q.shape[0], self.num_heads, q.shape[1], keys.shape[1])
+    """keys are heads-major [b, kv_heads, s, h]."""
+    target = (q.shape[0], self.num_heads, q.shape[1], keys.shape[2])
     if mask is not None:
       _check_broadcastable("mask", mask, target)
     if bias is not None:
@@ -178,18 +191,20 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"MultiHeadAttention: memory batch {keys.shape[0]} differs from x_q batch {q.shape[0]}")
 
   def _attend_heads(self, q, keys, values, *, mask, bias, is_causal, deterministic):
-    """q [b, t, n, h], keys / values [b, s, k, h] -> [b, t, out_features]."""
+    """q [b, t, n, h], keys / values heads-major [b, k, s, h] -> [b, t, out_features]."""
     self._check_mask_bias(q, keys, mask, bias)
     if self.dropout_rate > 0.0 and not deterministic:
       # Dropout acts on the probabilities, so this pass needs them explicitly.
-      weights = attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
+      weights = attention_ops.attention_weights(q, keys.transpose(0, 2, 1, 3), bias=bias, mask=mask,
+                                                is_causal=is_causal)
       weights = self.dropout(weights, deterministic=False).astype(values.dtype)
       weights = einops.rearrange(weights, "b (k g) t s -> b k g t s", k=self.num_kv_heads)
-      heads = jnp.einsum("bkgts,bskh->btkgh", weights, values)
+      heads = jnp.einsum("bkgts,bksh->btkgh", weights, values)
       heads = einops.rearrange(heads, "b t k g h -> b t (k g) h")
     else:
       heads = attention_ops.dot_product_attention(
-          q, keys, values, bias=bias, mask=mask, is_causal=is_causal, implementation=self.implementation)
+          q, keys, values, bias=bias, mask=mask, is_causal=is_causal, implementation=self.implementation,
+          kv_layout="bksh")
     chex.assert_shape(heads, (q.shape[0], q.shape[1], self.num_heads, self.head_dim))
     return self.out(einops.rearrange(heads, "b t n h -> b t (n h)"))
 
@@ -198,7 +213,7 @@ class MultiHeadAttention(nnx.Module):
   def project_memory(self, x_kv, *, key_positions=None) -> MemoryCache:
     """Projects a memory x_kv [b, s, kv_features] once into its keys and values."""
     keys, values = self._project_key_value(x_kv, key_positions)
-    return MemoryCache(keys=keys, values=values)
+    return MemoryCache(keys=_heads_major(keys), values=_heads_major(values))
 
   def attend(self, x_q, memory_cache: MemoryCache, *, mask=None, bias=None, query_positions=None,
              is_causal: bool = False, deterministic: bool = True):
@@ -231,7 +246,7 @@ class MultiHeadAttention(nnx.Module):
       x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
     keys, _ = self._project_key_value(x_kv, key_positions)
     q = self._project_query(x_q, query_positions)
-    self._check_mask_bias(q, keys, mask, bias)
+    self._check_mask_bias(q, _heads_major(keys), mask, bias)
     return attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
 
   # --- self-attention decoding ----------------------------------------------------------------
@@ -242,7 +257,7 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"MultiHeadAttention.init_cache: batch_size and max_length must be positive, got "
           f"batch_size={batch_size}, max_length={max_length}")
-    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+    shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
     dtype = self.dtype if dtype is None else dtype
     return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
 
@@ -265,12 +280,12 @@ class MultiHeadAttention(nnx.Module):
           f"kv_features={self.kv_features}, in_features={self.in_features}")
     _check_features("x", x, self.in_features)
     batch, length = x.shape[:2]
-    expected = (batch, cache.keys.shape[1], self.num_kv_heads, self.head_dim)
+    expected = (batch, self.num_kv_heads, cache.keys.shape[2], self.head_dim)
     if cache.keys.shape != expected or cache.values.shape != expected:
       raise ValueError(
-          f"MultiHeadAttention.extend: cache keys / values must be [batch, max_length, kv_heads, head_dim] = "
+          f"MultiHeadAttention.extend: cache keys / values must be [batch, kv_heads, max_length, head_dim] = "
           f"{list(expected)}, got keys{list(cache.keys.shape)}, values{list(cache.values.shape)}")
-    max_length = cache.keys.shape[1]
+    max_length = cache.max_length
     if length > max_length or (not _is_traced(cache.index) and int(cache.index) + length > max_length):
       raise ValueError(
           f"MultiHeadAttention.extend: cache of max_length={max_length} cannot take {length} more tokens at "
@@ -278,8 +293,8 @@ class MultiHeadAttention(nnx.Module):
     index = cache.index
     q = self._project_query(x, positions, start=index)
     new_keys, new_values = self._project_key_value(x, positions, start=index)
-    keys = jax.lax.dynamic_update_slice(cache.keys, new_keys.astype(cache.keys.dtype), (0, index, 0, 0))
-    values = jax.lax.dynamic_update_slice(cache.values, new_values.astype(cache.values.dtype), (0, index, 0, 0))
+    write = lambda rows, new: jax.lax.dynamic_update_slice(rows, _heads_major(new).astype(rows.dtype), (0, 0, index, 0))
+    keys, values = write(cache.keys, new_keys), write(cache.values, new_values)
     # Query i sits at position index + i and sees keys 0 .. index + i: filled rows only.
     causal = masks_lib.causal_mask(length, max_length, offset=index)  # [1, 1, t, max_length]
     out = self._attend_heads(q, keys, values, mask=masks_lib.combine_masks(causal, mask), bias=bias,

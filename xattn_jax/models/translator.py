@@ -268,7 +268,7 @@ class Translator(nnx.Module):
     positions = _default_positions(tokens, None, start=cache.position)
     x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
     # A relative bias between these queries and every cache row (rows past the fill are masked).
-    capacity = cache.layers[0].self_attention.keys.shape[1]
+    capacity = cache.layers[0].self_attention.max_length
     cache_positions = _default_positions(jnp.zeros((tokens.shape[0], capacity), jnp.int32), None)
     self_bias = self.target_positions.attention_bias(positions, cache_positions)  # [b, heads, t, capacity]
     new_layers = []
