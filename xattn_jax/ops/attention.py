@@ -114,9 +114,8 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
 def choose_blocking(implementation: str, q_len: int, kv_len: int) -> blocked_attention.Blocking:
   """Block sizes by length, measured on CPU: a [groups, block_q, block_k] f32 score block near L2 size."""
   if implementation == "xla":
-    if q_len * kv_len <= 256 * 256:
-      # Small problems: vectorize several (unit, query block) items per loop step.
-      return blocked_attention.Blocking(block_q=q_len, block_k=kv_len, items_per_step=8)
+    if q_len * kv_len <= 256 * 256:  # (only when forced: "xla" runs these fused)
+      return blocked_attention.Blocking(block_q=q_len, block_k=kv_len)
     # About 1 MiB of scores per step, but at least 64 query rows: thinner blocks lose more to
     # per-iteration overhead than they gain in cache (block_q=16 ran 2.4x slower than chunked at 16384).
     return blocked_attention.Blocking(block_q=max(64, min(512, 2 ** 18 // kv_len)), block_k=kv_len)

@@ -26,10 +26,9 @@ from jax import lax
 
 @dataclasses.dataclass(frozen=True)
 class Blocking:
-  """Static work split. items_per_step > 1 vectorizes that many (unit, query block) items."""
+  """Static work split: query rows and keys per block."""
   block_q: int
   block_k: int
-  items_per_step: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +160,26 @@ def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st
   return out.reshape(q_blk.shape).astype(q_blk.dtype), lse.reshape(g, bq)
 
 
-def _forward(q_items, key, value, mask, bias, query_offset, st: _Static):
-  """q_items [units * num_q_blocks, groups, block_q, head_dim] -> (out like q_items, lse)."""
-  num_items = q_items.shape[0]
-  num_q_blocks = num_items // key.shape[0]
-  items = jnp.arange(num_items)
-  fn = functools.partial(_forward_item, key=key, value=value, mask=mask, bias=bias,
-                         query_offset=query_offset, st=st)
-  batch_size = st.blocking.items_per_step if st.blocking.items_per_step > 1 else None
-  return lax.map(lambda xs: fn(xs[0], xs[1] // num_q_blocks, xs[1] % num_q_blocks), (q_items, items),
-                 batch_size=batch_size)
+def _forward(q_units, key, value, mask, bias, query_offset, st: _Static):
+  """q_units [units, groups, q_len_padded, head_dim] -> (out like q_units, lse [units, groups, q_len_padded]).
+
+  One loop over (unit, query block) items; each reads its block out of q_units and writes its
+  output rows back in place, so no reordered copy of the queries or the output is ever made.
+  """
+  units, g, t_pad, h = q_units.shape
+  bq = st.blocking.block_q
+  num_q_blocks = t_pad // bq
+
+  def item(i, carry):
+    out, lse = carry
+    unit, q_index = i // num_q_blocks, i % num_q_blocks
+    q_blk = lax.dynamic_slice(q_units, (unit, 0, q_index * bq, 0), (1, g, bq, h))[0]
+    out_blk, lse_blk = _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st)
+    return (lax.dynamic_update_slice(out, out_blk[None], (unit, 0, q_index * bq, 0)),
+            lax.dynamic_update_slice(lse, lse_blk[None], (unit, 0, q_index * bq)))
+
+  init = (jnp.zeros(q_units.shape, q_units.dtype), jnp.zeros((units, g, t_pad), jnp.float32))
+  return lax.fori_loop(0, units * num_q_blocks, item, init)
 
 
 def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, query_offset, st):
@@ -211,13 +220,15 @@ def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, 
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, part.shape) + part, starts)
     return dq_rows, dk_t, dv_t, dbias
 
+  g, _, h = q_u.shape  # q_u, o_grad_u [groups, q_len_padded, head_dim]; lse_u, delta_u [groups, q_len_padded]
+  rows = lambda x, q_start: lax.dynamic_slice_in_dim(x, q_start, bq, axis=1).reshape(g * bq, *x.shape[2:])
+
   def query_step(qi, carry):
     dq, dk_t, dv_t, dbias = carry
     q_start = qi * bq
-    h = q_u.shape[-1]
-    q_rows, do_rows = q_u[qi].reshape(-1, h), o_grad_u[qi].reshape(-1, h)
+    q_rows, do_rows = rows(q_u, q_start), rows(o_grad_u, q_start)
     step = functools.partial(key_step, q_rows=q_rows, do_rows=do_rows, q_t=q_rows.T, do_t=do_rows.T,
-                             lse_rows=lse_u[qi].reshape(-1), delta_rows=delta_u[qi].reshape(-1),
+                             lse_rows=rows(lse_u, q_start), delta_rows=rows(delta_u, q_start),
                              q_start=q_start)
     init = (jnp.zeros(q_rows.shape, jnp.float32), dk_t, dv_t, dbias)
     if num_key_blocks == 1:
@@ -225,43 +236,41 @@ def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, 
     else:
       dq_rows, dk_t, dv_t, dbias = lax.fori_loop(
           0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
-    return dq.at[qi].set(dq_rows.reshape(q_u.shape[1:])), dk_t, dv_t, dbias
+    dq = lax.dynamic_update_slice_in_dim(dq, dq_rows.reshape(g, bq, h), q_start, axis=1)
+    return dq, dk_t, dv_t, dbias
 
   dbias0 = None if bias_u is None else jnp.zeros(bias_u.shape, jnp.float32)
   init = (jnp.zeros(q_u.shape, jnp.float32), jnp.zeros(k_u.shape[::-1], jnp.float32),
           jnp.zeros(v_u.shape[::-1], jnp.float32), dbias0)
-  if q_u.shape[0] == 1:
+  num_q_blocks = q_u.shape[1] // bq
+  if num_q_blocks == 1:
     dq, dk_t, dv_t, dbias = query_step(0, init)
   else:
-    dq, dk_t, dv_t, dbias = lax.fori_loop(0, q_u.shape[0], query_step, init)
+    dq, dk_t, dv_t, dbias = lax.fori_loop(0, num_q_blocks, query_step, init)
   return dq, dk_t.T, dv_t.T, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q_items, key, value, mask, bias, query_offset, st):
-  return _forward(q_items, key, value, mask, bias, query_offset, st)[0]
+def _attention(q_units, key, value, mask, bias, query_offset, st):
+  return _forward(q_units, key, value, mask, bias, query_offset, st)[0]
 
 
-def _attention_fwd(q_items, key, value, mask, bias, query_offset, st):
-  out, lse = _forward(q_items, key, value, mask, bias, query_offset, st)
-  return out, (q_items, key, value, mask, bias, query_offset, out, lse)
+def _attention_fwd(q_units, key, value, mask, bias, query_offset, st):
+  out, lse = _forward(q_units, key, value, mask, bias, query_offset, st)
+  return out, (q_units, key, value, mask, bias, query_offset, out, lse)
 
 
 def _attention_bwd(st, residuals, o_grad):
-  q_items, key, value, mask, bias, query_offset, out, lse = residuals
-  units = key.shape[0]
-  per_unit = lambda x: x.reshape(units, -1, *x.shape[1:])  # [units, num_q_blocks, ...]
-  delta = jnp.einsum("igqh,igqh->igq", o_grad.astype(jnp.float32), out.astype(jnp.float32))
+  q_units, key, value, mask, bias, query_offset, out, lse = residuals
+  delta = jnp.einsum("ugth,ugth->ugt", o_grad.astype(jnp.float32), out.astype(jnp.float32))
   fn = functools.partial(_backward_unit, key=key, value=value, mask=mask, bias=bias,
                          query_offset=query_offset, st=st)
-  dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), (per_unit(q_items), per_unit(o_grad), per_unit(lse),
-                                                   per_unit(delta), jnp.arange(units)))
+  dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), (q_units, o_grad, lse, delta, jnp.arange(key.shape[0])))
   if bias is not None:
     # dbias per unit [batch * kv_heads, G', T', S'] -> the bias's broadcast shape [B', K', G', T', S'].
     dbias = dbias.reshape(-1, st.kv_heads, *dbias.shape[1:])
     dbias = dbias.sum(axis=tuple(a for a in (0, 1) if bias.shape[a] == 1), keepdims=True).astype(bias.dtype)
-  return (dq.reshape(q_items.shape).astype(q_items.dtype), dk.astype(key.dtype), dv.astype(value.dtype),
-          None, dbias, None)
+  return dq.astype(q_units.dtype), dk.astype(key.dtype), dv.astype(value.dtype), None, dbias, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -299,12 +308,9 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
 
   query = _pad_axis(query, 1, t_pad)
   key, value = _pad_axis(key, 1, s_pad), _pad_axis(value, 1, s_pad)
-  # [b, t, (k g), h] -> items [(b k nq), g, bq, h]; keys [b, s, k, h] -> [(b k), s, h]
-  q_items = query.reshape(b, t_pad // bq, bq, kv_heads, groups, h).transpose(0, 3, 1, 4, 2, 5)
-  q_items = q_items.reshape(-1, groups, bq, h)
+  # [b, t, (k g), h] -> units [(b k), g, t, h]: one transpose; a query block is a slice of it.
+  q_units = query.transpose(0, 2, 1, 3).reshape(b * kv_heads, groups, t_pad, h)
   key_units = key.transpose(0, 2, 1, 3).reshape(b * kv_heads, s_pad, h)
   value_units = value.transpose(0, 2, 1, 3).reshape(b * kv_heads, s_pad, h)
-  out = _attention(q_items, key_units, value_units, five_d(mask, False), five_d(bias, 0.0),
-                   query_offset, st)
-  out = out.reshape(b, kv_heads, t_pad // bq, groups, bq, h).transpose(0, 2, 4, 1, 3, 5)
-  return out.reshape(b, t_pad, n, h)[:, :t]
+  out = _attention(q_units, key_units, value_units, five_d(mask, False), five_d(bias, 0.0), query_offset, st)
+  return out.reshape(b, n, t_pad, h).transpose(0, 2, 1, 3)[:, :t]
