@@ -1,6 +1,6 @@
 """Position-encoding ablation: every encoding on three tasks, several seeds, one command.
 
-    python experiments/ablate_positions.py --jobs=2 --seeds=2          # the real sweep
+    python experiments/ablate_positions.py --jobs=2 --seeds=3          # the real sweep (~1 hour, 2 cores)
     python experiments/ablate_positions.py --quick --results=/tmp/r    # CI smoke test (a few cells)
 
 Experiments (each cell = experiment x encoding x seed, one `launch.py` subprocess):
@@ -66,14 +66,14 @@ EXPERIMENTS = (
         "length", "configs/algorithmic.py:posenc={encoding},operation=copy", SEQUENCE_ENCODINGS,
         tuple((f"eval/{metric}_{band}", f"{title} {band.replace('_', '-')}") for metric, title in
               (("exact_match", "exact match"), ("token_accuracy", "token acc.")) for band in ("1_32", "33_64", "65_128")),
-        {"total_steps": 500, "eval_every_steps": 500, "checkpoint.every_steps": 500, "batch_size": 32,
-         "optimizer.learning_rate": 2e-3, "optimizer.warmup_steps": 100, "task.num_eval_examples": 64},
+        {"total_steps": 2000, "eval_every_steps": 2000, "checkpoint.every_steps": 1000,
+         "task.num_eval_examples": 64},
         {**_QUICK, "model.d_model": 32, "model.num_heads": 2, "model.num_layers": 1, "model.mlp_dim": 64,
          "task.num_eval_examples": 8, "eval_batch_size": 8}),
     Experiment(
         "resolution", "configs/perceiver_digits.py:posenc={encoding}", IMAGE_ENCODINGS,
         (("eval/accuracy", "8x8 (trained)"), ("eval/accuracy_12x12", "12x12"), ("eval/accuracy_16x16", "16x16")),
-        {"total_steps": 300, "eval_every_steps": 300, "checkpoint.every_steps": 300,
+        {"total_steps": 1000, "eval_every_steps": 1000, "checkpoint.every_steps": 1000,
          "task.num_attention_images": 0},
         {**_QUICK, "model.d_model": 32, "model.num_latents": 8, "model.num_blocks": 1}),
 )
@@ -253,15 +253,21 @@ NOTES = [
     "- Length-task exact match is read from the teacher-forced pass, which equals greedy decoding's exact match "
     "(see `xattn_jax/training/algorithmic_task.py`).",
     "- `alibi` and `t5_bias` bias the self-attention of the encoder (symmetric / bidirectional) and the decoder "
-    "(causal / unidirectional); cross-attention has no position bias.",
-    "- `learned_2d` on 12x12 and 16x16 reads its 8x8 table resized bilinearly.",
+    "(causal / unidirectional); cross-attention has no position bias (nor rotary, for `rope`). Copying needs "
+    "the decoder's i-th query to find the i-th source token through cross-attention, so the encoder must "
+    "write absolute positions into its outputs: additive encodings give them, RoPE lets the encoder recover "
+    "them, `none` cannot (a permutation-equivariant encoder), and ALiBi / T5 biases do not in this budget.",
+    "- `learned_2d` on 12x12 and 16x16 reads its 8x8 table resized bilinearly; `fourier` encodes coordinates "
+    "normalized to [-1, 1], so a finer grid samples the same range; `sincos_2d` and `rope_2d` encode integer "
+    "row / column indices, so on 12x12 and 16x16 most positions lie outside the 0-7 seen in training "
+    "(extrapolation, not interpolation).",
 ]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--jobs", type=int, default=2, help="cells trained at the same time")
-  parser.add_argument("--seeds", type=int, default=2)
+  parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="tiny models, a few steps, 1 seed, a subset of cells")
   parser.add_argument("--only", default="", help="comma-separated experiments to run (default: all)")
   parser.add_argument("--workdir", default=str(REPOSITORY / "workdirs" / "ablation"))
