@@ -120,26 +120,27 @@ def decode_functions(model, s):
   @jax.jit
   def greedy(state, inputs):
     model, _, cache = start(state, inputs)
-    return decoding.greedy_search(model.decode_step, cache, batch_size=inputs.shape[0], **common).tokens
+    return decoding.greedy_search(model.loop_step(), cache, batch_size=inputs.shape[0], **common).tokens
 
   @jax.jit
   def greedy_reprojecting(state, inputs):
     model, memory, cache = start(state, inputs)
     layers = model.decoder_layers()
+    decode_step = model.loop_step()
 
     def step(tokens, cache):
       # Make the memory depend on the loop state, so XLA cannot hoist the projections out of the loop.
       memory_now = memory + jnp.zeros((), memory.dtype) * cache.position.astype(memory.dtype)
       fresh = tuple(c.replace(cross_attention=block.cross_attention.project_memory(memory_now))
                     for block, c in zip(layers, cache.layers))
-      return model.decode_step(tokens, cache.replace(layers=fresh))
+      return decode_step(tokens, cache.replace(layers=fresh))
 
     return decoding.greedy_search(step, cache, batch_size=inputs.shape[0], **common).tokens
 
   @jax.jit
   def beam(state, inputs):
     model, _, cache = start(state, inputs)
-    return decoding.beam_search(model.decode_step, cache, batch_size=inputs.shape[0], beam_size=s["beam"],
+    return decoding.beam_search(model.loop_step(), cache, batch_size=inputs.shape[0], beam_size=s["beam"],
                                 alpha=0.6, **common).tokens
 
   return {name: (lambda inputs, f=f: f(state, inputs).block_until_ready())

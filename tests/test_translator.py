@@ -30,14 +30,15 @@ def _tokens(seed, batch, length, pad_from=None):
 
 
 def _full_and_cached(state, graphdef, inputs, decoder_inputs, prompt_length):
-  """Teacher-forced logits, and the same from a prompt pre-fill then one token per decode_step."""
+  """Teacher-forced logits, and the same from a prompt pre-fill (decode_step) then one token per step
+  (loop_step, the decoding loops' step with the per-layer weights sliced once)."""
   model = nnx.merge(graphdef, state)
   full = model(inputs, decoder_inputs)
   cache = model.init_cache(model.encode(inputs), inputs != 0, decoder_inputs.shape[1])
   first, cache = model.decode_step(decoder_inputs[:, :prompt_length], cache)
-  steps = [first]
+  steps, step = [first], model.loop_step()
   for t in range(prompt_length, decoder_inputs.shape[1]):
-    logits, cache = model.decode_step(decoder_inputs[:, t:t + 1], cache)
+    logits, cache = step(decoder_inputs[:, t:t + 1], cache)
     steps.append(logits)
   return full, jnp.concatenate(steps, axis=1)
 
