@@ -74,8 +74,8 @@ def _check_broadcastable(name: str, array, target: tuple[int, ...]) -> None:
     raise ValueError(f"MultiHeadAttention: mask must be boolean (True = may attend), got dtype {array.dtype}")
 
 
-def _heads_major(x):
-  """[b, s, k, h] -> [b, k, s, h], the caches' layout."""
+def _swap_length_and_heads(x):
+  """[b, s, k, h] <-> [b, k, s, h] (the caches' heads-major layout); its own inverse."""
   return x.transpose(0, 2, 1, 3)
 
 
@@ -195,7 +195,7 @@ class MultiHeadAttention(nnx.Module):
     self._check_mask_bias(q, keys, mask, bias)
     if self.dropout_rate > 0.0 and not deterministic:
       # Dropout acts on the probabilities, so this pass needs them explicitly.
-      weights = attention_ops.attention_weights(q, keys.transpose(0, 2, 1, 3), bias=bias, mask=mask,
+      weights = attention_ops.attention_weights(q, _swap_length_and_heads(keys), bias=bias, mask=mask,
                                                 is_causal=is_causal)
       weights = self.dropout(weights, deterministic=False).astype(values.dtype)
       weights = einops.rearrange(weights, "b (k g) t s -> b k g t s", k=self.num_kv_heads)
@@ -213,7 +213,7 @@ class MultiHeadAttention(nnx.Module):
   def project_memory(self, x_kv, *, key_positions=None) -> MemoryCache:
     """Projects a memory x_kv [b, s, kv_features] once into its keys and values."""
     keys, values = self._project_key_value(x_kv, key_positions)
-    return MemoryCache(keys=_heads_major(keys), values=_heads_major(values))
+    return MemoryCache(keys=_swap_length_and_heads(keys), values=_swap_length_and_heads(values))
 
   def attend(self, x_q, memory_cache: MemoryCache, *, mask=None, bias=None, query_positions=None,
              is_causal: bool = False, deterministic: bool = True):
@@ -246,7 +246,7 @@ class MultiHeadAttention(nnx.Module):
       x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
     keys, _ = self._project_key_value(x_kv, key_positions)
     q = self._project_query(x_q, query_positions)
-    self._check_mask_bias(q, _heads_major(keys), mask, bias)
+    self._check_mask_bias(q, _swap_length_and_heads(keys), mask, bias)
     return attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
 
   # --- self-attention decoding ----------------------------------------------------------------
@@ -293,7 +293,8 @@ class MultiHeadAttention(nnx.Module):
     index = cache.index
     q = self._project_query(x, positions, start=index)
     new_keys, new_values = self._project_key_value(x, positions, start=index)
-    write = lambda rows, new: jax.lax.dynamic_update_slice(rows, _heads_major(new).astype(rows.dtype), (0, 0, index, 0))
+    def write(rows, new):  # new [b, t, k, h] into rows [b, k, max_length, h] at index
+      return jax.lax.dynamic_update_slice(rows, _swap_length_and_heads(new).astype(rows.dtype), (0, 0, index, 0))
     keys, values = write(cache.keys, new_keys), write(cache.values, new_values)
     # Query i sits at position index + i and sees keys 0 .. index + i: filled rows only.
     causal = masks_lib.causal_mask(length, max_length, offset=index)  # [1, 1, t, max_length]

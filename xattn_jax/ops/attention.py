@@ -114,7 +114,7 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
 def choose_blocking(implementation: str, q_len: int, kv_len: int) -> blocked_attention.Blocking:
   """Block sizes by length, measured on CPU: a [groups, block_q, block_k] f32 score block near L2 size."""
   if implementation == "xla":
-    if q_len * kv_len <= 256 * 256:  # (only when forced: "xla" runs these fused)
+    if q_len * kv_len <= _FUSED_UP_TO_SCORES:  # (reached only when forced: "xla" runs these fused)
       return blocked_attention.Blocking(block_q=q_len, block_k=kv_len)
     # About 1 MiB of scores per step, but at least 64 query rows: thinner blocks lose more to
     # per-iteration overhead than they gain in cache (block_q=16 ran 2.4x slower than chunked at 16384).
@@ -157,20 +157,19 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
                has_bias=bias is not None, is_causal=bool(is_causal))
   if implementation is None:
     implementation = select_implementation(backend=jax.default_backend(), **facts)
+  if implementation == "dense" or (implementation == "xla" and t * s <= _FUSED_UP_TO_SCORES):
+    # Scaling the queries once is cheaper than scaling every score (autodiff applies it to dq).
+    query = query * jnp.asarray(scale, query.dtype)
+    return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh")
+  if kv_layout == "bksh":  # cuDNN and the blocked kernel take the jax.nn layout
+    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
   if implementation == "cudnn":
     reason = cudnn_unsupported_reason(backend=jax.default_backend(), **facts)
     if reason is not None:
       raise ValueError(f"dot_product_attention: implementation='cudnn' {reason}")
-    if kv_layout == "bksh":  # jax.nn's layout
-      key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=scale, is_causal=bool(is_causal),
                                         implementation="cudnn")
-  # Scaling the queries once is cheaper than scaling every score (autodiff applies it to dq).
   query = query * jnp.asarray(scale, query.dtype)
-  if implementation == "dense" or (implementation == "xla" and t * s <= _FUSED_UP_TO_SCORES):
-    return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh")
-  if kv_layout == "bksh":  # the blocked kernel makes its own [batch * kv_heads, kv_len, head_dim] units
-    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
   return blocked_attention.blocked_attention(
       query, key, value, mask=mask, bias=bias, query_offset=_causal_offsets(b, t, s),
       is_causal=bool(is_causal), blocking=choose_blocking(implementation, t, s))

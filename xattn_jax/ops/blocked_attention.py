@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xattn_jax.ops import masks as masks_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class Blocking:
@@ -156,7 +158,7 @@ def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st
     seen = row_sum > 0
     # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
     out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(row_sum), jnp.inf)
+    lse = jnp.where(seen, _finite_or_zero(row_max, st) + jnp.log(row_sum), jnp.inf)
   return out.reshape(q_blk.shape).astype(q_blk.dtype), lse.reshape(g, bq)
 
 
@@ -297,8 +299,8 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
-  may_hide_rows = mask is not None or bias is not None or (is_causal and t > s)
-  st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads, may_hide_rows=may_hide_rows)
+  st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads,
+               may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s))
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
     if x is None:

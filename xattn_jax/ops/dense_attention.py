@@ -26,17 +26,14 @@ def _query_head_major(x, kv_heads: int):
   return x.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, h)
 
 
-def _head_major(query, key, value, kv_heads_major: bool = False):
-  """query -> [b, k, g*t, h]; key / value [b, s, k, h] -> [b, k, s, h] (as they are if kv_heads_major).
+def _kv_head_major(x, kv_heads_major: bool):
+  """key / value [b, s, k, h] -> [b, k, s, h] (as they are if already kv_heads_major).
 
   Every matmul below then has its batch axes leading and writes its natural output layout; the
   one transpose of the output at the end is far cheaper than asking the matmuls for [b, t, n, h]
   (2x faster at length 128 on CPU).
   """
-  if kv_heads_major:
-    return _query_head_major(query, key.shape[1]), key, value
-  to_heads = lambda x: x.transpose(0, 2, 1, 3)
-  return _query_head_major(query, key.shape[2]), to_heads(key), to_heads(value)
+  return x if kv_heads_major else x.transpose(0, 2, 1, 3)
 
 
 def _from_head_major(x, query_shape):
@@ -55,7 +52,7 @@ def _grouped(x, kv_heads: int):
   return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
 
 
-def scores(query, key, mask, bias, is_causal: bool, q_len: int):
+def _scores(query, key, mask, bias, is_causal: bool, q_len: int):
   """Masked float32 scores [b, k, g*t, s] (-inf where masked) from head-major query [b, k, g*t, h]."""
   b, k, gt, _ = query.shape
   s = key.shape[2]
@@ -73,58 +70,55 @@ def scores(query, key, mask, bias, is_causal: bool, q_len: int):
   return logits.reshape(b, k, gt, s)
 
 
-def exp_and_sums(logits, may_hide_rows: bool):
+def _exp_and_sums(logits, hide: bool):
   """exp(logits - row max) and the row sums [..., 1].
 
-  With `may_hide_rows` (masks, biases, causal with q_len > kv_len) a row that sees no key gives
-  zeros and sum 0 instead of NaN; without, the guard is skipped (it costs ~20% at length 128).
+  With `hide` (`masks.may_hide_rows`) a row that sees no key gives zeros and sum 0 instead of NaN;
+  without, the guard is skipped (it costs ~20% at length 128).
   """
   row_max = jnp.max(logits, axis=-1, keepdims=True)
-  if may_hide_rows:
+  if hide:
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   p = jnp.exp(logits - row_max)
   return p, jnp.sum(p, axis=-1, keepdims=True)
 
 
-def _safe_divide(x, row_sum, may_hide_rows: bool):
-  if not may_hide_rows:
+def _safe_divide(x, row_sum, hide: bool):
+  if not hide:
     return x / row_sum
   return jnp.where(row_sum > 0, x / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
 
 
-def may_hide_rows(mask, bias, is_causal: bool, q_len: int, kv_len: int) -> bool:
-  """Whether some query row can see no key at all (then it must give zeros, not NaN)."""
-  return mask is not None or bias is not None or (is_causal and q_len > kv_len)
+def _unnormalized(query, key, mask, bias, is_causal: bool, kv_heads_major: bool):
+  """(head-major q [b, k, g*t, h], k [b, k, s, h], exp'd scores [b, k, g*t, s], row sums, hide)."""
+  q, k = _query_head_major(query, key.shape[1 if kv_heads_major else 2]), _kv_head_major(key, kv_heads_major)
+  t, s = query.shape[1], k.shape[2]
+  hide = masks_lib.may_hide_rows(mask, bias, is_causal, t, s)
+  p, row_sum = _exp_and_sums(_scores(q, k, mask, bias, is_causal, t), hide)
+  return q, k, p, row_sum, hide
 
 
 def probabilities(query, key, mask, bias, is_causal: bool):
   """Normalized float32 probabilities [b, heads, t, s]; query pre-scaled (for `attention_weights`)."""
+  _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, False)
   b, t, n, _ = query.shape
-  s = key.shape[1]
-  hide = may_hide_rows(mask, bias, is_causal, t, s)
-  q, k, _ = _head_major(query, key, key)
-  p, row_sum = exp_and_sums(scores(q, k, mask, bias, is_causal, t), hide)
-  return _safe_divide(p, row_sum, hide).reshape(b, n, t, s)
+  return _safe_divide(p, row_sum, hide).reshape(b, n, t, key.shape[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def dense_attention(query, key, value, mask, bias, is_causal: bool, kv_heads_major: bool):
   """softmax(query key^T + bias, masked) value; query pre-scaled. Shapes as `dot_product_attention`;
   key / value [b, kv_heads, s, h] if kv_heads_major, else [b, s, kv_heads, h]."""
-  q, k, v = _head_major(query, key, value, kv_heads_major)
-  t, s = query.shape[1], k.shape[2]
-  hide = may_hide_rows(mask, bias, is_causal, t, s)
-  p, row_sum = exp_and_sums(scores(q, k, mask, bias, is_causal, t), hide)
+  _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major)
+  v = _kv_head_major(value, kv_heads_major)
   out = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out = _safe_divide(out, row_sum, hide)
   return _from_head_major(out, query.shape).astype(query.dtype)
 
 
 def _dense_fwd(query, key, value, mask, bias, is_causal, kv_heads_major):
-  q, k, v = _head_major(query, key, value, kv_heads_major)
-  t, s = query.shape[1], k.shape[2]
-  hide = may_hide_rows(mask, bias, is_causal, t, s)
-  p, row_sum = exp_and_sums(scores(q, k, mask, bias, is_causal, t), hide)
+  q, k, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major)
+  v = _kv_head_major(value, kv_heads_major)
   p = _safe_divide(p, row_sum, hide)
   out = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return _from_head_major(out, query.shape).astype(query.dtype), (q, k, v, bias, p)
@@ -144,7 +138,7 @@ def _dense_bwd(is_causal, kv_heads_major, residuals, out_grad):
   if bias is not None:
     ds = ds.reshape(b, n, t, -1)  # [b, k, (g t), s] -> [b, (k g), t, s]
     dbias = ds.sum(axis=tuple(a for a in range(4) if bias.shape[a] == 1), keepdims=True).astype(bias.dtype)
-  to_seq = (lambda x: x) if kv_heads_major else (lambda x: x.transpose(0, 2, 1, 3))  # -> key's layout
+  to_seq = lambda x: _kv_head_major(x, kv_heads_major)  # back to key's layout (the swap is its own inverse)
   return (_from_head_major(dq, out_grad.shape).astype(q.dtype), to_seq(dk).astype(k.dtype),
           to_seq(dv).astype(v.dtype), None, dbias)
 

@@ -112,3 +112,10 @@ def combine_masks(*masks):
   for m in present[1:]:
     out = jnp.logical_and(out, m)
   return jnp.broadcast_to(out, shape)
+
+
+def may_hide_rows(mask, bias, is_causal: bool, q_len: int, kv_len: int) -> bool:
+  """Whether some query row may see no key at all (a mask, a bias that may hold -inf, or causal with
+  q_len > kv_len): attention kernels then guard such rows to give zeros, not NaN, and skip the
+  guards otherwise."""
+  return mask is not None or bias is not None or (is_causal and q_len > kv_len)
