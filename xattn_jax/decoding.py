@@ -66,7 +66,9 @@ def _argmax_and_log_prob(logits):
   vocab = logits.shape[-1]
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   choice = jnp.min(jnp.where(logits == row_max, jnp.arange(vocab, dtype=jnp.int32), vocab - 1), axis=-1)
-  return choice, row_max[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+  # log_softmax at the maximum, computed as jax.nn.log_softmax does: (x - max) - log(sum(exp(x - max)))
+  # with x - max = 0, so greedy's scores match beam search's to the last bit.
+  return choice, -jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1))
 
 
 def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
