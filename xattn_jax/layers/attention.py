@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn_jax.layers import dense
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import masks as masks_lib
@@ -134,7 +135,7 @@ class MultiHeadAttention(nnx.Module):
     self.dropout_rate, self.rotary, self.implementation, self.dtype = dropout_rate, rotary, implementation, dtype
 
     def linear(fan_in, fan_out, axes):
-      return nnx.Linear(
+      return dense.Dense(
           fan_in, fan_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
           kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), axes, eager_sharding=False),
           bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False),

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn_jax.layers import dense
 from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
@@ -52,7 +53,7 @@ class MLP(nnx.Module):
     self.features, self.activation = features, activation
 
     def linear(fan_in, fan_out, axes):
-      return nnx.Linear(
+      return dense.Dense(
           fan_in, fan_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
           kernel_init=nnx.with_partitioning(nnx.initializers.xavier_uniform(), axes, eager_sharding=False),
           bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False))

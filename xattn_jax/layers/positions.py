@@ -27,15 +27,17 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn_jax.layers import dense
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import positions as positions_ops
 from xattn_jax.ops import relative_bias
 
 
 def _sequence_positions(x, positions):
-  """positions [b, t], or 0..t-1 for every row of x [b, t, features]."""
+  """positions [b, t], or 0..t-1 as one [1, t] row shared by the batch of x [b, t, features] (so a
+  table is computed once per length, not once per sequence)."""
   if positions is None:
-    return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    return jnp.arange(x.shape[1], dtype=jnp.int32)[None]
   if positions.shape != x.shape[:2]:
     raise ValueError(f"add_to_inputs: positions must be [batch, length] = {list(x.shape[:2])}, "
                      f"got positions{list(positions.shape)}")
@@ -166,7 +168,7 @@ class FourierPositions(_GridPositions):
     self.num_bands = num_bands
     self.max_resolution = self.grid if max_resolution is None else max_resolution
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False)
-    self.projection = nnx.Linear(2 * (2 * num_bands + 1), features, kernel_init=init, dtype=dtype,
+    self.projection = dense.Dense(2 * (2 * num_bands + 1), features, kernel_init=init, dtype=dtype,
                                  param_dtype=param_dtype, rngs=rngs)
 
   def encode(self, positions, grid):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xattn_jax.layers import MLP, EncoderBlock, MultiHeadAttention, make_position_encoding
+from xattn_jax.layers import dense
 from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.training import layer_stack
@@ -56,7 +57,7 @@ def _layer_norm(features, dtype, param_dtype, rngs):
 
 
 def _linear(in_features, out_features, axes, dtype, param_dtype, rngs):
-  return nnx.Linear(
+  return dense.Dense(
       in_features, out_features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
       kernel_init=nnx.with_partitioning(nnx.initializers.xavier_uniform(), axes, eager_sharding=False),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False))

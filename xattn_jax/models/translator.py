@@ -33,6 +33,7 @@ from flax import nnx
 
 from xattn_jax import decoding
 from xattn_jax.layers import blocks
+from xattn_jax.layers import dense
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.training import layer_stack
@@ -152,7 +153,7 @@ class Translator(nnx.Module):
     # Pre-norm residual streams are never normalised inside the stack; post-norm ones already are.
     self.encoder_norm = layer_norm(encoder.d_model) if norm == "pre" else None
     self.decoder_norm = layer_norm(decoder.d_model) if norm == "pre" else None
-    self.output = None if tie_output else nnx.Linear(
+    self.output = None if tie_output else dense.Dense(
         decoder.d_model, vocab_size, rngs=rngs,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab"),
                                           eager_sharding=False), **common)
@@ -173,7 +174,7 @@ class Translator(nnx.Module):
     """Decoder output [b, t, d_model] -> float32 logits [b, t, vocab]."""
     if self.decoder_norm is not None:
       x = self.decoder_norm(x)
-    logits = self._target_table().attend(x) if self.output is None else self.output(x)
+    logits = dense.flat_matmul(x, self._target_table().attend) if self.output is None else self.output(x)
     return logits.astype(jnp.float32)
 
   def decoder_layers(self):
@@ -199,7 +200,8 @@ class Translator(nnx.Module):
       mask = masks_lib.padding_mask(inputs != PAD_ID)  # [b, 1, 1, s]
     else:
       mask = masks_lib.segment_mask(inputs_segmentation, inputs_segmentation)  # [b, 1, s, s]
-    x = self._embed(self.source_embed, self.source_positions, inputs, positions, deterministic)
+    # The user's positions (None = 0..s-1 for every row, computed once for the batch).
+    x = self._embed(self.source_embed, self.source_positions, inputs, inputs_positions, deterministic)
     bias = self.source_positions.attention_bias(positions, positions)  # [b, heads, s, s] or None
     x = layer_stack.apply_stack(self.encoder_blocks, x, scan=self.scan_layers, remat=self.remat, mask=mask,
                                 positions=positions, bias=bias, deterministic=deterministic)
@@ -212,7 +214,7 @@ class Translator(nnx.Module):
     """Full teacher-forced decoder pass: decoder_inputs [b, t] -> logits [b, t, vocab] (float32)."""
     _check_tokens("decoder_inputs", decoder_inputs)
     positions = _default_positions(decoder_inputs, targets_positions)
-    x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic)
+    x = self._embed(self._target_table(), self.target_positions, decoder_inputs, targets_positions, deterministic)
     return self.decode_embeddings(x, memory, memory_mask, targets_positions=positions,
                                   targets_segmentation=targets_segmentation, deterministic=deterministic)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xattn_jax.layers import EncoderBlock, make_position_encoding
+from xattn_jax.layers import dense
 from xattn_jax.training import layer_stack
 
 
@@ -65,7 +66,7 @@ class ViT(nnx.Module):
                        f"num_blocks={num_blocks}, num_classes={num_classes}")
     self.width, self.patch_size, self.scan_layers, self.remat, self.dtype = width, patch_size, scan_layers, remat, dtype
     self.pool = pool
-    self.embed = nnx.Linear(
+    self.embed = dense.Dense(
         channels * patch_size ** 2, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",), eager_sharding=False))
@@ -77,7 +78,7 @@ class ViT(nnx.Module):
         lambda r: EncoderBlock(width, num_heads, mlp_ratio * width, dropout_rate=dropout_rate, dtype=dtype,
                                param_dtype=param_dtype, rngs=r), num_blocks, rngs)
     self.norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.head = nnx.Linear(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.head = dense.Dense(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def features(self, images, *, deterministic: bool = True):
     """images [b, H, W, C] -> tokens [b, 1 + M, width]: the class token, then the M patches row-major."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xattn_jax.layers import dense
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.ops import positions as positions_lib
@@ -36,7 +37,7 @@ class ReverserBlock(nnx.Module):
   def __init__(self, d_model, num_heads, mlp_dim, *, position_encoding, rotary_dim, mrope_sections,
                dropout_rate, dtype, param_dtype, rngs):
     def linear(n_in, n_out, names):
-      return nnx.Linear(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
+      return dense.Dense(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
                         rngs=rngs)
 
     self.num_heads = num_heads
@@ -104,7 +105,7 @@ class Reverser(nnx.Module):
                                 dropout_rate=c.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=r),
         c.num_layers, rngs)
     self.final_norm = nnx.LayerNorm(c.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.logits = nnx.Linear(c.d_model, VOCAB_SIZE, kernel_init=_init(("embed", "vocab")),
+    self.logits = dense.Dense(c.d_model, VOCAB_SIZE, kernel_init=_init(("embed", "vocab")),
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, tokens, *, deterministic=True):
