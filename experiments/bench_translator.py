@@ -35,7 +35,7 @@ import torch
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from xattn_jax import decoding  # noqa: E402
+from xattn_jax import decoding, runtime  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -297,7 +297,8 @@ def main():
   layers = s["compile_layers"]
   results = {
       "machine": {"cores": cores, "platform": platform.platform(), "jax": jax.__version__,
-                  "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+                  "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                  "glibc_tunables": os.environ.get("GLIBC_TUNABLES")},
       "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
       "training": {"jax_step_s": jax_step, "torch_step_s": torch_step,
                    "jax_tokens_per_s": step_tokens / jax_step, "torch_tokens_per_s": step_tokens / torch_step,
@@ -330,7 +331,9 @@ def main():
       f"{s['num_layers']}+{s['num_layers']} layers, MLP {s['mlp_dim']}, vocab {s['vocab']}, batch {s['batch']}, "
       f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up; "
       f"1-minute load average when writing: {os.getloadavg()[0]:.1f} (2 or more = other jobs competed, absolute "
-      "times pessimistic). JAX and torch were measured side by side in one process.", "",
+      "times pessimistic). JAX and torch were measured side by side in one process, "
+      + ("under the allocator settings of xattn_jax/runtime.py (freed memory reused, no page faults per step)."
+         if runtime.tuned_allocator_active() else "under glibc's default allocator settings."), "",
       "## Training (forward + backward + AdamW)", "",
       row("", "step s", "tokens/s (source + target)", "vs torch"), row("---", "---", "---", "---"),
       row("xattn_jax Translator", f"{t['jax_step_s']:.3f}", f"{t['jax_tokens_per_s']:.0f}",
@@ -370,4 +373,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.reexec_with_tuned_allocator()  # before JAX starts; see xattn_jax/runtime.py
   main()
