@@ -10,8 +10,9 @@ Everything is measured in ONE process, side by side, so the ratios hold on a loa
   (d) beam search (beam 4) tokens/s;
   (e) compile time of the train step at 2, 6 and 12 layers per stack, with and without
       scan_layers, and the step time of both.
-Times are medians of several runs after a warm-up, each ended by block_until_ready. Results go to
-experiments/results/translator_benchmark.{md,json}.
+Times are medians of several runs after a warm-up, each ended by block_until_ready; what is compared
+as a ratio (JAX vs torch training, scanned vs unrolled steps) runs interleaved, a, b, a, b, ...
+Results go to experiments/results/translator_benchmark.{md,json}.
 
     python experiments/bench_translator.py           # the full sizes (several minutes)
     python experiments/bench_translator.py --quick   # a tiny smoke run
@@ -42,7 +43,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BOS = 1
 
 FULL = dict(d_model=512, num_heads=8, num_layers=3, mlp_dim=2048, vocab=8000, batch=32, length=64,
-            new_tokens=64, beam=4, repeats=5, compile_layers=(2, 6, 12))
+            new_tokens=64, beam=4, repeats=7, compile_layers=(2, 6, 12))
 QUICK = dict(d_model=64, num_heads=4, num_layers=2, mlp_dim=128, vocab=500, batch=4, length=16,
              new_tokens=8, beam=2, repeats=2, compile_layers=(1, 2))
 
@@ -57,6 +58,22 @@ def median_seconds(fn, repeats: int, warmup: bool = True) -> float:
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict:
+  """{name: median wall time of fn()} with the functions' runs interleaved (a, b, a, b, ...), so a
+  change in machine load hits them all alike; each first runs `warmup` times (compilation, and the
+  allocator reaching its steady state: the first steps of a process still grow its heap)."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def tokens(rng, size, batch, length):
@@ -169,7 +186,7 @@ def compile_and_step_times(s, rng):
   """Train-step compile seconds {(layers, scan): s} at each depth in s["compile_layers"], and the
   step seconds {scan: s} at the benchmark depth (unrolled vs scanned, same parameters' shapes)."""
   batch = [jnp.asarray(tokens(rng, s["vocab"], s["batch"], s["length"])) for _ in range(3)]
-  compile_seconds, step_seconds = {}, {}
+  compile_seconds, runs = {}, {}
   for layers in sorted(set(s["compile_layers"]) | {s["num_layers"]}):
     for scan in (False, True):
       step, state = make_train_step(make_translator(s, num_layers=layers, scan_layers=scan))
@@ -184,8 +201,8 @@ def compile_and_step_times(s, rng):
           holder["state"], loss = compiled(holder["state"], *batch)
           loss.block_until_ready()
 
-        step_seconds[scan] = median_seconds(run, s["repeats"])
-  return compile_seconds, step_seconds
+        runs[scan] = run
+  return compile_seconds, interleaved_median_seconds(runs, s["repeats"])
 
 
 # --- torch side ---------------------------------------------------------------------------------
@@ -270,9 +287,9 @@ def main():
   print(f"sizes: {s}; cores: {cores}; torch threads: {torch.get_num_threads()}", flush=True)
 
   # (a) + (b)
-  jax_train, torch_train = jax_training(s, rng), torch_training(s, rng)
-  jax_step = median_seconds(jax_train, s["repeats"])
-  torch_step = median_seconds(torch_train, s["repeats"])
+  steps = interleaved_median_seconds({"jax": jax_training(s, rng), "torch": torch_training(s, rng)},
+                                     s["repeats"])
+  jax_step, torch_step = steps["jax"], steps["torch"]
   step_tokens = s["batch"] * 2 * s["length"]
   matmul_rate = matmul_flops_per_second(s["repeats"])
   flops = training_flops(s)
