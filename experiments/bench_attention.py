@@ -178,7 +178,7 @@ def main():
           "jax": jax.__version__, "jax_devices": jax.local_device_count(), "torch": torch.__version__,
           "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
           "batch": batch, "heads": heads, "head_dim": head_dim,
-          "allocator": ("xattn_jax/runtime.py settings (freed memory reused; torch in the same process too)"
+          "allocator": ("glibc huge pages (xattn_jax/runtime.py; torch in the same process too)"
                         if runtime.tuned_allocator_active() else "glibc defaults"),
           "repeats": 2 if args.quick else "5 (length 2048) / 9 (shorter); 1 for memory"}
   speed = speed_rows(lengths, batch, heads, head_dim, cores, repeats_at)

@@ -349,7 +349,7 @@ def main():
       f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up; "
       f"1-minute load average when writing: {os.getloadavg()[0]:.1f} (2 or more = other jobs competed, absolute "
       "times pessimistic). JAX and torch were measured side by side in one process, "
-      + ("under the allocator settings of xattn_jax/runtime.py (freed memory reused, no page faults per step)."
+      + ("with glibc allocating transparent huge pages (xattn_jax/runtime.py)."
          if runtime.tuned_allocator_active() else "under glibc's default allocator settings."), "",
       "## Training (forward + backward + AdamW)", "",
       row("", "step s", "tokens/s (source + target)", "vs torch"), row("---", "---", "---", "---"),
