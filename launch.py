@@ -10,8 +10,6 @@ import sys
 from absl import app, flags
 from ml_collections import ConfigDict, config_flags
 
-from xattn_jax import runtime
-
 USAGE = ("python launch.py --config=configs/NAME.py[:ARG] --workdir=DIR [--mode=train|eval|infer] "
          "[--config.a.b=V]  (--helpfull lists every flag)")
 
@@ -68,5 +66,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  runtime.reexec_with_tuned_allocator()  # before JAX starts; see xattn_jax/runtime.py
   app.run(main, flags_parser=parse_flags)

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from xattn_jax import runtime  # noqa: E402
 from xattn_jax.ops import attention  # noqa: E402
 
 OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked"}
@@ -131,8 +130,7 @@ def to_markdown(meta, speed, memory):
   lines = [f"# Attention benchmark ({meta['date']})", "",
            f"Machine: {meta['machine']}; JAX {meta['jax']} on {meta['jax_devices']} CPU device(s) using "
            f"{meta['cores']} cores; torch {meta['torch']} with {meta['torch_threads']} threads. "
-           f"Load average at start: {meta['load_average']}. Medians of {meta['repeats']} runs after a warm-up. "
-           f"Allocator: {meta['allocator']}.", "",
+           f"Load average at start: {meta['load_average']}. Medians of {meta['repeats']} runs after a warm-up.", "",
            f"## Speed: batch {meta['batch']}, {meta['heads']} heads, head_dim {meta['head_dim']}, float32 (ms)", "",
            "| length | implementation | forward | fwd+bwd | fwd / torch | fwd+bwd / torch | fwd / jax.nn | "
            "fwd+bwd / jax.nn |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -178,8 +176,6 @@ def main():
           "jax": jax.__version__, "jax_devices": jax.local_device_count(), "torch": torch.__version__,
           "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
           "batch": batch, "heads": heads, "head_dim": head_dim,
-          "allocator": ("glibc huge pages (xattn_jax/runtime.py; torch in the same process too)"
-                        if runtime.tuned_allocator_active() else "glibc defaults"),
           "repeats": 2 if args.quick else "5 (length 2048) / 9 (shorter); 1 for memory"}
   speed = speed_rows(lengths, batch, heads, head_dim, cores, repeats_at)
   memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
@@ -196,5 +192,4 @@ def main():
 
 
 if __name__ == "__main__":
-  runtime.reexec_with_tuned_allocator()  # before JAX starts; see xattn_jax/runtime.py
   main()

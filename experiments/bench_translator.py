@@ -36,7 +36,7 @@ import torch
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from xattn_jax import decoding, runtime  # noqa: E402
+from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -348,9 +348,8 @@ def main():
       f"{s['num_layers']}+{s['num_layers']} layers, MLP {s['mlp_dim']}, vocab {s['vocab']}, batch {s['batch']}, "
       f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up; "
       f"1-minute load average when writing: {os.getloadavg()[0]:.1f} (2 or more = other jobs competed, absolute "
-      "times pessimistic). JAX and torch were measured side by side in one process, "
-      + ("with glibc allocating transparent huge pages (xattn_jax/runtime.py)."
-         if runtime.tuned_allocator_active() else "under glibc's default allocator settings."), "",
+      "times pessimistic). JAX and torch were measured side by side in one process"
+      + (f" (GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']})." if os.environ.get("GLIBC_TUNABLES") else "."), "",
       "## Training (forward + backward + AdamW)", "",
       row("", "step s", "tokens/s (source + target)", "vs torch"), row("---", "---", "---", "---"),
       row("xattn_jax Translator", f"{t['jax_step_s']:.3f}", f"{t['jax_tokens_per_s']:.0f}",
@@ -390,5 +389,4 @@ def main():
 
 
 if __name__ == "__main__":
-  runtime.reexec_with_tuned_allocator()  # before JAX starts; see xattn_jax/runtime.py
   main()
