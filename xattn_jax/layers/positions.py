@@ -169,7 +169,7 @@ class FourierPositions(_GridPositions):
     self.max_resolution = self.grid if max_resolution is None else max_resolution
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False)
     self.projection = dense.Dense(2 * (2 * num_bands + 1), features, kernel_init=init, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
+                                  param_dtype=param_dtype, rngs=rngs)
 
   def encode(self, positions, grid):
     # Cell k of n sits at -1 + 2k / (n - 1), as in normalized_grid; a one-cell axis sits at -1.

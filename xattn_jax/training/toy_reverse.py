@@ -38,7 +38,7 @@ class ReverserBlock(nnx.Module):
                dropout_rate, dtype, param_dtype, rngs):
     def linear(n_in, n_out, names):
       return dense.Dense(n_in, n_out, kernel_init=_init(names), dtype=dtype, param_dtype=param_dtype,
-                        rngs=rngs)
+                         rngs=rngs)
 
     self.num_heads = num_heads
     self.position_encoding = position_encoding
@@ -106,7 +106,7 @@ class Reverser(nnx.Module):
         c.num_layers, rngs)
     self.final_norm = nnx.LayerNorm(c.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.logits = dense.Dense(c.d_model, VOCAB_SIZE, kernel_init=_init(("embed", "vocab")),
-                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, tokens, *, deterministic=True):
     """tokens [b, t] int (0 = padding) -> logits [b, t, vocab]; dropout only when not deterministic."""
