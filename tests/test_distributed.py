@@ -1,6 +1,7 @@
 """Sharded and multi-process training give the single-device losses: 8 simulated CPU devices
 under three meshes, and two processes on 127.0.0.1 with two devices each."""
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from test_launch import OVERRIDES, REPO, launch, launch_args, subprocess_env, train_losses
+from test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps, launch, launch_args, metrics_rows, subprocess_env,
+                         train_losses, wait_for)
 
 MESHES = {
     "data8": {"data": 8, "fsdp": 1, "tensor": 1},
@@ -75,6 +77,47 @@ def test_two_processes_give_the_single_device_losses(tmp_path, single_device):
   outputs = [p.communicate(timeout=600) for p in processes]
   for process, (_, stderr) in zip(processes, outputs):
     assert process.returncode == 0, stderr[-3000:]
+  losses = train_losses(workdir)
+  assert sorted(losses) == sorted(single_device)
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes_exactly(tmp_path, single_device):
+  """A scheduler preempting one host: the SIGTERM'd process and its peer agree on the step to stop
+  at, save one checkpoint together (a collective) and exit 0; a restart of both completes the run
+  with the single-device losses. Before the stop decision was shared, the peer trained on into a
+  collective the signalled process never joined and both hung."""
+  workdir = tmp_path / "run"
+
+  def start_both():
+    address = f"127.0.0.1:{_free_port()}"
+    return [subprocess.Popen(launch_args(workdir, f"--coordinator_address={address}", "--num_processes=2",
+                                         f"--process_id={i}", overrides={"debug.step_delay_s": 0.5}),
+                             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=subprocess_env(device_count=2))
+            for i in range(2)]
+
+  def finish(processes, timeout):
+    try:
+      outputs = [p.communicate(timeout=timeout) for p in processes]
+    finally:  # a hang must not outlive the test
+      for p in processes:
+        p.kill()
+    for process, (_, stderr) in zip(processes, outputs):
+      assert process.returncode == 0, stderr[-3000:]
+    return outputs
+
+  processes = start_both()
+  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, processes[0])
+  processes[1].send_signal(signal.SIGTERM)
+  outputs = finish(processes, timeout=120)
+  assert "Another process received SIGTERM" in outputs[0][1]
+  stopped_at = checkpoint_steps(workdir)
+  assert stopped_at and stopped_at[-1] < STEPS
+
+  finish(start_both(), timeout=600)
   losses = train_losses(workdir)
   assert sorted(losses) == sorted(single_device)
   np.testing.assert_allclose([losses[s] for s in sorted(losses)],

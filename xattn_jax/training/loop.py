@@ -11,6 +11,8 @@ checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` row
 
 A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
 that step is saved. SIGTERM finishes the current step, saves a checkpoint and returns normally.
+With several processes the stop is agreed after every step (a one-boolean all-gather), so a signal
+that reaches one host stops every host at the same step, where they save the checkpoint together.
 """
 from __future__ import annotations
 
@@ -237,6 +239,14 @@ def _sigterm_flag():
     signal.signal(signal.SIGTERM, previous)
 
 
+def _any_process(flag: bool) -> bool:
+  """Whether `flag` is True on any process; with several, every process must call this at the same
+  point (it is a collective)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.bool_))))
+
+
 def _restore(run, checkpoints):
   """(state, step, rng_key) from the workdir, else init_from, else scratch."""
   restored = checkpoints.restore_latest(*run.abstract_pure())
@@ -308,7 +318,8 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
                      {"step": at_step, "rng": rng_data, "metrics": metrics or {}}, metrics)
 
   with _sigterm_flag() as signal_flag, contextlib.closing(writer):
-    while step < config.total_steps and not signal_flag["stop"]:
+    stop = False  # agreed by every process, so all of them save and leave at the same step
+    while step < config.total_steps and not stop:
       local = run.task.train_batch(step, process_index=run.process_index,
                                    process_count=run.process_count)
       state, step_metrics = train_step(state, run.batch(local, config.batch_size),
@@ -320,9 +331,12 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
         timer_step, timer_start = step, time.perf_counter()
       if config.debug.step_delay_s:
         time.sleep(config.debug.step_delay_s)
+      stop = _any_process(signal_flag["stop"])
+      if stop and not signal_flag["stop"]:
+        logging.warning("Another process received SIGTERM: saving a checkpoint after step %d.", step)
       is_last = step == config.total_steps
       do_eval = step % config.eval_every_steps == 0 or is_last
-      do_save = step % config.checkpoint.every_steps == 0 or is_last or signal_flag["stop"]
+      do_save = step % config.checkpoint.every_steps == 0 or is_last or stop
       if do_eval or do_save or step % config.log_every_steps == 0:
         train_row = flush_pending(hold_step=step if do_eval else None)
       if do_eval:
@@ -334,7 +348,7 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
       if do_eval or do_save:  # steps/s measures training only
         timer_step, timer_start = step, time.perf_counter()
     flush_pending()
-    if signal_flag["stop"] and step not in checkpoints.steps():
+    if stop and step not in checkpoints.steps():
       save(step)
   return last_eval
 
