@@ -11,8 +11,10 @@ checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` row
 
 A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
 that step is saved. SIGTERM finishes the current step, saves a checkpoint and returns normally.
-With several processes the stop is agreed after every step (a one-boolean all-gather), so a signal
-that reaches one host stops every host at the same step, where they save the checkpoint together.
+With several processes every step also dispatches a vote (the OR of each process's SIGTERM flag,
+one boolean per device), read after the next step has been dispatched: a signal that reaches one
+host stops every host at the same step, one step later, where they save the checkpoint together,
+and the vote never makes the host wait for the step it has just dispatched.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import optax
 from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import metrics as metrics_lib
@@ -239,12 +242,17 @@ def _sigterm_flag():
     signal.signal(signal.SIGTERM, previous)
 
 
-def _any_process(flag: bool) -> bool:
-  """Whether `flag` is True on any process; with several, every process must call this at the same
-  point (it is a collective)."""
-  if jax.process_count() == 1:
-    return flag
-  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.bool_))))
+def _stop_vote(mesh):
+  """flag -> a replicated bool jax.Array, True if `flag` is True on any process (a collective: every
+  process calls it at the same step). Dispatched like a train step; reading it waits for it."""
+  devices = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+  any_true = jax.jit(jnp.any, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+  def vote(flag: bool) -> jax.Array:
+    local = np.full(len(mesh.local_devices), flag, np.bool_)
+    return any_true(jax.make_array_from_process_local_data(devices, local, (mesh.devices.size,)))
+
+  return vote
 
 
 def _restore(run, checkpoints):
@@ -319,6 +327,7 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
 
   with _sigterm_flag() as signal_flag, contextlib.closing(writer):
     stop = False  # agreed by every process, so all of them save and leave at the same step
+    vote, last_vote = (_stop_vote(run.mesh) if run.process_count > 1 else None), None
     while step < config.total_steps and not stop:
       local = run.task.train_batch(step, process_index=run.process_index,
                                    process_count=run.process_count)
@@ -331,9 +340,13 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
         timer_step, timer_start = step, time.perf_counter()
       if config.debug.step_delay_s:
         time.sleep(config.debug.step_delay_s)
-      stop = _any_process(signal_flag["stop"])
-      if stop and not signal_flag["stop"]:
-        logging.warning("Another process received SIGTERM: saving a checkpoint after step %d.", step)
+      if vote is None:
+        stop = signal_flag["stop"]
+      else:  # the previous step's vote (its step is done by now or soon), then this step's
+        stop = last_vote is not None and bool(last_vote)
+        last_vote = vote(signal_flag["stop"])
+        if stop and not signal_flag["stop"]:
+          logging.warning("Another process received SIGTERM: saving a checkpoint after step %d.", step)
       is_last = step == config.total_steps
       do_eval = step % config.eval_every_steps == 0 or is_last
       do_save = step % config.checkpoint.every_steps == 0 or is_last or stop
