@@ -98,6 +98,27 @@ def test_qformer_hands_on_n_tokens_and_the_mlp_connector_one_per_feature():
   chex.assert_shape(tokens(make_qformer("mlp"), images), (2, 145, WIDTH))
 
 
+@pytest.mark.parametrize("connector", ["qformer", "mlp"])
+def test_qformer_padded_features_change_nothing(connector):
+  """Features padded from 10 to 16 rows with junk, marked invalid: the same logits as the 10 alone."""
+  model = make_qformer(connector)
+  features = jax.random.normal(jax.random.key(0), (2, 10, WIDTH))
+  junk = 100.0 * jax.random.normal(jax.random.key(1), (2, 6, WIDTH))
+  valid = jnp.arange(16)[None, :].repeat(2, axis=0) < 10
+
+  @nnx.jit
+  def logits(model, features, valid):
+    return model.classify(*model.read(features, valid=valid))
+
+  chex.assert_trees_all_close(logits(model, jnp.concatenate([features, junk], axis=1), valid),
+                              logits(model, features, None), atol=1e-5)
+
+
+def test_qformer_read_of_the_wrong_width_raises_naming_it():
+  with pytest.raises(ValueError, match=rf"features must be \[batch, M, {WIDTH}\].*\[2, 5, 7\]"):
+    make_qformer().read(jnp.zeros((2, 5, 7)))
+
+
 def test_qformer_queries_cross_attend_every_other_block():
   model = make_qformer()
   assert [block.cross_attention is not None for block in model.blocks] == [True, False]

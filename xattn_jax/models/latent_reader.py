@@ -12,6 +12,8 @@
   whose blocks self-attend and cross-attend to the features every other block; or, as the LLaVA-style
   baseline (`connector="mlp"`), an MLP maps each feature to one token. The tokens handed on (N queries or M
   features) go through a small self-attention "consumer" (a stand-in for the language model) and a head.
+  `read(features, valid=...)` takes any encoder's features directly, padded to a common M with a
+  `valid` mask, and `classify` pools only the real tokens: padding changes no output.
 
 Freezing: `freeze(module)` turns a module's `nnx.Param`s into `FrozenParam`s. Gradients and optimizers
 that select `nnx.Param` (`nnx.Optimizer(model, tx, wrt=nnx.Param)`, `nnx.grad` over `nnx.Param`) then never
@@ -239,7 +241,7 @@ class QFormer(nnx.Module):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.encoder = freeze(encoder)
     self.connector, self.dtype = connector, dtype
-    feature_width = encoder.width
+    self.feature_width = feature_width = encoder.width
     use_queries = connector == "qformer"
     self.queries = LearnedQueries(num_queries, width, param_dtype=param_dtype, rngs=rngs) if use_queries else None
     self.blocks = nnx.List([
@@ -258,22 +260,47 @@ class QFormer(nnx.Module):
     """The frozen encoder's output tokens [b, M, encoder.width]; no gradient flows into the encoder."""
     return jax.lax.stop_gradient(self.encoder.features(images, deterministic=True)).astype(self.dtype)
 
-  def tokens(self, images, *, deterministic: bool = True):
-    """The tokens handed on: [b, N, width] (qformer) or [b, M, width] (mlp), M = the encoder's outputs."""
-    features = self.features(images)
+  def read(self, features, *, valid=None, deterministic: bool = True):
+    """features [b, M, encoder.width] (any M), valid [b, M] bool (True = a real feature) or None
+    -> (tokens, token_valid): the tokens handed on and which of them are real.
+
+    "qformer": tokens [b, N, width], token_valid None (every query is real; padded features are
+    hidden from the cross-attention). "mlp": tokens [b, M, width], token_valid = valid.
+    """
+    if features.ndim != 3 or features.shape[-1] != self.feature_width:
+      raise ValueError(f"QFormer.read: features must be [batch, M, {self.feature_width}], got "
+                       f"features{list(features.shape)}")
+    features = features.astype(self.dtype)
+    mask = _padding_mask(valid, features)
     if self.connector == "mlp":
-      return self.projector(features, deterministic=deterministic)
+      return self.projector(features, deterministic=deterministic), valid
     x = self.queries(features.shape[0], features.dtype)
     for block in self.blocks:
-      x = block(x, features if block.cross_attention is not None else None, deterministic=deterministic)
-    return x
+      x = block(x, features if block.cross_attention is not None else None, input_mask=mask,
+                deterministic=deterministic)
+    return x, None
+
+  def classify(self, tokens, token_valid=None, *, deterministic: bool = True):
+    """tokens [b, T, width] (from `read`), token_valid [b, T] or None -> logits [b, num_classes] (float32):
+    the consumer blocks (padded tokens hidden from them) and the head on the mean of the real tokens."""
+    mask = _padding_mask(token_valid, tokens)
+    x = tokens
+    for block in self.consumer:
+      x = block(x, mask=mask, deterministic=deterministic)
+    if token_valid is None:
+      pooled = x.mean(axis=1)
+    else:
+      weights = token_valid.astype(x.dtype)[..., None]
+      pooled = (x * weights).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1)
+    return self.head(self.norm(pooled)).astype(jnp.float32)
+
+  def tokens(self, images, *, deterministic: bool = True):
+    """The tokens handed on: [b, N, width] (qformer) or [b, M, width] (mlp), M = the encoder's outputs."""
+    return self.read(self.features(images), deterministic=deterministic)[0]
 
   def __call__(self, images, *, deterministic: bool = True):
     """images [b, H, W, C] -> logits [b, num_classes] (float32)."""
-    x = self.tokens(images, deterministic=deterministic)
-    for block in self.consumer:
-      x = block(x, deterministic=deterministic)
-    return self.head(self.norm(x.mean(axis=1))).astype(jnp.float32)
+    return self.classify(self.tokens(images, deterministic=deterministic), deterministic=deterministic)
 
   def cross_attention_weights(self, images):
     """The queries' attention over the encoder's M outputs in the first block [b, heads, N, M] (qformer only)."""
