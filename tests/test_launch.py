@@ -206,10 +206,24 @@ def test_eval_mode_reports_the_latest_checkpoints_metrics(reference):
 
 @pytest.mark.slow
 def test_infer_mode_answers_each_input_line(reference):
-  result = launch(reference, "--mode=infer", stdin="abc\nhello\n")
+  result = launch(reference, "--mode=infer", stdin="\ufeffabc\n\nhello\n")  # a BOM, a blank line
   assert result.returncode == 0, result.stderr[-3000:]
   outputs = result.stdout.splitlines()
-  assert [len(line) for line in outputs] == [3, 5] and all(line.isalpha() for line in outputs)
+  # Output line i answers input line i: the blank line gets a blank answer, not a shifted one.
+  assert [len(line) for line in outputs] == [3, 0, 5] and outputs[0].isalpha() and outputs[2].isalpha()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content, message", [
+    (b"abc\n\nab1\n", "3: toy_reverse input 'ab1'"),  # its number in the file, blank lines counted
+    (b"abc\nab\xff\n", "2: not valid UTF-8 at byte 3"),
+])
+def test_infer_names_the_file_and_line_it_cannot_take(reference, tmp_path, content, message):
+  inputs = tmp_path / "inputs.txt"
+  inputs.write_bytes(content)
+  result = launch(reference, "--mode=infer", f"--config.infer.input_file={inputs}")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert f"{inputs}:{message}" in result.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow

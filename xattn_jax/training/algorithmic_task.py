@@ -148,11 +148,11 @@ class AlgorithmicTask(tasks.Task):
     """Each line of letters (one symbol each) copied or reversed by greedy decoding."""
     num_symbols = self.config.task.num_symbols
     rows = []
-    for number, line in enumerate(lines, 1):
+    for index, line in enumerate(lines):
       text = line.strip()
       if not text or len(text) >= self.max_length or any(ch not in LETTERS[:num_symbols] for ch in text):
-        raise ValueError(f"input line {number}: needs 1 to {self.max_length - 1} letters from "
-                         f"{LETTERS[:num_symbols]!r}, got {text!r}")
+        raise tasks.InputLineError(index, f"needs 1 to {self.max_length - 1} letters from "
+                                   f"{LETTERS[:num_symbols]!r}, got {text!r}")
       rows.append([algorithmic.FIRST_SYMBOL + LETTERS.index(ch) for ch in text])
     inputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
     for row, ids in zip(inputs, rows):

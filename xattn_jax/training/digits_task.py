@@ -302,11 +302,11 @@ class DigitsTask(tasks.Task):
   def infer(self, model, lines):
     """One line per input: the input name, a tab, the predicted digit (several for a stack)."""
     outputs = []
-    for number, line in enumerate(lines, 1):
+    for index, line in enumerate(lines):
       try:
         images = self._read_input(line.strip())
       except (ValueError, OSError) as e:
-        raise ValueError(f"input line {number}: {e}") from None
+        raise tasks.InputLineError(index, str(e)) from None
       predictions = self._classify(model, digits.resize_images(images, self.grid))
       outputs.append(f"{line.strip()}\t{' '.join(str(p) for p in predictions)}")
     return outputs

@@ -432,14 +432,37 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
     checkpoints.close()
 
 
-def _infer(run_, state, input_file, output):
+def _read_input_lines(input_file) -> tuple[str, list[str]]:
+  """(name for messages, lines) of an inference input: a UTF-8 file, or "-" for stdin."""
   import sys
+  name = "<stdin>" if input_file == "-" else input_file
   if input_file == "-":
-    lines = sys.stdin.read().splitlines()
+    raw = sys.stdin.buffer.read()
   else:
-    with open(input_file) as f:
-      lines = f.read().splitlines()
-  outputs = run_.task.infer(run_.model(state), [line for line in lines if line.strip()])
+    with open(input_file, "rb") as f:
+      raw = f.read()
+  lines = raw.decode("utf-8", errors="replace").splitlines()
+  if raw.startswith(b"\xef\xbb\xbf") and lines:  # a UTF-8 byte-order mark is not part of line 1
+    lines[0] = lines[0][1:]
+  for number, line in enumerate(raw.splitlines(), 1):
+    try:
+      line.decode("utf-8")
+    except UnicodeDecodeError as error:
+      raise DataError(f"{name}:{number}: not valid UTF-8 at byte {error.start + 1} of the line") from None
+  return name, lines
+
+
+def _infer(run_, state, input_file, output):
+  """One output line per input line, in order; a blank input line gets a blank output line."""
+  import sys
+  name, lines = _read_input_lines(input_file)
+  numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
+  try:
+    answers = run_.task.infer(run_.model(state), [lines[number - 1] for number in numbers]) if numbers else []
+  except tasks.InputLineError as error:
+    raise DataError(f"{name}:{numbers[error.index]}: {error.message}") from None
+  by_number = dict(zip(numbers, answers))
+  outputs = [by_number.get(number, "") for number in range(1, len(lines) + 1)]
   if jax.process_index() == 0:
     stream = output or sys.stdout
     for line in outputs:

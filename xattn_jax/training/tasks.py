@@ -42,7 +42,9 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   all batches and logs `eval/<name>` = total sum / total weight.
 - `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
   of generated text); logged as `eval/<name>`. Default: none.
-- `infer(model, lines: list[str]) -> list[str]`: one output line per input line.
+- `infer(model, lines: list[str]) -> list[str]`: one output line per input line (never blank: the
+  loop answers blank input lines itself); a line the task cannot take raises `InputLineError` with
+  its index, which the loop reports as the file name and line number.
 """
 from __future__ import annotations
 
@@ -52,6 +54,14 @@ from typing import Any, ClassVar, Iterable
 import numpy as np
 
 _REGISTRY: dict[str, type["Task"]] = {}
+
+
+class InputLineError(ValueError):
+  """An inference input the task cannot take; `index` is its 0-based position in `infer`'s lines."""
+
+  def __init__(self, index: int, message: str):
+    super().__init__(f"input line {index + 1}: {message}")
+    self.index, self.message = index, message
 
 # Short names whose module is imported on first use (so importing this file stays cheap).
 TASK_MODULES = {

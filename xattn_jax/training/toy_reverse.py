@@ -215,7 +215,7 @@ class ToyReverseTask(tasks.Task):
       try:
         ids = encode(line.strip(), max_length)
       except ValueError as e:
-        raise ValueError(f"input line {row + 1}: {e}") from None
+        raise tasks.InputLineError(row, str(e)) from None
       inputs[row, :len(ids)] = ids
     predictions = np.asarray(jnp.argmax(nnx.jit(lambda m, x: m(x))(model, inputs), axis=-1))
     return [decode(pred[:np.count_nonzero(ids)]) for pred, ids in zip(predictions, inputs)]

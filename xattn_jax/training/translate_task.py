@@ -258,10 +258,9 @@ class TranslateTask(tasks.Task):
     """One translation per input line."""
     limit = self.config.model.max_length
     encoded = self.tokenizer.encode_batch(lines)
-    for number, ids in enumerate(encoded, start=1):
+    for index, ids in enumerate(encoded):
       if not ids or len(ids) > limit:
-        raise ValueError(f"input line {number} has {len(ids)} tokens; the model takes 1 to {limit} "
-                         f"(model.max_length)")
+        raise tasks.InputLineError(index, f"{len(ids)} tokens; the model takes 1 to {limit} (model.max_length)")
     inputs = np.zeros((len(lines), batching.round_up(max(map(len, encoded)), 8)), np.int32)
     for row, ids in enumerate(encoded):
       inputs[row, :len(ids)] = ids
