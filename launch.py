@@ -54,12 +54,12 @@ def main(argv):
     fail(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]} cannot be loaded: {reason}")
   if not _WORKDIR.value:
     fail(f"--workdir is required; usage: {USAGE}")
-  from xattn_jax.training import distributed, loop, validation
+  from xattn_jax.training import checkpoints, distributed, loop, validation
   try:
     validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
-  except (validation.ConfigError, loop.DataError) as e:
+  except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))
   except (loop.TrainingDiverged, loop.RunError) as e:
     fail(f"{type(e).__name__}: {e}", status=1)

@@ -262,6 +262,41 @@ def test_resume_after_sigterm_logs_the_same_losses_and_parameters(sigterm_run, r
   assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
 
 
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_mid_run_like_sigterm(tmp_path):
+  workdir = tmp_path / "run"
+  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
+  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, process)
+  process.send_signal(signal.SIGINT)
+  _, stderr = process.communicate(timeout=240)
+  assert process.returncode == 0, stderr[-3000:]
+  steps = checkpoint_steps(workdir)
+  assert steps and steps[-1] < STEPS and steps[-1] == max(row["step"] for row in metrics_rows(workdir))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_kept(tmp_path, reference):
+  # Without config.json the config check cannot see the change; the checkpoint's shapes do.
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  (workdir / "config.json").unlink()
+  before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  result = launch(workdir, "--mode=eval", overrides={"model.d_model": 48})
+  assert result.returncode == 2, result.stderr[-3000:]
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert "holds another model" in last_line and "48] in this config" in last_line
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+  assert not (workdir / "corrupt_checkpoints").exists()
+
+
+@pytest.mark.parametrize("mode", ["eval", "infer"])
+def test_eval_or_infer_without_a_run_says_so_and_writes_nothing(tmp_path, mode):
+  workdir = tmp_path / "missing"
+  result = launch(workdir, f"--mode={mode}", stdin="abc\n")
+  assert result.returncode == 1 and "no checkpoint" in result.stderr.strip().splitlines()[-1]
+  assert not workdir.exists()
+
+
 @pytest.fixture(scope="module")
 def sigkill_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("sigkill") / "run"

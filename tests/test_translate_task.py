@@ -69,6 +69,21 @@ def test_position_encoding_override_reaches_the_model(tmp_path):
   assert model.position_encoding == "rope"
 
 
+def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
+  config = _config(**{"data.packing": True, "data.tokenizer": "bytes", "model.max_length": 128,
+                      "data.max_source_length": 128, "data.max_target_length": 128})
+  task = translate_task.TranslateTask(config, str(tmp_path))
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  batch = task.train_batch(0, process_index=0, process_count=1)
+  assert batch["inputs_segmentation"][0].max() >= 2  # row 0 holds several examples
+  packed = np.asarray(task._logits(model, batch))
+  for segment in (1, 2):  # the first two examples of row 0, each run alone
+    source = batch["inputs"][0][batch["inputs_segmentation"][0] == segment]
+    in_target = batch["targets_segmentation"][0] == segment
+    alone = model(jnp.asarray(source[None]), jnp.asarray(batch["decoder_inputs"][0][in_target][None]))
+    np.testing.assert_allclose(packed[0][in_target], np.asarray(alone[0]), atol=2e-4)
+
+
 @pytest.mark.parametrize("field, value", [
     ("model.position_encoding", "fourier"),
     ("data.tokenizer", "words"),
@@ -102,6 +117,16 @@ def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(result.stdout.splitlines()) == 3
   assert tokenizer.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_infer_may_decode_differently_but_training_may_not_change_the_data(dates_run):
+  workdir, _ = dates_run
+  beam = launch("configs/translate_dates.py", workdir, {**DATES, "task.beam_size": 2}, "--mode=infer",
+                stdin="Jan 4, 2001\n")
+  assert beam.returncode == 0 and len(beam.stdout.splitlines()) == 1, beam.stderr[-3000:]
+  german = launch("configs/translate_dates.py", workdir, {**DATES, "data.target_locale": "de"})
+  assert german.returncode == 2 and "data.target_locale" in german.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow

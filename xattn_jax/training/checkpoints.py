@@ -4,8 +4,11 @@ Each step directory holds three items: `model` (the nnx.State of the model), `op
 nnx.State) and `meta` (JSON: step, the run's RNG key data, the metrics at that step). `init_from`
 reads only `model`, so a different optimizer does not stop it.
 
-A checkpoint that cannot be read (truncated files, shapes of another config) is reported, moved to
-`<workdir>/corrupt_checkpoints/`, and the next older one is tried.
+A checkpoint that cannot be read (truncated files) is reported, moved to
+`<workdir>/corrupt_checkpoints/`, and the next older one is tried. A readable checkpoint whose
+parameters have other names or shapes than the config builds (another vocabulary, another size) is
+not damaged: restoring stops with a `CheckpointMismatch` naming the first differing parameter, and
+the checkpoints stay where they are.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
@@ -26,6 +30,43 @@ def abstract_with_shardings(abstract_state, shardings):
   """ShapeDtypeStructs carrying the target shardings, for orbax to restore straight into place."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       abstract_state, shardings)
+
+
+class CheckpointMismatch(ValueError):
+  """The checkpoint is readable but holds another model than the config builds."""
+
+
+def _path_name(path) -> str:
+  return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  """{parameter name: shape}; a typed PRNG key counts as its key data (stored as [..., 2] uint32)."""
+  shapes = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    shape = tuple(leaf.shape)
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None) or "float32", jax.dtypes.prng_key):
+      shape = tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, leaf.dtype)).shape)
+    shapes[_path_name(path)] = shape
+  return shapes
+
+
+def model_mismatch(item_directory: str, abstract_model) -> str | None:
+  """How the stored `model` item differs from abstract_model (names, shapes), or None when it does
+  not, or when its metadata cannot be read (then it is damaged, not different)."""
+  try:
+    stored = _shapes(ocp.StandardCheckpointHandler().metadata(epath.Path(item_directory)))
+  except Exception:  # noqa: BLE001 - unreadable metadata: a damaged checkpoint
+    return None
+  wanted = _shapes(abstract_model)
+  for name in sorted(set(stored) | set(wanted)):
+    if name not in stored:
+      return f"parameter {name} {list(wanted[name])} is not in the checkpoint"
+    if name not in wanted:
+      return f"the checkpoint has parameter {name} {list(stored[name])} that this config does not build"
+    if stored[name] != wanted[name]:
+      return f"parameter {name} is {list(stored[name])} in the checkpoint, {list(wanted[name])} in this config"
+  return None
 
 
 class Checkpoints:
@@ -63,6 +104,14 @@ class Checkpoints:
     """(model_state, optimizer_state, meta) of the newest readable step, or None if there is none."""
     failures = []
     for step in reversed(self.steps()):
+      # Checked before restoring: orbax fails on another model's shapes only after starting its
+      # reads, and leaves their threads printing tracebacks.
+      mismatch = model_mismatch(os.path.join(self.directory, str(step), "model"), abstract_model)
+      if mismatch is not None:
+        raise CheckpointMismatch(
+            f"checkpoint step {step} in {self.directory} holds another model than this config builds: "
+            f"{mismatch}. Run with the config it was made with (--config=WORKDIR/config.py) or use a "
+            f"new --workdir; the checkpoints are left as they are")
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(abstract_model),

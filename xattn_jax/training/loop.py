@@ -10,7 +10,8 @@ Steps count completed updates: update number s (1-based) reads the task's train 
 checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` rows with "step": s.
 
 A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
-that step is saved. SIGTERM finishes the current step, saves a checkpoint and returns normally.
+that step is saved. SIGTERM (or a first Ctrl-C) finishes the current step, saves a checkpoint and
+returns normally.
 With several processes every step also dispatches a vote (the OR of each process's SIGTERM flag,
 one boolean per device), read after the next step has been dispatched: a signal that reaches one
 host stops every host at the same step, one step later, where they save the checkpoint together,
@@ -199,8 +200,11 @@ def _write_config(config, workdir):
             "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
 
 
-def check_same_model(config, workdir):
-  """Raises ConfigError when `config` changes the model or task of the run already in `workdir`."""
+def check_same_model(config, workdir, mode: str = "train"):
+  """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
+  model, task and data sections (resuming on other data or another tokenizer is another experiment);
+  eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
+  task.beam_size, and evaluate other files)."""
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return
@@ -218,28 +222,43 @@ def check_same_model(config, workdir):
             f"{prefix}.{key}", b, f"the run in {workdir} was made with {a!r}; keep it, or use a new "
             "--workdir")
 
-  for section in ("model", "task"):
-    compare(saved.get(section, {}), current.get(section, {}), section)
+  if mode == "train":
+    for section in ("model", "task", "data"):
+      compare(saved.get(section, {}), current.get(section, {}), section)
+    return
+  compare(saved.get("model", {}), current.get("model", {}), "model")
+  vocabulary = ("tokenizer", "vocab_size")
+  compare({k: v for k, v in saved.get("data", {}).items() if k in vocabulary},
+          {k: v for k, v in current.get("data", {}).items() if k in vocabulary}, "data")
 
 
 @contextlib.contextmanager
 def _sigterm_flag():
-  """Yields a dict whose "stop" turns True on SIGTERM (restoring the old handler afterwards)."""
+  """Yields a dict whose "stop" turns True on SIGTERM or a first Ctrl-C (SIGINT); a second Ctrl-C
+  interrupts at once, as usual. The old handlers are restored afterwards."""
   flag = {"stop": False}
 
   def handler(signum, frame):
-    logging.warning("SIGTERM received: saving a checkpoint after the current step.")
+    name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      if flag["stop"]:
+        raise KeyboardInterrupt
+      name = "Ctrl-C (press it again to stop without saving)"
+    logging.warning("%s received: saving a checkpoint after the current step.", name)
     flag["stop"] = True
 
+  previous = {}
   try:
-    previous = signal.signal(signal.SIGTERM, handler)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      previous[signum] = signal.signal(signum, handler)
   except ValueError:  # not the main thread: no signal handling
     yield flag
     return
   try:
     yield flag
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, old in previous.items():
+      signal.signal(signum, old)
 
 
 def _stop_vote(mesh):
@@ -390,7 +409,11 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   _quiet_library_logs()
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count())
-  check_same_model(config, workdir)
+  check_same_model(config, workdir, mode)
+  if mode != "train":  # before anything is built or written: eval / infer only read a finished run
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(directory) or not any(name.isdigit() for name in os.listdir(directory)):
+      raise RunError(f"no checkpoint in {directory} to {mode} with")
   is_writer = jax.process_index() == 0
   new_workdir = is_writer and mode == "train" and not os.path.exists(workdir)
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it

@@ -38,7 +38,9 @@ TOKENIZERS = ("sentencepiece", "bytes")
 NORMS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "silu")
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
-_PACKING_KEYS = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
+# Packed batches' keys -> the translator's keyword arguments.
+_PACKING_KEYS = {"inputs_segmentation": "inputs_segmentation", "inputs_position": "inputs_positions",
+                 "targets_segmentation": "targets_segmentation", "targets_position": "targets_positions"}
 
 
 def _read_tsv(field: str, path: str):
@@ -180,7 +182,7 @@ class TranslateTask(tasks.Task):
                                           process_index=process_index, process_count=process_count)
 
   def _logits(self, model, batch, deterministic=True):
-    packing = {k: batch[k] for k in _PACKING_KEYS if k in batch}
+    packing = {argument: batch[key] for key, argument in _PACKING_KEYS.items() if key in batch}
     return model(batch["inputs"], batch["decoder_inputs"], deterministic=deterministic, **packing)
 
   def loss(self, model, batch, *, rngs):
