@@ -90,10 +90,25 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
     ("data.target_locale", "xx_NOWHERE"),
     ("model.encoder.num_layers", 0),
     ("task.label_smoothing", 1.5),
+    ("model.implementation", "flash"),
+    ("checkpoint.best_metric", "eval/bleuu"),
 ])
 def test_invalid_fields_are_reported_by_name(field, value):
   with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):
     validation.validate_config(_config(**{field: value}))
+
+
+def test_rope_scaling_factor_must_be_positive():
+  config = _config(**{"model.position_encoding": "rope", "model.rope_scaling": "ntk", "model.rope_scaling_factor": 0.0})
+  with pytest.raises(validation.ConfigError, match=r"model\.rope_scaling_factor"):
+    validation.validate_config(config)
+
+
+def test_cudnn_on_a_cpu_backend_is_refused_once_the_backend_is_known():
+  config = _config(**{"model.implementation": "cudnn"})
+  validation.validate_config(config)  # before jax.distributed.initialize: the backend is not asked
+  with pytest.raises(validation.ConfigError, match=r"model\.implementation.*GPU"):
+    validation.validate_config(config, device_count=1)
 
 
 @pytest.mark.slow

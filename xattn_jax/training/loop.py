@@ -464,10 +464,14 @@ def _read_input_lines(input_file) -> tuple[str, list[str]]:
   else:
     with open(input_file, "rb") as f:
       raw = f.read()
-  lines = raw.decode("utf-8", errors="replace").splitlines()
+  # Lines end at \n (\r\n too); str.splitlines would also split at U+2028, \x0c, \x85 ..., which
+  # bytes.splitlines (numbering the lines below) does not.
+  lines = [line.removesuffix("\r") for line in raw.decode("utf-8", errors="replace").split("\n")]
+  if lines and lines[-1] == "":
+    lines.pop()
   if raw.startswith(b"\xef\xbb\xbf") and lines:  # a UTF-8 byte-order mark is not part of line 1
     lines[0] = lines[0][1:]
-  for number, line in enumerate(raw.splitlines(), 1):
+  for number, line in enumerate(raw.split(b"\n"), 1):
     try:
       line.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -76,6 +76,9 @@ class Task:
   """Base class of a task; see the module docstring for the contract."""
 
   name: ClassVar[str] = ""
+  # The eval/<name> metrics the task logs, when it can say so before running: checkpoint.best_metric
+  # is checked against them. Empty: checked only for the "eval/" prefix.
+  eval_metric_names: ClassVar[tuple[str, ...]] = ()
 
   def __init__(self, config, workdir: str | None = None):
     self.config = config

@@ -60,6 +60,7 @@ def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.
 @tasks.register("translate")
 class TranslateTask(tasks.Task):
   """English -> target-locale dates, or any parallel corpus (see the module docstring)."""
+  eval_metric_names = ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf")
 
   @classmethod
   def validate(cls, config):
@@ -68,6 +69,8 @@ class TranslateTask(tasks.Task):
     validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
     if model.get("rope_scaling"):
       validation.require_choice(config, "model.rope_scaling", ("linear", "ntk"))
+      if not model.get("rope_scaling_factor", 1.0) > 0:
+        raise validation.ConfigError("model.rope_scaling_factor", model.rope_scaling_factor, "must be > 0")
     validation.require_choice(config, "model.norm", NORMS)
     validation.require_choice(config, "model.activation", ACTIVATIONS)
     # validation.check_attention_dims has already checked each side's head_dim for rope.

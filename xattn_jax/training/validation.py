@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from ml_collections import ConfigDict
 
 from xattn_jax.training import tasks as tasks_lib
@@ -115,6 +117,11 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
           raise ConfigError(f"{prefix}.mrope_sections", sections,
                             f"needs 3 sections (time, height, width) summing to rotary_dim / 2 = "
                             f"{rotary_dim // 2} frequency pairs")
+  if "implementation" in fields:
+    from xattn_jax.ops import attention  # noqa: PLC0415 - keeps importing this module cheap
+    if model_config.implementation not in ("", *attention.IMPLEMENTATIONS):
+      raise ConfigError(f"{prefix}.implementation", model_config.implementation,
+                        f"allowed are '' (the op's default choice) or {list(attention.IMPLEMENTATIONS)}")
   if "remat" in fields:
     if model_config.remat not in REMAT_POLICIES:
       raise ConfigError(f"{prefix}.remat", model_config.remat, f"allowed are {list(REMAT_POLICIES)}")
@@ -143,6 +150,11 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if not config.optimizer.learning_rate > 0:
     raise ConfigError("optimizer.learning_rate", config.optimizer.learning_rate, "must be > 0")
   require_choice(config, "checkpoint.best_mode", ("min", "max"))
+  best = config.checkpoint.best_metric
+  if best and (not best.startswith("eval/")
+               or (task_class.eval_metric_names and best not in task_class.eval_metric_names)):
+    allowed = list(task_class.eval_metric_names) or "an eval/<name> metric the task logs"
+    raise ConfigError("checkpoint.best_metric", best, f"allowed are '' (no best checkpoint) or {allowed}")
   require_choice(config, "precision.param_dtype", DTYPES)
   require_choice(config, "precision.compute_dtype", DTYPES)
   for name, axes in config.sharding_rules.items():
@@ -157,7 +169,11 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if config.batch_size % process_count:
     raise ConfigError("batch_size", config.batch_size,
                       f"must be divisible by the number of processes ({process_count})")
-  if device_count is not None:
+  if device_count is not None:  # the backend is up (asking for it earlier would start it before
+    # jax.distributed.initialize)
+    if config.model.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
+      raise ConfigError("model.implementation", "cudnn",
+                        f"needs a GPU backend, this run has {jax.default_backend()!r}; use '' (the default choice)")
     sizes = mesh_shape(config.mesh, device_count)
     batch_shards = sizes["data"] * sizes["fsdp"]
     for field in ("batch_size", "eval_batch_size"):
