@@ -28,6 +28,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
@@ -271,7 +272,9 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="tiny models, a few steps, 1 seed, a subset of cells")
   parser.add_argument("--only", default="", help="comma-separated experiments to run (default: all)")
   parser.add_argument("--workdir", default=str(REPOSITORY / "workdirs" / "ablation"))
-  parser.add_argument("--results", default=str(REPOSITORY / "experiments" / "results"))
+  parser.add_argument("--results", default=None,
+                      help="where the tables and plots go; default experiments/results, or a temporary "
+                           "directory with --quick (a smoke run must not overwrite the recorded results)")
   args = parser.parse_args(argv)
   if args.jobs < 1 or args.seeds < 1:
     parser.error(f"--jobs and --seeds must be >= 1, got --jobs={args.jobs} --seeds={args.seeds}")
@@ -279,6 +282,9 @@ def main(argv=None):
   unknown = only - {e.name for e in EXPERIMENTS}
   if unknown:
     parser.error(f"--only: unknown experiments {sorted(unknown)}; allowed: {[e.name for e in EXPERIMENTS]}")
+  if args.results is None:
+    args.results = (tempfile.mkdtemp(prefix="ablation_quick_") if args.quick
+                    else str(REPOSITORY / "experiments" / "results"))
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
   todo = cells(args.quick, 1 if args.quick else args.seeds, only)
   threads = 1 if args.jobs > 1 else 0

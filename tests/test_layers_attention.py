@@ -109,6 +109,15 @@ def test_cross_attention_ignores_padded_keys():
   assert np.all(weights[1, :, :, 6:] == 0.0)
 
 
+def test_masks_of_lower_rank_broadcast_as_in_the_op():
+  layer = _layer(kv_features=24)
+  x_q, x_kv = _normal(9, (2, 6, 16)), _normal(10, (2, 9, 24))
+  keys = np.arange(9) < 7  # [kv_len]: the same key mask for every row
+  full = _run(layer, x_q, x_kv, mask=jnp.asarray(keys)[None, None, None, :])
+  np.testing.assert_array_equal(_run(layer, x_q, x_kv, mask=jnp.asarray(keys)), full)
+  np.testing.assert_array_equal(_run(layer, x_q, x_kv, mask=jnp.asarray(np.tile(keys, (6, 1)))), full)
+
+
 def test_call_with_memory_equals_attend_to_projected_memory():
   layer = _layer(kv_features=24, num_kv_heads=2)
   x_q, x_kv = _normal(12, (2, 6, 16)), _normal(13, (2, 9, 24))
@@ -213,7 +222,7 @@ def test_unknown_rotary_kind_raises_value_error_naming_kind():
     (dict(x_kv=_normal(1, (2, 9, 16))), "x_kv"),
     (dict(mask=np.ones((2, 1, 6, 4), bool)), "mask"),
     (dict(mask=np.ones((2, 1, 1, 9), np.float32)), "mask"),
-    (dict(bias=np.ones((6, 9), np.float32)), "bias"),
+    (dict(bias=np.ones((7, 9), np.float32)), "bias"),  # q_len is 6
 ])
 def test_bad_inputs_raise_value_error_naming_argument(kwargs, argument):
   kwargs = {"x_q": _normal(0, (2, 6, 16)), "x_kv": _normal(1, (2, 9, 24)), **kwargs}

@@ -64,15 +64,18 @@ def _check_features(name: str, x, features: int) -> None:
     raise ValueError(f"MultiHeadAttention: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
 
 
-def _check_broadcastable(name: str, array, target: tuple[int, ...]) -> None:
-  """Raises ValueError unless array is rank 4 and broadcasts to target = (batch, heads, q_len, kv_len)."""
-  ok = array.ndim == 4 and all(a in (1, t) for a, t in zip(array.shape, target))
+def _check_broadcastable(name: str, array, target: tuple[int, ...]):
+  """array (rank <= 4, numpy broadcasting from the right) as rank 4 broadcasting to target =
+  (batch, heads, q_len, kv_len); raises ValueError naming the shapes otherwise."""
+  array = jnp.asarray(array)
+  ok = array.ndim <= 4 and all(a in (1, t) for a, t in zip(array.shape[::-1], target[::-1]))
   if not ok:
     raise ValueError(
         f"MultiHeadAttention: {name} must broadcast to [batch, heads, q_len, kv_len] = {list(target)}, "
         f"got {name}{list(array.shape)}")
   if name == "mask" and array.dtype != jnp.bool_:
     raise ValueError(f"MultiHeadAttention: mask must be boolean (True = may attend), got dtype {array.dtype}")
+  return array.reshape((1,) * (4 - array.ndim) + array.shape)
 
 
 def _swap_length_and_heads(x):
@@ -182,18 +185,19 @@ class MultiHeadAttention(nnx.Module):
   # --- the attention itself -------------------------------------------------------------------
 
   def _check_mask_bias(self, q, keys, mask, bias):
-    """keys are heads-major [b, kv_heads, s, h]."""
+    """keys are heads-major [b, kv_heads, s, h]; returns mask and bias as rank 4 (or None)."""
     target = (q.shape[0], self.num_heads, q.shape[1], keys.shape[2])
     if mask is not None:
-      _check_broadcastable("mask", mask, target)
+      mask = _check_broadcastable("mask", mask, target)
     if bias is not None:
-      _check_broadcastable("bias", bias, target)
+      bias = _check_broadcastable("bias", bias, target)
     if keys.shape[0] != q.shape[0]:
       raise ValueError(f"MultiHeadAttention: memory batch {keys.shape[0]} differs from x_q batch {q.shape[0]}")
+    return mask, bias
 
   def _attend_heads(self, q, keys, values, *, mask, bias, is_causal, deterministic):
     """q [b, t, n, h], keys / values heads-major [b, k, s, h] -> [b, t, out_features]."""
-    self._check_mask_bias(q, keys, mask, bias)
+    mask, bias = self._check_mask_bias(q, keys, mask, bias)
     if self.dropout_rate > 0.0 and not deterministic:
       # Dropout acts on the probabilities, so this pass needs them explicitly.
       weights = attention_ops.attention_weights(q, _swap_length_and_heads(keys), bias=bias, mask=mask,
@@ -247,7 +251,7 @@ class MultiHeadAttention(nnx.Module):
       x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
     keys, _ = self._project_key_value(x_kv, key_positions)
     q = self._project_query(x_q, query_positions)
-    self._check_mask_bias(q, _swap_length_and_heads(keys), mask, bias)
+    mask, bias = self._check_mask_bias(q, _swap_length_and_heads(keys), mask, bias)
     return attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
 
   # --- self-attention decoding ----------------------------------------------------------------
