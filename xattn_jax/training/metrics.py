@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 from absl import logging
 
@@ -43,7 +44,13 @@ class MetricsWriter:
       self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
 
   def _truncate_after(self, step: int):
-    kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
+    """Drops the rows after the step training resumes from (it logs them again), keeping a copy of the
+    file in metrics.jsonl.before_step_<step> when it drops any: they may be all that is left of a run
+    whose checkpoints are gone."""
+    rows = read_metrics(self.path)
+    kept = [row for row in rows if row.get("step", 0) <= step]
+    if len(kept) < len(rows):
+      shutil.copyfile(self.path, f"{self.path}.before_step_{step}")
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       for row in kept:
