@@ -156,6 +156,28 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   assert "eval/chrf" in (tmp_path / "work" / "metrics.jsonl").read_text()
 
 
+def _tsv_task(tmp_path, train_lines, eval_lines, **overrides):
+  (tmp_path / "train.tsv").write_text("".join(line + "\n" for line in train_lines))
+  (tmp_path / "eval.tsv").write_text("".join(line + "\n" for line in eval_lines))
+  config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"),
+                                     "data.eval_file": str(tmp_path / "eval.tsv"), "data.tokenizer": "bytes",
+                                     **overrides})
+  return translate_task.TranslateTask(config, str(tmp_path))
+
+
+def test_training_rows_never_exceed_model_max_length(tmp_path):
+  # model.max_length is 32 bytes here; one training line is 80: it is truncated, with a warning.
+  task = _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(20)] + ["x" * 80 + "\ty"], ["1 cat\t1 chat"])
+  with pytest.warns(UserWarning, match="1 of 21 examples"):
+    assert task.train_batches.max_source_length == 32
+  assert task.train_batch(0, process_index=0, process_count=1)["inputs"].shape[1] <= 32
+
+
+def test_an_eval_line_longer_than_model_max_length_stops_before_training_naming_file_and_line(tmp_path):
+  with pytest.raises(validation.ConfigError, match=r"model\.max_length.*eval\.tsv:2: .*40 source"):
+    _tsv_task(tmp_path, ["1 cat\t1 chat"], ["2 cats\t2 chats", "x" * 40 + "\ty"])
+
+
 def test_tsv_config_rejects_a_malformed_line_with_file_and_line(tmp_path):
   train = tmp_path / "train.tsv"
   train.write_text("one\tun\ntwo deux\nthree\ttrois\n")

@@ -115,6 +115,7 @@ class TranslateTask(tasks.Task):
     self.train_pairs, self.eval_pairs = self._pairs()
     self.tokenizer = self._tokenizer()
     self.vocab_size = self.tokenizer.vocab_size
+    self._check_eval_lengths()
     self._generate = nnx.jit(translator_lib.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
@@ -151,11 +152,31 @@ class TranslateTask(tasks.Task):
     return tokenizer if jax.process_index() == 0 else tokenizers.SentencePieceTokenizer(path)
 
   def _batches(self, pairs):
-    data = self.config.data
-    return batching.TranslationBatches.from_pairs(
-        pairs, self.tokenizer, max_source_length=data.max_source_length or None,
-        max_target_length=data.max_target_length or None, length_bucketing=data.length_bucketing,
-        packing=data.packing)
+    data, limit = self.config.data, self.config.model.max_length
+    build = lambda source, target: batching.TranslationBatches.from_pairs(
+        pairs, self.tokenizer, max_source_length=source, max_target_length=target,
+        length_bucketing=data.length_bucketing, packing=data.packing)
+    batches = build(data.max_source_length or None, data.max_target_length or None)
+    if batches.max_source_length > limit or batches.max_target_length > limit:
+      # 0 ("the longest example") never means longer than the model's positions: cap there, so
+      # the few longest examples are truncated (with a warning saying how many), not the run stopped.
+      batches = build(min(batches.max_source_length, limit), min(batches.max_target_length, limit))
+    return batches
+
+  def _check_eval_lengths(self):
+    """Eval examples are never truncated, so each must fit model.max_length (source tokens, and target
+    tokens plus BOS / EOS); checked before training, naming the eval file's line."""
+    limit, data = self.config.model.max_length, self.config.data
+    lengths = zip(self.eval_data.source_lengths, self.eval_data.target_lengths)  # untruncated; EOS counted
+    too_long = [(i, int(s), int(t)) for i, (s, t) in enumerate(lengths) if s > limit or t > limit]
+    if not too_long:
+      return
+    i, s, t = too_long[0]
+    where = f"{data.eval_file}:{i + 1}" if data.source != "dates" else f"eval date pair {i}"
+    more = f" (and {len(too_long) - 1} more)" if len(too_long) > 1 else ""
+    raise validation.ConfigError(
+        "model.max_length", limit, f"{where}: an eval example of {s} source / {t} target tokens does not "
+        f"fit{more}; raise model.max_length or shorten the eval examples")
 
   @functools.cached_property
   def train_batches(self) -> batching.TranslationBatches:
