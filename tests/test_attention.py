@@ -12,11 +12,10 @@ from xattn_jax.ops import attention, blocked_attention, masks
 
 HAS_GPU = jax.default_backend() == "gpu"
 # "chunked" runs with tiny blocks (see the fixture) so the small test shapes span several query and
-# key blocks, padded last blocks and skipped causal blocks, 3 units per loop step (4 units: one
-# batched step and a remainder). "xla" would run the small test shapes as
+# key blocks, padded last blocks and skipped causal blocks. "xla" would run the small test shapes as
 # "dense"; the fixture sends them through the blocked one-pass kernel, so both kernels are tested.
 IMPLEMENTATIONS = ["dense", "xla", "chunked"]
-SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8, units_per_step=3)
+SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
 
 
 @pytest.fixture(autouse=True)
@@ -176,23 +175,6 @@ def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch)
   chunked = attention.dot_product_attention(query, key, value, is_causal=True, implementation="chunked")
   dense = attention.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
   np.testing.assert_allclose(chunked, dense, atol=1e-5)
-
-
-@pytest.mark.parametrize("block_k", [8, 32])  # online softmax over key blocks / one pass
-def test_units_side_by_side_give_the_units_one_at_a_time_result(block_k):
-  query, key, value, kwargs = make_case("bias_mask_causal", seed=3, b=3, t=9, s=13)  # 6 units
-  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=query.shape), jnp.float32)
-  results = []
-  for per_step in (1, 4):
-    blocking = blocked_attention.Blocking(block_q=4, block_k=block_k, units_per_step=per_step)
-    run = functools.partial(blocked_attention.blocked_attention, query_offset=jnp.full((3,), 4, jnp.int32),
-                            blocking=blocking)
-    fn = lambda q, k, v, bias=None, mask=None, is_causal=False: run(q * 8 ** -0.5, k, v, mask=mask, bias=bias,
-                                                                    is_causal=is_causal)
-    results.append(output_and_grads(fn, query, key, value, kwargs, cotangent))
-  chex.assert_trees_all_close(results[0], results[1], atol=1e-6)
-  expected = output_and_grads(reference_attention, query, key, value, kwargs, cotangent)
-  chex.assert_trees_all_close(results[1][0], expected[0], atol=2e-5)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")

@@ -28,15 +28,9 @@ from xattn_jax.ops import masks as masks_lib
 
 @dataclasses.dataclass(frozen=True)
 class Blocking:
-  """Static work split: query rows and keys per block, and units processed side by side per loop step.
-
-  units_per_step > 1 runs that many units' blocks as one batched program (their matmuls become
-  batched matmuls), so the backend's threads share the work of a step instead of splitting one small
-  matmul between them.
-  """
+  """Static work split: query rows and keys per block."""
   block_q: int
   block_k: int
-  units_per_step: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,35 +165,23 @@ def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st
 def _forward(q_units, key, value, mask, bias, query_offset, st: _Static):
   """q_units [units, groups, q_len_padded, head_dim] -> (out like q_units, lse [units, groups, q_len_padded]).
 
-  A loop over units (`units_per_step` side by side), and inside a unit over its query blocks, each
-  writing its output rows in place.
+  One loop over (unit, query block) items; each reads its block out of q_units and writes its
+  output rows back in place, so no reordered copy of the queries or the output is ever made.
   """
-  _, g, t_pad, h = q_units.shape
+  units, g, t_pad, h = q_units.shape
   bq = st.blocking.block_q
   num_q_blocks = t_pad // bq
 
-  def unit_fn(xs):
-    q_u, unit = xs  # [groups, q_len_padded, head_dim]
-    if num_q_blocks == 1:
-      return _forward_item(q_u, unit, 0, key, value, mask, bias, query_offset, st)
+  def item(i, carry):
+    out, lse = carry
+    unit, q_index = i // num_q_blocks, i % num_q_blocks
+    q_blk = lax.dynamic_slice(q_units, (unit, 0, q_index * bq, 0), (1, g, bq, h))[0]
+    out_blk, lse_blk = _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st)
+    return (lax.dynamic_update_slice(out, out_blk[None], (unit, 0, q_index * bq, 0)),
+            lax.dynamic_update_slice(lse, lse_blk[None], (unit, 0, q_index * bq)))
 
-    def q_step(q_index, carry):
-      out, lse = carry
-      q_blk = lax.dynamic_slice_in_dim(q_u, q_index * bq, bq, axis=1)
-      out_blk, lse_blk = _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st)
-      return (lax.dynamic_update_slice_in_dim(out, out_blk, q_index * bq, axis=1),
-              lax.dynamic_update_slice_in_dim(lse, lse_blk, q_index * bq, axis=1))
-
-    return lax.fori_loop(0, num_q_blocks, q_step, (jnp.zeros_like(q_u), jnp.zeros((g, t_pad), jnp.float32)))
-
-  return _map_units(unit_fn, (q_units, jnp.arange(q_units.shape[0])), st)
-
-
-def _map_units(fn, xs, st: _Static):
-  """lax.map over the leading (unit) axis, `units_per_step` units batched per step."""
-  size = xs[0].shape[0]
-  per_step = min(st.blocking.units_per_step, size)
-  return lax.map(fn, xs, batch_size=per_step if per_step > 1 else None)
+  init = (jnp.zeros(q_units.shape, q_units.dtype), jnp.zeros((units, g, t_pad), jnp.float32))
+  return lax.fori_loop(0, units * num_q_blocks, item, init)
 
 
 def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, query_offset, st):
@@ -285,7 +267,7 @@ def _attention_bwd(st, residuals, o_grad):
   delta = jnp.einsum("ugth,ugth->ugt", o_grad.astype(jnp.float32), out.astype(jnp.float32))
   fn = functools.partial(_backward_unit, key=key, value=value, mask=mask, bias=bias,
                          query_offset=query_offset, st=st)
-  dq, dk, dv, dbias = _map_units(lambda xs: fn(*xs), (q_units, o_grad, lse, delta, jnp.arange(key.shape[0])), st)
+  dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), (q_units, o_grad, lse, delta, jnp.arange(key.shape[0])))
   if bias is not None:
     # dbias per unit [batch * kv_heads, G', T', S'] -> the bias's broadcast shape [B', K', G', T', S'].
     dbias = dbias.reshape(-1, st.kv_heads, *dbias.shape[1:])
