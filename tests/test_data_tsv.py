@@ -74,3 +74,14 @@ def test_split_by_key_keeps_equal_keys_together_and_is_deterministic():
   assert not {s for s, _ in train} & {s for s, _ in evaluation}
   assert evaluation and (train, evaluation) == splits.split_by_key(items, lambda pair: pair[0], seed=3,
                                                                    eval_fraction=0.2)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("a\tb\n".encode("utf-16"), "UTF-16"),
+    (b"a\tb\rc\td\r", "carriage return"),
+])
+def test_utf16_and_cr_only_files_are_named_for_what_they_are(tmp_path, content, message):
+  path = tmp_path / "corpus.tsv"
+  path.write_bytes(content)
+  with pytest.raises(CorpusFormatError, match=message):
+    read_parallel_tsv(path)

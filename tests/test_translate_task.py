@@ -222,6 +222,20 @@ def test_attention_plot_has_one_panel_per_layer_or_per_layer_and_head(tmp_path, 
   translate_plots.close(figure)
 
 
+def test_attention_plot_of_characters_no_font_has_writes_them_escaped_without_warnings(tmp_path):
+  import warnings
+  fonts = translate_plots._installed_fonts()[1]
+  missing = [c for c in "日曜日🙂" if not any(font.get_char_index(ord(c)) for font in fonts)]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # matplotlib's "Glyph ... missing from font" is a UserWarning
+    figure = translate_plots.plot_cross_attention(np.full((1, 1, 2, 2), 0.5), ["日曜日", "a"], ["🙂", "b"],
+                                                  tmp_path / "map.png")
+  labels = [t.get_text() for t in figure.axes[0].get_xticklabels() + figure.axes[0].get_yticklabels()]
+  translate_plots.close(figure)
+  for c in missing:
+    assert any(f"\\u{ord(c):04x}" in label for label in labels)
+
+
 def test_attention_plot_rejects_weights_that_do_not_match_the_pieces(tmp_path):
   with pytest.raises(ValueError, match="target by source"):
     translate_plots.plot_cross_attention(np.ones((1, 1, 3, 4)), list("abc"), list("xyz"), tmp_path / "a.png")

@@ -75,6 +75,12 @@ def read_parallel_tsv(path) -> list[tuple[str, str]]:
     data = f.read()
   if data.startswith(b"\xef\xbb\xbf"):
     data = data[3:]
+  if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+    raise CorpusFormatError(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); "
+                                          "save it as UTF-8")])
+  if b"\r" in data and b"\n" not in data:
+    raise CorpusFormatError(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); "
+                                          "save it with \\n line ends")])
   lines = data.split(b"\n")
   lines = [line[:-1] if line.endswith(b"\r") else line for line in lines]
   while lines and not lines[-1].strip():

@@ -3,7 +3,11 @@
 Shapes follow `jax.nn.dot_product_attention`: query [batch, q_len, heads, head_dim], key and value
 [batch, kv_len, kv_heads, head_dim] with kv_heads dividing heads (MQA / GQA). Boolean masks
 (True = may attend) and biases broadcast to [batch, heads, q_len, kv_len]. `is_causal` aligns the
-queries to the LAST q_len keys (see `masks.causal_mask`). Softmax runs in float32; a query that may
+queries to the LAST q_len keys (see `masks.causal_mask`): with q_len < kv_len these are a decode
+step's queries after a cache; `jax.nn.dot_product_attention` aligns them to the first keys instead.
+Differentiation is reverse mode (grad, vjp, grad of grad); the dense and blocked kernels are
+`jax.custom_vjp` functions, so forward mode (jvp, jacfwd, hessian) raises; use
+`jax.jacrev` or `jax.nn.dot_product_attention` for those. Softmax runs in float32; a query that may
 attend to no key returns zeros with finite gradients, in every implementation.
 
 Implementations:

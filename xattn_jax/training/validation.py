@@ -55,7 +55,11 @@ def require_choice(config, field: str, allowed):
 
 def require_file(field: str, path: str):
   """For tasks: a data file named by `field` must exist before training starts."""
-  if not path or not os.path.isfile(path):
+  if not path:
+    raise ConfigError(field, path, "is required: the path of a file")
+  if os.path.isdir(path):
+    raise ConfigError(field, path, "is a directory; name a file")
+  if not os.path.isfile(path):
     raise ConfigError(field, path, "no such file")
 
 
