@@ -55,7 +55,7 @@ class AlgorithmicTask(tasks.Task):
   """Copy or reverse random strings; exact match per length band (see the module docstring)."""
 
   @classmethod
-  def validate(cls, config):
+  def validate(cls, config, mode="train"):
     task, model = config.task, config.model
     validation.require_choice(config, "task.operation", algorithmic.OPERATIONS)
     validation.require_choice(config, "model.name", ("translator",))
@@ -73,8 +73,8 @@ class AlgorithmicTask(tasks.Task):
     if model.rope_scaling not in ("", "linear", "ntk"):
       raise validation.ConfigError("model.rope_scaling", model.rope_scaling, "allowed are '', 'linear', 'ntk'")
 
-  def __init__(self, config, workdir=None):
-    super().__init__(config, workdir)
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
     self.bands = parse_bands(config.task.eval_bands)
     # Positions 0 .. longest string (its EOS included) must have a row in a learned table.
     self.max_length = max(config.task.train_max_length, *(hi for _, hi in self.bands)) + 1

@@ -105,7 +105,7 @@ class DigitsTask(tasks.Task):
   """Classify the bundled digits with a ViT, a Perceiver or a Q-Former (see the module docstring)."""
 
   @classmethod
-  def validate(cls, config):
+  def validate(cls, config, mode="train"):
     validation.require_choice(config, "model.name", MODELS)
     validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio")
     validation.require_positive(config, "data.max_shift", allow_zero=True)
@@ -136,8 +136,8 @@ class DigitsTask(tasks.Task):
             f"no such config file, and model.encoder_workdir={config.model.encoder_workdir!r} holds no "
             "encoder run to load the frozen encoder from")
 
-  def __init__(self, config, workdir=None):
-    super().__init__(config, workdir)
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
     self.split = digits.load_digits_split(test_fraction=config.data.test_fraction,
                                           split_seed=config.data.split_seed)
     self.grid = parse_grid(config.data.grid, "data.grid")

@@ -84,12 +84,12 @@ def task_rngs(rng_key, step) -> nnx.Rngs:
 class _Run:
   """The pieces of one run, built in order: task, mesh, abstract state, jitted steps."""
 
-  def __init__(self, config, workdir):
+  def __init__(self, config, workdir, mode: str = "train"):
     self.config = config
     self.workdir = workdir
     task_class = tasks.get_task_class(config.task.name)
     try:
-      self.task = task_class(config, workdir)
+      self.task = task_class(config, workdir, mode)
     except validation.ConfigError:
       raise
     except ValueError as error:
@@ -423,7 +423,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       _write_config(config, workdir)
   _barrier("workdir ready")
   try:
-    run_ = _Run(config, workdir)
+    run_ = _Run(config, workdir, mode)
   except (validation.ConfigError, DataError):
     if new_workdir:  # it holds only this run's config so far: leave nothing half-made behind
       shutil.rmtree(workdir, ignore_errors=True)

@@ -80,13 +80,14 @@ class Task:
   # is checked against them. Empty: checked only for the "eval/" prefix.
   eval_metric_names: ClassVar[tuple[str, ...]] = ()
 
-  def __init__(self, config, workdir: str | None = None):
+  def __init__(self, config, workdir: str | None = None, mode: str = "train"):
     self.config = config
     self.workdir = workdir
+    self.mode = mode  # "train", "eval" or "infer": what the run will ask of the task
 
   @classmethod
-  def validate(cls, config) -> None:
-    """Raises validation.ConfigError for an invalid task-specific field."""
+  def validate(cls, config, mode: str = "train") -> None:
+    """Raises validation.ConfigError for an invalid task-specific field (for `mode`)."""
 
   def make_model(self, rngs, *, dtype, param_dtype):
     raise NotImplementedError

@@ -138,7 +138,7 @@ class ToyReverseTask(tasks.Task):
   """Reverse random letter strings (see the module docstring)."""
 
   @classmethod
-  def validate(cls, config):
+  def validate(cls, config, mode="train"):
     validation.require_choice(config, "model.name", MODELS)
     validation.require_choice(config, "model.position_encoding", POSITION_ENCODINGS)
     validation.require_positive(config, "model.num_layers", "model.mlp_dim", "task.min_length",

@@ -63,7 +63,7 @@ class TranslateTask(tasks.Task):
   eval_metric_names = ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf")
 
   @classmethod
-  def validate(cls, config):
+  def validate(cls, config, mode="train"):
     data, model, task = config.data, config.model, config.task
     validation.require_choice(config, "model.name", ("translator",))
     validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
@@ -105,17 +105,21 @@ class TranslateTask(tasks.Task):
         dates.parse_locale(data.target_locale)
       except ValueError as error:
         raise validation.ConfigError("data.target_locale", data.target_locale, str(error)) from None
-    else:
+    elif mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
       # Reads both files now, so a malformed line stops the run before anything is built.
       _read_tsv("data.train_file", data.train_file)
       _read_tsv("data.eval_file", data.eval_file)
 
-  def __init__(self, config, workdir=None):
-    super().__init__(config, workdir)
-    self.train_pairs, self.eval_pairs = self._pairs()
-    self.tokenizer = self._tokenizer()
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    if mode == "infer":  # the corpus may be gone; the run's tokenizer is in its workdir
+      self.train_pairs, self.eval_pairs = [], []
+      self.tokenizer = self._saved_tokenizer()
+    else:
+      self.train_pairs, self.eval_pairs = self._pairs()
+      self.tokenizer = self._tokenizer()
+      self._check_eval_lengths()
     self.vocab_size = self.tokenizer.vocab_size
-    self._check_eval_lengths()
     self._generate = nnx.jit(translator_lib.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
@@ -150,6 +154,14 @@ class TranslateTask(tasks.Task):
     if jax.process_count() > 1:  # the others read process 0's file once it is written
       multihost_utils.sync_global_devices("sentencepiece model written")
     return tokenizer if jax.process_index() == 0 else tokenizers.SentencePieceTokenizer(path)
+
+  def _saved_tokenizer(self) -> tokenizers.Tokenizer:
+    if self.config.data.tokenizer == "bytes":
+      return tokenizers.ByteTokenizer()
+    path = os.path.join(self.workdir or "", SPM_FILE)
+    if not os.path.isfile(path):
+      raise ValueError(f"inference needs the SentencePiece model the run trained, {path}, which is missing")
+    return tokenizers.SentencePieceTokenizer(path)
 
   def _batches(self, pairs):
     data, limit = self.config.data, self.config.model.max_length

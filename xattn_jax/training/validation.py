@@ -187,4 +187,4 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   else:
     _check_mesh_sizes(config.mesh)
   check_attention_dims(config.model)
-  task_class.validate(config)
+  task_class.validate(config, mode)
