@@ -16,10 +16,11 @@ directly in config as `task.name = "some.module:TranslateTask"`.
 
 The contract (all shapes are per process unless said otherwise; B = config.batch_size is global):
 
-- `validate(config)` (classmethod): raise `validation.ConfigError(field, value, allowed)` for any
-  task field that is wrong, BEFORE anything is built. Check data files exist here. No JAX calls.
-- `__init__(config, workdir)`: host-side setup (read data, train or load a tokenizer into the
-  workdir). Runs on every process.
+- `validate(config, mode)` (classmethod): raise `validation.ConfigError(field, value, allowed)` for
+  any task field that is wrong, BEFORE anything is built. Check the data files this mode ("train",
+  "eval" or "infer") reads exist here. No JAX calls.
+- `__init__(config, workdir, mode)`: host-side setup (read data, train or load a tokenizer into the
+  workdir); `infer` should need no more than the workdir. Runs on every process.
 - `make_model(rngs, *, dtype, param_dtype) -> nnx.Module`: parameters annotated with logical axis
   names (`nnx.with_partitioning`) from {"embed", "heads", "kv", "mlp", "vocab", "length", None};
   `dtype` is the compute dtype, `param_dtype` the storage dtype. `rngs` has a `params` stream (from
