@@ -206,6 +206,7 @@ def test_attention_dropout_is_active_only_when_not_deterministic():
     (dict(num_heads=4, in_features=16, rotary=RotarySpec(rotary_dim=3)), "rotary_dim"),
     (dict(num_heads=4, in_features=20, rotary=RotarySpec()), "rotary_dim"),
     (dict(num_heads=4, in_features=16, dropout_rate=1.0), "dropout_rate"),
+    (dict(num_heads=4, in_features=16, implementation="flash"), "implementation"),
 ])
 def test_bad_construction_raises_value_error_naming_argument(options, argument):
   with pytest.raises(ValueError, match=argument):
