@@ -164,3 +164,9 @@ def test_valid_mask_of_the_wrong_shape_raises_naming_it():
   features, positions, grid = random_inputs(16)
   with pytest.raises(ValueError, match="valid"):
     read(make_perceiver(), features, positions, jnp.ones((2, 15), bool))
+
+
+@pytest.mark.parametrize("posenc", ["rope", "alibi", "sinusoidal"])
+def test_perceiver_refuses_one_dimensional_position_encodings(posenc):
+  with pytest.raises(ValueError, match="position_encoding"):
+    make_perceiver(posenc)

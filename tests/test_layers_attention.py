@@ -218,6 +218,12 @@ def test_unknown_rotary_kind_raises_value_error_naming_kind():
     RotarySpec(kind="alibi")
 
 
+@pytest.mark.parametrize("factor", [0.0, -1.0])
+def test_rotary_scaling_factor_must_be_positive_when_built(factor):
+  with pytest.raises(ValueError, match="scaling_factor"):
+    RotarySpec(scaling="linear", scaling_factor=factor)
+
+
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(x_q=_normal(0, (2, 6, 12))), "x_q"),
     (dict(x_kv=_normal(1, (2, 9, 16))), "x_kv"),

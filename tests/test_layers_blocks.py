@@ -239,3 +239,26 @@ def test_mlp_kernels_carry_logical_axis_names():
   specs = nnx.get_partition_spec(nnx.state(blocks.MLP(FEATURES, MLP_FEATURES, rngs=nnx.Rngs(0)), nnx.Param))
   assert tuple(specs["wi"]["kernel"].get_value()) == ("embed", "mlp")
   assert tuple(specs["wo"]["kernel"].get_value()) == ("mlp", "embed")
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda r: blocks.EncoderBlock(32, 4, 64, rngs=r)(jnp.ones((2, 7, 16))), r"EncoderBlock: x must be .*32\]"),
+    (lambda r: blocks.DecoderBlock(32, 4, 64, memory_features=24, rngs=r)(jnp.ones((2, 7, 32)), jnp.ones((2, 5, 16))),
+     r"DecoderBlock: memory must be .*24\]"),
+    (lambda r: blocks.DecoderBlock(32, 4, 64, rngs=r).decode(jnp.ones((2, 1, 8)), None), r"decode: x must be"),
+    (lambda r: blocks.CrossAttentionBlock(32, 24, 4, 64, rngs=r)(jnp.ones((2, 7, 32)), jnp.ones((2, 5, 16))),
+     r"CrossAttentionBlock: inputs must be"),
+    (lambda r: blocks.GatedCrossAttentionBlock(32, 24, 4, 64, rngs=r)(jnp.ones((2, 7, 16)), jnp.ones((2, 5, 24))),
+     r"GatedCrossAttentionBlock: x must be"),
+])
+def test_blocks_name_the_input_of_the_wrong_width(call, needle):
+  # Before, LayerNorm failed first with a TypeError about reshaping its scale.
+  with pytest.raises(ValueError, match=needle):
+    call(nnx.Rngs(0))
+
+
+def test_learned_query_pooling_takes_valid_as_a_list():
+  pool = blocks.LearnedQueryPooling(3, 16, 8, 2, rngs=nnx.Rngs(0))
+  inputs = jnp.ones((1, 4, 8))
+  np.testing.assert_array_equal(pool(inputs, valid=[[True, True, False, False]]),
+                                pool(inputs, valid=jnp.asarray([[True, True, False, False]])))

@@ -260,6 +260,9 @@ def test_sincos_2d_shape_and_range():
   table = P.sincos_2d((3, 4), 16)
   chex.assert_shape(table, (12, 16))
   assert np.all(np.abs(table) <= 1.0)
+  # A tuple of integers is the grid whatever the integer type; a list or array is one position.
+  np.testing.assert_array_equal(P.sincos_2d((np.int64(3), 4), 16), table)
+  chex.assert_shape(P.sincos_2d([3, 4], 16), (16,))
 
 
 def test_sincos_2d_hand_checked_entry():

@@ -206,3 +206,13 @@ def test_invalid_options_are_rejected(options, argument):
 def test_float_tokens_are_rejected():
   with pytest.raises(ValueError, match="inputs"):
     _model().encode(jnp.zeros((1, 3)))
+
+
+def test_decoding_past_a_learned_position_table_is_refused():
+  # The table has 16 rows; 20 decode steps would read rows 16-19 (NaN logits, which a search would
+  # turn into tokens).
+  model = _model(position_encoding="learned")
+  inputs = _tokens(0, 1, 5)
+  with pytest.raises(ValueError, match=r"max_length=20 .* 16 rows"):
+    translator_lib.generate(model, inputs, max_length=20, bos_id=1, eos_id=2)
+  assert translator_lib.generate(model, inputs, max_length=16, bos_id=1, eos_id=2).shape == (1, 16)

@@ -38,7 +38,8 @@ class GreedyOutput(NamedTuple):
 
 class BeamOutput(NamedTuple):
   tokens: jax.Array  # int32[batch, beams, max_length], best beam first
-  scores: jax.Array  # float32[batch, beams]: length-penalised log-probabilities, descending
+  scores: jax.Array  # float32[batch, beams]: length-penalised log-probabilities; beams that ended
+  # with EOS first, by score, then unfinished ones (max_length reached), by score
 
 
 def _check_common(batch_size, max_length, bos_id, eos_id):

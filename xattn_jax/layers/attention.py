@@ -241,6 +241,7 @@ class MultiHeadAttention(nnx.Module):
     x_q [b, t, in_features], x_kv [b, s, kv_features] -> [b, t, out_features]. For
     self-attention key_positions defaults to query_positions.
     """
+    _check_features("x_q", x_q, self.in_features)
     if x_kv is None:
       x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
     memory_cache = self.project_memory(x_kv, key_positions=key_positions)

@@ -114,6 +114,7 @@ class EncoderBlock(nnx.Module):
   def __call__(self, x, *, mask=None, positions=None, bias=None, deterministic: bool = True):
     """mask: e.g. key padding [b, 1, 1, t]; positions: for a rotary attention layer; bias: a relative
     position bias [b, heads, t, t] added to the self-attention scores (ALiBi, T5)."""
+    _check_stream("EncoderBlock", "x", x, self.attention.in_features)
     x, _ = self.attention_residual(x, lambda h: (self.attention(
         h, mask=mask, bias=bias, query_positions=positions, deterministic=deterministic), None), deterministic)
     x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
@@ -166,6 +167,8 @@ class DecoderBlock(nnx.Module):
     memory rows ([b, 1, 1, s]); positions feed a rotary self-attention; self_bias [b, heads, t, t]
     is a relative position bias on the self-attention scores only.
     """
+    _check_stream("DecoderBlock", "x", x, self.self_attention.in_features)
+    _check_stream("DecoderBlock", "memory", memory, self.cross_attention.kv_features)
     x = self._self_attend(x, self_mask, positions, self_bias, deterministic)
     memory_cache = self.cross_attention.project_memory(memory)
     return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
@@ -191,6 +194,7 @@ class DecoderBlock(nnx.Module):
 
   def init_cache(self, memory, max_length: int) -> DecoderCache:
     """An empty self-attention cache of capacity max_length and the memory's keys / values, projected once."""
+    _check_stream("DecoderBlock.init_cache", "memory", memory, self.cross_attention.kv_features)
     return DecoderCache(
         self_attention=self.self_attention.init_cache(memory.shape[0], max_length),
         cross_attention=self.cross_attention.project_memory(memory))
@@ -202,6 +206,7 @@ class DecoderBlock(nnx.Module):
     self_mask and self_bias broadcast to [b, heads, t, max_length] (e.g. prompt padding, a relative
     position bias between these queries and every cache row); memory_mask as in __call__.
     """
+    _check_stream("DecoderBlock.decode", "x", x, self.self_attention.in_features)
     def self_attend(h):
       return self.self_attention.extend(h, cache.self_attention, positions=positions, mask=self_mask,
                                         bias=self_bias, deterministic=deterministic)
@@ -235,6 +240,10 @@ class CrossAttentionBlock(nnx.Module):
 
   def __call__(self, x, inputs, *, mask=None, deterministic: bool = True):
     """mask: e.g. input padding [b, 1, 1, m]."""
+    where = type(self).__name__
+    _check_stream(where, "x", x, self.attention.in_features)
+    _check_stream(where, "memory" if where == "GatedCrossAttentionBlock" else "inputs", inputs,
+                  self.attention.kv_features)
     if self.input_norm is not None:
       inputs = self.input_norm(inputs)
     x, _ = self.attention_residual(x, lambda h: (self.attention(
@@ -284,6 +293,7 @@ class LearnedQueryPooling(nnx.Module):
     if inputs.ndim != 3 or inputs.shape[-1] != self.input_features:
       raise ValueError(
           f"LearnedQueryPooling: inputs must be [batch, M, {self.input_features}], got inputs{list(inputs.shape)}")
+    valid = None if valid is None else jnp.asarray(valid)
     if valid is not None and valid.shape != inputs.shape[:2]:
       raise ValueError(
           f"LearnedQueryPooling: valid must be bool {list(inputs.shape[:2])}, got valid{list(valid.shape)}")

@@ -47,6 +47,8 @@ class RotarySpec:
       raise ValueError(f"RotarySpec: layout must be one of {ROPE_LAYOUTS}, got layout={self.layout!r}")
     if self.scaling not in ROPE_SCALINGS:
       raise ValueError(f"RotarySpec: scaling must be one of {ROPE_SCALINGS}, got scaling={self.scaling!r}")
+    if not self.scaling_factor > 0:
+      raise ValueError(f"RotarySpec: scaling_factor must be > 0, got scaling_factor={self.scaling_factor!r}")
     if self.kind == "mrope" and not self.sections:
       raise ValueError("RotarySpec: kind='mrope' needs sections, e.g. sections=(16, 24, 24), got None")
     if self.sections is not None:

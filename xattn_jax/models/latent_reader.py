@@ -37,6 +37,8 @@ from xattn_jax.ops import masks as masks_lib
 from xattn_jax.training import layer_stack
 
 CONNECTORS = ("qformer", "mlp")
+# Encodings of a 2D grid of elements (the Perceiver's); 1D ones (rope, sinusoidal, ...) do not apply.
+GRID_ENCODINGS = ("fourier", "sincos_2d", "learned_2d", "rope_2d", "none")
 
 
 class FrozenParam(nnx.Variable):
@@ -156,6 +158,9 @@ class Perceiver(nnx.Module):
                         ("num_repeats", num_repeats), ("patch_size", patch_size)):
       if value < 1:
         raise ValueError(f"Perceiver: {name} must be positive, got {name}={value}")
+    if position_encoding not in GRID_ENCODINGS:
+      raise ValueError(f"Perceiver: position_encoding must be one of {GRID_ENCODINGS} (2D grid encodings), "
+                       f"got position_encoding={position_encoding!r}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.patch_size, self.num_repeats, self.scan_layers, self.remat = patch_size, num_repeats, scan_layers, remat
     self.dtype = dtype

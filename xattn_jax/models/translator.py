@@ -262,6 +262,10 @@ class Translator(nnx.Module):
                        f"{memory_valid.dtype}{list(memory_valid.shape)}")
     if not isinstance(max_length, int) or max_length < 1:
       raise ValueError(f"Translator.init_cache: max_length must be a positive int, got {max_length!r}")
+    if self.position_encoding == "learned" and max_length > self.max_length:
+      # Decoding would look up rows past the table: NaN logits, which a search turns into tokens.
+      raise ValueError(f"Translator.init_cache: max_length={max_length} target positions do not fit the learned "
+                       f"position table of {self.max_length} rows (Translator max_length)")
     layers = tuple(block.init_cache(memory, max_length) for block in self.decoder_layers())
     return TranslatorCache(layers=layers, memory_mask=masks_lib.padding_mask(memory_valid),
                            position=jnp.zeros((), jnp.int32))
