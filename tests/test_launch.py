@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -212,6 +213,15 @@ def test_infer_mode_answers_each_input_line(reference):
   outputs = result.stdout.split("\n")[:-1]
   # Output line i answers input line i: the blank line gets a blank answer, not a shifted one.
   assert [len(line) for line in outputs] == [3, 0, 5, 3] and all(outputs[i].isalpha() for i in (0, 2, 3))
+
+
+@pytest.mark.slow
+def test_load_model_gives_the_checkpointed_model_and_its_inference(reference):
+  from xattn_jax.training import loop
+  model, task = loop.load_model(str(reference))
+  assert_same_params(nnx.to_pure_dict(nnx.state(model)), model_params(reference, STEPS))
+  answers = launch(reference, "--mode=infer", stdin="abc\nhello\n").stdout.splitlines()
+  assert task.infer(model, ["abc", "hello"]) == answers
 
 
 @pytest.mark.slow

@@ -479,6 +479,36 @@ def _read_input_lines(input_file) -> tuple[str, list[str]]:
   return name, lines
 
 
+def load_model(workdir: str):
+  """(model, task) of the newest checkpoint of a run, for notebooks and scripts:
+
+      model, task = loop.load_model("workdirs/dates")
+      task.infer(model, ["Sunday, November 29, 2026"])   # the task's own inference
+
+  The run's resolved config (`<workdir>/config.py`) rebuilds the task in "infer" mode (it reads the
+  workdir's tokenizer, not the training data); the model is `task.config`'s, restored in place.
+  """
+  import importlib.util
+  path = os.path.join(workdir, "config.py")
+  if not os.path.isfile(path):
+    raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")
+  spec = importlib.util.spec_from_file_location("_run_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  validation.validate_config(config, mode="infer", device_count=jax.device_count(),
+                             process_count=jax.process_count())
+  run_ = _Run(config, workdir, "infer")
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+  try:
+    restored = checkpoints.restore_latest(*run_.abstract_pure())
+  finally:
+    checkpoints.close()
+  if restored is None:
+    raise RunError(f"no checkpoint in {checkpoints.directory}")
+  return run_.model(run_.from_pure(restored[0], restored[1])), run_.task
+
+
 def _infer(run_, state, input_file, output):
   """One output line per input line, in order; a blank input line gets a blank output line."""
   import sys
