@@ -26,6 +26,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -202,17 +203,18 @@ def compile_and_step_times(s, rng):
           loss.block_until_ready()
 
         runs[scan] = run
-  # A scan stacks every layer's saved activations into [layers, ...] buffers (copied in, then
-  # sliced out in the backward pass); remat="dots" saves only matmul outputs and recomputes the
-  # rest, so its stacks are smaller. Measured as a third, interleaved variant.
-  step, state = make_train_step(make_translator(s, scan_layers=True, remat="dots"))
-  holder = {"state": state}
+  # A scan stacks every layer's saved activations into [layers, ...] buffers (zero-filled, copied in,
+  # then sliced out in the backward pass); a remat policy that saves fewer of them shrinks those
+  # stacks. Measured as further interleaved variants: (scan, remat) -> step seconds.
+  for scan, remat in ((True, "dots"), (True, "dots_no_batch"), (False, "dots_no_batch")):
+    step, state = make_train_step(make_translator(s, scan_layers=scan, remat=remat))
+    holder = {"state": state}
 
-  def run_remat(compiled=step.lower(state, *batch).compile(), holder=holder):
-    holder["state"], loss = compiled(holder["state"], *batch)
-    loss.block_until_ready()
+    def run_remat(compiled=step.lower(state, *batch).compile(), holder=holder):
+      holder["state"], loss = compiled(holder["state"], *batch)
+      loss.block_until_ready()
 
-  runs["scan_remat_dots"] = run_remat
+    runs[f"{'scan' if scan else 'unrolled'}_remat_{remat}"] = run_remat
   return compile_seconds, interleaved_median_seconds(runs, s["repeats"])
 
 
@@ -288,7 +290,8 @@ def torch_greedy(s):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-  parser.add_argument("--out", default=str(RESULTS), help="directory for the .md and .json results")
+  parser.add_argument("--out", default=None, help="directory for the .md and .json results (default: "
+                      "experiments/results, or a temporary directory with --quick)")
   args = parser.parse_args()
   s = QUICK if args.quick else FULL
   # XLA's CPU backend uses every core this process may run on; torch gets the same number.
@@ -310,12 +313,14 @@ def main():
   inputs = tokens(rng, s["vocab"], s["batch"], s["length"])
   jax_decoders = decode_functions(make_translator(s), s)
   jax_inputs = jnp.asarray(inputs)
-  decode_seconds = {name: median_seconds(lambda f=f: f(jax_inputs), s["repeats"])
-                    for name, f in jax_decoders.items()}
   torch_inputs = torch.from_numpy(inputs).long()
   torch_decoder = torch_greedy(s)
-  # Eager torch needs no compile warm-up; each run is long, so two runs.
-  decode_seconds["torch_greedy_rerun"] = median_seconds(lambda: torch_decoder(torch_inputs), 2, warmup=False)
+  # Interleaved like training: decoding runs are separate from torch's, and the machine's speed
+  # drifts by several percent over the minute this takes (a greedy run measured 1.17 s in one
+  # section and 1.04 s a few minutes later). Torch's run is long (~10 s), so fewer rounds.
+  decoders = {name: (lambda f=f: f(jax_inputs)) for name, f in jax_decoders.items()}
+  decoders["torch_greedy_rerun"] = lambda: torch_decoder(torch_inputs)
+  decode_seconds = interleaved_median_seconds(decoders, s["repeats"] // 2 + 1, warmup=1)
   new_tokens = s["batch"] * s["new_tokens"]
   print(f"decode seconds: {decode_seconds}", flush=True)
 
@@ -343,10 +348,12 @@ def main():
   compile_growth = compile_seconds[(layers[-1], True)] / compile_seconds[(layers[0], True)]
   unrolled_growth = compile_seconds[(layers[-1], False)] / compile_seconds[(layers[0], False)]
   scan_slowdown = scan_step_seconds[True] / scan_step_seconds[False]
-  remat_slowdown = scan_step_seconds["scan_remat_dots"] / scan_step_seconds[False]
+  remat_slowdowns = {remat: scan_step_seconds[f"scan_remat_{remat}"] / scan_step_seconds[False]
+                     for remat in ("dots", "dots_no_batch")}
   results["summary"] = {"decoding_ratio_vs_torch": decoding_ratio, "cross_cache_speedup": cache_ratio,
                         "scan_compile_growth": compile_growth, "unrolled_compile_growth": unrolled_growth,
-                        "scan_step_slowdown": scan_slowdown, "scan_remat_dots_step_slowdown": remat_slowdown}
+                        "scan_step_slowdown": scan_slowdown,
+                        **{f"scan_remat_{r}_step_slowdown": v for r, v in remat_slowdowns.items()}}
 
   def row(*cells):
     return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -390,17 +397,21 @@ def main():
     lines.append(row(n, f"{compile_seconds[(n, False)]:.2f}", f"{compile_seconds[(n, True)]:.2f}"))
   lines += ["", f"Compile time at {layers[-1]} layers / {layers[0]} layers: scan **{compile_growth:.2f}x** "
             f"(target <= 1.5x), unrolled {unrolled_growth:.2f}x.", "",
-            f"Train step at {s['num_layers']}+{s['num_layers']} layers: unrolled {scan_step_seconds[False]:.3f} s, "
-            f"scanned {scan_step_seconds[True]:.3f} s: scanned / unrolled **{scan_slowdown:.3f}** (target <= 1.05); "
-            f"scanned with remat=\"dots\" {scan_step_seconds['scan_remat_dots']:.3f} s: "
-            f"**{remat_slowdown:.3f}** (all three interleaved)."]
+            f"Train step at {s['num_layers']}+{s['num_layers']} layers, all variants interleaved (target: "
+            "scanned <= 1.05x unrolled):", "",
+            row("variant", "step s", "vs unrolled, no remat"), row("---", "---", "---")]
+  for key, label in ((False, "unrolled"), ("unrolled_remat_dots_no_batch", "unrolled, remat=dots_no_batch"),
+                     (True, "scan"), ("scan_remat_dots", "scan, remat=dots"),
+                     ("scan_remat_dots_no_batch", "scan, remat=dots_no_batch")):
+    lines.append(row(label, f"{scan_step_seconds[key]:.3f}",
+                     f"**{scan_step_seconds[key] / scan_step_seconds[False]:.3f}**"))
   markdown = "\n".join(lines) + "\n"
   print(markdown)
-  out = pathlib.Path(args.out)
+  out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench_translator_quick_") if args.quick else RESULTS))
   out.mkdir(parents=True, exist_ok=True)
-  suffix = "_quick" if args.quick else ""
-  (out / f"translator_benchmark{suffix}.md").write_text(markdown)
-  (out / f"translator_benchmark{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
+  (out / "translator_benchmark.md").write_text(markdown)
+  (out / "translator_benchmark.json").write_text(json.dumps(results, indent=2) + "\n")
+  print(f"wrote {out}/translator_benchmark.md")
 
 
 if __name__ == "__main__":
