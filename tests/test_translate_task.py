@@ -154,8 +154,12 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   result = launch("configs/translate_tsv.py", tmp_path / "work", overrides)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "eval/chrf" in (tmp_path / "work" / "metrics.jsonl").read_text()
-  # Inference needs the run's workdir, not its corpus.
+  # Evaluation needs the run's workdir and the eval file; inference only the workdir.
   (tmp_path / "train.tsv").unlink()
+  evaluated = subprocess.run([sys.executable, "launch.py", f"--config={tmp_path / 'work' / 'config.py'}",
+                              f"--workdir={tmp_path / 'work'}", "--mode=eval"], cwd=REPO, capture_output=True,
+                             text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   (tmp_path / "eval.tsv").unlink()
   answer = subprocess.run([sys.executable, "launch.py", f"--config={tmp_path / 'work' / 'config.py'}",
                            f"--workdir={tmp_path / 'work'}", "--mode=infer"], cwd=REPO, input="7 cats\n",

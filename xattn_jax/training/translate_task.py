@@ -106,8 +106,10 @@ class TranslateTask(tasks.Task):
       except ValueError as error:
         raise validation.ConfigError("data.target_locale", data.target_locale, str(error)) from None
     elif mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
-      # Reads both files now, so a malformed line stops the run before anything is built.
-      _read_tsv("data.train_file", data.train_file)
+      # Reads the files now, so a malformed line stops the run before anything is built; eval
+      # needs only the eval file (the tokenizer is the run's).
+      if mode == "train":
+        _read_tsv("data.train_file", data.train_file)
       _read_tsv("data.eval_file", data.eval_file)
 
   def __init__(self, config, workdir=None, mode="train"):
@@ -117,7 +119,7 @@ class TranslateTask(tasks.Task):
       self.tokenizer = self._saved_tokenizer()
     else:
       self.train_pairs, self.eval_pairs = self._pairs()
-      self.tokenizer = self._tokenizer()
+      self.tokenizer = self._tokenizer() if mode == "train" else self._saved_tokenizer()
       self._check_eval_lengths()
     self.vocab_size = self.tokenizer.vocab_size
     self._generate = nnx.jit(translator_lib.generate,
@@ -134,7 +136,8 @@ class TranslateTask(tasks.Task):
                                first_year=data.first_year, last_year=data.last_year,
                                eval_fraction=data.eval_fraction, seed=data.split_seed)
       return pairs.train, pairs.eval
-    return _read_tsv("data.train_file", data.train_file), _read_tsv("data.eval_file", data.eval_file)
+    train = _read_tsv("data.train_file", data.train_file) if self.mode == "train" else []
+    return train, _read_tsv("data.eval_file", data.eval_file)
 
   def _tokenizer(self) -> tokenizers.Tokenizer:
     data = self.config.data
@@ -160,7 +163,7 @@ class TranslateTask(tasks.Task):
       return tokenizers.ByteTokenizer()
     path = os.path.join(self.workdir or "", SPM_FILE)
     if not os.path.isfile(path):
-      raise ValueError(f"inference needs the SentencePiece model the run trained, {path}, which is missing")
+      raise ValueError(f"{self.mode} needs the SentencePiece model the run trained, {path}, which is missing")
     return tokenizers.SentencePieceTokenizer(path)
 
   def _batches(self, pairs):
