@@ -79,7 +79,8 @@ class TranslationBatches:
       EOS, and a source may not be empty.
     bos_id, eos_id: decoder start and end ids (pad is always 0).
     max_source_length, max_target_length: S and T, the row lengths (T counts the EOS). None: the
-      longest example, rounded up to ``pad_multiple``. Longer examples are truncated, with a warning.
+      longest example, rounded up to ``pad_multiple``, but at most ``length_limit`` (e.g. the model's
+      positions). Longer examples are truncated, with a warning.
     length_bucketing: each epoch is sorted by padded length before being cut into batches (the
       batch order is then shuffled), and a batch is padded only to its own longest example rounded
       up to ``pad_multiple``; shapes come from the bounded set {pad_multiple, 2 * pad_multiple, ...,
@@ -93,7 +94,7 @@ class TranslationBatches:
   def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, bos_id: int = tokenizers.BOS_ID,
                eos_id: int = tokenizers.EOS_ID, max_source_length: int | None = None,
                max_target_length: int | None = None, length_bucketing: bool = False, packing: bool = False,
-               pad_multiple: int = 8):
+               pad_multiple: int = 8, length_limit: int | None = None):
     if not isinstance(examples, Sequence) or len(examples) == 0:
       raise ValueError(f"examples must be a non-empty sequence of (source ids, target ids), got {type(examples).__name__}"
                        f"{'' if not isinstance(examples, Sequence) else ' of length 0'}")
@@ -110,6 +111,7 @@ class TranslationBatches:
       if len(example[0]) == 0:
         raise ValueError(f"examples[{i}] has an empty source; every example needs at least one source token")
     self.bos_id, self.eos_id, self.pad_multiple = int(bos_id), int(eos_id), int(pad_multiple)
+    self.length_limit = length_limit
     self.length_bucketing, self.packing = bool(length_bucketing), bool(packing)
 
     source = _Ragged([s for s, _ in examples])
@@ -147,7 +149,8 @@ class TranslationBatches:
 
   def _row_length(self, name: str, value, longest: int) -> int:
     if value is None:
-      return round_up(int(longest), self.pad_multiple)
+      derived = round_up(int(longest), self.pad_multiple)
+      return derived if self.length_limit is None else min(derived, self.length_limit)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
     return int(value)

@@ -223,6 +223,7 @@ class CrossAttentionBlock(nnx.Module):
   inputs get their own LayerNorm before the attention, as in the Perceiver. With gated, each
   residual branch is scaled by tanh(alpha), alpha starting at zero (see GatedCrossAttentionBlock).
   """
+  _inputs_name = "inputs"  # what errors call the attended-to stream
 
   def __init__(self, features: int, input_features: int, num_heads: int, mlp_features: int, *,
                num_kv_heads: int | None = None, head_dim: int | None = None, dropout_rate: float = 0.0,
@@ -240,10 +241,8 @@ class CrossAttentionBlock(nnx.Module):
 
   def __call__(self, x, inputs, *, mask=None, deterministic: bool = True):
     """mask: e.g. input padding [b, 1, 1, m]."""
-    where = type(self).__name__
-    _check_stream(where, "x", x, self.attention.in_features)
-    _check_stream(where, "memory" if where == "GatedCrossAttentionBlock" else "inputs", inputs,
-                  self.attention.kv_features)
+    _check_stream(type(self).__name__, "x", x, self.attention.in_features)
+    _check_stream(type(self).__name__, self._inputs_name, inputs, self.attention.kv_features)
     if self.input_norm is not None:
       inputs = self.input_norm(inputs)
     x, _ = self.attention_residual(x, lambda h: (self.attention(
@@ -261,6 +260,7 @@ class GatedCrossAttentionBlock(CrossAttentionBlock):
   memory is not normalized here (Flamingo's resampler output already is).
   x [b, t, features], memory [b, m, memory_features] -> [b, t, features].
   """
+  _inputs_name = "memory"
 
   def __init__(self, features: int, memory_features: int, num_heads: int, mlp_features: int, **options):
     super().__init__(features, memory_features, num_heads, mlp_features, normalize_inputs=False, gated=True,

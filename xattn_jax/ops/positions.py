@@ -319,9 +319,10 @@ def sincos_2d(positions, dim: int, base: float = 10000.0) -> jax.Array:
 
   positions: an array (or list) [..., 2] of (row, column) pairs, or a TUPLE (height, width) of two
   integers meaning the row-major grid (-> [height*width, dim]); so `(3, 4)` is a 12-row table and
-  `[3, 4]` or `np.array([3, 4])` is the single position (3, 4). Channels [0, dim/2) are `sinusoidal(row, dim/2)`, channels
-  [dim/2, dim) are `sinusoidal(column, dim/2)`: the frequencies of MAE, with sin and cos interleaved
-  per pair rather than in blocks (a fixed channel permutation). dim must be a multiple of 4.
+  `[3, 4]` or `np.array([3, 4])` is the single position (3, 4). Channels [0, dim/2) are
+  `sinusoidal(row, dim/2)`, channels [dim/2, dim) are `sinusoidal(column, dim/2)`: the frequencies
+  of MAE, with sin and cos interleaved per pair rather than in blocks (a fixed channel permutation).
+  dim must be a multiple of 4.
   """
   if isinstance(positions, tuple) and len(positions) == 2 and all(
       isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in positions):

@@ -32,6 +32,13 @@ def abstract_with_shardings(abstract_state, shardings):
                       abstract_state, shardings)
 
 
+def step_numbers(workdir: str) -> list[int]:
+  """The steps saved under `<workdir>/checkpoints`, read from the directory names alone (no orbax
+  manager, which would create the directory)."""
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
+
+
 class CheckpointMismatch(ValueError):
   """The checkpoint is readable but holds another model than the config builds."""
 
@@ -45,7 +52,7 @@ def _shapes(tree) -> dict[str, tuple]:
   shapes = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     shape = tuple(leaf.shape)
-    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None) or "float32", jax.dtypes.prng_key):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       shape = tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, leaf.dtype)).shape)
     shapes[_path_name(path)] = shape
   return shapes

@@ -20,7 +20,6 @@ or a PNG file; the output line is the file name and the predicted digit(s). `tes
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 
@@ -37,7 +36,6 @@ from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import optim, tasks, validation
 
 MODELS = ("vit", "perceiver", "qformer")
-POSITION_ENCODINGS = ("fourier", "sincos_2d", "learned_2d", "rope_2d", "none")
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -64,15 +62,7 @@ def _config_path(spec: str) -> str:
 
 def _load_config_file(spec: str) -> ConfigDict:
   """get_config(arg) of "path/to/config.py[:arg]", as launch.py's --config would load it."""
-  module_spec = importlib.util.spec_from_file_location("encoder_config", _config_path(spec))
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(spec.partition(":")[2] or None)
-
-
-def _checkpoint_steps(workdir: str) -> list[int]:
-  directory = os.path.join(workdir, "checkpoints")
-  return [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
+  return validation.load_config_file(_config_path(spec), spec.partition(":")[2] or None)
 
 
 def _encoder_finished(workdir: str) -> bool:
@@ -82,7 +72,7 @@ def _encoder_finished(workdir: str) -> bool:
     return False
   with open(stored) as f:
     total_steps = json.load(f)["total_steps"]
-  return max(_checkpoint_steps(workdir), default=-1) >= total_steps
+  return max(checkpoints_lib.step_numbers(workdir), default=-1) >= total_steps
 
 
 def _select(tree: dict, template: dict) -> dict:
@@ -118,7 +108,7 @@ class DigitsTask(tasks.Task):
         raise validation.ConfigError("model.patch_size", patch, f"must divide every image grid, got {grid}")
     name = config.model.name
     if name == "perceiver":
-      validation.require_choice(config, "model.position_encoding", POSITION_ENCODINGS)
+      validation.require_choice(config, "model.position_encoding", latent_reader.GRID_ENCODINGS)
       validation.require_positive(config, "model.num_latents", "model.num_repeats", "model.patch_size")
       parse_grid(config.model.grid, "model.grid")
     if name == "vit":

@@ -411,9 +411,8 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
                              process_count=jax.process_count())
   check_same_model(config, workdir, mode)
   if mode != "train":  # before anything is built or written: eval / infer only read a finished run
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    if not os.path.isdir(directory) or not any(name.isdigit() for name in os.listdir(directory)):
-      raise RunError(f"no checkpoint in {directory} to {mode} with")
+    if not checkpoints_lib.step_numbers(workdir):
+      raise RunError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')} to {mode} with")
   is_writer = jax.process_index() == 0
   new_workdir = is_writer and mode == "train" and not os.path.exists(workdir)
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
@@ -438,11 +437,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       if is_writer and config.logging.plot:
         metrics_lib.plot_losses(workdir)
       return result
-    restored = checkpoints.restore_latest(*run_.abstract_pure())
-    if restored is None:
-      raise RunError(f"no checkpoint in {checkpoints.directory} to {mode} with")
-    state = run_.from_pure(restored[0], restored[1])
-    step = restored[2]["step"]
+    state, step = _latest_state(run_, checkpoints, mode)
     if mode == "eval":
       values = run_.evaluate(state)
       logging.info("eval at step %d: %s", step, values)
@@ -455,6 +450,14 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
     checkpoints.close()
 
 
+def _latest_state(run_, checkpoints, purpose: str):
+  """(state, step) of the newest readable checkpoint; RunError when there is none."""
+  restored = checkpoints.restore_latest(*run_.abstract_pure())
+  if restored is None:
+    raise RunError(f"no checkpoint in {checkpoints.directory} to {purpose} with")
+  return run_.from_pure(restored[0], restored[1]), restored[2]["step"]
+
+
 def _read_input_lines(input_file) -> tuple[str, list[str]]:
   """(name for messages, lines) of an inference input: a UTF-8 file, or "-" for stdin."""
   import sys
@@ -464,16 +467,15 @@ def _read_input_lines(input_file) -> tuple[str, list[str]]:
   else:
     with open(input_file, "rb") as f:
       raw = f.read()
-  # Lines end at \n (\r\n too); str.splitlines would also split at U+2028, \x0c, \x85 ..., which
-  # bytes.splitlines (numbering the lines below) does not.
-  lines = [line.removesuffix("\r") for line in raw.decode("utf-8", errors="replace").split("\n")]
-  if lines and lines[-1] == "":
-    lines.pop()
-  if raw.startswith(b"\xef\xbb\xbf") and lines:  # a UTF-8 byte-order mark is not part of line 1
-    lines[0] = lines[0][1:]
-  for number, line in enumerate(raw.split(b"\n"), 1):
+  # Lines end at \n (\r\n too), not at U+2028, \x0c, \x85 ... as str.splitlines would have it.
+  raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not part of line 1
+  raw_lines = raw.split(b"\n")
+  if raw_lines[-1] == b"":
+    raw_lines.pop()
+  lines = []
+  for number, line in enumerate(raw_lines, 1):
     try:
-      line.decode("utf-8")
+      lines.append(line.removesuffix(b"\r").decode("utf-8"))
     except UnicodeDecodeError as error:
       raise DataError(f"{name}:{number}: not valid UTF-8 at byte {error.start + 1} of the line") from None
   return name, lines
@@ -488,25 +490,19 @@ def load_model(workdir: str):
   The run's resolved config (`<workdir>/config.py`) rebuilds the task in "infer" mode (it reads the
   workdir's tokenizer, not the training data); the model is `task.config`'s, restored in place.
   """
-  import importlib.util
   path = os.path.join(workdir, "config.py")
   if not os.path.isfile(path):
     raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")
-  spec = importlib.util.spec_from_file_location("_run_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = validation.load_config_file(path)
   validation.validate_config(config, mode="infer", device_count=jax.device_count(),
                              process_count=jax.process_count())
   run_ = _Run(config, workdir, "infer")
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
   try:
-    restored = checkpoints.restore_latest(*run_.abstract_pure())
+    state, _ = _latest_state(run_, checkpoints, "load")
   finally:
     checkpoints.close()
-  if restored is None:
-    raise RunError(f"no checkpoint in {checkpoints.directory}")
-  return run_.model(run_.from_pure(restored[0], restored[1])), run_.task
+  return run_.model(state), run_.task
 
 
 def _infer(run_, state, input_file, output):

@@ -114,12 +114,11 @@ class TranslateTask(tasks.Task):
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
-    if mode == "infer":  # the corpus may be gone; the run's tokenizer is in its workdir
-      self.train_pairs, self.eval_pairs = [], []
-      self.tokenizer = self._saved_tokenizer()
-    else:
-      self.train_pairs, self.eval_pairs = self._pairs()
-      self.tokenizer = self._tokenizer() if mode == "train" else self._saved_tokenizer()
+    # Only training reads the training corpus and trains the tokenizer; eval and infer use the
+    # run's tokenizer, and infer reads no corpus at all (its files may be gone).
+    self.train_pairs, self.eval_pairs = self._pairs() if mode != "infer" else ([], [])
+    self.tokenizer = self._tokenizer() if mode == "train" else self._saved_tokenizer()
+    if mode != "infer":
       self._check_eval_lengths()
     self.vocab_size = self.tokenizer.vocab_size
     self._generate = nnx.jit(translator_lib.generate,
@@ -167,16 +166,13 @@ class TranslateTask(tasks.Task):
     return tokenizers.SentencePieceTokenizer(path)
 
   def _batches(self, pairs):
-    data, limit = self.config.data, self.config.model.max_length
-    build = lambda source, target: batching.TranslationBatches.from_pairs(
-        pairs, self.tokenizer, max_source_length=source, max_target_length=target,
-        length_bucketing=data.length_bucketing, packing=data.packing)
-    batches = build(data.max_source_length or None, data.max_target_length or None)
-    if batches.max_source_length > limit or batches.max_target_length > limit:
-      # 0 ("the longest example") never means longer than the model's positions: cap there, so
-      # the few longest examples are truncated (with a warning saying how many), not the run stopped.
-      batches = build(min(batches.max_source_length, limit), min(batches.max_target_length, limit))
-    return batches
+    data = self.config.data
+    # 0 ("the longest example") never means longer than the model's positions: the few longest
+    # examples are truncated there (with a warning saying how many), not the run stopped.
+    return batching.TranslationBatches.from_pairs(
+        pairs, self.tokenizer, max_source_length=data.max_source_length or None,
+        max_target_length=data.max_target_length or None, length_bucketing=data.length_bucketing,
+        packing=data.packing, length_limit=self.config.model.max_length)
 
   def _check_eval_lengths(self):
     """Eval examples are never truncated, so each must fit model.max_length (source tokens, and target

@@ -7,12 +7,13 @@ checks below run over `config.model` and every sub-dict of it (encoder / decoder
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import jax
-
 from ml_collections import ConfigDict
 
+from xattn_jax.ops import attention as attention_ops
 from xattn_jax.training import tasks as tasks_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -45,6 +46,14 @@ def require_positive(config, *fields: str, allow_zero: bool = False):
     if not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
       raise ConfigError(field, value, "must be a " + ("non-negative" if allow_zero else "positive")
                         + " integer")
+
+
+def load_config_file(path: str, arg: str | None = None) -> ConfigDict:
+  """get_config(arg) of a config file, as launch.py's --config=path[:arg] loads it."""
+  spec = importlib.util.spec_from_file_location("_loaded_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
 
 
 def require_choice(config, field: str, allowed):
@@ -122,10 +131,9 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
                             f"needs 3 sections (time, height, width) summing to rotary_dim / 2 = "
                             f"{rotary_dim // 2} frequency pairs")
   if "implementation" in fields:
-    from xattn_jax.ops import attention  # noqa: PLC0415 - keeps importing this module cheap
-    if model_config.implementation not in ("", *attention.IMPLEMENTATIONS):
+    if model_config.implementation not in ("", *attention_ops.IMPLEMENTATIONS):
       raise ConfigError(f"{prefix}.implementation", model_config.implementation,
-                        f"allowed are '' (the op's default choice) or {list(attention.IMPLEMENTATIONS)}")
+                        f"allowed are '' (the op's default choice) or {list(attention_ops.IMPLEMENTATIONS)}")
   if "remat" in fields:
     if model_config.remat not in REMAT_POLICIES:
       raise ConfigError(f"{prefix}.remat", model_config.remat, f"allowed are {list(REMAT_POLICIES)}")
