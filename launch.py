@@ -19,6 +19,9 @@ _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "infer"], "What to 
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "HOST:PORT of process 0 (multi-host).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Number of processes (multi-host).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index (multi-host).")
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout", 300, "Seconds a process waits for all processes to connect (multi-host); "
+    "after that JAX aborts it.", lower_bound=1)
 
 
 def fail(message: str, status: int = 2):
@@ -56,8 +59,17 @@ def main(argv):
     fail(f"--workdir is required; usage: {USAGE}")
   from xattn_jax.training import checkpoints, distributed, loop, validation
   try:
+    distributed.check_flags(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except ValueError as e:
+    fail(str(e))
+  try:
     validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    try:
+      distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                             timeout_seconds=_DISTRIBUTED_TIMEOUT.value)
+    except Exception as e:  # a bad host name, a port in use, mismatched process counts
+      fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
+           f"{type(e).__name__}: {' '.join(str(e).split())}")
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
   except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))

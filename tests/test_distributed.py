@@ -122,3 +122,24 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes_exactly(
   assert sorted(losses) == sorted(single_device)
   np.testing.assert_allclose([losses[s] for s in sorted(losses)],
                              [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_processes_given_different_process_counts_are_stopped_in_one_line(tmp_path):
+  """--num_processes=4 on a process whose coordinator runs 2: before, both trained as if all was
+  well, with the config checked against 4 processes."""
+  address = f"127.0.0.1:{_free_port()}"
+  args = [launch_args(tmp_path / "run", f"--coordinator_address={address}", f"--num_processes={n}",
+                      f"--process_id={i}", "--distributed_timeout=60") for i, n in ((0, 2), (1, 4))]
+  first = subprocess.Popen(args[0], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=subprocess_env())
+  try:
+    second = subprocess.run(args[1], cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+  finally:
+    first.kill()
+    _, first_stderr = first.communicate(timeout=60)
+  assert second.returncode == 2, second.stderr[-3000:]
+  assert "--num_processes=4, but the coordinator at" in second.stderr and "started 2 processes" in second.stderr
+  assert "Traceback" not in second.stderr
+  # Both announced what they wait for, so a process left waiting says why.
+  assert f"process 0 of 2: waiting up to 60 s for all 2 processes to connect to {address}" in first_stderr

@@ -125,6 +125,12 @@ def wait_for(predicate, process, timeout=240):
     (["--config.task.name=nope"], "task.name"),
     (["--config.mesh.data=3"], "mesh"),
     (["--mode=infer", "--config.infer.input_file=/nonexistent/inputs.txt"], "infer.input_file"),
+    # Multi-host flags: checked before the config (its batch check divides by --num_processes).
+    (["--coordinator_address=127.0.0.1:23462", "--num_processes=0"], "--num_processes=0: must be >= 1"),
+    (["--coordinator_address=127.0.0.1:23461", "--num_processes=2", "--process_id=2"], "--process_id=2"),
+    (["--coordinator_address=notanaddress", "--num_processes=2"], "--coordinator_address='notanaddress'"),
+    (["--coordinator_address=127.0.0.1:99999", "--num_processes=2"], "HOST:PORT"),
+    (["--num_processes=2"], "needs --coordinator_address"),
 ])
 def test_invalid_config_fails_in_one_line_naming_the_field_before_anything_runs(tmp_path, extra, field):
   workdir = tmp_path / "run"

@@ -5,6 +5,7 @@ Call `initialize` before ANY JAX backend call (even `jax.devices()`): afterwards
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -16,21 +17,43 @@ def cluster_detected() -> bool:
   return ("SLURM_JOB_ID" in os.environ and slurm_tasks > 1) or "," in tpu_hosts
 
 
-def initialize(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0) -> bool:
+def check_flags(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0) -> None:
+  """Raises ValueError (one line naming the flag) for multi-host flags that cannot work together."""
+  if num_processes < 1:
+    raise ValueError(f"--num_processes={num_processes}: must be >= 1")
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"--process_id={process_id}: must be in [0, --num_processes={num_processes})")
+  if not coordinator_address:
+    if num_processes > 1:
+      raise ValueError(f"--num_processes={num_processes} needs --coordinator_address=HOST:PORT "
+                       "(the address of process 0, the same on every process)")
+    return
+  host, _, port = coordinator_address.rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"--coordinator_address={coordinator_address!r}: must be HOST:PORT with a port in "
+                     "1..65535, e.g. 10.0.0.1:1234")
+
+
+def initialize(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0,
+               timeout_seconds: int = 300) -> bool:
   """Starts multi-process JAX; returns whether it did.
 
   Explicit flags win (all processes get the same coordinator address and process count, each its
-  own id); without them, JAX's own cluster detection runs where `cluster_detected()`.
+  own id); without them, JAX's own cluster detection runs where `cluster_detected()`. A process
+  whose peers have not all connected after `timeout_seconds` is aborted by JAX's coordination
+  client (a C++ fatal error, not an exception), so the wait is announced on stderr first.
   """
+  check_flags(coordinator_address, num_processes, process_id)
   if coordinator_address:
-    if num_processes < 1 or not 0 <= process_id < num_processes:
-      raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+    print(f"process {process_id} of {num_processes}: waiting up to {timeout_seconds} s for all "
+          f"{num_processes} processes to connect to {coordinator_address}", file=sys.stderr, flush=True)
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=timeout_seconds)
+    if jax.process_count() != num_processes:
+      raise ValueError(f"--num_processes={num_processes}, but the coordinator at {coordinator_address} "
+                       f"started {jax.process_count()} processes: give every process the same value")
     return True
-  if num_processes > 1:
-    raise ValueError(f"num_processes={num_processes} needs --coordinator_address=HOST:PORT")
   if cluster_detected():
-    jax.distributed.initialize()
+    jax.distributed.initialize(initialization_timeout=timeout_seconds)
     return True
   return False
