@@ -24,9 +24,7 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -37,44 +35,17 @@ import torch
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_common import add_output_flags, interleaved_median_seconds, median_seconds, output_dir  # noqa: E402
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BOS = 1
 
 FULL = dict(d_model=512, num_heads=8, num_layers=3, mlp_dim=2048, vocab=8000, batch=32, length=64,
             new_tokens=64, beam=4, repeats=7, compile_layers=(2, 6, 12))
 QUICK = dict(d_model=64, num_heads=4, num_layers=2, mlp_dim=128, vocab=500, batch=4, length=16,
              new_tokens=8, beam=2, repeats=2, compile_layers=(1, 2))
-
-
-def median_seconds(fn, repeats: int, warmup: bool = True) -> float:
-  """Median wall time of fn() over `repeats` runs after one warm-up run; fn blocks until done."""
-  if warmup:
-    fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict:
-  """{name: median wall time of fn()} with the functions' runs interleaved (a, b, a, b, ...), so a
-  change in machine load hits them all alike; each first runs `warmup` times (compilation, and the
-  allocator reaching its steady state: the first steps of a process still grow its heap)."""
-  for fn in fns.values():
-    for _ in range(warmup):
-      fn()
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def tokens(rng, size, batch, length):
@@ -289,9 +260,7 @@ def torch_greedy(s):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-  parser.add_argument("--out", default=None, help="directory for the .md and .json results (default: "
-                      "experiments/results, or a temporary directory with --quick)")
+  add_output_flags(parser)
   args = parser.parse_args()
   s = QUICK if args.quick else FULL
   # XLA's CPU backend uses every core this process may run on; torch gets the same number.
@@ -407,8 +376,7 @@ def main():
                      f"**{scan_step_seconds[key] / scan_step_seconds[False]:.3f}**"))
   markdown = "\n".join(lines) + "\n"
   print(markdown)
-  out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench_translator_quick_") if args.quick else RESULTS))
-  out.mkdir(parents=True, exist_ok=True)
+  out = output_dir(args, "bench_translator")
   (out / "translator_benchmark.md").write_text(markdown)
   (out / "translator_benchmark.json").write_text(json.dumps(results, indent=2) + "\n")
   print(f"wrote {out}/translator_benchmark.md")

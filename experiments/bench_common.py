@@ -1,0 +1,55 @@
+"""What the benchmark scripts share: interleaved medians, and where results go.
+
+Every script writes to experiments/results/ by default; with --quick (tiny sizes, a smoke run) it
+writes to a fresh temporary directory instead, so a smoke run never replaces recorded results.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import tempfile
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+  parser.add_argument("--out", default=None, help="directory for the results (default: experiments/results, "
+                      "or a new temporary directory with --quick)")
+
+
+def output_dir(args: argparse.Namespace, name: str) -> pathlib.Path:
+  """--out if given; else experiments/results, or a new temporary directory for --quick runs."""
+  out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix=f"{name}_quick_") if args.quick else RESULTS))
+  out.mkdir(parents=True, exist_ok=True)
+  return out
+
+
+def median_seconds(fn, repeats: int, warmup: bool = True) -> float:
+  """Median wall time of fn() over `repeats` runs after one warm-up run; fn blocks until done."""
+  if warmup:
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict:
+  """{name: median wall time of fn()} with the functions' runs interleaved (a, b, a, b, ...), so a
+  change in machine load hits them all alike; each first runs `warmup` times (compilation, and the
+  allocator reaching its steady state: the first steps of a process still grow its heap)."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
