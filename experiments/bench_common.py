@@ -6,6 +6,7 @@ writes to a fresh temporary directory instead, so a smoke run never replaces rec
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import tempfile
@@ -53,3 +54,16 @@ def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict
       fn()
       times[name].append(time.perf_counter() - start)
   return {name: statistics.median(t) for name, t in times.items()}
+
+
+def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
+  """(args, sizes, cores) for a script comparing JAX with torch: --quick / --out parsed, the sizes it
+  picks, and torch given as many threads as XLA's CPU backend uses (every core this process may use)."""
+  import torch  # only the JAX-vs-torch scripts need it
+
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  add_output_flags(parser)
+  args = parser.parse_args()
+  cores = len(os.sched_getaffinity(0))
+  torch.set_num_threads(cores)
+  return args, (quick if args.quick else full), cores

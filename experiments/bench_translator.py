@@ -19,7 +19,6 @@ Results go to experiments/results/translator_benchmark.{md,json}.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -36,7 +35,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import add_output_flags, interleaved_median_seconds, median_seconds, output_dir  # noqa: E402
+from bench_common import interleaved_median_seconds, median_seconds, output_dir, parse_jax_vs_torch_args  # noqa: E402
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 
@@ -259,13 +258,7 @@ def torch_greedy(s):
 # --- report -------------------------------------------------------------------------------------
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  add_output_flags(parser)
-  args = parser.parse_args()
-  s = QUICK if args.quick else FULL
-  # XLA's CPU backend uses every core this process may run on; torch gets the same number.
-  cores = len(os.sched_getaffinity(0))
-  torch.set_num_threads(cores)
+  args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK)
   rng = np.random.default_rng(0)
   print(f"sizes: {s}; cores: {cores}; torch threads: {torch.get_num_threads()}", flush=True)
 
