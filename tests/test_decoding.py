@@ -207,3 +207,44 @@ def test_decode_step_with_wrong_logits_shape_is_rejected():
   bad_step = lambda tokens, cache: (jnp.zeros((tokens.shape[0], VOCAB)), cache)
   with pytest.raises(ValueError, match=r"logits \[2, 1, vocab\]"):
     decoding.greedy_search(bad_step, None, batch_size=2, max_length=3, bos_id=BOS, eos_id=EOS)
+
+
+def test_integer_arguments_may_be_numpy_integers():
+  """ids read from a tokenizer or an array are numpy ints: they used to be refused as 'not an int'."""
+  step = _markov_step(_TRAP)
+  plain = decoding.greedy_search(step, jnp.zeros(1), batch_size=1, max_length=4, bos_id=BOS, eos_id=EOS)
+  numpy_ints = decoding.greedy_search(step, jnp.zeros(1), batch_size=np.int64(1), max_length=np.int32(4),
+                                      bos_id=np.int64(BOS), eos_id=np.int64(EOS))
+  np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(numpy_ints.tokens))
+  with pytest.raises(ValueError, match="eos_id must be an integer >= 0, got True"):
+    decoding.greedy_search(step, jnp.zeros(1), batch_size=1, max_length=4, bos_id=BOS, eos_id=True)
+
+
+def test_beam_slots_no_sequence_can_fill_are_minus_inf_and_padding():
+  """Vocabulary 5, one step: 5 sequences exist, so of 8 beams 3 are impossible. They used to come
+  back as repeats of real beams with scores near -1e7."""
+  beam = decoding.beam_search(_markov_step(np.full((5, 5), 0.2)), jnp.zeros(1), batch_size=1,
+                              beam_size=8, max_length=1, bos_id=BOS, eos_id=EOS, alpha=0.0)
+  scores, tokens = np.asarray(beam.scores[0]), np.asarray(beam.tokens[0, :, 0])
+  np.testing.assert_allclose(scores[:5], np.log(0.2), rtol=1e-5)
+  assert sorted(tokens[:5]) == list(range(5))
+  assert np.all(scores[5:] == -np.inf) and np.all(tokens[5:] == 0)
+
+
+class _RoomyCache(dict):
+  """A cache saying how many more tokens it takes, as the translator's does."""
+
+  def decode_room(self):
+    return 3
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_decoding_past_the_cache_capacity_is_refused(search):
+  """Past its capacity a cache attends to nothing and the logits are NaN, which argmax made into
+  normal-looking tokens (only the score said NaN)."""
+  step = lambda tokens, cache: (jnp.zeros((tokens.shape[0], 1, VOCAB)), cache)
+  args = dict(batch_size=1, max_length=4, bos_id=BOS, eos_id=EOS)
+  run = (functools.partial(decoding.greedy_search, step, _RoomyCache(), **args) if search == "greedy" else
+         functools.partial(decoding.beam_search, step, _RoomyCache(), beam_size=2, **args))
+  with pytest.raises(ValueError, match="max_length=4 needs 4 more tokens of cache, but the cache has room for 3"):
+    run()

@@ -454,7 +454,11 @@ X = jnp.zeros((1, 4, 2, 8))
 BAD_INPUTS = {
     "sinusoidal_odd_dim": (lambda: P.sinusoidal(jnp.arange(3), 7), "dim"),
     "rope_odd_rotary_dim": (lambda: P.apply_rope(X, jnp.arange(4)[None], rotary_dim=5), "rotary_dim"),
-    "rope_odd_head_dim": (lambda: P.apply_rope(jnp.zeros((1, 4, 2, 7)), jnp.arange(4)[None]), "rotary_dim"),
+    # rotary_dim left at its default: the message names x's last axis, which the caller did pass.
+    "rope_odd_head_dim": (lambda: P.apply_rope(jnp.zeros((1, 4, 2, 7)), jnp.arange(4)[None]),
+                          r"x's last axis \(head_dim\) must be a multiple of 2 .* got x\[1, 4, 2, 7\]"),
+    "rope_2d_head_dim_not_multiple_of_4": (lambda: P.apply_rope_2d(jnp.zeros((1, 4, 2, 6)), jnp.zeros((1, 4, 2))),
+                                           r"x's last axis \(head_dim\) must be a multiple of 4"),
     "rope_rotary_dim_too_large": (lambda: P.apply_rope(X, jnp.arange(4)[None], rotary_dim=10), "rotary_dim"),
     "rope_positions_wrong_length": (lambda: P.apply_rope(X, jnp.arange(5)[None]), "positions"),
     "rope_positions_bool": (lambda: P.apply_rope(X, jnp.ones((1, 4), bool)), "positions"),

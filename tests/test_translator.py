@@ -216,3 +216,17 @@ def test_decoding_past_a_learned_position_table_is_refused():
   with pytest.raises(ValueError, match=r"max_length=20 .* 16 rows"):
     translator_lib.generate(model, inputs, max_length=20, bos_id=1, eos_id=2)
   assert translator_lib.generate(model, inputs, max_length=16, bos_id=1, eos_id=2).shape == (1, 16)
+
+
+def test_searches_refuse_to_decode_past_the_cache_capacity():
+  """init_cache(..., 2) and max_length=6: greedy used to return tokens vocab-1 from NaN logits."""
+  model = _model()
+  inputs = _tokens(0, 1, 5)
+  cache = model.init_cache(model.encode(inputs), inputs != 0, 2)
+  assert cache.decode_room() == 2
+  with pytest.raises(ValueError, match="max_length=6 needs 6 more tokens of cache, but the cache has room for 2"):
+    decoding.greedy_search(model.loop_step(), cache, batch_size=1, max_length=6, bos_id=1, eos_id=2)
+  with pytest.raises(ValueError, match="room for 2"):
+    decoding.beam_search(model.loop_step(), cache, batch_size=1, beam_size=2, max_length=6, bos_id=1, eos_id=2)
+  _, cache = model.decode_step(jnp.ones((1, 1), jnp.int32), cache)
+  assert cache.decode_room() == 1

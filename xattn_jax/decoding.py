@@ -19,6 +19,7 @@ after EOS every position holds `pad_id`.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -39,14 +40,36 @@ class GreedyOutput(NamedTuple):
 class BeamOutput(NamedTuple):
   tokens: jax.Array  # int32[batch, beams, max_length], best beam first
   scores: jax.Array  # float32[batch, beams]: length-penalised log-probabilities; beams that ended
-  # with EOS first, by score, then unfinished ones (max_length reached), by score
+  # with EOS first, by score, then unfinished ones (max_length reached), by score; -inf (and all
+  # padding tokens) for a slot no sequence could fill
 
 
-def _check_common(batch_size, max_length, bos_id, eos_id):
-  for name, value, low in (("batch_size", batch_size, 1), ("max_length", max_length, 1),
-                           ("bos_id", bos_id, 0), ("eos_id", eos_id, 0)):
-    if not isinstance(value, int) or value < low:
-      raise ValueError(f"decoding: {name} must be an int >= {low}, got {value!r}")
+def _as_int(name: str, value, low: int) -> int:
+  """value as a Python int (numpy integers too), or a ValueError naming the argument."""
+  try:
+    number = operator.index(value) if not isinstance(value, bool) else None
+  except TypeError:
+    number = None
+  if number is None or number < low:
+    raise ValueError(f"decoding: {name} must be an integer >= {low}, got {value!r}")
+  return number
+
+
+def _check_common(batch_size, max_length, bos_id, eos_id, cache):
+  """The integer arguments as Python ints; raises if the cache cannot take max_length more tokens.
+
+  A cache may say how many more tokens it accepts with a `decode_room()` method (the translator's
+  does); past that, attention reads no keys and the logits are NaN, which argmax would turn into
+  ordinary-looking tokens.
+  """
+  values = tuple(_as_int(name, value, low) for name, value, low in (
+      ("batch_size", batch_size, 1), ("max_length", max_length, 1), ("bos_id", bos_id, 0),
+      ("eos_id", eos_id, 0)))
+  room = cache.decode_room() if hasattr(cache, "decode_room") else None
+  if room is not None and values[1] > room:
+    raise ValueError(f"decoding: max_length={values[1]} needs {values[1]} more tokens of cache, but the "
+                     f"cache has room for {room}; build it with a larger capacity (init_cache's max_length)")
+  return values
 
 
 def _next_logits(decode_step, tokens, cache, expected_rows):
@@ -79,7 +102,7 @@ def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
   The loop stops early once every sequence has finished. Call inside `jax.jit` (the loop is a
   `lax.while_loop`; `decode_step` is traced once).
   """
-  _check_common(batch_size, max_length, bos_id, eos_id)
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
 
   def cond(state):
     step, _, _, _, finished, _ = state
@@ -139,9 +162,8 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   returned first; when an example has fewer than beam_size of them, its best live beams
   (unfinished at max_length) fill the remaining slots.
   """
-  _check_common(batch_size, max_length, bos_id, eos_id)
-  if not isinstance(beam_size, int) or beam_size < 1:
-    raise ValueError(f"beam_search: beam_size must be an int >= 1, got {beam_size!r}")
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
+  beam_size = _as_int("beam_size", beam_size, 1)
   if alpha < 0:
     raise ValueError(f"beam_search: alpha (length penalty exponent) must be >= 0, got {alpha}")
   b, k = batch_size, beam_size
@@ -205,4 +227,7 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   _, order = lax.top_k(rank_key, k)  # -> [batch, beams]
   tokens = jnp.take_along_axis(jnp.concatenate([finished_tokens, live_tokens], axis=1), order[:, :, None], axis=1)
   scores = jnp.take_along_axis(jnp.concatenate([finished_scores, live_scores], axis=1), order, axis=1)
-  return BeamOutput(tokens, scores)
+  # Slots no hypothesis could fill (beam_size above the number of distinct sequences there are, e.g.
+  # a vocabulary of 5 and max_length 1) carry -inf and padding instead of repeats of real beams.
+  impossible = scores <= NEG_INF / 2
+  return BeamOutput(jnp.where(impossible[:, :, None], pad_id, tokens), jnp.where(impossible, -jnp.inf, scores))

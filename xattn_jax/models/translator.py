@@ -60,6 +60,13 @@ class TranslatorCache:
   memory_mask: jax.Array
   position: jax.Array
 
+  def decode_room(self) -> int:
+    """How many more target tokens the self-attention caches hold (their capacity while traced)."""
+    capacity = self.layers[0].self_attention.max_length
+    if isinstance(self.position, jax.core.Tracer):
+      return capacity
+    return capacity - int(self.position)
+
 
 def _check_tokens(name: str, tokens) -> None:
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -175,7 +175,11 @@ def _check_rope_input(x, rotary_dim, layout, function: str, multiple_of: int = 2
                      f"got {x.dtype}{list(x.shape)}")
   _check_choice(layout, ROPE_LAYOUTS, function, "layout")
   head_dim = x.shape[-1]
-  rotary_dim = head_dim if rotary_dim is None else rotary_dim
+  if rotary_dim is None:  # all of head_dim rotates: then it is x's last axis that must divide
+    if head_dim % multiple_of:
+      raise ValueError(f"{function}: x's last axis (head_dim) must be a multiple of {multiple_of} to rotate "
+                       f"all of it, got x{list(x.shape)}; or pass a rotary_dim <= {head_dim} that is")
+    rotary_dim = head_dim
   _check_positive_int(rotary_dim, function, "rotary_dim", multiple_of=multiple_of)
   if rotary_dim > head_dim:
     raise ValueError(f"{function}: rotary_dim must be <= head_dim={head_dim}, got {rotary_dim}")
