@@ -118,3 +118,11 @@ def test_vocab_too_large_for_corpus_raises_with_the_limit(tmp_path):
 def test_bad_training_arguments_raise(tmp_path, kwargs, message):
   with pytest.raises(ValueError, match=message):
     tokenizers.train_sentencepiece(["abc"], tmp_path / "m.model", **kwargs)
+
+
+def test_lines_longer_than_sentencepieces_default_limit_still_train_the_tokenizer(tmp_path):
+  """SentencePiece drops sentences over 4192 bytes by default without a word: the characters of a
+  long line then became one unknown piece."""
+  texts = ["one two three", "four five", "greek letters " + "αβγδεζ" * 400]  # 4,814 bytes
+  tokenizer = tokenizers.train_sentencepiece(texts, str(tmp_path / "spm.model"), vocab_size=40)
+  assert tokenizer.decode(tokenizer.encode("αβγδεζ")) == "αβγδεζ"

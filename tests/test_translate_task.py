@@ -92,6 +92,7 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
     ("task.label_smoothing", 1.5),
     ("model.implementation", "flash"),
     ("checkpoint.best_metric", "eval/bleuu"),
+    ("task.bleu_tokenize", "ja-mecab"),
 ])
 def test_invalid_fields_are_reported_by_name(field, value):
   with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):
@@ -167,6 +168,19 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   assert answer.returncode == 0 and len(answer.stdout.splitlines()) == 1, answer.stderr[-3000:]
 
 
+def test_bleu_of_exact_translations_is_100_in_scripts_written_without_spaces():
+  """sacrebleu's default 13a tokenizer splits at spaces only: exact Chinese, Japanese or Thai
+  translations scored BLEU 0 (no 2- to 4-grams). "auto" picks the character tokenizer for them."""
+  import sacrebleu
+  for references in (["一五", "五七", "五五九〇二"], ["にじゅうきゅうにち", "十一月二十九日"],
+                     ["หนึ่งสอง", "สามสี่ห้า"]):
+    assert translate_task.bleu_tokenizer(references) == "char"
+    assert sacrebleu.corpus_bleu(references, [references], tokenize="char").score == pytest.approx(100)
+  assert translate_task.bleu_tokenizer(["dimanche 29 novembre 2026", "29 nov. 2026"]) == "13a"
+  assert translate_task.bleu_tokenizer(["29 ноября 2026 г."]) == "13a"
+  assert translate_task.bleu_tokenizer(["一五"], "13a") == "13a"  # an explicit choice wins
+
+
 def _tsv_task(tmp_path, train_lines, eval_lines, **overrides):
   (tmp_path / "train.tsv").write_text("".join(line + "\n" for line in train_lines))
   (tmp_path / "eval.tsv").write_text("".join(line + "\n" for line in eval_lines))
@@ -178,9 +192,9 @@ def _tsv_task(tmp_path, train_lines, eval_lines, **overrides):
 
 def test_training_rows_never_exceed_model_max_length(tmp_path):
   # model.max_length is 32 bytes here; one training line is 80: it is truncated, with a warning.
-  task = _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(20)] + ["x" * 80 + "\ty"], ["1 cat\t1 chat"])
-  with pytest.warns(UserWarning, match="1 of 21 examples"):
-    assert task.train_batches.max_source_length == 32
+  with pytest.warns(UserWarning, match="1 of 21 examples"):  # warned when the task is built
+    task = _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(20)] + ["x" * 80 + "\ty"], ["1 cat\t1 chat"])
+  assert task.train_batches.max_source_length == 32
   assert task.train_batch(0, process_index=0, process_count=1)["inputs"].shape[1] <= 32
 
 
@@ -215,6 +229,18 @@ def test_corpus_too_small_for_the_vocabulary_is_one_line_naming_the_field_and_fi
   workdir = tmp_path / "work"
   result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train, "data.eval_file": train})
   _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.data.vocab_size=4000", str(train))
+
+
+def test_corpus_smaller_than_a_batch_is_one_line_naming_batch_size_and_file(tmp_path):
+  """It used to fail at the first training step with a traceback, leaving a workdir whose config
+  then refused the corrected rerun as 'another model'."""
+  train = tmp_path / "train.tsv"
+  train.write_text("hello\tbonjour\nthank you\tmerci\ngood night\tbonne nuit\n")
+  workdir = tmp_path / "work"
+  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train, "data.eval_file": train,
+                                                        "data.tokenizer": "bytes"})
+  _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.batch_size=64", f"{train} gives only 3 training "
+                                         "examples")
 
 
 def test_data_the_task_cannot_build_is_one_line_naming_the_problem(tmp_path):

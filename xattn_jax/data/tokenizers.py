@@ -204,6 +204,9 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, mo
         sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
         pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=3, num_threads=1, shuffle_input_sentence=False,
+        # SentencePiece skips sentences over 4192 bytes by default, silently: their characters
+        # would then be unknown pieces. Every sampled text is used, however long.
+        max_sentence_length=max(4192, max((len(text.encode("utf-8")) for text in sample), default=0) + 1),
         minloglevel=2)
   except RuntimeError as error:
     largest = re.search(r"value <= (\d+)", str(error))

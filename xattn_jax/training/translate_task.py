@@ -11,7 +11,10 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
                        eval sentences to decode, log and plot
 
 Metrics: eval/loss and eval/accuracy (teacher-forced token accuracy) from the jitted eval step;
-eval/exact_match, eval/bleu and eval/chrf (sacrebleu) from decoding the eval sources. Each eval
+eval/exact_match, eval/bleu and eval/chrf (sacrebleu) from decoding the eval sources; BLEU's
+tokenizer is task.bleu_tokenize, "auto" = sacrebleu's "char" for targets written without spaces
+(Chinese, Japanese, Thai, ...: "13a" splits only at spaces, so their BLEU would be 0 even for exact
+translations) and "13a" otherwise. Each eval
 also logs a few sample translations and writes cross-attention maps (target tokens by source
 tokens, per decoder layer) to <workdir>/plots/cross_attention_<k>.png.
 """
@@ -37,6 +40,7 @@ DATA_SOURCES = ("dates", "tsv")
 TOKENIZERS = ("sentencepiece", "bytes")
 NORMS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "silu")
+BLEU_TOKENIZERS = ("auto", "13a", "intl", "char", "zh", "none")  # sacrebleu's, with no extra installs
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
 # Packed batches' keys -> the translator's keyword arguments.
 _PACKING_KEYS = {"inputs_segmentation": "inputs_segmentation", "inputs_position": "inputs_positions",
@@ -50,6 +54,24 @@ def _read_tsv(field: str, path: str):
     return tsv.read_parallel_tsv(path)
   except tsv.CorpusFormatError as error:
     raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+
+
+def _written_without_spaces(char: str) -> bool:
+  """Han, kana, Thai, Lao, Tibetan, Myanmar, Khmer: scripts that do not separate words by spaces."""
+  code = ord(char)
+  return (0x3040 <= code <= 0x30FF or 0x3400 <= code <= 0x4DBF or 0x4E00 <= code <= 0x9FFF
+          or 0xF900 <= code <= 0xFAFF or 0x20000 <= code <= 0x3134F or 0x0E00 <= code <= 0x0EFF
+          or 0x0F00 <= code <= 0x0FFF or 0x1000 <= code <= 0x109F or 0x1780 <= code <= 0x17FF)
+
+
+def bleu_tokenizer(references, setting: str = "auto") -> str:
+  """The sacrebleu tokenizer for these reference texts: `setting`, or for "auto" "char" when most
+  of their letters are in scripts written without spaces, else sacrebleu's default "13a"."""
+  if setting != "auto":
+    return setting
+  letters = [c for text in references for c in text if c.isalpha()]
+  unspaced = sum(map(_written_without_spaces, letters))
+  return "char" if letters and unspaced > len(letters) / 2 else "13a"
 
 
 def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.StackSize]:
@@ -91,6 +113,8 @@ class TranslateTask(tasks.Task):
         raise validation.ConfigError(field, value, "must be in [0, 1)")
     if task.length_penalty < 0:
       raise validation.ConfigError("task.length_penalty", task.length_penalty, "must be >= 0")
+    if "bleu_tokenize" in task:
+      validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
     if data.length_bucketing and data.packing:
@@ -120,7 +144,10 @@ class TranslateTask(tasks.Task):
     self.tokenizer = self._tokenizer() if mode == "train" else self._saved_tokenizer()
     if mode != "infer":
       self._check_eval_lengths()
+    if mode == "train":
+      self._check_batch_size()
     self.vocab_size = self.tokenizer.vocab_size
+    self._bleu_tokenize_logged = None
     self._generate = nnx.jit(translator_lib.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
@@ -188,6 +215,17 @@ class TranslateTask(tasks.Task):
     raise validation.ConfigError(
         "model.max_length", limit, f"{where}: an eval example of {s} source / {t} target tokens does not "
         f"fit{more}; raise model.max_length or shorten the eval examples")
+
+  def _check_batch_size(self):
+    """A corpus with fewer training examples (or packed rows) than batch_size cannot fill one batch:
+    refused before the model is built, naming the field and the corpus."""
+    units, size = self.train_batches.num_units, self.config.batch_size
+    if units < size:
+      data = self.config.data
+      corpus = data.train_file if data.source == "tsv" else "the training dates"
+      what = "packed rows" if data.packing else "examples"
+      raise validation.ConfigError("batch_size", size, f"{corpus} gives only {units} training {what}; lower "
+                                   f"batch_size to at most {units} or add training data")
 
   @functools.cached_property
   def train_batches(self) -> batching.TranslationBatches:
@@ -270,8 +308,13 @@ class TranslateTask(tasks.Task):
       logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
     if self.workdir and task.num_attention_plots and jax.process_index() == 0:
       self._plot_attention(model, inputs[:task.num_attention_plots])
+    tokenize = bleu_tokenizer(references, task.get("bleu_tokenize", "auto"))
+    if tokenize != self._bleu_tokenize_logged:
+      logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r)", tokenize,
+                   task.get("bleu_tokenize", "auto"))
+      self._bleu_tokenize_logged = tokenize
     return {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)])),
-            "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+            "bleu": sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize).score,
             "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score}
 
   def _plot_attention(self, model, inputs):
