@@ -191,8 +191,10 @@ def test_workdir_holds_config_metrics_tensorboard_checkpoints_and_plot(reference
 def test_metrics_have_a_row_per_logged_step_with_train_and_eval_values(reference):
   rows = {r["step"]: r for r in metrics_rows(reference)}
   assert sorted(rows) == list(range(1, STEPS + 1))
-  for row in rows.values():
-    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/steps_per_second"} <= row.keys()
+  for step, row in rows.items():
+    assert {"train/loss", "train/learning_rate", "train/grad_norm"} <= row.keys()
+    # steps/s from the second row on (the first step compiles; its rate would be NaN)
+    assert ("train/steps_per_second" in row) == (step > 1)
   assert {"eval/loss", "eval/token_accuracy", "eval/exact_match"} <= rows[4].keys() & rows[8].keys()
 
 
@@ -304,6 +306,36 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_kept(tmp_path,
   assert "holds another model" in last_line and "48] in this config" in last_line
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
   assert not (workdir / "corrupt_checkpoints").exists()
+  # Training with that config is refused the same way, and does not leave its config behind as
+  # the run's (it used to replace config.json / config.py before the checkpoint was read).
+  result = launch(workdir, overrides={"model.d_model": 48})
+  assert result.returncode == 2 and "holds another model" in result.stderr.strip().splitlines()[-1]
+  assert not (workdir / "config.json").exists()
+  assert (workdir / "config.py").read_text() == (reference / "config.py").read_text()
+
+
+@pytest.mark.slow
+def test_total_steps_below_the_runs_step_is_refused_and_the_config_kept(tmp_path, reference):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  result = launch(workdir, overrides={"total_steps": STEPS // 2})
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert f"config.total_steps={STEPS // 2}: the run in" in result.stderr and f"already at step {STEPS}" in result.stderr
+  assert json.loads((workdir / "config.json").read_text())["total_steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_lock_the_workdir(tmp_path):
+  """Its config.json is not a run to protect: the corrected rerun used to be refused as a change."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(json.dumps({"model": {"d_model": 999}, "task": {}, "data": {}}))
+  result = launch(workdir, overrides={"total_steps": 2})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads((workdir / "config.json").read_text())["model"]["d_model"] != 999
+  # The first logged row has no steps/s yet: the key is left out rather than written as NaN.
+  assert "train/steps_per_second" not in metrics_rows(workdir)[0]
+  assert all(value == value for row in metrics_rows(workdir) for value in row.values())
 
 
 @pytest.mark.parametrize("mode", ["eval", "infer"])
@@ -362,3 +394,20 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_older_one(tmp_path, repea
   assert list((workdir / "corrupt_checkpoints").iterdir())
   assert train_losses(workdir) == train_losses(reference)
   assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+
+
+def test_an_eval_that_fails_saves_the_trained_state_first(tmp_path, monkeypatch):
+  """An eval crash (a bug, a bad plot setting) at the first eval used to lose every step trained."""
+  from configs import toy_reverse
+  from xattn_jax.training import checkpoints, loop
+
+  config = toy_reverse.get_config("size=tiny")
+  config.update_from_flattened_dict({**OVERRIDES, "checkpoint.every_steps": 100})
+
+  def failing_evaluate(self, state):
+    raise RuntimeError("eval broke")
+
+  monkeypatch.setattr(loop._Run, "evaluate", failing_evaluate)
+  with pytest.raises(RuntimeError, match="eval broke"):
+    loop.run(config, str(tmp_path / "run"))
+  assert checkpoints.step_numbers(str(tmp_path / "run")) == [4]  # the first eval step

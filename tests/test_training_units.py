@@ -1,5 +1,7 @@
 """In-process properties of the training pieces: config parsing, validation, optimizer, loss,
 layer stacking, sharding rules. Fast; the launcher's end-to-end behaviour is in test_launch.py."""
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from configs import common, perceiver_digits, toy_reverse, translate_dates
+from configs import algorithmic, common, perceiver_digits, toy_reverse, translate_dates
 from xattn_jax.training import layer_stack, loop, optim, sharding, tasks, validation
 from xattn_jax.training.toy_reverse import ToyReverseTask
 
@@ -82,6 +84,26 @@ def test_odd_rotary_dimension_is_a_config_error():
   config = toy_reverse.get_config("size=tiny,posenc=rope")
   config.model.rotary_dim = 7
   with pytest.raises(validation.ConfigError, match=r"config\.model\.rotary_dim=7"):
+    validation.validate_config(config)
+
+
+@pytest.mark.parametrize("config_arg, field, value, rule", [
+    ("size=tiny", "model.d_model", 0, "must be a positive integer"),  # was ZeroDivisionError
+    ("size=tiny,posenc=rope", "model.rotary_dim", -2, "must be a positive integer, or 0"),
+    ("algorithmic:posenc=rope", "model.rope_scaling_factor", -4.0, "must be > 0"),
+    ("algorithmic:posenc=sinusoidal", "model.rope_scaling_factor", 0.0, "must be > 0"),  # was ignored
+    ("size=tiny", "optimizer.grad_clip_norm", -1.0, "must be >= 0"),
+    ("size=tiny", "optimizer.weight_decay", -1.0, "must be >= 0"),
+    ("size=tiny", "optimizer.b1", 1.5, "must be in [0, 1)"),
+    ("size=tiny", "optimizer.final_learning_rate_fraction", -2.0, "must be in [0, 1]"),
+])
+def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
+  """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
+  module, _, arg = config_arg.rpartition(":") if config_arg.startswith("algorithmic") else ("", "", config_arg)
+  config = (algorithmic if module else toy_reverse).get_config(arg)
+  section, key = field.split(".")
+  config[section][key] = value
+  with pytest.raises(validation.ConfigError, match=rf"^config\.{field}={value}: {re.escape(rule)}"):
     validation.validate_config(config)
 
 

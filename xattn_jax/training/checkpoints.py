@@ -161,5 +161,9 @@ def restore_model_from(path: str, abstract_model):
     if not steps:
       raise FileNotFoundError(f"init_from={path!r}: no checkpoint step directories in it")
     path = os.path.join(path, str(max(steps)))
+  mismatch = model_mismatch(os.path.join(path, "model"), abstract_model)
+  if mismatch is not None:  # checked first: orbax would fail only after starting its reads
+    raise CheckpointMismatch(f"init_from checkpoint {path} holds another model than this config builds: "
+                             f"{mismatch}; initialise from a run of the same model")
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(os.path.join(path, "model"), abstract_model)

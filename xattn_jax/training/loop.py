@@ -206,8 +206,8 @@ def check_same_model(config, workdir, mode: str = "train"):
   eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
   task.beam_size, and evaluate other files)."""
   path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return
+  if not os.path.exists(path) or not checkpoints_lib.step_numbers(workdir):
+    return  # no checkpoint yet (a run that failed before its first save): nothing to protect
   with open(path) as f:
     saved = json.load(f)
   current = json.loads(config.to_json_best_effort())
@@ -294,13 +294,21 @@ def _format_duration(seconds: float) -> str:
   return str(datetime.timedelta(seconds=int(seconds)))
 
 
-def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
+def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, float]:
   """Trains from wherever `_restore` starts to config.total_steps; returns the last eval metrics.
 
-  `make_writer(start_step)` returns the MetricsWriter (which drops rows past start_step).
+  `make_writer(start_step)` returns the MetricsWriter (which drops rows past start_step);
+  `after_restore()` runs once the checkpoint (if any) has been restored into this config's model.
   """
   config = run.config
   state, start_step, rng_key = _restore(run, checkpoints)
+  if start_step > config.total_steps:
+    raise validation.ConfigError("total_steps", config.total_steps, f"the run in {run.workdir} is already at step "
+                                 f"{start_step}; give more steps to train on, or use --mode=eval")
+  if after_restore is not None:
+    after_restore()
+  if start_step == config.total_steps:
+    logging.info("The run is already at step %d = total_steps: nothing to train.", start_step)
   writer = make_writer(start_step)
   train_step = run.make_train_step()
   rng_data = [int(x) for x in np.asarray(jax.random.key_data(rng_key)).ravel()]
@@ -327,7 +335,8 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
         rate = (pending_step - timer_step) / (now - timer_start) if timer_step is not None and \
             pending_step > timer_step else float("nan")
         row = {k: float(v) for k, v in values.items()}
-        row["train/steps_per_second"] = rate
+        if rate == rate:  # no rate yet for the first (compiling) step: left out, not NaN
+          row["train/steps_per_second"] = rate
         if pending_step == hold_step:
           held = row
         else:
@@ -372,7 +381,13 @@ def train(run: _Run, checkpoints, make_writer) -> dict[str, float]:
       if do_eval or do_save or step % config.log_every_steps == 0:
         train_row = flush_pending(hold_step=step if do_eval else None)
       if do_eval:
-        last_eval = run.evaluate(state)
+        try:
+          last_eval = run.evaluate(state)
+        except Exception:  # a bug or bad setting in eval must not cost the training done so far
+          if step not in checkpoints.steps():
+            logging.error("eval at step %d failed; saving the trained state as checkpoint %d first", step, step)
+            save(step)
+          raise
         writer.write(step, {**train_row, **last_eval})
         logging.info("step %d eval: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
       if do_save:
@@ -415,10 +430,13 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       raise RunError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')} to {mode} with")
   is_writer = jax.process_index() == 0
   new_workdir = is_writer and mode == "train" and not os.path.exists(workdir)
+  # With checkpoints, the config is rewritten only once they have been restored into its model:
+  # a config they do not fit must not replace the one they were made with.
+  resumed = mode == "train" and bool(checkpoints_lib.step_numbers(workdir))
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
-    if mode == "train":
+    if mode == "train" and not resumed:
       _write_config(config, workdir)
   _barrier("workdir ready")
   try:
@@ -433,7 +451,8 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   try:
     if mode == "train":
       result = train(run_, checkpoints, lambda start_step: metrics_lib.MetricsWriter(
-          workdir, active=is_writer, tensorboard=config.logging.tensorboard, resume_step=start_step))
+          workdir, active=is_writer, tensorboard=config.logging.tensorboard, resume_step=start_step),
+          after_restore=(lambda: _write_config(config, workdir)) if resumed and is_writer else None)
       if is_writer and config.logging.plot:
         metrics_lib.plot_losses(workdir)
       return result

@@ -108,8 +108,17 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
   """
   fields = model_config.keys()
   position_encoding = model_config.get("position_encoding", position_encoding)
+  if "rope_scaling_factor" in fields and not model_config.rope_scaling_factor > 0:
+    raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor, "must be > 0")
+  if model_config.get("rope_scaling"):
+    if model_config.rope_scaling not in ("linear", "ntk"):
+      raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling, "allowed are '' (none), 'linear', 'ntk'")
+  if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
+    raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
   if "d_model" in fields and "num_heads" in fields:
     d_model, num_heads = model_config.d_model, model_config.num_heads
+    if not isinstance(d_model, int) or d_model < 1:
+      raise ConfigError(f"{prefix}.d_model", d_model, "must be a positive integer")
     if not isinstance(num_heads, int) or num_heads < 1:
       raise ConfigError(f"{prefix}.num_heads", num_heads, "must be a positive integer")
     if d_model % num_heads:
@@ -142,6 +151,24 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
       check_attention_dims(model_config[key], f"{prefix}.{key}", position_encoding)
 
 
+# optimizer field -> (test, what it must be); a field a config does not have is not checked.
+_OPTIMIZER_NUMBERS = {
+    "grad_clip_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
+    "weight_decay": (lambda v: v >= 0, "must be >= 0"),
+    "b1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "b2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "momentum": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "eps": (lambda v: v > 0, "must be > 0"),
+    "final_learning_rate_fraction": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+}
+
+
+def _check_optimizer_numbers(optimizer):
+  for name, (ok, rule) in _OPTIMIZER_NUMBERS.items():
+    if name in optimizer and not ok(optimizer[name]):
+      raise ConfigError(f"optimizer.{name}", optimizer[name], rule)
+
+
 def validate_config(config, *, mode: str = "train", device_count: int | None = None,
                     process_count: int = 1):
   """Checks the shared fields, then the model's attention shapes, then the task's own fields.
@@ -161,6 +188,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   require_choice(config, "optimizer.schedule", SCHEDULES)
   if not config.optimizer.learning_rate > 0:
     raise ConfigError("optimizer.learning_rate", config.optimizer.learning_rate, "must be > 0")
+  _check_optimizer_numbers(config.optimizer)
   require_choice(config, "checkpoint.best_mode", ("min", "max"))
   best = config.checkpoint.best_metric
   if best and (not best.startswith("eval/")
