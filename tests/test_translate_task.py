@@ -1,5 +1,6 @@
 """The translation task: configs, validation, and launch.py train / infer runs in subprocesses."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -226,8 +227,10 @@ def _assert_one_line_exit_2_and_no_workdir(result, workdir, *expected):
 def test_corpus_too_small_for_the_vocabulary_is_one_line_naming_the_field_and_file(tmp_path):
   train = tmp_path / "train.tsv"
   train.write_text("one\tun\ntwo\tdeux\nthree\ttrois\nfour\tquatre\nfive\tcinq\n")
+  (tmp_path / "eval.tsv").write_text("six\tsix\n")
   workdir = tmp_path / "work"
-  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train, "data.eval_file": train})
+  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train,
+                                                        "data.eval_file": tmp_path / "eval.tsv"})
   _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.data.vocab_size=4000", str(train))
 
 
@@ -236,17 +239,19 @@ def test_corpus_smaller_than_a_batch_is_one_line_naming_batch_size_and_file(tmp_
   then refused the corrected rerun as 'another model'."""
   train = tmp_path / "train.tsv"
   train.write_text("hello\tbonjour\nthank you\tmerci\ngood night\tbonne nuit\n")
+  (tmp_path / "eval.tsv").write_text("good morning\tbonjour\n")
   workdir = tmp_path / "work"
-  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train, "data.eval_file": train,
+  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train,
+                                                        "data.eval_file": tmp_path / "eval.tsv",
                                                         "data.tokenizer": "bytes"})
   _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.batch_size=64", f"{train} gives only 3 training "
                                          "examples")
 
 
-def test_data_the_task_cannot_build_is_one_line_naming_the_problem(tmp_path):
+def test_an_unknown_date_format_is_one_line_naming_the_field(tmp_path):
   workdir = tmp_path / "work"
   result = launch("configs/translate_dates.py", workdir, {"data.formats": "full,bogus"})
-  _assert_one_line_exit_2_and_no_workdir(result, workdir, "cannot build its data", "'bogus'")
+  _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.data.formats='full,bogus'", "'medium'")
 
 
 @pytest.mark.parametrize("per_head, panels", [(False, 2), (True, 6)])
@@ -276,3 +281,58 @@ def test_attention_plot_of_characters_no_font_has_writes_them_escaped_without_wa
 def test_attention_plot_rejects_weights_that_do_not_match_the_pieces(tmp_path):
   with pytest.raises(ValueError, match="target by source"):
     translate_plots.plot_cross_attention(np.ones((1, 1, 3, 4)), list("abc"), list("xyz"), tmp_path / "a.png")
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("data.formats", "full,bogus", "comma-separated distinct names from"),
+    ("data.formats", "full,full", "comma-separated distinct names from"),
+    ("data.first_year", 2100, "must be <= data.last_year"),
+    ("data.last_year", 10000, "must be an integer year in 1..9999"),
+    ("data.eval_fraction", 0.0, "must be in (0, 1)"),  # used to fail later: "examples must be non-empty"
+])
+def test_date_data_fields_are_checked_before_the_dates_are_made(field, value, rule):
+  with pytest.raises(validation.ConfigError, match=rf"^config\.{re.escape(field)}=.*{re.escape(rule)}"):
+    validation.validate_config(_config(**{field: value}))
+
+
+def test_fine_tuning_from_init_from_keeps_that_runs_tokenizer(dates_run, tmp_path):
+  """A tokenizer trained on the new corpus gave the same pieces other ids, so every embedding row of
+  the initialising checkpoint was read for the wrong piece. The run's tokenizer is now copied in;
+  a workdir that already holds another tokenizer is refused."""
+  source_run, _ = dates_run
+  source = source_run / "tokenizer" / "sentencepiece.model"
+  config = _config(arg="locale=de", **{"init_from": str(source_run / "checkpoints")})
+  task = translate_task.TranslateTask(config, str(tmp_path / "new"))
+  assert (tmp_path / "new" / "tokenizer" / "sentencepiece.model").read_bytes() == source.read_bytes()
+  assert task.vocab_size == translate_task.TranslateTask(_config(), str(source_run)).vocab_size
+
+  other = tmp_path / "other"
+  translate_task.TranslateTask(_config(arg="locale=de"), str(other))  # trains its own tokenizer
+  with pytest.raises(validation.ConfigError, match=r"config\.init_from=.*differs from this workdir's"):
+    translate_task.TranslateTask(config, str(other))
+
+
+def test_a_kept_tokenizer_that_cannot_encode_the_corpus_is_refused(tmp_path):
+  """The tokenizer of an earlier corpus in the same workdir turned new characters into unknowns."""
+  _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(30)], ["1 cat\t1 chat"],
+            **{"data.tokenizer": "sentencepiece", "data.vocab_size": 40})
+  with pytest.raises(validation.ConfigError, match=r"cannot encode \['Z', .*e\.g\. 'Zebra'"):
+    _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(30)] + ["Zebra\tZèbre"], ["1 cat\t1 chat"],
+              **{"data.tokenizer": "sentencepiece", "data.vocab_size": 40})
+
+
+def test_eval_lines_that_are_training_lines_are_reported(tmp_path, caplog):
+  lines = [f"{n} cats\t{n} chats" for n in range(20)]
+  _tsv_task(tmp_path, lines, lines[:5] + ["99 dogs\t99 chiens"])
+  assert any("5 of the 6 eval sources" in r.getMessage() for r in caplog.records)
+
+
+def test_init_from_a_checkpoint_of_another_model_is_one_line(dates_run, tmp_path):
+  source_run, _ = dates_run
+  workdir = tmp_path / "work"
+  result = launch("configs/translate_dates.py", workdir, {**DATES, "model.encoder.d_model": 48,
+                                                           "model.decoder.d_model": 48,
+                                                           "init_from": source_run / "checkpoints"})
+  assert result.returncode == 2, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert "init_from checkpoint" in last and "holds another model" in last and "Traceback" not in result.stderr

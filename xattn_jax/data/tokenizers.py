@@ -116,6 +116,11 @@ class SentencePieceTokenizer(Tokenizer):
   def vocab_size(self) -> int:
     return self._processor.get_piece_size()
 
+  @property
+  def unk_id(self) -> int:
+    """The id of text the model has no piece for (a character absent from its training text)."""
+    return self._processor.unk_id()
+
   def encode(self, text: str) -> list[int]:
     self._check_text(text)
     return self._processor.encode(text)

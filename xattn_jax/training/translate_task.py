@@ -20,8 +20,10 @@ tokens, per decoder layer) to <workdir>/plots/cross_attention_<k>.png.
 """
 from __future__ import annotations
 
+import filecmp
 import functools
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,14 @@ def bleu_tokenizer(references, setting: str = "auto") -> str:
   letters = [c for text in references for c in text if c.isalpha()]
   unspaced = sum(map(_written_without_spaces, letters))
   return "char" if letters and unspaced > len(letters) / 2 else "13a"
+
+
+def _upward(path: str, levels: int):
+  """path and its parents, `levels` directories in all."""
+  path = os.path.abspath(path)
+  for _ in range(levels):
+    yield path
+    path = os.path.dirname(path)
 
 
 def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.StackSize]:
@@ -129,6 +139,18 @@ class TranslateTask(tasks.Task):
         dates.parse_locale(data.target_locale)
       except ValueError as error:
         raise validation.ConfigError("data.target_locale", data.target_locale, str(error)) from None
+      formats = [f.strip() for f in data.formats.split(",")]
+      if not formats or any(f not in dates.DATE_FORMATS for f in formats) or len(set(formats)) != len(formats):
+        raise validation.ConfigError("data.formats", data.formats,
+                                     f"comma-separated distinct names from {list(dates.DATE_FORMATS)}")
+      for field in ("data.first_year", "data.last_year"):
+        year = data[field.split(".")[1]]
+        if not isinstance(year, int) or not 1 <= year <= 9999:
+          raise validation.ConfigError(field, year, "must be an integer year in 1..9999")
+      if data.first_year > data.last_year:
+        raise validation.ConfigError("data.first_year", data.first_year, f"must be <= data.last_year={data.last_year}")
+      if not 0 < data.eval_fraction < 1:  # 0 would leave no held-out dates to evaluate on
+        raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
     elif mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
       # Reads the files now, so a malformed line stops the run before anything is built; eval
       # needs only the eval file (the tokenizer is the run's).
@@ -163,7 +185,13 @@ class TranslateTask(tasks.Task):
                                eval_fraction=data.eval_fraction, seed=data.split_seed)
       return pairs.train, pairs.eval
     train = _read_tsv("data.train_file", data.train_file) if self.mode == "train" else []
-    return train, _read_tsv("data.eval_file", data.eval_file)
+    evaluation = _read_tsv("data.eval_file", data.eval_file)
+    seen = {source for source, _ in train}
+    overlap = sum(source in seen for source, _ in evaluation)
+    if overlap:  # allowed (a sanity check of memorisation), but the scores then are not held-out
+      logging.warning("%d of the %d eval sources in %s are also training sources in %s: eval metrics "
+                      "are not held-out scores", overlap, len(evaluation), data.eval_file, data.train_file)
+    return train, evaluation
 
   def _tokenizer(self) -> tokenizers.Tokenizer:
     data = self.config.data
@@ -173,6 +201,8 @@ class TranslateTask(tasks.Task):
       raise ValueError("TranslateTask: data.tokenizer='sentencepiece' needs a workdir to keep the model in")
     path = os.path.join(self.workdir, SPM_FILE)
     if jax.process_index() == 0:  # trains it, or reuses the file a previous run of this workdir wrote
+      reused = os.path.exists(path)
+      inherited = self._take_init_from_tokenizer(path)
       texts = [text for pair in self.train_pairs for text in pair]
       try:
         tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size)
@@ -180,9 +210,52 @@ class TranslateTask(tasks.Task):
         corpus = f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
         raise validation.ConfigError("data.vocab_size", data.vocab_size,
                                      f"{' '.join(str(error).split())} (tokenizer trained on {corpus})") from None
+      if reused or inherited:
+        self._check_tokenizer_covers(tokenizer, texts, path, refuse=not inherited)
     if jax.process_count() > 1:  # the others read process 0's file once it is written
       multihost_utils.sync_global_devices("sentencepiece model written")
     return tokenizer if jax.process_index() == 0 else tokenizers.SentencePieceTokenizer(path)
+
+  def _take_init_from_tokenizer(self, path: str):
+    """Fine-tuning from `init_from` keeps that run's vocabulary: its embedding rows belong to its
+    pieces, so its SentencePiece model is copied in (a tokenizer trained on the new corpus would
+    give the same pieces other ids). A workdir that already has another tokenizer is refused."""
+    if not self.config.init_from:
+      return False
+    source = next((os.path.join(d, SPM_FILE) for d in _upward(self.config.init_from, 3)
+                   if os.path.isfile(os.path.join(d, SPM_FILE))), None)
+    if source is None:
+      return False
+    if not os.path.exists(path):
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      shutil.copyfile(source, path)
+      logging.info("Using the tokenizer of init_from's run, %s", source)
+    elif not filecmp.cmp(source, path, shallow=False):
+      raise validation.ConfigError("init_from", self.config.init_from,
+                                   f"its run's tokenizer {source} differs from this workdir's {path}: the "
+                                   "parameters would be read with other token ids; use a new --workdir")
+    return True
+
+  def _check_tokenizer_covers(self, tokenizer, texts, path: str, refuse: bool):
+    """A tokenizer not trained on this corpus must encode it: one kept from an earlier run of this
+    workdir is refused if it cannot (an accident); init_from's is kept with a warning (fine-tuning
+    on text with characters the pretrained vocabulary lacks is a choice, but not a silent one)."""
+    unk = tokenizer.unk_id
+    missing = [(text, ids) for text, ids in zip(texts, tokenizer.encode_batch(texts)) if unk in ids]
+    if not missing:
+      return
+    unknown = sorted({c for text, _ in missing for c in text if unk in tokenizer.encode(c)})
+    data = self.config.data
+    corpus = f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
+    what = (f"cannot encode {unknown[:8]} of {corpus} ({len(missing)} training texts, e.g. "
+            f"{missing[0][0][:60]!r})")
+    if not refuse:
+      logging.warning("The tokenizer of init_from's run %s %s: those characters train as the unknown piece",
+                      path, what)
+      return
+    field = "data.train_file" if data.source == "tsv" else "data.target_locale"
+    raise validation.ConfigError(field, data[field.split(".")[1]], f"the tokenizer kept in {path} (trained on an "
+                                 f"earlier corpus) {what}; use a new --workdir")
 
   def _saved_tokenizer(self) -> tokenizers.Tokenizer:
     if self.config.data.tokenizer == "bytes":
