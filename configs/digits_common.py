@@ -18,7 +18,7 @@ def digits_config(*, total_steps: int, learning_rate: float) -> ConfigDict:
       "split_seed": 0,
       "grid": "8x8",                        # the grid images are trained and evaluated on
       "extra_eval_grids": "12x12,16x16",    # also evaluated on test images resized to these
-      "max_shift": 1,                       # random translation by up to this many pixels in training
+      "max_shift": 1,                       # random translation by up to this many pixels in training (<= 3)
   })
   config.checkpoint.best_metric = "eval/accuracy"
   config.checkpoint.best_mode = "max"

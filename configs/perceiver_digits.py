@@ -19,7 +19,8 @@ def get_config(arg=None):
   config.model.name = "perceiver"
   config.model.position_encoding = args.posenc  # fourier | sincos_2d | learned_2d | rope_2d | none
   config.model.patch_size = args.patch      # 1: pixels are the elements (M = 64 on 8x8 images)
-  config.model.grid = f"{8 // args.patch}x{8 // args.patch}"  # element grid in training (learned_2d table)
+  side = 8 // max(args.patch, 1)            # (a patch below 1 is left to validation, which names the field)
+  config.model.grid = f"{side}x{side}"      # element grid in training (learned_2d table)
   config.model.num_latents = args.latents   # N
   config.model.d_model = args.width
   config.model.num_heads = 4

@@ -17,7 +17,8 @@ def get_config(arg=None):
   config.optimizer.weight_decay = 0.1
   config.model.name = "vit"
   config.model.patch_size = args.patch      # 2x2 patches: M = 16 features on 8x8 images, 64 on 16x16
-  config.model.grid = f"{8 // args.patch}x{8 // args.patch}"  # the learned table's patch grid
+  side = 8 // max(args.patch, 1)            # (a patch below 1 is left to validation, which names the field)
+  config.model.grid = f"{side}x{side}"      # the learned table's patch grid
   config.model.d_model = args.width
   config.model.num_heads = 4
   config.model.num_blocks = args.blocks

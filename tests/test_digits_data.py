@@ -91,3 +91,25 @@ def test_png_with_dark_ink_on_white_reads_as_ink_high(tmp_path, split):
   path = str(tmp_path / "digit.png")
   matplotlib.image.imsave(path, 1.0 - image, cmap="gray", vmin=0.0, vmax=1.0)
   np.testing.assert_allclose(digits.read_image_file(path), image, atol=1 / 255 + 1e-6)
+
+
+@pytest.mark.parametrize("test_fraction", [0.2, 0.1, 0.25, 1 / 3, 0.5, 0.01])
+def test_num_test_images_is_the_size_of_the_split_test_set(test_fraction):
+  split = digits.load_digits_split(test_fraction=test_fraction)
+  assert digits.num_test_images(test_fraction) == len(split.test_labels)
+
+
+def _blank_after_shift(images, row_shift, column_shift):
+  """Which images [n, h, w] hold no ink once translated by (row_shift, column_shift)."""
+  shifts = np.tile([row_shift, column_shift], (len(images), 1))
+  return ~(digits._shift_images(images, shifts) > 0).any(axis=(1, 2))
+
+
+def test_max_shift_is_the_largest_shift_that_keeps_every_digit_on_the_canvas():
+  from sklearn.datasets import load_digits
+  images = load_digits().images.astype(np.float32)  # all 1,797, whichever split trains
+  assert digits.largest_safe_shift(images) == digits.MAX_SHIFT
+  # A longer shift keeps less of the image, so the four corner shifts (+-s, +-s) are the worst ones.
+  corners = lambda s: [(s, s), (s, -s), (-s, s), (-s, -s)]
+  assert not any(_blank_after_shift(images, *shift).any() for shift in corners(digits.MAX_SHIFT))
+  assert any(_blank_after_shift(images, *shift).any() for shift in corners(digits.MAX_SHIFT + 1))

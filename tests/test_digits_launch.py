@@ -1,8 +1,11 @@
-"""Tiny digit configs run end to end through launch.py (subprocesses, a few steps each)."""
+"""Tiny digit configs run end to end through launch.py (subprocesses, a few steps each), and the digits
+task's config checks (in-process, no training)."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import types
 
 import matplotlib
 
@@ -14,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from xattn_jax.data import digits
+from xattn_jax.training import digits_task, loop, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--config.log_every_steps=2", "--config.eval_every_steps=4", "--config.checkpoint.every_steps=4",
@@ -21,12 +25,10 @@ QUICK = ["--config.log_every_steps=2", "--config.eval_every_steps=4", "--config.
 PERCEIVER = ["--config=configs/perceiver_digits.py:steps=4,width=16,latents=4,blocks=1",
              "--config.data.extra_eval_grids=12x12", "--config.task.num_attention_images=1", *QUICK]
 
-pytestmark = pytest.mark.slow
 
-
-def launch(*args, workdir, stdin=None):
-  done = subprocess.run([sys.executable, "launch.py", f"--workdir={workdir}", *args], cwd=ROOT, input=stdin,
-                        capture_output=True, text=True, timeout=600)
+def launch(*args, workdir, stdin=None, cwd=ROOT):
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), f"--workdir={workdir}", *args], cwd=cwd,
+                        input=stdin, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout
 
@@ -64,15 +66,16 @@ def perceiver_workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qformer_workdirs(tmp_path_factory):
+  """(encoder workdir, Q-Former workdir): trained from the directory above them, named relative to it."""
   root = tmp_path_factory.mktemp("qformer")
-  encoder, workdir = str(root / "vit"), str(root / "qformer")
-  launch(f"--config=configs/qformer_digits.py:steps=4,queries=4,encoder={encoder}",
+  launch(f"--config={ROOT}/configs/qformer_digits.py:steps=4,queries=4,encoder=vit",
          "--config.model.encoder_config=configs/vit_digits.py:steps=4,width=16,blocks=1",
          "--config.model.d_model=16", "--config.model.num_blocks=2", "--config.task.num_attention_images=0",
-         "--config.data.extra_eval_grids=", *QUICK, workdir=workdir)
-  return encoder, workdir
+         "--config.data.extra_eval_grids=", *QUICK, workdir="qformer", cwd=root)
+  return str(root / "vit"), str(root / "qformer")
 
 
+@pytest.mark.slow
 def test_perceiver_config_trains_and_logs_eval_on_a_resized_grid(perceiver_workdir):
   last = metrics(perceiver_workdir)[-1]
   assert last["step"] == 4
@@ -80,10 +83,12 @@ def test_perceiver_config_trains_and_logs_eval_on_a_resized_grid(perceiver_workd
   assert last["train/tokens_handed_on"] == 4
 
 
+@pytest.mark.slow
 def test_perceiver_eval_draws_each_querys_attention(perceiver_workdir):
   assert os.path.getsize(os.path.join(perceiver_workdir, "attention_maps", "test_0.png")) > 1000
 
 
+@pytest.mark.slow
 def test_infer_classifies_npy_and_png_files(perceiver_workdir, tmp_path):
   split = digits.load_digits_split()
   np.save(tmp_path / "one.npy", split.test_images[0] * 16)  # on the data set's own 0..16 scale
@@ -97,12 +102,14 @@ def test_infer_classifies_npy_and_png_files(perceiver_workdir, tmp_path):
   assert all(0 <= int(p) <= 9 for line in lines for p in line.split("\t")[1].split())
 
 
+@pytest.mark.slow
 def test_qformer_config_trains_its_missing_encoder_first(qformer_workdirs):
   encoder, workdir = qformer_workdirs
   assert metrics(encoder)[-1]["step"] == 4
   assert metrics(workdir)[-1]["train/tokens_handed_on"] == 4
 
 
+@pytest.mark.slow
 def test_qformer_training_leaves_the_encoder_bit_for_bit_as_trained(qformer_workdirs):
   encoder, workdir = qformer_workdirs
   trained = checkpoint_parameters(encoder)
@@ -110,3 +117,148 @@ def test_qformer_training_leaves_the_encoder_bit_for_bit_as_trained(qformer_work
   assert set(inside) == set(trained)
   for key, value in trained.items():
     np.testing.assert_array_equal(inside[key], value, err_msg=key)
+
+
+@pytest.mark.slow
+def test_eval_metric_names_are_what_eval_logs(perceiver_workdir):
+  logged = {name for name in metrics(perceiver_workdir)[-1] if name.startswith("eval/")}
+  assert logged == set(digits_task.EVAL_METRICS) | {"eval/accuracy_12x12"}
+  assert all(name in digits_task.DigitsTask.eval_metric_names for name in logged)
+
+
+def _tree(directory):
+  return sorted(os.path.relpath(os.path.join(parent, name), directory)
+                for parent, folders, files in os.walk(directory) for name in folders + files)
+
+
+@pytest.mark.slow
+def test_qformer_infer_from_another_directory_reads_no_encoder_run(qformer_workdirs, tmp_path, monkeypatch):
+  encoder, workdir = qformer_workdirs
+  lines = [f"test:{k}" for k in range(8)]
+  encoder_files = _tree(encoder)
+  monkeypatch.chdir(os.path.dirname(workdir))  # where it was trained: model.encoder_workdir="vit" is there
+  model, task = loop.load_model("qformer")
+  expected = task.infer(model, lines)
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  output = launch(f"--config={workdir}/config.py", "--mode=infer", workdir=workdir, cwd=elsewhere,
+                  stdin="\n".join(lines) + "\n")
+  assert output.strip().splitlines() == expected
+  monkeypatch.chdir(elsewhere)
+  model, task = loop.load_model(workdir)
+  assert task.infer(model, lines) == expected
+  assert os.listdir(elsewhere) == []  # no encoder trained at elsewhere/vit
+  assert _tree(encoder) == encoder_files
+
+
+# --- config checks: in-process, before anything is built ---------------------------------------------
+
+
+def digits_config(name, arg="", **overrides):
+  """configs/<name>_digits.py[:arg] with `--config.a.b=v` style overrides (keys with "__" for ".")."""
+  config = validation.load_config_file(os.path.join(ROOT, "configs", f"{name}_digits.py"), arg or None)
+  for key, value in overrides.items():
+    *parents, field = key.split("__")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[field] = value
+  return config
+
+
+def config_error(config, mode="train"):
+  """The field of the ConfigError that validation raises (its message a single line), or None."""
+  try:
+    validation.validate_config(config, mode=mode)
+  except validation.ConfigError as error:
+    assert "\n" not in str(error)
+    return error.field
+  return None
+
+
+@pytest.fixture
+def qformer(tmp_path):
+  """Q-Former config overrides whose encoder is still to be trained (from configs/vit_digits.py, 2x2 patches)."""
+  return {"model__encoder_workdir": str(tmp_path / "no_encoder_yet")}
+
+
+@pytest.mark.parametrize("count", [361, 1000, -1])
+def test_num_attention_images_must_fit_the_test_set(count):  # 360 test images
+  assert config_error(digits_config("perceiver", task__num_attention_images=count)) == "task.num_attention_images"
+
+
+def test_num_attention_images_may_draw_every_test_image_or_none():
+  for count in (0, 360):
+    assert config_error(digits_config("perceiver", task__num_attention_images=count)) is None
+  assert config_error(digits_config("perceiver", task__num_attention_images=36, data__test_fraction=0.02)) is None
+  assert config_error(digits_config("perceiver", task__num_attention_images=37, data__test_fraction=0.02)) == \
+      "task.num_attention_images"
+
+
+@pytest.mark.parametrize("field, value", [("data__grid", "9x9"), ("data__grid", "8x9"),
+                                          ("data__extra_eval_grids", "12x12,9x9")])
+def test_qformer_grids_must_split_into_the_encoders_patches(qformer, field, value):
+  expected = field.replace("__", ".")
+  assert config_error(digits_config("qformer", **qformer, **{field: value})) == expected
+
+
+def test_qformer_grid_check_reads_the_patch_of_an_existing_encoder_run(qformer, tmp_path):
+  encoder = validation.load_config_file(os.path.join(ROOT, "configs", "vit_digits.py"), "patch=4")
+  os.makedirs(qformer["model__encoder_workdir"])
+  with open(os.path.join(qformer["model__encoder_workdir"], "config.json"), "w") as f:
+    f.write(encoder.to_json())
+  assert config_error(digits_config("qformer", **qformer, data__extra_eval_grids="12x12,16x16")) is None
+  assert config_error(digits_config("qformer", **qformer, data__extra_eval_grids="12x12,10x10")) == \
+      "data.extra_eval_grids"
+  assert config_error(digits_config("qformer", **qformer)) is None  # eval / infer never read it
+
+
+@pytest.mark.parametrize("name", ["perceiver", "vit", "qformer"])
+@pytest.mark.parametrize("smoothing", [1.0, 1.5, -0.1])
+def test_label_smoothing_must_be_in_zero_to_one(qformer, name, smoothing):
+  overrides = qformer if name == "qformer" else {}
+  assert config_error(digits_config(name, **overrides, task__label_smoothing=smoothing)) == "task.label_smoothing"
+
+
+@pytest.mark.parametrize("name, arg", [("vit", ""), ("perceiver", "patch=0"), ("vit", "patch=0"),
+                                       ("perceiver", "patch=-2")])
+def test_a_patch_size_below_one_names_its_field(name, arg):
+  config = digits_config(name, arg)
+  if not arg:
+    config.model.patch_size = 0
+  assert config_error(config) == "model.patch_size"
+
+
+def test_max_shift_cannot_move_a_digit_off_the_canvas():  # a shift by (4, 4) can (test_digits_data.py)
+  assert config_error(digits_config("perceiver", data__max_shift=3)) is None
+  for shift in (4, 7, 20):
+    assert config_error(digits_config("perceiver", data__max_shift=shift)) == "data.max_shift"
+
+
+@pytest.mark.parametrize("best, field", [("eval/los", "checkpoint.best_metric"),
+                                         ("eval/accuracy_20x20", "checkpoint.best_metric"),
+                                         ("eval/accuracy_HxW", "checkpoint.best_metric"),
+                                         ("eval/loss", None), ("eval/accuracy_16x16", None), ("", None)])
+def test_best_metric_must_be_one_that_eval_logs(best, field):
+  assert config_error(digits_config("vit", checkpoint__best_metric=best)) == field
+
+
+def test_ctrl_c_while_the_encoder_trains_ends_the_run_with_status_zero(qformer, tmp_path, monkeypatch):
+  encoder_workdir = qformer["model__encoder_workdir"]
+  encoder = digits_config("vit", "steps=3,width=16,blocks=1", debug__step_delay_s=0.001,
+                          logging__tensorboard=False, logging__plot=False, eval_batch_size=180)
+  os.makedirs(encoder_workdir)
+  with open(os.path.join(encoder_workdir, "config.json"), "w") as f:  # the encoder run to resume
+    f.write(encoder.to_json())
+
+  def sleep_after_ctrl_c(seconds):  # the loop's pause after each step: a Ctrl-C arrives during the first
+    signal.raise_signal(signal.SIGINT)
+
+  monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=loop.time.perf_counter,
+                                                          sleep=sleep_after_ctrl_c))
+  config = digits_config("qformer", **qformer)
+  with pytest.raises(SystemExit) as stopped:
+    digits_task.DigitsTask(config, str(tmp_path / "qformer"), "train")
+  assert stopped.value.code == 0
+  assert encoder_workdir in str(stopped.value) and "\n" not in str(stopped.value)
+  assert os.listdir(os.path.join(encoder_workdir, "checkpoints")) == ["1"]

@@ -17,13 +17,19 @@ Host-side numpy only: images come out as float32 `[batch, height, width, 1]`, la
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Iterator
 
 import numpy as np
 
 NUM_CLASSES = 10
+NUM_IMAGES = 1797  # in load_digits
 NATIVE_GRID = (8, 8)
+# The largest train_batch max_shift that cannot move any digit entirely off the canvas: a diagonal shift
+# by 4 pixels already clears some (`largest_safe_shift` of all 1,797 images, whichever split; the tests
+# check it against the data).
+MAX_SHIFT = 3
 _RAW_MAX = 16.0  # load_digits pixels are integers 0..16
 
 
@@ -59,6 +65,12 @@ def load_digits_split(*, test_fraction: float = 0.2, split_seed: int = 0) -> Dig
       images, labels, test_size=test_fraction, stratify=labels, random_state=split_seed)
   return DigitsSplit(train_images=train_x, train_labels=train_y, test_images=test_x, test_labels=test_y,
                      mean=float(train_x.mean()), std=float(train_x.std()))
+
+
+def num_test_images(test_fraction: float) -> int:
+  """len(load_digits_split(test_fraction=...).test_labels), without loading the data: scikit-learn's
+  train_test_split takes ceil(test_fraction * n) test examples."""
+  return math.ceil(test_fraction * NUM_IMAGES)
 
 
 def _linear_resize_matrix(old: int, new: int) -> np.ndarray:
@@ -114,6 +126,23 @@ def _shift_images(images: np.ndarray, shifts: np.ndarray) -> np.ndarray:
   return out
 
 
+def largest_safe_shift(images: np.ndarray) -> int:
+  """The largest s such that `_shift_images` by any offset in [-s, s] per axis leaves ink (a pixel > 0) in
+  every image `[n, h, w]`.
+
+  A shift by (dr, dc) keeps the source rows [0, h - dr) when dr >= 0, else [-dr, h), and the columns alike:
+  a longer shift keeps less, so the four corners (+-s, +-s) are the shifts that decide.
+  """
+  ink = np.asarray(images) > 0
+  height, width = ink.shape[1:]
+  for shift in range(1, min(height, width)):
+    for rows in (slice(0, height - shift), slice(shift, height)):
+      for columns in (slice(0, width - shift), slice(shift, width)):
+        if not ink[:, rows, columns].any(axis=(1, 2)).all():
+          return shift - 1
+  return min(height, width) - 1
+
+
 def train_batch(split: DigitsSplit, step: int, *, seed: int, batch_size: int, process_index: int = 0,
                 process_count: int = 1, grid: tuple[int, int] | None = None,
                 max_shift: int = 0) -> dict[str, np.ndarray]:
@@ -123,7 +152,8 @@ def train_batch(split: DigitsSplit, step: int, *, seed: int, batch_size: int, pr
   `step * batch_size + j` is `permutation(seed, epoch)[position in epoch]`. Each of the `process_count`
   processes takes its own contiguous `batch_size / process_count` rows of the global batch.
   `max_shift` > 0 translates each image by a random integer offset in [-max_shift, max_shift] per axis
-  (drawn from (seed, step, row), so augmentation is as deterministic as the order).
+  (drawn from (seed, step, row), so augmentation is as deterministic as the order). The shift moves the native
+  8x8 images, before any resize to `grid`; up to MAX_SHIFT it never moves a digit entirely off the canvas.
 
   Returns `images` float32 `[batch_size / process_count, height, width, 1]` (standardised, resized to
   `grid` when given) and `labels` int32 `[batch_size / process_count]`.

@@ -6,7 +6,10 @@
   patch features (`configs/qformer_digits.py`). The encoder comes from the ViT run in
   `model.encoder_workdir`: its resolved config gives the architecture and its newest checkpoint the
   weights. When that workdir holds no finished run, the ViT is trained (or resumed) there first, with the
-  config file `model.encoder_config` ("path.py[:arg]").
+  config file `model.encoder_config` ("path.py[:arg]"). Training records in the Q-Former's workdir
+  (`encoder.json`) where that run is (an absolute path) and the encoder's model config; eval and infer read
+  only this record, since the Q-Former's checkpoints hold the frozen weights, so they never train, nor read
+  the encoder run, whatever the current directory.
 
 Batches are `images` [b, H, W, 1] (standardised pixels) and `labels` [b]; see `xattn_jax.data.digits`.
 Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the reader passes to what
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +40,9 @@ from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import optim, tasks, validation
 
 MODELS = ("vit", "perceiver", "qformer")
+# What the eval of every digits run logs; it adds eval/accuracy_HxW for each grid in data.extra_eval_grids.
+EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/tokens_handed_on")
+ENCODER_RECORD = "encoder.json"  # in a Q-Former workdir: {"encoder_workdir": absolute path, "model": {...}}
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -75,6 +82,59 @@ def _encoder_finished(workdir: str) -> bool:
   return max(checkpoints_lib.step_numbers(workdir), default=-1) >= total_steps
 
 
+def _encoder_run_config(encoder_workdir: str, spec: str) -> tuple[ConfigDict, str]:
+  """(config, where it comes from) of the frozen encoder's run: the resolved config of the run in
+  encoder_workdir, else get_config of the config file `spec` (which trains the encoder there)."""
+  stored = os.path.join(encoder_workdir, "config.json")
+  if os.path.isfile(stored):
+    with open(stored) as f:
+      return ConfigDict(json.load(f)), f"the run in {encoder_workdir}"
+  if not os.path.isfile(_config_path(spec)):
+    raise validation.ConfigError(
+        "model.encoder_config", spec, f"no such config file, and model.encoder_workdir={encoder_workdir!r} "
+        "holds no encoder run to load the frozen encoder from")
+  try:
+    return _load_config_file(spec), spec
+  except Exception as error:  # noqa: BLE001 - whatever the user's get_config raises, in one line
+    raise validation.ConfigError("model.encoder_config", spec,
+                                 f"cannot be loaded: {type(error).__name__}: {' '.join(str(error).split())}") from None
+
+
+def _check_encoder_patch(config, encoder_model, source: str):
+  """Every image grid (data.grid, data.extra_eval_grids) must split into the frozen encoder's patches."""
+  patch = encoder_model.get("patch_size")
+  if isinstance(patch, bool) or not isinstance(patch, int) or patch < 1:
+    raise validation.ConfigError("model.encoder_config", config.model.encoder_config,
+                                 f"the encoder's model.patch_size={patch!r} ({source}) must be a positive integer")
+  for field, text in (("data.grid", config.data.grid), ("data.extra_eval_grids", config.data.extra_eval_grids)):
+    for height, width in _grids(text, field):
+      if height % patch or width % patch:
+        raise validation.ConfigError(
+            field, text, f"every grid must be divisible by the frozen encoder's patch size {patch} "
+            f"(model.patch_size of {source}), got {height}x{width}")
+
+
+class EncoderRunStopped(SystemExit):
+  """SIGTERM or Ctrl-C stopped the frozen encoder's training, which saved a checkpoint: the Q-Former run
+  ends there with exit status 0, as any stopped run does, and resumes the encoder when started again."""
+
+  def __init__(self, message: str):
+    super().__init__(0)
+    self.message = message
+
+  def __str__(self):
+    return self.message
+
+
+class _EvalMetricNames(tuple):
+  """The eval/<name> metrics of a digits run, for checkpoint.best_metric. `in` also takes
+  eval/accuracy_HxW for any grid: which of those a run logs depends on data.extra_eval_grids, which
+  DigitsTask.validate checks."""
+
+  def __contains__(self, name):
+    return super().__contains__(name) or re.fullmatch(r"eval/accuracy_\d+x\d+", str(name)) is not None
+
+
 def _select(tree: dict, template: dict) -> dict:
   """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
   return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
@@ -94,37 +154,55 @@ def make_vit(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
 class DigitsTask(tasks.Task):
   """Classify the bundled digits with a ViT, a Perceiver or a Q-Former (see the module docstring)."""
 
+  eval_metric_names = _EvalMetricNames(EVAL_METRICS + ("eval/accuracy_<HxW in data.extra_eval_grids>",))
+
   @classmethod
   def validate(cls, config, mode="train"):
     validation.require_choice(config, "model.name", MODELS)
     validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio")
+    smoothing = config.task.label_smoothing
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
+      raise validation.ConfigError("task.label_smoothing", smoothing, "must be in [0, 1)")
     validation.require_positive(config, "data.max_shift", allow_zero=True)
-    if not 0.0 < config.data.test_fraction < 1.0:
-      raise validation.ConfigError("data.test_fraction", config.data.test_fraction, "must be in (0, 1)")
+    if config.data.max_shift > digits.MAX_SHIFT:
+      raise validation.ConfigError(
+          "data.max_shift", config.data.max_shift,
+          f"must be at most {digits.MAX_SHIFT}: a larger shift of the native 8x8 images (before any resize to "
+          "data.grid) moves some digits entirely off the canvas")
+    test_fraction = config.data.test_fraction
+    if not 0.0 < test_fraction < 1.0:
+      raise validation.ConfigError("data.test_fraction", test_fraction, "must be in (0, 1)")
+    count, num_test = config.task.num_attention_images, digits.num_test_images(test_fraction)
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_test:
+      raise validation.ConfigError("task.num_attention_images", count,
+                                   f"must be an integer in [0, {num_test}], the test images at "
+                                   f"data.test_fraction={test_fraction}")
     train_grid = parse_grid(config.data.grid, "data.grid")
-    for grid in [train_grid] + _grids(config.data.extra_eval_grids, "data.extra_eval_grids"):
-      patch = config.model.get("patch_size", 1)
-      if config.model.name != "qformer" and (grid[0] % patch or grid[1] % patch):
-        raise validation.ConfigError("model.patch_size", patch, f"must divide every image grid, got {grid}")
+    extra_grids = _grids(config.data.extra_eval_grids, "data.extra_eval_grids")
+    best, logged = config.checkpoint.best_metric, [f"eval/accuracy_{h}x{w}" for h, w in extra_grids]
+    if best.startswith("eval/accuracy_") and best not in logged:
+      raise validation.ConfigError("checkpoint.best_metric", best, "allowed are '' (no best checkpoint) or "
+                                   f"{list(EVAL_METRICS) + logged}")
     name = config.model.name
+    if name in ("perceiver", "vit"):
+      validation.require_positive(config, "model.patch_size")
+      patch = config.model.patch_size
+      for grid in [train_grid] + extra_grids:
+        if grid[0] % patch or grid[1] % patch:
+          raise validation.ConfigError("model.patch_size", patch, f"must divide every image grid, got {grid}")
+      parse_grid(config.model.grid, "model.grid")
     if name == "perceiver":
       validation.require_choice(config, "model.position_encoding", latent_reader.GRID_ENCODINGS)
-      validation.require_positive(config, "model.num_latents", "model.num_repeats", "model.patch_size")
-      parse_grid(config.model.grid, "model.grid")
+      validation.require_positive(config, "model.num_latents", "model.num_repeats")
     if name == "vit":
-      validation.require_positive(config, "model.patch_size")
       validation.require_choice(config, "model.pool", vit.POOLS)
-      parse_grid(config.model.grid, "model.grid")
     if name == "qformer":
       validation.require_choice(config, "model.connector", latent_reader.CONNECTORS)
       validation.require_positive(config, "model.num_queries", "model.cross_attention_every",
                                   "model.num_consumer_blocks")
-      if not os.path.isfile(os.path.join(config.model.encoder_workdir, "config.json")) and not os.path.isfile(
-          _config_path(config.model.encoder_config)):
-        raise validation.ConfigError(
-            "model.encoder_config", config.model.encoder_config,
-            f"no such config file, and model.encoder_workdir={config.model.encoder_workdir!r} holds no "
-            "encoder run to load the frozen encoder from")
+      if mode == "train":  # eval and infer take the encoder from the run's record (see __init__)
+        encoder_run, source = _encoder_run_config(config.model.encoder_workdir, config.model.encoder_config)
+        _check_encoder_patch(config, encoder_run.model, source)
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
@@ -132,33 +210,71 @@ class DigitsTask(tasks.Task):
                                           split_seed=config.data.split_seed)
     self.grid = parse_grid(config.data.grid, "data.grid")
     self.extra_grids = _grids(config.data.extra_eval_grids, "data.extra_eval_grids")
+    # The frozen encoder: its model config, and in training its parameters (a pure dict). Eval and infer
+    # restore them with the rest of the Q-Former's checkpoint, so they need only its structure.
     self.encoder_config = self.encoder_weights = None
     if config.model.name == "qformer":
-      self.encoder_config, self.encoder_weights = self._load_encoder()
+      if mode == "train":
+        self.encoder_config, self.encoder_weights = self._load_encoder()
+      else:
+        self.encoder_config = self._recorded_encoder_config()
 
   # --- the frozen encoder -----------------------------------------------------------------------
+
+  def _read_record(self) -> dict | None:
+    path = os.path.join(self.workdir, ENCODER_RECORD) if self.workdir else ""
+    if not os.path.isfile(path):
+      return None
+    with open(path) as f:
+      return json.load(f)
+
+  def _write_record(self, encoder_workdir: str, encoder_config: ConfigDict):
+    """Records in this run's workdir where its encoder run is and the encoder's model config."""
+    record = {"encoder_workdir": encoder_workdir, "model": encoder_config.to_dict()}
+    if not self.workdir or jax.process_index() != 0 or self._read_record() == record:
+      return
+    path = os.path.join(self.workdir, ENCODER_RECORD)
+    with open(path + ".tmp", "w") as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)  # never half-written for a process that reads it
+
+  def _recorded_encoder_config(self) -> ConfigDict:
+    """The encoder's model config for eval and infer, without training or reading the encoder run: from
+    this run's record, or for a run older than the record, the encoder run's resolved config or else
+    model.encoder_config (a wrong guess stops the restore with a CheckpointMismatch)."""
+    record = self._read_record()
+    if record is not None:
+      encoder_config, source = ConfigDict(record["model"]), os.path.join(self.workdir, ENCODER_RECORD)
+    else:
+      encoder_run, source = _encoder_run_config(self.config.model.encoder_workdir, self.config.model.encoder_config)
+      encoder_config = encoder_run.model
+    _check_encoder_patch(self.config, encoder_config, source)
+    return encoder_config
 
   def _load_encoder(self):
     """(ViT model config, its trained parameters as a pure dict), training the ViT first if needed.
 
-    An encoder run that did not reach its total_steps (e.g. stopped by SIGTERM) is resumed to the end
-    first; if it still does not get there, this raises rather than freeze a half-trained encoder.
+    The encoder run is the one recorded in this run's workdir, else model.encoder_workdir from the current
+    directory. One that did not reach its total_steps is resumed to the end first; when SIGTERM or Ctrl-C
+    stops it, the whole run stops (EncoderRunStopped, status 0) rather than freeze a half-trained encoder.
     """
     from xattn_jax.training import loop  # the loop imports tasks; import it only when needed
-    workdir = self.config.model.encoder_workdir
+    record = self._read_record()
+    workdir = record["encoder_workdir"] if record else os.path.abspath(self.config.model.encoder_workdir)
+    encoder_run, source = _encoder_run_config(workdir, self.config.model.encoder_config)
+    _check_encoder_patch(self.config, encoder_run.model, source)  # before any training
     if not _encoder_finished(workdir):
-      stored = os.path.join(workdir, "config.json")
-      if os.path.isfile(stored):
-        with open(stored) as f:
-          encoder_run = ConfigDict(json.load(f))
-      else:
-        encoder_run = _load_config_file(self.config.model.encoder_config)
       logging.info("Training the frozen encoder first in %s", workdir)
       loop.run(encoder_run, workdir, "train")
-      if not _encoder_finished(workdir):
-        raise loop.RunError(f"the encoder run in {workdir} stopped before its last step; run again to resume it")
+      if not _encoder_finished(workdir):  # the loop returns early only when stopped by a signal
+        message = (f"The encoder run in {workdir} was stopped (SIGTERM or Ctrl-C) at step "
+                   f"{max(checkpoints_lib.step_numbers(workdir), default=0)} of {encoder_run.total_steps} "
+                   "and saved; run the same command again to resume it, then train the Q-Former")
+        logging.warning("%s", message)
+        raise EncoderRunStopped(message)
     with open(os.path.join(workdir, "config.json")) as f:
       encoder_config = ConfigDict(json.load(f)).model
+    self._write_record(workdir, encoder_config)
     abstract = nnx.eval_shape(lambda: make_vit(encoder_config, rngs=nnx.Rngs(params=0, dropout=0)))
     restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints"),
                                                   nnx.to_pure_dict(nnx.state(abstract)))
@@ -181,9 +297,10 @@ class DigitsTask(tasks.Task):
           position_encoding=model.position_encoding, scan_layers=model.scan_layers,
           remat=model.remat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     encoder = make_vit(self.encoder_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    state = nnx.state(encoder, nnx.Param)
-    nnx.replace_by_pure_dict(state, self.encoder_weights)
-    nnx.update(encoder, state)
+    if self.encoder_weights is not None:  # None in eval / infer: the checkpoint restore sets them
+      state = nnx.state(encoder, nnx.Param)
+      nnx.replace_by_pure_dict(state, self.encoder_weights)
+      nnx.update(encoder, state)
     return latent_reader.QFormer(
         encoder, num_classes=digits.NUM_CLASSES, connector=model.connector, num_queries=model.num_queries,
         width=model.d_model, num_heads=model.num_heads, num_blocks=model.num_blocks,
