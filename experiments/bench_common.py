@@ -67,3 +67,24 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   cores = len(os.sched_getaffinity(0))
   torch.set_num_threads(cores)
   return args, (quick if args.quick else full), cores
+
+
+def blocked_median_seconds(fns: dict, blocks: int, per_block: int, warmup: int = 3) -> dict:
+  """{name: median wall time of fn()} over `blocks` rounds in which each function runs `per_block`
+  times back to back (a a a b b b a a a ...). For short calls (milliseconds) this times each
+  library in its steady state: right after a torch call its OpenMP workers still spin on the cores
+  for a few milliseconds (a 3.7 ms JAX matmul took 6.8 ms straight after torch's), and after an
+  idle pause XLA's workers wake slowly; back to back, neither happens. Blocks alternate, so a
+  change in machine load still hits every function alike. The first run of each block is dropped."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  times = {name: [] for name in fns}
+  for _ in range(blocks):
+    for name, fn in fns.items():
+      for i in range(per_block + 1):
+        start = time.perf_counter()
+        fn()
+        if i:
+          times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
