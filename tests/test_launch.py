@@ -211,6 +211,12 @@ def test_eval_mode_reports_the_latest_checkpoints_metrics(reference):
   logged = {r["step"]: r for r in metrics_rows(reference)}[STEPS]
   assert evaluated["step"] == STEPS
   np.testing.assert_allclose(evaluated["eval/loss"], logged["eval/loss"], rtol=1e-6)
+  assert "eval_batch_size" not in evaluated["changed"]  # (this eval's logging flags differ from the run's)
+  # An eval with its own settings says so in its row (it looked like the run's own eval before).
+  result = launch(reference, "--mode=eval", "--config.eval_batch_size=4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = json.loads((reference / "eval_results.jsonl").read_text().splitlines()[-1])
+  assert evaluated["changed"]["eval_batch_size"] == 4
 
 
 @pytest.mark.slow

@@ -123,12 +123,14 @@ class TranslationBatches:
     self.max_target_length = self._row_length("max_target_length", max_target_length, target.lengths.max() + 1)
     if self.max_target_length < 2:
       raise ValueError(f"max_target_length must be >= 2 (one target token plus EOS), got {self.max_target_length}")
-    self.num_truncated = int(np.sum((source.lengths > self.max_source_length)
-                                    | (target.lengths + 1 > self.max_target_length)))
+    truncated = (source.lengths > self.max_source_length) | (target.lengths + 1 > self.max_target_length)
+    self.num_truncated = int(np.sum(truncated))
     if self.num_truncated:
+      first = int(np.argmax(truncated))
       warnings.warn(f"{self.num_truncated} of {len(examples)} examples are longer than max_source_length="
                     f"{self.max_source_length} or max_target_length={self.max_target_length} (EOS included) "
-                    f"and were truncated", stacklevel=2)
+                    f"and were truncated; the first is example {first} (0-based, in the order given)",
+                    stacklevel=2)
     self._source = source
     self._target = target
     self.source_lengths = np.minimum(source.lengths, self.max_source_length)           # [num_examples]

@@ -200,6 +200,28 @@ def _write_config(config, workdir):
             "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
 
 
+def _changed_fields(config, workdir) -> dict:
+  """{dotted field: value} where `config` differs from the run's config.json (eval's own settings,
+  e.g. another data.grid or task.beam_size), so a row of eval_results.jsonl says what it measured."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    saved = json.load(f)
+
+  def flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+      if isinstance(value, dict):
+        out.update(flat(value, f"{prefix}{key}."))
+      else:
+        out[prefix + key] = value
+    return out
+
+  old, new = flat(saved), flat(json.loads(config.to_json_best_effort()))
+  return {key: new.get(key) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+
+
 def check_same_model(config, workdir, mode: str = "train"):
   """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
   model, task and data sections (resuming on other data or another tokenizer is another experiment);
@@ -462,7 +484,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       logging.info("eval at step %d: %s", step, values)
       if is_writer:
         with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:
-          f.write(json.dumps({"step": step, **values}) + "\n")
+          f.write(json.dumps({"step": step, **values, "changed": _changed_fields(config, workdir)}) + "\n")
       return values
     return _infer(run_, state, config.infer.input_file, output)
   finally:
