@@ -66,10 +66,14 @@ def test_misspelt_override_is_rejected_by_the_locked_config():
     ("model.position_encoding", "alibi"), ("model.remat", "some"), ("model.name", "other"),
 ])
 def test_unknown_name_is_a_config_error_naming_the_field(field, value):
-  config = toy_reverse.get_config("size=tiny")
+  _assert_refused(toy_reverse.get_config("size=tiny"), field, value, rf"^config\.{field}='{value}': allowed")
+
+
+def _assert_refused(config, field: str, value, message: str):
+  """Sets the dotted `field` to `value` and checks validation refuses it with `message` (a regex)."""
   section, key = field.split(".")
   config[section][key] = value
-  with pytest.raises(validation.ConfigError, match=rf"^config\.{field}='{value}': allowed"):
+  with pytest.raises(validation.ConfigError, match=message):
     validation.validate_config(config)
 
 
@@ -101,10 +105,7 @@ def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, fie
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
   module, _, arg = config_arg.rpartition(":") if config_arg.startswith("algorithmic") else ("", "", config_arg)
   config = (algorithmic if module else toy_reverse).get_config(arg)
-  section, key = field.split(".")
-  config[section][key] = value
-  with pytest.raises(validation.ConfigError, match=rf"^config\.{field}={value}: {re.escape(rule)}"):
-    validation.validate_config(config)
+  _assert_refused(config, field, value, rf"^config\.{field}={value}: {re.escape(rule)}")
 
 
 def test_mrope_sections_not_adding_up_is_a_config_error():
