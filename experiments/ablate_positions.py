@@ -56,7 +56,7 @@ _QUICK = {"total_steps": 6, "eval_every_steps": 6, "checkpoint.every_steps": 6, 
 EXPERIMENTS = (
     Experiment(
         "dates", "configs/translate_dates.py:posenc={encoding}", SEQUENCE_ENCODINGS,
-        (("eval/exact_match", "exact match"), ("eval/chrf", "chrF"), ("eval/loss", "eval loss (label-smoothed)")),
+        (("eval/exact_match", "exact match"), ("eval/chrf", "chrF"), ("eval/loss", "eval loss (unsmoothed)")),
         {"total_steps": 200, "eval_every_steps": 200, "checkpoint.every_steps": 200, "task.num_attention_plots": 0,
          "task.num_decode_examples": 200, "task.num_samples_logged": 0,
          **{f"model.{side}.{key}": value for side in ("encoder", "decoder")
