@@ -40,20 +40,34 @@ def median_seconds(fn, repeats: int, warmup: bool = True) -> float:
   return statistics.median(times)
 
 
-def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict:
-  """{name: median wall time of fn()} with the functions' runs interleaved (a, b, a, b, ...), so a
-  change in machine load hits them all alike; each first runs `warmup` times (compilation, and the
-  allocator reaching its steady state: the first steps of a process still grow its heap)."""
+def blocked_median_seconds(fns: dict, blocks: int, per_block: int, warmup: int = 3,
+                           drop_first: bool = True) -> dict:
+  """{name: median wall time of fn()} over `blocks` rounds in which each function runs `per_block`
+  times back to back (a a a b b b a a a ...). For short calls (milliseconds) this times each
+  library in its steady state: right after a torch call its OpenMP workers still spin on the cores
+  for a few milliseconds (a 3.7 ms JAX matmul took 6.8 ms straight after torch's), and after an
+  idle pause XLA's workers wake slowly; back to back, neither happens. Blocks alternate, so a
+  change in machine load still hits every function alike. With drop_first, each block first runs
+  once untimed."""
   for fn in fns.values():
     for _ in range(warmup):
       fn()
   times = {name: [] for name in fns}
-  for _ in range(repeats):
+  for _ in range(blocks):
     for name, fn in fns.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
+      for i in range(per_block + drop_first):
+        start = time.perf_counter()
+        fn()
+        if i >= drop_first:
+          times[name].append(time.perf_counter() - start)
   return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict:
+  """{name: median wall time of fn()} with the functions' runs interleaved (a, b, a, b, ...), so a
+  change in machine load hits them all alike; each first runs `warmup` times (compilation, and the
+  allocator reaching its steady state: the first steps of a process still grow its heap)."""
+  return blocked_median_seconds(fns, blocks=repeats, per_block=1, warmup=warmup, drop_first=False)
 
 
 def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
@@ -67,24 +81,3 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   cores = len(os.sched_getaffinity(0))
   torch.set_num_threads(cores)
   return args, (quick if args.quick else full), cores
-
-
-def blocked_median_seconds(fns: dict, blocks: int, per_block: int, warmup: int = 3) -> dict:
-  """{name: median wall time of fn()} over `blocks` rounds in which each function runs `per_block`
-  times back to back (a a a b b b a a a ...). For short calls (milliseconds) this times each
-  library in its steady state: right after a torch call its OpenMP workers still spin on the cores
-  for a few milliseconds (a 3.7 ms JAX matmul took 6.8 ms straight after torch's), and after an
-  idle pause XLA's workers wake slowly; back to back, neither happens. Blocks alternate, so a
-  change in machine load still hits every function alike. The first run of each block is dropped."""
-  for fn in fns.values():
-    for _ in range(warmup):
-      fn()
-  times = {name: [] for name in fns}
-  for _ in range(blocks):
-    for name, fn in fns.items():
-      for i in range(per_block + 1):
-        start = time.perf_counter()
-        fn()
-        if i:
-          times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}

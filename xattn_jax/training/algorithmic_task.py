@@ -56,7 +56,7 @@ class AlgorithmicTask(tasks.Task):
 
   @classmethod
   def validate(cls, config, mode="train"):
-    task, model = config.task, config.model
+    task = config.task
     validation.require_choice(config, "task.operation", algorithmic.OPERATIONS)
     validation.require_choice(config, "model.name", ("translator",))
     validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
@@ -68,10 +68,6 @@ class AlgorithmicTask(tasks.Task):
       raise validation.ConfigError("task.min_length", task.min_length,
                                    f"must be <= task.train_max_length={task.train_max_length}")
     parse_bands(task.eval_bands)
-    if not 0.0 <= task.label_smoothing < 1.0:
-      raise validation.ConfigError("task.label_smoothing", task.label_smoothing, "must be in [0, 1)")
-    if model.rope_scaling not in ("", "linear", "ntk"):
-      raise validation.ConfigError("model.rope_scaling", model.rope_scaling, "allowed are '', 'linear', 'ntk'")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)

@@ -160,9 +160,6 @@ class DigitsTask(tasks.Task):
   def validate(cls, config, mode="train"):
     validation.require_choice(config, "model.name", MODELS)
     validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio")
-    smoothing = config.task.label_smoothing
-    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
-      raise validation.ConfigError("task.label_smoothing", smoothing, "must be in [0, 1)")
     validation.require_positive(config, "data.max_shift", allow_zero=True)
     if config.data.max_shift > digits.MAX_SHIFT:
       raise validation.ConfigError(

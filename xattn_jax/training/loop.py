@@ -200,26 +200,27 @@ def _write_config(config, workdir):
             "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
 
 
-def _changed_fields(config, workdir) -> dict:
-  """{dotted field: value} where `config` differs from the run's config.json (eval's own settings,
-  e.g. another data.grid or task.beam_size), so a row of eval_results.jsonl says what it measured."""
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """{"a.b.c": value} of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def _config_differences(config, workdir) -> dict[str, tuple]:
+  """{dotted field: (value in the run's config.json, value in `config`)} for every field where they
+  differ, sorted by field; {} when the workdir holds no config.json."""
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    saved = json.load(f)
-
-  def flat(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-      if isinstance(value, dict):
-        out.update(flat(value, f"{prefix}{key}."))
-      else:
-        out[prefix + key] = value
-    return out
-
-  old, new = flat(saved), flat(json.loads(config.to_json_best_effort()))
-  return {key: new.get(key) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+    old = _flat(json.load(f))
+  new = _flat(json.loads(config.to_json_best_effort()))
+  return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
 
 
 def check_same_model(config, workdir, mode: str = "train"):
@@ -227,31 +228,20 @@ def check_same_model(config, workdir, mode: str = "train"):
   model, task and data sections (resuming on other data or another tokenizer is another experiment);
   eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
   task.beam_size, and evaluate other files)."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path) or not checkpoints_lib.step_numbers(workdir):
+  if not checkpoints_lib.step_numbers(workdir):
     return  # no checkpoint yet (a run that failed before its first save): nothing to protect
-  with open(path) as f:
-    saved = json.load(f)
-  current = json.loads(config.to_json_best_effort())
 
-  def compare(old, new, prefix):
-    for key in sorted(set(old) | set(new)):
-      a, b = old.get(key), new.get(key)
-      if isinstance(a, dict) and isinstance(b, dict):
-        compare(a, b, f"{prefix}.{key}")
-      elif a != b:
-        raise validation.ConfigError(
-            f"{prefix}.{key}", b, f"the run in {workdir} was made with {a!r}; keep it, or use a new "
-            "--workdir")
+  def watched(field):
+    if mode == "train":
+      return True
+    return field.startswith("model.") or field in ("data.tokenizer", "data.vocab_size")
 
-  if mode == "train":
-    for section in ("model", "task", "data"):
-      compare(saved.get(section, {}), current.get(section, {}), section)
-    return
-  compare(saved.get("model", {}), current.get("model", {}), "model")
-  vocabulary = ("tokenizer", "vocab_size")
-  compare({k: v for k, v in saved.get("data", {}).items() if k in vocabulary},
-          {k: v for k, v in current.get("data", {}).items() if k in vocabulary}, "data")
+  differences = _config_differences(config, workdir)
+  for section in ("model", "task", "data"):  # the first difference reported, in this order
+    for field, (old, new) in differences.items():
+      if field.startswith(section + ".") and watched(field):
+        raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; keep it, or use "
+                                     "a new --workdir")
 
 
 @contextlib.contextmanager
@@ -447,14 +437,15 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count())
   check_same_model(config, workdir, mode)
-  if mode != "train":  # before anything is built or written: eval / infer only read a finished run
-    if not checkpoints_lib.step_numbers(workdir):
-      raise RunError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')} to {mode} with")
+  has_checkpoints = bool(checkpoints_lib.step_numbers(workdir))
+  if mode != "train" and not has_checkpoints:  # before anything is built or written: eval / infer only
+    # read a finished run
+    raise RunError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')} to {mode} with")
   is_writer = jax.process_index() == 0
   new_workdir = is_writer and mode == "train" and not os.path.exists(workdir)
   # With checkpoints, the config is rewritten only once they have been restored into its model:
   # a config they do not fit must not replace the one they were made with.
-  resumed = mode == "train" and bool(checkpoints_lib.step_numbers(workdir))
+  resumed = mode == "train" and has_checkpoints
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
@@ -483,8 +474,10 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       values = run_.evaluate(state)
       logging.info("eval at step %d: %s", step, values)
       if is_writer:
+        # The fields this eval changed from the run's config (another data.grid, task.beam_size ...).
+        changed = {field: new for field, (_, new) in _config_differences(config, workdir).items()}
         with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:
-          f.write(json.dumps({"step": step, **values, "changed": _changed_fields(config, workdir)}) + "\n")
+          f.write(json.dumps({"step": step, **values, "changed": changed}) + "\n")
       return values
     return _infer(run_, state, config.infer.input_file, output)
   finally:

@@ -146,10 +146,6 @@ class ToyReverseTask(tasks.Task):
     if config.task.min_length > config.task.max_length:
       raise validation.ConfigError("task.min_length", config.task.min_length,
                                    f"must be <= task.max_length={config.task.max_length}")
-    for field, value in (("task.label_smoothing", config.task.label_smoothing),
-                         ("model.dropout_rate", config.model.dropout_rate)):
-      if not 0.0 <= value < 1.0:
-        raise validation.ConfigError(field, value, "must be in [0, 1)")
 
   def make_model(self, rngs, *, dtype, param_dtype):
     return Reverser(self.config.model, self.config.task.max_length, dtype=dtype,

@@ -99,10 +99,6 @@ class TranslateTask(tasks.Task):
     data, model, task = config.data, config.model, config.task
     validation.require_choice(config, "model.name", ("translator",))
     validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
-    if model.get("rope_scaling"):
-      validation.require_choice(config, "model.rope_scaling", ("linear", "ntk"))
-      if not model.get("rope_scaling_factor", 1.0) > 0:
-        raise validation.ConfigError("model.rope_scaling_factor", model.rope_scaling_factor, "must be > 0")
     validation.require_choice(config, "model.norm", NORMS)
     validation.require_choice(config, "model.activation", ACTIVATIONS)
     # validation.check_attention_dims has already checked each side's head_dim for rope.
@@ -116,11 +112,6 @@ class TranslateTask(tasks.Task):
     validation.require_positive(config, "task.max_decode_length", "task.num_decode_examples",
                                 "task.num_samples_logged", "task.num_attention_plots",
                                 "data.max_source_length", "data.max_target_length", allow_zero=True)
-    for field, value in (("model.dropout_rate", model.dropout_rate),
-                         ("model.attention_dropout_rate", model.attention_dropout_rate),
-                         ("task.label_smoothing", task.label_smoothing)):
-      if not 0.0 <= value < 1.0:
-        raise validation.ConfigError(field, value, "must be in [0, 1)")
     if task.length_penalty < 0:
       raise validation.ConfigError("task.length_penalty", task.length_penalty, "must be >= 0")
     if "bleu_tokenize" in task:
@@ -169,7 +160,6 @@ class TranslateTask(tasks.Task):
     if mode == "train":
       self._check_batch_size()
     self.vocab_size = self.tokenizer.vocab_size
-    self._bleu_tokenize_logged = None
     self._generate = nnx.jit(translator_lib.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
@@ -207,14 +197,27 @@ class TranslateTask(tasks.Task):
       try:
         tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size)
       except ValueError as error:  # e.g. a corpus too small for the vocabulary
-        corpus = f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
         raise validation.ConfigError("data.vocab_size", data.vocab_size,
-                                     f"{' '.join(str(error).split())} (tokenizer trained on {corpus})") from None
+                                     f"{' '.join(str(error).split())} (tokenizer trained on {self._corpus})") from None
       if reused or inherited:
         self._check_tokenizer_covers(tokenizer, texts, path, refuse=not inherited)
     if jax.process_count() > 1:  # the others read process 0's file once it is written
       multihost_utils.sync_global_devices("sentencepiece model written")
     return tokenizer if jax.process_index() == 0 else tokenizers.SentencePieceTokenizer(path)
+
+  @property
+  def _corpus(self) -> str:
+    """The training text, as messages name it."""
+    data = self.config.data
+    return f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
+
+  @functools.cached_property
+  def _bleu_tokenize(self) -> str:
+    """eval/bleu's sacrebleu tokenizer for this run's eval targets: chosen once, and logged."""
+    setting = self.config.task.get("bleu_tokenize", "auto")
+    tokenize = bleu_tokenizer([target for _, target in self.eval_pairs], setting)
+    logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r)", tokenize, setting)
+    return tokenize
 
   def _take_init_from_tokenizer(self, path: str):
     """Fine-tuning from `init_from` keeps that run's vocabulary: its embedding rows belong to its
@@ -241,14 +244,13 @@ class TranslateTask(tasks.Task):
     workdir is refused if it cannot (an accident); init_from's is kept with a warning (fine-tuning
     on text with characters the pretrained vocabulary lacks is a choice, but not a silent one)."""
     unk = tokenizer.unk_id
-    missing = [(text, ids) for text, ids in zip(texts, tokenizer.encode_batch(texts)) if unk in ids]
+    missing = [text for text, ids in zip(texts, tokenizer.encode_batch(texts)) if unk in ids]
     if not missing:
       return
-    unknown = sorted({c for text, _ in missing for c in text if unk in tokenizer.encode(c)})
+    unknown = sorted({c for text in missing for c in text if unk in tokenizer.encode(c)})
     data = self.config.data
-    corpus = f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
-    what = (f"cannot encode {unknown[:8]} of {corpus} ({len(missing)} training texts, e.g. "
-            f"{missing[0][0][:60]!r})")
+    what = (f"cannot encode {unknown[:8]} of {self._corpus} ({len(missing)} training texts, e.g. "
+            f"{missing[0][:60]!r})")
     if not refuse:
       logging.warning("The tokenizer of init_from's run %s %s: those characters train as the unknown piece",
                       path, what)
@@ -294,10 +296,8 @@ class TranslateTask(tasks.Task):
     refused before the model is built, naming the field and the corpus."""
     units, size = self.train_batches.num_units, self.config.batch_size
     if units < size:
-      data = self.config.data
-      corpus = data.train_file if data.source == "tsv" else "the training dates"
-      what = "packed rows" if data.packing else "examples"
-      raise validation.ConfigError("batch_size", size, f"{corpus} gives only {units} training {what}; lower "
+      what = "packed rows" if self.config.data.packing else "examples"
+      raise validation.ConfigError("batch_size", size, f"{self._corpus} gives only {units} training {what}; lower "
                                    f"batch_size to at most {units} or add training data")
 
   @functools.cached_property
@@ -381,13 +381,8 @@ class TranslateTask(tasks.Task):
       logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
     if self.workdir and task.num_attention_plots and jax.process_index() == 0:
       self._plot_attention(model, inputs[:task.num_attention_plots])
-    tokenize = bleu_tokenizer(references, task.get("bleu_tokenize", "auto"))
-    if tokenize != self._bleu_tokenize_logged:
-      logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r)", tokenize,
-                   task.get("bleu_tokenize", "auto"))
-      self._bleu_tokenize_logged = tokenize
     return {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)])),
-            "bleu": sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize).score,
+            "bleu": sacrebleu.corpus_bleu(hypotheses, [references], tokenize=self._bleu_tokenize).score,
             "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score}
 
   def _plot_attention(self, model, inputs):

@@ -14,6 +14,7 @@ import jax
 from ml_collections import ConfigDict
 
 from xattn_jax.ops import attention as attention_ops
+from xattn_jax.ops import positions as position_ops
 from xattn_jax.training import tasks as tasks_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -110,9 +111,9 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
   position_encoding = model_config.get("position_encoding", position_encoding)
   if "rope_scaling_factor" in fields and not model_config.rope_scaling_factor > 0:
     raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor, "must be > 0")
-  if model_config.get("rope_scaling"):
-    if model_config.rope_scaling not in ("linear", "ntk"):
-      raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling, "allowed are '' (none), 'linear', 'ntk'")
+  if model_config.get("rope_scaling") and model_config.rope_scaling not in position_ops.ROPE_SCALINGS:
+    raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
+                      f"allowed are '' (none) or {[s for s in position_ops.ROPE_SCALINGS if s]}")
   if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
     raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
   if "d_model" in fields and "num_heads" in fields:
@@ -169,6 +170,19 @@ def _check_optimizer_numbers(optimizer):
       raise ConfigError(f"optimizer.{name}", optimizer[name], rule)
 
 
+# Probabilities any task's config may have; each is checked where the config has it.
+_PROBABILITIES = ("task.label_smoothing", "model.dropout_rate", "model.attention_dropout_rate")
+
+
+def _check_probabilities(config):
+  for field in _PROBABILITIES:
+    section, key = field.split(".")
+    if key in config.get(section, {}):
+      value = config[section][key]
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(field, value, "must be in [0, 1)")
+
+
 def validate_config(config, *, mode: str = "train", device_count: int | None = None,
                     process_count: int = 1):
   """Checks the shared fields, then the model's attention shapes, then the task's own fields.
@@ -189,6 +203,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if not config.optimizer.learning_rate > 0:
     raise ConfigError("optimizer.learning_rate", config.optimizer.learning_rate, "must be > 0")
   _check_optimizer_numbers(config.optimizer)
+  _check_probabilities(config)
   require_choice(config, "checkpoint.best_mode", ("min", "max"))
   best = config.checkpoint.best_metric
   if best and (not best.startswith("eval/")
