@@ -77,6 +77,11 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   config.total_steps = total_steps
   config.batch_size = batch_size            # global: summed over every process and device
   config.eval_batch_size = eval_batch_size  # global; eval examples are padded up with weight-0 rows
+  # Optimizer steps per jitted call: a loop over that many batches inside one program, with the same
+  # updates, keys and losses as one step per call. On CPU it saves XLA's per-call allocation and
+  # page-faulting of the step's temporaries (base translator: 1.50 vs 1.64 s a step at 8). Evals,
+  # checkpoints and the last step always end a call; SIGTERM / Ctrl-C stop at the end of a call.
+  config.steps_per_call = 8
   # Resume order: a checkpoint in the workdir > `init_from` (parameters only) > from scratch.
   config.init_from = ""             # a checkpoint directory (workdir/checkpoints or one step in it)
 
@@ -118,6 +123,7 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
 
   config.infer = ConfigDict({"input_file": "-"})  # "-" reads stdin; one input per line
 
-  # Test-only knobs: fault injection and slowing the loop down so a signal can land mid-run.
+  # Test-only knobs: fault injection and slowing the loop down (a sleep after each call) so a signal
+  # can land mid-run.
   config.debug = ConfigDict({"nan_at_step": -1, "step_delay_s": 0.0})
   return config

@@ -246,12 +246,13 @@ def test_best_metric_must_be_one_that_eval_logs(best, field):
 def test_ctrl_c_while_the_encoder_trains_ends_the_run_with_status_zero(qformer, tmp_path, monkeypatch):
   encoder_workdir = qformer["model__encoder_workdir"]
   encoder = digits_config("vit", "steps=3,width=16,blocks=1", debug__step_delay_s=0.001,
-                          logging__tensorboard=False, logging__plot=False, eval_batch_size=180)
+                          logging__tensorboard=False, logging__plot=False, eval_batch_size=180,
+                          steps_per_call=1)  # the Ctrl-C lands after step 1, inside the 3-step run
   os.makedirs(encoder_workdir)
   with open(os.path.join(encoder_workdir, "config.json"), "w") as f:  # the encoder run to resume
     f.write(encoder.to_json())
 
-  def sleep_after_ctrl_c(seconds):  # the loop's pause after each step: a Ctrl-C arrives during the first
+  def sleep_after_ctrl_c(seconds):  # the loop's pause after each call: a Ctrl-C arrives during the first
     signal.raise_signal(signal.SIGINT)
 
   monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=loop.time.perf_counter,

@@ -27,6 +27,7 @@ OVERRIDES = {
     "log_every_steps": 1, "eval_every_steps": 4, "checkpoint.every_steps": 4,
     "optimizer.warmup_steps": 2, "logging.tensorboard": False, "logging.plot": False,
     "model.dropout_rate": 0.1,
+    "steps_per_call": 2,  # several steps per jitted call, and calls end mid-way between checkpoints
 }
 CONFIG = "configs/toy_reverse.py:size=tiny"
 # Compiled programs are shared between the subprocesses of a test session (same HLO, same result).
@@ -193,14 +194,46 @@ def test_metrics_have_a_row_per_logged_step_with_train_and_eval_values(reference
   assert sorted(rows) == list(range(1, STEPS + 1))
   for step, row in rows.items():
     assert {"train/loss", "train/learning_rate", "train/grad_norm"} <= row.keys()
-    # steps/s from the second row on (the first step compiles; its rate would be NaN)
-    assert ("train/steps_per_second" in row) == (step > 1)
+    # steps/s from the first row after the first call on (that call compiles; its rate would be NaN)
+    assert ("train/steps_per_second" in row) == (step > OVERRIDES["steps_per_call"])
   assert {"eval/loss", "eval/token_accuracy", "eval/exact_match"} <= rows[4].keys() & rows[8].keys()
 
 
 @pytest.mark.slow
 def test_same_seed_gives_identical_losses(reference, repeat):
   assert train_losses(reference) == train_losses(repeat)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_steps_per_call_changes_only_the_grouping_of_steps(tmp_path, reference, steps_per_call):
+  """One step per call, or 3 (calls cut short at the step-4 eval and checkpoint): the same losses,
+  checkpoints and parameters as the reference's 2 steps per call."""
+  workdir = tmp_path / "run"
+  result = launch(workdir, overrides={"steps_per_call": steps_per_call})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert train_losses(workdir) == train_losses(reference)
+  assert checkpoint_steps(workdir) == [4, 8]
+  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+
+
+@pytest.mark.slow
+def test_a_runs_config_from_before_steps_per_call_still_loads_and_resumes(tmp_path, reference):
+  """config.py / config.json of a run made before the field existed: one step per call."""
+  workdir = tmp_path / "old"
+  shutil.copytree(reference, workdir)
+  for name in ("config.py", "config.json"):
+    path = workdir / name
+    text = path.read_text().replace('"steps_per_call": 2, ', "").replace('"steps_per_call": 2,', "")
+    assert "steps_per_call" not in text
+    path.write_text(text)
+  from xattn_jax.training import loop
+  model, _ = loop.load_model(str(workdir))
+  assert_same_params(nnx.to_pure_dict(nnx.state(model)), model_params(reference, STEPS))
+  result = subprocess.run([sys.executable, "launch.py", f"--config={workdir / 'config.py'}", f"--workdir={workdir}",
+                           "--mode=eval"], cwd=REPO, capture_output=True, text=True, env=subprocess_env(1),
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow

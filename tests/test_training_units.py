@@ -71,8 +71,11 @@ def test_unknown_name_is_a_config_error_naming_the_field(field, value):
 
 def _assert_refused(config, field: str, value, message: str):
   """Sets the dotted `field` to `value` and checks validation refuses it with `message` (a regex)."""
-  section, key = field.split(".")
-  config[section][key] = value
+  *sections, key = field.split(".")
+  parent = config
+  for section in sections:
+    parent = parent[section]
+  parent[key] = value
   with pytest.raises(validation.ConfigError, match=message):
     validation.validate_config(config)
 
@@ -100,6 +103,7 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "optimizer.weight_decay", -1.0, "must be >= 0"),
     ("size=tiny", "optimizer.b1", 1.5, "must be in [0, 1)"),
     ("size=tiny", "optimizer.final_learning_rate_fraction", -2.0, "must be in [0, 1]"),
+    ("size=tiny", "steps_per_call", 0, "must be a positive integer"),
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
@@ -349,3 +353,75 @@ def test_resuming_drops_later_metric_rows_but_keeps_a_copy_of_them(tmp_path):
   assert [row["step"] for row in metrics.read_metrics(str(tmp_path / "metrics.jsonl"))] == [1]
   copy = metrics.read_metrics(str(tmp_path / "metrics.jsonl.before_step_1"))
   assert [row["step"] for row in copy] == [1, 2, 3]
+
+
+# --- several steps per call ---------------------------------------------------------------------
+
+def _sgd_step(state, batch, step, rng_key):
+  """A stand-in train step: one SGD update of a linear least-squares model, key and step mixed in."""
+  def loss_fn(w):
+    return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+  loss, grad = jax.value_and_grad(loss_fn)(state["w"])
+  noise = jax.random.normal(jax.random.fold_in(rng_key, step), state["w"].shape)
+  new = {"w": state["w"] - 0.1 * grad + 1e-3 * noise, "count": state["count"] + 1}
+  return new, {"loss": loss, "step": step}
+
+
+@pytest.mark.parametrize("size,count", [(4, 4), (4, 3), (4, 1), (1, 1)])
+def test_multi_step_equals_that_many_single_steps(size, count):
+  rng = np.random.default_rng(0)
+  batches = {"x": jnp.asarray(rng.standard_normal((size, 8, 5)), jnp.float32),
+             "y": jnp.asarray(rng.standard_normal((size, 8, 3)), jnp.float32)}
+  state = {"w": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32), "count": jnp.int32(0)}
+  key, first = jax.random.key(7), jnp.int32(10)
+  multi_state, metrics = jax.jit(loop.multi_step(_sgd_step))(state, batches, first, jnp.int32(count), key)
+
+  single = jax.jit(_sgd_step)
+  expected, losses = state, []
+  for i in range(count):
+    expected, values = single(expected, jax.tree.map(lambda x: x[i], batches), first + i, key)
+    losses.append(values["loss"])
+  assert int(multi_state["count"]) == count
+  np.testing.assert_allclose(multi_state["w"], expected["w"], rtol=1e-6, atol=1e-6)
+  assert metrics["loss"].shape == metrics["step"].shape == (size,)
+  np.testing.assert_allclose(metrics["loss"][:count], losses, rtol=1e-6)
+  np.testing.assert_array_equal(metrics["step"][:count], 10 + np.arange(count))
+  assert not np.any(metrics["loss"][count:])  # entries past count are zeros
+
+
+def test_multi_step_takes_a_different_count_without_retracing():
+  traced = []
+
+  def step(state, batch, step, rng_key):
+    traced.append(1)
+    return _sgd_step(state, batch, step, rng_key)
+
+  run = jax.jit(loop.multi_step(step))
+  batches = {"x": jnp.ones((3, 2, 5)), "y": jnp.ones((3, 2, 3))}
+  state = {"w": jnp.zeros((5, 3)), "count": jnp.int32(0)}
+  for count in (3, 1, 2):
+    state, _ = run(state, batches, jnp.int32(0), jnp.int32(count), jax.random.key(0))
+  assert int(state["count"]) == 6
+  traces = len(traced)
+  run(state, batches, jnp.int32(0), jnp.int32(3), jax.random.key(0))
+  assert len(traced) == traces
+
+
+@pytest.mark.parametrize("steps_per_call,total,eval_every,checkpoint_every", [
+    (4, 20, 5, 7), (8, 8, 4, 4), (1, 6, 2, 3), (16, 50, 10, 25), (3, 7, 100, 100)])
+def test_calls_end_at_every_eval_checkpoint_and_the_last_step(steps_per_call, total, eval_every, checkpoint_every):
+  config = common.base_config(total_steps=total, eval_every_steps=eval_every,
+                              checkpoint_every_steps=checkpoint_every)
+  config.steps_per_call = steps_per_call
+  step, ends = 0, []
+  while step < total:
+    count = loop._steps_in_call(step, config)
+    assert 1 <= count <= steps_per_call
+    step += count
+    ends.append(step)
+  must_end = {s for s in range(1, total + 1) if s % eval_every == 0 or s % checkpoint_every == 0} | {total}
+  assert must_end <= set(ends)
+  # Calls are cut only there: every call that does not end at one of those steps is full length.
+  starts = [0] + ends[:-1]
+  assert all(b - a == steps_per_call for a, b in zip(starts, ends) if b not in must_end)

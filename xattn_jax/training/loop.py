@@ -9,13 +9,17 @@ Where a train run starts (the resume order):
 Steps count completed updates: update number s (1-based) reads the task's train batch s - 1, and
 checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` rows with "step": s.
 
+One jitted call runs `config.steps_per_call` steps (`multi_step`: a loop over that many stacked
+batches, the same updates as one step per call); a call is cut short so that every eval, checkpoint
+and the last step end one. Metrics still come back per step.
+
 A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
-that step is saved. SIGTERM (or a first Ctrl-C) finishes the current step, saves a checkpoint and
+that step is saved. SIGTERM (or a first Ctrl-C) finishes the current call, saves a checkpoint and
 returns normally.
-With several processes every step also dispatches a vote (the OR of each process's SIGTERM flag,
-one boolean per device), read after the next step has been dispatched: a signal that reaches one
-host stops every host at the same step, one step later, where they save the checkpoint together,
-and the vote never makes the host wait for the step it has just dispatched.
+With several processes every call also dispatches a vote (the OR of each process's SIGTERM flag,
+one boolean per device), read after the next call has been dispatched: a signal that reaches one
+host stops every host at the same step, one call later, where they save the checkpoint together,
+and the vote never makes the host wait for the call it has just dispatched.
 """
 from __future__ import annotations
 
@@ -81,6 +85,40 @@ def task_rngs(rng_key, step) -> nnx.Rngs:
   return nnx.Rngs(jax.random.fold_in(jax.random.fold_in(rng_key, _TASK_STREAM), step))
 
 
+def multi_step(train_step):
+  """train_step(state, batch, step, rng_key) -> (state, metrics), turned into one program that runs
+  several steps: (state, batches, first_step, count, rng_key) -> (state, metrics).
+
+  `batches` stacks K batches on a leading axis; steps first_step ... first_step + count - 1 read
+  batches[0 ... count - 1] (count <= K may vary from call to call without recompiling: the loop's
+  trip count is a traced value). Each metric comes back as a [K] array; entries from count on are
+  zeros. With K == 1 this is the plain step, no loop.
+
+  Why: XLA:CPU allocates a call's temporaries afresh at every call (for the base-sized translator,
+  ~0.9 GB that the kernel then page-faults back in), and a loop inside one call reuses them. Same
+  updates, same order, same keys: only the grouping into calls changes.
+  """
+
+  def run(state, batches, first_step, count, rng_key):
+    size = jax.tree.leaves(batches)[0].shape[0]
+    if size == 1:
+      state, metrics = train_step(state, jax.tree.map(lambda x: x[0], batches), first_step, rng_key)
+      return state, jax.tree.map(lambda x: x[None], metrics)
+    first = jax.tree.map(lambda x: x[0], batches)
+    shapes = jax.eval_shape(train_step, state, first, first_step, rng_key)[1]
+    zeros = jax.tree.map(lambda s: jnp.zeros((size,) + s.shape, s.dtype), shapes)
+
+    def body(i, carry):
+      state, metrics = carry
+      batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
+      state, values = train_step(state, batch, first_step + i, rng_key)
+      return state, jax.tree.map(lambda m, v: m.at[i].set(v), metrics, values)
+
+    return jax.lax.fori_loop(0, count, body, (state, zeros))
+
+  return run
+
+
 class _Run:
   """The pieces of one run, built in order: task, mesh, abstract state, jitted steps."""
 
@@ -114,6 +152,7 @@ class _Run:
     self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
     self.init_state = jax.jit(lambda: nnx.state(init()), out_shardings=self.shardings)
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    self.stacked_batch_sharding = sharding.batch_sharding(self.mesh, self.rules, stacked=True)
     self._check_process_rows()
 
   def _check_process_rows(self):
@@ -124,8 +163,8 @@ class _Run:
         raise RunError(f"the mesh gives process {self.process_index} batch rows "
                        f"{sharding.process_rows(self.batch_sharding, size)}, not {expected}")
 
-  def batch(self, local_batch, global_size):
-    return sharding.global_batch(local_batch, self.mesh, self.rules, global_size)
+  def batch(self, local_batch, global_size, stacked=False):
+    return sharding.global_batch(local_batch, self.mesh, self.rules, global_size, stacked=stacked)
 
   def model(self, state):
     return nnx.merge(self.graphdef, state)[0]
@@ -146,6 +185,13 @@ class _Run:
     return state
 
   def make_train_step(self):
+    """The jitted `(state, batches, first_step, count, rng_key) -> (state, metrics)`.
+
+    `batches` holds config.steps_per_call batches stacked on a leading axis; the call runs the
+    first `count` of them (1 <= count <= steps_per_call) as consecutive updates first_step,
+    first_step + 1, ... inside one program, and returns each metric as a [steps_per_call] array
+    whose first `count` entries are those steps' values.
+    """
     task, graphdef, schedule = self.task, self.graphdef, self.schedule
     nan_at_step = self.config.debug.nan_at_step
 
@@ -167,8 +213,8 @@ class _Run:
       metrics.update({f"train/{k}": v for k, v in aux.items()})
       return nnx.state((model, optimizer)), metrics
 
-    return jax.jit(train_step, donate_argnums=0,
-                   in_shardings=(self.shardings, self.batch_sharding, None, None),
+    return jax.jit(multi_step(train_step), donate_argnums=0,
+                   in_shardings=(self.shardings, self.stacked_batch_sharding, None, None, None),
                    out_shardings=(self.shardings, None))
 
   def evaluate(self, state) -> dict[str, float]:
@@ -306,6 +352,20 @@ def _format_duration(seconds: float) -> str:
   return str(datetime.timedelta(seconds=int(seconds)))
 
 
+def steps_per_call(config) -> int:
+  """config.steps_per_call; 1 (the behaviour before the field existed) in an older run's config.py."""
+  return config.get("steps_per_call", 1)
+
+
+def _steps_in_call(step: int, config) -> int:
+  """How many steps the call starting after `step` runs: config.steps_per_call, cut short so that
+  every eval, checkpoint and the last step end a call (they read the state after that step)."""
+  count = min(steps_per_call(config), config.total_steps - step)
+  for every in (config.eval_every_steps, config.checkpoint.every_steps):
+    count = min(count, every - step % every)
+  return count
+
+
 def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, float]:
   """Trains from wherever `_restore` starts to config.total_steps; returns the last eval metrics.
 
@@ -324,7 +384,7 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
   writer = make_writer(start_step)
   train_step = run.make_train_step()
   rng_data = [int(x) for x in np.asarray(jax.random.key_data(rng_key)).ravel()]
-  pending: list[tuple[int, dict]] = []   # per-step metrics not yet checked for NaN
+  pending: list[tuple[int, int, dict]] = []  # (first step, count, stacked metrics) not yet checked for NaN
   last_eval: dict[str, float] = {}
   step = start_step
   timer_step, timer_start = None, None
@@ -335,7 +395,13 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
     The row of `hold_step` is returned instead of written, so its eval metrics can join it.
     """
     held = None
-    for pending_step, values in jax.device_get(pending):
+    per_step = [(first + i, {k: v[i] for k, v in stacked.items()})
+                for first, count, stacked in jax.device_get(pending) for i in range(count)]
+    # The rate since the timer started, up to the newest step here (steps of one call finish together).
+    newest = per_step[-1][0] if per_step else None
+    rate = (newest - timer_step) / (time.perf_counter() - timer_start) if timer_step is not None and \
+        newest is not None and newest > timer_step else float("nan")
+    for pending_step, values in per_step:
       for name in ("train/loss", "train/grad_norm"):
         if not np.isfinite(values[name]):
           saved = checkpoints.steps()
@@ -343,9 +409,6 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
               f"{name} = {float(values[name])} at step {pending_step}; stopping. Last checkpoint: "
               f"{'step ' + str(saved[-1]) if saved else 'none'} (left untouched)")
       if pending_step % config.log_every_steps == 0 or pending_step == config.total_steps:
-        now = time.perf_counter()
-        rate = (pending_step - timer_step) / (now - timer_start) if timer_step is not None and \
-            pending_step > timer_step else float("nan")
         row = {k: float(v) for k, v in values.items()}
         if rate == rate:  # no rate yet for the first (compiling) step: left out, not NaN
           row["train/steps_per_second"] = rate
@@ -369,13 +432,16 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
     stop = False  # agreed by every process, so all of them save and leave at the same step
     vote, last_vote = (_stop_vote(run.mesh) if run.process_count > 1 else None), None
     while step < config.total_steps and not stop:
-      local = run.task.train_batch(step, process_index=run.process_index,
-                                   process_count=run.process_count)
-      state, step_metrics = train_step(state, run.batch(local, config.batch_size),
-                                       jnp.asarray(step, jnp.int32), rng_key)
-      step += 1
-      pending.append((step, step_metrics))
-      if timer_step is None:  # time from the end of the first (compiling) step on
+      count = _steps_in_call(step, config)
+      local = [run.task.train_batch(step + i, process_index=run.process_index, process_count=run.process_count)
+               for i in range(count)]
+      local += local[-1:] * (steps_per_call(config) - count)  # unused rows of the stack
+      batches = run.batch(jax.tree.map(lambda *rows: np.stack(rows), *local), config.batch_size, stacked=True)
+      state, step_metrics = train_step(state, batches, jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32),
+                                       rng_key)
+      pending.append((step + 1, count, step_metrics))
+      step += count
+      if timer_step is None:  # time from the end of the first (compiling) call on
         jax.block_until_ready(step_metrics)
         timer_step, timer_start = step, time.perf_counter()
       if config.debug.step_delay_s:
@@ -390,7 +456,8 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
       is_last = step == config.total_steps
       do_eval = step % config.eval_every_steps == 0 or is_last
       do_save = step % config.checkpoint.every_steps == 0 or is_last or stop
-      if do_eval or do_save or step % config.log_every_steps == 0:
+      logged = step // config.log_every_steps > (step - count) // config.log_every_steps  # in this call
+      if do_eval or do_save or logged:
         train_row = flush_pending(hold_step=step if do_eval else None)
       if do_eval:
         try:

@@ -66,10 +66,12 @@ def state_shardings(abstract_state, mesh: Mesh, rules):
   return jax.tree.map(sharding, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
-  """Sharding of a batch array: axis 0 over the `batch` rule's mesh axes, the rest replicated."""
+def batch_sharding(mesh: Mesh, rules, stacked: bool = False) -> NamedSharding:
+  """Sharding of a batch array: axis 0 over the `batch` rule's mesh axes, the rest replicated.
+  stacked: the batch axis is axis 1, after a leading (replicated) axis of stacked steps."""
   axes = _rule_axes(rules, "batch")
-  return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+  spec = (axes if axes else None,)
+  return NamedSharding(mesh, PartitionSpec(*((None,) * stacked + spec)))
 
 
 def process_rows(sharding: NamedSharding, global_batch_size: int) -> tuple[int, int]:
@@ -84,13 +86,14 @@ def process_rows(sharding: NamedSharding, global_batch_size: int) -> tuple[int, 
   return start, stop
 
 
-def global_batch(local_batch: dict, mesh: Mesh, rules, global_batch_size: int) -> dict:
-  """Assembles each process's rows into global jax.Arrays sharded over (data, fsdp)."""
-  sharding = batch_sharding(mesh, rules)
+def global_batch(local_batch: dict, mesh: Mesh, rules, global_batch_size: int, stacked: bool = False) -> dict:
+  """Assembles each process's rows into global jax.Arrays sharded over (data, fsdp).
+  stacked: each array is [steps, local rows, ...] (several steps' batches), rows on axis 1."""
+  sharding = batch_sharding(mesh, rules, stacked)
 
   def make(array):
     array = np.asarray(array)
-    shape = (global_batch_size,) + array.shape[1:]
+    shape = array.shape[:stacked] + (global_batch_size,) + array.shape[1 + stacked:]
     return jax.make_array_from_process_local_data(sharding, array, shape)
 
   return jax.tree.map(make, local_batch)

@@ -197,6 +197,8 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     raise ConfigError("task.name", config.task.name, e.args[0]) from None
   require_positive(config, "total_steps", "batch_size", "eval_batch_size", "log_every_steps",
                    "eval_every_steps", "checkpoint.every_steps", "checkpoint.keep")
+  if "steps_per_call" in config:  # a run's config.py written before the field existed has none
+    require_positive(config, "steps_per_call")
   require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
   require_choice(config, "optimizer.name", OPTIMIZERS)
   require_choice(config, "optimizer.schedule", SCHEDULES)
