@@ -39,8 +39,9 @@ def parse_flags(argv):
       text = text.splitlines()[-1]
     if isinstance(e, (AttributeError, KeyError)):  # unknown --config.key: name the override
       key = text.splitlines()[0].strip("'\"\\ ")
-      overrides = [a.split("=")[0] for a in argv if a.startswith("--config.") and key in a]
-      hint = " ".join(text.splitlines()[1:]).rstrip("'")
+      overrides = [a.split("=")[0] for a in argv
+                   if a.startswith("--config.") and a.split("=")[0].rsplit(".", 1)[-1] == key]
+      hint = " ".join(text.splitlines()[1:]).rstrip("'") or "the config has no such field"
       text = f"unknown config field {' '.join(overrides) or key}: {hint}"
     fail(" ".join(text.split()))
 

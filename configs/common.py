@@ -79,7 +79,7 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   config.eval_batch_size = eval_batch_size  # global; eval examples are padded up with weight-0 rows
   # Optimizer steps per jitted call: a loop over that many batches inside one program, with the same
   # updates, keys and losses as one step per call. On CPU it saves XLA's per-call allocation and
-  # page-faulting of the step's temporaries (base translator: 1.50 vs 1.64 s a step at 8). Evals,
+  # page-faulting of the step's temporaries (base-sized translator: 1.54 vs 1.64 s a step at 8). Evals,
   # checkpoints and the last step always end a call; SIGTERM / Ctrl-C stop at the end of a call.
   config.steps_per_call = 8
   # Resume order: a checkpoint in the workdir > `init_from` (parameters only) > from scratch.

@@ -118,6 +118,8 @@ def wait_for(predicate, process, timeout=240):
 
 @pytest.mark.parametrize("extra,field", [
     (["--config.model.d_modle=48"], "model.d_modle"),
+    # Only the override that names the field (not model.dropout_rate, which contains the name).
+    (["--config.model.dropout=0.5"], "unknown config field --config.model.dropout: the config has no such field"),
     ([f"--config={CONFIG},sise=tiny"], "sise"),
     (["--config.model.d_model=30", "--config.model.num_heads=4"], "model.d_model"),
     (["--config.model.position_encoding=rope", "--config.model.rotary_dim=7"], "model.rotary_dim"),

@@ -104,6 +104,8 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "optimizer.b1", 1.5, "must be in [0, 1)"),
     ("size=tiny", "optimizer.final_learning_rate_fraction", -2.0, "must be in [0, 1]"),
     ("size=tiny", "steps_per_call", 0, "must be a positive integer"),
+    ("size=tiny", "steps_per_call", True, "must be a positive integer"),  # a bool passed as 1
+    ("size=tiny", "total_steps", True, "must be a positive integer"),
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
@@ -417,7 +419,7 @@ def test_calls_end_at_every_eval_checkpoint_and_the_last_step(steps_per_call, to
   step, ends = 0, []
   while step < total:
     count = loop._steps_in_call(step, config)
-    assert 1 <= count <= steps_per_call
+    assert 1 <= count <= loop._stack_depth(config) <= steps_per_call
     step += count
     ends.append(step)
   must_end = {s for s in range(1, total + 1) if s % eval_every == 0 or s % checkpoint_every == 0} | {total}

@@ -187,10 +187,10 @@ class _Run:
   def make_train_step(self):
     """The jitted `(state, batches, first_step, count, rng_key) -> (state, metrics)`.
 
-    `batches` holds config.steps_per_call batches stacked on a leading axis; the call runs the
-    first `count` of them (1 <= count <= steps_per_call) as consecutive updates first_step,
-    first_step + 1, ... inside one program, and returns each metric as a [steps_per_call] array
-    whose first `count` entries are those steps' values.
+    `batches` holds K batches stacked on a leading axis (K = `_stack_depth(config)`, at most
+    config.steps_per_call); the call runs the first `count` of them (1 <= count <= K) as
+    consecutive updates first_step, first_step + 1, ... inside one program, and returns each
+    metric as a [K] array whose first `count` entries are those steps' values.
     """
     task, graphdef, schedule = self.task, self.graphdef, self.schedule
     nan_at_step = self.config.debug.nan_at_step
@@ -302,7 +302,8 @@ def _sigterm_flag():
       if flag["stop"]:
         raise KeyboardInterrupt
       name = "Ctrl-C (press it again to stop without saving)"
-    logging.warning("%s received: saving a checkpoint after the current step.", name)
+    logging.warning("%s received: saving a checkpoint at the end of the current call (at most "
+                    "config.steps_per_call steps).", name)
     flag["stop"] = True
 
   previous = {}
@@ -357,9 +358,19 @@ def steps_per_call(config) -> int:
   return config.get("steps_per_call", 1)
 
 
+def _stack_depth(config) -> int:
+  """The most steps any call can run: steps_per_call, capped by the loop's lengths."""
+  return min(steps_per_call(config), config.total_steps, config.eval_every_steps, config.checkpoint.every_steps)
+
+
+def _shapes(batch) -> tuple:
+  return tuple(np.shape(x) for x in jax.tree.leaves(batch))
+
+
 def _steps_in_call(step: int, config) -> int:
   """How many steps the call starting after `step` runs: config.steps_per_call, cut short so that
-  every eval, checkpoint and the last step end a call (they read the state after that step)."""
+  every eval, checkpoint and the last step end a call (they read the state after that step). The
+  loop cuts it shorter where the batches change shape (length bucketing)."""
   count = min(steps_per_call(config), config.total_steps - step)
   for every in (config.eval_every_steps, config.checkpoint.every_steps):
     count = min(count, every - step % every)
@@ -383,6 +394,8 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
     logging.info("The run is already at step %d = total_steps: nothing to train.", start_step)
   writer = make_writer(start_step)
   train_step = run.make_train_step()
+  depth = _stack_depth(config)  # batches stacked per call (the program's shape), count <= depth run
+  ahead = {}  # step -> a batch read for a call it did not fit (another shape), kept for the next one
   rng_data = [int(x) for x in np.asarray(jax.random.key_data(rng_key)).ravel()]
   pending: list[tuple[int, int, dict]] = []  # (first step, count, stacked metrics) not yet checked for NaN
   last_eval: dict[str, float] = {}
@@ -432,10 +445,16 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
     stop = False  # agreed by every process, so all of them save and leave at the same step
     vote, last_vote = (_stop_vote(run.mesh) if run.process_count > 1 else None), None
     while step < config.total_steps and not stop:
-      count = _steps_in_call(step, config)
-      local = [run.task.train_batch(step + i, process_index=run.process_index, process_count=run.process_count)
-               for i in range(count)]
-      local += local[-1:] * (steps_per_call(config) - count)  # unused rows of the stack
+      local = []
+      for i in range(_steps_in_call(step, config)):
+        batch = ahead.pop(step + i) if step + i in ahead else run.task.train_batch(
+            step + i, process_index=run.process_index, process_count=run.process_count)
+        if local and _shapes(batch) != _shapes(local[0]):  # another length bucket: the next call's
+          ahead[step + i] = batch
+          break
+        local.append(batch)
+      count = len(local)
+      local += local[-1:] * (depth - count)  # unused rows of the stack
       batches = run.batch(jax.tree.map(lambda *rows: np.stack(rows), *local), config.batch_size, stacked=True)
       state, step_metrics = train_step(state, batches, jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32),
                                        rng_key)

@@ -44,7 +44,7 @@ def _get(config, field: str):
 def require_positive(config, *fields: str, allow_zero: bool = False):
   for field in fields:
     value = _get(config, field)
-    if not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
       raise ConfigError(field, value, "must be a " + ("non-negative" if allow_zero else "positive")
                         + " integer")
 
