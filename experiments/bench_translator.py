@@ -283,6 +283,8 @@ def torch_greedy(s):
 
 def main():
   args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK)
+  # Taken before any work: from here on the benchmark itself keeps the cores busy (load ~2).
+  load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M")
   rng = np.random.default_rng(0)
   print(f"sizes: {s}; cores: {cores}; torch threads: {torch.get_num_threads()}", flush=True)
 
@@ -322,7 +324,8 @@ def main():
   results = {
       "machine": {"cores": cores, "platform": platform.platform(), "jax": jax.__version__,
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                  "glibc_tunables": os.environ.get("GLIBC_TUNABLES")},
+                  "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "started": started,
+                  "load_average_before": load_before},
       "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
       "training": {"jax_step_s": jax_step, "torch_step_s": torch_step,
                    "jax_tokens_per_s": step_tokens / jax_step, "torch_tokens_per_s": step_tokens / torch_step,
@@ -360,9 +363,10 @@ def main():
       f"{cores} CPU cores ({platform.machine()}), jax {jax.__version__}, torch {torch.__version__} "
       f"({torch.get_num_threads()} threads), float32. Sizes: d_model {s['d_model']}, {s['num_heads']} heads, "
       f"{s['num_layers']}+{s['num_layers']} layers, MLP {s['mlp_dim']}, vocab {s['vocab']}, batch {s['batch']}, "
-      f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up; "
-      f"1-minute load average when writing: {os.getloadavg()[0]:.1f} (2 or more = other jobs competed, absolute "
-      "times pessimistic). JAX and torch were measured side by side in one process"
+      f"source/target length {s['length']}. Medians of {s['repeats']} runs after warm-up. "
+      f"Run {started} to {time.strftime('%H:%M')}; 1-minute load average before it started: {load_before:.1f} "
+      "(well above 0 = other jobs were running, absolute times pessimistic; the run itself then keeps the "
+      "cores busy). JAX and torch were measured side by side in one process"
       + (f" (GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']})." if os.environ.get("GLIBC_TUNABLES") else "."), "",
       "## Training (forward + backward + AdamW)", "",
       row("", "step s", "tokens/s (source + target)", "vs torch"), row("---", "---", "---", "---"),
