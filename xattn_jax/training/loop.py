@@ -378,6 +378,27 @@ def _steps_in_call(step: int, config) -> int:
   return count
 
 
+def _call_batches(run: _Run, step: int, ahead: dict):
+  """(stacked global batches, count) for the call that starts after `step`.
+
+  The call takes `_steps_in_call` batches, fewer if one changes shape (length bucketing): that batch
+  waits in `ahead` for the next call. The stack is filled up to `_stack_depth` with copies of the
+  last batch (rows the call does not run), so every call of one batch shape has one program shape.
+  """
+  local = []
+  for i in range(_steps_in_call(step, run.config)):
+    batch = ahead.pop(step + i) if step + i in ahead else run.task.train_batch(
+        step + i, process_index=run.process_index, process_count=run.process_count)
+    if local and _shapes(batch) != _shapes(local[0]):
+      ahead[step + i] = batch
+      break
+    local.append(batch)
+  count = len(local)
+  local += local[-1:] * (_stack_depth(run.config) - count)
+  stacked = jax.tree.map(lambda *rows: np.stack(rows), *local)
+  return run.batch(stacked, run.config.batch_size, stacked=True), count
+
+
 def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, float]:
   """Trains from wherever `_restore` starts to config.total_steps; returns the last eval metrics.
 
@@ -395,7 +416,6 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
     logging.info("The run is already at step %d = total_steps: nothing to train.", start_step)
   writer = make_writer(start_step)
   train_step = run.make_train_step()
-  depth = _stack_depth(config)  # batches stacked per call (the program's shape), count <= depth run
   ahead = {}  # step -> a batch read for a call it did not fit (another shape), kept for the next one
   rng_data = [int(x) for x in np.asarray(jax.random.key_data(rng_key)).ravel()]
   pending: list[tuple[int, int, dict]] = []  # (first step, count, stacked metrics) not yet checked for NaN
@@ -446,17 +466,7 @@ def train(run: _Run, checkpoints, make_writer, after_restore=None) -> dict[str, 
     stop = False  # agreed by every process, so all of them save and leave at the same step
     vote, last_vote = (_stop_vote(run.mesh) if run.process_count > 1 else None), None
     while step < config.total_steps and not stop:
-      local = []
-      for i in range(_steps_in_call(step, config)):
-        batch = ahead.pop(step + i) if step + i in ahead else run.task.train_batch(
-            step + i, process_index=run.process_index, process_count=run.process_count)
-        if local and _shapes(batch) != _shapes(local[0]):  # another length bucket: the next call's
-          ahead[step + i] = batch
-          break
-        local.append(batch)
-      count = len(local)
-      local += local[-1:] * (depth - count)  # unused rows of the stack
-      batches = run.batch(jax.tree.map(lambda *rows: np.stack(rows), *local), config.batch_size, stacked=True)
+      batches, count = _call_batches(run, step, ahead)
       state, step_metrics = train_step(state, batches, jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32),
                                        rng_key)
       pending.append((step + 1, count, step_metrics))
