@@ -22,7 +22,7 @@ SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
 def small_chunked_blocks(monkeypatch):
   default = attention.choose_blocking
   monkeypatch.setattr(attention, "choose_blocking",
-                      lambda impl, t, s: SMALL_BLOCKS if impl == "chunked" else default(impl, t, s))
+                      lambda impl, t, s, backend="cpu": SMALL_BLOCKS if impl == "chunked" else default(impl, t, s, backend))
   monkeypatch.setattr(attention, "_FUSED_UP_TO_SCORES", 0)
 
 
@@ -177,10 +177,28 @@ def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch)
   np.testing.assert_allclose(chunked, dense, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_with_parallel_units_matches_reference(kind, monkeypatch):
+  # The GPU / TPU schedule (all (batch, kv head) units vmapped, one query block), run on this backend.
+  parallel = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=True)
+  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu": parallel)
+  query, key, value, kwargs = make_case(kind, seed=20 + KINDS.index(kind))
+  assert_matches_reference("chunked", query, key, value, kwargs, atol=2e-5)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")
-def test_cudnn_matches_reference():
-  query, key, value, _ = random_inputs(seed=11, b=2, t=16, s=16, heads=4, kv_heads=2, h=64, dtype=jnp.bfloat16)
-  assert_matches_reference("cudnn", query, key, value, {"is_causal": True}, atol=3e-2)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cudnn_matches_reference(kind):
+  # Even lengths (cuDNN's backward with a bias or mask needs them), 8 != 12 keys, GQA (4 over 2).
+  query, key, value, kwargs = make_case(kind, seed=30 + KINDS.index(kind), t=8, s=12, h=64, dtype=jnp.bfloat16)
+  assert_matches_reference("cudnn", query, key, value, kwargs, atol=5e-2)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")
+def test_cudnn_multi_query_decode_step_matches_reference():
+  # One query after 16 cached keys, all heads on one kv head: causal becomes a mask for cuDNN.
+  query, key, value, _ = random_inputs(seed=12, b=2, t=2, s=16, heads=4, kv_heads=1, h=64, dtype=jnp.bfloat16)
+  assert_matches_reference("cudnn", query, key, value, {"is_causal": True}, atol=5e-2)
 
 
 # --- causality -------------------------------------------------------------------------------------
@@ -290,25 +308,52 @@ def test_jit_grad_does_not_retrace_for_the_same_shapes(implementation):
 # --- dispatch --------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def real_dispatch(monkeypatch):
+  monkeypatch.undo()  # the real thresholds and block choices, not the small-shape fixture's
+
+
 def _select(**overrides):
-  facts = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=64, q_len=128, kv_len=128, has_mask=False,
+  facts = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=64, q_len=512, kv_len=512, has_mask=False,
                has_bias=False, is_causal=True)
   return attention.select_implementation(**{**facts, **overrides})
 
 
+@pytest.mark.usefixtures("real_dispatch")
 def test_dispatch_picks_cudnn_on_gpu_for_bf16_causal():
   assert _select() == "cudnn"
 
 
+@pytest.mark.usefixtures("real_dispatch")
 @pytest.mark.parametrize("overrides", [
-    dict(backend="cpu"), dict(dtype=jnp.float32), dict(head_dim=36), dict(head_dim=256), dict(has_mask=True),
-    dict(q_len=1, kv_len=128), dict(has_bias=True, q_len=127, kv_len=127),
-], ids=["cpu", "float32", "head_dim_not_multiple_of_8", "head_dim_too_big", "bool_mask", "causal_q_lt_kv",
-        "bias_odd_length"])
+    dict(has_mask=True), dict(has_bias=True), dict(q_len=256, kv_len=1024), dict(is_causal=False, q_len=256),
+], ids=["bool_mask", "bias", "causal_q_lt_kv", "cross_attention"])
+def test_dispatch_picks_cudnn_for_masks_biases_and_unequal_lengths(overrides):
+  assert _select(**overrides) == "cudnn"
+
+
+@pytest.mark.usefixtures("real_dispatch")
+@pytest.mark.parametrize("overrides", [
+    dict(backend="cpu"), dict(dtype=jnp.float32), dict(head_dim=36), dict(head_dim=256),
+    dict(has_bias=True, q_len=511, kv_len=511), dict(has_mask=True, q_len=1, kv_len=70000, is_causal=False),
+    dict(q_len=1, kv_len=70001), dict(q_len=256, kv_len=256),
+], ids=["cpu", "float32", "head_dim_not_multiple_of_8", "head_dim_too_big", "bias_odd_length",
+        "mask_odd_length", "causal_decode_step_odd_length", "short_sequences_run_fused"])
 def test_dispatch_avoids_cudnn_where_it_cannot_run(overrides):
   assert _select(**overrides) in ("dense", "xla", "chunked")
 
 
+@pytest.mark.usefixtures("real_dispatch")
+def test_dispatch_on_gpu_without_cudnn_runs_fused_then_chunked_in_parallel():
+  assert _select(dtype=jnp.float32, q_len=2048, kv_len=2048) == "xla"
+  assert attention._runs_fused("xla", "gpu", 2048, 2048)  # one fused program, as jax.nn's "xla"
+  assert not attention._runs_fused("xla", "cpu", 2048, 2048)  # the CPU's blocked one-pass kernel
+  assert _select(dtype=jnp.float32, q_len=16384, kv_len=16384) == "chunked"
+  assert attention.choose_blocking("chunked", 16384, 16384, "gpu").parallel_units
+  assert not attention.choose_blocking("chunked", 16384, 16384, "cpu").parallel_units
+
+
+@pytest.mark.usefixtures("real_dispatch")
 def test_dispatch_on_cpu_switches_to_chunked_for_long_sequences():
   assert _select(backend="cpu", q_len=64, kv_len=64) == "xla"
   assert _select(backend="cpu", q_len=1, kv_len=2048) == "xla"  # a decode step

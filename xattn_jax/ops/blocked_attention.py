@@ -28,9 +28,16 @@ from xattn_jax.ops import masks as masks_lib
 
 @dataclasses.dataclass(frozen=True)
 class Blocking:
-  """Static work split: query rows and keys per block."""
+  """Static work split: query rows and keys per block, and how units are scheduled.
+
+  parallel_units=False runs the units one after another, so that each unit's blocks stay in cache
+  (CPU). parallel_units=True runs all units side by side (vmapped: one batched matmul per key
+  block, for GPU / TPU) with one query block spanning every query; memory stays linear in length
+  through the key blocks.
+  """
   block_q: int
   block_k: int
+  parallel_units: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +113,7 @@ def _finite_or_zero(row_max, st: _Static):
 
 def _key_blocks_needed(offset_u, q_start, st: _Static, num_key_blocks: int):
   """Number of leading key blocks a query block can see (causal skips blocks above the diagonal)."""
-  if not st.is_causal:
+  if not st.is_causal or st.blocking.parallel_units:  # one query block sees every key block
     return num_key_blocks
   last_key = offset_u + q_start + st.blocking.block_q - 1
   return jnp.clip(last_key // st.blocking.block_k + 1, 0, num_key_blocks)
@@ -169,6 +176,9 @@ def _forward(q_units, key, value, mask, bias, query_offset, st: _Static):
   output rows back in place, so no reordered copy of the queries or the output is ever made.
   """
   units, g, t_pad, h = q_units.shape
+  if st.blocking.parallel_units:
+    item = lambda q_u, unit: _forward_item(q_u, unit, 0, key, value, mask, bias, query_offset, st)
+    return jax.vmap(item)(q_units, jnp.arange(units))
   bq = st.blocking.block_q
   num_q_blocks = t_pad // bq
 
@@ -267,7 +277,11 @@ def _attention_bwd(st, residuals, o_grad):
   delta = jnp.einsum("ugth,ugth->ugt", o_grad.astype(jnp.float32), out.astype(jnp.float32))
   fn = functools.partial(_backward_unit, key=key, value=value, mask=mask, bias=bias,
                          query_offset=query_offset, st=st)
-  dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), (q_units, o_grad, lse, delta, jnp.arange(key.shape[0])))
+  per_unit = (q_units, o_grad, lse, delta, jnp.arange(key.shape[0]))
+  if st.blocking.parallel_units:
+    dq, dk, dv, dbias = jax.vmap(fn)(*per_unit)
+  else:
+    dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), per_unit)
   if bias is not None:
     # dbias per unit [batch * kv_heads, G', T', S'] -> the bias's broadcast shape [B', K', G', T', S'].
     dbias = dbias.reshape(-1, st.kv_heads, *dbias.shape[1:])
@@ -295,7 +309,7 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
   b, t, n, h = query.shape
   s, kv_heads = key.shape[1], key.shape[2]
   groups = n // kv_heads
-  bq = min(blocking.block_q, t)
+  bq = t if blocking.parallel_units else min(blocking.block_q, t)
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)

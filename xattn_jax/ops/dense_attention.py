@@ -1,8 +1,10 @@
 """Attention as one fused XLA program over the whole [q_len, kv_len] score matrix, with its own VJP.
 
-Without gradients the forward normalizes the OUTPUT: exp against the row maximum, P V, then one
+Without gradients the CPU forward normalizes the OUTPUT: exp against the row maximum, P V, then one
 divide of the [..., head_dim] rows by the row sums, which is cheaper than dividing the [q, kv]
-probabilities. Under differentiation the forward keeps the normalized float32 probabilities as the
+probabilities there. On GPU the other order is faster (XLA fuses the divide into the exp; measured
+on an H200, float32, length 2048: 1.49 ms against 1.74 ms, `jax.nn` 1.56 ms), so every other
+backend runs the differentiable forward's order. Under differentiation the forward keeps the normalized float32 probabilities as the
 residual and the backward is the textbook softmax backward without recomputation. Measured on CPU
 (batch 8, 8 heads, head_dim 64, length 128) both beat XLA's autodiff of the plain formula and
 `jax.nn.dot_product_attention`; at 256 x 256 it still beats the blocked kernel (7 vs 15 ms forward),
@@ -109,6 +111,8 @@ def probabilities(query, key, mask, bias, is_causal: bool):
 def dense_attention(query, key, value, mask, bias, is_causal: bool, kv_heads_major: bool):
   """softmax(query key^T + bias, masked) value; query pre-scaled. Shapes as `dot_product_attention`;
   key / value [b, kv_heads, s, h] if kv_heads_major, else [b, s, kv_heads, h]."""
+  if jax.default_backend() != "cpu":
+    return _dense_fwd(query, key, value, mask, bias, is_causal, kv_heads_major)[0]
   _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major)
   v = _kv_head_major(value, kv_heads_major)
   out = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
