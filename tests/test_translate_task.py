@@ -107,10 +107,16 @@ def test_rope_scaling_factor_must_be_positive():
 
 
 def test_cudnn_on_a_cpu_backend_is_refused_once_the_backend_is_known():
-  config = _config(**{"model.implementation": "cudnn"})
+  config = _config(**{"model.implementation": "cudnn", "precision.compute_dtype": "bfloat16"})
   validation.validate_config(config)  # before jax.distributed.initialize: the backend is not asked
   with pytest.raises(validation.ConfigError, match=r"model\.implementation.*GPU"):
     validation.validate_config(config, device_count=1)
+
+
+def test_cudnn_with_float32_compute_is_refused_before_compiling():
+  config = _config(**{"model.implementation": "cudnn"})
+  with pytest.raises(validation.ConfigError, match=r"model\.implementation.*compute_dtype bfloat16 or float16"):
+    validation.validate_config(config)
 
 
 @pytest.mark.slow
