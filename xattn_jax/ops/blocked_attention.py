@@ -9,6 +9,14 @@ output and the log-sum-exp of every query row; the backward recomputes the proba
 With `block_k >= kv_len` the softmax over keys is done in one pass (the dense "xla" path); with a
 smaller `block_k` an online softmax runs over the key blocks (the "chunked" path).
 
+The kernel reads every unit's rows straight out of the [batch, length, heads, head_dim] arrays
+and writes its results straight into arrays of that layout: no head-major copy of the queries,
+keys, values, output or gradients is made. On CPU the full-size transposes and their fresh
+temporaries cost more than the strided reads: against a kernel that transposed, the forward takes
+0.85-0.92x the time and forward+backward 0.92-0.99x at length 512 and 2048 (batch 8, 8 heads).
+Only the GPU / TPU schedule (`Blocking.parallel_units`), which vmaps the units, transposes them
+to head-major once.
+
 Masks never need to be materialized at [q, kv]: causal masking is built inside each block from
 positions (query i sits at `query_offset[b] + i`, key j at j), and a boolean mask or bias keeps its
 own broadcast shape, so only the block it covers is sliced out.
@@ -119,24 +127,26 @@ def _key_blocks_needed(offset_u, q_start, st: _Static, num_key_blocks: int):
   return jnp.clip(last_key // st.blocking.block_k + 1, 0, num_key_blocks)
 
 
-def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st: _Static):
-  """One (unit, query block): out [groups, block_q, head_dim], lse [groups, block_q]."""
-  bq, bk = st.blocking.block_q, st.blocking.block_k
-  batch_index, head_index = unit // st.kv_heads, unit % st.kv_heads
-  k_u, v_u = key[unit], value[unit]  # [kv_len_padded, head_dim]
-  mask_u = _unit_slice(mask, batch_index, head_index)
-  bias_u = _unit_slice(bias, batch_index, head_index)
-  offset_u = query_offset[batch_index]
-  q_start = q_index * bq
+def _rows(x_blk):
+  """[block_q, groups, ...] -> [groups * block_q, ...]: the query rows of a block, group-major."""
+  return jnp.moveaxis(x_blk, 1, 0).reshape(-1, *x_blk.shape[2:])
+
+
+def _unrows(rows, groups: int):
+  """[groups * block_q, ...] -> [block_q, groups, ...]."""
+  return jnp.moveaxis(rows.reshape(groups, -1, *rows.shape[1:]), 0, 1)
+
+
+def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, offset_u, q_start, st: _Static):
+  """One query block of a unit: rows [groups * block_q, head_dim] -> out rows (float32), lse [groups * block_q]."""
+  bk = st.blocking.block_k
   num_key_blocks = k_u.shape[0] // bk
-  g, _, h = q_blk.shape
-  q_rows = q_blk.reshape(-1, h)  # [groups * block_q, head_dim]
 
   def step(kb, carry):
     row_max, row_sum, acc = carry
     k_start = kb * bk
-    k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
-    v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
+    k_blk = lax.dynamic_slice_in_dim(k_u, k_start, bk)
+    v_blk = lax.dynamic_slice_in_dim(v_u, k_start, bk)
     s = _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
     new_max = jnp.maximum(row_max, s.max(axis=-1))
     # A row with no visible key so far keeps max -inf; use 0 so exp() gives 0, not NaN.
@@ -155,58 +165,53 @@ def _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st
     row_sum = p.sum(axis=-1)
     acc = jnp.einsum("qk,kh->qh", p.astype(v_u.dtype), v_u, preferred_element_type=jnp.float32)
   else:
-    init = (jnp.full((g * bq,), -jnp.inf, jnp.float32), jnp.zeros((g * bq,), jnp.float32),
-            jnp.zeros((g * bq, h), jnp.float32))
+    rows, h = q_rows.shape
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, h), jnp.float32))
     row_max, row_sum, acc = lax.fori_loop(
         0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
   if not st.may_hide_rows:  # every row saw a key: no guards (they cost ~10% of the forward)
-    out, lse = acc / row_sum[..., None], row_max + jnp.log(row_sum)
-  else:
-    seen = row_sum > 0
-    # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
-    out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, _finite_or_zero(row_max, st) + jnp.log(row_sum), jnp.inf)
-  return out.reshape(q_blk.shape).astype(q_blk.dtype), lse.reshape(g, bq)
+    return acc / row_sum[..., None], row_max + jnp.log(row_sum)
+  seen = row_sum > 0
+  # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
+  out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
+  return out, jnp.where(seen, _finite_or_zero(row_max, st) + jnp.log(row_sum), jnp.inf)
 
 
-def _forward(q_units, key, value, mask, bias, query_offset, st: _Static):
-  """q_units [units, groups, q_len_padded, head_dim] -> (out like q_units, lse [units, groups, q_len_padded]).
-
-  One loop over (unit, query block) items; each reads its block out of q_units and writes its
-  output rows back in place, so no reordered copy of the queries or the output is ever made.
-  """
-  units, g, t_pad, h = q_units.shape
-  if st.blocking.parallel_units:
-    item = lambda q_u, unit: _forward_item(q_u, unit, 0, key, value, mask, bias, query_offset, st)
-    return jax.vmap(item)(q_units, jnp.arange(units))
+def _unit_forward(q_u, k_u, v_u, mask_u, bias_u, offset_u, st: _Static):
+  """One unit: q_u [q_len_padded, groups, head_dim], k_u, v_u [kv_len_padded, head_dim]
+  -> out_u like q_u, lse_u [q_len_padded, groups] (float32)."""
   bq = st.blocking.block_q
-  num_q_blocks = t_pad // bq
+  groups = q_u.shape[1]
 
-  def item(i, carry):
-    out, lse = carry
-    unit, q_index = i // num_q_blocks, i % num_q_blocks
-    q_blk = lax.dynamic_slice(q_units, (unit, 0, q_index * bq, 0), (1, g, bq, h))[0]
-    out_blk, lse_blk = _forward_item(q_blk, unit, q_index, key, value, mask, bias, query_offset, st)
-    return (lax.dynamic_update_slice(out, out_blk[None], (unit, 0, q_index * bq, 0)),
-            lax.dynamic_update_slice(lse, lse_blk[None], (unit, 0, q_index * bq)))
+  def block(q_start, q_blk):
+    out_rows, lse_rows = _forward_block(_rows(q_blk), k_u, v_u, mask_u, bias_u, offset_u, q_start, st)
+    return _unrows(out_rows, groups).astype(q_u.dtype), _unrows(lse_rows, groups)
 
-  init = (jnp.zeros(q_units.shape, q_units.dtype), jnp.zeros((units, g, t_pad), jnp.float32))
-  return lax.fori_loop(0, units * num_q_blocks, item, init)
+  num_q_blocks = q_u.shape[0] // bq
+  if num_q_blocks == 1:
+    return block(0, q_u)
+
+  def step(qi, carry):
+    out_u, lse_u = carry
+    out_blk, lse_blk = block(qi * bq, lax.dynamic_slice_in_dim(q_u, qi * bq, bq))
+    return (lax.dynamic_update_slice_in_dim(out_u, out_blk, qi * bq, axis=0),
+            lax.dynamic_update_slice_in_dim(lse_u, lse_blk, qi * bq, axis=0))
+
+  init = (jnp.zeros(q_u.shape, q_u.dtype), jnp.zeros(q_u.shape[:2], jnp.float32))
+  return lax.fori_loop(0, num_q_blocks, step, init)
 
 
-def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, query_offset, st):
-  """Gradients of one unit: dq [num_q_blocks, groups, block_q, h], dk, dv [kv_len_padded, h], dbias."""
+def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, offset_u, st: _Static):
+  """Gradients of one unit. q_u, o_grad_u [q_len_padded, groups, head_dim]; lse_u, delta_u
+  [q_len_padded, groups]; k_u, v_u [kv_len_padded, head_dim]
+  -> dq_u like q_u (its dtype), dk_u, dv_u [kv_len_padded, head_dim] (float32), dbias_u or None."""
   bq, bk = st.blocking.block_q, st.blocking.block_k
-  batch_index, head_index = unit // st.kv_heads, unit % st.kv_heads
-  k_u, v_u = key[unit], value[unit]
-  mask_u = _unit_slice(mask, batch_index, head_index)
-  bias_u = _unit_slice(bias, batch_index, head_index)
-  offset_u = query_offset[batch_index]
   num_key_blocks = k_u.shape[0] // bk
+  groups = q_u.shape[1]
 
   # dk and dv are accumulated transposed, [head_dim, kv_len]: "hq,qk->hk" with the small q / dout
   # block transposed feeds the matmul without transposing the large [block_q, block_k] blocks.
-  # Query rows are [groups * block_q, ...] as in the forward.
   def key_step(kb, carry, q_rows, do_rows, q_t, do_t, lse_rows, delta_rows, q_start):
     dq_rows, dk_t, dv_t, dbias = carry
     k_start = kb * bk
@@ -232,61 +237,123 @@ def _backward_unit(q_u, o_grad_u, lse_u, delta_u, unit, key, value, mask, bias, 
       dbias = lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, part.shape) + part, starts)
     return dq_rows, dk_t, dv_t, dbias
 
-  g, _, h = q_u.shape  # q_u, o_grad_u [groups, q_len_padded, head_dim]; lse_u, delta_u [groups, q_len_padded]
-  rows = lambda x, q_start: lax.dynamic_slice_in_dim(x, q_start, bq, axis=1).reshape(g * bq, *x.shape[2:])
-
   def query_step(qi, carry):
-    dq, dk_t, dv_t, dbias = carry
+    dq_u, dk_t, dv_t, dbias = carry
     q_start = qi * bq
-    q_rows, do_rows = rows(q_u, q_start), rows(o_grad_u, q_start)
+    block = lambda x: _rows(lax.dynamic_slice_in_dim(x, q_start, bq))
+    q_rows, do_rows = block(q_u), block(o_grad_u)
     step = functools.partial(key_step, q_rows=q_rows, do_rows=do_rows, q_t=q_rows.T, do_t=do_rows.T,
-                             lse_rows=rows(lse_u, q_start), delta_rows=rows(delta_u, q_start),
-                             q_start=q_start)
+                             lse_rows=block(lse_u), delta_rows=block(delta_u), q_start=q_start)
     init = (jnp.zeros(q_rows.shape, jnp.float32), dk_t, dv_t, dbias)
     if num_key_blocks == 1:
       dq_rows, dk_t, dv_t, dbias = step(0, init)
     else:
       dq_rows, dk_t, dv_t, dbias = lax.fori_loop(
           0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
-    dq = lax.dynamic_update_slice_in_dim(dq, dq_rows.reshape(g, bq, h), q_start, axis=1)
-    return dq, dk_t, dv_t, dbias
+    dq_blk = _unrows(dq_rows, groups).astype(dq_u.dtype)
+    return lax.dynamic_update_slice_in_dim(dq_u, dq_blk, q_start, axis=0), dk_t, dv_t, dbias
 
   dbias0 = None if bias_u is None else jnp.zeros(bias_u.shape, jnp.float32)
-  init = (jnp.zeros(q_u.shape, jnp.float32), jnp.zeros(k_u.shape[::-1], jnp.float32),
+  init = (jnp.zeros(q_u.shape, q_u.dtype), jnp.zeros(k_u.shape[::-1], jnp.float32),
           jnp.zeros(v_u.shape[::-1], jnp.float32), dbias0)
-  num_q_blocks = q_u.shape[1] // bq
+  num_q_blocks = q_u.shape[0] // bq
   if num_q_blocks == 1:
-    dq, dk_t, dv_t, dbias = query_step(0, init)
+    dq_u, dk_t, dv_t, dbias = query_step(0, init)
   else:
-    dq, dk_t, dv_t, dbias = lax.fori_loop(0, num_q_blocks, query_step, init)
-  return dq, dk_t.T, dv_t.T, dbias
+    dq_u, dk_t, dv_t, dbias = lax.fori_loop(0, num_q_blocks, query_step, init)
+  return dq_u, dk_t.T, dv_t.T, dbias
+
+
+def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None):
+  """Runs `unit_fn(unit, *parts)` for every (batch, kv head) unit and assembles its results.
+
+  arrays and results_like are [batch, length, (kv_heads groups), ...]; a unit's part of each is
+  [length, groups, ...]. unit_fn returns (result parts, acc part): each result part goes to its
+  place in a result, acc parts (None or [G', T', S'] per unit) are summed into an accumulator
+  shaped acc_like [B', K', G', T', S'] (B', K' each 1 or full) at the unit's (batch, kv head).
+
+  Units one after another (CPU) read their parts straight out of the arrays and write their
+  results in place. Units side by side (`parallel_units`, vmapped) see head-major copies.
+  """
+  batch, kv_heads = arrays[0].shape[0], st.kv_heads
+
+  def where(x, unit):  # start indices of a unit's part of x
+    groups = x.shape[2] // kv_heads
+    return (unit // kv_heads, 0, unit % kv_heads * groups) + (0,) * (x.ndim - 3)
+
+  def part(x, unit):  # a strided copy: [length, groups, ...]
+    sizes = (1, x.shape[1], x.shape[2] // kv_heads, *x.shape[3:])
+    return lax.dynamic_slice(x, where(x, unit), sizes)[0]
+
+  if st.blocking.parallel_units:
+    def to_units(x):  # [b, t, (k g), ...] -> [(b k), t, g, ...]
+      x = x.reshape(batch, x.shape[1], kv_heads, -1, *x.shape[3:])
+      return jnp.moveaxis(x, 2, 1).reshape(batch * kv_heads, *x.shape[1:2], *x.shape[3:])
+
+    def from_units(x, like):  # inverse of to_units
+      x = x.reshape(batch, kv_heads, *x.shape[1:])
+      return jnp.moveaxis(x, 1, 2).reshape(like.shape).astype(like.dtype)
+
+    parts, acc = jax.vmap(unit_fn)(jnp.arange(batch * kv_heads), *map(to_units, arrays))
+    results = tuple(map(from_units, parts, results_like))
+    if acc_like is not None:  # [(b k), G', T', S'] -> the accumulator's broadcast shape
+      acc = acc.reshape(batch, kv_heads, *acc.shape[1:])
+      acc = acc.sum(axis=tuple(a for a in (0, 1) if acc_like.shape[a] == 1), keepdims=True)
+    return results, acc
+
+  def step(unit, carry):
+    results, acc = carry
+    parts, acc_part = unit_fn(unit, *(part(x, unit) for x in arrays))
+    results = tuple(lax.dynamic_update_slice(r, p[None].astype(r.dtype), where(r, unit))
+                    for r, p in zip(results, parts))
+    if acc is not None:
+      starts = (unit // kv_heads if acc.shape[0] > 1 else 0, unit % kv_heads if acc.shape[1] > 1 else 0, 0, 0, 0)
+      acc_part = lax.dynamic_slice(acc, starts, (1, 1, *acc_part.shape)) + acc_part[None, None]
+      acc = lax.dynamic_update_slice(acc, acc_part, starts)
+    return results, acc
+
+  init = (tuple(jnp.zeros(r.shape, r.dtype) for r in results_like),
+          None if acc_like is None else jnp.zeros(acc_like.shape, acc_like.dtype))
+  return lax.fori_loop(0, batch * kv_heads, step, init)
+
+
+def _forward(query, key, value, mask, bias, query_offset, st: _Static):
+  """query [batch, q_len_padded, heads, head_dim], key, value [batch, kv_len_padded, kv_heads, head_dim]
+  -> (out like query, lse [batch, q_len_padded, heads] float32)."""
+  def unit_fn(unit, q_u, k_u, v_u):
+    b, k = unit // st.kv_heads, unit % st.kv_heads
+    return _unit_forward(q_u, k_u[:, 0], v_u[:, 0], _unit_slice(mask, b, k), _unit_slice(bias, b, k),
+                         query_offset[b], st), None
+
+  lse_like = jax.ShapeDtypeStruct(query.shape[:3], jnp.float32)
+  return _map_units(unit_fn, (query, key, value), (query, lse_like), st)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q_units, key, value, mask, bias, query_offset, st):
-  return _forward(q_units, key, value, mask, bias, query_offset, st)[0]
+def _attention(query, key, value, mask, bias, query_offset, st):
+  return _forward(query, key, value, mask, bias, query_offset, st)[0]
 
 
-def _attention_fwd(q_units, key, value, mask, bias, query_offset, st):
-  out, lse = _forward(q_units, key, value, mask, bias, query_offset, st)
-  return out, (q_units, key, value, mask, bias, query_offset, out, lse)
+def _attention_fwd(query, key, value, mask, bias, query_offset, st):
+  out, lse = _forward(query, key, value, mask, bias, query_offset, st)
+  return out, (query, key, value, mask, bias, query_offset, out, lse)
 
 
 def _attention_bwd(st, residuals, o_grad):
-  q_units, key, value, mask, bias, query_offset, out, lse = residuals
-  delta = jnp.einsum("ugth,ugth->ugt", o_grad.astype(jnp.float32), out.astype(jnp.float32))
-  fn = functools.partial(_backward_unit, key=key, value=value, mask=mask, bias=bias,
-                         query_offset=query_offset, st=st)
-  per_unit = (q_units, o_grad, lse, delta, jnp.arange(key.shape[0]))
-  if st.blocking.parallel_units:
-    dq, dk, dv, dbias = jax.vmap(fn)(*per_unit)
-  else:
-    dq, dk, dv, dbias = lax.map(lambda xs: fn(*xs), per_unit)
-  if bias is not None:
-    # dbias per unit [batch * kv_heads, G', T', S'] -> the bias's broadcast shape [B', K', G', T', S'].
-    dbias = dbias.reshape(-1, st.kv_heads, *dbias.shape[1:])
-    dbias = dbias.sum(axis=tuple(a for a in (0, 1) if bias.shape[a] == 1), keepdims=True).astype(bias.dtype)
-  return dq.astype(q_units.dtype), dk.astype(key.dtype), dv.astype(value.dtype), None, dbias, None
+  query, key, value, mask, bias, query_offset, out, lse = residuals
+  delta = jnp.einsum("btnh,btnh->btn", o_grad.astype(jnp.float32), out.astype(jnp.float32))
+
+  def unit_fn(unit, q_u, k_u, v_u, o_grad_u, lse_u, delta_u):
+    b, k = unit // st.kv_heads, unit % st.kv_heads
+    dq_u, dk_u, dv_u, dbias_u = _unit_backward(
+        q_u, o_grad_u, lse_u, delta_u, k_u[:, 0], v_u[:, 0], _unit_slice(mask, b, k), _unit_slice(bias, b, k),
+        query_offset[b], st)
+    return (dq_u, dk_u[:, None], dv_u[:, None]), dbias_u
+
+  dbias_like = None if bias is None else jax.ShapeDtypeStruct(bias.shape, jnp.float32)
+  (dq, dk, dv), dbias = _map_units(unit_fn, (query, key, value, o_grad, lse, delta), (query, key, value), st,
+                                   dbias_like)
+  return dq, dk, dv, None, None if bias is None else dbias.astype(bias.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -324,9 +391,5 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
 
   query = _pad_axis(query, 1, t_pad)
   key, value = _pad_axis(key, 1, s_pad), _pad_axis(value, 1, s_pad)
-  # [b, t, (k g), h] -> units [(b k), g, t, h]: one transpose; a query block is a slice of it.
-  q_units = query.transpose(0, 2, 1, 3).reshape(b * kv_heads, groups, t_pad, h)
-  key_units = key.transpose(0, 2, 1, 3).reshape(b * kv_heads, s_pad, h)
-  value_units = value.transpose(0, 2, 1, 3).reshape(b * kv_heads, s_pad, h)
-  out = _attention(q_units, key_units, value_units, five_d(mask, False), five_d(bias, 0.0), query_offset, st)
-  return out.reshape(b, n, t_pad, h).transpose(0, 2, 1, 3)[:, :t]
+  out = _attention(query, key, value, five_d(mask, False), five_d(bias, 0.0), query_offset, st)
+  return out[:, :t] if t_pad > t else out
