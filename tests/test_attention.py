@@ -178,6 +178,16 @@ def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monkeypatch):
+  # "xla"'s blocked kernel as it runs long sequences on CPU: all keys at once, several query blocks
+  # (6 queries in blocks of 4: the last one padded).
+  monkeypatch.setattr(attention, "choose_blocking",
+                      lambda impl, t, s, backend="cpu": blocked_attention.Blocking(block_q=4, block_k=s))
+  query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind))
+  assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_chunked_with_parallel_units_matches_reference(kind, monkeypatch):
   # The GPU / TPU schedule (all (batch, kv head) units vmapped, one query block), run on this backend.
   parallel = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=True)
