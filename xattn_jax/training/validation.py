@@ -226,14 +226,14 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if config.batch_size % process_count:
     raise ConfigError("batch_size", config.batch_size,
                       f"must be divisible by the number of processes ({process_count})")
+  if config.model.get("implementation") == "cudnn" and config.precision.compute_dtype not in ("bfloat16", "float16"):
+    raise ConfigError("model.implementation", "cudnn",
+                      f"needs precision.compute_dtype bfloat16 or float16, got {config.precision.compute_dtype!r}")
   if device_count is not None:  # the backend is up (asking for it earlier would start it before
     # jax.distributed.initialize)
     if config.model.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
       raise ConfigError("model.implementation", "cudnn",
                         f"needs a GPU backend, this run has {jax.default_backend()!r}; use '' (the default choice)")
-  if config.model.get("implementation") == "cudnn" and config.precision.compute_dtype not in ("bfloat16", "float16"):
-    raise ConfigError("model.implementation", "cudnn",
-                      f"needs precision.compute_dtype bfloat16 or float16, got {config.precision.compute_dtype!r}")
     sizes = mesh_shape(config.mesh, device_count)
     batch_shards = sizes["data"] * sizes["fsdp"]
     for field in ("batch_size", "eval_batch_size"):
