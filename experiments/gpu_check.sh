@@ -15,6 +15,9 @@ timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -p no:cacheprovider -n "$wor
   tests/test_attention.py tests/test_torch_oracle.py tests/test_layers_attention.py tests/test_layers_blocks.py \
   tests/test_masks.py tests/test_decoding.py tests/test_translator.py tests/test_latent_reader.py \
   2>&1 | tee "$out/tests.log" | grep -v " PASSED " | tail -60
-echo "tests exit: $?"
+tests_status=$?
+echo "tests exit: $tests_status"
 timeout "${BENCH_TIMEOUT:-300}" python3 experiments/bench_attention.py --out_dir "$out" 2>&1 | tee "$out/bench.log" | tail -60
-echo "benchmark exit: $?"
+bench_status=$?
+echo "benchmark exit: $bench_status"
+exit $(( tests_status || bench_status ))

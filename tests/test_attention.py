@@ -102,6 +102,11 @@ def output_and_grads(fn, query, key, value, kwargs, cotangent):
 
 def assert_matches_reference(implementation, query, key, value, kwargs, atol):
   ours = functools.partial(attention.dot_product_attention, implementation=implementation)
+  assert_function_matches_reference(ours, query, key, value, kwargs, atol)
+
+
+def assert_function_matches_reference(ours, query, key, value, kwargs, atol):
+  """ours(q, k, v, bias=, mask=, is_causal=): output and gradients equal the reference's."""
   cotangent = jnp.asarray(np.random.default_rng(1).normal(size=query.shape), jnp.float32)
   out, got = output_and_grads(ours, query, key, value, kwargs, cotangent)
   expected, want = output_and_grads(reference_attention, query, key, value, kwargs, cotangent)
@@ -145,13 +150,7 @@ def test_heads_major_key_value_layout_matches_reference(implementation, kind):
     return attention.dot_product_attention(q, to_heads_major(k), to_heads_major(v), implementation=implementation,
                                            kv_layout="bksh", **kw)
 
-  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=query.shape), jnp.float32)
-  out, got = output_and_grads(heads_major, query, key, value, kwargs, cotangent)
-  expected, want = output_and_grads(reference_attention, query, key, value, kwargs, cotangent)
-  np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
-  for g, w in zip(got, want):
-    if w is not None:
-      np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+  assert_function_matches_reference(heads_major, query, key, value, kwargs, atol=2e-5)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -180,7 +179,8 @@ def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch)
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monkeypatch):
   # "xla"'s blocked kernel as it runs long sequences on CPU: all keys at once, several query blocks
-  # (6 queries in blocks of 4: the last one padded).
+  # (6 queries in blocks of 4: the last one padded). Forced on other backends too ("xla" runs fused there).
+  monkeypatch.setattr(attention, "_runs_fused", lambda implementation, *_: implementation == "dense")
   monkeypatch.setattr(attention, "choose_blocking",
                       lambda impl, t, s, backend="cpu": blocked_attention.Blocking(block_q=4, block_k=s))
   query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind))
@@ -196,17 +196,43 @@ def test_chunked_with_parallel_units_matches_reference(kind, monkeypatch):
   assert_matches_reference("chunked", query, key, value, kwargs, atol=2e-5)
 
 
+@pytest.mark.parametrize("kind", [*KINDS, "causal_left_padding"])
+def test_cudnn_wrapper_semantics_with_xla_standing_in_for_cudnn(kind, monkeypatch):
+  # What `_cudnn_attention` adds around cuDNN (masks as a bias, causal with q_len != kv_len as a
+  # bottom-right mask, rows that see no key zeroed), checked on any backend: jax.nn's "xla"
+  # implementation treats masks and causal as cuDNN does (top-left causal, a fully masked row gets a
+  # uniform softmax) and stands in for it.
+  original = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda *args, implementation=None, **kw: original(*args, implementation="xla", **kw))
+  if kind == "causal_left_padding":  # queries 0 and 1 of item 0 see only padding keys through causal
+    query, key, value, _ = random_inputs(seed=50, t=6, s=6)
+    valid = jnp.asarray([[False, False, True, True, True, True], [True] * 6])
+    kwargs = {"is_causal": True, "mask": masks.padding_mask(valid)}
+  else:
+    query, key, value, kwargs = make_case(kind, seed=50 + KINDS.index(kind))
+  wrapper = lambda q, k, v, bias=None, mask=None, is_causal=False: attention._cudnn_attention(
+      q, k, v, mask, bias, q.shape[-1] ** -0.5, is_causal)
+  assert_function_matches_reference(wrapper, query, key, value, kwargs, atol=2e-5)
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "causal_left_padding"])
 def test_cudnn_matches_reference(kind):
   # Even lengths (cuDNN's backward with a bias or mask needs them), 8 != 12 keys, GQA (4 over 2).
-  query, key, value, kwargs = make_case(kind, seed=30 + KINDS.index(kind), t=8, s=12, h=64, dtype=jnp.bfloat16)
+  if kind == "causal_left_padding":
+    query, key, value, _ = random_inputs(seed=29, t=8, s=8, h=64, dtype=jnp.bfloat16)
+    valid = jnp.asarray([[False, False] + [True] * 6, [True] * 8])
+    kwargs = {"is_causal": True, "mask": masks.padding_mask(valid)}
+  else:
+    query, key, value, kwargs = make_case(kind, seed=30 + KINDS.index(kind), t=8, s=12, h=64, dtype=jnp.bfloat16)
   assert_matches_reference("cudnn", query, key, value, kwargs, atol=5e-2)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")
-def test_cudnn_multi_query_decode_step_matches_reference():
-  # One query after 16 cached keys, all heads on one kv head: causal becomes a mask for cuDNN.
+def test_cudnn_multi_query_two_queries_after_a_cache_match_reference():
+  # Two queries after 14 cached keys (cuDNN needs even lengths, so not a one-token decode step),
+  # all heads on one kv head: causal with q_len != kv_len becomes a mask for cuDNN.
   query, key, value, _ = random_inputs(seed=12, b=2, t=2, s=16, heads=4, kv_heads=1, h=64, dtype=jnp.bfloat16)
   assert_matches_reference("cudnn", query, key, value, {"is_causal": True}, atol=5e-2)
 

@@ -143,6 +143,15 @@ def test_mesh_that_does_not_match_the_device_count_is_a_config_error(mesh, devic
     validation.validate_config(config, device_count=devices)
 
 
+@pytest.mark.parametrize("field", ["batch_size", "eval_batch_size"])
+def test_batch_not_divisible_by_the_data_shards_is_a_config_error(field):
+  config = toy_reverse.get_config("size=tiny")
+  config.mesh.update({"data": 2, "fsdp": 2})
+  config[field] = 6  # 4 data x fsdp shards on 4 devices
+  with pytest.raises(validation.ConfigError, match=rf"config\.{field}=6: must be divisible by mesh data x fsdp = 4"):
+    validation.validate_config(config, device_count=4)
+
+
 def test_mesh_minus_one_takes_the_remaining_devices():
   assert validation.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
 
