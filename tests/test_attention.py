@@ -138,11 +138,15 @@ def test_multi_query_attention_matches_reference(implementation):
   assert_matches_reference(implementation, query, key, value, {"is_causal": True}, atol=2e-5)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "chunked_parallel_units"])
 @pytest.mark.parametrize("kind", ["bias_mask_causal", "segments"])
-def test_heads_major_key_value_layout_matches_reference(implementation, kind):
+def test_heads_major_key_value_layout_matches_reference(implementation, kind, monkeypatch):
   # kv_layout="bksh" takes key / value as [batch, kv_heads, kv_len, head_dim] (a decode cache's
   # layout); outputs and gradients (returned in that layout) must match the default layout's.
+  if implementation == "chunked_parallel_units":  # the GPU / TPU schedule reads that layout too
+    parallel = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=True)
+    monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu": parallel)
+    implementation = "chunked"
   query, key, value, kwargs = make_case(kind, seed=11)
   to_heads_major = lambda x: x.transpose(0, 2, 1, 3)
 

@@ -198,17 +198,18 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     # Scaling the queries once is cheaper than scaling every score (autodiff applies it to dq).
     query = query * jnp.asarray(scale, query.dtype)
     return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh")
-  if kv_layout == "bksh":  # cuDNN and the blocked kernel take the jax.nn layout
-    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
   if implementation == "cudnn":
     reason = cudnn_unsupported_reason(backend=backend, **facts)
     if reason is not None:
       raise ValueError(f"dot_product_attention: implementation='cudnn' {reason}")
+    if kv_layout == "bksh":  # cuDNN takes the jax.nn layout
+      key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     return _cudnn_attention(query, key, value, mask, bias, scale, bool(is_causal))
   query = query * jnp.asarray(scale, query.dtype)
   return blocked_attention.blocked_attention(
       query, key, value, mask=mask, bias=bias, query_offset=_causal_offsets(b, t, s),
-      is_causal=bool(is_causal), blocking=choose_blocking(implementation, t, s, backend))
+      is_causal=bool(is_causal), blocking=choose_blocking(implementation, t, s, backend),
+      kv_heads_major=kv_layout == "bksh")
 
 
 def _cudnn_attention(query, key, value, mask, bias, scale, is_causal: bool):

@@ -55,6 +55,7 @@ class _Static:
   kv_len: int  # unpadded; keys at positions >= kv_len are padding added to fill the last block
   kv_heads: int
   may_hide_rows: bool  # some query row may see no key (masks, biases, causal with q_len > kv_len)
+  kv_heads_major: bool = False  # key / value (and their gradients) [batch, kv_heads, kv_len, head_dim]
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -264,11 +265,13 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, offs
   return dq_u, dk_t.T, dv_t.T, dbias
 
 
-def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None):
+def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None, heads_major=((), ())):
   """Runs `unit_fn(unit, *parts)` for every (batch, kv head) unit and assembles its results.
 
   arrays and results_like are [batch, length, (kv_heads groups), ...]; a unit's part of each is
-  [length, groups, ...]. unit_fn returns (result parts, acc part): each result part goes to its
+  [length, groups, ...]. The arrays and results whose indices heads_major = (array indices,
+  result indices) names are [batch, kv_heads, length, ...] instead (one group: part
+  [length, 1, ...]), the layout of a decode cache's keys and values. unit_fn returns (result parts, acc part): each result part goes to its
   place in a result, acc parts (None or [G', T', S'] per unit) are summed into an accumulator
   shaped acc_like [B', K', G', T', S'] (B', K' each 1 or full) at the unit's (batch, kv head).
 
@@ -276,26 +279,39 @@ def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None):
   results in place. Units side by side (`parallel_units`, vmapped) see head-major copies.
   """
   batch, kv_heads = arrays[0].shape[0], st.kv_heads
+  arrays_hm = [i in heads_major[0] for i in range(len(arrays))]
+  results_hm = [i in heads_major[1] for i in range(len(results_like))]
 
-  def where(x, unit):  # start indices of a unit's part of x
+  def where(x, unit, hm):  # start indices of a unit's part of x
+    if hm:
+      return (unit // kv_heads, unit % kv_heads) + (0,) * (x.ndim - 2)
     groups = x.shape[2] // kv_heads
     return (unit // kv_heads, 0, unit % kv_heads * groups) + (0,) * (x.ndim - 3)
 
-  def part(x, unit):  # a strided copy: [length, groups, ...]
+  def part(x, unit, hm):  # a strided copy: [length, groups, ...]
+    if hm:
+      return lax.dynamic_slice(x, where(x, unit, hm), (1, 1, *x.shape[2:]))[0, 0][:, None]
     sizes = (1, x.shape[1], x.shape[2] // kv_heads, *x.shape[3:])
-    return lax.dynamic_slice(x, where(x, unit), sizes)[0]
+    return lax.dynamic_slice(x, where(x, unit, hm), sizes)[0]
+
+  def put(r, p, unit, hm):  # writes a unit's result part in place
+    p = p[:, 0][None, None] if hm else p[None]
+    return lax.dynamic_update_slice(r, p.astype(r.dtype), where(r, unit, hm))
 
   if st.blocking.parallel_units:
-    def to_units(x):  # [b, t, (k g), ...] -> [(b k), t, g, ...]
+    def to_units(x, hm):  # [b, t, (k g), ...] or [b, k, t, ...] -> [(b k), t, g, ...]
+      if hm:
+        return x.reshape(batch * kv_heads, x.shape[2], 1, *x.shape[3:])
       x = x.reshape(batch, x.shape[1], kv_heads, -1, *x.shape[3:])
       return jnp.moveaxis(x, 2, 1).reshape(batch * kv_heads, *x.shape[1:2], *x.shape[3:])
 
-    def from_units(x, like):  # inverse of to_units
-      x = x.reshape(batch, kv_heads, *x.shape[1:])
-      return jnp.moveaxis(x, 1, 2).reshape(like.shape).astype(like.dtype)
+    def from_units(x, like, hm):  # inverse of to_units
+      if not hm:
+        x = jnp.moveaxis(x.reshape(batch, kv_heads, *x.shape[1:]), 1, 2)
+      return x.reshape(like.shape).astype(like.dtype)
 
-    parts, acc = jax.vmap(unit_fn)(jnp.arange(batch * kv_heads), *map(to_units, arrays))
-    results = tuple(map(from_units, parts, results_like))
+    parts, acc = jax.vmap(unit_fn)(jnp.arange(batch * kv_heads), *map(to_units, arrays, arrays_hm))
+    results = tuple(map(from_units, parts, results_like, results_hm))
     if acc_like is not None:  # [(b k), G', T', S'] -> the accumulator's broadcast shape
       acc = acc.reshape(batch, kv_heads, *acc.shape[1:])
       acc = acc.sum(axis=tuple(a for a in (0, 1) if acc_like.shape[a] == 1), keepdims=True)
@@ -303,9 +319,8 @@ def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None):
 
   def step(unit, carry):
     results, acc = carry
-    parts, acc_part = unit_fn(unit, *(part(x, unit) for x in arrays))
-    results = tuple(lax.dynamic_update_slice(r, p[None].astype(r.dtype), where(r, unit))
-                    for r, p in zip(results, parts))
+    parts, acc_part = unit_fn(unit, *map(part, arrays, [unit] * len(arrays), arrays_hm))
+    results = tuple(map(put, results, parts, [unit] * len(results), results_hm))
     if acc is not None:
       starts = (unit // kv_heads if acc.shape[0] > 1 else 0, unit % kv_heads if acc.shape[1] > 1 else 0, 0, 0, 0)
       acc_part = lax.dynamic_slice(acc, starts, (1, 1, *acc_part.shape)) + acc_part[None, None]
@@ -326,7 +341,8 @@ def _forward(query, key, value, mask, bias, query_offset, st: _Static):
                          query_offset[b], st), None
 
   lse_like = jax.ShapeDtypeStruct(query.shape[:3], jnp.float32)
-  return _map_units(unit_fn, (query, key, value), (query, lse_like), st)[0]
+  kv = (1, 2) if st.kv_heads_major else ()
+  return _map_units(unit_fn, (query, key, value), (query, lse_like), st, heads_major=(kv, ()))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -351,8 +367,9 @@ def _attention_bwd(st, residuals, o_grad):
     return (dq_u, dk_u[:, None], dv_u[:, None]), dbias_u
 
   dbias_like = None if bias is None else jax.ShapeDtypeStruct(bias.shape, jnp.float32)
+  kv = (1, 2) if st.kv_heads_major else ()
   (dq, dk, dv), dbias = _map_units(unit_fn, (query, key, value, o_grad, lse, delta), (query, key, value), st,
-                                   dbias_like)
+                                   dbias_like, heads_major=(kv, kv))
   return dq, dk, dv, None, None if bias is None else dbias.astype(bias.dtype), None
 
 
@@ -360,13 +377,15 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # Jitted so that eager calls compile the block loops once per shape instead of op by op.
-@functools.partial(jax.jit, static_argnames=("is_causal", "blocking"))
-def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal: bool, blocking: Blocking):
+@functools.partial(jax.jit, static_argnames=("is_causal", "blocking", "kv_heads_major"))
+def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal: bool, blocking: Blocking,
+                      kv_heads_major: bool = False):
   """Attention over blocks; shapes as `dot_product_attention` (inputs already validated).
 
   Args:
     query: [batch, q_len, heads, head_dim], already multiplied by the score scale;
-      key, value: [batch, kv_len, kv_heads, head_dim].
+      key, value: [batch, kv_len, kv_heads, head_dim], or [batch, kv_heads, kv_len, head_dim] if
+      kv_heads_major (read in that layout, no transposed copy).
     mask: None or bool [B', heads | 1, T', S'] with B' in {1, batch}, T' in {1, q_len}, S' in {1, kv_len}.
     bias: None or float, shaped like mask.
     query_offset: int [batch], absolute position of query 0 (used when is_causal).
@@ -374,14 +393,14 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
     [batch, q_len, heads, head_dim] in query's dtype.
   """
   b, t, n, h = query.shape
-  s, kv_heads = key.shape[1], key.shape[2]
+  s, kv_heads = (key.shape[2], key.shape[1]) if kv_heads_major else (key.shape[1], key.shape[2])
   groups = n // kv_heads
   bq = t if blocking.parallel_units else min(blocking.block_q, t)
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
   st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads,
-               may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s))
+               may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s), kv_heads_major=kv_heads_major)
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
     if x is None:
@@ -390,6 +409,7 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
     return _pad_axis(_pad_axis(x, 3, t_pad, pad_value), 4, s_pad, pad_value)
 
   query = _pad_axis(query, 1, t_pad)
-  key, value = _pad_axis(key, 1, s_pad), _pad_axis(value, 1, s_pad)
+  kv_axis = 2 if kv_heads_major else 1
+  key, value = _pad_axis(key, kv_axis, s_pad), _pad_axis(value, kv_axis, s_pad)
   out = _attention(query, key, value, five_d(mask, False), five_d(bias, 0.0), query_offset, st)
   return out[:, :t] if t_pad > t else out
