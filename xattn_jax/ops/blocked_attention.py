@@ -11,10 +11,11 @@ smaller `block_k` an online softmax runs over the key blocks (the "chunked" path
 
 The kernel reads every unit's rows straight out of the [batch, length, heads, head_dim] arrays
 and writes its results straight into arrays of that layout: no head-major copy of the queries,
-keys, values, output or gradients is made. On CPU the full-size transposes and their fresh
-temporaries cost more than the strided reads: against a kernel that transposed, the forward takes
-0.85-0.92x the time and forward+backward 0.92-0.99x at length 512 and 2048 (batch 8, 8 heads).
-Only the GPU / TPU schedule (`Blocking.parallel_units`), which vmaps the units, transposes them
+keys, values, output or gradients is made. Keys and values may also come in a decode cache's
+[batch, kv_heads, length, head_dim] layout (`kv_heads_major`), read as they are. On CPU the
+full-size transposes and their fresh temporaries cost more than the strided reads: against a
+kernel that transposed, the forward takes 0.85-0.92x the time and forward+backward 0.92-0.99x at
+length 512 and 2048 (batch 8, 8 heads). Only the GPU / TPU schedule (`Blocking.parallel_units`), which vmaps the units, transposes them
 to head-major once.
 
 Masks never need to be materialized at [q, kv]: causal masking is built inside each block from
