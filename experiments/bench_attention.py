@@ -2,7 +2,7 @@
 
 Speed: batch 8, 8 heads, head_dim 64, float32, lengths 128 / 512 / 2048; forward and
 forward+backward (gradients w.r.t. query, key and value of the output's sum), medians of several
-runs after a warm-up, `block_until_ready` on every result; torch runs with as many threads as JAX
+rounds after a warm-up (every row of a length interleaved round by round), `block_until_ready` on every result; torch runs with as many threads as JAX
 has cores. Memory: peak resident set of dense (`jax.nn.dot_product_attention`, which materializes
 the [batch, heads, q, kv] scores) versus our paths at length 16384 (batch 1, 8 heads), each in its
 own fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
@@ -34,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_common import blocked_median_seconds  # noqa: E402
 from xattn_jax.ops import attention  # noqa: E402
 
 OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked",
@@ -98,13 +99,19 @@ def speed_rows(lengths, batch, heads, head_dim, threads, repeats_at, dtype="floa
   for length in lengths:
     arrays = [jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), dtype) for _ in range(3)]
     repeats = repeats_at(length)
-    row = {"length": length, "dtype": dtype, "ms": {}}
-    torch_fwd, torch_bwd = torch_runners(arrays, threads)
-    row["ms"]["torch SDPA"] = [median_ms(torch_fwd, repeats), median_ms(torch_bwd, repeats)]
+    runners = dict(zip((("torch SDPA", 0), ("torch SDPA", 1)), torch_runners(arrays, threads)))
     for name in names_for(dtype):
       fwd, bwd = forward_and_backward(jax_attention_fn(name))
-      row["ms"][name] = [median_ms(lambda: jax.block_until_ready(fwd(*arrays)), repeats),
-                         median_ms(lambda: jax.block_until_ready(bwd(*arrays)), repeats)]
+      runners[name, 0] = lambda fwd=fwd: jax.block_until_ready(fwd(*arrays))
+      runners[name, 1] = lambda bwd=bwd: jax.block_until_ready(bwd(*arrays))
+    # Every row interleaved in rounds, so load changes hit them alike. In a round each row first runs
+    # once untimed, so the timed runs follow a run of the same program, as in a training loop: right
+    # after another library's call its threads still spin, and right after a call that freed
+    # gigabytes (jax.nn's backward) the allocator faults its pages back in. Short calls run 3 a round.
+    seconds = blocked_median_seconds(runners, blocks=repeats, per_block=3 if length <= 512 or ON_GPU else 1,
+                                     warmup=1, drop_first=True)
+    row = {"length": length, "dtype": dtype,
+           "ms": {name: [seconds[name, 0] * 1e3, seconds[name, 1] * 1e3] for name, mode in runners if mode == 0}}
     print(json.dumps(row), flush=True)
     rows.append(row)
   return rows
@@ -166,7 +173,8 @@ def to_markdown(meta, speed, memory):
            f"torch {meta['torch']} with {meta['torch_threads']} threads")
   lines = [f"# Attention benchmark ({meta['date']})", "",
            f"Machine: {meta['machine']}; {where}. Load average at start: {meta['load_average']}. "
-           f"Medians of {meta['repeats']} runs after a warm-up.", ""]
+           f"Medians over {meta['repeats']} after a warm-up; within a length every row is timed round by "
+           "round, interleaved with the others, each round's timed runs after one untimed run.", ""]
   digits = 3 if ON_GPU else 1
   for dtype in dict.fromkeys(row["dtype"] for row in speed):
     lines += [f"## Speed: batch {meta['batch']}, {meta['heads']} heads, head_dim {meta['head_dim']}, {dtype} (ms)", "",
@@ -210,17 +218,17 @@ def main():
   batch, heads, head_dim = (2, 2, 16) if args.quick else (8, 8, 64)
   lengths = (32, 64) if args.quick else (128, 512, 2048)
   memory_length = 256 if args.quick else 16384
-  repeats_at = (lambda length: 2) if args.quick else (lambda length: 9 if length <= 512 else 5)
+  repeats_at = (lambda length: 2) if args.quick else (lambda length: 5)
   if ON_GPU and not args.quick:  # milliseconds a call: many more runs for the same wall time
-    repeats_at = lambda length: 30
+    repeats_at = lambda length: 10
   meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores,
           "machine": f"{platform.processor() or platform.machine()}, {cores} cores",
           "jax": jax.__version__, "jax_devices": jax.local_device_count(),
           "jax_device_kind": jax.devices()[0].device_kind, "torch": torch.__version__,
           "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
           "batch": batch, "heads": heads, "head_dim": head_dim,
-          "repeats": ("30; 3 for memory" if ON_GPU else "5 (length 2048) / 9 (shorter); 1 for memory")
-          if not args.quick else 2}
+          "repeats": ("10 rounds of 3; 3 for memory" if ON_GPU else
+                      "5 rounds, 3 timed runs a round up to length 512, 1 beyond; 1 for memory") if not args.quick else 2}
   speed = []
   for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
     speed += speed_rows(lengths, batch, heads, head_dim, cores, repeats_at, dtype)
