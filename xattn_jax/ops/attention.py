@@ -149,8 +149,8 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
     # (batch 8, 8 heads) the forward took 0.8x the time at length 1024 and 2048, 0.6x at 3072;
     # forward+backward 1.04x, 0.94x and 0.76x. Fewer than 64 rows lose more to per-iteration
     # overhead than they gain in cache (16 ran 2.4x slower than chunked at 16384). The queries are
-    # then split evenly into that many blocks (rows rounded up to a multiple of 8), so padding
-    # stays small: 1030 queries run as 2 x 520, not 2 x 1024.
+    # then split evenly into as many blocks as that size needs (rows rounded up to a multiple of 8),
+    # so padding stays small: 1030 queries run as 2 x 520, not 2 x 1024.
     target = 1 << max(6, min(10, max(1, 2 ** 21 // kv_len).bit_length() - 1))
     blocks = math.ceil(q_len / target)
     block_q = q_len if blocks == 1 else math.ceil(math.ceil(q_len / blocks) / 8) * 8
