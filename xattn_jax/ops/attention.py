@@ -142,9 +142,7 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   scores. GPU / TPU: all units side by side, 512 keys per step."""
   if backend != "cpu":
     return blocked_attention.Blocking(block_q=q_len, block_k=512, parallel_units=True)
-  if implementation == "xla":
-    if q_len * kv_len <= _FUSED_UP_TO_SCORES:  # (reached only when forced: "xla" runs these fused)
-      return blocked_attention.Blocking(block_q=q_len, block_k=kv_len)
+  if implementation == "xla":  # (only beyond _FUSED_UP_TO_SCORES: below, "xla" runs fused)
     # About 2M scores (8 MiB) per query block, 64 to 1024 rows. Against blocks of 2^18 scores
     # (batch 8, 8 heads) the forward took 0.8x the time at length 1024 and 2048, 0.6x at 3072;
     # forward+backward 1.04x, 0.94x and 0.76x. Fewer than 64 rows lose more to per-iteration
