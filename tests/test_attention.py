@@ -22,7 +22,7 @@ SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
 def small_chunked_blocks(monkeypatch):
   default = attention.choose_blocking
   monkeypatch.setattr(attention, "choose_blocking",
-                      lambda impl, t, s, backend="cpu": SMALL_BLOCKS if impl == "chunked" else default(impl, t, s, backend))
+                      lambda impl, t, s, backend="cpu", **_: SMALL_BLOCKS if impl == "chunked" else default(impl, t, s, backend, **_))
   monkeypatch.setattr(attention, "_FUSED_UP_TO_SCORES", 0)
 
 
@@ -138,14 +138,15 @@ def test_multi_query_attention_matches_reference(implementation):
   assert_matches_reference(implementation, query, key, value, {"is_causal": True}, atol=2e-5)
 
 
-@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "chunked_parallel_units"])
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "chunked_parallel_units", "chunked_4_units_per_step"])
 @pytest.mark.parametrize("kind", ["bias_mask_causal", "segments"])
 def test_heads_major_key_value_layout_matches_reference(implementation, kind, monkeypatch):
   # kv_layout="bksh" takes key / value as [batch, kv_heads, kv_len, head_dim] (a decode cache's
   # layout); outputs and gradients (returned in that layout) must match the default layout's.
-  if implementation == "chunked_parallel_units":  # the GPU / TPU schedule reads that layout too
-    parallel = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=True)
-    monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu": parallel)
+  if implementation != "chunked" and implementation.startswith("chunked"):  # other schedules read it too
+    blocking = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=implementation.endswith("parallel_units"),
+                                          units_per_step=4 if implementation.endswith("per_step") else 1)
+    monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocking)
     implementation = "chunked"
   query, key, value, kwargs = make_case(kind, seed=11)
   to_heads_major = lambda x: x.transpose(0, 2, 1, 3)
@@ -186,16 +187,50 @@ def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monke
   # (6 queries in blocks of 4: the last one padded). Forced on other backends too ("xla" runs fused there).
   monkeypatch.setattr(attention, "_runs_fused", lambda implementation, *_: implementation == "dense")
   monkeypatch.setattr(attention, "choose_blocking",
-                      lambda impl, t, s, backend="cpu": blocked_attention.Blocking(block_q=4, block_k=s))
+                      lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(block_q=4, block_k=s))
   query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind))
   assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
+
+
+@pytest.mark.parametrize("units_per_step", [2, 4])
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_several_units_per_step_match_reference(kind, implementation, units_per_step, monkeypatch):
+  # The CPU schedule for small blocks: each loop step vmaps several (batch, kv head) units, so its
+  # matmuls are batched over them. 2 batch x 2 kv heads: 2 units per step are one batch element's
+  # kv heads, 4 span both batch elements; the one-pass kernel and the online softmax both.
+  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(
+      block_q=4, block_k=8 if impl == "chunked" else s, units_per_step=units_per_step))
+  query, key, value, kwargs = make_case(kind, seed=60 + KINDS.index(kind))
+  assert_matches_reference(implementation, query, key, value, kwargs, atol=2e-5)
+
+
+def test_units_per_step_must_divide_the_units():
+  query, key, value, _ = random_inputs(seed=0)  # 2 batch x 2 kv heads
+  blocking = blocked_attention.Blocking(block_q=4, block_k=8, units_per_step=3)
+  with pytest.raises(ValueError, match=r"units_per_step=3 must divide batch \* kv_heads = 4"):
+    blocked_attention.blocked_attention(query, key, value, mask=None, bias=None, is_causal=False, blocking=blocking)
+
+
+@pytest.mark.usefixtures("real_dispatch")
+def test_cpu_blocking_puts_one_small_unit_per_thread_in_a_step():
+  # Units per step: up to one per thread while the step's score blocks stay within 2M scores, and a
+  # divisor of batch * kv_heads.
+  choose = functools.partial(attention.choose_blocking, backend="cpu")
+  assert choose("xla", 512, 512, units=64, threads=2).units_per_step == 2
+  assert choose("xla", 512, 512, units=64, threads=16).units_per_step == 8  # 8 x 512 x 512 = 2M scores
+  assert choose("xla", 2048, 2048, units=64, threads=2).units_per_step == 1  # one block is 2M scores
+  assert choose("xla", 512, 512, units=3, threads=2).units_per_step == 1
+  assert choose("xla", 512, 512, units=12, threads=8).units_per_step == 6
+  assert choose("chunked", 1, 8192, units=8, threads=4).units_per_step == 4  # a decode step
+  assert choose("chunked", 8192, 8192, units=8, threads=2) == blocked_attention.Blocking(256, 512, units_per_step=2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_with_parallel_units_matches_reference(kind, monkeypatch):
   # The GPU / TPU schedule (all (batch, kv head) units vmapped, one query block), run on this backend.
   parallel = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=True)
-  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu": parallel)
+  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: parallel)
   query, key, value, kwargs = make_case(kind, seed=20 + KINDS.index(kind))
   assert_matches_reference("chunked", query, key, value, kwargs, atol=2e-5)
 

@@ -1,9 +1,10 @@
 """Attention computed block by block, with a custom VJP that recomputes blocks in the backward.
 
 The work is cut into units (one batch element and one kv head, with the `groups` query heads that
-share it) and, inside a unit, into query blocks and key blocks. Only one block of scores
-[groups, block_q, block_k] exists at a time, so it stays in cache, and the memory of forward and
-backward is linear in the sequence length (flash-attention style: the forward keeps only the
+share it) and, inside a unit, into query blocks and key blocks. On CPU a loop takes
+`units_per_step` units per step (vmapped, so XLA runs their matmuls one unit per thread), and only
+their blocks of scores [groups, block_q, block_k] exist at a time, so they stay in cache; the memory
+of forward and backward is linear in the sequence length (flash-attention style: the forward keeps only the
 output and the log-sum-exp of every query row; the backward recomputes the probabilities).
 
 With `block_k >= kv_len` the softmax over keys is done in one pass (the dense "xla" path); with a
@@ -15,11 +16,13 @@ keys, values, output or gradients is made. Keys and values may also come in a de
 [batch, kv_heads, length, head_dim] layout (`kv_heads_major`), read as they are. On CPU the
 full-size transposes and their fresh temporaries cost more than the strided reads: against a
 kernel that transposed, the forward takes 0.85-0.92x the time and forward+backward 0.92-0.99x at
-length 512 and 2048 (batch 8, 8 heads). Only the GPU / TPU schedule (`Blocking.parallel_units`), which vmaps the units, transposes them
-to head-major once.
+length 512 and 2048 (batch 8, 8 heads); with two units per step at 512, about 0.7x forward and
+0.95x forward+backward (separate runs, relative to torch). Only
+the GPU / TPU schedule (`Blocking.parallel_units`), which vmaps all units, transposes them to
+head-major once.
 
 Masks never need to be materialized at [q, kv]: causal masking is built inside each block from
-positions (query i sits at `query_offset[b] + i`, key j at j), and a boolean mask or bias keeps its
+positions (query i sits at `kv_len - q_len + i`, key j at j), and a boolean mask or bias keeps its
 own broadcast shape, so only the block it covers is sliced out.
 """
 from __future__ import annotations
@@ -39,14 +42,17 @@ from xattn_jax.ops import masks as masks_lib
 class Blocking:
   """Static work split: query rows and keys per block, and how units are scheduled.
 
-  parallel_units=False runs the units one after another, so that each unit's blocks stay in cache
-  (CPU). parallel_units=True runs all units side by side (vmapped: one batched matmul per key
-  block, for GPU / TPU) with one query block spanning every query; memory stays linear in length
-  through the key blocks.
+  parallel_units=False runs the units in a loop, units_per_step of them per step (CPU): a step's
+  units are vmapped, so each of its matmuls is one batched matmul over them, which XLA:CPU spreads
+  over its threads one unit per thread; one unit per step splits each (small) matmul across the
+  threads instead. units_per_step must divide batch * kv_heads. parallel_units=True runs all units
+  side by side (vmapped: one batched matmul per key block, for GPU / TPU) with one query block
+  spanning every query; memory stays linear in length through the key blocks.
   """
   block_q: int
   block_k: int
   parallel_units: bool = False
+  units_per_step: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,7 @@ class _Static:
   kv_heads: int
   may_hide_rows: bool  # some query row may see no key (masks, biases, causal with q_len > kv_len)
   kv_heads_major: bool = False  # key / value (and their gradients) [batch, kv_heads, kv_len, head_dim]
+  query_offset: int = 0  # causal: query i sits at key position query_offset + i (kv_len - q_len)
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -86,7 +93,7 @@ def _block_slice(x, q_start, k_start, block_q, block_k):
   return x
 
 
-def _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Static):
+def _scores(q_rows, k_blk, mask_u, bias_u, q_start, k_start, st: _Static):
   """Masked float32 scores [groups * block_q, block_k] (-inf where masked); q_rows is pre-scaled.
 
   Query rows are [groups * block_q, head_dim]: 2-D matmuls and row reductions run ~15% faster on
@@ -105,7 +112,7 @@ def _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st: _Stat
   if st.kv_len % bk:
     valid = key_positions < st.kv_len  # padding keys added to fill the last block
   if st.is_causal:
-    query_positions = offset_u + q_start + jnp.arange(bq)  # [block_q]
+    query_positions = st.query_offset + q_start + jnp.arange(bq)  # [block_q]
     causal = key_positions[None, :] <= query_positions[:, None]
     valid = causal if valid is None else valid & causal
   mask_blk = _block_slice(mask_u, q_start, k_start, bq, bk)
@@ -121,11 +128,11 @@ def _finite_or_zero(row_max, st: _Static):
   return jnp.where(jnp.isfinite(row_max), row_max, 0.0) if st.may_hide_rows else row_max
 
 
-def _key_blocks_needed(offset_u, q_start, st: _Static, num_key_blocks: int):
+def _key_blocks_needed(q_start, st: _Static, num_key_blocks: int):
   """Number of leading key blocks a query block can see (causal skips blocks above the diagonal)."""
   if not st.is_causal or st.blocking.parallel_units:  # one query block sees every key block
     return num_key_blocks
-  last_key = offset_u + q_start + st.blocking.block_q - 1
+  last_key = st.query_offset + q_start + st.blocking.block_q - 1
   return jnp.clip(last_key // st.blocking.block_k + 1, 0, num_key_blocks)
 
 
@@ -139,7 +146,7 @@ def _unrows(rows, groups: int):
   return jnp.moveaxis(rows.reshape(groups, -1, *rows.shape[1:]), 0, 1)
 
 
-def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, offset_u, q_start, st: _Static):
+def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, q_start, st: _Static):
   """One query block of a unit: rows [groups * block_q, head_dim] -> out rows (float32), lse [groups * block_q]."""
   bk = st.blocking.block_k
   num_key_blocks = k_u.shape[0] // bk
@@ -149,7 +156,7 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, offset_u, q_start, st: _Sta
     k_start = kb * bk
     k_blk = lax.dynamic_slice_in_dim(k_u, k_start, bk)
     v_blk = lax.dynamic_slice_in_dim(v_u, k_start, bk)
-    s = _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
+    s = _scores(q_rows, k_blk, mask_u, bias_u, q_start, k_start, st)
     new_max = jnp.maximum(row_max, s.max(axis=-1))
     # A row with no visible key so far keeps max -inf; use 0 so exp() gives 0, not NaN.
     safe_max = _finite_or_zero(new_max, st)
@@ -161,7 +168,7 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, offset_u, q_start, st: _Sta
 
   if num_key_blocks == 1:
     # One pass: no running maximum to correct.
-    s = _scores(q_rows, k_u, mask_u, bias_u, offset_u, q_start, 0, st)
+    s = _scores(q_rows, k_u, mask_u, bias_u, q_start, 0, st)
     row_max = s.max(axis=-1)
     p = jnp.exp(s - _finite_or_zero(row_max, st)[..., None])
     row_sum = p.sum(axis=-1)
@@ -171,7 +178,7 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, offset_u, q_start, st: _Sta
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, h), jnp.float32))
     row_max, row_sum, acc = lax.fori_loop(
-        0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
+        0, _key_blocks_needed(q_start, st, num_key_blocks), step, init)
   if not st.may_hide_rows:  # every row saw a key: no guards (they cost ~10% of the forward)
     return acc / row_sum[..., None], row_max + jnp.log(row_sum)
   seen = row_sum > 0
@@ -180,14 +187,14 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, offset_u, q_start, st: _Sta
   return out, jnp.where(seen, _finite_or_zero(row_max, st) + jnp.log(row_sum), jnp.inf)
 
 
-def _unit_forward(q_u, k_u, v_u, mask_u, bias_u, offset_u, st: _Static):
+def _unit_forward(q_u, k_u, v_u, mask_u, bias_u, st: _Static):
   """One unit: q_u [q_len_padded, groups, head_dim], k_u, v_u [kv_len_padded, head_dim]
   -> out_u like q_u, lse_u [q_len_padded, groups] (float32)."""
   bq = st.blocking.block_q
   groups = q_u.shape[1]
 
   def block(q_start, q_blk):
-    out_rows, lse_rows = _forward_block(_rows(q_blk), k_u, v_u, mask_u, bias_u, offset_u, q_start, st)
+    out_rows, lse_rows = _forward_block(_rows(q_blk), k_u, v_u, mask_u, bias_u, q_start, st)
     return _unrows(out_rows, groups).astype(q_u.dtype), _unrows(lse_rows, groups)
 
   num_q_blocks = q_u.shape[0] // bq
@@ -204,7 +211,7 @@ def _unit_forward(q_u, k_u, v_u, mask_u, bias_u, offset_u, st: _Static):
   return lax.fori_loop(0, num_q_blocks, step, init)
 
 
-def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, offset_u, st: _Static):
+def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, st: _Static):
   """Gradients of one unit. q_u, o_grad_u [q_len_padded, groups, head_dim]; lse_u, delta_u
   [q_len_padded, groups]; k_u, v_u [kv_len_padded, head_dim]
   -> dq_u like q_u (its dtype), dk_u, dv_u [kv_len_padded, head_dim] (float32), dbias_u or None."""
@@ -219,7 +226,7 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, offs
     k_start = kb * bk
     k_blk = k_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(k_u, k_start, bk)
     v_blk = v_u if num_key_blocks == 1 else lax.dynamic_slice_in_dim(v_u, k_start, bk)
-    s = _scores(q_rows, k_blk, mask_u, bias_u, offset_u, q_start, k_start, st)
+    s = _scores(q_rows, k_blk, mask_u, bias_u, q_start, k_start, st)
     p = jnp.exp(s - lse_rows[..., None])  # [groups * block_q, block_k]
     dp = jnp.einsum("qh,kh->qk", do_rows, v_blk, preferred_element_type=jnp.float32)
     ds = p * (dp - delta_rows[..., None])  # d loss / d scores
@@ -251,7 +258,7 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, offs
       dq_rows, dk_t, dv_t, dbias = step(0, init)
     else:
       dq_rows, dk_t, dv_t, dbias = lax.fori_loop(
-          0, _key_blocks_needed(offset_u, q_start, st, num_key_blocks), step, init)
+          0, _key_blocks_needed(q_start, st, num_key_blocks), step, init)
     dq_blk = _unrows(dq_rows, groups).astype(dq_u.dtype)
     return lax.dynamic_update_slice_in_dim(dq_u, dq_blk, q_start, axis=0), dk_t, dv_t, dbias
 
@@ -276,8 +283,8 @@ def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None, heads_
   place in a result, acc parts (None or [G', T', S'] per unit) are summed into an accumulator
   shaped acc_like [B', K', G', T', S'] (B', K' each 1 or full) at the unit's (batch, kv head).
 
-  Units one after another (CPU) read their parts straight out of the arrays and write their
-  results in place. Units side by side (`parallel_units`, vmapped) see head-major copies.
+  Units in a loop (CPU) read their parts straight out of the arrays and write their results in
+  place. Units side by side (`parallel_units`, vmapped) see head-major copies.
   """
   batch, kv_heads = arrays[0].shape[0], st.kv_heads
   arrays_hm = [i in heads_major[0] for i in range(len(arrays))]
@@ -318,60 +325,71 @@ def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None, heads_
       acc = acc.sum(axis=tuple(a for a in (0, 1) if acc_like.shape[a] == 1), keepdims=True)
     return results, acc
 
-  def step(unit, carry):
+  per_step = st.blocking.units_per_step
+
+  def step(i, carry):
     results, acc = carry
-    parts, acc_part = unit_fn(unit, *map(part, arrays, [unit] * len(arrays), arrays_hm))
-    results = tuple(map(put, results, parts, [unit] * len(results), results_hm))
-    if acc is not None:
-      starts = (unit // kv_heads if acc.shape[0] > 1 else 0, unit % kv_heads if acc.shape[1] > 1 else 0, 0, 0, 0)
-      acc_part = lax.dynamic_slice(acc, starts, (1, 1, *acc_part.shape)) + acc_part[None, None]
-      acc = lax.dynamic_update_slice(acc, acc_part, starts)
+    units = [i * per_step + j for j in range(per_step)]
+    if per_step == 1:
+      parts, acc_part = unit_fn(units[0], *map(part, arrays, units * len(arrays), arrays_hm))
+      parts, acc_parts = [parts], [acc_part]
+    else:  # the step's units vmapped: each matmul is one batched matmul over them
+      stacked = [jnp.stack([part(x, u, hm) for u in units]) for x, hm in zip(arrays, arrays_hm)]
+      parts, acc_part = jax.vmap(unit_fn)(i * per_step + jnp.arange(per_step), *stacked)
+      parts = [[p[j] for p in parts] for j in range(per_step)]
+      acc_parts = [None if acc_part is None else acc_part[j] for j in range(per_step)]
+    for unit, unit_parts, acc_part in zip(units, parts, acc_parts):
+      results = tuple(map(put, results, unit_parts, [unit] * len(results), results_hm))
+      if acc is not None:
+        starts = (unit // kv_heads if acc.shape[0] > 1 else 0, unit % kv_heads if acc.shape[1] > 1 else 0, 0, 0, 0)
+        acc_part = lax.dynamic_slice(acc, starts, (1, 1, *acc_part.shape)) + acc_part[None, None]
+        acc = lax.dynamic_update_slice(acc, acc_part, starts)
     return results, acc
 
+  if (batch * kv_heads) % per_step:
+    raise ValueError(f"Blocking.units_per_step={per_step} must divide batch * kv_heads = {batch * kv_heads}")
   init = (tuple(jnp.zeros(r.shape, r.dtype) for r in results_like),
           None if acc_like is None else jnp.zeros(acc_like.shape, acc_like.dtype))
-  return lax.fori_loop(0, batch * kv_heads, step, init)
+  return lax.fori_loop(0, batch * kv_heads // per_step, step, init)
 
 
-def _forward(query, key, value, mask, bias, query_offset, st: _Static):
+def _forward(query, key, value, mask, bias, st: _Static):
   """query [batch, q_len_padded, heads, head_dim], key, value [batch, kv_len_padded, kv_heads, head_dim]
   -> (out like query, lse [batch, q_len_padded, heads] float32)."""
   def unit_fn(unit, q_u, k_u, v_u):
     b, k = unit // st.kv_heads, unit % st.kv_heads
-    return _unit_forward(q_u, k_u[:, 0], v_u[:, 0], _unit_slice(mask, b, k), _unit_slice(bias, b, k),
-                         query_offset[b], st), None
+    return _unit_forward(q_u, k_u[:, 0], v_u[:, 0], _unit_slice(mask, b, k), _unit_slice(bias, b, k), st), None
 
   lse_like = jax.ShapeDtypeStruct(query.shape[:3], jnp.float32)
   kv = (1, 2) if st.kv_heads_major else ()
   return _map_units(unit_fn, (query, key, value), (query, lse_like), st, heads_major=(kv, ()))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(query, key, value, mask, bias, query_offset, st):
-  return _forward(query, key, value, mask, bias, query_offset, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(query, key, value, mask, bias, st):
+  return _forward(query, key, value, mask, bias, st)[0]
 
 
-def _attention_fwd(query, key, value, mask, bias, query_offset, st):
-  out, lse = _forward(query, key, value, mask, bias, query_offset, st)
-  return out, (query, key, value, mask, bias, query_offset, out, lse)
+def _attention_fwd(query, key, value, mask, bias, st):
+  out, lse = _forward(query, key, value, mask, bias, st)
+  return out, (query, key, value, mask, bias, out, lse)
 
 
 def _attention_bwd(st, residuals, o_grad):
-  query, key, value, mask, bias, query_offset, out, lse = residuals
+  query, key, value, mask, bias, out, lse = residuals
   delta = jnp.einsum("btnh,btnh->btn", o_grad.astype(jnp.float32), out.astype(jnp.float32))
 
   def unit_fn(unit, q_u, k_u, v_u, o_grad_u, lse_u, delta_u):
     b, k = unit // st.kv_heads, unit % st.kv_heads
     dq_u, dk_u, dv_u, dbias_u = _unit_backward(
-        q_u, o_grad_u, lse_u, delta_u, k_u[:, 0], v_u[:, 0], _unit_slice(mask, b, k), _unit_slice(bias, b, k),
-        query_offset[b], st)
+        q_u, o_grad_u, lse_u, delta_u, k_u[:, 0], v_u[:, 0], _unit_slice(mask, b, k), _unit_slice(bias, b, k), st)
     return (dq_u, dk_u[:, None], dv_u[:, None]), dbias_u
 
   dbias_like = None if bias is None else jax.ShapeDtypeStruct(bias.shape, jnp.float32)
   kv = (1, 2) if st.kv_heads_major else ()
   (dq, dk, dv), dbias = _map_units(unit_fn, (query, key, value, o_grad, lse, delta), (query, key, value), st,
                                    dbias_like, heads_major=(kv, kv))
-  return dq, dk, dv, None, None if bias is None else dbias.astype(bias.dtype), None
+  return dq, dk, dv, None, None if bias is None else dbias.astype(bias.dtype)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -379,7 +397,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 # Jitted so that eager calls compile the block loops once per shape instead of op by op.
 @functools.partial(jax.jit, static_argnames=("is_causal", "blocking", "kv_heads_major"))
-def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal: bool, blocking: Blocking,
+def blocked_attention(query, key, value, *, mask, bias, is_causal: bool, blocking: Blocking,
                       kv_heads_major: bool = False):
   """Attention over blocks; shapes as `dot_product_attention` (inputs already validated).
 
@@ -389,7 +407,6 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
       kv_heads_major (read in that layout, no transposed copy).
     mask: None or bool [B', heads | 1, T', S'] with B' in {1, batch}, T' in {1, q_len}, S' in {1, kv_len}.
     bias: None or float, shaped like mask.
-    query_offset: int [batch], absolute position of query 0 (used when is_causal).
   Returns:
     [batch, q_len, heads, head_dim] in query's dtype.
   """
@@ -401,7 +418,8 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
   st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads,
-               may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s), kv_heads_major=kv_heads_major)
+               may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s), kv_heads_major=kv_heads_major,
+               query_offset=s - t)
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
     if x is None:
@@ -412,5 +430,5 @@ def blocked_attention(query, key, value, *, mask, bias, query_offset, is_causal:
   query = _pad_axis(query, 1, t_pad)
   kv_axis = 2 if kv_heads_major else 1
   key, value = _pad_axis(key, kv_axis, s_pad), _pad_axis(value, kv_axis, s_pad)
-  out = _attention(query, key, value, five_d(mask, False), five_d(bias, 0.0), query_offset, st)
+  out = _attention(query, key, value, five_d(mask, False), five_d(bias, 0.0), st)
   return out[:, :t] if t_pad > t else out
