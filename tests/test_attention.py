@@ -1,5 +1,7 @@
 """dot_product_attention: every implementation against a plain reference, masks, causality, validation."""
 import functools
+import math
+from unittest import mock
 
 import chex
 import jax
@@ -166,11 +168,16 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference(implementation
 
 @settings(max_examples=3, deadline=None)
 @given(b=st.integers(1, 2), t=st.integers(1, 13), s=st.integers(1, 19), kv_heads=st.sampled_from([1, 2]),
-       groups=st.sampled_from([1, 2]), causal=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups, causal, seed):
+       groups=st.sampled_from([1, 2]), causal=st.booleans(), per_step=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2 ** 16))
+def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups, causal, per_step, seed):
   query, key, value, rng = random_inputs(seed, b=b, t=t, s=s, heads=kv_heads * groups, kv_heads=kv_heads, h=4)
   mask = jnp.asarray(rng.random((b, 1, t, s)) > 0.3)
-  assert_matches_reference("chunked", query, key, value, {"mask": mask, "is_causal": causal}, atol=2e-5)
+  per_step = math.gcd(per_step, b * kv_heads)  # units per loop step must divide the units
+  blocking = blocked_attention.Blocking(block_q=4, block_k=8, units_per_step=per_step)
+  ours = functools.partial(attention.dot_product_attention, implementation="chunked")
+  with mock.patch.object(attention, "choose_blocking", lambda *_, **__: blocking):
+    assert_function_matches_reference(ours, query, key, value, {"mask": mask, "is_causal": causal}, atol=2e-5)
 
 
 def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch):
