@@ -23,8 +23,8 @@ SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
 @pytest.fixture(autouse=True)
 def small_chunked_blocks(monkeypatch):
   default = attention.choose_blocking
-  monkeypatch.setattr(attention, "choose_blocking",
-                      lambda impl, t, s, backend="cpu", **_: SMALL_BLOCKS if impl == "chunked" else default(impl, t, s, backend, **_))
+  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **kw: (
+      SMALL_BLOCKS if impl == "chunked" else default(impl, t, s, backend, **kw)))
   monkeypatch.setattr(attention, "_FUSED_UP_TO_SCORES", 0)
 
 

@@ -18,7 +18,8 @@ Implementations:
              "dense" up to 256 x 256 scores per head, beyond that a loop over (batch, kv head)
              units and query blocks so the score blocks stay in cache, one small unit per thread
              in each step, with a custom VJP that recomputes them (`blocked_attention`); never
-             slower than `jax.nn.dot_product_attention` there. On GPU / TPU: "dense" (one fused program, as `jax.nn`'s "xla").
+             slower than `jax.nn.dot_product_attention` there. On GPU / TPU: "dense" (one fused
+             program, as `jax.nn`'s "xla").
   "chunked": online softmax over key blocks: forward and backward memory linear in length. On CPU
              the units run in a loop (one per thread in each step); on GPU / TPU side by side
              (`Blocking.parallel_units`).
@@ -225,8 +226,8 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     return _cudnn_attention(query, key, value, mask, bias, scale, bool(is_causal))
   query = query * jnp.asarray(scale, query.dtype)
   return blocked_attention.blocked_attention(
-      query, key, value, mask=mask, bias=bias, is_causal=bool(is_causal), blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads),
-      kv_heads_major=kv_layout == "bksh")
+      query, key, value, mask=mask, bias=bias, is_causal=bool(is_causal),
+      blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads), kv_heads_major=kv_layout == "bksh")
 
 
 def _cudnn_attention(query, key, value, mask, bias, scale, is_causal: bool):

@@ -3,9 +3,10 @@
 The work is cut into units (one batch element and one kv head, with the `groups` query heads that
 share it) and, inside a unit, into query blocks and key blocks. On CPU a loop takes
 `units_per_step` units per step (vmapped, so XLA runs their matmuls one unit per thread), and only
-their blocks of scores [groups, block_q, block_k] exist at a time, so they stay in cache; the memory
-of forward and backward is linear in the sequence length (flash-attention style: the forward keeps only the
-output and the log-sum-exp of every query row; the backward recomputes the probabilities).
+their blocks of scores [groups, block_q, block_k] exist at a time, so they stay in cache; the
+memory of forward and backward is linear in the sequence length (flash-attention style: the
+forward keeps only the output and the log-sum-exp of every query row; the backward recomputes the
+probabilities).
 
 With `block_k >= kv_len` the softmax over keys is done in one pass (the dense "xla" path); with a
 smaller `block_k` an online softmax runs over the key blocks (the "chunked" path).
@@ -17,9 +18,8 @@ keys, values, output or gradients is made. Keys and values may also come in a de
 full-size transposes and their fresh temporaries cost more than the strided reads: against a
 kernel that transposed, the forward takes 0.85-0.92x the time and forward+backward 0.92-0.99x at
 length 512 and 2048 (batch 8, 8 heads); with two units per step at 512, about 0.7x forward and
-0.95x forward+backward (separate runs, relative to torch). Only
-the GPU / TPU schedule (`Blocking.parallel_units`), which vmaps all units, transposes them to
-head-major once.
+0.95x forward+backward (separate runs, relative to torch). Only the GPU / TPU schedule
+(`Blocking.parallel_units`), which vmaps all units, transposes them to head-major once.
 
 Masks never need to be materialized at [q, kv]: causal masking is built inside each block from
 positions (query i sits at `kv_len - q_len + i`, key j at j), and a boolean mask or bias keeps its
@@ -279,12 +279,14 @@ def _map_units(unit_fn, arrays, results_like, st: _Static, acc_like=None, heads_
   arrays and results_like are [batch, length, (kv_heads groups), ...]; a unit's part of each is
   [length, groups, ...]. The arrays and results whose indices heads_major = (array indices,
   result indices) names are [batch, kv_heads, length, ...] instead (one group: part
-  [length, 1, ...]), the layout of a decode cache's keys and values. unit_fn returns (result parts, acc part): each result part goes to its
-  place in a result, acc parts (None or [G', T', S'] per unit) are summed into an accumulator
-  shaped acc_like [B', K', G', T', S'] (B', K' each 1 or full) at the unit's (batch, kv head).
+  [length, 1, ...]), the layout of a decode cache's keys and values. unit_fn returns (result
+  parts, acc part): each result part goes to its place in a result, acc parts (None or
+  [G', T', S'] per unit) are summed into an accumulator shaped acc_like [B', K', G', T', S']
+  (B', K' each 1 or full) at the unit's (batch, kv head).
 
   Units in a loop (CPU) read their parts straight out of the arrays and write their results in
-  place. Units side by side (`parallel_units`, vmapped) see head-major copies.
+  place; with units_per_step > 1 the step's parts are stacked and unit_fn is vmapped over them.
+  Units side by side (`parallel_units`, vmapped) see head-major copies.
   """
   batch, kv_heads = arrays[0].shape[0], st.kv_heads
   arrays_hm = [i in heads_major[0] for i in range(len(arrays))]
