@@ -230,6 +230,22 @@ def test_an_eval_line_longer_than_model_max_length_stops_before_training_naming_
     _tsv_task(tmp_path, ["1 cat\t1 chat"], ["2 cats\t2 chats", "x" * 40 + "\ty"])
 
 
+def test_a_corpus_is_parsed_once_per_run_and_again_when_it_changes(tmp_path, monkeypatch):
+  # The config check and the task both read the corpus; an unchanged file is parsed once.
+  corpus = tmp_path / "train.tsv"
+  corpus.write_text("one\tun\ntwo\tdeux\n")
+  parsed = []
+  read = translate_task.tsv.read_parallel_tsv
+  monkeypatch.setattr(translate_task.tsv, "read_parallel_tsv", lambda path: parsed.append(path) or read(path))
+  translate_task._parse_tsv.cache_clear()
+  first = translate_task._read_tsv("data.train_file", str(corpus))
+  assert translate_task._read_tsv("data.train_file", str(corpus)) == first == (("one", "un"), ("two", "deux"))
+  assert len(parsed) == 1
+  corpus.write_text("one\tun\ntwo\tdeux\nthree\ttrois\n")  # a new size: read again
+  assert translate_task._read_tsv("data.train_file", str(corpus))[-1] == ("three", "trois")
+  assert len(parsed) == 2
+
+
 def test_tsv_config_rejects_a_malformed_line_with_file_and_line(tmp_path):
   train = tmp_path / "train.tsv"
   train.write_text("one\tun\ntwo deux\nthree\ttrois\n")
