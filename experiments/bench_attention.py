@@ -3,9 +3,9 @@
 Speed: batch 8, 8 heads, head_dim 64, float32, lengths 128 / 512 / 2048; forward and
 forward+backward (gradients w.r.t. query, key and value of the output's sum), medians of several
 rounds after a warm-up (every row of a length interleaved round by round), `block_until_ready` on
-every result; torch runs with as many threads as JAX has cores. Memory: peak resident set of dense (`jax.nn.dot_product_attention`, which materializes
-the [batch, heads, q, kv] scores) versus our paths at length 16384 (batch 1, 8 heads), each in its
-own fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
+every result; torch runs with as many threads as JAX has cores. Memory: peak resident set of dense
+(`jax.nn.dot_product_attention`, which materializes the [batch, heads, q, kv] scores) versus our
+paths at length 16384 (batch 1, 8 heads), each in its own fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
 
 On a GPU backend the same tables are made on the GPU (torch on CUDA, synchronized), in float32
 and in bfloat16 with cuDNN rows (ours and jax.nn's), memory as the device's peak bytes in use;

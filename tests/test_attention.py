@@ -28,6 +28,12 @@ def small_chunked_blocks(monkeypatch):
   monkeypatch.setattr(attention, "_FUSED_UP_TO_SCORES", 0)
 
 
+def force_blocking(monkeypatch, blocking):
+  """Every blocked call takes `blocking`: a Blocking, or a function of (implementation, kv_len)."""
+  make = blocking if callable(blocking) else lambda impl, s: blocking
+  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: make(impl, s))
+
+
 def reference_attention(query, key, value, bias=None, mask=None, is_causal=False):
   """Straightforward dense attention in float32; rows with no visible key give zeros."""
   b, t, n, h = query.shape
@@ -148,7 +154,7 @@ def test_heads_major_key_value_layout_matches_reference(implementation, kind, mo
   if implementation != "chunked" and implementation.startswith("chunked"):  # other schedules read it too
     blocking = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=implementation.endswith("parallel_units"),
                                           units_per_step=4 if implementation.endswith("per_step") else 1)
-    monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocking)
+    force_blocking(monkeypatch, blocking)
     implementation = "chunked"
   query, key, value, kwargs = make_case(kind, seed=11)
   to_heads_major = lambda x: x.transpose(0, 2, 1, 3)
@@ -193,8 +199,7 @@ def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monke
   # "xla"'s blocked kernel as it runs long sequences on CPU: all keys at once, several query blocks
   # (6 queries in blocks of 4: the last one padded). Forced on other backends too ("xla" runs fused there).
   monkeypatch.setattr(attention, "_runs_fused", lambda implementation, *_: implementation == "dense")
-  monkeypatch.setattr(attention, "choose_blocking",
-                      lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(block_q=4, block_k=s))
+  force_blocking(monkeypatch, lambda impl, s: blocked_attention.Blocking(block_q=4, block_k=s))
   query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind))
   assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
 
@@ -206,7 +211,7 @@ def test_several_units_per_step_match_reference(kind, implementation, units_per_
   # matmuls are batched over them. 2 batch x 2 kv heads: 2 units per step are one batch element's
   # kv heads (here with the one-pass kernel), 4 span both batch elements (with the online softmax;
   # the random-shape test mixes the rest).
-  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(
+  force_blocking(monkeypatch, lambda impl, s: blocked_attention.Blocking(
       block_q=4, block_k=8 if impl == "chunked" else s, units_per_step=units_per_step))
   query, key, value, kwargs = make_case(kind, seed=60 + KINDS.index(kind))
   assert_matches_reference(implementation, query, key, value, kwargs, atol=2e-5)
@@ -237,7 +242,7 @@ def test_cpu_blocking_puts_one_small_unit_per_thread_in_a_step():
 def test_chunked_with_parallel_units_matches_reference(kind, monkeypatch):
   # The GPU / TPU schedule (all (batch, kv head) units vmapped, one query block), run on this backend.
   parallel = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=True)
-  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: parallel)
+  force_blocking(monkeypatch, parallel)
   query, key, value, kwargs = make_case(kind, seed=20 + KINDS.index(kind))
   assert_matches_reference("chunked", query, key, value, kwargs, atol=2e-5)
 

@@ -4,11 +4,12 @@ Without gradients the CPU forward normalizes the OUTPUT: exp against the row max
 divide of the [..., head_dim] rows by the row sums, which is cheaper than dividing the [q, kv]
 probabilities there. On GPU the other order is faster (XLA fuses the divide into the exp; measured
 on an H200, float32, length 2048: 1.49 ms against 1.74 ms, `jax.nn` 1.56 ms), so every other
-backend runs the differentiable forward's order. Under differentiation the forward keeps the normalized float32 probabilities as the
-residual and the backward is the textbook softmax backward without recomputation. Measured on CPU
-(batch 8, 8 heads, head_dim 64, length 128) both beat XLA's autodiff of the plain formula and
-`jax.nn.dot_product_attention`; at 256 x 256 it still beats the blocked kernel (7 vs 15 ms forward),
-at 512 x 512 the blocked kernel wins (the score tensor no longer fits in cache).
+backend runs the differentiable forward's order. Under differentiation the forward keeps the
+normalized float32 probabilities as the residual and the backward is the textbook softmax backward
+without recomputation. Measured on CPU (batch 8, 8 heads, head_dim 64, length 128) both beat XLA's
+autodiff of the plain formula and `jax.nn.dot_product_attention`; at 256 x 256 it still beats the
+blocked kernel (7 vs 15 ms forward), at 512 x 512 the blocked kernel wins (the score tensor no
+longer fits in cache).
 
 Inputs are validated by `attention.dot_product_attention`; queries arrive already scaled.
 """
