@@ -473,6 +473,13 @@ def _validation_cases():
       ("kv_layout", dict(query=q, key=k, value=v, kv_layout="bhsd"), ["kv_layout", "'bhsd'", "bksh"]),
       ("heads_major_head_dim", dict(query=q, key=jnp.zeros((2, 2, 7, 6)), value=v, kv_layout="bksh"),
        ["key", "[2, kv_heads, kv_len, 8]", "[2, 2, 7, 6]"]),
+      # An int query would make the scale 0 (uniform attention); bool / complex would return bool / real.
+      ("int_query", dict(query=q.astype(jnp.int32), key=k, value=v), ["query", "floating point", "int32"]),
+      ("bool_value", dict(query=q, key=k, value=v.astype(bool)), ["value", "floating point", "bool"]),
+      ("complex_key", dict(query=q, key=k.astype(jnp.complex64), value=v), ["key", "floating point", "complex64"]),
+      ("empty_batch", dict(query=q[:0], key=k[:0], value=v[:0]), ["query", "empty", "[0, 5, 4, 8]"]),
+      ("empty_kv", dict(query=q, key=k[:, :0], value=v[:, :0]), ["key", "empty", "[2, 0, 2, 8]"]),
+      ("scale_vector", dict(query=q, key=k, value=v, scale=jnp.ones(4)), ["scale", "scalar", "[4]"]),
   ]
 
 
@@ -482,3 +489,13 @@ def test_invalid_arguments_raise_value_error_naming_argument_and_shapes(name, kw
     attention.dot_product_attention(**kwargs)
   for needle in needles:
     assert needle in str(info.value), (name, str(info.value))
+
+
+def test_inputs_may_be_nested_lists_and_attention_weights_validate_like_the_op():
+  query, key, value, _ = random_inputs(seed=0)
+  np.testing.assert_allclose(attention.dot_product_attention(np.asarray(query).tolist(), key, value),
+                             attention.dot_product_attention(query, key, value), rtol=1e-6)
+  with pytest.raises(ValueError, match="query must be floating point, got int32"):
+    attention.attention_weights(query.astype(jnp.int32), key)
+  with pytest.raises(ValueError, match="scale must be a scalar"):
+    attention.attention_weights(query, key, scale=np.ones(2))

@@ -241,3 +241,20 @@ def test_extend_with_cache_of_other_batch_raises_value_error_naming_cache():
   layer = _layer()
   with pytest.raises(ValueError, match="cache"):
     layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(3, 8))
+
+
+@pytest.mark.parametrize("mask, needle", [
+    (np.ones((2, 1, 1, 4), bool),
+     r"extend: mask must broadcast to \[batch, heads, q_len, max_length\] = \[2, 4, 6, 10\]"),
+    (np.ones((2, 1, 1, 10), np.float32), "extend: mask must be boolean"),
+])
+def test_extend_with_a_bad_mask_names_extend_and_max_length(mask, needle):
+  layer = _layer()
+  with pytest.raises(ValueError, match=needle):
+    layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(2, 10), mask=mask)
+
+
+@pytest.mark.parametrize("batch_size, max_length", [(2, 3.5), (0, 4), (2, -1)])
+def test_init_cache_refuses_non_positive_or_non_int_sizes(batch_size, max_length):
+  with pytest.raises(ValueError, match="init_cache: batch_size and max_length must be positive ints"):
+    _layer().init_cache(batch_size, max_length)

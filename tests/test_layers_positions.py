@@ -124,3 +124,27 @@ def test_rope_2d_attention_without_positions_raises_naming_the_positions():
   layer = MultiHeadAttention(4, 32, rotary=_make("rope_2d").rotary, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"(query|key)_positions \(\[batch, length, 2\]\)"):
     layer(_normal(4, (1, 4, 32)))
+
+
+@pytest.mark.parametrize("head_dim", [2, 4])
+def test_mrope_default_sections_refuse_heads_too_narrow_for_three_axes(head_dim):
+  # 3/8 of 1 or 2 frequency pairs is 0: height and width would get no frequencies at all.
+  with pytest.raises(ValueError, match=f"rotary_dim >= 6 .*got rotary_dim={head_dim}"):
+    _make("mrope", head_dim=head_dim)
+  assert _make("mrope", head_dim=6).rotary.sections == (1, 1, 1)
+
+
+def test_rotary_spec_refuses_empty_mrope_sections():
+  from xattn_jax.layers.rotary import RotarySpec
+  with pytest.raises(ValueError, match=r"sections must be positive ints .*got sections=\(2, 0, 0\)"):
+    RotarySpec(kind="mrope", sections=(2, 0, 0))
+
+
+@pytest.mark.parametrize("name", ["sinusoidal", *GRID_ENCODINGS])
+def test_positions_may_be_python_lists(name):
+  encoding = _make(name)
+  if name == "sinusoidal":
+    x, positions = np.zeros((1, 3, 16), np.float32), [[0, 2, 5]]
+  else:
+    x, positions = np.zeros((1, 2, 16), np.float32), [[[0, 1], [2, 3]]]
+  np.testing.assert_allclose(encoding.add_to_inputs(x, positions), encoding.add_to_inputs(x, np.asarray(positions)))

@@ -88,3 +88,9 @@ def test_invalid_mask_arguments_raise_value_error_naming_them(call, needle):
   with pytest.raises(ValueError, match=None) as info:
     call()
   assert needle in str(info.value)
+
+
+def test_causal_mask_takes_numpy_integer_lengths_and_refuses_bools():
+  np.testing.assert_array_equal(masks.causal_mask(np.int64(3), np.int32(5)), masks.causal_mask(3, 5))
+  with pytest.raises(ValueError, match="q_len=True"):
+    masks.causal_mask(True)

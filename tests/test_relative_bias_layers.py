@@ -168,3 +168,10 @@ def test_t5_bias_rejects_max_distance_inside_the_exact_range():
 def test_relative_bias_rejects_positions_of_the_wrong_rank():
   with pytest.raises(ValueError, match="query_positions"):
     _make("alibi").attention_bias(jnp.zeros((2, 3, 1), jnp.int32), _positions(0, 3))
+
+
+def test_t5_bias_refuses_float_positions_instead_of_truncating_them():
+  # key - query of -0.5 and +0.5 would both truncate to distance 0 (bucket 0).
+  from xattn_jax.ops import relative_bias
+  with pytest.raises(ValueError, match=r"query_positions must be integer positions, got float32\[2\]"):
+    relative_bias.t5_relative_bias(jnp.array([0.5, 1.0]), jnp.arange(3), jnp.zeros((32, 2)), bidirectional=True)

@@ -27,6 +27,7 @@ import einops
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from xattn_jax.layers import dense
@@ -64,17 +65,19 @@ def _check_features(name: str, x, features: int) -> None:
     raise ValueError(f"MultiHeadAttention: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
 
 
-def _check_broadcastable(name: str, array, target: tuple[int, ...]):
+def _check_broadcastable(name: str, array, target: tuple[int, ...], method: str = "__call__"):
   """array (rank <= 4, numpy broadcasting from the right) as rank 4 broadcasting to target =
-  (batch, heads, q_len, kv_len); raises ValueError naming the shapes otherwise."""
+  (batch, heads, q_len, kv_len); raises ValueError naming the method and the shapes otherwise."""
   array = jnp.asarray(array)
+  where = "MultiHeadAttention" if method == "__call__" else f"MultiHeadAttention.{method}"
+  kv_len = "kv_len" if method == "__call__" else "max_length"
   ok = array.ndim <= 4 and all(a in (1, t) for a, t in zip(array.shape[::-1], target[::-1]))
   if not ok:
     raise ValueError(
-        f"MultiHeadAttention: {name} must broadcast to [batch, heads, q_len, kv_len] = {list(target)}, "
+        f"{where}: {name} must broadcast to [batch, heads, q_len, {kv_len}] = {list(target)}, "
         f"got {name}{list(array.shape)}")
   if name == "mask" and array.dtype != jnp.bool_:
-    raise ValueError(f"MultiHeadAttention: mask must be boolean (True = may attend), got dtype {array.dtype}")
+    raise ValueError(f"{where}: mask must be boolean (True = may attend), got dtype {array.dtype}")
   return array.reshape((1,) * (4 - array.ndim) + array.shape)
 
 
@@ -262,9 +265,9 @@ class MultiHeadAttention(nnx.Module):
 
   def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
     """An empty self-attention cache of capacity max_length, in dtype (default: compute dtype)."""
-    if batch_size <= 0 or max_length <= 0:
+    if not all(isinstance(n, (int, np.integer)) and n > 0 for n in (batch_size, max_length)):
       raise ValueError(
-          f"MultiHeadAttention.init_cache: batch_size and max_length must be positive, got "
+          f"MultiHeadAttention.init_cache: batch_size and max_length must be positive ints, got "
           f"batch_size={batch_size}, max_length={max_length}")
     shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
     dtype = self.dtype if dtype is None else dtype
@@ -299,6 +302,8 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"MultiHeadAttention.extend: cache of max_length={max_length} cannot take {length} more tokens at "
           f"index={cache.index if not _is_traced(cache.index) else 'traced'}")
+    if mask is not None:  # named here: once ANDed with the causal mask, a bad shape would blame combine_masks
+      mask = _check_broadcastable("mask", mask, (batch, self.num_heads, length, max_length), "extend")
     index = cache.index
     q = self._project_query(x, positions, start=index)
     new_keys, new_values = self._project_key_value(x, positions, start=index)

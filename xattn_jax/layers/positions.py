@@ -38,6 +38,7 @@ def _sequence_positions(x, positions):
   table is computed once per length, not once per sequence)."""
   if positions is None:
     return jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+  positions = jnp.asarray(positions)
   if positions.shape != x.shape[:2]:
     raise ValueError(f"add_to_inputs: positions must be [batch, length] = {list(x.shape[:2])}, "
                      f"got positions{list(positions.shape)}")
@@ -112,6 +113,7 @@ class _GridPositions(NoPositions):
     batch, length = x.shape[:2]
     if positions is None:
       positions = jnp.broadcast_to(positions_ops.grid_positions(*grid), (batch, grid[0] * grid[1], 2))
+    positions = jnp.asarray(positions)
     if positions.ndim != 3 or positions.shape[0] != batch or positions.shape[-1] != 2 \
         or length != self.num_extra_tokens + positions.shape[1]:
       raise ValueError(
@@ -267,6 +269,10 @@ def _default_mrope_sections(rotary_dim: int) -> tuple[int, int, int]:
   the rest to time ((16, 24, 24) for head_dim 128)."""
   pairs = rotary_dim // 2
   spatial = 3 * pairs // 8
+  if spatial < 1:  # each of the three axes needs at least one frequency pair
+    raise ValueError(f"mrope: the default sections split rotary_dim / 2 = {pairs} frequency pairs 2:3:3 between "
+                     f"(time, height, width) and need rotary_dim >= 6 (head_dim >= 6); got rotary_dim={rotary_dim}. "
+                     "Pass mrope_sections explicitly or use wider heads")
   return (pairs - 2 * spatial, spatial, spatial)
 
 

@@ -52,6 +52,9 @@ class RotarySpec:
     if self.kind == "mrope" and not self.sections:
       raise ValueError("RotarySpec: kind='mrope' needs sections, e.g. sections=(16, 24, 24), got None")
     if self.sections is not None:
+      if any(int(s) != s or s < 1 for s in self.sections):
+        raise ValueError(f"RotarySpec: sections must be positive ints (frequency pairs per axis), "
+                         f"got sections={tuple(self.sections)}")
       # A list would make the spec unhashable, and jit needs hashable static configuration.
       object.__setattr__(self, "sections", tuple(int(s) for s in self.sections))
 

@@ -64,13 +64,17 @@ _KV_AXES = {"bskh": "[batch, kv_len, kv_heads, head_dim]", "bksh": "[batch, kv_h
 
 
 def _validate_qkv(query, key, value, kv_layout: str = "bskh"):
-  """Checks shapes; returns (kv_len, kv_heads)."""
+  """Checks ranks, dtypes and shapes (arrays, not lists); returns (kv_len, kv_heads)."""
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f"dot_product_attention: kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   for name, x in (("query", query), ("key", key), ("value", value)):
+    axes = "[batch, length, heads, head_dim]" if name == "query" else _KV_AXES[kv_layout]
     if jnp.ndim(x) != 4:
-      axes = "[batch, length, heads, head_dim]" if name == "query" else _KV_AXES[kv_layout]
       raise ValueError(f"dot_product_attention: {name} must be rank 4 {axes}, got {name}{_shape(x)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # an int query would turn the scale into 0
+      raise ValueError(f"dot_product_attention: {name} must be floating point, got {x.dtype}{_shape(x)}")
+    if 0 in x.shape:
+      raise ValueError(f"dot_product_attention: {name} {axes} must have no empty dimension, got {name}{_shape(x)}")
   b, _, n, h = query.shape
   s, k = (key.shape[1], key.shape[2]) if kv_layout == "bskh" else (key.shape[2], key.shape[1])
   if key.shape[0] != b or key.shape[3] != h:
@@ -83,6 +87,15 @@ def _validate_qkv(query, key, value, kv_layout: str = "bskh"):
   if value.shape != key.shape:
     raise ValueError(f"dot_product_attention: value must have key's shape {_shape(key)}, got value{_shape(value)}")
   return s, k
+
+
+def _validate_scale(scale, head_dim: int):
+  """head_dim ** -0.5 by default; else a scalar (a float or a 0-d array, traced or not)."""
+  if scale is None:
+    return head_dim ** -0.5
+  if jnp.ndim(scale) != 0:
+    raise ValueError(f"dot_product_attention: scale must be a scalar, got shape {list(jnp.shape(scale))}")
+  return scale
 
 
 def _validate_broadcast(name, x, target):
@@ -199,6 +212,7 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
   Returns:
     [batch, q_len, heads, head_dim] in query's dtype.
   """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
   s, kv_heads = _validate_qkv(query, key, value, kv_layout)
   b, t, n, h = query.shape
   target = (b, n, t, s)
@@ -207,7 +221,7 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
   if implementation not in (None, *IMPLEMENTATIONS):
     raise ValueError(f"dot_product_attention: implementation must be None or one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
-  scale = h ** -0.5 if scale is None else scale
+  scale = _validate_scale(scale, h)
   facts = dict(dtype=query.dtype, head_dim=h, q_len=t, kv_len=s, has_mask=mask is not None,
                has_bias=bias is not None, is_causal=bool(is_causal))
   backend = jax.default_backend()
@@ -260,11 +274,12 @@ def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scal
 
   Rows whose keys are all masked are zero. Arguments as in `dot_product_attention`.
   """
+  query, key = jnp.asarray(query), jnp.asarray(key)
   _validate_qkv(query, key, key)
   b, t, n, h = query.shape
   s = key.shape[1]
   mask = _validate_broadcast("mask", mask, (b, n, t, s))
   bias = _validate_broadcast("bias", bias, (b, n, t, s))
-  scale = h ** -0.5 if scale is None else scale
+  scale = _validate_scale(scale, h)
   query = query * jnp.asarray(scale, query.dtype)
   return dense_attention.probabilities(query, key, mask, bias, bool(is_causal))

@@ -11,6 +11,7 @@ Segment ids: 0 means padding. A padded query attends to nothing (zero output in
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def _shape(x) -> list[int]:
@@ -28,9 +29,11 @@ def causal_mask(q_len: int, kv_len: int | None = None, offset=None) -> jnp.ndarr
       `[batch]` integer array (one cache position per sequence) gives `[batch, 1, q_len, kv_len]`.
   """
   kv_len = q_len if kv_len is None else kv_len
-  if not isinstance(q_len, int) or not isinstance(kv_len, int) or q_len <= 0 or kv_len <= 0:
+  static_int = lambda n: isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0
+  if not (static_int(q_len) and static_int(kv_len)):
     raise ValueError(
         f"causal_mask: q_len and kv_len must be positive static ints, got q_len={q_len!r}, kv_len={kv_len!r}")
+  q_len, kv_len = int(q_len), int(kv_len)
   if offset is None:
     offset = kv_len - q_len
   offset = jnp.asarray(offset)

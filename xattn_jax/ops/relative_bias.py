@@ -100,6 +100,11 @@ def t5_relative_position_bucket(relative_position, *, bidirectional: bool, num_b
 def t5_relative_bias(query_positions, key_positions, table, *, bidirectional: bool,
                      max_distance: int = 128) -> jax.Array:
   """T5 relative bias: table [num_buckets, heads] read at the bucket of key - query: [batch, heads, q, kv]."""
+  for name, positions in (("query_positions", query_positions), ("key_positions", key_positions)):
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):  # buckets are of integer distances
+      raise ValueError(
+          f"t5_relative_bias: {name} must be integer positions, got {positions.dtype}{list(positions.shape)}")
   query_positions, key_positions = _pair_positions(query_positions, key_positions, "t5_relative_bias")
   table = jnp.asarray(table)
   if table.ndim != 2:
