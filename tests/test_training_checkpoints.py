@@ -32,6 +32,20 @@ def test_best_mode_max_keeps_the_highest_metric(tmp_path):
   checkpoints.close()
 
 
+def test_the_best_checkpoint_survives_a_resume(tmp_path):
+  """A resumed run (a new manager on the same directory) still knows the earlier steps' metrics:
+  they were kept only in memory, and the first save after a resume deleted the best step."""
+  first = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, best_metric="eval/exact_match", best_mode="max")
+  for step, metrics in ((200, {"eval/exact_match": 0.9}), (232, None)):  # 232: saved on Ctrl-C, no eval
+    first.save(step, *_tiny(step), {"step": step}, metrics)
+  first.close()
+  resumed = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, best_metric="eval/exact_match", best_mode="max")
+  for step in (300, 350, 400):
+    resumed.save(step, *_tiny(step), {"step": step}, {"eval/exact_match": 0.5} if step % 100 == 0 else None)
+  assert resumed.steps() == [200, 400]
+  resumed.close()
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
   """A toy run's state saved at step 3 with recognisable parameters (all ones)."""

@@ -90,6 +90,10 @@ class Checkpoints:
                                      keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(preserve),
+        # The policy alone keeps the best step only within one process: orbax writes a step's
+        # metrics to disk (its `metrics` item) only when best_fn is set, and a resumed run's policy
+        # read none back, so it deleted the best checkpoint. best_fn makes orbax store and reload them.
+        best_fn=(lambda metrics: metrics[best_metric]) if best_metric else None, best_mode=best_mode,
         # Synchronous saves: when save() returns the step is on disk, so SIGTERM / SIGKILL right
         # after can never leave a half-written "latest" behind.
         enable_async_checkpointing=False, cleanup_tmp_directories=True, create=True)
