@@ -120,6 +120,8 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   # Mesh axis sizes; -1 takes the remaining devices (at most one axis may be -1).
   config.mesh = ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
   config.sharding_rules = ConfigDict(DEFAULT_SHARDING_RULES)
+  # param_dtype: float32 | bfloat16 (float16 parameters underflow Adam; no loss scaling here);
+  # compute_dtype: float32 | bfloat16 | float16.
   config.precision = ConfigDict({"param_dtype": "float32", "compute_dtype": "float32"})
 
   config.infer = ConfigDict({"input_file": "-"})  # "-" reads stdin; one input per line

@@ -106,6 +106,8 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "steps_per_call", 0, "must be a positive integer"),
     ("size=tiny", "steps_per_call", True, "must be a positive integer"),  # a bool passed as 1
     ("size=tiny", "total_steps", True, "must be a positive integer"),
+    ("size=tiny", "optimizer.learning_rate", float("inf"), "must be > 0 and finite"),  # was NaN at step 2
+    ("size=tiny", "optimizer.weight_decay", float("inf"), "must be >= 0 and finite"),
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
@@ -119,6 +121,43 @@ def test_mrope_sections_not_adding_up_is_a_config_error():
   config.model.mrope_sections = (1, 2, 2)
   with pytest.raises(validation.ConfigError, match=r"config\.model\.mrope_sections"):
     validation.validate_config(config)
+
+
+def test_mrope_sections_with_an_empty_axis_are_a_config_error():
+  config = toy_reverse.get_config("size=tiny,posenc=mrope")
+  pairs = sum(config.model.mrope_sections)
+  _assert_refused(config, "model.mrope_sections", (pairs, 0, 0), r"config\.model\.mrope_sections=.*3 positive sections")
+
+
+@pytest.mark.parametrize("config_arg", ["algorithmic:posenc=sinusoidal", "algorithmic:posenc=alibi", "dates"])
+def test_rope_scaling_without_a_rotary_encoding_is_a_config_error(config_arg):
+  """It was ignored: a length-scaling ablation on sinusoidal positions measured nothing."""
+  config = translate_dates.get_config() if config_arg == "dates" else algorithmic.get_config(config_arg.split(":")[1])
+  _assert_refused(config, "model.rope_scaling", "ntk", r"^config\.model\.rope_scaling='ntk': scales rotary positions")
+  config = algorithmic.get_config("posenc=rope")
+  config.model.rope_scaling = "ntk"
+  validation.validate_config(config)
+
+
+def test_float16_parameters_are_a_config_error_that_names_the_alternatives():
+  """They trained to NaN at step 2 (Adam's second moment underflows in float16)."""
+  _assert_refused(toy_reverse.get_config("size=tiny"), "precision.param_dtype", "float16",
+                  r"^config\.precision\.param_dtype='float16': allowed are \['bfloat16', 'float32'\]")
+  config = toy_reverse.get_config("size=tiny")
+  config.precision.compute_dtype = "float16"
+  validation.validate_config(config)
+
+
+def test_a_workdir_of_another_kind_of_run_is_refused_naming_the_task(tmp_path):
+  """Every field of another task's config differs; the first in alphabetical order
+  (model.activation) hid the reason."""
+  loop._write_config(translate_dates.get_config(), str(tmp_path))
+  (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+  with pytest.raises(validation.ConfigError,
+                     match=r"^config\.task\.name='digits': the run in .* was made with 'translate'"):
+    loop.check_same_model(perceiver_digits.get_config(), str(tmp_path))
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.name='digits'"):
+    loop.check_same_model(perceiver_digits.get_config(), str(tmp_path), mode="eval")
 
 
 def test_rotary_head_dim_check_reaches_the_translators_encoder_and_decoder():

@@ -284,11 +284,15 @@ def check_same_model(config, workdir, mode: str = "train"):
     return field.startswith("model.") or field in ("data.tokenizer", "data.vocab_size")
 
   differences = _config_differences(config, workdir)
-  for section in ("model", "task", "data"):  # the first difference reported, in this order
-    for field, (old, new) in differences.items():
-      if field.startswith(section + ".") and watched(field):
-        raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; keep it, or use "
-                                     "a new --workdir")
+  # The first difference reported: another task or model by name (a whole other kind of run: its
+  # other fields differ too, and the alphabetically first of them would hide why), then by section.
+  reported = [field for field in ("task.name", "model.name") if field in differences] + [
+      field for section in ("model", "task", "data") for field in differences
+      if field.startswith(section + ".") and watched(field)]
+  if reported:
+    old, new = differences[reported[0]]
+    raise validation.ConfigError(reported[0], new, f"the run in {workdir} was made with {old!r}; keep it, or use "
+                                 "a new --workdir")
 
 
 @contextlib.contextmanager

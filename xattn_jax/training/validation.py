@@ -8,6 +8,7 @@ checks below run over `config.model` and every sub-dict of it (encoder / decoder
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import jax
@@ -114,6 +115,11 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
   if model_config.get("rope_scaling") and model_config.rope_scaling not in position_ops.ROPE_SCALINGS:
     raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
                       f"allowed are '' (none) or {[s for s in position_ops.ROPE_SCALINGS if s]}")
+  if model_config.get("rope_scaling") and position_encoding not in ROTARY_ENCODINGS:
+    # Without a rotary encoding the scaling would be ignored: a length ablation would measure nothing.
+    raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
+                      f"scales rotary positions: needs position_encoding in {list(ROTARY_ENCODINGS)}, "
+                      f"this model has {position_encoding!r}; leave it '' otherwise")
   if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
     raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
   if "d_model" in fields and "num_heads" in fields:
@@ -136,9 +142,9 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
                           f"most head_dim={head_dim} ({position_encoding})")
       if position_encoding == "mrope":
         sections = tuple(model_config.get("mrope_sections", ()))
-        if len(sections) != 3 or sum(sections) != rotary_dim // 2:
+        if len(sections) != 3 or sum(sections) != rotary_dim // 2 or min(sections) < 1:
           raise ConfigError(f"{prefix}.mrope_sections", sections,
-                            f"needs 3 sections (time, height, width) summing to rotary_dim / 2 = "
+                            f"needs 3 positive sections (time, height, width) summing to rotary_dim / 2 = "
                             f"{rotary_dim // 2} frequency pairs")
   if "implementation" in fields:
     if model_config.implementation not in ("", *attention_ops.IMPLEMENTATIONS):
@@ -165,9 +171,12 @@ _OPTIMIZER_NUMBERS = {
 
 
 def _check_optimizer_numbers(optimizer):
+  if not 0 < optimizer.learning_rate < math.inf:
+    raise ConfigError("optimizer.learning_rate", optimizer.learning_rate, "must be > 0 and finite")
   for name, (ok, rule) in _OPTIMIZER_NUMBERS.items():
-    if name in optimizer and not ok(optimizer[name]):
-      raise ConfigError(f"optimizer.{name}", optimizer[name], rule)
+    value = optimizer.get(name)
+    if name in optimizer and not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+      raise ConfigError(f"optimizer.{name}", optimizer[name], rule + " and finite")
 
 
 # Probabilities any task's config may have; each is checked where the config has it.
@@ -202,8 +211,6 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
   require_choice(config, "optimizer.name", OPTIMIZERS)
   require_choice(config, "optimizer.schedule", SCHEDULES)
-  if not config.optimizer.learning_rate > 0:
-    raise ConfigError("optimizer.learning_rate", config.optimizer.learning_rate, "must be > 0")
   _check_optimizer_numbers(config.optimizer)
   _check_probabilities(config)
   require_choice(config, "checkpoint.best_mode", ("min", "max"))
@@ -212,6 +219,12 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                or (task_class.eval_metric_names and best not in task_class.eval_metric_names)):
     allowed = list(task_class.eval_metric_names) or "an eval/<name> metric the task logs"
     raise ConfigError("checkpoint.best_metric", best, f"allowed are '' (no best checkpoint) or {allowed}")
+  if config.precision.param_dtype == "float16":
+    # Adam's second moment (grad^2, kept in the parameters' dtype) underflows float16 to 0 and the
+    # first update overflows: NaN at step 2. bfloat16 has float32's exponent range.
+    raise ConfigError("precision.param_dtype", "float16",
+                      "allowed are ['bfloat16', 'float32']: float16 parameters and optimizer state underflow "
+                      "(no loss scaling here); float16 is allowed as precision.compute_dtype")
   require_choice(config, "precision.param_dtype", DTYPES)
   require_choice(config, "precision.compute_dtype", DTYPES)
   for name, axes in config.sharding_rules.items():
