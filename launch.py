@@ -76,6 +76,11 @@ def main(argv):
     fail(str(e))
   except (loop.TrainingDiverged, loop.RunError) as e:
     fail(f"{type(e).__name__}: {e}", status=1)
+  except KeyboardInterrupt:  # a second Ctrl-C: one line, not the traceback of wherever it landed
+    steps = checkpoints.step_numbers(_WORKDIR.value)
+    fail(f"interrupted by a second Ctrl-C, without saving; last checkpoint: "
+         f"{'step ' + str(steps[-1]) if steps else 'none'} (a save it cut short is cleaned up on the next start)",
+         status=130)
 
 
 if __name__ == "__main__":

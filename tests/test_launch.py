@@ -335,6 +335,21 @@ def test_ctrl_c_saves_a_checkpoint_mid_run_like_sigterm(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_in_one_line_keeping_the_metrics(tmp_path):
+  workdir = tmp_path / "run"
+  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
+  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, process)
+  process.send_signal(signal.SIGINT)
+  time.sleep(0.1)
+  process.send_signal(signal.SIGINT)
+  _, stderr = process.communicate(timeout=240)
+  assert process.returncode == 130, stderr[-3000:]
+  assert "Traceback" not in stderr, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1].startswith("launch.py: interrupted by a second Ctrl-C, without saving")
+  assert len(metrics_rows(workdir)) >= 2
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_kept(tmp_path, reference):
   # Without config.json the config check cannot see the change; the checkpoint's shapes do.
   workdir = tmp_path / "run"
