@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from xattn_jax.data import digits
-from xattn_jax.training import digits_task, loop, validation
+from xattn_jax.training import digits_task, loop, tasks, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--config.log_every_steps=2", "--config.eval_every_steps=4", "--config.checkpoint.every_steps=4",
@@ -103,6 +103,16 @@ def test_infer_classifies_npy_and_png_files(perceiver_workdir, tmp_path):
 
 
 @pytest.mark.slow
+def test_infer_refuses_an_image_with_nan_pixels_naming_it(perceiver_workdir, tmp_path):
+  image = digits.load_digits_split().test_images[0].copy()
+  image[3, 4] = np.nan  # classified as some digit before
+  np.save(tmp_path / "nan.npy", image)
+  model, task = loop.load_model(str(perceiver_workdir))
+  with pytest.raises(tasks.InputLineError, match=r"input line 2: .*nan\.npy' holds NaN or infinite pixel values"):
+    task.infer(model, ["test:0", str(tmp_path / "nan.npy")])
+
+
+@pytest.mark.slow
 def test_qformer_config_trains_its_missing_encoder_first(qformer_workdirs):
   encoder, workdir = qformer_workdirs
   assert metrics(encoder)[-1]["step"] == 4
@@ -185,6 +195,13 @@ def qformer(tmp_path):
 @pytest.mark.parametrize("count", [361, 1000, -1])
 def test_num_attention_images_must_fit_the_test_set(count):  # 360 test images
   assert config_error(digits_config("perceiver", task__num_attention_images=count)) == "task.num_attention_images"
+
+
+@pytest.mark.parametrize("fraction, error", [(0.999, True), (0.005, True), (0.0056, False), (0.994, False)])
+def test_test_fraction_must_leave_every_class_on_both_sides(fraction, error):
+  """0.999 reached scikit-learn, whose stratified split failed with a message naming no field."""
+  config = digits_config("perceiver", data__test_fraction=fraction, task__num_attention_images=0)
+  assert config_error(config) == ("data.test_fraction" if error else None)
 
 
 def test_num_attention_images_may_draw_every_test_image_or_none():

@@ -169,6 +169,12 @@ class DigitsTask(tasks.Task):
     test_fraction = config.data.test_fraction
     if not 0.0 < test_fraction < 1.0:
       raise validation.ConfigError("data.test_fraction", test_fraction, "must be in (0, 1)")
+    classes, images = digits.NUM_CLASSES, digits.NUM_IMAGES
+    if not classes <= digits.num_test_images(test_fraction) <= images - classes:
+      # The split is stratified: each class needs an image on both sides.
+      raise validation.ConfigError("data.test_fraction", test_fraction,
+                                   f"must leave at least {classes} of the {images} images (one per class) on "
+                                   f"each side: in [{classes / images:.4f}, {(images - classes) / images:.4f}]")
     count, num_test = config.task.num_attention_images, digits.num_test_images(test_fraction)
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_test:
       raise validation.ConfigError("task.num_attention_images", count,
@@ -409,6 +415,8 @@ class DigitsTask(tasks.Task):
     for index, line in enumerate(lines):
       try:
         images = self._read_input(line.strip())
+        if not np.isfinite(images).all():
+          raise ValueError(f"{line.strip()!r} holds NaN or infinite pixel values")
       except (ValueError, OSError) as e:
         raise tasks.InputLineError(index, str(e)) from None
       predictions = self._classify(model, digits.resize_images(images, self.grid))
