@@ -170,3 +170,18 @@ def test_valid_mask_of_the_wrong_shape_raises_naming_it():
 def test_perceiver_refuses_one_dimensional_position_encodings(posenc):
   with pytest.raises(ValueError, match="position_encoding"):
     make_perceiver(posenc)
+
+
+def test_repeated_blocks_with_dropout_are_the_same_function_scanned_or_unrolled():
+  """The unrolled stack wrote back no RNG counts: its second repeat reused the first's masks (the
+  scanned one drew new ones), so the two layouts computed different functions."""
+  images = jax.random.uniform(jax.random.key(0), (2, 4, 4, 1))
+  outputs = []
+  for scan in (False, True):
+    model = latent_reader.Perceiver(num_classes=3, grid=(4, 4), width=8, num_latents=3, num_heads=2, num_blocks=1,
+                                    num_repeats=2, dropout_rate=0.5, scan_layers=scan, rngs=nnx.Rngs(0))
+    forward = nnx.jit(lambda model, images: model(images, deterministic=False))
+    outputs.append([forward(model, images) for _ in range(2)])
+  for unrolled, scanned in zip(*outputs):
+    np.testing.assert_allclose(unrolled, scanned, atol=1e-5)
+  assert not np.allclose(*outputs[0])  # and a second call draws other masks

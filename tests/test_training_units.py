@@ -345,11 +345,14 @@ def test_scanned_and_unrolled_layers_draw_the_same_dropout_masks(remat):
   def loss(model, scan):
     return jnp.sum(layer_stack.apply_stack(model, x, 0.5, scan=scan, remat=remat, deterministic=False) ** 2)
 
-  scanned, scanned_grads = nnx.value_and_grad(loss)(_dropout_stack(), True)
-  unrolled, unrolled_grads = nnx.value_and_grad(loss)(_dropout_stack(), False)
-  np.testing.assert_allclose(scanned, unrolled, rtol=1e-6)
-  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(scanned_grads, nnx.Param)),
-                              nnx.to_pure_dict(nnx.state(unrolled_grads, nnx.Param)), rtol=1e-5, atol=1e-7)
+  stacks = {scan: _dropout_stack() for scan in (True, False)}
+  for _ in range(2):  # a second call draws new masks either way: the unrolled loop wrote back no RNG counts
+    scanned, scanned_grads = nnx.value_and_grad(loss)(stacks[True], True)
+    unrolled, unrolled_grads = nnx.value_and_grad(loss)(stacks[False], False)
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-6)
+    chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(scanned_grads, nnx.Param)),
+                                nnx.to_pure_dict(nnx.state(unrolled_grads, nnx.Param)), rtol=1e-5, atol=1e-7)
+  assert not np.allclose(loss(stacks[False], False), unrolled)  # a third call: other masks again
 
 
 def test_dropout_in_scanned_layers_is_active_only_when_not_deterministic():

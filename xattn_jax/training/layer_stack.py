@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -101,7 +102,13 @@ def apply_stack(stack, x, *args, scan: bool = True, remat: str = "none", **kwarg
 
     return run_layers(stack, x, arrays)
   graphdef, state = nnx.split(stack)
+  counts = []
   for i in range(num_layers(stack)):
     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
     x = call(block, x, arrays)
+    counts.append(nnx.state(block, nnx.RngCount))
+  # Each layer advanced its copy's RNG counts; written back (as nnx.scan does), so the next call
+  # draws new dropout masks instead of the same ones again.
+  if counts and jax.tree.leaves(counts[0]):
+    nnx.update(stack, jax.tree.map(lambda *layers: jnp.stack(layers), *counts))
   return x
