@@ -248,3 +248,26 @@ def test_decoding_past_the_cache_capacity_is_refused(search):
          functools.partial(decoding.beam_search, step, _RoomyCache(), beam_size=2, **args))
   with pytest.raises(ValueError, match="max_length=4 needs 4 more tokens of cache, but the cache has room for 3"):
     run()
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_sequences_that_met_nan_logits_come_back_as_invalid_tokens(search):
+  """Under jit a cache's fill index is traced, so decode_room cannot refuse a search that runs past
+  the capacity; there the logits turn NaN, and argmax / top_k made ordinary-looking ids of them."""
+  def step(tokens, position):  # row 0 goes NaN from its third step on (its cache is "full"); row 1 never
+    logits = jnp.tile(jnp.arange(VOCAB, dtype=jnp.float32) == 3, (2, 1)) * 5.0
+    logits = logits.at[0].set(jnp.where(position >= 2, jnp.nan, logits[0]))
+    return logits[:, None], position + 1
+
+  args = dict(max_length=4, bos_id=BOS, eos_id=EOS)
+  if search == "greedy":
+    out = jax.jit(lambda: decoding.greedy_search(step, jnp.int32(0), batch_size=2, **args))()
+    tokens, scores = out.tokens, out.scores
+  else:
+    out = jax.jit(lambda: decoding.beam_search(step, jnp.int32(0), batch_size=1, beam_size=2,
+                                               cache_batch_axis=99, **args))()
+    tokens, scores = out.tokens.reshape(-1, 4), out.scores.reshape(-1)
+  bad = np.isnan(np.asarray(scores))
+  assert bad.any() and (not bad.all() if search == "greedy" else True)
+  np.testing.assert_array_equal(np.asarray(tokens)[bad], decoding.INVALID_TOKEN)
+  assert (np.asarray(tokens)[~bad] >= 0).all()

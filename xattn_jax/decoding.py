@@ -33,12 +33,18 @@ NEG_INF = -1.0e7
 
 
 class GreedyOutput(NamedTuple):
-  tokens: jax.Array  # int32[batch, max_length]
+  tokens: jax.Array  # int32[batch, max_length]; all INVALID_TOKEN on a row whose score is NaN
   scores: jax.Array  # float32[batch]: sum of the chosen tokens' log-probabilities
 
 
+# Every token of a sequence whose score is NaN: its logits were NaN at some step (a jitted search run
+# past its cache's capacity, which cannot be checked while tracing, or a model that returned NaN).
+# argmax / top_k would otherwise turn NaN logits into ordinary-looking token ids.
+INVALID_TOKEN = -1
+
+
 class BeamOutput(NamedTuple):
-  tokens: jax.Array  # int32[batch, beams, max_length], best beam first
+  tokens: jax.Array  # int32[batch, beams, max_length], best beam first; INVALID_TOKEN where the score is NaN
   scores: jax.Array  # float32[batch, beams]: length-penalised log-probabilities; beams that ended
   # with EOS first, by score, then unfinished ones (max_length reached), by score; -inf (and all
   # padding tokens) for a slot no sequence could fill
@@ -123,7 +129,7 @@ def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
            jnp.full((batch_size, max_length), pad_id, jnp.int32), jnp.zeros((batch_size,), jnp.float32),
            jnp.zeros((batch_size,), bool), cache)
   _, _, tokens, scores, _, _ = lax.while_loop(cond, body, state)
-  return GreedyOutput(tokens, scores)
+  return GreedyOutput(jnp.where(jnp.isnan(scores)[:, None], INVALID_TOKEN, tokens), scores)
 
 
 def length_penalty(length, alpha: float):
@@ -230,4 +236,6 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   # Slots no hypothesis could fill (beam_size above the number of distinct sequences there are, e.g.
   # a vocabulary of 5 and max_length 1) carry -inf and padding instead of repeats of real beams.
   impossible = scores <= NEG_INF / 2
-  return BeamOutput(jnp.where(impossible[:, :, None], pad_id, tokens), jnp.where(impossible, -jnp.inf, scores))
+  tokens = jnp.where(impossible[:, :, None], pad_id, tokens)
+  return BeamOutput(jnp.where(jnp.isnan(scores)[:, :, None], INVALID_TOKEN, tokens),
+                    jnp.where(impossible, -jnp.inf, scores))
