@@ -83,7 +83,7 @@ def check_positions_fit(max_position: int, table_size: int, function: str = "lea
   """
   if max_position >= table_size:
     raise ValueError(f"{function}: position {max_position} does not fit a learned table of {table_size} rows "
-                     f"(positions must lie in 0..{table_size - 1}); enlarge max_len")
+                     f"(positions must lie in 0..{table_size - 1}); build a larger table (a model's max_length)")
 
 
 def learned_lookup(table, positions) -> jax.Array:

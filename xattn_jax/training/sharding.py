@@ -12,6 +12,7 @@ import math
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -39,8 +40,9 @@ def _rule_axes(rules, name) -> tuple[str, ...]:
   return tuple(a.strip() for a in rules[name].split(",") if a.strip())
 
 
-def logical_to_spec(names, shape, rules, mesh: Mesh) -> PartitionSpec:
-  """PartitionSpec for an array of `shape` whose dimensions have logical `names`."""
+def logical_to_spec(names, shape, rules, mesh: Mesh, replicated: list | None = None) -> PartitionSpec:
+  """PartitionSpec for an array of `shape` whose dimensions have logical `names`. Each dimension
+  whose rule's mesh axes do not divide it is appended to `replicated` as (name, size, axes)."""
   if names is None:
     return PartitionSpec()
   if len(names) != len(shape):
@@ -53,17 +55,36 @@ def logical_to_spec(names, shape, rules, mesh: Mesh) -> PartitionSpec:
       used.update(axes)
       spec.append(axes[0] if len(axes) == 1 else axes)
     else:
+      if axes and replicated is not None:
+        replicated.append((name, size, {a: mesh.shape[a] for a in axes}))
       spec.append(None)
   return PartitionSpec(*spec)
 
 
 def state_shardings(abstract_state, mesh: Mesh, rules):
-  """The same nnx.State (e.g. from nnx.eval_shape) with each Variable holding its NamedSharding."""
-  def sharding(variable):
-    names = variable.get_metadata().get("out_sharding")
-    return variable.replace(NamedSharding(mesh, logical_to_spec(names, variable.shape, rules, mesh)))
+  """The same nnx.State (e.g. from nnx.eval_shape) with each Variable holding its NamedSharding.
 
-  return jax.tree.map(sharding, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  Dimensions left replicated because their mesh axes do not divide them (a d_model of 10 on
+  tensor=4) are logged in one warning naming the parameters: a run sized so is correct, but holds
+  and computes those arrays in full on every device of the axis."""
+  fallbacks = []
+
+  def sharding(path, variable):
+    names = variable.get_metadata().get("out_sharding")
+    replicated = []
+    spec = logical_to_spec(names, variable.shape, rules, mesh, replicated)
+    fallbacks.extend((jax.tree_util.keystr(path, simple=True, separator="."), list(variable.shape), *r)
+                     for r in replicated)
+    return variable.replace(NamedSharding(mesh, spec))
+
+  shardings = jax.tree_util.tree_map_with_path(sharding, abstract_state,
+                                               is_leaf=lambda x: isinstance(x, nnx.Variable))
+  if fallbacks:
+    shown = "; ".join(f"{path} {shape} ({name}={size} not divisible by {axes})"
+                      for path, shape, name, size, axes in fallbacks[:5])
+    logging.warning("sharding: %d parameter dimensions are replicated, not sharded, because their mesh axes do "
+                    "not divide them: %s%s", len(fallbacks), shown, " ..." if len(fallbacks) > 5 else "")
+  return shardings
 
 
 def batch_sharding(mesh: Mesh, rules, stacked: bool = False) -> NamedSharding:
