@@ -96,3 +96,16 @@ def test_without_checkpoints_training_starts_from_the_seed(saved_run, tmp_path):
   config, _, _ = saved_run
   state, step, _ = _restore(config, str(tmp_path))
   assert step == 0 and not _all_ones(state)
+
+
+def test_a_mismatch_names_a_parameter_before_an_rng_counter(tmp_path):
+  """A deeper stack differs in its per-layer RNG counts too; 'blocks.dropout.rngs.count is [2]' was
+  reported instead of the parameter whose shape tells why."""
+  import orbax.checkpoint as ocp
+  stored = {"blocks": {"dropout": {"rngs": {"count": jnp.zeros((2,), jnp.uint32)}}, "kernel": jnp.zeros((2, 8))}}
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "model", stored)
+  wanted = jax.eval_shape(lambda: {"blocks": {"dropout": {"rngs": {"count": jnp.zeros((1,), jnp.uint32)}},
+                                              "kernel": jnp.zeros((1, 8))}})
+  assert checkpoints_lib.model_mismatch(str(tmp_path / "model"), wanted) == \
+      "parameter blocks.kernel is [2, 8] in the checkpoint, [1, 8] in this config"

@@ -66,7 +66,9 @@ def model_mismatch(item_directory: str, abstract_model) -> str | None:
   except Exception:  # noqa: BLE001 - unreadable metadata: a damaged checkpoint
     return None
   wanted = _shapes(abstract_model)
-  for name in sorted(set(stored) | set(wanted)):
+  # Parameters first: a differing RNG counter (e.g. one per layer of a deeper stack) would name the
+  # symptom, not the cause.
+  for name in sorted(set(stored) | set(wanted), key=lambda name: (".rngs." in f".{name}.", name)):
     if name not in stored:
       return f"parameter {name} {list(wanted[name])} is not in the checkpoint"
     if name not in wanted:
