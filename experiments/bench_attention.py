@@ -12,7 +12,7 @@ and in bfloat16 with cuDNN rows (ours and jax.nn's), memory as the device's peak
 they go to attention_benchmark_gpu.{md,json}.
 
   python experiments/bench_attention.py           # full run, several minutes
-  python experiments/bench_attention.py --quick   # seconds: tiny sizes, writes to /tmp
+  python experiments/bench_attention.py --quick   # seconds: tiny sizes, into a new temporary directory
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_common import blocked_median_seconds  # noqa: E402
+from bench_common import add_output_flags, blocked_median_seconds, parse_output_args  # noqa: E402
 from xattn_jax.ops import attention  # noqa: E402
 
 OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked",
@@ -204,14 +204,14 @@ def to_markdown(meta, speed, memory):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds; writes under /tmp")
-  parser.add_argument("--out_dir", default=None, help="default experiments/results (or /tmp with --quick)")
+  add_output_flags(parser)
   parser.add_argument("--memory_worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.memory_worker:
     name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
     memory_worker(name, mode, int(length), int(heads), int(head_dim), int(repeats))
     return
+  args = parse_output_args(parser, "bench_attention")  # the output directory made before measuring
 
   import torch
   cores = os.cpu_count()
@@ -234,9 +234,7 @@ def main():
     speed += speed_rows(lengths, batch, heads, head_dim, cores, repeats_at, dtype)
   memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
                        repeats=(3 if ON_GPU else 1) if not args.quick else 2)
-  out_dir = args.out_dir or ("/tmp/attention_benchmark_quick" if args.quick else
-                             os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = args.out
   markdown = to_markdown(meta, speed, memory)
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"
   with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
@@ -244,6 +242,7 @@ def main():
   with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
     json.dump({"meta": meta, "speed": speed, "memory": memory}, f, indent=1)
   print(markdown)
+  print(f"wrote {os.path.join(out_dir, stem)}.md")
 
 
 if __name__ == "__main__":

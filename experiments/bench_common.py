@@ -9,6 +9,7 @@ import argparse
 import os
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -17,8 +18,20 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-  parser.add_argument("--out", default=None, help="directory for the results (default: experiments/results, "
-                      "or a new temporary directory with --quick)")
+  parser.add_argument("--out", "--out_dir", dest="out", default=None,
+                      help="directory for the results (default: experiments/results, or a new temporary directory "
+                           "with --quick)")
+
+
+def parse_output_args(parser: argparse.ArgumentParser, name: str, argv=None) -> argparse.Namespace:
+  """Parses the arguments and makes the output directory at once (args.out), so a bad --out stops the
+  script before minutes of measuring instead of after."""
+  args = parser.parse_args(argv)
+  try:
+    args.out = str(output_dir(args, name))
+  except OSError as error:
+    parser.error(f"--out {args.out}: {error.strerror or error}")
+  return args
 
 
 def output_dir(args: argparse.Namespace, name: str) -> pathlib.Path:
@@ -77,7 +90,7 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
 
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   add_output_flags(parser)
-  args = parser.parse_args()
+  args = parse_output_args(parser, pathlib.Path(sys.argv[0]).stem)
   cores = len(os.sched_getaffinity(0))
   torch.set_num_threads(cores)
   return args, (quick if args.quick else full), cores

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from bench_common import add_output_flags, output_dir  # noqa: E402
+from bench_common import add_output_flags, output_dir, parse_output_args  # noqa: E402
 
 WIDTH, HEADS, BLOCKS, LATENTS, BATCH = 64, 4, 2, 32, 1
 FULL_SIDES = (8, 16, 32, 64, 90, 128)
@@ -166,20 +166,27 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_output_flags(parser)
   parser.add_argument("--one", help="internal: MODEL:SIDE, measured in this process")
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3, help="timed runs per size (--quick: 2)")
   parser.add_argument("--render", help="rewrite the .md / .png of a results .json without measuring")
   args = parser.parse_args()
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.one:
-    model_name, side = args.one.split(":")
+    model_name, _, side = args.one.partition(":")
+    if model_name not in ("reader", "encoder") or not side.isdigit():
+      parser.error(f"--one must be reader:SIDE or encoder:SIDE, got {args.one!r}")
     print(json.dumps(measure_one(model_name, int(side), args.repeats)))
     return
 
   if args.render:
+    if not os.path.isfile(args.render):
+      parser.error(f"--render {args.render}: no such results file")
     with open(args.render) as f:
       record = json.load(f)
     write_results(record["rows"], os.path.splitext(args.render)[0], record.get("runs", args.repeats),
                   record["machine"])
     return
+  args = parse_output_args(parser, "bench_latent_reader")  # the output directory made before measuring
   sides = QUICK_SIDES if args.quick else FULL_SIDES
   repeats = 2 if args.quick else args.repeats
   rows = []
@@ -189,6 +196,7 @@ def main():
       print(json.dumps(rows[-1]), flush=True)
   stem = os.path.join(output_dir(args, "bench_latent_reader"), "latent_reader_benchmark")
   write_results(rows, stem, repeats, {"cpu_cores": os.cpu_count(), "load_average_1min": os.getloadavg()[0]})
+  print(f"wrote {stem}.md")
 
 
 def _memory_reading(encoder_memory_slope, largest_m: int) -> str:

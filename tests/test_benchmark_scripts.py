@@ -1,0 +1,34 @@
+"""The benchmark scripts' arguments: a bad one stops the script before it measures anything."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+
+
+def _run(script, *args):
+  return subprocess.run([sys.executable, str(EXPERIMENTS / script), *args], capture_output=True, text=True,
+                        timeout=120)
+
+
+@pytest.mark.parametrize("script", ["bench_attention.py", "bench_latent_reader.py", "bench_translator.py",
+                                    "bench_matmul_shapes.py"])
+def test_an_output_directory_that_cannot_be_made_fails_before_measuring(script, tmp_path):
+  """It was made after the measurements: minutes of a full run lost to a typo in --out."""
+  (tmp_path / "a_file").write_text("")
+  result = _run(script, "--quick", f"--out={tmp_path / 'a_file' / 'results'}")
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].endswith("a_file/results: Not a directory")
+  assert "{" not in result.stdout  # no measured row printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats=0"], "--repeats must be >= 1, got 0"),  # wrote NaN tables, status 0
+    (["--one=foo"], "--one must be reader:SIDE or encoder:SIDE, got 'foo'"),
+    (["--render=/no/such.json"], "--render /no/such.json: no such results file"),
+])
+def test_latent_reader_benchmark_refuses_bad_arguments_in_one_line(args, message):
+  result = _run("bench_latent_reader.py", *args)
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(message), result.stderr[-2000:]
