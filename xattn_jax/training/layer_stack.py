@@ -102,13 +102,16 @@ def apply_stack(stack, x, *args, scan: bool = True, remat: str = "none", **kwarg
 
     return run_layers(stack, x, arrays)
   graphdef, state = nnx.split(stack)
-  counts = []
+  before, after = [], []
   for i in range(num_layers(stack)):
     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+    before.append(jax.tree.leaves(nnx.state(block, nnx.RngCount)))
     x = call(block, x, arrays)
-    counts.append(nnx.state(block, nnx.RngCount))
-  # Each layer advanced its copy's RNG counts; written back (as nnx.scan does), so the next call
-  # draws new dropout masks instead of the same ones again.
-  if counts and jax.tree.leaves(counts[0]):
-    nnx.update(stack, jax.tree.map(lambda *layers: jnp.stack(layers), *counts))
+    after.append(nnx.state(block, nnx.RngCount))
+  # A layer that drew dropout masks advanced its copy's RNG counts: they are written back (as
+  # nnx.scan does), so the next call draws new masks. Only then: a deterministic pass leaves the
+  # stack untouched, and so still runs inside plain JAX transforms (jax.jacrev over a closure).
+  drew = any(new is not old for layer, olds in zip(after, before) for new, old in zip(jax.tree.leaves(layer), olds))
+  if drew:
+    nnx.update(stack, jax.tree.map(lambda *layers: jnp.stack(layers), *after))
   return x
