@@ -58,6 +58,44 @@ def test_sharded_mesh_gives_the_single_device_losses(eight_devices, single_devic
                              [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
 
 
+# An untrained translator (its greedy outputs are long and varied) decoding 32 eval sources on a
+# data2_fsdp2_tensor2 mesh: rows split over the data axes, against the same decode fed replicated rows.
+_DECODE_SHARDED = """
+import json, sys
+import numpy as np
+from configs import translate_dates
+from xattn_jax.training import loop
+config = translate_dates.get_config("tokenizer=bytes")
+config.update_from_flattened_dict({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "eval_batch_size": 16,
+                                   "model.max_length": 32, "data.first_year": 2000, "data.last_year": 2001,
+                                   **{f"model.{side}.{k}": v for side in ("encoder", "decoder")
+                                      for k, v in (("d_model", 32), ("num_layers", 1), ("mlp_dim", 64))}})
+run = loop._Run(config, sys.argv[1])
+import jax, jax.numpy as jnp
+state = jax.tree.map(lambda x: x * 4 if jnp.issubdtype(x.dtype, jnp.floating) else x, run.init_state())
+model, task = run.model(state), run.task  # weights scaled up: sharper, more varied outputs
+inputs = np.concatenate([b["inputs"] for b in task.eval_data.eval_batches(16)])[:20]  # 2 chunks, one padded
+seen = []
+generate = task._generate
+task._generate = lambda model, rows, **kw: (seen.append(len(rows.sharding.device_set)), generate(model, rows, **kw))[1]
+sharded = task.translate_ids(model, inputs, 12)
+task.rows_sharding = None
+replicated = task.translate_ids(model, inputs, 12)
+print("RESULT " + json.dumps({"sharded": sharded, "replicated": replicated, "devices": seen}))
+"""
+
+
+@pytest.mark.slow
+def test_eval_decoding_splits_rows_over_the_data_axes_and_decodes_as_replicated(tmp_path):
+  """Host arrays made every device of the data axes decode every row; now each decodes its share."""
+  result = subprocess.run([sys.executable, "-c", _DECODE_SHARDED, str(tmp_path / "run")], cwd=REPO,
+                          capture_output=True, text=True, env=subprocess_env(device_count=8), timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.split("RESULT ", 1)[1])
+  assert out["devices"] == [8, 8, 1, 1]  # rows split over data x fsdp, then the replicated reference
+  assert out["sharded"] == out["replicated"] and len(set(out["sharded"])) > 5, out
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

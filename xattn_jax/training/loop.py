@@ -153,6 +153,7 @@ class _Run:
     self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
     self.init_state = jax.jit(lambda: nnx.state(init()), out_shardings=self.shardings)
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    self.task.rows_sharding = self.batch_sharding
     self.stacked_batch_sharding = sharding.batch_sharding(self.mesh, self.rules, stacked=True)
     self._check_process_rows()
 

@@ -85,6 +85,9 @@ class Task:
     self.config = config
     self.workdir = workdir
     self.mode = mode  # "train", "eval" or "infer": what the run will ask of the task
+    # Set by the loop once its mesh exists: the sharding of a batch's rows over the data axes. A task
+    # that runs its own batched computations (decoding in extra_eval / infer) may split rows with it.
+    self.rows_sharding = None
 
   @classmethod
   def validate(cls, config, mode: str = "train") -> None:

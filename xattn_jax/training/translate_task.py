@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 from xattn_jax.data import batching, dates, tokenizers, tsv
 from xattn_jax.models import translator as translator_lib
-from xattn_jax.training import optim, tasks, validation
+from xattn_jax.training import optim, sharding, tasks, validation
 from xattn_jax.training import translate_plots
 
 DATA_SOURCES = ("dates", "tsv")
@@ -371,9 +371,12 @@ class TranslateTask(tasks.Task):
       chunk = inputs[start:start + size]
       padded = np.pad(chunk, ((0, size - len(chunk)), (0, 0)))  # one compiled shape for every chunk
       padded[len(chunk):, 0] = self.tokenizer.eos_id  # padding rows need one real source token
-      ids = self._generate(model, jnp.asarray(padded), max_length=max_length, bos_id=self.tokenizer.bos_id,
-                           eos_id=self.tokenizer.eos_id, beam_size=task.beam_size, alpha=task.length_penalty)
-      outputs += [self.tokenizer.decode(row) for row in np.asarray(ids)[:len(chunk)]]
+      # Rows split over the data axes (each device decodes its share; with host arrays every device
+      # and every process decoded every row), gathered back whole on every process.
+      ids = self._generate(model, sharding.rows_on_mesh(padded, self.rows_sharding), max_length=max_length,
+                           bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, beam_size=task.beam_size,
+                           alpha=task.length_penalty)
+      outputs += [self.tokenizer.decode(row) for row in sharding.rows_to_host(ids)[:len(chunk)]]
     return outputs
 
   def _max_decode_length(self) -> int:
