@@ -322,14 +322,24 @@ def test_resume_after_sigterm_logs_the_same_losses_and_parameters(sigterm_run, r
   assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
 
 
+def ctrl_c(workdir, presses: int):
+  """Starts a slowed-down run, presses Ctrl-C `presses` times (0.1 s apart) once it has logged two
+  rows, and returns (its exit status, its stderr)."""
+  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
+  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, process)
+  for press in range(presses):
+    if press:
+      time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+  _, stderr = process.communicate(timeout=240)
+  return process.returncode, stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_mid_run_like_sigterm(tmp_path):
   workdir = tmp_path / "run"
-  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
-  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, process)
-  process.send_signal(signal.SIGINT)
-  _, stderr = process.communicate(timeout=240)
-  assert process.returncode == 0, stderr[-3000:]
+  returncode, stderr = ctrl_c(workdir, presses=1)
+  assert returncode == 0, stderr[-3000:]
   steps = checkpoint_steps(workdir)
   assert steps and steps[-1] < STEPS and steps[-1] == max(row["step"] for row in metrics_rows(workdir))
 
@@ -337,13 +347,8 @@ def test_ctrl_c_saves_a_checkpoint_mid_run_like_sigterm(tmp_path):
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_in_one_line_keeping_the_metrics(tmp_path):
   workdir = tmp_path / "run"
-  process = start(workdir, overrides={"debug.step_delay_s": 0.5})
-  wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, process)
-  process.send_signal(signal.SIGINT)
-  time.sleep(0.1)
-  process.send_signal(signal.SIGINT)
-  _, stderr = process.communicate(timeout=240)
-  assert process.returncode == 130, stderr[-3000:]
+  returncode, stderr = ctrl_c(workdir, presses=2)
+  assert returncode == 130, stderr[-3000:]
   assert "Traceback" not in stderr, stderr[-3000:]
   assert stderr.strip().splitlines()[-1].startswith("launch.py: interrupted by a second Ctrl-C, without saving")
   assert len(metrics_rows(workdir)) >= 2

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xattn_jax.training import validation
@@ -109,9 +110,9 @@ def process_rows(sharding: NamedSharding, global_batch_size: int) -> tuple[int, 
 
 def rows_on_mesh(rows: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
   """The same global rows [n, ...] (every process holds all of them) as one array split over
-  `sharding`'s row axes, each process giving its own part; with no sharding, or rows the axes do not
-  divide, as one replicated array."""
-  if sharding is None or len(rows) % math.prod(sharding.mesh.shape[a] for a in _spec_axes(sharding.spec[0])):
+  `sharding`'s row axes (n a multiple of their size, as a validated batch size is), each process
+  giving its own part; with no sharding, as one replicated array."""
+  if sharding is None:
     return jax.numpy.asarray(rows)
   start, stop = process_rows(sharding, len(rows))
   return jax.make_array_from_process_local_data(sharding, np.asarray(rows[start:stop]), rows.shape)
@@ -119,14 +120,9 @@ def rows_on_mesh(rows: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
 
 def rows_to_host(array: jax.Array) -> np.ndarray:
   """All rows of a (possibly multi-process) array as one numpy array on every process."""
-  if jax.process_count() > 1 and not array.is_fully_addressable:
-    from jax.experimental import multihost_utils
+  if not array.is_fully_addressable:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
   return np.asarray(array)
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def global_batch(local_batch: dict, mesh: Mesh, rules, global_batch_size: int, stacked: bool = False) -> dict:

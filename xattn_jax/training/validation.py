@@ -160,6 +160,7 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
 
 # optimizer field -> (test, what it must be); a field a config does not have is not checked.
 _OPTIMIZER_NUMBERS = {
+    "learning_rate": (lambda v: v > 0, "must be > 0"),
     "grad_clip_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
     "weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "b1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
@@ -171,12 +172,12 @@ _OPTIMIZER_NUMBERS = {
 
 
 def _check_optimizer_numbers(optimizer):
-  if not 0 < optimizer.learning_rate < math.inf:
-    raise ConfigError("optimizer.learning_rate", optimizer.learning_rate, "must be > 0 and finite")
   for name, (ok, rule) in _OPTIMIZER_NUMBERS.items():
-    value = optimizer.get(name)
-    if name in optimizer and not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
-      raise ConfigError(f"optimizer.{name}", optimizer[name], rule + " and finite")
+    if name not in optimizer:
+      continue
+    value = optimizer[name]
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+      raise ConfigError(f"optimizer.{name}", value, rule + " and finite")
 
 
 # Probabilities any task's config may have; each is checked where the config has it.
