@@ -204,15 +204,16 @@ def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monke
   assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
 
 
-@pytest.mark.parametrize("implementation, units_per_step", [("xla", 2), ("chunked", 4)])
+@pytest.mark.parametrize("implementation, block_q, units_per_step", [("xla", 1024, 4), ("xla", 4, 2), ("chunked", 4, 4)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_several_units_per_step_match_reference(kind, implementation, units_per_step, monkeypatch):
-  # The CPU schedule for small blocks: each loop step vmaps several (batch, kv head) units, so its
-  # matmuls are batched over them. 2 batch x 2 kv heads: 2 units per step are one batch element's
-  # kv heads (here with the one-pass kernel), 4 span both batch elements (with the online softmax;
-  # the random-shape test mixes the rest).
+def test_several_units_per_step_match_reference(kind, implementation, block_q, units_per_step, monkeypatch):
+  # The CPU schedules for small blocks, several (batch, kv head) units per loop step. 2 batch x
+  # 2 kv heads. Units of one block (all queries, all keys) are separate computations in the step,
+  # here all 4; units with block loops are vmapped, so their matmuls are batched: 2 units are one
+  # batch element's kv heads (the one-pass kernel over query blocks), 4 span both batch elements
+  # (the online softmax; the random-shape test mixes the rest).
   force_blocking(monkeypatch, lambda impl, s: blocked_attention.Blocking(
-      block_q=4, block_k=8 if impl == "chunked" else s, units_per_step=units_per_step))
+      block_q=block_q, block_k=8 if impl == "chunked" else s, units_per_step=units_per_step))
   query, key, value, kwargs = make_case(kind, seed=60 + KINDS.index(kind))
   assert_matches_reference(implementation, query, key, value, kwargs, atol=2e-5)
 
@@ -225,14 +226,17 @@ def test_units_per_step_must_divide_the_units():
 
 
 @pytest.mark.usefixtures("real_dispatch")
-def test_cpu_blocking_puts_one_small_unit_per_thread_in_a_step():
-  # Units per step: up to one per thread while the step's score blocks stay within 2M scores, and a
+def test_cpu_blocking_units_per_step():
+  # Units of one block (no block loops): up to 8 per step whatever the threads, while the step's
+  # score blocks stay within 2M scores. Units with block loops: up to one per thread. Always a
   # divisor of batch * kv_heads.
   choose = functools.partial(attention.choose_blocking, backend="cpu")
-  assert choose("xla", 512, 512, units=64, threads=2).units_per_step == 2
-  assert choose("xla", 512, 512, units=64, threads=16).units_per_step == 8  # 8 x 512 x 512 = 2M scores
-  assert choose("xla", 2048, 2048, units=64, threads=2).units_per_step == 1  # one block is 2M scores
-  assert choose("xla", 512, 512, units=3, threads=2).units_per_step == 1
+  assert choose("xla", 512, 512, units=64, threads=2).units_per_step == 8  # 8 x 512 x 512 = 2M scores
+  assert choose("xla", 512, 512, units=64, threads=16).units_per_step == 8
+  assert choose("xla", 300, 300, units=64, threads=2).units_per_step == 8  # 23 would fit
+  assert choose("xla", 1024, 1024, units=64, threads=2).units_per_step == 2  # one block is 1M scores
+  assert choose("xla", 2048, 2048, units=64, threads=2).units_per_step == 1  # 2 blocks of 2M scores
+  assert choose("xla", 512, 512, units=3, threads=2).units_per_step == 3
   assert choose("xla", 512, 512, units=12, threads=8).units_per_step == 6
   assert choose("chunked", 1, 8192, units=8, threads=4).units_per_step == 4  # a decode step
   assert choose("chunked", 8192, 8192, units=8, threads=2) == blocked_attention.Blocking(256, 512, units_per_step=2)

@@ -161,6 +161,8 @@ def _cpu_threads() -> int:
 # Scores one CPU loop step holds at most (8 MiB in float32): sets the query block for "xla" and
 # how many units share a step.
 _STEP_SCORES = 2 ** 21
+# Units of one block per CPU loop step, at most (see choose_blocking).
+_MAX_CHAINS = 8
 
 
 def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str = "cpu", units: int = 1,
@@ -183,13 +185,19 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
     block_k = kv_len
   else:
     block_q, block_k = 256, 512
-  # Up to one unit per thread in each step, while the step's score blocks stay within _STEP_SCORES.
-  # A [512, 64] x [64, 512] matmul split across 2 threads runs at ~120 GFLOP/s; two of them batched
-  # (one per thread) at ~190. 2 cores, batch 8, 8 heads, 2 units per step against 1: forward 0.83-0.90x
-  # the time at length 512, forward+backward 0.86-0.90x; at 1024 0.99x / 0.94x; chunked at 4096
-  # 0.91-0.97x / 0.94x. At 2048 (2M-score blocks) 2 units per step took 1.08-1.18x the time.
-  block_scores = min(block_q, q_len) * min(block_k, kv_len)
-  limit = min(threads or _cpu_threads(), max(1, _STEP_SCORES // block_scores))
+  # Several units per step while the step's score blocks stay within _STEP_SCORES. Units of one
+  # block are separate computations that XLA:CPU runs concurrently, and more of them than threads
+  # keep the threads busy: 2 cores, batch 8, 8 heads, length 512, 4 or 8 units per step against the
+  # former 2 vmapped: forward 0.81-0.89x the time, forward+backward 0.87-0.92x (with the keys-first
+  # backward); at 384, 8 separate units against 2: 0.81x / 0.86x. At most _MAX_CHAINS of them
+  # (compile time grows with each: 1.1 s for 8 at length 300, 2.2 s for 16). Units with block loops are vmapped,
+  # up to one per thread: a [512, 64] x [64, 512] matmul split across 2 threads runs at ~120
+  # GFLOP/s, two of them batched (one per thread) at ~190; chunked at 4096, 2 vmapped units per step
+  # against 1: 0.91-0.97x / 0.94x; at 2048 ("xla", 2M-score blocks) one unit per step is best.
+  block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
+  threads = threads or _cpu_threads()
+  one_block = block_q == q_len and block_k == kv_len
+  limit = min(_MAX_CHAINS if one_block else threads, max(1, _STEP_SCORES // (block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
   return blocked_attention.Blocking(block_q=block_q, block_k=block_k, units_per_step=per_step)
 
