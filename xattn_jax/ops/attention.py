@@ -16,8 +16,8 @@ Implementations:
              a decode step's single query), memory quadratic in length.
   "xla":     the one-pass softmax over all keys, compiled by XLA and sized to the problem. On CPU:
              "dense" up to 256 x 256 scores per head, beyond that a loop over (batch, kv head)
-             units and query blocks so the score blocks stay in cache, one small unit per thread
-             in each step, with a custom VJP that recomputes them (`blocked_attention`); never
+             units and query blocks so the score blocks stay in cache, several small units run
+             concurrently in each step, with a custom VJP that recomputes them (`blocked_attention`); never
              slower than `jax.nn.dot_product_attention` there. On GPU / TPU: "dense" (one fused
              program, as `jax.nn`'s "xla").
   "chunked": online softmax over key blocks: forward and backward memory linear in length. On CPU
