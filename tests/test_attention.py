@@ -146,6 +146,38 @@ def test_multi_query_attention_matches_reference(implementation):
   assert_matches_reference(implementation, query, key, value, {"is_causal": True}, atol=2e-5)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_explicit_scale_matches_reference(implementation):
+  # A number for scale is applied inside the blocked kernel, block by block (forward and dq); given
+  # query / (scale * sqrt(head_dim)), the scores equal the reference's default-scaled ones.
+  query, key, value, kwargs = make_case("bias_mask_causal", seed=70)
+  factor = 0.37 * math.sqrt(query.shape[-1])
+
+  def ours(q, k, v, **kw):
+    return attention.dot_product_attention(q / factor, k, v, scale=0.37, implementation=implementation, **kw)
+
+  assert_function_matches_reference(ours, query, key, value, kwargs, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_gradient_with_respect_to_a_traced_scale_matches_reference(implementation):
+  # A learned temperature: the scale is traced, and its gradient must flow.
+  query, key, value, _ = random_inputs(seed=71)
+  root_h = math.sqrt(query.shape[-1])
+  cotangent = jnp.asarray(np.random.default_rng(2).normal(size=query.shape), jnp.float32)
+
+  def loss(scale, fn):
+    return jnp.sum(fn(scale) * cotangent)
+
+  ours = lambda c: attention.dot_product_attention(query, key, value, scale=c, is_causal=True,
+                                                   implementation=implementation)
+  reference = lambda c: reference_attention(query * (c * root_h), key, value, is_causal=True)
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, fn=ours)))(jnp.float32(0.6))
+  want = jax.value_and_grad(functools.partial(loss, fn=reference))(jnp.float32(0.6))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert abs(float(want[1])) > 1e-3  # the gradient is not trivially zero
+
+
 @pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "chunked_parallel_units", "chunked_4_units_per_step"])
 @pytest.mark.parametrize("kind", ["bias_mask_causal", "segments"])
 def test_heads_major_key_value_layout_matches_reference(implementation, kind, monkeypatch):

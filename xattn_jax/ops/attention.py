@@ -40,6 +40,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xattn_jax.ops import blocked_attention
 from xattn_jax.ops import dense_attention
@@ -246,10 +247,14 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     if kv_layout == "bksh":  # cuDNN takes the jax.nn layout
       key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     return _cudnn_attention(query, key, value, mask, bias, scale, bool(is_causal))
-  query = query * jnp.asarray(scale, query.dtype)
+  if isinstance(scale, (int, float, np.floating)):  # a number: each block's rows are scaled in the kernel
+    scale = float(scale)
+  else:  # a traced (or array) scale keeps its gradient: scale the queries first
+    query, scale = query * jnp.asarray(scale, query.dtype), 1.0
   return blocked_attention.blocked_attention(
       query, key, value, mask=mask, bias=bias, is_causal=bool(is_causal),
-      blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads), kv_heads_major=kv_layout == "bksh")
+      blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads), kv_heads_major=kv_layout == "bksh",
+      scale=scale)
 
 
 def _cudnn_attention(query, key, value, mask, bias, scale, is_causal: bool):
