@@ -218,7 +218,9 @@ def main():
   batch, heads, head_dim = (2, 2, 16) if args.quick else (8, 8, 64)
   lengths = (32, 64) if args.quick else (128, 512, 2048)
   memory_length = 256 if args.quick else 16384
-  repeats_at = (lambda length: 2) if args.quick else (lambda length: 5)
+  # Short calls get more rounds: at 512 one round of every row takes ~6 s, and on a shared machine
+  # 5 rounds left the same program 10% apart in two rows of one run.
+  repeats_at = (lambda length: 2) if args.quick else (lambda length: 15 if length <= 512 else 5)
   if ON_GPU and not args.quick:  # milliseconds a call: many more runs for the same wall time
     repeats_at = lambda length: 10
   meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores,
@@ -228,7 +230,8 @@ def main():
           "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
           "batch": batch, "heads": heads, "head_dim": head_dim,
           "repeats": ("10 rounds of 3; 3 for memory" if ON_GPU else
-                      "5 rounds, 3 timed runs a round up to length 512, 1 beyond; 1 for memory") if not args.quick else 2}
+                      "15 rounds of 3 timed runs up to length 512, 5 rounds of 1 beyond; 1 for memory")
+                     if not args.quick else 2}
   speed = []
   for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
     speed += speed_rows(lengths, batch, heads, head_dim, cores, repeats_at, dtype)
