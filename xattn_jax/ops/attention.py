@@ -196,9 +196,8 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   # GFLOP/s, two of them batched (one per thread) at ~190; chunked at 4096, 2 vmapped units per step
   # against 1: 0.91-0.97x / 0.94x; at 2048 ("xla", 2M-score blocks) one unit per step is best.
   block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
-  threads = threads or _cpu_threads()
   one_block = block_q == q_len and block_k == kv_len
-  limit = min(_MAX_CHAINS if one_block else threads, max(1, _STEP_SCORES // (block_q * block_k)))
+  limit = min(_MAX_CHAINS if one_block else threads or _cpu_threads(), max(1, _STEP_SCORES // (block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
   return blocked_attention.Blocking(block_q=block_q, block_k=block_k, units_per_step=per_step)
 

@@ -169,13 +169,13 @@ class DigitsTask(tasks.Task):
     test_fraction = config.data.test_fraction
     if not 0.0 < test_fraction < 1.0:
       raise validation.ConfigError("data.test_fraction", test_fraction, "must be in (0, 1)")
-    classes, images = digits.NUM_CLASSES, digits.NUM_IMAGES
-    if not classes <= digits.num_test_images(test_fraction) <= images - classes:
+    classes, images, num_test = digits.NUM_CLASSES, digits.NUM_IMAGES, digits.num_test_images(test_fraction)
+    if not classes <= num_test <= images - classes:
       # The split is stratified: each class needs an image on both sides.
       raise validation.ConfigError("data.test_fraction", test_fraction,
                                    f"must leave at least {classes} of the {images} images (one per class) on "
                                    f"each side: in [{classes / images:.4f}, {(images - classes) / images:.4f}]")
-    count, num_test = config.task.num_attention_images, digits.num_test_images(test_fraction)
+    count = config.task.num_attention_images
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_test:
       raise validation.ConfigError("task.num_attention_images", count,
                                    f"must be an integer in [0, {num_test}], the test images at "
