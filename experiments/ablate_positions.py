@@ -252,7 +252,7 @@ NOTES = [
     "only reaches rows 0-32 (strings of up to 32 symbols plus EOS); rows 33-128 keep their random "
     "initialisation (std 0.02), so the 33-64 and 65-128 columns measure a model reading untrained rows.",
     "- Length-task exact match is read from the teacher-forced pass, which equals greedy decoding's exact match "
-    "(see `xattn_jax/training/algorithmic_task.py`).",
+    "(see `xattn_jax/tasks/algorithmic.py`).",
     "- `alibi` and `t5_bias` bias the self-attention of the encoder (symmetric / bidirectional) and the decoder "
     "(causal / unidirectional); cross-attention has no position bias (nor rotary, for `rope`). Copying needs "
     "the decoder's i-th query to find the i-th source token through cross-attention, so the encoder must "

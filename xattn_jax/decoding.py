@@ -239,3 +239,25 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   tokens = jnp.where(impossible[:, :, None], pad_id, tokens)
   return BeamOutput(jnp.where(jnp.isnan(scores)[:, :, None], INVALID_TOKEN, tokens),
                     jnp.where(impossible, -jnp.inf, scores))
+
+
+def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id: int = 0, beam_size: int = 1,
+             alpha: float = 0.6):
+  """Encoder-decoder generation: inputs int[b, s] -> tokens [b, max_length] (EOS then padding).
+
+  `model` is any encoder-decoder with `encode(inputs) -> memory`, `init_cache(memory, memory_valid,
+  max_length)` and `loop_step() -> DecodeStep` (the translator). The memory is encoded and its
+  cross-attention keys / values projected once; the search then runs as one `lax.while_loop` over the
+  step, greedy when beam_size = 1 (the best beam otherwise). Wrap in `nnx.jit` with max_length, the
+  ids, beam_size and alpha static.
+  """
+  if getattr(inputs, "ndim", None) != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"generate: inputs must be int [batch, length], got {getattr(inputs, 'dtype', type(inputs))}"
+                     f"{list(getattr(inputs, 'shape', ()))}")
+  memory = model.encode(inputs)  # -> [b, s, encoder.d_model]
+  cache = model.init_cache(memory, inputs != pad_id, max_length)
+  common = dict(batch_size=inputs.shape[0], max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+  if beam_size == 1:
+    return greedy_search(model.loop_step(), cache, **common).tokens
+  beams = beam_search(model.loop_step(), cache, beam_size=beam_size, alpha=alpha, **common)
+  return beams.tokens[:, 0]  # the best beam -> [b, max_length]

@@ -34,7 +34,7 @@ from xattn_jax.layers import MLP, EncoderBlock, MultiHeadAttention, make_positio
 from xattn_jax.layers import dense
 from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
-from xattn_jax.training import layer_stack
+from xattn_jax.layers import layer_stack
 
 CONNECTORS = ("qformer", "mlp")
 # Encodings of a 2D grid of elements (the Perceiver's); 1D ones (rope, sinusoidal, ...) do not apply.

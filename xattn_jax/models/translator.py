@@ -31,12 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xattn_jax import decoding
 from xattn_jax.layers import blocks
 from xattn_jax.layers import dense
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.ops import masks as masks_lib
-from xattn_jax.training import layer_stack
+from xattn_jax.layers import layer_stack
 
 PAD_ID = 0
 # Sequence encodings of layers.positions: additive, rotary, or a relative bias on self-attention scores.
@@ -323,20 +322,3 @@ class Translator(nnx.Module):
       x = block(x, memory, positions=positions, memory_mask=memory_mask, self_bias=self_bias)
     return jnp.stack(weights)  # -> [layers, b, heads, t, s]
 
-
-def generate(model: Translator, inputs, *, max_length: int, bos_id: int, eos_id: int, beam_size: int = 1,
-             alpha: float = 0.6):
-  """Translates inputs [b, s] -> tokens [b, max_length] (EOS then padding), greedy when beam_size = 1.
-
-  The memory is encoded and its cross-attention keys/values projected once; the search then runs
-  as one `lax.while_loop` over `decode_step`. Wrap in `nnx.jit` (max_length, ids, beam_size and
-  alpha static).
-  """
-  _check_tokens("inputs", inputs)
-  memory = model.encode(inputs)  # -> [b, s, encoder.d_model]
-  cache = model.init_cache(memory, inputs != PAD_ID, max_length)
-  common = dict(batch_size=inputs.shape[0], max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=PAD_ID)
-  if beam_size == 1:
-    return decoding.greedy_search(model.loop_step(), cache, **common).tokens
-  beams = decoding.beam_search(model.loop_step(), cache, beam_size=beam_size, alpha=alpha, **common)
-  return beams.tokens[:, 0]  # the best beam -> [b, max_length]

@@ -17,7 +17,7 @@ from flax import nnx
 
 from xattn_jax.layers import EncoderBlock, make_position_encoding
 from xattn_jax.layers import dense
-from xattn_jax.training import layer_stack
+from xattn_jax.layers import layer_stack
 
 
 POOLS = ("token", "gap")

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import metrics as metrics_lib
-from xattn_jax.training import optim, sharding, tasks, validation
+from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 
 class TrainingDiverged(RuntimeError):
@@ -126,7 +126,7 @@ class _Run:
   def __init__(self, config, workdir, mode: str = "train"):
     self.config = config
     self.workdir = workdir
-    task_class = tasks.get_task_class(config.task.name)
+    task_class = task_lib.get_task_class(config.task.name)
     try:
       self.task = task_class(config, workdir, mode)
     except validation.ConfigError:
@@ -648,7 +648,7 @@ def _infer(run_, state, input_file, output):
   numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
   try:
     answers = run_.task.infer(run_.model(state), [lines[number - 1] for number in numbers]) if numbers else []
-  except tasks.InputLineError as error:
+  except task_lib.InputLineError as error:
     raise DataError(f"{name}:{numbers[error.index]}: {error.message}") from None
   by_number = dict(zip(numbers, answers))
   outputs = [by_number.get(number, "") for number in range(1, len(lines) + 1)]

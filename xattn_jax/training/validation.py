@@ -16,7 +16,7 @@ from ml_collections import ConfigDict
 
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import positions as position_ops
-from xattn_jax.training import tasks as tasks_lib
+from xattn_jax.training import task as tasks_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")

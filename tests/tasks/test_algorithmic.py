@@ -7,7 +7,8 @@ import pytest
 
 from configs import algorithmic as algorithmic_config
 from xattn_jax.data import algorithmic
-from xattn_jax.training import algorithmic_task, loop, validation
+from xattn_jax.tasks import algorithmic as algorithmic_task
+from xattn_jax.training import loop, validation
 
 
 def _examples(operation, seed=0, count=16, min_length=1, max_length=9, width=None):
@@ -141,7 +142,7 @@ def test_relative_encodings_give_the_decoder_causal_and_the_encoder_symmetric_va
 
 def test_dates_config_rope_scaling_override_reaches_the_translator(tmp_path):
   from configs import translate_dates
-  from xattn_jax.training import translate_task
+  from xattn_jax.tasks.translate import task as translate_task
   config = translate_dates.get_config("posenc=rope,tokenizer=bytes")
   config.data.first_year, config.data.last_year = 2000, 2000
   config.model.rope_scaling, config.model.rope_scaling_factor = "linear", 2.0

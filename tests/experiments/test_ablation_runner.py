@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPOSITORY / "experiments"))
 
 import ablate_positions  # noqa: E402

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
 
 
 def _run(script, *args):

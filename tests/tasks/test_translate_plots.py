@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from matplotlib import font_manager
 
-from xattn_jax.training import translate_plots
+from xattn_jax.tasks.translate import plots as translate_plots
 
 ARABIC = "▁الاثنين"  # a SentencePiece piece of "Monday"
 SOURCE = ["▁Monday", ",", "▁January", "▁15,", "▁1900"]

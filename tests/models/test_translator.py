@@ -131,7 +131,7 @@ def test_greedy_generation_equals_argmax_of_full_model_on_growing_prefix():
   model = _model("learned")
   inputs = _tokens(0, 2, 6, pad_from=3)
   steps = 5
-  generated = nnx.jit(translator_lib.generate, static_argnames=("max_length", "bos_id", "eos_id"))(
+  generated = nnx.jit(decoding.generate, static_argnames=("max_length", "bos_id", "eos_id"))(
       model, inputs, max_length=steps, bos_id=1, eos_id=2)
   # The prefix lives in a fixed-length buffer (one compiled shape); the causal decoder ignores
   # the unfilled tail, as test_decoder_logits_do_not_depend_on_later_target_embeddings checks.
@@ -214,8 +214,8 @@ def test_decoding_past_a_learned_position_table_is_refused():
   model = _model(position_encoding="learned")
   inputs = _tokens(0, 1, 5)
   with pytest.raises(ValueError, match=r"max_length=20 .* 16 rows"):
-    translator_lib.generate(model, inputs, max_length=20, bos_id=1, eos_id=2)
-  assert translator_lib.generate(model, inputs, max_length=16, bos_id=1, eos_id=2).shape == (1, 16)
+    decoding.generate(model, inputs, max_length=20, bos_id=1, eos_id=2)
+  assert decoding.generate(model, inputs, max_length=16, bos_id=1, eos_id=2).shape == (1, 16)
 
 
 def test_searches_refuse_to_decode_past_the_cache_capacity():

@@ -14,8 +14,9 @@ from flax import nnx
 from ml_collections import config_flags
 
 from configs import algorithmic, common, perceiver_digits, toy_reverse, translate_dates
-from xattn_jax.training import layer_stack, loop, optim, sharding, tasks, validation
-from xattn_jax.training.toy_reverse import ToyReverseTask
+from xattn_jax.layers import layer_stack
+from xattn_jax.training import loop, optim, sharding, task as task_lib, validation
+from xattn_jax.tasks.toy_reverse import ToyReverseTask
 
 
 def _load_config(*argv):
@@ -197,11 +198,11 @@ def test_mesh_minus_one_takes_the_remaining_devices():
 
 def test_unknown_task_name_lists_the_registered_tasks():
   with pytest.raises(KeyError, match="toy_reverse"):
-    tasks.get_task_class("no_such_task")
+    task_lib.get_task_class("no_such_task")
 
 
 def test_task_can_be_named_by_module_path():
-  assert tasks.get_task_class("xattn_jax.training.toy_reverse:ToyReverseTask") is ToyReverseTask
+  assert task_lib.get_task_class("xattn_jax.tasks.toy_reverse:ToyReverseTask") is ToyReverseTask
 
 
 # --- optimizer and loss -------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from xattn_jax.layers import dense
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.ops import positions as positions_lib
-from xattn_jax.training import layer_stack, optim, tasks, validation
+from xattn_jax.layers import layer_stack
+from xattn_jax.training import optim, task as task_lib, validation
 
 ALPHABET = string.ascii_lowercase
 VOCAB_SIZE = len(ALPHABET) + 1
@@ -133,8 +134,8 @@ def decode(ids) -> str:
   return "".join(ALPHABET[i - 1] for i in ids if i > 0)
 
 
-@tasks.register("toy_reverse")
-class ToyReverseTask(tasks.Task):
+@task_lib.register("toy_reverse")
+class ToyReverseTask(task_lib.Task):
   """Reverse random letter strings (see the module docstring)."""
 
   @classmethod
@@ -211,7 +212,7 @@ class ToyReverseTask(tasks.Task):
       try:
         ids = encode(line.strip(), max_length)
       except ValueError as e:
-        raise tasks.InputLineError(row, str(e)) from None
+        raise task_lib.InputLineError(row, str(e)) from None
       inputs[row, :len(ids)] = ids
     predictions = np.asarray(jnp.argmax(nnx.jit(lambda m, x: m(x))(model, inputs), axis=-1))
     return [decode(pred[:np.count_nonzero(ids)]) for pred, ids in zip(predictions, inputs)]

@@ -17,9 +17,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from xattn_jax.data import digits
-from xattn_jax.training import digits_task, loop, tasks, validation
+from xattn_jax.tasks.digits import task as digits_task
+from xattn_jax.training import loop, task as task_lib, validation
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = ["--config.log_every_steps=2", "--config.eval_every_steps=4", "--config.checkpoint.every_steps=4",
          "--config.logging.tensorboard=false", "--config.logging.plot=false", "--config.eval_batch_size=180"]
 PERCEIVER = ["--config=configs/perceiver_digits.py:steps=4,width=16,latents=4,blocks=1",
@@ -108,7 +109,7 @@ def test_infer_refuses_an_image_with_nan_pixels_naming_it(perceiver_workdir, tmp
   image[3, 4] = np.nan  # classified as some digit before
   np.save(tmp_path / "nan.npy", image)
   model, task = loop.load_model(str(perceiver_workdir))
-  with pytest.raises(tasks.InputLineError, match=r"input line 2: .*nan\.npy' holds NaN or infinite pixel values"):
+  with pytest.raises(task_lib.InputLineError, match=r"input line 2: .*nan\.npy' holds NaN or infinite pixel values"):
     task.infer(model, ["test:0", str(tmp_path / "nan.npy")])
 
 

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from configs import translate_dates, translate_tsv
-from xattn_jax.training import loop, tasks, validation
-from xattn_jax.training import translate_plots, translate_task
+from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.tasks.translate import plots as translate_plots
+from xattn_jax.tasks.translate import task as translate_task
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A very small model on two years of dates: a few steps, one eval, a checkpoint.
 TINY = {
     "total_steps": 4, "batch_size": 8, "eval_batch_size": 16, "log_every_steps": 2, "eval_every_steps": 4,
@@ -59,7 +60,7 @@ def dates_run(tmp_path_factory):
 
 def test_both_configs_name_the_translate_task():
   for module in (translate_dates, translate_tsv):
-    assert tasks.get_task_class(module.get_config().task.name) is translate_task.TranslateTask
+    assert task_lib.get_task_class(module.get_config().task.name) is translate_task.TranslateTask
 
 
 def test_position_encoding_override_reaches_the_model(tmp_path):

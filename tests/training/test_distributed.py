@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps, launch, launch_args, metrics_rows, subprocess_env,
+from tests.training.test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps, launch, launch_args, metrics_rows, subprocess_env,
                          train_losses, wait_for)
 
 MESHES = {

@@ -33,10 +33,11 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from xattn_jax import decoding
 from xattn_jax.data import batching, dates, tokenizers, tsv
 from xattn_jax.models import translator as translator_lib
-from xattn_jax.training import optim, sharding, tasks, validation
-from xattn_jax.training import translate_plots
+from xattn_jax.training import optim, sharding, task as task_lib, validation
+from xattn_jax.tasks.translate import plots as translate_plots
 
 DATA_SOURCES = ("dates", "tsv")
 TOKENIZERS = ("sentencepiece", "bytes")
@@ -100,8 +101,8 @@ def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.
                for side in (model_config.encoder, model_config.decoder))
 
 
-@tasks.register("translate")
-class TranslateTask(tasks.Task):
+@task_lib.register("translate")
+class TranslateTask(task_lib.Task):
   """English -> target-locale dates, or any parallel corpus (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf")
 
@@ -171,7 +172,7 @@ class TranslateTask(tasks.Task):
     if mode == "train":
       self._check_batch_size()
     self.vocab_size = self.tokenizer.vocab_size
-    self._generate = nnx.jit(translator_lib.generate,
+    self._generate = nnx.jit(decoding.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
         inputs, decoder_inputs))
@@ -422,7 +423,7 @@ class TranslateTask(tasks.Task):
     encoded = self.tokenizer.encode_batch(lines)
     for index, ids in enumerate(encoded):
       if not ids or len(ids) > limit:
-        raise tasks.InputLineError(index, f"{len(ids)} tokens; the model takes 1 to {limit} (model.max_length)")
+        raise task_lib.InputLineError(index, f"{len(ids)} tokens; the model takes 1 to {limit} (model.max_length)")
     inputs = np.zeros((len(lines), batching.round_up(max(map(len, encoded)), 8)), np.int32)
     for row, ids in enumerate(encoded):
       inputs[row, :len(ids)] = ids

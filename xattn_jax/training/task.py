@@ -66,10 +66,10 @@ class InputLineError(ValueError):
 
 # Short names whose module is imported on first use (so importing this file stays cheap).
 TASK_MODULES = {
-    "algorithmic": "xattn_jax.training.algorithmic_task",
-    "digits": "xattn_jax.training.digits_task",
-    "toy_reverse": "xattn_jax.training.toy_reverse",
-    "translate": "xattn_jax.training.translate_task",
+    "algorithmic": "xattn_jax.tasks.algorithmic",
+    "digits": "xattn_jax.tasks.digits.task",
+    "toy_reverse": "xattn_jax.tasks.toy_reverse",
+    "translate": "xattn_jax.tasks.translate.task",
 }
 
 

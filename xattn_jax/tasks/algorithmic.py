@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xattn_jax import decoding
 from xattn_jax.data import algorithmic
 from xattn_jax.models import translator as translator_lib
-from xattn_jax.training import optim, tasks, validation
+from xattn_jax.training import optim, task as task_lib, validation
 
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 LETTERS = string.ascii_lowercase
@@ -50,8 +51,8 @@ def band_name(band: tuple[int, int], metric: str = "exact_match") -> str:
   return f"{metric}_{band[0]}_{band[1]}"
 
 
-@tasks.register("algorithmic")
-class AlgorithmicTask(tasks.Task):
+@task_lib.register("algorithmic")
+class AlgorithmicTask(task_lib.Task):
   """Copy or reverse random strings; exact match per length band (see the module docstring)."""
 
   @classmethod
@@ -147,13 +148,13 @@ class AlgorithmicTask(tasks.Task):
     for index, line in enumerate(lines):
       text = line.strip()
       if not text or len(text) >= self.max_length or any(ch not in LETTERS[:num_symbols] for ch in text):
-        raise tasks.InputLineError(index, f"needs 1 to {self.max_length - 1} letters from "
+        raise task_lib.InputLineError(index, f"needs 1 to {self.max_length - 1} letters from "
                                    f"{LETTERS[:num_symbols]!r}, got {text!r}")
       rows.append([algorithmic.FIRST_SYMBOL + LETTERS.index(ch) for ch in text])
     inputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
     for row, ids in zip(inputs, rows):
       row[:len(ids)] = ids
-    generate = nnx.jit(translator_lib.generate, static_argnames=("max_length", "bos_id", "eos_id"))
+    generate = nnx.jit(decoding.generate, static_argnames=("max_length", "bos_id", "eos_id"))
     outputs = np.asarray(generate(model, inputs, max_length=self.max_length, bos_id=algorithmic.BOS_ID,
                                   eos_id=algorithmic.EOS_ID))
     return ["".join(LETTERS[i - algorithmic.FIRST_SYMBOL] for i in row if i >= algorithmic.FIRST_SYMBOL)

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 # A tiny, fast run: checkpoints and eval at steps 4 and 8, a metrics row every step.
 OVERRIDES = {

@@ -37,7 +37,7 @@ from ml_collections import ConfigDict
 from xattn_jax.data import digits
 from xattn_jax.models import latent_reader, vit
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import optim, tasks, validation
+from xattn_jax.training import optim, task as task_lib, validation
 
 MODELS = ("vit", "perceiver", "qformer")
 # What the eval of every digits run logs; it adds eval/accuracy_HxW for each grid in data.extra_eval_grids.
@@ -150,8 +150,8 @@ def make_vit(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
                  remat=model_config.remat, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-@tasks.register("digits")
-class DigitsTask(tasks.Task):
+@task_lib.register("digits")
+class DigitsTask(task_lib.Task):
   """Classify the bundled digits with a ViT, a Perceiver or a Q-Former (see the module docstring)."""
 
   eval_metric_names = _EvalMetricNames(EVAL_METRICS + ("eval/accuracy_<HxW in data.extra_eval_grids>",))
@@ -377,7 +377,7 @@ class DigitsTask(tasks.Task):
     """
     if not hasattr(model, "cross_attention_weights") or getattr(model, "connector", "qformer") != "qformer":
       return []
-    from xattn_jax.training import digits_plots  # matplotlib only when pictures are asked for
+    from xattn_jax.tasks.digits import plots as digits_plots  # matplotlib only when pictures are asked for
     count = self.config.task.num_attention_images
     images = digits.resize_images(self.split.test_images[:count], self.grid)
     weights = np.asarray(nnx.jit(lambda m, x: m.cross_attention_weights(x))(
@@ -418,7 +418,7 @@ class DigitsTask(tasks.Task):
         if not np.isfinite(images).all():
           raise ValueError(f"{line.strip()!r} holds NaN or infinite pixel values")
       except (ValueError, OSError) as e:
-        raise tasks.InputLineError(index, str(e)) from None
+        raise task_lib.InputLineError(index, str(e)) from None
       predictions = self._classify(model, digits.resize_images(images, self.grid))
       outputs.append(f"{line.strip()}\t{' '.join(str(p) for p in predictions)}")
     return outputs
