@@ -1,0 +1,68 @@
+"""Optimizer, schedules and the shared losses."""
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+
+from tests.helpers import abstract_model
+from xattn_jax.tasks.toy_reverse import ToyReverseTask
+from configs import toy_reverse
+from xattn_jax.training import optim
+
+
+def test_schedule_warms_up_linearly_to_the_peak():
+  config = toy_reverse.get_config("size=tiny").optimizer
+  config.learning_rate, config.warmup_steps = 1e-2, 10
+  schedule = optim.make_schedule(config, total_steps=100)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 5e-3, 1e-2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,expected_at_40", [("cosine", 0.5e-2), ("rsqrt", 1e-2 * (10 / 40) ** 0.5),
+                                                 ("constant", 1e-2)])
+def test_schedule_decays_as_named_after_warmup(name, expected_at_40):
+  config = toy_reverse.get_config("size=tiny").optimizer
+  config.learning_rate, config.warmup_steps, config.schedule = 1e-2, 10, name
+  schedule = optim.make_schedule(config, total_steps=70)  # cosine: halfway through 60 decay steps
+  np.testing.assert_allclose(schedule(40), expected_at_40, rtol=1e-5)
+
+
+def test_weight_decay_spares_biases_norms_and_embeddings():
+  model = abstract_model(ToyReverseTask(toy_reverse.get_config("size=tiny")))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  mask = optim.weight_decay_mask(params, "bias,scale,embedding")
+  assert mask["blocks"]["query"]["kernel"] and mask["logits"]["kernel"]
+  assert not mask["blocks"]["query"]["bias"] and not mask["final_norm"]["scale"]
+  assert not mask["embed"]["embedding"]
+
+
+def test_cross_entropy_with_smoothing_matches_torch():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5, 11)).astype(np.float32)
+  targets = rng.integers(1, 11, size=(3, 5))
+  targets[0, 3:] = 0  # padding, masked out below
+  weights = (targets != 0).astype(np.float32)
+  loss_sum, weight_sum = optim.cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                             jnp.asarray(weights), label_smoothing=0.1)
+  expected = torch.nn.functional.cross_entropy(torch.tensor(logits[weights > 0]),
+                                               torch.tensor(targets[weights > 0]), label_smoothing=0.1)
+  np.testing.assert_allclose(loss_sum / weight_sum, expected.item(), rtol=1e-5)
+
+
+def test_cross_entropy_rejects_mismatched_targets():
+  with pytest.raises(ValueError, match=r"targets must be logits.shape\[:-1\]=\[2, 3\]"):
+    optim.cross_entropy(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4), jnp.int32))
+
+
+def test_gradient_clipping_bounds_the_update_norm():
+  config = toy_reverse.get_config("size=tiny").optimizer
+  config.name, config.grad_clip_norm, config.warmup_steps, config.schedule = "sgd", 0.5, 0, "constant"
+  config.learning_rate, config.momentum = 1.0, 0.0
+  tx = optim.make_optimizer(config, total_steps=10)
+  grads = {"w": jnp.full((4,), 10.0)}
+  updates, _ = tx.update(grads, tx.init(grads), grads)
+  np.testing.assert_allclose(optax.tree.norm(updates), 0.5, rtol=1e-6)
+
+
+# --- dropout keys -------------------------------------------------------------------------------

@@ -1,0 +1,45 @@
+"""Logical-axis sharding rules."""
+import jax
+from flax import nnx
+
+from configs import common
+from xattn_jax.training import sharding
+
+
+class _FakeMesh:
+  shape = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_logical_names_map_to_mesh_axes_by_rules():
+  spec = sharding.logical_to_spec(("embed", "mlp"), (8, 16), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == ("fsdp", "tensor")
+
+
+def test_dimension_not_divisible_by_its_mesh_axes_is_replicated():
+  spec = sharding.logical_to_spec(("vocab", "embed"), (27, 8), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == (None, "fsdp")
+
+
+def test_mesh_axis_is_used_once_per_array():
+  spec = sharding.logical_to_spec(("heads", "mlp"), (8, 8), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == ("tensor", None)
+
+
+def test_parameters_left_replicated_by_an_indivisible_mesh_axis_are_named_in_a_warning(caplog):
+  """A model sized against the mesh (vocab 13, mlp 20 on tensor=8) trained fully replicated without a word."""
+  from xattn_jax.models.translator import StackSize, Translator
+  mesh = jax.sharding.AbstractMesh((1, 1, 8), ("data", "fsdp", "tensor"))
+  abstract = nnx.state(nnx.eval_shape(lambda: Translator(
+      13, encoder=StackSize(16, 2, 1, 20), decoder=StackSize(16, 2, 1, 20), rngs=nnx.Rngs(0))))
+  with caplog.at_level("WARNING"):
+    shardings = sharding.state_shardings(abstract, mesh, common.DEFAULT_SHARDING_RULES)
+  (record,) = [r for r in caplog.records if "replicated, not sharded" in r.getMessage()]
+  message = record.getMessage()  # 6 MLP arrays (mlp=20) and the source embedding (vocab=13), first 5 shown
+  assert message.startswith("sharding: 7 parameter dimensions are replicated") and message.endswith(" ...")
+  assert "encoder_blocks.mlp.wi.kernel [1, 16, 20] (mlp=20 not divisible by {'tensor': 8})" in message
+  assert shardings["source_embed"]["embedding"].get_value().spec == jax.sharding.PartitionSpec(None, None)
+
+
+def test_batch_rule_shards_over_data_and_fsdp():
+  spec = sharding.logical_to_spec(("batch", None), (8, 5), common.DEFAULT_SHARDING_RULES, _FakeMesh)
+  assert tuple(spec) == (("data", "fsdp"), None)

@@ -1,0 +1,185 @@
+"""Config parsing and validation: every bad field fails before compiling, in one line naming it."""
+import re
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from tests.helpers import load_config, abstract_model
+from configs import algorithmic, common, perceiver_digits, toy_reverse, translate_dates
+from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.tasks.toy_reverse import ToyReverseTask
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def test_parse_arg_converts_values_to_the_default_types():
+  args = common.parse_arg("size=tiny,layers=3,rate=0.5,scan", size="small", layers=1, rate=0.1, scan=False)
+  assert (args.size, args.layers, args.rate, args.scan) == ("tiny", 3, 0.5, True)
+
+
+def test_parse_arg_rejects_an_unknown_key_listing_the_allowed_ones():
+  with pytest.raises(ValueError, match=r"'sise'.*\['scan', 'size'\]"):
+    common.parse_arg("sise=tiny", size="small", scan=False)
+
+
+def test_variant_argument_and_override_reach_the_model():
+  config = load_config("--config=configs/toy_reverse.py:size=tiny,posenc=rope,scan",
+                        "--config.model.d_model=48", "--config.model.num_layers=3")
+  model = abstract_model(ToyReverseTask(config))
+  assert model.embed.embedding.shape == (27, 48)  # 26 letters + padding
+  assert model.blocks.query.kernel.shape == (3, 48, 48)  # 3 stacked layers
+  assert model.scan_layers and model.position_encoding == "rope" and not hasattr(model, "position_table")
+
+
+def test_misspelt_override_is_rejected_by_the_locked_config():
+  with pytest.raises(Exception, match="d_modle"):
+    load_config("--config=configs/toy_reverse.py:size=tiny", "--config.model.d_modle=48")
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("task.name", "nope"), ("optimizer.name", "lamb"), ("optimizer.schedule", "step"),
+    ("model.position_encoding", "alibi"), ("model.remat", "some"), ("model.name", "other"),
+])
+def test_unknown_name_is_a_config_error_naming_the_field(field, value):
+  _assert_refused(toy_reverse.get_config("size=tiny"), field, value, rf"^config\.{field}='{value}': allowed")
+
+
+def _assert_refused(config, field: str, value, message: str):
+  """Sets the dotted `field` to `value` and checks validation refuses it with `message` (a regex)."""
+  *sections, key = field.split(".")
+  parent = config
+  for section in sections:
+    parent = parent[section]
+  parent[key] = value
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(config)
+
+
+def test_d_model_not_divisible_by_heads_is_a_config_error():
+  config = toy_reverse.get_config("size=tiny")
+  config.model.d_model, config.model.num_heads = 30, 4
+  with pytest.raises(validation.ConfigError, match=r"config\.model\.d_model=30: must be divisible"):
+    validation.validate_config(config)
+
+
+def test_odd_rotary_dimension_is_a_config_error():
+  config = toy_reverse.get_config("size=tiny,posenc=rope")
+  config.model.rotary_dim = 7
+  with pytest.raises(validation.ConfigError, match=r"config\.model\.rotary_dim=7"):
+    validation.validate_config(config)
+
+
+@pytest.mark.parametrize("config_arg, field, value, rule", [
+    ("size=tiny", "model.d_model", 0, "must be a positive integer"),  # was ZeroDivisionError
+    ("size=tiny,posenc=rope", "model.rotary_dim", -2, "must be a positive integer, or 0"),
+    ("algorithmic:posenc=rope", "model.rope_scaling_factor", -4.0, "must be > 0"),
+    ("algorithmic:posenc=sinusoidal", "model.rope_scaling_factor", 0.0, "must be > 0"),  # was ignored
+    ("size=tiny", "optimizer.grad_clip_norm", -1.0, "must be >= 0"),
+    ("size=tiny", "optimizer.weight_decay", -1.0, "must be >= 0"),
+    ("size=tiny", "optimizer.b1", 1.5, "must be in [0, 1)"),
+    ("size=tiny", "optimizer.final_learning_rate_fraction", -2.0, "must be in [0, 1]"),
+    ("size=tiny", "steps_per_call", 0, "must be a positive integer"),
+    ("size=tiny", "steps_per_call", True, "must be a positive integer"),  # a bool passed as 1
+    ("size=tiny", "total_steps", True, "must be a positive integer"),
+    ("size=tiny", "optimizer.learning_rate", float("inf"), "must be > 0 and finite"),  # was NaN at step 2
+    ("size=tiny", "optimizer.weight_decay", float("inf"), "must be >= 0 and finite"),
+])
+def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
+  """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
+  module, _, arg = config_arg.rpartition(":") if config_arg.startswith("algorithmic") else ("", "", config_arg)
+  config = (algorithmic if module else toy_reverse).get_config(arg)
+  _assert_refused(config, field, value, rf"^config\.{field}={value}: {re.escape(rule)}")
+
+
+def test_mrope_sections_not_adding_up_is_a_config_error():
+  config = toy_reverse.get_config("size=tiny,posenc=mrope")
+  config.model.mrope_sections = (1, 2, 2)
+  with pytest.raises(validation.ConfigError, match=r"config\.model\.mrope_sections"):
+    validation.validate_config(config)
+
+
+def test_mrope_sections_with_an_empty_axis_are_a_config_error():
+  config = toy_reverse.get_config("size=tiny,posenc=mrope")
+  pairs = sum(config.model.mrope_sections)
+  _assert_refused(config, "model.mrope_sections", (pairs, 0, 0), r"config\.model\.mrope_sections=.*3 positive sections")
+
+
+@pytest.mark.parametrize("config_arg", ["algorithmic:posenc=sinusoidal", "algorithmic:posenc=alibi", "dates"])
+def test_rope_scaling_without_a_rotary_encoding_is_a_config_error(config_arg):
+  """It was ignored: a length-scaling ablation on sinusoidal positions measured nothing."""
+  config = translate_dates.get_config() if config_arg == "dates" else algorithmic.get_config(config_arg.split(":")[1])
+  _assert_refused(config, "model.rope_scaling", "ntk", r"^config\.model\.rope_scaling='ntk': scales rotary positions")
+  config = algorithmic.get_config("posenc=rope")
+  config.model.rope_scaling = "ntk"
+  validation.validate_config(config)
+
+
+def test_float16_parameters_are_a_config_error_that_names_the_alternatives():
+  """They trained to NaN at step 2 (Adam's second moment underflows in float16)."""
+  _assert_refused(toy_reverse.get_config("size=tiny"), "precision.param_dtype", "float16",
+                  r"^config\.precision\.param_dtype='float16': allowed are \['bfloat16', 'float32'\]")
+  config = toy_reverse.get_config("size=tiny")
+  config.precision.compute_dtype = "float16"
+  validation.validate_config(config)
+
+
+def test_a_workdir_of_another_kind_of_run_is_refused_naming_the_task(tmp_path):
+  """Every field of another task's config differs; the first in alphabetical order
+  (model.activation) hid the reason."""
+  loop._write_config(translate_dates.get_config(), str(tmp_path))
+  (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+  with pytest.raises(validation.ConfigError,
+                     match=r"^config\.task\.name='digits': the run in .* was made with 'translate'"):
+    loop.check_same_model(perceiver_digits.get_config(), str(tmp_path))
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.name='digits'"):
+    loop.check_same_model(perceiver_digits.get_config(), str(tmp_path), mode="eval")
+
+
+def test_rotary_head_dim_check_reaches_the_translators_encoder_and_decoder():
+  config = translate_dates.get_config("posenc=rope")
+  config.model.decoder.d_model, config.model.decoder.num_heads = 36, 4  # head_dim 9
+  with pytest.raises(validation.ConfigError, match=r"model\.decoder\.d_model=36: rotary dimension 9"):
+    validation.check_attention_dims(config.model)
+
+
+def test_rotary_head_dim_check_covers_the_perceivers_rope_2d():
+  config = perceiver_digits.get_config("posenc=rope_2d,width=24")  # 4 heads: head_dim 6
+  with pytest.raises(validation.ConfigError, match=r"model\.d_model=24: rotary dimension 6 must be a multiple of 4"):
+    validation.check_attention_dims(config.model)
+
+
+@pytest.mark.parametrize("mesh,devices", [({"data": 3}, 8), ({"data": -1, "fsdp": 3}, 8),
+                                          ({"data": -1, "fsdp": -1}, 8), ({"data": 2, "tensor": 2}, 8)])
+def test_mesh_that_does_not_match_the_device_count_is_a_config_error(mesh, devices):
+  config = toy_reverse.get_config("size=tiny")
+  config.mesh.update(mesh)
+  with pytest.raises(validation.ConfigError, match=r"config\.mesh"):
+    validation.validate_config(config, device_count=devices)
+
+
+@pytest.mark.parametrize("field", ["batch_size", "eval_batch_size"])
+def test_batch_not_divisible_by_the_data_shards_is_a_config_error(field):
+  config = toy_reverse.get_config("size=tiny")
+  config.mesh.update({"data": 2, "fsdp": 2})
+  config[field] = 6  # 4 data x fsdp shards on 4 devices
+  with pytest.raises(validation.ConfigError, match=rf"config\.{field}=6: must be divisible by mesh data x fsdp = 4"):
+    validation.validate_config(config, device_count=4)
+
+
+def test_mesh_minus_one_takes_the_remaining_devices():
+  assert validation.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_unknown_task_name_lists_the_registered_tasks():
+  with pytest.raises(KeyError, match="toy_reverse"):
+    task_lib.get_task_class("no_such_task")
+
+
+def test_task_can_be_named_by_module_path():
+  assert task_lib.get_task_class("xattn_jax.tasks.toy_reverse:ToyReverseTask") is ToyReverseTask
+
+
+# --- optimizer and loss -------------------------------------------------------------------------
