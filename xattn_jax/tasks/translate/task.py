@@ -143,6 +143,8 @@ def bleu_choice(references, setting: str = "auto") -> BleuChoice:
     return BleuChoice(tokenize, False, f"{why}, and {short} of the {count} references have fewer than "
                       f"{BLEU_MAX_ORDER} {tokenize!r} tokens: most have no {BLEU_MAX_ORDER}-grams for BLEU to count, "
                       "and with none at all BLEU is 0 even for exact translations")
+  if setting != "auto":
+    why = f"{count - short} of the {count} references have {BLEU_MAX_ORDER} or more {tokenize!r} tokens"
   return BleuChoice(tokenize, True, why)
 
 
