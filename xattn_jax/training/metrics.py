@@ -1,7 +1,8 @@
 """The run's record: `metrics.jsonl` (one JSON object per line, flushed), TensorBoard, a loss plot.
 
 Only process 0 writes. On resume, lines past the restored step are dropped first, so the file reads
-as one uninterrupted run.
+as one uninterrupted run. A metric that is undefined at a step (None) is left out of that step's
+line and its TensorBoard scalars: a reader sees no value, never a 0 that reads as a score.
 """
 from __future__ import annotations
 
@@ -58,18 +59,19 @@ class MetricsWriter:
     os.replace(tmp, self.path)
 
   def write(self, step: int, values: dict):
-    """One line `{"step": step, **values}`; non-finite floats are written as strings."""
+    """One line `{"step": step, **values}` and one TensorBoard scalar per value; values that are None
+    (undefined) are left out of both, non-finite floats are written to the line as strings."""
     if not self.active:
       return
+    values = {key: float(value) for key, value in values.items() if value is not None}
     row = {"step": int(step)}
     for key, value in values.items():
-      value = float(value)
       row[key] = value if math.isfinite(value) else str(value)
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
     if self._tensorboard is not None:
       for key, value in values.items():
-        self._tensorboard.add_scalar(key, float(value), step)
+        self._tensorboard.add_scalar(key, value, step)
       self._tensorboard.flush()
 
   def close(self):

@@ -10,12 +10,25 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
   task.*               label smoothing, decoding (beam_size 1 = greedy, length_penalty), how many
                        eval sentences to decode, log and plot
 
-Metrics: eval/loss and eval/accuracy (teacher-forced token accuracy) from the jitted eval step;
-eval/exact_match, eval/bleu and eval/chrf (sacrebleu) from decoding the eval sources; BLEU's
-tokenizer is task.bleu_tokenize, "auto" = sacrebleu's "char" for targets written without spaces
-(Chinese, Japanese, Thai, ...: "13a" splits only at spaces, so their BLEU would be 0 even for exact
-translations) and "13a" otherwise. Each eval
-also logs a few sample translations and writes cross-attention maps (target tokens by source
+Metrics, logged as eval/<name> at every eval ("decoded pairs": the first task.num_decode_examples
+eval pairs, 0 = all of them, decoded by the model alone with task.beam_size, 1 = greedy):
+  eval/loss         cross-entropy per target token (EOS included, no label smoothing), teacher-forced,
+                    over every eval pair
+  eval/accuracy     share of those target tokens whose most likely id is the reference's, teacher-forced,
+                    over every eval pair
+  eval/exact_match  share of the decoded pairs whose output string equals the reference
+  eval/bleu         sacrebleu corpus BLEU (0-100: brevity penalty x geometric mean of the 1- to 4-gram
+                    precisions) of the decoded pairs, tokenized by task.bleu_tokenize. "auto" (see
+                    bleu_choice) reads the references: "char" for scripts written without spaces
+                    (Chinese, Japanese, Thai, ...) and where most references have under four "13a"
+                    tokens (compound words, one-word answers: "13a" leaves them no word 4-grams, so BLEU
+                    would be 0 even for exact translations), "13a" otherwise. Where most references
+                    have under four tokens of the tokenizer chosen, BLEU is undefined for the corpus: it
+                    is left out of every eval (one log line says why), never written as 0, and
+                    checkpoint.best_metric=eval/bleu stops the run before training
+  eval/chrf         sacrebleu corpus chrF (0-100: F-score of character 1- to 6-grams, recall weighted by
+                    beta 2) of the decoded pairs; defined on any corpus
+Each eval also logs a few sample translations and writes cross-attention maps (target tokens by source
 tokens, per decoder layer) to <workdir>/plots/cross_attention_<k>.png.
 """
 from __future__ import annotations
@@ -24,6 +37,7 @@ import filecmp
 import functools
 import os
 import shutil
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,14 +92,65 @@ def _written_without_spaces(char: str) -> bool:
           or 0x0F00 <= code <= 0x0FFF or 0x1000 <= code <= 0x109F or 0x1780 <= code <= 0x17FF)
 
 
-def bleu_tokenizer(references, setting: str = "auto") -> str:
-  """The sacrebleu tokenizer for these reference texts: `setting`, or for "auto" "char" when most
-  of their letters are in scripts written without spaces, else sacrebleu's default "13a"."""
+# Corpus BLEU multiplies the 1- to BLEU_MAX_ORDER-gram precisions: a corpus whose references mostly have
+# fewer tokens than that has (almost) no 4-grams, and its BLEU is 0 or rests on the few that do.
+BLEU_MAX_ORDER = 4
+
+
+class BleuChoice(NamedTuple):
+  """How eval/bleu scores a corpus: sacrebleu's `tokenize`, whether BLEU is `defined` there, and why."""
+  tokenize: str
+  defined: bool
+  reason: str
+
+
+def _short_references(references, tokenize: str) -> int:
+  """How many references have fewer than BLEU_MAX_ORDER tokens under sacrebleu's `tokenize`."""
+  tokenizer = sacrebleu.BLEU(tokenize=tokenize).tokenizer
+  return sum(len(tokenizer(text).split()) < BLEU_MAX_ORDER for text in references)
+
+
+def bleu_choice(references, setting: str = "auto") -> BleuChoice:
+  """The sacrebleu tokenizer for these reference texts, and whether corpus BLEU is defined for them.
+
+  `setting` is task.bleu_tokenize. "auto" picks "char" when most of the references' letters are in
+  scripts written without spaces; else "13a" when at least half the references have 4 or more "13a"
+  tokens (words and punctuation); else "char" (single words, compound words, short answers: "13a"
+  would give them no word 4-grams). With the tokenizer chosen, BLEU is defined when at least half
+  the references have 4 or more tokens; otherwise its 4-gram precision would rest on the few that do
+  (and be 0 when none does, even for exact translations), so it is reported as undefined.
+  """
+  references = list(references)
+  count = len(references)
+  if not count:
+    return BleuChoice("13a" if setting == "auto" else setting, False, "there are no references")
   if setting != "auto":
-    return setting
-  letters = [c for text in references for c in text if c.isalpha()]
-  unspaced = sum(map(_written_without_spaces, letters))
-  return "char" if letters and unspaced > len(letters) / 2 else "13a"
+    tokenize, why = setting, f"task.bleu_tokenize={setting!r}"
+  else:
+    letters = [c for text in references for c in text if c.isalpha()]
+    if letters and sum(map(_written_without_spaces, letters)) > len(letters) / 2:
+      tokenize, why = "char", ("most of the references' letters are in scripts written without spaces, which "
+                               "'13a' splits only at spaces")
+    else:
+      short = _short_references(references, "13a")
+      if 2 * short <= count:
+        return BleuChoice("13a", True, f"{count - short} of the {count} references have {BLEU_MAX_ORDER} or more "
+                          "'13a' tokens (words and punctuation)")
+      tokenize, why = "char", (f"{short} of the {count} references have fewer than {BLEU_MAX_ORDER} '13a' tokens "
+                               "(words and punctuation), so word 4-grams mostly do not exist; characters are scored")
+  short = _short_references(references, tokenize)
+  if 2 * short > count:
+    return BleuChoice(tokenize, False, f"{why}, and {short} of the {count} references have fewer than "
+                      f"{BLEU_MAX_ORDER} {tokenize!r} tokens: most have no {BLEU_MAX_ORDER}-grams for BLEU to count, "
+                      "and with none at all BLEU is 0 even for exact translations")
+  if setting != "auto":
+    why = f"{count - short} of the {count} references have {BLEU_MAX_ORDER} or more {tokenize!r} tokens"
+  return BleuChoice(tokenize, True, why)
+
+
+def bleu_tokenizer(references, setting: str = "auto") -> str:
+  """The sacrebleu tokenizer bleu_choice picks for these reference texts."""
+  return bleu_choice(references, setting).tokenize
 
 
 def _upward(path: str, levels: int):
@@ -166,6 +231,8 @@ class TranslateTask(task_lib.Task):
     # Only training reads the training corpus and trains the tokenizer; eval and infer use the
     # run's tokenizer, and infer reads no corpus at all (its files may be gone).
     self.train_pairs, self.eval_pairs = self._pairs() if mode != "infer" else ([], [])
+    if mode != "infer":  # before the tokenizer is trained: a best_metric BLEU cannot define stops here
+      self._bleu = self._choose_bleu()
     self.tokenizer = self._tokenizer() if mode == "train" else self._saved_tokenizer()
     if mode != "infer":
       self._check_eval_lengths()
@@ -223,13 +290,28 @@ class TranslateTask(task_lib.Task):
     data = self.config.data
     return f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
 
-  @functools.cached_property
-  def _bleu_tokenize(self) -> str:
-    """eval/bleu's sacrebleu tokenizer for this run's eval targets: chosen once, and logged."""
+  @property
+  def _decoded_pairs(self):
+    """The eval pairs extra_eval decodes and scores: the first task.num_decode_examples (0 = all)."""
+    return self.eval_pairs[:self.config.task.num_decode_examples or len(self.eval_pairs)]
+
+  def _choose_bleu(self) -> BleuChoice:
+    """eval/bleu's tokenizer for the decoded references, chosen and logged once. In training, a best
+    checkpoint kept by an eval/bleu this corpus cannot define stops the run, naming the field."""
     setting = self.config.task.get("bleu_tokenize", "auto")
-    tokenize = bleu_tokenizer([target for _, target in self.eval_pairs], setting)
-    logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r)", tokenize, setting)
-    return tokenize
+    choice = bleu_choice([target for _, target in self._decoded_pairs], setting)
+    if choice.defined:
+      logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r): %s", choice.tokenize, setting,
+                   choice.reason)
+      return choice
+    best = self.config.checkpoint.best_metric
+    if self.mode == "train" and best == "eval/bleu":
+      others = [name for name in self.eval_metric_names if name != best]
+      raise validation.ConfigError("checkpoint.best_metric", best, f"eval/bleu is undefined for this corpus: "
+                                   f"{choice.reason}. Allowed are '' (no best checkpoint) or {others}")
+    logging.warning("eval/bleu is undefined for this corpus and left out of metrics.jsonl and TensorBoard: %s",
+                    choice.reason)
+    return choice
 
   def _take_init_from_tokenizer(self, path: str):
     """Fine-tuning from `init_from` keeps that run's vocabulary: its embedding rows belong to its
@@ -355,6 +437,7 @@ class TranslateTask(task_lib.Task):
                                        process_count=process_count)
 
   def eval_metrics(self, model, batch):
+    """loss and accuracy of the teacher-forced target tokens (EOS included) of every eval pair."""
     logits = self._logits(model, batch)
     weights = (batch["targets"] != 0) * batch["example_weights"][:, None]  # -> [b, t]
     # The loss without smoothing, so it is comparable across label_smoothing settings.
@@ -385,10 +468,10 @@ class TranslateTask(task_lib.Task):
     return self.config.task.max_decode_length or self.config.model.max_length
 
   def extra_eval(self, model):
-    """Decodes the first task.num_decode_examples eval sources (0 = all) and scores them."""
+    """exact_match, bleu and chrf of the decoded pairs (the module docstring says what each measures);
+    bleu is left out, with a log line saying why, where this corpus cannot define it."""
     task = self.config.task
-    count = task.num_decode_examples or len(self.eval_pairs)
-    pairs = self.eval_pairs[:count]
+    pairs = self._decoded_pairs
     inputs = np.concatenate([batch["inputs"] for batch in self.eval_data.eval_batches(self.config.eval_batch_size)])
     hypotheses = self.translate_ids(model, inputs[:len(pairs)], self._max_decode_length())
     references = [target for _, target in pairs]
@@ -396,9 +479,13 @@ class TranslateTask(task_lib.Task):
       logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
     if self.workdir and task.num_attention_plots and jax.process_index() == 0:
       self._plot_attention(model, inputs[:task.num_attention_plots])
-    return {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)])),
-            "bleu": sacrebleu.corpus_bleu(hypotheses, [references], tokenize=self._bleu_tokenize).score,
-            "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score}
+    metrics = {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
+    if self._bleu.defined:
+      metrics["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=self._bleu.tokenize).score
+    else:
+      logging.info("eval/bleu left out: undefined for this corpus (%s)", self._bleu.reason)
+    metrics["chrf"] = sacrebleu.corpus_chrf(hypotheses, [references]).score
+    return metrics
 
   def _plot_attention(self, model, inputs):
     """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each."""
