@@ -13,8 +13,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 else:
   _CACHE_DIR = None
+# Trained artefacts that many tests read (tests/helpers.py build_once), built once per session.
+if "XATTN_JAX_TEST_ARTIFACTS" not in os.environ:
+  _ARTIFACTS_DIR = tempfile.mkdtemp(prefix="xattn_jax_test_artifacts_")
+  os.environ["XATTN_JAX_TEST_ARTIFACTS"] = _ARTIFACTS_DIR
+else:
+  _ARTIFACTS_DIR = None
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tests import helpers  # noqa: E402
 
 # Tests that spawn launch.py subprocesses must not inherit a device count set for this process.
 os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -27,6 +36,18 @@ if jax.default_backend() == "gpu":
 
 
 def pytest_unconfigure(config):
-  # Only the process that made the cache removes it (xdist workers inherit its path).
-  if _CACHE_DIR is not None and not hasattr(config, "workerinput"):
-    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+  # Only the process that made a directory removes it (xdist workers inherit the paths).
+  if not hasattr(config, "workerinput"):
+    for directory in (_CACHE_DIR, _ARTIFACTS_DIR):
+      if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def trained_translator():
+  """The workdir of a tiny translator trained on two years of dates (helpers.TINY_DATES): checkpoint,
+  tokenizer, metrics and plots. Shared by the whole session: copy it before writing into it."""
+  def build(workdir):
+    result = helpers.launch("configs/translate_dates.py", workdir, overrides=helpers.TINY_DATES)
+    assert result.returncode == 0, result.stderr[-3000:]
+  return helpers.build_once("trained_translator", build)

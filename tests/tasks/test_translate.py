@@ -2,9 +2,7 @@
 import json
 import re
 import os
-import subprocess
-import sys
-import tempfile
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -12,31 +10,16 @@ import numpy as np
 import pytest
 
 from configs import translate_dates, translate_tsv
+from tests import helpers
 from xattn_jax.training import loop, task as task_lib, validation
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.tasks.translate import task as translate_task
 
-REPO = Path(__file__).resolve().parents[2]
-# A very small model on two years of dates: a few steps, one eval, a checkpoint.
-TINY = {
-    "total_steps": 4, "batch_size": 8, "eval_batch_size": 16, "log_every_steps": 2, "eval_every_steps": 4,
-    "checkpoint.every_steps": 4, "optimizer.warmup_steps": 1, "logging.tensorboard": False,
-    "model.encoder.d_model": 32, "model.encoder.num_layers": 1, "model.encoder.mlp_dim": 64,
-    "model.decoder.d_model": 32, "model.decoder.num_layers": 1, "model.decoder.mlp_dim": 64,
-    "model.max_length": 32, "task.num_decode_examples": 16, "task.num_attention_plots": 1,
-}
-DATES = {**TINY, "data.first_year": 2000, "data.last_year": 2001, "data.eval_fraction": 0.05,
-         "data.vocab_size": 128}
-COMPILE_CACHE = tempfile.mkdtemp(prefix="xattn_jax_translate_compile_cache_")
+TINY, DATES = helpers.TINY_TRANSLATOR, helpers.TINY_DATES
 
 
 def launch(config, workdir, overrides, *extra, stdin=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             XLA_FLAGS="--xla_backend_optimization_level=0")  # halves compile time; nothing here is timed
-  args = ([sys.executable, "launch.py", f"--config={config}", f"--workdir={workdir}"]
-          + [f"--config.{k}={v}" for k, v in overrides.items()] + list(extra))
-  return subprocess.run(args, cwd=REPO, input=stdin, capture_output=True, text=True, env=env, timeout=600)
+  return helpers.launch(config, workdir, *extra, overrides=overrides, stdin=stdin)
 
 
 def _config(module=translate_dates, arg=None, **overrides):
@@ -50,12 +33,12 @@ def _config(module=translate_dates, arg=None, **overrides):
   return config
 
 
-@pytest.fixture(scope="module")
-def dates_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("dates")
-  result = launch("configs/translate_dates.py", workdir, DATES)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return workdir, result
+@pytest.fixture
+def dates_run(trained_translator, tmp_path):
+  """A private copy of the session's tiny trained translator (tests may launch into it)."""
+  workdir = tmp_path / "dates"
+  shutil.copytree(trained_translator, workdir)
+  return workdir
 
 
 def test_both_configs_name_the_translate_task():
@@ -122,7 +105,7 @@ def test_cudnn_with_float32_compute_is_refused_before_compiling():
 
 @pytest.mark.slow
 def test_dates_run_logs_translation_metrics_and_attention_maps(dates_run):
-  workdir, _ = dates_run
+  workdir = dates_run
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   eval_row = [row for row in rows if "eval/bleu" in row][-1]
   for name in ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf"):
@@ -133,7 +116,7 @@ def test_dates_run_logs_translation_metrics_and_attention_maps(dates_run):
 
 @pytest.mark.slow
 def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
-  workdir, _ = dates_run
+  workdir = dates_run
   tokenizer = workdir / translate_task.SPM_FILE
   before = tokenizer.stat().st_mtime_ns
   lines = "Monday, January 3, 2000\nJan 4, 2001\nFebruary 5, 2000\n"
@@ -145,7 +128,7 @@ def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
 
 @pytest.mark.slow
 def test_infer_may_decode_differently_but_training_may_not_change_the_data(dates_run):
-  workdir, _ = dates_run
+  workdir = dates_run
   beam = launch("configs/translate_dates.py", workdir, {**DATES, "task.beam_size": 2}, "--mode=infer",
                 stdin="Jan 4, 2001\n")
   assert beam.returncode == 0 and len(beam.stdout.splitlines()) == 1, beam.stderr[-3000:]
@@ -165,14 +148,10 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   assert "eval/chrf" in (tmp_path / "work" / "metrics.jsonl").read_text()
   # Evaluation needs the run's workdir and the eval file; inference only the workdir.
   (tmp_path / "train.tsv").unlink()
-  evaluated = subprocess.run([sys.executable, "launch.py", f"--config={tmp_path / 'work' / 'config.py'}",
-                              f"--workdir={tmp_path / 'work'}", "--mode=eval"], cwd=REPO, capture_output=True,
-                             text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+  evaluated = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=eval")
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   (tmp_path / "eval.tsv").unlink()
-  answer = subprocess.run([sys.executable, "launch.py", f"--config={tmp_path / 'work' / 'config.py'}",
-                           f"--workdir={tmp_path / 'work'}", "--mode=infer"], cwd=REPO, input="7 cats\n",
-                          capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+  answer = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=infer", stdin="7 cats\n")
   assert answer.returncode == 0 and len(answer.stdout.splitlines()) == 1, answer.stderr[-3000:]
 
 
@@ -342,7 +321,7 @@ def test_fine_tuning_from_init_from_keeps_that_runs_tokenizer(dates_run, tmp_pat
   """A tokenizer trained on the new corpus gave the same pieces other ids, so every embedding row of
   the initialising checkpoint was read for the wrong piece. The run's tokenizer is now copied in;
   a workdir that already holds another tokenizer is refused."""
-  source_run, _ = dates_run
+  source_run = dates_run
   source = source_run / "tokenizer" / "sentencepiece.model"
   config = _config(arg="locale=de", **{"init_from": str(source_run / "checkpoints")})
   task = translate_task.TranslateTask(config, str(tmp_path / "new"))
@@ -371,7 +350,7 @@ def test_eval_lines_that_are_training_lines_are_reported(tmp_path, caplog):
 
 
 def test_init_from_a_checkpoint_of_another_model_is_one_line(dates_run, tmp_path):
-  source_run, _ = dates_run
+  source_run = dates_run
   workdir = tmp_path / "work"
   result = launch("configs/translate_dates.py", workdir, {**DATES, "model.encoder.d_model": 48,
                                                            "model.decoder.d_model": 48,
