@@ -250,7 +250,7 @@ def test_decoding_past_the_cache_capacity_is_refused(search):
     run()
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("search", ["greedy", "beam", "sample"])
 def test_sequences_that_met_nan_logits_come_back_as_invalid_tokens(search):
   """Under jit a cache's fill index is traced, so decode_room cannot refuse a search that runs past
   the capacity; there the logits turn NaN, and argmax / top_k made ordinary-looking ids of them."""
@@ -260,15 +260,17 @@ def test_sequences_that_met_nan_logits_come_back_as_invalid_tokens(search):
     return logits[:, None], position + 1
 
   args = dict(max_length=4, bos_id=BOS, eos_id=EOS)
-  if search == "greedy":
-    out = jax.jit(lambda: decoding.greedy_search(step, jnp.int32(0), batch_size=2, **args))()
+  if search in ("greedy", "sample"):
+    run = (functools.partial(decoding.greedy_search, step, jnp.int32(0)) if search == "greedy" else
+           functools.partial(decoding.sample_search, step, jnp.int32(0), rng=jax.random.key(0), top_p=0.9))
+    out = jax.jit(lambda: run(batch_size=2, **args))()
     tokens, scores = out.tokens, out.scores
   else:
     out = jax.jit(lambda: decoding.beam_search(step, jnp.int32(0), batch_size=1, beam_size=2,
                                                cache_batch_axis=99, **args))()
     tokens, scores = out.tokens.reshape(-1, 4), out.scores.reshape(-1)
   bad = np.isnan(np.asarray(scores))
-  assert bad.any() and (not bad.all() if search == "greedy" else True)
+  assert bad.any() and (not bad.all() if search != "beam" else True)
   np.testing.assert_array_equal(np.asarray(tokens)[bad], decoding.INVALID_TOKEN)
   assert (np.asarray(tokens)[~bad] >= 0).all()
 
