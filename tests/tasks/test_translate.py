@@ -95,6 +95,7 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
     ("model.implementation", "flash"),
     ("checkpoint.best_metric", "eval/bleuu"),
     ("task.bleu_tokenize", "ja-mecab"),
+    ("data.vocab_size_exact", None),
 ])
 def test_invalid_fields_are_reported_by_name(field, value):
   with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):

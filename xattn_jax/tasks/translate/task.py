@@ -130,7 +130,8 @@ class TranslateTask(task_lib.Task):
       validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
-    validation.require_choice(config, "data.vocab_size_exact", (True, False))
+    if "vocab_size_exact" in data:  # absent from configs written before it existed: False
+      validation.require_choice(config, "data.vocab_size_exact", (True, False))
     if data.length_bucketing and data.packing:
       raise validation.ConfigError("data.packing", True, "choose data.packing or data.length_bucketing, not both")
     for field, value in (("data.max_source_length", data.max_source_length),
@@ -209,7 +210,7 @@ class TranslateTask(task_lib.Task):
       texts = [text for pair in self.train_pairs for text in pair]
       try:
         tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size,
-                                                   exact=data.vocab_size_exact)
+                                                   exact=data.get("vocab_size_exact", False))
       except ValueError as error:  # e.g. a corpus too small for an exact vocabulary
         message = " ".join(str(error).split()).replace("exact=False", "data.vocab_size_exact=False")
         raise validation.ConfigError("data.vocab_size", data.vocab_size,
