@@ -37,7 +37,7 @@ def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [(b"", "no document"), (b"\n  \n\r\n", "no document"),
-                                              (b"\xff\xfeh\x00i\x00", "UTF-16")])
+                                              (b"\xff\xfeh\x00i\x00", "UTF-16"), (b"one\rtwo\r", "carriage return")])
 def test_a_file_without_documents_is_an_error_naming_it(tmp_path, content, message):
   path = tmp_path / "docs.txt"
   path.write_bytes(content)

@@ -66,8 +66,9 @@ def read_documents(path) -> list[str]:
   """The non-blank lines of a UTF-8 text file, without their line ends, in file order.
 
   Raises:
-    TextFormatError (a ValueError): the file is missing, not a regular file, UTF-16, has a line that
-      is not UTF-8 (each named ``file:line``), or holds no non-blank line.
+    TextFormatError (a ValueError): the file is missing, not a regular file, UTF-16, ends its lines
+      with bare carriage returns, has a line that is not UTF-8 (each named ``file:line``), or holds
+      no non-blank line.
   """
   if not isinstance(path, (str, os.PathLike)):
     raise ValueError(f"path must be a str or os.PathLike naming a text file, got {type(path).__name__} {path!r}")
@@ -82,6 +83,9 @@ def read_documents(path) -> list[str]:
   if data.startswith((b"\xff\xfe", b"\xfe\xff")):
     raise TextFormatError(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); "
                                         "save it as UTF-8")])
+  if b"\r" in data and b"\n" not in data:
+    raise TextFormatError(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); "
+                                        "save it with \\n line ends")])
   documents, problems = [], []
   for line_number, raw in enumerate(data.split(b"\n"), start=1):
     raw = raw[:-1] if raw.endswith(b"\r") else raw
