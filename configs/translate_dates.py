@@ -81,7 +81,9 @@ def translator_config(args) -> ConfigDict:
       "train_file": "",
       "eval_file": "",
       "tokenizer": args.tokenizer,      # sentencepiece | bytes
-      "vocab_size": 512,                # sentencepiece only
+      "vocab_size": 512,                # sentencepiece only: the most pieces (see vocab_size_exact)
+      "vocab_size_exact": False,        # False: as many pieces as the corpus supports, up to vocab_size;
+      #                                   True: exactly vocab_size, or the run stops saying the most there can be
       "max_source_length": 0,           # 0 = the longest training example, rounded up to 8
       "max_target_length": 0,
       "length_bucketing": False,

@@ -15,6 +15,7 @@ def get_config(arg=None):
   args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", tokenizer="sentencepiece", scan=False)
   config = translate_dates.translator_config(args)
   config.data.source = "tsv"
-  config.data.vocab_size = 4000  # a real corpus wants more pieces than dates do
+  config.data.vocab_size = 4000  # a real corpus wants more pieces than dates do; a smaller one gets what it
+  #                                supports (data.vocab_size_exact=False)
   config.model.max_length = 256
   return config

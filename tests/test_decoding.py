@@ -250,7 +250,7 @@ def test_decoding_past_the_cache_capacity_is_refused(search):
     run()
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam"])
+@pytest.mark.parametrize("search", ["greedy", "beam", "sample"])
 def test_sequences_that_met_nan_logits_come_back_as_invalid_tokens(search):
   """Under jit a cache's fill index is traced, so decode_room cannot refuse a search that runs past
   the capacity; there the logits turn NaN, and argmax / top_k made ordinary-looking ids of them."""
@@ -260,14 +260,213 @@ def test_sequences_that_met_nan_logits_come_back_as_invalid_tokens(search):
     return logits[:, None], position + 1
 
   args = dict(max_length=4, bos_id=BOS, eos_id=EOS)
-  if search == "greedy":
-    out = jax.jit(lambda: decoding.greedy_search(step, jnp.int32(0), batch_size=2, **args))()
+  if search in ("greedy", "sample"):
+    run = (functools.partial(decoding.greedy_search, step, jnp.int32(0)) if search == "greedy" else
+           functools.partial(decoding.sample_search, step, jnp.int32(0), rng=jax.random.key(0), top_p=0.9))
+    out = jax.jit(lambda: run(batch_size=2, **args))()
     tokens, scores = out.tokens, out.scores
   else:
     out = jax.jit(lambda: decoding.beam_search(step, jnp.int32(0), batch_size=1, beam_size=2,
                                                cache_batch_axis=99, **args))()
     tokens, scores = out.tokens.reshape(-1, 4), out.scores.reshape(-1)
   bad = np.isnan(np.asarray(scores))
-  assert bad.any() and (not bad.all() if search == "greedy" else True)
+  assert bad.any() and (not bad.all() if search != "beam" else True)
   np.testing.assert_array_equal(np.asarray(tokens)[bad], decoding.INVALID_TOKEN)
   assert (np.asarray(tokens)[~bad] >= 0).all()
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+def _constant_step(logits):
+  """Every step returns the same logits [vocab] for every row."""
+  logits = jnp.asarray(logits, jnp.float32)
+
+  def step(tokens, cache):
+    return jnp.broadcast_to(logits, (tokens.shape[0], 1, logits.shape[0])), cache
+
+  return step
+
+
+def _first_draws(logits, rows, seed=0, **options):
+  """The first sampled token of `rows` rows, each with its own key, from constant logits."""
+  run = jax.jit(lambda keys: decoding.sample_search(_constant_step(logits), jnp.zeros(()), batch_size=rows,
+                                                    max_length=1, bos_id=BOS, eos_id=EOS, rng=keys, **options))
+  return np.asarray(run(jax.random.split(jax.random.key(seed), rows)).tokens[:, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def _greedy_and_sample(params, keys, options):
+  _, step = _sum_model(params)
+  common = dict(batch_size=BATCH, max_length=MAX_LEN, bos_id=BOS, eos_id=EOS)
+  greedy = decoding.greedy_search(step, _first_cache(params), **common)
+  sample = decoding.sample_search(step, _first_cache(params), rng=keys, **dict(options), **common)
+  return greedy, sample
+
+
+@pytest.mark.parametrize("options", [dict(top_k=1), dict(temperature=1e-6)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampling_with_top_k_one_or_tiny_temperature_equals_greedy(options, seed):
+  keys = jax.random.split(jax.random.key(seed + 100), BATCH)
+  greedy, sample = _greedy_and_sample(_random_params(seed), keys, tuple(options.items()))
+  np.testing.assert_array_equal(np.asarray(sample.tokens), np.asarray(greedy.tokens))
+  np.testing.assert_allclose(np.asarray(sample.scores), np.asarray(greedy.scores), rtol=1e-6)
+
+
+def test_sampled_frequencies_match_the_tempered_softmax():
+  """A chi-square test over 20,000 seeded draws: deterministic, and it rejects the untempered softmax."""
+  from scipy import stats
+  logits, temperature, rows = np.array([0.0, 1.0, 2.0, 0.5, -0.5, 1.5]), 0.7, 20_000
+  counts = np.bincount(_first_draws(logits, rows, temperature=temperature), minlength=len(logits))
+  softmax = lambda x: np.exp(x - x.max()) / np.exp(x - x.max()).sum()  # float64, so the sums agree
+  expected = softmax(logits / temperature) * rows
+  assert stats.chisquare(counts, expected).pvalue > 1e-3
+  untempered = softmax(logits) * rows
+  assert stats.chisquare(counts, untempered).pvalue < 1e-9  # the test can tell temperature was applied
+
+
+@pytest.mark.parametrize("options, allowed", [
+    (dict(top_p=0.81), {0, 1, 2}),        # the mass above token 2 is 0.8, above token 3 0.95
+    (dict(top_k=2), {0, 1}),
+    (dict(top_k=3, top_p=0.83), {0, 1}),  # the nucleus of the renormalised top 3: above token 2, 0.8 / 0.95
+])
+def test_top_k_and_top_p_never_emit_a_token_outside_the_kept_set(options, allowed):
+  probs = np.array([0.5, 0.3, 0.15, 0.05])
+  drawn = set(_first_draws(np.log(probs), 3000, **options).tolist())
+  assert drawn == allowed  # nothing outside, and every kept token is drawn
+
+
+def test_a_rows_sample_depends_only_on_its_own_key():
+  table = np.asarray(jax.nn.softmax(jax.random.normal(jax.random.key(3), (VOCAB, VOCAB)), axis=-1))
+  keys = jax.random.split(jax.random.key(4), 5)
+  search = jax.jit(lambda k: decoding.sample_search(_markov_step(table), jnp.zeros(()), batch_size=k.shape[0],
+                                                    max_length=8, bos_id=BOS, eos_id=EOS, rng=k).tokens)
+  run = lambda k: np.asarray(search(k))
+  together = run(keys)
+  assert len({tuple(row) for row in together}) > 1, "rows with different keys should differ"
+  np.testing.assert_array_equal(run(keys[2:3])[0], together[2])
+  order = np.array([4, 2, 0, 3, 1])
+  np.testing.assert_array_equal(run(keys[order]), together[order])
+
+
+def test_sampling_stops_a_row_at_eos_and_pads_after_it():
+  keys = jax.random.split(jax.random.key(5), BATCH)
+  _, sample = _greedy_and_sample(_random_params(2), keys, (("temperature", 1.5),))
+  tokens = np.asarray(sample.tokens)
+  after_eos = np.cumsum(tokens == EOS, axis=1) - (tokens == EOS) > 0
+  assert after_eos.any()
+  assert (tokens[after_eos] == PAD).all() and (tokens[~after_eos] != PAD).all()
+
+
+def test_sampling_score_is_the_models_log_probability_of_its_tokens():
+  params = _random_params(6)
+  full, _ = _sum_model(params)
+  _, sample = _greedy_and_sample(params, jax.random.split(jax.random.key(6), BATCH), (("temperature", 1.5),))
+  np.testing.assert_allclose(np.asarray(sample.scores), _sequence_log_prob(full, np.asarray(sample.tokens)),
+                             rtol=1e-5)
+
+
+def test_a_single_key_is_split_into_one_key_per_row():
+  key = jax.random.key(7)
+  step = _constant_step(np.zeros(VOCAB))
+  args = dict(batch_size=4, max_length=3, bos_id=BOS, eos_id=EOS)
+  single, per_row = jax.jit(lambda: (decoding.sample_search(step, None, rng=key, **args),
+                                     decoding.sample_search(step, None, rng=jax.random.split(key, 4), **args)))()
+  np.testing.assert_array_equal(np.asarray(single.tokens), np.asarray(per_row.tokens))
+
+
+def test_search_from_first_tokens_continues_a_prompt_in_the_cache():
+  """Greedy from BOS gives g; with BOS and g[0] already in the cache (the prompt), greedy fed g[0]
+  first must give g[1:]."""
+  params = _random_params(8)
+  _, step = _sum_model(params)
+  common = dict(batch_size=BATCH, bos_id=BOS, eos_id=EOS)
+  whole = np.asarray(decoding.greedy_search(step, _first_cache(params), max_length=MAX_LEN, **common).tokens)
+  assert (whole[:, 0] != EOS).all()
+  _, prompt_cache = step(jnp.full((BATCH, 1), BOS), _first_cache(params))
+  rest = decoding.greedy_search(step, prompt_cache, max_length=MAX_LEN - 1, first_tokens=jnp.asarray(whole[:, 0]),
+                                **common)
+  np.testing.assert_array_equal(np.asarray(rest.tokens), whole[:, 1:])
+
+
+def test_beam_search_feeds_first_tokens_to_every_beam():
+  """From first token B, the _TRAP chain's best continuation is EOS (0.9); from A it is EOS (0.36)
+  against A or B (0.32 each) plus whatever follows."""
+  beam = decoding.beam_search(_markov_step(_TRAP), jnp.zeros(2), batch_size=2, beam_size=2, max_length=3,
+                              bos_id=BOS, eos_id=EOS, alpha=0.0, first_tokens=jnp.array([4, 3]))
+  assert int(beam.tokens[0, 0, 0]) == EOS
+  np.testing.assert_allclose(float(beam.scores[0, 0]), np.log(0.9), rtol=1e-5)
+  np.testing.assert_allclose(float(beam.scores[1, 0]), np.log(0.36), rtol=1e-5)
+
+
+@pytest.mark.parametrize("argument, kwargs", [
+    ("temperature", dict(temperature=0.0)),
+    ("temperature", dict(temperature=float("nan"))),
+    ("top_k", dict(top_k=-1)),
+    ("top_k", dict(top_k=1.5)),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("rng", dict(rng=None)),
+    ("rng", dict(rng=jax.random.split(jax.random.key(0), 3))),
+    ("first_tokens", dict(first_tokens=jnp.zeros((2, 1), jnp.int32))),
+])
+def test_sample_search_rejects_bad_arguments(argument, kwargs):
+  args = dict(batch_size=2, max_length=4, bos_id=BOS, eos_id=EOS, rng=jax.random.key(0))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=argument):
+    decoding.sample_search(_markov_step(_TRAP), jnp.zeros(()), **args)
+
+
+@pytest.mark.parametrize("argument, kwargs", [
+    ("method", dict(method="nucleus")),
+    ("beam_size", dict(method="beam", beam_size=0)),
+    ("alpha", dict(method="beam", alpha=-0.5)),
+    ("temperature", dict(method="sample", temperature=-1.0)),
+    ("top_p", dict(method="greedy", top_p=2.0)),
+])
+def test_decoding_options_reject_bad_values_naming_them(argument, kwargs):
+  with pytest.raises(ValueError, match=argument):
+    decoding.DecodingOptions(**kwargs)
+
+
+def test_decoding_options_are_hashable_and_normalised():
+  options = decoding.DecodingOptions(method="sample", top_k=np.int64(5), temperature=1)
+  assert options == decoding.DecodingOptions(method="sample", top_k=5, temperature=1.0)
+  assert type(options.top_k) is int and type(options.temperature) is float
+  assert hash(options) == hash(decoding.DecodingOptions(method="sample", top_k=5))
+
+
+class _SumEncoderDecoder:
+  """The _sum_model behind generate's encoder-decoder interface: the "memory" is the source vector."""
+
+  def __init__(self, params):
+    self.params = params
+    _, self.step = _sum_model(params)
+
+  def encode(self, inputs):
+    return self.params[2][:inputs.shape[0]]
+
+  def init_cache(self, memory, memory_valid, max_length):
+    del memory_valid, max_length
+    return memory, jnp.int32(0)
+
+  def loop_step(self):
+    return self.step
+
+
+@pytest.mark.parametrize("options", [
+    decoding.DecodingOptions(method="beam", beam_size=1, alpha=0.0),
+    decoding.DecodingOptions(method="sample", top_k=1),
+])
+def test_generate_with_options_that_reduce_to_greedy_equals_greedy(options):
+  model, inputs = _SumEncoderDecoder(_random_params(9)), jnp.ones((BATCH, 4), jnp.int32)
+  common = dict(max_length=MAX_LEN, bos_id=BOS, eos_id=EOS)
+  greedy = decoding.generate(model, inputs, **common)
+  chosen = decoding.generate(model, inputs, options=options, rng=jax.random.key(1), **common)
+  np.testing.assert_array_equal(np.asarray(chosen), np.asarray(greedy))
+
+
+def test_generate_refuses_beam_arguments_next_to_options():
+  model, inputs = _SumEncoderDecoder(_random_params(9)), jnp.ones((BATCH, 4), jnp.int32)
+  with pytest.raises(ValueError, match="beam_size=4 / alpha=0.6 were given with options"):
+    decoding.generate(model, inputs, max_length=3, bos_id=BOS, eos_id=EOS, beam_size=4,
+                      options=decoding.DecodingOptions(method="sample"), rng=jax.random.key(0))

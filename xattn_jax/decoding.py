@@ -1,6 +1,6 @@
-"""Greedy and beam search over an explicit decoder cache, jitted with `lax.while_loop`.
+"""Greedy, beam and sampling search over an explicit decoder cache, jitted with `lax.while_loop`.
 
-Both searches drive an abstract step function
+Every search drives an abstract step function
 
     decode_step(tokens: int32[batch, 1], cache) -> (logits: float[batch, 1, vocab], cache)
 
@@ -14,11 +14,22 @@ Beam search keeps `beam_size` live hypotheses per example in a flattened `[batch
 rows by the chosen parent beams. Cache leaves are gathered along `cache_batch_axis`; leaves with
 no such axis (a scalar fill index, or one stacked per layer) are shared by all rows and pass through.
 
-Sequences: `tokens[:, t]` is the token generated at step t (the BOS fed first is not included);
-after EOS every position holds `pad_id`.
+Sampling draws each token from the softmax of the logits divided by a temperature, restricted to the
+top_k most likely tokens and then to the nucleus (the fewest most likely tokens whose probability
+reaches top_p). Each row has its own PRNG key, folded with the step, so a row's sample depends only on
+its key and its logits, never on the other rows of the batch.
+
+Sequences: `tokens[:, t]` is the token generated at step t (the first token fed, BOS or the last
+prompt token, is not included); after EOS every position holds `pad_id`. A prompt is decoded by
+filling the cache with all of it but its last token, which is then fed first (`first_tokens`).
+
+`DecodingOptions` names one of `DECODING_METHODS` and its options, validated once; `search` and
+`generate` run it.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 from typing import Any, Callable, NamedTuple
 
@@ -33,8 +44,9 @@ NEG_INF = -1.0e7
 
 
 class GreedyOutput(NamedTuple):
+  """What greedy and sampling return (and `search`, for every method)."""
   tokens: jax.Array  # int32[batch, max_length]; all INVALID_TOKEN on a row whose score is NaN
-  scores: jax.Array  # float32[batch]: sum of the chosen tokens' log-probabilities
+  scores: jax.Array  # float32[batch]: sum of the chosen tokens' log-probabilities (beam: length-penalised)
 
 
 # Every token of a sequence whose score is NaN: its logits were NaN at some step (a jitted search run
@@ -101,15 +113,24 @@ def _argmax_and_log_prob(logits):
   return choice, -jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1))
 
 
-def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
-                  eos_id: int, pad_id: int = 0) -> GreedyOutput:
-  """Picks the most likely token at every step until each sequence emits EOS or max_length.
+def _first_tokens(first_tokens, bos_id: int, rows: int):
+  """The tokens fed at step 0: int32 [rows], BOS everywhere when first_tokens is None."""
+  if first_tokens is None:
+    return jnp.full((rows,), bos_id, jnp.int32)
+  first_tokens = jnp.asarray(first_tokens)
+  if first_tokens.shape != (rows,) or not jnp.issubdtype(first_tokens.dtype, jnp.integer):
+    raise ValueError(f"decoding: first_tokens must be int [{rows}] (one token per row, e.g. each prompt's "
+                     f"last), got {first_tokens.dtype}{list(first_tokens.shape)}")
+  return first_tokens.astype(jnp.int32)
 
-  The loop stops early once every sequence has finished. Call inside `jax.jit` (the loop is a
-  `lax.while_loop`; `decode_step` is traced once).
+
+def _token_by_token(decode_step, cache, pick, *, batch_size, max_length, first, eos_id, pad_id) -> GreedyOutput:
+  """The loop greedy and sampling share: one token per row per step, chosen by
+  pick(step, logits [batch, vocab]) -> (token [batch] int32, its log-probability [batch]).
+
+  A finished row emits padding and its score stops changing; the loop stops early once every row
+  has finished.
   """
-  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
-
   def cond(state):
     step, _, _, _, finished, _ = state
     return jnp.logical_and(step < max_length, jnp.logical_not(jnp.all(finished)))
@@ -117,19 +138,110 @@ def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
   def body(state):
     step, last, tokens, scores, finished, cache = state
     logits, cache = _next_logits(decode_step, last, cache, batch_size)  # -> [batch, vocab]
-    choice, chosen = _argmax_and_log_prob(logits)
-    # A finished sequence keeps emitting padding and its score stops changing.
+    choice, chosen = pick(step, logits)
     choice = jnp.where(finished, pad_id, choice)
     scores = scores + jnp.where(finished, 0.0, chosen)
     tokens = lax.dynamic_update_slice(tokens, choice[:, None], (0, step))
     finished = finished | (choice == eos_id)
     return step + 1, choice, tokens, scores, finished, cache
 
-  state = (jnp.int32(0), jnp.full((batch_size,), bos_id, jnp.int32),
-           jnp.full((batch_size, max_length), pad_id, jnp.int32), jnp.zeros((batch_size,), jnp.float32),
-           jnp.zeros((batch_size,), bool), cache)
+  state = (jnp.int32(0), first, jnp.full((batch_size, max_length), pad_id, jnp.int32),
+           jnp.zeros((batch_size,), jnp.float32), jnp.zeros((batch_size,), bool), cache)
   _, _, tokens, scores, _, _ = lax.while_loop(cond, body, state)
   return GreedyOutput(jnp.where(jnp.isnan(scores)[:, None], INVALID_TOKEN, tokens), scores)
+
+
+def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
+                  eos_id: int, pad_id: int = 0, first_tokens=None) -> GreedyOutput:
+  """Picks the most likely token at every step until each sequence emits EOS or max_length.
+
+  first_tokens: int [batch], the token each row is fed first (its prompt's last token, the rest of the
+  prompt already in the cache); None feeds BOS. The loop stops early once every sequence has finished.
+  Call inside `jax.jit` (the loop is a `lax.while_loop`; `decode_step` is traced once).
+  """
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
+  first = _first_tokens(first_tokens, bos_id, batch_size)
+  return _token_by_token(decode_step, cache, lambda step, logits: _argmax_and_log_prob(logits),
+                         batch_size=batch_size, max_length=max_length, first=first, eos_id=eos_id, pad_id=pad_id)
+
+
+def _as_float(name: str, value, requirement: str, allowed: Callable[[float], bool]) -> float:
+  """value as a finite Python float that satisfies allowed, or a ValueError naming the argument."""
+  number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+  if number is None or not math.isfinite(number) or not allowed(number):
+    raise ValueError(f"decoding: {name} must be {requirement}, got {value!r}")
+  return number
+
+
+def _row_keys(rng, batch_size: int):
+  """rng as typed PRNG keys [batch]: one key per row as given, or a single key split into batch_size.
+
+  Raw uint32 keys (jax.random.PRNGKey) are accepted, one [2] or one per row [batch, 2].
+  """
+  if rng is None:
+    raise ValueError("decoding: rng is required for sampling (one PRNG key, or one per row [batch])")
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.dtype != jnp.uint32 or rng.ndim not in (1, 2):
+      raise ValueError(f"decoding: rng must be a PRNG key (jax.random.key) or one per row, got "
+                       f"{rng.dtype}{list(rng.shape)}")
+    rng = jax.random.wrap_key_data(rng)
+  if rng.ndim == 0:
+    return jax.random.split(rng, batch_size)
+  if rng.shape != (batch_size,):
+    raise ValueError(f"decoding: rng must be one key or one key per row [{batch_size}], got keys{list(rng.shape)}")
+  return rng
+
+
+def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float):
+  """pick(step, logits) for `_token_by_token`: a draw from the tempered, top-k / top-p truncated softmax.
+
+  The returned log-probability is the model's own (log_softmax of the raw logits at the drawn token),
+  as greedy's, so the scores of greedy and sampled sequences compare.
+  """
+  def pick(step, logits):
+    vocab = logits.shape[-1]
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)  # -> [batch] keys
+    scaled = logits / temperature
+    k = top_k if 0 < top_k < vocab else vocab
+    if k == vocab and top_p >= 1.0:
+      choice = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    else:
+      # Candidates sorted by descending logit; lax.top_k breaks ties by the lower index, as argmax does.
+      candidates, ids = lax.top_k(scaled, k)  # -> [batch, k]
+      if top_p < 1.0:
+        probs = jax.nn.softmax(candidates, axis=-1)
+        # A candidate is in the nucleus when the mass above it is below top_p: the most likely always is.
+        mass_above = jnp.cumsum(probs, axis=-1) - probs
+        candidates = jnp.where(mass_above < top_p, candidates, -jnp.inf)
+      rank = jax.vmap(jax.random.categorical)(keys, candidates)  # -> [batch]
+      choice = jnp.take_along_axis(ids, rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    row_max = jnp.max(logits, axis=-1)
+    log_prob = (jnp.take_along_axis(logits, choice[:, None], axis=-1)[:, 0] - row_max
+                - jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1)))
+    return choice, log_prob
+
+  return pick
+
+
+def sample_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
+                  eos_id: int, pad_id: int = 0, rng, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, first_tokens=None) -> GreedyOutput:
+  """Draws every token from softmax(logits / temperature) within the top_k tokens and the top_p nucleus.
+
+  top_k = 0 (or >= vocab) keeps every token; top_p = 1 keeps the whole (top-k) distribution; the
+  nucleus is taken from the top-k tokens' renormalised probabilities. rng: one PRNG key per row
+  [batch] (row i's draws depend only on rng[i] and its own logits), or a single key, split into
+  batch_size row keys (then a row's draws depend on batch_size too). first_tokens as for greedy.
+  Scores are the model's log-probabilities of the drawn tokens (temperature 1, no truncation).
+  Stops at EOS or max_length; call inside `jax.jit` with the options static.
+  """
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
+  options = DecodingOptions(method="sample", temperature=temperature, top_k=top_k, top_p=top_p)
+  first = _first_tokens(first_tokens, bos_id, batch_size)
+  pick = _sample_pick(_row_keys(rng, batch_size), options.temperature, options.top_k, options.top_p)
+  return _token_by_token(decode_step, cache, pick, batch_size=batch_size, max_length=max_length, first=first,
+                         eos_id=eos_id, pad_id=pad_id)
 
 
 def length_penalty(length, alpha: float):
@@ -155,7 +267,7 @@ def _gather_beams(tree, parent, batch_size, beam_size, axis):
 
 def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: int, max_length: int,
                 bos_id: int, eos_id: int, pad_id: int = 0, alpha: float = 0.6,
-                cache_batch_axis: int = 0) -> BeamOutput:
+                cache_batch_axis: int = 0, first_tokens=None) -> BeamOutput:
   """Beam search with GNMT length penalty and early stopping.
 
   `cache` is the cache for `batch_size` examples (it is expanded to `batch_size * beam_size` rows
@@ -166,7 +278,8 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   non-EOS candidates stay live. The loop stops at max_length, or once no live beam can still beat
   the worst kept finished hypothesis of any example (early stop). Finished hypotheses are
   returned first; when an example has fewer than beam_size of them, its best live beams
-  (unfinished at max_length) fill the remaining slots.
+  (unfinished at max_length) fill the remaining slots. first_tokens: int [batch], fed first to all of
+  an example's beams (None: BOS), as for greedy.
   """
   batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
   beam_size = _as_int("beam_size", beam_size, 1)
@@ -174,6 +287,7 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
     raise ValueError(f"beam_search: alpha (length penalty exponent) must be >= 0, got {alpha}")
   b, k = batch_size, beam_size
   rows = b * k
+  first = _first_tokens(first_tokens, bos_id, b)[:, None]  # -> [batch, 1], the same for every beam
   cache = expand_beams(cache, k, cache_batch_axis=cache_batch_axis)
 
   def cond(state):
@@ -187,7 +301,7 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
 
   def body(state):
     step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, cache = state
-    last = jnp.where(step == 0, bos_id,
+    last = jnp.where(step == 0, first,
                      lax.dynamic_index_in_dim(live_tokens, jnp.maximum(step - 1, 0), axis=2, keepdims=False))
     logits, cache = _next_logits(decode_step, last.reshape(rows), cache, rows)  # -> [batch * beams, vocab]
     vocab = logits.shape[-1]
@@ -241,23 +355,96 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
                     jnp.where(impossible, -jnp.inf, scores))
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodingOptions:
+  """A decoding method and its options, validated on construction; hashable, so a static jit argument.
+
+  method: one of DECODING_METHODS. Only the chosen method's options are read:
+    greedy  none
+    beam    beam_size (>= 1), alpha (GNMT length-penalty exponent, >= 0)
+    sample  temperature (> 0; small values approach greedy), top_k (>= 0, 0 = every token),
+            top_p (in (0, 1], 1 = no nucleus cut)
+  Every option is checked whatever the method, so a bad value in a config fails at once.
+  """
+  method: str = "greedy"
+  beam_size: int = 4
+  alpha: float = 0.6
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not isinstance(self.method, str) or self.method not in DECODING_METHODS:
+      raise ValueError(f"decoding: method must be one of {list(DECODING_METHODS)}, got {self.method!r}")
+    checked = dict(
+        beam_size=_as_int("beam_size", self.beam_size, 1),
+        alpha=_as_float("alpha", self.alpha, "a finite number >= 0", lambda x: x >= 0),
+        temperature=_as_float("temperature", self.temperature, "a finite number > 0 (method='greedy' is "
+                              "temperature 0)", lambda x: x > 0),
+        top_k=_as_int("top_k", self.top_k, 0),
+        top_p=_as_float("top_p", self.top_p, "a number in (0, 1]", lambda x: 0 < x <= 1))
+    for name, value in checked.items():  # numpy scalars and ints become plain ints / floats
+      object.__setattr__(self, name, value)
+
+
+def _run_greedy(decode_step, cache, options, rng, **common):
+  del options, rng  # greedy has no options and draws nothing
+  return greedy_search(decode_step, cache, **common)
+
+
+def _run_beam(decode_step, cache, options, rng, *, cache_batch_axis, **common):
+  del rng
+  beams = beam_search(decode_step, cache, beam_size=options.beam_size, alpha=options.alpha,
+                      cache_batch_axis=cache_batch_axis, **common)
+  return GreedyOutput(beams.tokens[:, 0], beams.scores[:, 0])  # the best beam
+
+
+def _run_sample(decode_step, cache, options, rng, **common):
+  return sample_search(decode_step, cache, rng=rng, temperature=options.temperature, top_k=options.top_k,
+                       top_p=options.top_p, **common)
+
+
+# The decoding methods: the names configs choose from, and what runs each.
+_SEARCHES = {"greedy": _run_greedy, "beam": _run_beam, "sample": _run_sample}
+DECODING_METHODS = tuple(_SEARCHES)
+
+
+def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_size: int, max_length: int,
+           bos_id: int, eos_id: int, pad_id: int = 0, rng=None, first_tokens=None,
+           cache_batch_axis: int = 0) -> GreedyOutput:
+  """Runs options.method: tokens [batch, max_length] and scores [batch] (beam: its best beam's).
+
+  rng (one key, or one per row) is needed by method "sample" only; cache_batch_axis is beam's.
+  """
+  if not isinstance(options, DecodingOptions):
+    raise ValueError(f"decoding: options must be a DecodingOptions, got {type(options).__name__}")
+  common = dict(batch_size=batch_size, max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                first_tokens=first_tokens)
+  if options.method == "beam":
+    common["cache_batch_axis"] = cache_batch_axis
+  return _SEARCHES[options.method](decode_step, cache, options, rng, **common)
+
+
 def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id: int = 0, beam_size: int = 1,
-             alpha: float = 0.6):
+             alpha: float = 0.6, options: DecodingOptions | None = None, rng=None):
   """Encoder-decoder generation: inputs int[b, s] -> tokens [b, max_length] (EOS then padding).
 
   `model` is any encoder-decoder with `encode(inputs) -> memory`, `init_cache(memory, memory_valid,
   max_length)` and `loop_step() -> DecodeStep` (the translator). The memory is encoded and its
   cross-attention keys / values projected once; the search then runs as one `lax.while_loop` over the
-  step, greedy when beam_size = 1 (the best beam otherwise). Wrap in `nnx.jit` with max_length, the
-  ids, beam_size and alpha static.
+  step. `options` chooses the method (greedy, beam: its best beam, sample: needs `rng`, one key or one
+  per row); without it, greedy when beam_size = 1 and beam search with beam_size and alpha otherwise.
+  Wrap in `nnx.jit` with max_length, the ids, beam_size, alpha and options static.
   """
+  if options is None:
+    options = DecodingOptions(method="greedy" if beam_size == 1 else "beam", beam_size=beam_size, alpha=alpha)
+  elif (beam_size, alpha) != (1, 0.6):
+    raise ValueError(f"generate: beam_size={beam_size!r} / alpha={alpha!r} were given with options; give them "
+                     f"inside options (DecodingOptions(method='beam', beam_size=..., alpha=...)) only")
   if getattr(inputs, "ndim", None) != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
     raise ValueError(f"generate: inputs must be int [batch, length], got {getattr(inputs, 'dtype', type(inputs))}"
                      f"{list(getattr(inputs, 'shape', ()))}")
   memory = model.encode(inputs)  # -> [b, s, encoder.d_model]
   cache = model.init_cache(memory, inputs != pad_id, max_length)
-  common = dict(batch_size=inputs.shape[0], max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-  if beam_size == 1:
-    return greedy_search(model.loop_step(), cache, **common).tokens
-  beams = beam_search(model.loop_step(), cache, beam_size=beam_size, alpha=alpha, **common)
-  return beams.tokens[:, 0]  # the best beam -> [b, max_length]
+  return search(model.loop_step(), cache, options, batch_size=inputs.shape[0], max_length=max_length,
+                bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, rng=rng).tokens

@@ -1,4 +1,7 @@
 """Tokenizers: exact round trips, special ids, and a SentencePiece model that is reproducible and reused."""
+import logging
+import re
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -114,6 +117,7 @@ def test_vocab_too_large_for_corpus_raises_with_the_limit(tmp_path):
     ({"vocab_size": 4}, "vocab_size must be an integer >= 8"),
     ({"vocab_size": 64, "model_type": "word"}, "model_type must be 'bpe' or 'unigram'"),
     ({"vocab_size": 64, "max_sentences": 0}, "max_sentences"),
+    ({"vocab_size": 64, "exact": "no"}, "exact must be True or False"),
 ])
 def test_bad_training_arguments_raise(tmp_path, kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -126,3 +130,43 @@ def test_lines_longer_than_sentencepieces_default_limit_still_train_the_tokenize
   texts = ["one two three", "four five", "greek letters " + "αβγδεζ" * 400]  # 4,814 bytes
   tokenizer = tokenizers.train_sentencepiece(texts, str(tmp_path / "spm.model"), vocab_size=40)
   assert tokenizer.decode(tokenizer.encode("αβγδεζ")) == "αβγδεζ"
+
+
+def _largest_exact_size(texts, path):
+  """The most pieces SentencePiece says it can build from texts (from the exact-size error)."""
+  with pytest.raises(ValueError, match=r"at most \d+ pieces") as error:
+    tokenizers.train_sentencepiece(texts, path, vocab_size=5000)
+  return int(re.search(r"at most (\d+) pieces", str(error.value)).group(1))
+
+
+def test_vocab_size_as_a_cap_takes_as_many_pieces_as_the_corpus_supports_and_logs_it(tmp_path, caplog):
+  texts = [f"{n} cats and {n + 1} dogs" for n in range(50)]
+  largest = _largest_exact_size(texts, tmp_path / "exact.model")
+  with caplog.at_level(logging.INFO):
+    model = tokenizers.train_sentencepiece(texts, tmp_path / "capped.model", vocab_size=5000, exact=False)
+  assert model.vocab_size == largest < 5000
+  assert any(f"supports {largest} pieces, below the cap vocab_size=5000" in r.getMessage() for r in caplog.records)
+  assert all(model.decode(model.encode(text)) == text for text in texts)
+
+
+def test_a_cap_the_corpus_can_fill_gives_the_same_pieces_as_that_exact_size(sentencepiece_model, date_text, tmp_path):
+  capped = tokenizers.train_sentencepiece(date_text[0], tmp_path / "capped.model", vocab_size=200, exact=False)
+  assert [capped.id_to_piece(i) for i in range(capped.vocab_size)] == [
+      sentencepiece_model.id_to_piece(i) for i in range(200)]
+
+
+def test_an_existing_model_within_the_cap_is_reused_and_one_above_it_refused(sentencepiece_model):
+  reused = tokenizers.train_sentencepiece(["other text"], sentencepiece_model.model_path, vocab_size=300, exact=False)
+  assert reused.vocab_size == 200
+  with pytest.raises(ValueError, match="has vocab_size 200, but the cap is vocab_size=100"):
+    tokenizers.train_sentencepiece(["other text"], sentencepiece_model.model_path, vocab_size=100, exact=False)
+
+
+def test_exact_vocab_size_too_large_still_fails_naming_the_size_and_the_cap_option(tmp_path):
+  with pytest.raises(ValueError, match=r"vocab_size=5000 is too large .* at most \d+ pieces; .*exact=False"):
+    tokenizers.train_sentencepiece(["abc def", "def ghi"], tmp_path / "m.model", vocab_size=5000, exact=True)
+
+
+def test_a_cap_below_the_alphabet_still_fails(date_text, tmp_path):
+  with pytest.raises(ValueError, match="vocab_size=40 cannot hold every character.*at least 64"):
+    tokenizers.train_sentencepiece(date_text[0], tmp_path / "tiny.model", vocab_size=40, exact=False)

@@ -78,6 +78,7 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
     ("model.implementation", "flash"),
     ("checkpoint.best_metric", "eval/bleuu"),
     ("task.bleu_tokenize", "ja-mecab"),
+    ("data.vocab_size_exact", None),
 ])
 def test_invalid_fields_are_reported_by_name(field, value):
   with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):
@@ -246,14 +247,23 @@ def _assert_one_line_exit_2_and_no_workdir(result, workdir, *expected):
   assert not workdir.exists()  # not even the config of a run that never started
 
 
-def test_corpus_too_small_for_the_vocabulary_is_one_line_naming_the_field_and_file(tmp_path):
+def test_corpus_too_small_for_an_exact_vocabulary_is_one_line_naming_the_field_and_file(tmp_path):
   train = tmp_path / "train.tsv"
   train.write_text("one\tun\ntwo\tdeux\nthree\ttrois\nfour\tquatre\nfive\tcinq\n")
   (tmp_path / "eval.tsv").write_text("six\tsix\n")
   workdir = tmp_path / "work"
   result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train,
-                                                        "data.eval_file": tmp_path / "eval.tsv"})
-  _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.data.vocab_size=4000", str(train))
+                                                        "data.eval_file": tmp_path / "eval.tsv",
+                                                        "data.vocab_size_exact": True})
+  _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.data.vocab_size=4000", str(train),
+                                         "data.vocab_size_exact=False")
+
+
+def test_default_vocab_size_is_a_cap_that_a_small_corpus_trains_under(tmp_path):
+  """translate_tsv's 4000 pieces stopped a run on any corpus that could not fill them."""
+  task = _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(30)], ["1 cat\t1 chat"],
+                   **{"data.tokenizer": "sentencepiece"})
+  assert 40 < task.vocab_size < 4000
 
 
 def test_corpus_smaller_than_a_batch_is_one_line_naming_batch_size_and_file(tmp_path):

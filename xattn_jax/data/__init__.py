@@ -2,6 +2,8 @@
 
   dates.py       English -> target-locale date pairs from Babel's CLDR data, split by date
   tsv.py         a user's parallel corpus (source<TAB>target), validated line by line
+  text.py        a user's text file (one document per line) packed into next-token rows for a causal LM
+  corpus.py      a bundled LM corpus generated from CLDR (Babel) and English number words
   splits.py      stable hash-based train / eval membership
   tokenizers.py  ByteTokenizer and a SentencePiece model trained into the workdir
   batching.py    TranslationBatches: deterministic train batches by step, buckets, packing, eval

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 import sentencepiece
+from absl import logging
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -158,9 +159,13 @@ def _training_sample(texts: Sequence[str], limit: int) -> list[str]:
   return sample
 
 
-def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, model_type: str = "bpe",
-                        max_sentences: int = 100_000) -> SentencePieceTokenizer:
+def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, exact: bool = True,
+                        model_type: str = "bpe", max_sentences: int = 100_000) -> SentencePieceTokenizer:
   """Trains a SentencePiece model on ``texts`` into ``model_path``; reuses the file if it exists.
+
+  With ``exact=False``, ``vocab_size`` is a cap: the model gets as many pieces as the text supports,
+  up to ``vocab_size`` (SentencePiece's ``hard_vocab_limit=False``, which trains the same pieces as
+  asking for exactly that many), and a smaller size is logged.
 
   Reuse makes a resumed run tokenize exactly as the run it continues. Training is deterministic
   (one thread, no sampling inside SentencePiece: beyond ``max_sentences`` texts a seeded random
@@ -175,24 +180,29 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, mo
   Args:
     texts: training sentences (both sides of the corpus, for a shared vocabulary).
     model_path: where the ``.model`` file goes (inside the workdir); its folder is created.
-    vocab_size: number of pieces, including the 4 special ones.
+    vocab_size: number of pieces, including the 4 special ones (with ``exact=False``, the most).
+    exact: True: exactly ``vocab_size`` pieces or an error; False: as many as the text supports.
     model_type: ``bpe`` or ``unigram``.
     max_sentences: cap on the sentences given to the trainer.
 
   Raises:
-    ValueError: bad arguments; a corpus too small for ``vocab_size`` (says the largest possible);
-      an existing model file whose vocabulary size differs from ``vocab_size``.
+    ValueError: bad arguments; with ``exact``, a corpus too small for ``vocab_size`` (says the
+      largest possible); a ``vocab_size`` below the text's characters plus the specials; an existing
+      model file whose vocabulary size differs from ``vocab_size`` (with ``exact=False``: exceeds it).
   """
   model_path = os.fspath(model_path)
   if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
     raise ValueError(f"vocab_size must be an integer >= 8, got {vocab_size!r}")
+  if not isinstance(exact, bool):
+    raise ValueError(f"exact must be True or False, got {exact!r}")
   if model_type not in ("bpe", "unigram"):
     raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
   if os.path.exists(model_path):
     tokenizer = SentencePieceTokenizer(model_path)
-    if tokenizer.vocab_size != vocab_size:
+    if tokenizer.vocab_size != vocab_size and (exact or tokenizer.vocab_size > vocab_size):
+      asked = f"vocab_size={vocab_size} was asked" if exact else f"the cap is vocab_size={vocab_size}"
       raise ValueError(f"existing SentencePiece model {model_path!r} has vocab_size {tokenizer.vocab_size}, "
-                       f"but vocab_size={vocab_size} was asked; delete the file to retrain")
+                       f"but {asked}; delete the file to retrain")
     return tokenizer
   if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
     raise ValueError(f"texts must be a non-empty sequence of strings, got {type(texts).__name__}")
@@ -209,6 +219,7 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, mo
         sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
         pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=3, num_threads=1, shuffle_input_sentence=False,
+        hard_vocab_limit=exact,
         # SentencePiece skips sentences over 4192 bytes by default, silently: their characters
         # would then be unknown pieces. Every sampled text is used, however long.
         max_sentence_length=max(4192, max((len(text.encode("utf-8")) for text in sample), default=0) + 1),
@@ -217,13 +228,18 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, mo
     largest = re.search(r"value <= (\d+)", str(error))
     if largest:
       raise ValueError(f"vocab_size={vocab_size} is too large for this training text ({len(sample)} sentences): "
-                       f"SentencePiece can build at most {largest.group(1)} pieces; lower vocab_size") from None
+                       f"SentencePiece can build at most {largest.group(1)} pieces; lower vocab_size, or take it "
+                       f"as a cap (exact=False)") from None
     needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(error))
     if needed:
       raise ValueError(f"vocab_size={vocab_size} cannot hold every character of the training text plus the 4 "
                        f"special pieces: it needs at least {needed.group(1)}") from None
     raise ValueError(f"SentencePiece training failed for {model_path!r}: {error}") from None
 
+  built = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size()
+  if built < vocab_size:
+    logging.info("SentencePiece: the training text (%d sentences) supports %d pieces, below the cap "
+                 "vocab_size=%d; the model has %d", len(sample), built, vocab_size, built)
   os.makedirs(os.path.dirname(model_path) or ".", exist_ok=True)
   # Write then rename, so an interrupted run never leaves a truncated model to be "reused".
   partial_path = f"{model_path}.partial.{os.getpid()}"

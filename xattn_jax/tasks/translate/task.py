@@ -195,6 +195,8 @@ class TranslateTask(task_lib.Task):
       validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
+    if "vocab_size_exact" in data:  # absent from configs written before it existed: False
+      validation.require_choice(config, "data.vocab_size_exact", (True, False))
     if data.length_bucketing and data.packing:
       raise validation.ConfigError("data.packing", True, "choose data.packing or data.length_bucketing, not both")
     for field, value in (("data.max_source_length", data.max_source_length),
@@ -274,10 +276,12 @@ class TranslateTask(task_lib.Task):
       inherited = self._take_init_from_tokenizer(path)
       texts = [text for pair in self.train_pairs for text in pair]
       try:
-        tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size)
-      except ValueError as error:  # e.g. a corpus too small for the vocabulary
+        tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size,
+                                                   exact=data.get("vocab_size_exact", False))
+      except ValueError as error:  # e.g. a corpus too small for an exact vocabulary
+        message = " ".join(str(error).split()).replace("exact=False", "data.vocab_size_exact=False")
         raise validation.ConfigError("data.vocab_size", data.vocab_size,
-                                     f"{' '.join(str(error).split())} (tokenizer trained on {self._corpus})") from None
+                                     f"{message} (tokenizer trained on {self._corpus})") from None
       if reused or inherited:
         self._check_tokenizer_covers(tokenizer, texts, path, refuse=not inherited)
     if jax.process_count() > 1:  # the others read process 0's file once it is written

@@ -1,0 +1,281 @@
+"""Plain text for a causal language model: one document per line, packed into fixed-shape rows.
+
+Reading (``read_documents``) follows tsv.py: UTF-8, a leading byte-order mark and CRLF line ends are
+accepted, and every bad line is reported in one error naming ``file:line``. A blank (or whitespace-
+only) line holds no document and is skipped; a file with no document at all is an error. Text is
+kept exactly as written.
+
+Packing (``pack_documents``). A document of ids d_1..d_n is the token sequence BOS d_1 .. d_n EOS,
+whose n + 1 next-token pairs (BOS -> d_1, ..., d_n -> EOS) are what the model learns. Rows are
+``[rows, length]`` arrays:
+
+  inputs       the token each position reads
+  targets      the token that follows it in the same document (so a target never belongs to
+               another document: pairs are cut per document, not from a shifted row)
+  weights      1.0 on every pair, 0.0 on padding
+  segment_ids  1, 2, ... for the segments of a row in order, 0 = padding
+  positions    0, 1, ... restarting at every segment
+
+A document with more than ``length`` pairs is split into chunks of ``length`` consecutive pairs (the
+last one shorter). Each chunk is a segment of its own, with positions from 0: the model sees no
+context across chunks, and the learned position table never needs more than ``length`` rows. The first
+input of a continuation chunk is the previous chunk's last target, so no pair is lost. Chunks are laid
+into rows best-fit (the fullest row that still has room), in an order shuffled by ``seed``: the rows
+are a pure function of (documents, length, seed).
+
+``TextBatches`` serves the rows as batching.py serves examples: ``train_batch`` is a pure function of
+(seed, step, process_index, process_count), epoch e taking the rows in the permutation seeded by
+(seed, e) and dropping the remainder; ``eval_batches`` yields every row once.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from xattn_jax.data import tokenizers
+
+_MAX_REPORTED_PROBLEMS = 5
+
+
+class TextFormatError(ValueError):
+  """A text file is missing, not UTF-8, or holds no document.
+
+  Attributes:
+    path: the file.
+    line_number: 1-based number of the first bad line, or None for whole-file problems.
+    problems: ``(line_number, description)`` for every problem found.
+  """
+
+  def __init__(self, path, problems: list[tuple[int | None, str]]):
+    self.path = os.fspath(path)
+    self.problems = problems
+    self.line_number = problems[0][0]
+    shown = [f"{self.path}:{n}: {what}" if n is not None else f"{self.path}: {what}"
+             for n, what in problems[:_MAX_REPORTED_PROBLEMS]]
+    more = len(problems) - len(shown)
+    if more:
+      shown.append(f"... and {more} more bad line{'s' if more > 1 else ''}")
+    super().__init__("invalid text file (expected UTF-8, one document per line):\n  " + "\n  ".join(shown))
+
+
+def read_documents(path) -> list[str]:
+  """The non-blank lines of a UTF-8 text file, without their line ends, in file order.
+
+  Raises:
+    TextFormatError (a ValueError): the file is missing, not a regular file, UTF-16, ends its lines
+      with bare carriage returns, has a line that is not UTF-8 (each named ``file:line``), or holds
+      no non-blank line.
+  """
+  if not isinstance(path, (str, os.PathLike)):
+    raise ValueError(f"path must be a str or os.PathLike naming a text file, got {type(path).__name__} {path!r}")
+  if not os.path.exists(path):
+    raise TextFormatError(path, [(None, "no such file")])
+  if not os.path.isfile(path):
+    raise TextFormatError(path, [(None, "not a regular file")])
+  with open(path, "rb") as f:
+    data = f.read()
+  if data.startswith(b"\xef\xbb\xbf"):
+    data = data[3:]
+  if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+    raise TextFormatError(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); "
+                                        "save it as UTF-8")])
+  if b"\r" in data and b"\n" not in data:
+    raise TextFormatError(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); "
+                                        "save it with \\n line ends")])
+  documents, problems = [], []
+  for line_number, raw in enumerate(data.split(b"\n"), start=1):
+    raw = raw[:-1] if raw.endswith(b"\r") else raw
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+      problems.append((line_number, f"not valid UTF-8 at byte {error.start + 1} of the line "
+                                    f"({raw[error.start:error.start + 4]!r})"))
+      continue
+    if text.strip():
+      documents.append(text)
+  if problems:
+    raise TextFormatError(path, problems)
+  if not documents:
+    raise TextFormatError(path, [(None, "no document: every line is blank")])
+  return documents
+
+
+def tokenize_documents(documents: Sequence[str], tokenizer: tokenizers.Tokenizer) -> list[list[int]]:
+  """The ids of each document, without BOS / EOS."""
+  return tokenizer.encode_batch(list(documents))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedText:
+  """Documents packed into rows (see the module docstring); every array is [rows, length].
+
+  ``segments`` says where each chunk went: int64 [num_segments, 5], columns (row, start in the row,
+  number of pairs, document index, offset of its first pair within the document's pairs).
+  """
+  inputs: np.ndarray       # int32
+  targets: np.ndarray      # int32
+  weights: np.ndarray      # float32: 1 on pairs, 0 on padding
+  segment_ids: np.ndarray  # int32: 1.. per segment within the row, 0 = padding
+  positions: np.ndarray    # int32: 0.. restarting per segment
+  segments: np.ndarray     # int64 [num_segments, 5]
+
+  @property
+  def num_rows(self) -> int:
+    return self.inputs.shape[0]
+
+  def arrays(self, rows) -> dict[str, np.ndarray]:
+    """The named arrays of the given rows (an index array): a batch."""
+    return {name: getattr(self, name)[rows] for name in ("inputs", "targets", "weights", "segment_ids", "positions")}
+
+
+def _check_int(name: str, value, low: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+  return int(value)
+
+
+def pack_documents(documents: Sequence[Sequence[int]], length: int, *, bos_id: int = tokenizers.BOS_ID,
+                   eos_id: int = tokenizers.EOS_ID, seed: int = 0) -> PackedText:
+  """Packs token-id documents (without BOS / EOS) into next-token rows [rows, length].
+
+  No id may be pad (0), BOS, EOS or negative. Rows hold chunks of at most ``length`` pairs, chunks
+  of one document never overlap, and every pair of every document is in exactly one row.
+  """
+  length = _check_int("length", length, 1)
+  bos_id, eos_id, seed = _check_int("bos_id", bos_id, 1), _check_int("eos_id", eos_id, 1), _check_int("seed", seed, 0)
+  if bos_id == eos_id:
+    raise ValueError(f"bos_id and eos_id must differ, got {bos_id} for both")
+  if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence) or not documents:
+    raise ValueError(f"documents must be a non-empty sequence of id sequences, got {type(documents).__name__}")
+  sequences = []
+  for i, ids in enumerate(documents):
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    bad = (ids <= 0) | (ids == bos_id) | (ids == eos_id)
+    if bad.any():
+      raise ValueError(f"documents[{i}] holds id {int(ids[np.argmax(bad)])}: ids must be positive and not pad (0), "
+                       f"bos_id ({bos_id}) or eos_id ({eos_id})")
+    sequences.append(np.concatenate([[bos_id], ids, [eos_id]]))  # n + 1 pairs
+
+  # Chunks (document, offset, pairs), best-fit into rows in a seeded order.
+  chunks = [(d, offset, min(length, len(s) - 1 - offset)) for d, s in enumerate(sequences)
+            for offset in range(0, len(s) - 1, length)]
+  order = np.random.default_rng(seed).permutation(len(chunks))
+  free: list[tuple[int, int]] = []  # (room left, row), sorted
+  placed = []  # (row, start, pairs, document, offset)
+  used: list[int] = []  # pairs used per row
+  for c in order:
+    document, offset, pairs = chunks[c]
+    slot = bisect.bisect_left(free, (pairs, -1))
+    if slot < len(free):
+      _, row = free.pop(slot)
+    else:
+      row = len(used)
+      used.append(0)
+    placed.append((row, used[row], pairs, document, offset))
+    used[row] += pairs
+    if used[row] < length:
+      bisect.insort(free, (length - used[row], row))
+
+  rows = len(used)
+  inputs = np.zeros((rows, length), np.int32)
+  targets = np.zeros((rows, length), np.int32)
+  segment_ids = np.zeros((rows, length), np.int32)
+  positions = np.zeros((rows, length), np.int32)
+  segments = np.array(sorted(placed), dtype=np.int64).reshape(-1, 5)  # row-major, by start within a row
+  segment_in_row = 0
+  for k, (row, start, pairs, document, offset) in enumerate(segments):
+    segment_in_row = 1 if k == 0 or segments[k - 1, 0] != row else segment_in_row + 1
+    sequence, end = sequences[document], start + pairs
+    inputs[row, start:end] = sequence[offset:offset + pairs]
+    targets[row, start:end] = sequence[offset + 1:offset + pairs + 1]
+    segment_ids[row, start:end] = segment_in_row
+    positions[row, start:end] = np.arange(pairs)
+  return PackedText(inputs=inputs, targets=targets, weights=(segment_ids > 0).astype(np.float32),
+                    segment_ids=segment_ids, positions=positions, segments=segments)
+
+
+class TextBatches:
+  """Packed rows of one split's documents: deterministic training batches by step, exhaustive eval.
+
+  Args:
+    documents: token ids per document, without BOS / EOS (``tokenize_documents``).
+    length: the row length (pairs per row).
+    bos_id, eos_id: the ids framing every document.
+    pack_seed: the order chunks are packed in (the rows are fixed for the life of the object, so a
+      step maps to its batch in O(1)); ``train_batch``'s seed only orders the rows.
+  """
+
+  def __init__(self, documents: Sequence[Sequence[int]], *, length: int, bos_id: int = tokenizers.BOS_ID,
+               eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0):
+    self.packed = pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed)
+    self.length = self.packed.inputs.shape[1]
+    self._epoch_cache: tuple = (None, None)
+
+  @classmethod
+  def from_texts(cls, texts: Sequence[str], tokenizer: tokenizers.Tokenizer, **kwargs) -> "TextBatches":
+    """Tokenizes documents and packs them; ``kwargs`` as for the constructor, ids the tokenizer's."""
+    return cls(tokenize_documents(texts, tokenizer), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, **kwargs)
+
+  @property
+  def num_rows(self) -> int:
+    return self.packed.num_rows
+
+  def steps_per_epoch(self, batch_size: int) -> int:
+    """Global batches per epoch: ``num_rows // batch_size`` (the remainder is dropped)."""
+    batch_size = _check_int("batch_size", batch_size, 1)
+    steps = self.num_rows // batch_size
+    if steps == 0:
+      raise ValueError(f"batch_size={batch_size} is larger than the {self.num_rows} packed rows of length {self.length}")
+    return steps
+
+  def _epoch_rows(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
+    """Row indices of every global batch of one epoch [steps_per_epoch, batch_size], cached per epoch."""
+    key = (seed, epoch, batch_size)
+    if self._epoch_cache[0] != key:
+      steps = self.steps_per_epoch(batch_size)
+      rows = np.random.default_rng([seed, epoch]).permutation(self.num_rows)[:steps * batch_size]
+      self._epoch_cache = (key, rows.reshape(steps, batch_size))
+    return self._epoch_cache[1]
+
+  def train_batch(self, step: int, *, seed: int, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> dict[str, np.ndarray]:
+    """This process's share of global batch ``step``: arrays [batch_size // process_count, length].
+
+    A pure function of its arguments; process p takes rows [p * b, (p + 1) * b) of the global batch.
+    """
+    step, seed = _check_int("step", step, 0), _check_int("seed", seed, 0)
+    batch_size = _check_int("batch_size", batch_size, 1)
+    local = self._local_size(batch_size, process_index, process_count)
+    epoch, step_in_epoch = divmod(step, self.steps_per_epoch(batch_size))
+    rows = self._epoch_rows(seed, epoch, batch_size)[step_in_epoch]
+    return self.packed.arrays(rows[process_index * local:(process_index + 1) * local])
+
+  def num_eval_batches(self, batch_size: int) -> int:
+    """Global eval batches: ceil(num_rows / batch_size)."""
+    return -(-self.num_rows // _check_int("batch_size", batch_size, 1))
+
+  def eval_batches(self, batch_size: int, *, process_index: int = 0,
+                   process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    """Every row once, in order, at the fixed shape [batch_size // process_count, length]; the rows
+    that fill the last batch are all padding (weights 0)."""
+    local = self._local_size(_check_int("batch_size", batch_size, 1), process_index, process_count)
+    for batch_number in range(self.num_eval_batches(batch_size)):
+      start = batch_number * batch_size + process_index * local
+      rows = np.arange(start, start + local)
+      real = rows < self.num_rows
+      batch = self.packed.arrays(np.where(real, rows, 0))
+      yield {name: np.where(real[:, None], array, 0).astype(array.dtype) for name, array in batch.items()}
+
+  @staticmethod
+  def _local_size(batch_size: int, process_index, process_count) -> int:
+    process_count = _check_int("process_count", process_count, 1)
+    process_index = _check_int("process_index", process_index, 0)
+    if process_index >= process_count:
+      raise ValueError(f"process_index must be in [0, process_count={process_count}), got {process_index}")
+    if batch_size % process_count:
+      raise ValueError(f"batch_size={batch_size} (global) must be divisible by process_count={process_count}")
+    return batch_size // process_count
