@@ -1,13 +1,11 @@
 """The template task: reverse strings of lowercase letters with a small bidirectional transformer.
 
-Copy this file to start a task. It is built from the real parts: `xattn_jax.layers` blocks, a position
-encoding from the registry in `layers/positions.py`, `layer_stack` for the depth; the loop
-(`xattn_jax.training.loop`) does the rest. Each method says what the Task contract
-(`xattn_jax.training.task`) asks of it.
+Copy this file to start a task. It is built from the real parts (`xattn_jax.layers` blocks, a position
+encoding from the registry in `layers/positions.py`, `layer_stack` for the depth); the loop does the
+rest. Each method says what the Task contract (`xattn_jax.training.task`) asks of it.
 
 Tokens: 0 = padding, 1..26 = 'a'..'z'. An example of length n (padded to task.max_length) has
-targets[i] = inputs[n - 1 - i] for i < n and 0 after. The model tags every position at once, so
-inference is one forward pass. It trains in seconds (configs/template.py).
+targets[i] = inputs[n - 1 - i] for i < n and 0 after: every position is tagged in one forward pass.
 """
 from __future__ import annotations
 
@@ -27,14 +25,16 @@ MODELS = ("reverser",)
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1  # seeds of the train batches and of the eval set never collide
 
 
-def _text_positions(batch: int, length: int):
-  return jnp.broadcast_to(jnp.arange(length), (batch, length))  # [b, t]: the token indices
+def _text_positions(batch: int, length: int):  # [b, t]: the token indices
+  return jnp.broadcast_to(jnp.arange(length), (batch, length))
 
 
 # The encodings of the registry this model wires up, each with the positions its attention reads:
 # [b, t], or [3, b, t] (time, height, width) for the multimodal rope, all three the token index for text.
-POSITION_ENCODINGS = {"none": _text_positions, "learned": _text_positions, "sinusoidal": _text_positions,
-                      "rope": _text_positions, "mrope": lambda b, t: jnp.broadcast_to(_text_positions(b, t), (3, b, t))}
+POSITION_ENCODINGS = {
+    "none": _text_positions, "learned": _text_positions, "sinusoidal": _text_positions, "rope": _text_positions,
+    "mrope": lambda b, t: jnp.broadcast_to(_text_positions(b, t), (3, b, t)),
+}
 
 
 class Reverser(nnx.Module):
@@ -65,12 +65,6 @@ class Reverser(nnx.Module):
                                 mask=masks.padding_mask(tokens != 0),  # [b, 1, 1, t]: keys that are letters
                                 positions=positions, deterministic=deterministic)
     return self.logits(self.final_norm(x))
-
-
-def encode(text: str, max_length: int) -> np.ndarray:
-  if not text or any(ch not in ALPHABET for ch in text) or len(text) > max_length:
-    raise ValueError(f"template input {text!r}: needs 1 to {max_length} letters a-z")
-  return np.array([ALPHABET.index(ch) + 1 for ch in text], np.int32)
 
 
 @task_lib.register("template")
@@ -129,8 +123,9 @@ class TemplateTask(task_lib.Task):
     total, size = self.config.task.num_eval_examples, self.config.eval_batch_size
     examples, local = self._examples(_EVAL_STREAM, 0, total), size // process_count
     for start in range(0, total, size):
-      batch = {k: np.pad(v[start:start + size], [(0, size - len(v[start:start + size]))] + [(0, 0)] * (v.ndim - 1))
-               for k, v in examples.items()}
+      chunk = {k: v[start:start + size] for k, v in examples.items()}
+      pad = size - len(chunk["weights"])
+      batch = {k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in chunk.items()}
       yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
 
   def eval_metrics(self, model, batch):
@@ -144,12 +139,11 @@ class TemplateTask(task_lib.Task):
     """One output line per input line: the letters reversed by the model."""
     max_length = self.config.task.max_length
     inputs = np.zeros((len(lines), max_length), np.int32)
-    for row, line in enumerate(lines):
-      try:
-        ids = encode(line.strip(), max_length)
-      except ValueError as e:
-        raise task_lib.InputLineError(row, str(e)) from None  # the loop names the file and line
-      inputs[row, :len(ids)] = ids
+    for row, text in enumerate(line.strip() for line in lines):
+      if not text or len(text) > max_length or any(ch not in ALPHABET for ch in text):
+        # The loop reports it with the input file's name and line number.
+        raise task_lib.InputLineError(row, f"template input {text!r}: needs 1 to {max_length} letters a-z")
+      inputs[row, :len(text)] = [ALPHABET.index(ch) + 1 for ch in text]
     predictions = np.asarray(jnp.argmax(nnx.jit(lambda m, x: m(x))(model, inputs), axis=-1))
     return ["".join(ALPHABET[i - 1] for i in pred[:np.count_nonzero(ids)] if i > 0)
             for pred, ids in zip(predictions, inputs)]
