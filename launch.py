@@ -58,7 +58,7 @@ def main(argv):
     fail(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]} cannot be loaded: {reason}")
   if not _WORKDIR.value:
     fail(f"--workdir is required; usage: {USAGE}")
-  from xattn_jax.training import checkpoints, distributed, loop, validation
+  from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation
   try:
     distributed.check_flags(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
@@ -71,6 +71,7 @@ def main(argv):
     except Exception as e:  # a bad host name, a port in use, mismatched process counts
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {' '.join(str(e).split())}")
+    dependencies.resolve(_CONFIG.value, _WORKDIR.value, _MODE.value)  # runs the task needs finished first
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
   except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))

@@ -5,7 +5,7 @@ A config file builds on `base_config()` and fills in `task` and `model`:
     def get_config(arg=None):
       args = common.parse_arg(arg, size="small", posenc="learned")
       config = common.base_config()
-      config.task.name = "toy_reverse"
+      config.task.name = "template"
       ...
       return config
 

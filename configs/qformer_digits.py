@@ -3,8 +3,9 @@
     python launch.py --config=configs/qformer_digits.py --workdir=workdirs/qformer_digits
     python launch.py --config=configs/qformer_digits.py:connector=mlp --workdir=workdirs/mlp_digits
 
-The frozen encoder is the ViT trained by configs/vit_digits.py in `model.encoder_workdir`; if that
-workdir holds no finished run yet, the ViT is trained (or resumed) there first.
+The frozen encoder is the ViT trained by `model.encoder_config` (configs/vit_digits.py) in
+`model.encoder_workdir`: the task declares it as a dependency, so launch.py trains (or resumes) it there
+first when that workdir holds no finished run, and refuses a run there made with another model config.
 
 Measured (2 cores shared with other jobs, load ~10): the ViT (mean-pooled head) reaches 0.989 in 2,000
 steps (2 min 06 s wall); on its frozen features the Q-Former reaches 0.978 in 1,500 steps handing on

@@ -2,10 +2,9 @@
 task's config checks (in-process, no training)."""
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
-import types
 
 import matplotlib
 
@@ -16,9 +15,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from flax import nnx
+
 from xattn_jax.data import digits
-from xattn_jax.tasks.digits import task as digits_task
-from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.models import latent_reader
+from xattn_jax.tasks.digits import common as digits_common, qformer as qformer_task, task as digits_task
+from xattn_jax.tasks.digits import vit as vit_task
+from xattn_jax.training import dependencies, loop, task as task_lib, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = ["--config.log_every_steps=2", "--config.eval_every_steps=4", "--config.checkpoint.every_steps=4",
@@ -133,7 +136,7 @@ def test_qformer_training_leaves_the_encoder_bit_for_bit_as_trained(qformer_work
 @pytest.mark.slow
 def test_eval_metric_names_are_what_eval_logs(perceiver_workdir):
   logged = {name for name in metrics(perceiver_workdir)[-1] if name.startswith("eval/")}
-  assert logged == set(digits_task.EVAL_METRICS) | {"eval/accuracy_12x12"}
+  assert logged == set(digits_common.EVAL_METRICS) | {"eval/accuracy_12x12"}
   assert all(name in digits_task.DigitsTask.eval_metric_names for name in logged)
 
 
@@ -160,6 +163,23 @@ def test_qformer_infer_from_another_directory_reads_no_encoder_run(qformer_workd
   assert task.infer(model, lines) == expected
   assert os.listdir(elsewhere) == []  # no encoder trained at elsewhere/vit
   assert _tree(encoder) == encoder_files
+
+
+@pytest.mark.slow
+def test_qformer_eval_reads_only_its_record_and_checkpoint(qformer_workdirs, tmp_path, monkeypatch):
+  """A copy of the Q-Former run evaluates with its encoder run out of reach: the record names a missing
+  workdir, and model.encoder_workdir ("vit") does not exist from here."""
+  _, workdir = qformer_workdirs
+  copy = tmp_path / "qformer"
+  shutil.copytree(workdir, copy)
+  record = json.loads((copy / qformer_task.ENCODER_RECORD).read_text())
+  (copy / qformer_task.ENCODER_RECORD).write_text(json.dumps({**record, "encoder_workdir": str(tmp_path / "gone")}))
+  monkeypatch.chdir(tmp_path)
+  config = validation.load_config_file(str(copy / "config.py"))
+  assert dependencies.resolve(config, str(copy), "eval") == []
+  values = loop.run(config, str(copy), "eval")
+  assert 0.0 <= values["eval/accuracy"] <= 1.0
+  assert sorted(os.listdir(tmp_path)) == ["qformer"]
 
 
 # --- config checks: in-process, before anything is built ---------------------------------------------
@@ -220,15 +240,48 @@ def test_qformer_grids_must_split_into_the_encoders_patches(qformer, field, valu
   assert config_error(digits_config("qformer", **qformer, **{field: value})) == expected
 
 
-def test_qformer_grid_check_reads_the_patch_of_an_existing_encoder_run(qformer, tmp_path):
-  encoder = validation.load_config_file(os.path.join(ROOT, "configs", "vit_digits.py"), "patch=4")
-  os.makedirs(qformer["model__encoder_workdir"])
-  with open(os.path.join(qformer["model__encoder_workdir"], "config.json"), "w") as f:
-    f.write(encoder.to_json())
-  assert config_error(digits_config("qformer", **qformer, data__extra_eval_grids="12x12,16x16")) is None
-  assert config_error(digits_config("qformer", **qformer, data__extra_eval_grids="12x12,10x10")) == \
+def test_qformer_grid_check_reads_the_patch_of_the_declared_encoder_config(qformer):
+  encoder = {"model__encoder_config": "configs/vit_digits.py:patch=4"}
+  assert config_error(digits_config("qformer", **qformer, **encoder, data__extra_eval_grids="12x12,16x16")) is None
+  assert config_error(digits_config("qformer", **qformer, **encoder, data__extra_eval_grids="12x12,10x10")) == \
       "data.extra_eval_grids"
-  assert config_error(digits_config("qformer", **qformer)) is None  # eval / infer never read it
+  assert config_error(digits_config("qformer", **qformer, data__extra_eval_grids="12x12,10x10")) is None  # 2x2
+
+
+def test_qformer_refuses_an_encoder_run_made_with_another_config_naming_the_field(qformer):
+  """A ViT run of 4x4 patches where the declared encoder config has 2x2 ones: refused before any training."""
+  encoder_workdir = qformer["model__encoder_workdir"]
+  os.makedirs(os.path.join(encoder_workdir, "checkpoints", "2000"))
+  with open(os.path.join(encoder_workdir, "config.json"), "w") as f:
+    f.write(digits_config("vit", "patch=4").to_json())
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.encoder_config='configs/vit_digits\.py': "
+                     r"its model\.grid='4x4', but the run in .* was made with '2x2'"):
+    dependencies.resolve(digits_config("qformer", **qformer), None)
+
+
+def test_qformer_task_loads_its_encoder_and_never_trains_it(qformer, tmp_path):
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.encoder_workdir=.* holds no finished encoder run"):
+    digits_task.DigitsTask(digits_config("qformer", **qformer), str(tmp_path / "qformer"), "train")
+  assert not os.path.exists(qformer["model__encoder_workdir"])
+
+
+@pytest.mark.parametrize("name", ["vit", "perceiver", "qformer"])
+def test_the_digits_task_is_the_task_of_its_model_family(name, qformer):
+  config = digits_config(name, **(qformer if name == "qformer" else {}))
+  assert digits_task.DigitsTask.dependencies(config, None) == digits_task.MODELS[name].dependencies(config, None)
+  assert bool(digits_task.DigitsTask.dependencies(config, None)) == (name == "qformer")
+  if name != "qformer":  # the Q-Former's needs its encoder run (above)
+    assert type(digits_task.DigitsTask(config)) is digits_task.MODELS[name]
+
+
+@pytest.mark.parametrize("connector", sorted(qformer_task.CONNECTORS))
+def test_each_connector_reports_the_tokens_it_hands_on(connector):
+  encoder = digits_config("vit", "width=16,blocks=1")
+  model = latent_reader.QFormer(vit_task.make_vit(encoder.model, rngs=nnx.Rngs(0)), num_classes=10,
+                                connector=connector, num_queries=3, width=16, num_heads=2, num_blocks=2,
+                                rngs=nnx.Rngs(1))
+  images = jnp.zeros((2, 12, 12, 1))
+  assert qformer_task.CONNECTORS[connector].tokens_handed_on(model, images) == model.tokens(images).shape[1]
 
 
 @pytest.mark.parametrize("name", ["perceiver", "vit", "qformer"])
@@ -259,25 +312,3 @@ def test_max_shift_cannot_move_a_digit_off_the_canvas():  # a shift by (4, 4) ca
                                          ("eval/loss", None), ("eval/accuracy_16x16", None), ("", None)])
 def test_best_metric_must_be_one_that_eval_logs(best, field):
   assert config_error(digits_config("vit", checkpoint__best_metric=best)) == field
-
-
-def test_ctrl_c_while_the_encoder_trains_ends_the_run_with_status_zero(qformer, tmp_path, monkeypatch):
-  encoder_workdir = qformer["model__encoder_workdir"]
-  encoder = digits_config("vit", "steps=3,width=16,blocks=1", debug__step_delay_s=0.001,
-                          logging__tensorboard=False, logging__plot=False, eval_batch_size=180,
-                          steps_per_call=1)  # the Ctrl-C lands after step 1, inside the 3-step run
-  os.makedirs(encoder_workdir)
-  with open(os.path.join(encoder_workdir, "config.json"), "w") as f:  # the encoder run to resume
-    f.write(encoder.to_json())
-
-  def sleep_after_ctrl_c(seconds):  # the loop's pause after each call: a Ctrl-C arrives during the first
-    signal.raise_signal(signal.SIGINT)
-
-  monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=loop.time.perf_counter,
-                                                          sleep=sleep_after_ctrl_c))
-  config = digits_config("qformer", **qformer)
-  with pytest.raises(SystemExit) as stopped:
-    digits_task.DigitsTask(config, str(tmp_path / "qformer"), "train")
-  assert stopped.value.code == 0
-  assert encoder_workdir in str(stopped.value) and "\n" not in str(stopped.value)
-  assert os.listdir(os.path.join(encoder_workdir, "checkpoints")) == ["1"]

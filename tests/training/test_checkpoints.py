@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import toy_reverse
+from configs import template
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import loop
 
@@ -50,7 +50,7 @@ def test_the_best_checkpoint_survives_a_resume(tmp_path):
 def saved_run(tmp_path_factory):
   """A toy run's state saved at step 3 with recognisable parameters (all ones)."""
   workdir = str(tmp_path_factory.mktemp("saved"))
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   run = loop._Run(config, workdir)
   state = run.init_state()
   model_dict, optimizer_dict = run.split_pure(state)

@@ -21,11 +21,11 @@ MESHES = {
 # One process, three runs: imports and device setup are paid once.
 _RUN_MESHES = """
 import json, sys
-from configs import toy_reverse
+from configs import template
 from xattn_jax.training import loop
 overrides, meshes, root = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 for name, mesh in meshes.items():
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.update_from_flattened_dict({**overrides, **{"mesh." + k: v for k, v in mesh.items()}})
   loop.run(config, f"{root}/{name}")
 """

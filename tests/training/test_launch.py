@@ -29,7 +29,7 @@ OVERRIDES = {
     "model.dropout_rate": 0.1,
     "steps_per_call": 2,  # several steps per jitted call, and calls end mid-way between checkpoints
 }
-CONFIG = "configs/toy_reverse.py:size=tiny"
+CONFIG = "configs/template.py:size=tiny"
 # Compiled programs are shared between the subprocesses of a test session (same HLO, same result).
 COMPILE_CACHE = tempfile.mkdtemp(prefix="xattn_jax_test_compile_cache_")
 atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
@@ -150,7 +150,7 @@ def test_invalid_config_fails_in_one_line_naming_the_field_before_anything_runs(
     (["--config=configs/missing.py", "--workdir=WORKDIR"],
      "--config=configs/missing.py cannot be loaded: [Errno 2] No such file"),
     (["--config=configs/missing.py:size=tiny", "--workdir=WORKDIR"], "cannot be loaded"),
-    (["--config=configs/toy_reverse.py"], "--workdir is required; usage:"),
+    (["--config=configs/template.py"], "--workdir is required; usage:"),
 ])
 def test_missing_or_unloadable_config_is_a_one_line_usage_error(tmp_path, argv, expected):
   workdir = tmp_path / "run"
@@ -275,7 +275,7 @@ def test_load_model_gives_the_checkpointed_model_and_its_inference(reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("content, message", [
-    (b"abc\n\nab1\n", "3: toy_reverse input 'ab1'"),  # its number in the file, blank lines counted
+    (b"abc\n\nab1\n", "3: template input 'ab1'"),  # its number in the file, blank lines counted
     (b"abc\nab\xff\n", "2: not valid UTF-8 at byte 3"),
 ])
 def test_infer_names_the_file_and_line_it_cannot_take(reference, tmp_path, content, message):
@@ -459,10 +459,10 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_older_one(tmp_path, repea
 
 def test_an_eval_that_fails_saves_the_trained_state_first(tmp_path, monkeypatch):
   """An eval crash (a bug, a bad plot setting) at the first eval used to lose every step trained."""
-  from configs import toy_reverse
+  from configs import template
   from xattn_jax.training import checkpoints, loop
 
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.update_from_flattened_dict({**OVERRIDES, "checkpoint.every_steps": 100})
 
   def failing_evaluate(self, state):

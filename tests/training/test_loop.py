@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import common, toy_reverse
+from configs import common, template
 from xattn_jax.training import loop
-from xattn_jax.tasks.toy_reverse import ToyReverseTask
+from xattn_jax.tasks.template import TemplateTask
 
 
 def _toy_loss_after_reseed(dropout_rate, step, seed=0):
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.model.dropout_rate = dropout_rate
-  task = ToyReverseTask(config)
+  task = TemplateTask(config)
   with nnx.use_eager_sharding(False):
     model = task.make_model(loop.model_rngs(seed), dtype=jnp.float32, param_dtype=jnp.float32)
   batch = task.train_batch(0, process_index=0, process_count=1)

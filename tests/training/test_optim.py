@@ -7,13 +7,13 @@ import torch
 from flax import nnx
 
 from tests.helpers import abstract_model
-from xattn_jax.tasks.toy_reverse import ToyReverseTask
-from configs import toy_reverse
+from xattn_jax.tasks.template import TemplateTask
+from configs import template
 from xattn_jax.training import optim
 
 
 def test_schedule_warms_up_linearly_to_the_peak():
-  config = toy_reverse.get_config("size=tiny").optimizer
+  config = template.get_config("size=tiny").optimizer
   config.learning_rate, config.warmup_steps = 1e-2, 10
   schedule = optim.make_schedule(config, total_steps=100)
   np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 5e-3, 1e-2], rtol=1e-6)
@@ -22,18 +22,18 @@ def test_schedule_warms_up_linearly_to_the_peak():
 @pytest.mark.parametrize("name,expected_at_40", [("cosine", 0.5e-2), ("rsqrt", 1e-2 * (10 / 40) ** 0.5),
                                                  ("constant", 1e-2)])
 def test_schedule_decays_as_named_after_warmup(name, expected_at_40):
-  config = toy_reverse.get_config("size=tiny").optimizer
+  config = template.get_config("size=tiny").optimizer
   config.learning_rate, config.warmup_steps, config.schedule = 1e-2, 10, name
   schedule = optim.make_schedule(config, total_steps=70)  # cosine: halfway through 60 decay steps
   np.testing.assert_allclose(schedule(40), expected_at_40, rtol=1e-5)
 
 
 def test_weight_decay_spares_biases_norms_and_embeddings():
-  model = abstract_model(ToyReverseTask(toy_reverse.get_config("size=tiny")))
+  model = abstract_model(TemplateTask(template.get_config("size=tiny")))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   mask = optim.weight_decay_mask(params, "bias,scale,embedding")
-  assert mask["blocks"]["query"]["kernel"] and mask["logits"]["kernel"]
-  assert not mask["blocks"]["query"]["bias"] and not mask["final_norm"]["scale"]
+  assert mask["blocks"]["attention"]["query"]["kernel"] and mask["logits"]["kernel"]
+  assert not mask["blocks"]["attention"]["query"]["bias"] and not mask["final_norm"]["scale"]
   assert not mask["embed"]["embedding"]
 
 
@@ -56,7 +56,7 @@ def test_cross_entropy_rejects_mismatched_targets():
 
 
 def test_gradient_clipping_bounds_the_update_norm():
-  config = toy_reverse.get_config("size=tiny").optimizer
+  config = template.get_config("size=tiny").optimizer
   config.name, config.grad_clip_norm, config.warmup_steps, config.schedule = "sgd", 0.5, 0, "constant"
   config.learning_rate, config.momentum = 1.0, 0.0
   tx = optim.make_optimizer(config, total_steps=10)

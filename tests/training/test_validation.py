@@ -6,9 +6,9 @@ import pytest
 from flax import nnx
 
 from tests.helpers import load_config, abstract_model
-from configs import algorithmic, common, perceiver_digits, toy_reverse, translate_dates
+from configs import algorithmic, common, perceiver_digits, template, translate_dates
 from xattn_jax.training import loop, task as task_lib, validation
-from xattn_jax.tasks.toy_reverse import ToyReverseTask
+from xattn_jax.tasks.template import TemplateTask
 
 
 # --- config -------------------------------------------------------------------------------------
@@ -24,17 +24,17 @@ def test_parse_arg_rejects_an_unknown_key_listing_the_allowed_ones():
 
 
 def test_variant_argument_and_override_reach_the_model():
-  config = load_config("--config=configs/toy_reverse.py:size=tiny,posenc=rope,scan",
+  config = load_config("--config=configs/template.py:size=tiny,posenc=rope,scan",
                         "--config.model.d_model=48", "--config.model.num_layers=3")
-  model = abstract_model(ToyReverseTask(config))
+  model = abstract_model(TemplateTask(config))
   assert model.embed.embedding.shape == (27, 48)  # 26 letters + padding
-  assert model.blocks.query.kernel.shape == (3, 48, 48)  # 3 stacked layers
+  assert model.blocks.attention.query.kernel.shape == (3, 48, 48)  # 3 stacked layers
   assert model.scan_layers and model.position_encoding == "rope" and not hasattr(model, "position_table")
 
 
 def test_misspelt_override_is_rejected_by_the_locked_config():
   with pytest.raises(Exception, match="d_modle"):
-    load_config("--config=configs/toy_reverse.py:size=tiny", "--config.model.d_modle=48")
+    load_config("--config=configs/template.py:size=tiny", "--config.model.d_modle=48")
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def test_misspelt_override_is_rejected_by_the_locked_config():
     ("model.position_encoding", "alibi"), ("model.remat", "some"), ("model.name", "other"),
 ])
 def test_unknown_name_is_a_config_error_naming_the_field(field, value):
-  _assert_refused(toy_reverse.get_config("size=tiny"), field, value, rf"^config\.{field}='{value}': allowed")
+  _assert_refused(template.get_config("size=tiny"), field, value, rf"^config\.{field}='{value}': allowed")
 
 
 def _assert_refused(config, field: str, value, message: str):
@@ -59,14 +59,14 @@ def _assert_refused(config, field: str, value, message: str):
 
 
 def test_d_model_not_divisible_by_heads_is_a_config_error():
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.model.d_model, config.model.num_heads = 30, 4
   with pytest.raises(validation.ConfigError, match=r"config\.model\.d_model=30: must be divisible"):
     validation.validate_config(config)
 
 
 def test_odd_rotary_dimension_is_a_config_error():
-  config = toy_reverse.get_config("size=tiny,posenc=rope")
+  config = template.get_config("size=tiny,posenc=rope")
   config.model.rotary_dim = 7
   with pytest.raises(validation.ConfigError, match=r"config\.model\.rotary_dim=7"):
     validation.validate_config(config)
@@ -90,19 +90,19 @@ def test_odd_rotary_dimension_is_a_config_error():
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
   module, _, arg = config_arg.rpartition(":") if config_arg.startswith("algorithmic") else ("", "", config_arg)
-  config = (algorithmic if module else toy_reverse).get_config(arg)
+  config = (algorithmic if module else template).get_config(arg)
   _assert_refused(config, field, value, rf"^config\.{field}={value}: {re.escape(rule)}")
 
 
 def test_mrope_sections_not_adding_up_is_a_config_error():
-  config = toy_reverse.get_config("size=tiny,posenc=mrope")
+  config = template.get_config("size=tiny,posenc=mrope")
   config.model.mrope_sections = (1, 2, 2)
   with pytest.raises(validation.ConfigError, match=r"config\.model\.mrope_sections"):
     validation.validate_config(config)
 
 
 def test_mrope_sections_with_an_empty_axis_are_a_config_error():
-  config = toy_reverse.get_config("size=tiny,posenc=mrope")
+  config = template.get_config("size=tiny,posenc=mrope")
   pairs = sum(config.model.mrope_sections)
   _assert_refused(config, "model.mrope_sections", (pairs, 0, 0), r"config\.model\.mrope_sections=.*3 positive sections")
 
@@ -119,9 +119,9 @@ def test_rope_scaling_without_a_rotary_encoding_is_a_config_error(config_arg):
 
 def test_float16_parameters_are_a_config_error_that_names_the_alternatives():
   """They trained to NaN at step 2 (Adam's second moment underflows in float16)."""
-  _assert_refused(toy_reverse.get_config("size=tiny"), "precision.param_dtype", "float16",
+  _assert_refused(template.get_config("size=tiny"), "precision.param_dtype", "float16",
                   r"^config\.precision\.param_dtype='float16': allowed are \['bfloat16', 'float32'\]")
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.precision.compute_dtype = "float16"
   validation.validate_config(config)
 
@@ -154,7 +154,7 @@ def test_rotary_head_dim_check_covers_the_perceivers_rope_2d():
 @pytest.mark.parametrize("mesh,devices", [({"data": 3}, 8), ({"data": -1, "fsdp": 3}, 8),
                                           ({"data": -1, "fsdp": -1}, 8), ({"data": 2, "tensor": 2}, 8)])
 def test_mesh_that_does_not_match_the_device_count_is_a_config_error(mesh, devices):
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.mesh.update(mesh)
   with pytest.raises(validation.ConfigError, match=r"config\.mesh"):
     validation.validate_config(config, device_count=devices)
@@ -162,7 +162,7 @@ def test_mesh_that_does_not_match_the_device_count_is_a_config_error(mesh, devic
 
 @pytest.mark.parametrize("field", ["batch_size", "eval_batch_size"])
 def test_batch_not_divisible_by_the_data_shards_is_a_config_error(field):
-  config = toy_reverse.get_config("size=tiny")
+  config = template.get_config("size=tiny")
   config.mesh.update({"data": 2, "fsdp": 2})
   config[field] = 6  # 4 data x fsdp shards on 4 devices
   with pytest.raises(validation.ConfigError, match=rf"config\.{field}=6: must be divisible by mesh data x fsdp = 4"):
@@ -174,12 +174,12 @@ def test_mesh_minus_one_takes_the_remaining_devices():
 
 
 def test_unknown_task_name_lists_the_registered_tasks():
-  with pytest.raises(KeyError, match="toy_reverse"):
+  with pytest.raises(KeyError, match="template"):
     task_lib.get_task_class("no_such_task")
 
 
 def test_task_can_be_named_by_module_path():
-  assert task_lib.get_task_class("xattn_jax.tasks.toy_reverse:ToyReverseTask") is ToyReverseTask
+  assert task_lib.get_task_class("xattn_jax.tasks.template:TemplateTask") is TemplateTask
 
 
 # --- optimizer and loss -------------------------------------------------------------------------

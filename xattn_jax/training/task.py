@@ -4,13 +4,14 @@ A task owns everything problem-specific: its config checks, its model, its batch
 metrics, and what inference means. The loop (`xattn_jax.training.loop`) owns everything else:
 optimizer, jit, sharding, checkpoints, logging. Data flows one way: config -> task -> model -> loop.
 
-To add a task, subclass `Task` and register it:
+To add a task, copy `xattn_jax/tasks/template.py` (the smallest complete task, built from the real
+layers), subclass `Task` and register it:
 
     @tasks.register("translate")
     class TranslateTask(tasks.Task):
       ...
 
-and make sure its module is imported: either add `"translate": "xattn_jax.models.translate_task"`
+and make sure its module is imported: either add `"translate": "xattn_jax.tasks.translate.task"`
 to `TASK_MODULES` below (imported lazily, only when that name is asked for), or name the class
 directly in config as `task.name = "some.module:TranslateTask"`.
 
@@ -19,8 +20,20 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 - `validate(config, mode)` (classmethod): raise `validation.ConfigError(field, value, allowed)` for
   any task field that is wrong, BEFORE anything is built. Check the data files this mode ("train",
   "eval" or "infer") reads exist here. No JAX calls.
+- `dependencies(config, workdir) -> list[Dependency]` (classmethod): the other runs this task's
+  TRAINING needs finished first, e.g. the encoder a Q-Former freezes. Default: none. Each `Dependency`
+  names the run's workdir, the config it is trained with (a ConfigDict, or a config file
+  "path.py[:arg]" as launch.py's --config takes it) and the config fields of this task that name them
+  (for messages), plus what "finished" means (default: a checkpoint at the config's total_steps or
+  later). `xattn_jax.training.dependencies.resolve(config, workdir, mode)`, which launch.py calls
+  after validation and before `loop.run`, makes them finished: a workdir without a finished run is
+  trained (or resumed) there with that config, one with a finished run is left as it is, and one
+  whose run was made with another model, task or data config is refused (ConfigError naming the
+  field) before anything trains. Eval and infer resolve nothing: a task must take whatever it needs of
+  its dependencies into its own workdir (a record, its checkpoint) during training. No JAX calls.
 - `__init__(config, workdir, mode)`: host-side setup (read data, train or load a tokenizer into the
-  workdir); `infer` should need no more than the workdir. Runs on every process.
+  workdir; load the finished dependencies, never train them); `infer` should need no more than the
+  workdir. Runs on every process.
 - `make_model(rngs, *, dtype, param_dtype) -> nnx.Module`: parameters annotated with logical axis
   names (`nnx.with_partitioning`) from {"embed", "heads", "kv", "mlp", "vocab", "length", None};
   `dtype` is the compute dtype, `param_dtype` the storage dtype. `rngs` has a `params` stream (from
@@ -49,8 +62,10 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, ClassVar, Iterable
+import os
+from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 
@@ -68,9 +83,37 @@ class InputLineError(ValueError):
 TASK_MODULES = {
     "algorithmic": "xattn_jax.tasks.algorithmic",
     "digits": "xattn_jax.tasks.digits.task",
-    "toy_reverse": "xattn_jax.tasks.toy_reverse",
+    "template": "xattn_jax.tasks.template",
     "translate": "xattn_jax.tasks.translate.task",
 }
+
+
+def reached_total_steps(config, workdir: str) -> bool:
+  """Whether the run in workdir saved a checkpoint at `config.total_steps` or later."""
+  from xattn_jax.training import checkpoints  # orbax: imported only when a dependency is asked about
+  return max(checkpoints.step_numbers(workdir), default=-1) >= config.total_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Dependency:
+  """A run that must be finished before a task trains (see `Task.dependencies`).
+
+  Attributes:
+    workdir: the run's workdir (made absolute).
+    config: the config it is trained with: a ConfigDict, or "path/to/config.py[:arg]" (relative to
+      the current directory, else to the repository), loaded as launch.py's --config loads it.
+    workdir_field: the field of the dependent task's config that names `workdir`, for messages.
+    config_field: the field that names `config` when it is a file, for messages ("" when it is not).
+    finished: (config, workdir) -> whether the run there is finished; `config` is the loaded one.
+  """
+  workdir: str
+  config: Any
+  workdir_field: str
+  config_field: str = ""
+  finished: Callable[[Any, str], bool] = reached_total_steps
+
+  def __post_init__(self):
+    object.__setattr__(self, "workdir", os.path.abspath(self.workdir))
 
 
 class Task:
@@ -92,6 +135,11 @@ class Task:
   @classmethod
   def validate(cls, config, mode: str = "train") -> None:
     """Raises validation.ConfigError for an invalid task-specific field (for `mode`)."""
+
+  @classmethod
+  def dependencies(cls, config, workdir: str | None) -> list[Dependency]:
+    """The runs this task's training needs finished first (see the module docstring)."""
+    return []
 
   def make_model(self, rngs, *, dtype, param_dtype):
     raise NotImplementedError

@@ -1,7 +1,8 @@
-"""Toy task: reverse random letter strings. Tiny, synthetic, for tests and as a template.
+"""The template task (xattn_jax/tasks/template.py): reverse random letter strings. Tiny, synthetic, for
+tests and as the pattern to copy for a new task.
 
-    python launch.py --config=configs/toy_reverse.py:size=tiny,posenc=rope --workdir=workdirs/toy
-    echo hello | python launch.py --config=configs/toy_reverse.py:size=tiny --workdir=workdirs/toy \
+    python launch.py --config=configs/template.py:size=tiny,posenc=rope --workdir=workdirs/template
+    echo hello | python launch.py --config=configs/template.py:size=tiny --workdir=workdirs/template \
         --mode=infer
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ def get_config(arg=None):
   if args.size not in SIZES:
     raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
   config = common.base_config(total_steps=2000, log_every_steps=100, learning_rate=3e-3)
-  config.task.name = "toy_reverse"
+  config.task.name = "template"
   config.task.min_length = 1
   config.task.max_length = 12         # strings are padded to this length
   config.task.num_eval_examples = 256

@@ -1,0 +1,227 @@
+"""What the three digits tasks share: the data, the loss and metrics, the attention pictures, inference.
+
+Each model family's task (`vit.py`, `perceiver.py`, `qformer.py`) subclasses `DigitsBase` and supplies
+`make_model`, `tokens_handed_on` and, when its model has queries to draw, `query_attention`;
+`task.py` registers "digits", which picks one of them by `config.model.name`.
+
+Batches are `images` [b, H, W, 1] (standardised pixels) and `labels` [b]; see `xattn_jax.data.digits`.
+Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the model passes to what
+follows it). Eval also reports `eval/accuracy_HxW` on the test images resized to each grid in
+`data.extra_eval_grids` and writes the queries' attention maps as `attention_maps/test_K.png` in the workdir.
+
+Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
+or a PNG file; the output line is the file name and the predicted digit(s). `test:K` classifies test image K.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xattn_jax.data import digits
+from xattn_jax.training import optim, task as task_lib, validation
+
+# What the eval of every digits run logs; it adds eval/accuracy_HxW for each grid in data.extra_eval_grids.
+EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/tokens_handed_on")
+
+
+def parse_grid(text: str, field: str = "grid") -> tuple[int, int]:
+  """"12x16" -> (12, 16)."""
+  try:
+    height, width = (int(part) for part in text.lower().split("x"))
+  except ValueError:
+    raise validation.ConfigError(field, text, "must look like HEIGHTxWIDTH, e.g. 16x16") from None
+  if height < 1 or width < 1:
+    raise validation.ConfigError(field, text, "needs a positive height and width")
+  return height, width
+
+
+def parse_grids(text: str, field: str) -> list[tuple[int, int]]:
+  """"12x12,16x16" -> [(12, 12), (16, 16)]; "" -> []."""
+  return [parse_grid(part.strip(), field) for part in text.split(",") if part.strip()]
+
+
+def image_grids(config) -> list[tuple[int, int]]:
+  """Every grid the run reads images on: data.grid, then data.extra_eval_grids."""
+  return [parse_grid(config.data.grid, "data.grid")] + parse_grids(config.data.extra_eval_grids,
+                                                                    "data.extra_eval_grids")
+
+
+def check_patch_size(config):
+  """model.patch_size (of a model that cuts the images itself) must divide every image grid."""
+  validation.require_positive(config, "model.patch_size")
+  patch = config.model.patch_size
+  for grid in image_grids(config):
+    if grid[0] % patch or grid[1] % patch:
+      raise validation.ConfigError("model.patch_size", patch, f"must divide every image grid, got {grid}")
+  parse_grid(config.model.grid, "model.grid")
+
+
+def patch_tokens(images, patch_size: int) -> int:
+  """M: how many patches of patch_size cut images [b, H, W, C]."""
+  return (images.shape[1] // patch_size) * (images.shape[2] // patch_size)
+
+
+class _EvalMetricNames(tuple):
+  """The eval/<name> metrics of a digits run, for checkpoint.best_metric. `in` also takes
+  eval/accuracy_HxW for any grid: which of those a run logs depends on data.extra_eval_grids, which
+  DigitsBase.validate checks."""
+
+  def __contains__(self, name):
+    return super().__contains__(name) or re.fullmatch(r"eval/accuracy_\d+x\d+", str(name)) is not None
+
+
+class DigitsBase(task_lib.Task):
+  """Classify the bundled digits with the model of a subclass (see the module docstring)."""
+
+  eval_metric_names = _EvalMetricNames(EVAL_METRICS + ("eval/accuracy_<HxW in data.extra_eval_grids>",))
+
+  @classmethod
+  def validate(cls, config, mode="train"):
+    """The data, task and checkpoint fields every digits run has; subclasses add their model's."""
+    validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio")
+    validation.require_positive(config, "data.max_shift", allow_zero=True)
+    if config.data.max_shift > digits.MAX_SHIFT:
+      raise validation.ConfigError(
+          "data.max_shift", config.data.max_shift,
+          f"must be at most {digits.MAX_SHIFT}: a larger shift of the native 8x8 images (before any resize to "
+          "data.grid) moves some digits entirely off the canvas")
+    test_fraction = config.data.test_fraction
+    if not 0.0 < test_fraction < 1.0:
+      raise validation.ConfigError("data.test_fraction", test_fraction, "must be in (0, 1)")
+    classes, images, num_test = digits.NUM_CLASSES, digits.NUM_IMAGES, digits.num_test_images(test_fraction)
+    if not classes <= num_test <= images - classes:
+      # The split is stratified: each class needs an image on both sides.
+      raise validation.ConfigError("data.test_fraction", test_fraction,
+                                   f"must leave at least {classes} of the {images} images (one per class) on "
+                                   f"each side: in [{classes / images:.4f}, {(images - classes) / images:.4f}]")
+    count = config.task.num_attention_images
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_test:
+      raise validation.ConfigError("task.num_attention_images", count,
+                                   f"must be an integer in [0, {num_test}], the test images at "
+                                   f"data.test_fraction={test_fraction}")
+    extra_grids = image_grids(config)[1:]
+    best, logged = config.checkpoint.best_metric, [f"eval/accuracy_{h}x{w}" for h, w in extra_grids]
+    if best.startswith("eval/accuracy_") and best not in logged:
+      raise validation.ConfigError("checkpoint.best_metric", best, "allowed are '' (no best checkpoint) or "
+                                   f"{list(EVAL_METRICS) + logged}")
+
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    self.split = digits.load_digits_split(test_fraction=config.data.test_fraction,
+                                          split_seed=config.data.split_seed)
+    self.grid, *self.extra_grids = image_grids(config)
+
+  # --- what each model family supplies ----------------------------------------------------------
+
+  def tokens_handed_on(self, model, images) -> int:
+    """How many rows the model passes on for images [b, H, W, 1] (a Python int: static shapes)."""
+    raise NotImplementedError
+
+  def query_attention(self, model, images):
+    """(weights [n, heads, N, M], patch size): each of the N queries' attention over the M patches of
+    images [n, H, W, 1] (row-major), or None when the model has no queries to draw."""
+    return None
+
+  # --- the contract -----------------------------------------------------------------------------
+
+  def train_batch(self, step, *, process_index, process_count):
+    return digits.train_batch(self.split, step, seed=self.config.seed, batch_size=self.config.batch_size,
+                              process_index=process_index, process_count=process_count, grid=self.grid,
+                              max_shift=self.config.data.max_shift)
+
+  def loss(self, model, batch, *, rngs):
+    del rngs  # no dropout: the digits models regularise through data.max_shift augmentation
+    logits = model(batch["images"], deterministic=True)
+    loss_sum, count = optim.cross_entropy(logits, batch["labels"], label_smoothing=self.config.task.label_smoothing)
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == batch["labels"])
+    return loss_sum / count, {"accuracy": accuracy,
+                              "tokens_handed_on": jnp.float32(self.tokens_handed_on(model, batch["images"]))}
+
+  def eval_batches(self, *, process_index, process_count):
+    return digits.eval_batches(self.split, self.config.eval_batch_size, process_index=process_index,
+                               process_count=process_count, grid=self.grid)
+
+  def eval_metrics(self, model, batch):
+    logits = model(batch["images"])
+    weights = batch["weights"]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], weights)
+    correct = (jnp.argmax(logits, axis=-1) == batch["labels"]) * weights
+    tokens = self.tokens_handed_on(model, batch["images"])
+    return {"loss": (loss_sum, weight_sum), "accuracy": (jnp.sum(correct), jnp.sum(weights)),
+            "tokens_handed_on": (jnp.float32(tokens), jnp.float32(1.0))}
+
+  # --- host-side evaluation, pictures and inference ---------------------------------------------
+
+  @functools.cached_property
+  def _predict(self):
+    return nnx.jit(lambda model, images: jnp.argmax(model(images), axis=-1))
+
+  def _classify(self, model, images: np.ndarray) -> np.ndarray:
+    """Predicted digits [n] for images [n, H, W] in [0, 1] units (standardised here), in eval batches."""
+    images = self.split.standardize(images)[..., None]
+    size = self.config.eval_batch_size
+    return np.concatenate([np.asarray(self._predict(model, images[start:start + size]))
+                           for start in range(0, len(images), size)])
+
+  def extra_eval(self, model):
+    """Accuracy on the test images resized to each extra grid; attention maps into the workdir."""
+    results = {}
+    for grid in self.extra_grids:
+      predictions = self._classify(model, digits.resize_images(self.split.test_images, grid))
+      results[f"accuracy_{grid[0]}x{grid[1]}"] = float(np.mean(predictions == self.split.test_labels))
+    if self.workdir and jax.process_index() == 0 and self.config.task.num_attention_images:
+      self.write_attention_maps(model, os.path.join(self.workdir, "attention_maps"))
+    return results
+
+  def write_attention_maps(self, model, directory: str) -> list[str]:
+    """One PNG per test image: the image next to each query's attention over it (heads averaged);
+    none for a model without queries."""
+    count = self.config.task.num_attention_images
+    images = digits.resize_images(self.split.test_images[:count], self.grid)
+    attention = self.query_attention(model, self.split.standardize(images)[..., None])
+    if attention is None:
+      return []
+    from xattn_jax.tasks.digits import plots as digits_plots  # matplotlib only when pictures are asked for
+    weights, patch = np.asarray(attention[0]), attention[1]  # [count, heads, N, M]
+    grid = (self.grid[0] // patch, self.grid[1] // patch)
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for k in range(count):
+      path = os.path.join(directory, f"test_{k}.png")
+      digits_plots.plot_query_attention(images[k], weights[k].mean(axis=0).reshape(-1, *grid), path,
+                                        title=f"test image {k} (label {self.split.test_labels[k]})")
+      paths.append(path)
+    return paths
+
+  def _read_input(self, line: str) -> np.ndarray:
+    """Images [n, H, W] in [0, 1] named by one input line."""
+    if line.startswith("test:"):
+      index = int(line[len("test:"):])
+      if not 0 <= index < len(self.split.test_labels):
+        raise ValueError(f"{line!r}: the test set has images 0..{len(self.split.test_labels) - 1}")
+      return self.split.test_images[index][None]
+    if line.endswith(".npy"):
+      array = np.load(line).astype(np.float32)
+      if array.ndim == 3:  # a stack of images, each read like a single one
+        return digits.to_unit_range(array)
+    return digits.read_image_file(line)[None]
+
+  def infer(self, model, lines):
+    """One line per input: the input name, a tab, the predicted digit (several for a stack)."""
+    outputs = []
+    for index, line in enumerate(lines):
+      try:
+        images = self._read_input(line.strip())
+        if not np.isfinite(images).all():
+          raise ValueError(f"{line.strip()!r} holds NaN or infinite pixel values")
+      except (ValueError, OSError) as e:
+        raise task_lib.InputLineError(index, str(e)) from None
+      predictions = self._classify(model, digits.resize_images(images, self.grid))
+      outputs.append(f"{line.strip()}\t{' '.join(str(p) for p in predictions)}")
+    return outputs
