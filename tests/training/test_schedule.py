@@ -1,98 +1,27 @@
-"""The loop's pieces: per-step RNG, multi-step calls, call boundaries."""
-import jax
-import jax.numpy as jnp
+"""Which steps each jitted call runs: call boundaries, what follows a call, the batches it reads."""
 import numpy as np
 import pytest
-from flax import nnx
+from ml_collections import ConfigDict
 
-from configs import common, toy_reverse
-from xattn_jax.training import loop
-from xattn_jax.tasks.toy_reverse import ToyReverseTask
-
-
-def _toy_loss_after_reseed(dropout_rate, step, seed=0):
-  config = toy_reverse.get_config("size=tiny")
-  config.model.dropout_rate = dropout_rate
-  task = ToyReverseTask(config)
-  with nnx.use_eager_sharding(False):
-    model = task.make_model(loop.model_rngs(seed), dtype=jnp.float32, param_dtype=jnp.float32)
-  batch = task.train_batch(0, process_index=0, process_count=1)
-  loop.reseed_for_step(model, jax.random.key(seed), step)
-  return float(_toy_loss(model, batch, task))
+from configs import common
+from xattn_jax.training import schedule
 
 
-@nnx.jit(static_argnums=2)
-def _toy_loss(model, batch, task):
-  return task.loss(model, batch, rngs=None)[0]
-
-
-def test_dropout_masks_are_a_pure_function_of_seed_and_step():
-  assert _toy_loss_after_reseed(0.3, step=5) == _toy_loss_after_reseed(0.3, step=5)
-  assert _toy_loss_after_reseed(0.3, step=5) != _toy_loss_after_reseed(0.3, step=6)
-  assert _toy_loss_after_reseed(0.0, step=5) == _toy_loss_after_reseed(0.0, step=6)
-
-
-def _sgd_step(state, batch, step, rng_key):
-  """A stand-in train step: one SGD update of a linear least-squares model, key and step mixed in."""
-  def loss_fn(w):
-    return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-
-  loss, grad = jax.value_and_grad(loss_fn)(state["w"])
-  noise = jax.random.normal(jax.random.fold_in(rng_key, step), state["w"].shape)
-  new = {"w": state["w"] - 0.1 * grad + 1e-3 * noise, "count": state["count"] + 1}
-  return new, {"loss": loss, "step": step}
-
-
-@pytest.mark.parametrize("size,count", [(4, 4), (4, 3), (4, 1), (1, 1)])
-def test_multi_step_equals_that_many_single_steps(size, count):
-  rng = np.random.default_rng(0)
-  batches = {"x": jnp.asarray(rng.standard_normal((size, 8, 5)), jnp.float32),
-             "y": jnp.asarray(rng.standard_normal((size, 8, 3)), jnp.float32)}
-  state = {"w": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32), "count": jnp.int32(0)}
-  key, first = jax.random.key(7), jnp.int32(10)
-  multi_state, metrics = jax.jit(loop.multi_step(_sgd_step))(state, batches, first, jnp.int32(count), key)
-
-  single = jax.jit(_sgd_step)
-  expected, losses = state, []
-  for i in range(count):
-    expected, values = single(expected, jax.tree.map(lambda x: x[i], batches), first + i, key)
-    losses.append(values["loss"])
-  assert int(multi_state["count"]) == count
-  np.testing.assert_allclose(multi_state["w"], expected["w"], rtol=1e-6, atol=1e-6)
-  assert metrics["loss"].shape == metrics["step"].shape == (size,)
-  np.testing.assert_allclose(metrics["loss"][:count], losses, rtol=1e-6)
-  np.testing.assert_array_equal(metrics["step"][:count], 10 + np.arange(count))
-  assert not np.any(metrics["loss"][count:])  # entries past count are zeros
-
-
-def test_multi_step_takes_a_different_count_without_retracing():
-  traced = []
-
-  def step(state, batch, step, rng_key):
-    traced.append(1)
-    return _sgd_step(state, batch, step, rng_key)
-
-  run = jax.jit(loop.multi_step(step))
-  batches = {"x": jnp.ones((3, 2, 5)), "y": jnp.ones((3, 2, 3))}
-  state = {"w": jnp.zeros((5, 3)), "count": jnp.int32(0)}
-  for count in (3, 1, 2):
-    state, _ = run(state, batches, jnp.int32(0), jnp.int32(count), jax.random.key(0))
-  assert int(state["count"]) == 6
-  traces = len(traced)
-  run(state, batches, jnp.int32(0), jnp.int32(3), jax.random.key(0))
-  assert len(traced) == traces
+def _config(steps_per_call=4, total=20, eval_every=5, checkpoint_every=7, log_every=1):
+  config = common.base_config(total_steps=total, eval_every_steps=eval_every,
+                              checkpoint_every_steps=checkpoint_every, log_every_steps=log_every)
+  config.steps_per_call = steps_per_call
+  return config
 
 
 @pytest.mark.parametrize("steps_per_call,total,eval_every,checkpoint_every", [
     (4, 20, 5, 7), (8, 8, 4, 4), (1, 6, 2, 3), (16, 50, 10, 25), (3, 7, 100, 100)])
 def test_calls_end_at_every_eval_checkpoint_and_the_last_step(steps_per_call, total, eval_every, checkpoint_every):
-  config = common.base_config(total_steps=total, eval_every_steps=eval_every,
-                              checkpoint_every_steps=checkpoint_every)
-  config.steps_per_call = steps_per_call
+  config = _config(steps_per_call, total, eval_every, checkpoint_every)
   step, ends = 0, []
   while step < total:
-    count = loop._steps_in_call(step, config)
-    assert 1 <= count <= loop._stack_depth(config) <= steps_per_call
+    count = schedule.steps_in_call(step, config)
+    assert 1 <= count <= schedule.stack_depth(config) <= steps_per_call
     step += count
     ends.append(step)
   must_end = {s for s in range(1, total + 1) if s % eval_every == 0 or s % checkpoint_every == 0} | {total}
@@ -100,3 +29,71 @@ def test_calls_end_at_every_eval_checkpoint_and_the_last_step(steps_per_call, to
   # Calls are cut only there: every call that does not end at one of those steps is full length.
   starts = [0] + ends[:-1]
   assert all(b - a == steps_per_call for a, b in zip(starts, ends) if b not in must_end)
+
+
+@pytest.mark.parametrize("step", [-1, 20, 21])
+def test_a_call_must_start_inside_the_run(step):
+  with pytest.raises(ValueError, match=f"step={step}"):
+    schedule.steps_in_call(step, _config(total=20))
+
+
+def test_a_config_without_steps_per_call_runs_one_step_per_call():
+  """A run's config.py from before the field existed."""
+  config = ConfigDict({"total_steps": 10, "eval_every_steps": 5, "checkpoint": {"every_steps": 5}})
+  assert schedule.steps_per_call(config) == 1 == schedule.steps_in_call(0, config)
+
+
+def test_stack_depth_is_capped_by_the_shortest_interval():
+  assert schedule.stack_depth(_config(steps_per_call=16, total=20, eval_every=5, checkpoint_every=7)) == 5
+  assert schedule.stack_depth(_config(steps_per_call=2, total=20, eval_every=5, checkpoint_every=7)) == 2
+
+
+def test_call_end_names_the_eval_checkpoint_and_log_steps():
+  config = _config(total=20, eval_every=5, checkpoint_every=7, log_every=3)
+  assert schedule.call_end(5, 4, config) == schedule.CallEnd(evaluate=True, checkpoint=False, log=True)
+  assert schedule.call_end(14, 1, config) == schedule.CallEnd(evaluate=False, checkpoint=True, log=False)
+  assert schedule.call_end(11, 4, config) == schedule.CallEnd(evaluate=False, checkpoint=False, log=True)  # 9
+  assert schedule.call_end(20, 1, config) == schedule.CallEnd(evaluate=True, checkpoint=True, log=True)
+
+
+def test_call_end_rejects_a_count_the_step_cannot_have():
+  with pytest.raises(ValueError, match="count=5"):
+    schedule.call_end(4, 5, _config())
+
+
+def test_logged_steps_are_every_log_interval_and_the_last():
+  config = _config(total=10, log_every=4)
+  assert [s for s in range(1, 11) if schedule.logged(s, config)] == [4, 8, 10]
+
+
+def _feed(lengths, config):
+  """A CallFeed over batches whose `x` is [2, lengths[index]] filled with the batch index."""
+  reads = []
+
+  def read_batch(index):
+    reads.append(index)
+    return {"x": np.full((2, lengths[index]), index)}
+
+  return schedule.CallFeed(read_batch, config), reads
+
+
+def test_a_call_reads_its_batches_in_order_and_pads_the_stack_with_the_last():
+  config = _config(steps_per_call=4, total=20, eval_every=10, checkpoint_every=10)
+  feed, _ = _feed([3] * 20, config)
+  stacked, count = feed.next_call(0)
+  assert count == 4 and stacked["x"].shape == (4, 2, 3)
+  np.testing.assert_array_equal(stacked["x"][:, 0, 0], [0, 1, 2, 3])
+  stacked, count = feed.next_call(8)  # cut at the step-10 eval: 2 steps, stack filled with batch 9
+  assert count == 2
+  np.testing.assert_array_equal(stacked["x"][:, 0, 0], [8, 9, 9, 9])
+
+
+def test_a_batch_of_another_shape_ends_the_call_and_opens_the_next():
+  config = _config(steps_per_call=4, total=20, eval_every=10, checkpoint_every=10)
+  feed, reads = _feed([3, 3, 5, 5, 5, 5, 5], config)
+  stacked, count = feed.next_call(0)
+  assert count == 2 and stacked["x"].shape == (4, 2, 3)
+  stacked, count = feed.next_call(2)
+  assert count == 4 and stacked["x"].shape == (4, 2, 5)
+  np.testing.assert_array_equal(stacked["x"][:, 0, 0], [2, 3, 4, 5])
+  assert reads == [0, 1, 2, 3, 4, 5]  # batch 2 was read once, held over for the second call

@@ -1,0 +1,31 @@
+"""The training loop in process: what it keeps when an eval fails, and the names callers import from it."""
+import pytest
+
+from configs import toy_reverse
+from xattn_jax.training import checkpoints, loop, trainer
+
+# A tiny run: a 2-step call, then the eval at step 2; the first checkpoint would be at step 100.
+OVERRIDES = {"total_steps": 4, "batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 8,
+             "log_every_steps": 1, "eval_every_steps": 2, "checkpoint.every_steps": 100,
+             "steps_per_call": 2, "logging.tensorboard": False, "logging.plot": False}
+
+
+def test_an_eval_that_fails_saves_the_trained_state_first(tmp_path, monkeypatch):
+  """An eval crash (a bug, a bad plot setting) at the first eval used to lose every step trained."""
+  config = toy_reverse.get_config("size=tiny")
+  config.update_from_flattened_dict(OVERRIDES)
+
+  def failing_evaluate(self, state):
+    raise RuntimeError("eval broke")
+
+  monkeypatch.setattr(trainer.Trainer, "evaluate", failing_evaluate)
+  with pytest.raises(RuntimeError, match="eval broke"):
+    loop.run(config, str(tmp_path / "run"))
+  assert checkpoints.step_numbers(str(tmp_path / "run")) == [2]  # the first eval step
+
+
+@pytest.mark.parametrize("name", ["run", "load_model", "multi_step", "model_rngs", "check_same_model",
+                                  "steps_per_call", "TrainingDiverged", "RunError", "DataError"])
+def test_the_names_scripts_use_stay_importable_from_the_loop(name):
+  """launch.py, the tasks, experiments/ and the README reach these as loop.<name>."""
+  assert hasattr(loop, name)
