@@ -29,7 +29,7 @@ from xattn_jax.training import workdir as workdir_lib
 from xattn_jax.training.errors import DataError, RunError  # noqa: F401 - re-exported
 from xattn_jax.training.guards import TrainingDiverged  # noqa: F401 - re-exported
 from xattn_jax.training.inference import load_model  # noqa: F401 - re-exported
-from xattn_jax.training.rng import model_rngs, reseed_for_step, task_rngs  # noqa: F401 - re-exported
+from xattn_jax.training.rng import model_rngs  # noqa: F401 - re-exported
 from xattn_jax.training.schedule import steps_per_call  # noqa: F401 - re-exported
 from xattn_jax.training.trainer import Trainer, multi_step  # noqa: F401 - re-exported
 from xattn_jax.training.workdir import check_same_model  # noqa: F401 - re-exported
@@ -61,9 +61,10 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   with guards.stop_flag() as flag, contextlib.closing(writer):
     stop_requests = guards.StopRequests(flag, vote)
     while step < config.total_steps and not stopped:
-      batches, count = feed.next_call(step)
-      state, call_metrics = train_step(state, trainer.batch(batches, config.batch_size, stacked=True),
-                                       jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32), rng_key)
+      local_batches, count = feed.next_call(step)
+      batches = trainer.batch(local_batches, config.batch_size, stacked=True)
+      state, call_metrics = train_step(state, batches, jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32),
+                                       rng_key)
       step_log.add(step + 1, count, call_metrics)
       step += count
       if config.debug.step_delay_s:
