@@ -1,6 +1,7 @@
 """What stops training: a non-finite loss or gradient norm, SIGTERM / Ctrl-C, the multi-host vote."""
 import math
 import signal
+import threading
 
 import jax
 import numpy as np
@@ -79,3 +80,17 @@ def test_with_a_vote_every_process_stops_one_call_after_the_signal():
   flag.requested = True
   assert not requests.after_call(2)  # this call's vote is dispatched, not yet read
   assert requests.after_call(3)
+
+
+def test_off_the_main_thread_the_stop_flag_installs_no_handler():
+  """Python allows signal handlers only on the main thread: a loop run from another one still trains."""
+  before, seen = signal.getsignal(signal.SIGTERM), []
+
+  def body():
+    with guards.stop_flag() as flag:
+      seen.append((flag.requested, signal.getsignal(signal.SIGTERM)))
+
+  thread = threading.Thread(target=body)
+  thread.start()
+  thread.join()
+  assert seen == [(False, before)]
