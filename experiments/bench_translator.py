@@ -39,7 +39,7 @@ from configs import common  # noqa: E402
 from bench_common import interleaved_median_seconds, median_seconds, output_dir, parse_jax_vs_torch_args  # noqa: E402
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
-from xattn_jax.training import loop  # noqa: E402
+from xattn_jax.training import trainer as trainer_lib  # noqa: E402
 
 BOS = 1
 
@@ -90,7 +90,7 @@ def make_train_step(model, steps_per_call=None):
     state, loss = train_step(state, *batch)
     return state, {"loss": loss}
 
-  return jax.jit(loop.multi_step(launcher_step), donate_argnums=0), state
+  return jax.jit(trainer_lib.multi_step(launcher_step), donate_argnums=0), state
 
 
 def jax_training(s, rng, steps_per_call=None):

@@ -64,16 +64,16 @@ _DECODE_SHARDED = """
 import json, sys
 import numpy as np
 from configs import translate_dates
-from xattn_jax.training import loop
+from xattn_jax.training.trainer import Trainer
 config = translate_dates.get_config("tokenizer=bytes")
 config.update_from_flattened_dict({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "eval_batch_size": 16,
                                    "model.max_length": 32, "data.first_year": 2000, "data.last_year": 2001,
                                    **{f"model.{side}.{k}": v for side in ("encoder", "decoder")
                                       for k, v in (("d_model", 32), ("num_layers", 1), ("mlp_dim", 64))}})
-run = loop._Run(config, sys.argv[1])
+trainer = Trainer(config, sys.argv[1])
 import jax, jax.numpy as jnp
-state = jax.tree.map(lambda x: x * 4 if jnp.issubdtype(x.dtype, jnp.floating) else x, run.init_state())
-model, task = run.model(state), run.task  # weights scaled up: sharper, more varied outputs
+state = jax.tree.map(lambda x: x * 4 if jnp.issubdtype(x.dtype, jnp.floating) else x, trainer.init_state())
+model, task = trainer.model(state), trainer.task  # weights scaled up: sharper, more varied outputs
 inputs = np.concatenate([b["inputs"] for b in task.eval_data.eval_batches(16)])[:20]  # 2 chunks, one padded
 seen = []
 generate = task._generate

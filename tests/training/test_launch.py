@@ -41,19 +41,21 @@ def launch_args(workdir, *extra, overrides=None):
           + [f"--config.{k}={v}" for k, v in merged.items()] + list(extra))
 
 
-def subprocess_env(device_count=1):
+def subprocess_env(device_count=1, default_optimization=False):
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   # Optimization level 0 halves XLA's CPU compile time; every comparison here is between runs
-  # that share these flags.
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={device_count} "
-                      "--xla_backend_optimization_level=0")
+  # that share these flags. `default_optimization` keeps XLA's default level (what real runs use).
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={device_count}"
+  if not default_optimization:
+    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
   return env
 
 
-def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300):
+def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300, default_optimization=False):
   return subprocess.run(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, input=stdin,
-                        capture_output=True, text=True, env=subprocess_env(device_count), timeout=timeout)
+                        capture_output=True, text=True, timeout=timeout,
+                        env=subprocess_env(device_count, default_optimization=default_optimization))
 
 
 def start(workdir, *extra, overrides=None):
@@ -199,6 +201,31 @@ def test_metrics_have_a_row_per_logged_step_with_train_and_eval_values(reference
     # steps/s from the first row after the first call on (that call compiles; its rate would be NaN)
     assert ("train/steps_per_second" in row) == (step > OVERRIDES["steps_per_call"])
   assert {"eval/loss", "eval/token_accuracy", "eval/exact_match"} <= rows[4].keys() & rows[8].keys()
+
+
+def float_params(params):
+  """{name: array} of the floating-point parameters (not the dropout RNG state)."""
+  return {key: np.asarray(value) for key, value in _flatten(params)
+          if jax.dtypes.issubdtype(value.dtype, np.floating)}
+
+
+@pytest.mark.slow
+def test_training_lowers_the_train_and_eval_loss(reference):
+  losses = train_losses(reference)
+  rows = {r["step"]: r for r in metrics_rows(reference)}
+  assert losses[STEPS] < losses[1]
+  assert np.mean([losses[s] for s in range(STEPS // 2 + 1, STEPS + 1)]) < \
+      np.mean([losses[s] for s in range(1, STEPS // 2 + 1)])
+  assert rows[STEPS]["eval/loss"] < rows[STEPS // 2]["eval/loss"]
+
+
+@pytest.mark.slow
+def test_training_changes_every_parameter_between_checkpoints(reference):
+  """A loop that skipped the optimizer update would pass every other test here."""
+  first, last = float_params(model_params(reference, 4)), float_params(model_params(reference, STEPS))
+  assert first.keys() == last.keys() and first
+  unchanged = [key for key in first if np.array_equal(first[key], last[key])]
+  assert not unchanged, unchanged
 
 
 @pytest.mark.slow
@@ -428,6 +455,43 @@ def test_resume_after_sigkill_logs_the_same_losses_and_parameters(sigkill_run, r
   assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
 
 
+# --- at XLA's default optimization level ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_optimization_runs(tmp_path_factory):
+  """Every run above compiles at optimization level 0. Here XLA's default level: a run at the
+  config's default steps_per_call, the same with one step per call, and a copy of the first with
+  its last checkpoint removed, resumed from step 4."""
+  from configs import common
+  root = tmp_path_factory.mktemp("default_optimization")
+  overrides = {"steps_per_call": common.base_config().steps_per_call}  # calls of 4 steps: ends at 4 and 8
+  runs = {"default": root / "default", "one_per_call": root / "one_per_call"}
+  for name, per_call in (("default", overrides), ("one_per_call", {"steps_per_call": 1})):
+    result = launch(runs[name], overrides=per_call, default_optimization=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+  runs["resumed"] = root / "resumed"
+  shutil.copytree(runs["default"], runs["resumed"])
+  shutil.rmtree(runs["resumed"] / "checkpoints" / str(STEPS))
+  result = launch(runs["resumed"], overrides=overrides, default_optimization=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Resuming from checkpoint step 4" in result.stderr
+  return runs
+
+
+@pytest.mark.slow
+def test_resume_is_exact_at_the_default_optimization_level(default_optimization_runs):
+  runs = default_optimization_runs
+  assert train_losses(runs["resumed"]) == train_losses(runs["default"])
+  assert_same_params(model_params(runs["resumed"], STEPS), model_params(runs["default"], STEPS))
+
+
+@pytest.mark.slow
+def test_one_step_per_call_equals_the_default_grouping_at_the_default_optimization_level(default_optimization_runs):
+  runs = default_optimization_runs
+  assert train_losses(runs["one_per_call"]) == train_losses(runs["default"])
+  assert_same_params(model_params(runs["one_per_call"], STEPS), model_params(runs["default"], STEPS))
+
+
 # --- failures -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -455,20 +519,3 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_older_one(tmp_path, repea
   assert list((workdir / "corrupt_checkpoints").iterdir())
   assert train_losses(workdir) == train_losses(reference)
   assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
-
-
-def test_an_eval_that_fails_saves_the_trained_state_first(tmp_path, monkeypatch):
-  """An eval crash (a bug, a bad plot setting) at the first eval used to lose every step trained."""
-  from configs import template
-  from xattn_jax.training import checkpoints, loop
-
-  config = template.get_config("size=tiny")
-  config.update_from_flattened_dict({**OVERRIDES, "checkpoint.every_steps": 100})
-
-  def failing_evaluate(self, state):
-    raise RuntimeError("eval broke")
-
-  monkeypatch.setattr(loop._Run, "evaluate", failing_evaluate)
-  with pytest.raises(RuntimeError, match="eval broke"):
-    loop.run(config, str(tmp_path / "run"))
-  assert checkpoints.step_numbers(str(tmp_path / "run")) == [4]  # the first eval step

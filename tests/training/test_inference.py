@@ -1,0 +1,55 @@
+"""Inference I/O: input lines in, one answer per line out, errors as file:line."""
+import io
+import sys
+
+import pytest
+
+from xattn_jax.training import inference, task as task_lib
+from xattn_jax.training.errors import DataError, RunError
+
+
+def test_input_lines_end_at_newlines_only_without_a_byte_order_mark(tmp_path):
+  path = tmp_path / "inputs.txt"
+  path.write_bytes("\ufeffabc\n\nhello\r\nxyz\u2028tail\n".encode())
+  assert inference.read_input_lines(str(path)) == (str(path), ["abc", "", "hello", "xyz\u2028tail"])
+
+
+def test_a_last_line_without_a_newline_is_read():
+  sys_stdin = sys.stdin
+  sys.stdin = io.TextIOWrapper(io.BytesIO(b"one\ntwo"))
+  try:
+    assert inference.read_input_lines("-") == ("<stdin>", ["one", "two"])
+  finally:
+    sys.stdin = sys_stdin
+
+
+def test_a_line_that_is_not_utf8_is_reported_as_file_and_line(tmp_path):
+  path = tmp_path / "inputs.txt"
+  path.write_bytes(b"abc\nab\xff\n")
+  with pytest.raises(DataError, match=rf"^{path}:2: not valid UTF-8 at byte 3 of the line$"):
+    inference.read_input_lines(str(path))
+
+
+def test_blank_lines_are_answered_blank_and_never_reach_the_task():
+  seen = []
+
+  def infer(lines):
+    seen.append(lines)
+    return [line.upper() for line in lines]
+
+  assert inference.answer_lines(infer, ["ab", "", "  ", "cd"]) == ["AB", "", "", "CD"]
+  assert seen == [["ab", "cd"]]
+  assert inference.answer_lines(infer, ["", ""]) == ["", ""] and len(seen) == 1  # nothing to ask
+
+
+def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
+  def infer(lines):
+    raise task_lib.InputLineError(1, "template input 'ab1' has a character outside a-z")
+
+  with pytest.raises(DataError, match=r"^inputs.txt:3: template input 'ab1' has"):
+    inference.answer_lines(infer, ["abc", "", "ab1"], "inputs.txt")  # index 1 of the non-blank lines
+
+
+def test_load_model_of_a_directory_that_is_no_run_says_so(tmp_path):
+  with pytest.raises(RunError, match="holds no config.py"):
+    inference.load_model(str(tmp_path))

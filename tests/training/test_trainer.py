@@ -1,0 +1,173 @@
+"""The Trainer: multi-step calls, the train step's update, the resume order, checkpoint round trips."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import template
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import schedule, task as task_lib
+from xattn_jax.training.errors import DataError, RunError
+from xattn_jax.training.trainer import Trainer, multi_step
+
+
+def _sgd_step(state, batch, step, rng_key):
+  """A stand-in train step: one SGD update of a linear least-squares model, key and step mixed in."""
+  def loss_fn(w):
+    return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+
+  loss, grad = jax.value_and_grad(loss_fn)(state["w"])
+  noise = jax.random.normal(jax.random.fold_in(rng_key, step), state["w"].shape)
+  new = {"w": state["w"] - 0.1 * grad + 1e-3 * noise, "count": state["count"] + 1}
+  return new, {"loss": loss, "step": step}
+
+
+@pytest.mark.parametrize("size,count", [(4, 4), (4, 3), (4, 1), (1, 1)])
+def test_multi_step_equals_that_many_single_steps(size, count):
+  rng = np.random.default_rng(0)
+  batches = {"x": jnp.asarray(rng.standard_normal((size, 8, 5)), jnp.float32),
+             "y": jnp.asarray(rng.standard_normal((size, 8, 3)), jnp.float32)}
+  state = {"w": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32), "count": jnp.int32(0)}
+  key, first = jax.random.key(7), jnp.int32(10)
+  multi_state, metrics = jax.jit(multi_step(_sgd_step))(state, batches, first, jnp.int32(count), key)
+
+  single = jax.jit(_sgd_step)
+  expected, losses = state, []
+  for i in range(count):
+    expected, values = single(expected, jax.tree.map(lambda x: x[i], batches), first + i, key)
+    losses.append(values["loss"])
+  assert int(multi_state["count"]) == count
+  np.testing.assert_allclose(multi_state["w"], expected["w"], rtol=1e-6, atol=1e-6)
+  assert metrics["loss"].shape == metrics["step"].shape == (size,)
+  np.testing.assert_allclose(metrics["loss"][:count], losses, rtol=1e-6)
+  np.testing.assert_array_equal(metrics["step"][:count], 10 + np.arange(count))
+  assert not np.any(metrics["loss"][count:])  # entries past count are zeros
+
+
+def test_multi_step_takes_a_different_count_without_retracing():
+  traced = []
+
+  def step(state, batch, step, rng_key):
+    traced.append(1)
+    return _sgd_step(state, batch, step, rng_key)
+
+  steps = jax.jit(multi_step(step))
+  batches = {"x": jnp.ones((3, 2, 5)), "y": jnp.ones((3, 2, 3))}
+  state = {"w": jnp.zeros((5, 3)), "count": jnp.int32(0)}
+  for count in (3, 1, 2):
+    state, _ = steps(state, batches, jnp.int32(0), jnp.int32(count), jax.random.key(0))
+  assert int(state["count"]) == 6
+  traces = len(traced)
+  steps(state, batches, jnp.int32(0), jnp.int32(3), jax.random.key(0))
+  assert len(traced) == traces
+
+
+def _float_leaves(model_dict):
+  return [np.asarray(x) for x in jax.tree.leaves(model_dict) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def test_a_train_call_updates_every_parameter_and_reports_its_steps(tmp_path):
+  """A train step that skipped the optimizer update would leave the parameters as they were."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"batch_size": 8, "steps_per_call": 2, "total_steps": 4,
+                                     "eval_every_steps": 4, "checkpoint.every_steps": 4})
+  trainer = Trainer(config, str(tmp_path))
+  state = trainer.init_state()
+  before = _float_leaves(trainer.split_pure(state)[0])
+  batches, count = schedule.CallFeed(trainer.read_train_batch, config).next_call(0)
+  state, metrics = trainer.make_train_step()(state, trainer.batch(batches, config.batch_size, stacked=True),
+                                             jnp.int32(0), jnp.int32(count), jax.random.key(0))
+  after = _float_leaves(trainer.split_pure(state)[0])
+  assert count == 2 and all(not np.array_equal(a, b) for a, b in zip(before, after))
+  assert metrics["train/loss"].shape == (2,) and np.all(np.isfinite(metrics["train/loss"]))
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+  """A toy run's state saved at step 3 with recognisable parameters (all ones)."""
+  workdir = str(tmp_path_factory.mktemp("saved"))
+  config = template.get_config("size=tiny")
+  trainer = Trainer(config, workdir)
+  state = trainer.init_state()
+  model_dict, optimizer_dict = trainer.split_pure(state)
+  model_dict = jax.tree.map(jnp.ones_like, model_dict)
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=2)
+  checkpoints.save(3, model_dict, optimizer_dict, {"step": 3, "rng": [0, 7]})
+  checkpoints.close()
+  return config, trainer, workdir
+
+
+def _restore(config, workdir):
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=2)
+  try:
+    return Trainer(config, workdir).restore(checkpoints)
+  finally:
+    checkpoints.close()
+
+
+def _all_ones(state):
+  """All model leaves are ones, except PRNG keys (the dropout streams), which have no numeric value."""
+  leaves = [x for x in jax.tree.leaves(state[0]) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  return bool(leaves) and all(np.all(np.asarray(x) == 1) for x in leaves)
+
+
+def test_init_from_loads_parameters_at_step_zero(saved_run, tmp_path):
+  config, _, saved_workdir = saved_run
+  config = config.copy_and_resolve_references()
+  config.init_from = f"{saved_workdir}/checkpoints"
+  state, step, _ = _restore(config, str(tmp_path))
+  assert step == 0 and _all_ones(state)
+
+
+def test_checkpoint_in_the_workdir_wins_over_init_from(saved_run, tmp_path):
+  config, _, saved_workdir = saved_run
+  config = config.copy_and_resolve_references()
+  config.init_from = str(tmp_path / "elsewhere")  # never read: the workdir has a checkpoint
+  state, step, key = _restore(config, saved_workdir)
+  assert step == 3 and _all_ones(state)
+  assert list(np.asarray(jax.random.key_data(key))) == [0, 7]  # the run's RNG comes back too
+
+
+def test_without_checkpoints_training_starts_from_the_seed(saved_run, tmp_path):
+  config, _, _ = saved_run
+  state, step, _ = _restore(config, str(tmp_path))
+  assert step == 0 and not _all_ones(state)
+
+
+def test_a_saved_state_and_key_restore_as_they_were(saved_run, tmp_path):
+  config, trainer, _ = saved_run
+  state, key = trainer.init_state(), jax.random.key(11)
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=2)
+  try:
+    trainer.save(checkpoints, 5, state, key, {"eval/loss": 1.5})
+    restored, step, restored_key = trainer.restore(checkpoints)
+  finally:
+    checkpoints.close()
+  assert step == 5
+  assert jax.random.key_data(restored_key).tolist() == jax.random.key_data(key).tolist()
+  for a, b in zip(_float_leaves(trainer.split_pure(state)), _float_leaves(trainer.split_pure(restored))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_latest_state_without_a_checkpoint_is_a_run_error_naming_the_purpose(saved_run, tmp_path):
+  _, trainer, _ = saved_run
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=2)
+  try:
+    with pytest.raises(RunError, match="no checkpoint in .* to eval with"):
+      trainer.latest_state(checkpoints, "eval")
+  finally:
+    checkpoints.close()
+
+
+class UnreadableDataTask(task_lib.Task):
+  """A task whose data files cannot be read."""
+
+  def __init__(self, config, workdir=None, mode="train"):
+    raise ValueError("corpus.txt holds 3 lines,\n fewer than the vocabulary")
+
+
+def test_a_task_that_cannot_build_its_data_is_a_one_line_data_error(tmp_path):
+  config = template.get_config("size=tiny")
+  config.task.name = f"{__name__}:UnreadableDataTask"
+  with pytest.raises(DataError, match=r"cannot build its data: corpus.txt holds 3 lines, fewer than the vocabulary$"):
+    Trainer(config, str(tmp_path))

@@ -1,0 +1,80 @@
+"""The config record of a workdir: written, read back, compared with a new config."""
+import json
+
+import pytest
+
+from configs import template
+from xattn_jax.training import validation, workdir
+
+
+def _config(**overrides):
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def _with_checkpoint(path):
+  (path / "checkpoints" / "4").mkdir(parents=True)
+
+
+def test_the_written_config_py_loads_back_as_the_same_config(tmp_path):
+  config = _config(total_steps=7, **{"model.d_model": 48})
+  workdir.write_config(config, str(tmp_path))
+  loaded = validation.load_config_file(str(tmp_path / "config.py"))
+  assert json.loads(loaded.to_json()) == json.loads(config.to_json_best_effort())
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["d_model"] == 48
+  assert "d_model: 48" in (tmp_path / "config.txt").read_text()
+
+
+def test_a_config_equal_to_the_record_has_no_differences(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  assert workdir.config_differences(_config(), str(tmp_path)) == {}
+
+
+def test_differences_name_each_changed_field_with_old_and_new_values_in_field_order(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  differences = workdir.config_differences(_config(total_steps=9, **{"model.d_model": 48}), str(tmp_path))
+  assert list(differences) == ["model.d_model", "total_steps"]
+  assert differences["model.d_model"] == (32, 48)
+
+
+def test_a_workdir_without_a_record_has_no_differences(tmp_path):
+  assert workdir.config_differences(_config(), str(tmp_path)) == {}
+
+
+def test_changing_the_model_of_a_run_is_refused_naming_the_first_differing_field(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  changed = _config(**{"model.num_heads": 4, "model.mlp_dim": 128})
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.mlp_dim=128: the run in .* was made with 64"):
+    workdir.check_same_model(changed, str(tmp_path))
+
+
+def test_training_may_change_the_loop_but_not_the_task(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  workdir.check_same_model(_config(total_steps=5000, batch_size=4), str(tmp_path))
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.max_length"):
+    workdir.check_same_model(_config(**{"task.max_length": 10}), str(tmp_path))
+
+
+def test_eval_may_change_the_task_but_not_the_model(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  workdir.check_same_model(_config(**{"task.num_eval_examples": 8}), str(tmp_path), mode="eval")
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.d_model"):
+    workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path), mode="infer")
+
+
+def test_a_workdir_without_checkpoints_protects_nothing(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path))
+
+
+def test_an_eval_result_row_records_the_fields_the_eval_changed(tmp_path):
+  workdir.write_config(_config(), str(tmp_path))
+  workdir.append_eval_result(_config(), str(tmp_path), 8, {"eval/loss": 1.5})
+  workdir.append_eval_result(_config(eval_batch_size=4), str(tmp_path), 8, {"eval/loss": 1.25})
+  rows = [json.loads(line) for line in (tmp_path / "eval_results.jsonl").read_text().splitlines()]
+  assert rows == [{"step": 8, "eval/loss": 1.5, "changed": {}},
+                  {"step": 8, "eval/loss": 1.25, "changed": {"eval_batch_size": 4}}]

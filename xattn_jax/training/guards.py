@@ -1,0 +1,110 @@
+"""What stops training early: a non-finite loss (an error), and SIGTERM / Ctrl-C (a clean stop).
+
+A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
+that step is saved. SIGTERM (or a first Ctrl-C) sets a flag; the loop lets the calls already
+dispatched finish (JAX's dispatch runs a few calls ahead), saves a checkpoint and returns normally.
+With several processes every call also dispatches a vote (the OR of each process's flag, one boolean
+per device), read after the next call has been dispatched: a signal that reaches one host stops
+every host at the same step, one call later, where they save the checkpoint together, and the vote
+never makes a host wait for the call it has just dispatched.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
+
+GUARDED_METRICS = ("train/loss", "train/grad_norm")
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss or the gradient norm became NaN or infinite."""
+
+
+def check_finite(step: int, values: dict, saved_steps: Callable[[], Sequence[int]]) -> None:
+  """Raises TrainingDiverged when train/loss or train/grad_norm of `step` is NaN or infinite; the
+  message names the metric, the step and the newest checkpoint (`saved_steps()`, asked only then),
+  which is left untouched."""
+  for name in GUARDED_METRICS:
+    if not np.isfinite(values[name]):
+      saved = saved_steps()
+      last = f"step {max(saved)}" if saved else "none"
+      raise TrainingDiverged(f"{name} = {float(values[name])} at step {step}; stopping. "
+                             f"Last checkpoint: {last} (left untouched)")
+
+
+class StopFlag:
+  """`requested` turns True on SIGTERM or a first Ctrl-C (while `stop_flag()` is active)."""
+
+  def __init__(self):
+    self.requested = False
+
+  def handle(self, signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      if self.requested:  # a second Ctrl-C interrupts at once, as usual
+        raise KeyboardInterrupt
+      name = "Ctrl-C (press it again to stop without saving)"
+    logging.warning("%s received: saving a checkpoint at the end of the current call (or of one "
+                    "already queued).", name)
+    self.requested = True
+
+
+@contextlib.contextmanager
+def stop_flag() -> Iterator[StopFlag]:
+  """Yields a StopFlag handling SIGTERM and SIGINT; the old handlers are restored afterwards. Off the
+  main thread (where Python allows no signal handlers) the flag never turns True."""
+  flag = StopFlag()
+  previous = {}
+  try:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      previous[signum] = signal.signal(signum, flag.handle)
+  except ValueError:  # not the main thread: no signal handling
+    previous.clear()
+  try:
+    yield flag
+  finally:
+    for signum, old in previous.items():
+      signal.signal(signum, old)
+
+
+def stop_vote(mesh) -> Callable[[bool], jax.Array]:
+  """flag -> a replicated bool jax.Array, True if `flag` is True on any process (a collective: every
+  process calls it at the same step). Dispatched like a train step; reading it waits for it."""
+  devices = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+  any_true = jax.jit(jnp.any, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+  def vote(flag: bool) -> jax.Array:
+    local = np.full(len(mesh.local_devices), flag, np.bool_)
+    return any_true(jax.make_array_from_process_local_data(devices, local, (mesh.devices.size,)))
+
+  return vote
+
+
+class StopRequests:
+  """Whether to stop after the call just dispatched, the same answer on every process.
+
+  Without a vote (one process) that is the flag itself. With `vote` (`stop_vote(mesh)`), it is the
+  vote dispatched after the previous call (so every process stops after the same call, one call
+  after the signal), and this call's vote is dispatched for the next answer.
+  """
+
+  def __init__(self, flag: StopFlag, vote: Callable[[bool], jax.Array] | None = None):
+    self.flag, self.vote = flag, vote
+    self._last_vote = None
+
+  def after_call(self, step: int) -> bool:
+    """True when every process stops after the call that ends at `step`."""
+    if self.vote is None:
+      return self.flag.requested
+    stop = self._last_vote is not None and bool(self._last_vote)
+    self._last_vote = self.vote(self.flag.requested)
+    if stop and not self.flag.requested:
+      logging.warning("Another process received SIGTERM: saving a checkpoint after step %d.", step)
+    return stop

@@ -1,0 +1,92 @@
+"""Inference on a trained run: input lines in, one answer line per input line out; and
+`load_model`, the newest checkpoint of a run as (model, task) for notebooks and scripts.
+
+Input is UTF-8 (a file, or "-" for stdin); lines end at \\n or \\r\\n only. A blank input line is
+answered with a blank line by the engine (the task never sees it), so output line i always answers
+input line i. A line the task cannot take (`task.InputLineError`) or that is not UTF-8 is reported as
+`file:line: why` (a `DataError`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import task as task_lib, validation
+from xattn_jax.training.errors import DataError, RunError
+from xattn_jax.training.trainer import Trainer
+
+
+def read_input_lines(input_file: str) -> tuple[str, list[str]]:
+  """(name for messages, lines) of an inference input: a UTF-8 file, or "-" for stdin."""
+  name = "<stdin>" if input_file == "-" else input_file
+  if input_file == "-":
+    raw = sys.stdin.buffer.read()
+  else:
+    with open(input_file, "rb") as f:
+      raw = f.read()
+  # Lines end at \n (\r\n too), not at U+2028, \x0c, \x85 ... as str.splitlines would have it.
+  raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not part of line 1
+  raw_lines = raw.split(b"\n")
+  if raw_lines[-1] == b"":
+    raw_lines.pop()
+  lines = []
+  for number, line in enumerate(raw_lines, 1):
+    try:
+      lines.append(line.removesuffix(b"\r").decode("utf-8"))
+    except UnicodeDecodeError as error:
+      raise DataError(f"{name}:{number}: not valid UTF-8 at byte {error.start + 1} of the line") from None
+  return name, lines
+
+
+def answer_lines(infer, lines: list[str], name: str = "<input>") -> list[str]:
+  """One answer per line of `lines`, in order: `infer(non-blank lines) -> answers` (a task's infer
+  with its model bound) answers the non-blank ones, a blank (or whitespace-only) line gets "".
+  An InputLineError from `infer` becomes a DataError "`name`:<line number>: why"."""
+  numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
+  try:
+    answers = infer([lines[number - 1] for number in numbers]) if numbers else []
+  except task_lib.InputLineError as error:
+    raise DataError(f"{name}:{numbers[error.index]}: {error.message}") from None
+  by_number = dict(zip(numbers, answers))
+  return [by_number.get(number, "") for number in range(1, len(lines) + 1)]
+
+
+def infer(trainer: Trainer, state, input_file: str, output=None) -> list[str]:
+  """Answers every line of `input_file` with the task's inference on `state`'s model; process 0
+  writes the answers to `output` (default stdout), one line each. Returns the answers."""
+  name, lines = read_input_lines(input_file)
+  model = trainer.model(state)
+  outputs = answer_lines(lambda batch: trainer.task.infer(model, batch), lines, name)
+  if jax.process_index() == 0:
+    stream = output or sys.stdout
+    for line in outputs:
+      stream.write(line + "\n")
+    stream.flush()
+  return outputs
+
+
+def load_model(workdir: str):
+  """(model, task) of the newest checkpoint of a run, for notebooks and scripts:
+
+      model, task = loop.load_model("workdirs/dates")
+      task.infer(model, ["Sunday, November 29, 2026"])   # the task's own inference
+
+  The run's resolved config (`<workdir>/config.py`) rebuilds the task in "infer" mode (it reads the
+  workdir's tokenizer, not the training data); the model is `task.config`'s, restored in place.
+  """
+  path = os.path.join(workdir, "config.py")
+  if not os.path.isfile(path):
+    raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")
+  config = validation.load_config_file(path)
+  validation.validate_config(config, mode="infer", device_count=jax.device_count(),
+                             process_count=jax.process_count())
+  trainer = Trainer(config, workdir, "infer")
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+  try:
+    state, _ = trainer.latest_state(checkpoints, "load")
+  finally:
+    checkpoints.close()
+  return trainer.model(state), trainer.task

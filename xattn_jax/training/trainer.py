@@ -1,0 +1,218 @@
+"""`Trainer`: the pieces one config assembles, in order: task, mesh, abstract state, shardings, the
+jitted train and eval steps; and where the state comes from (the resume order) and goes (checkpoints).
+
+The state is the pair (model state, optimizer state) of nnx.States, sharded by the config's rules.
+Where a train run starts (the resume order, `Trainer.restore`):
+  1. the newest readable checkpoint in `<workdir>/checkpoints` (step, parameters, optimizer state,
+     RNG key; the data position is the step itself, so the losses continue exactly);
+  2. otherwise `config.init_from` (parameters only; step 0, a fresh optimizer);
+  3. otherwise from scratch (parameters from `config.seed`).
+Checkpoint s holds the state after update s (1-based), which read train batch s - 1.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import optim, rng, sharding, task as task_lib, validation
+from xattn_jax.training.errors import DataError, RunError
+
+
+def multi_step(train_step):
+  """train_step(state, batch, step, rng_key) -> (state, metrics), turned into one program that runs
+  several steps: (state, batches, first_step, count, rng_key) -> (state, metrics).
+
+  `batches` stacks K batches on a leading axis; steps first_step ... first_step + count - 1 read
+  batches[0 ... count - 1] (count <= K may vary from call to call without recompiling: the loop's
+  trip count is a traced value). Each metric comes back as a [K] array; entries from count on are
+  zeros. With K == 1 this is the plain step, no loop.
+
+  Why: XLA:CPU allocates a call's temporaries afresh at every call (~0.9 GB for the benchmark's
+  d_model-512, 3+3-layer translator, which the kernel then page-faults back in), and a loop inside
+  one call reuses them. Same updates, same order, same keys: only the grouping into calls changes.
+  """
+
+  def steps(state, batches, first_step, count, rng_key):
+    size = jax.tree.leaves(batches)[0].shape[0]
+    if size == 1:
+      state, metrics = train_step(state, jax.tree.map(lambda x: x[0], batches), first_step, rng_key)
+      return state, jax.tree.map(lambda x: x[None], metrics)
+    first = jax.tree.map(lambda x: x[0], batches)
+    shapes = jax.eval_shape(train_step, state, first, first_step, rng_key)[1]
+    zeros = jax.tree.map(lambda s: jnp.zeros((size,) + s.shape, s.dtype), shapes)
+
+    def body(i, carry):
+      state, metrics = carry
+      batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
+      state, values = train_step(state, batch, first_step + i, rng_key)
+      return state, jax.tree.map(lambda m, v: m.at[i].set(v), metrics, values)
+
+    return jax.lax.fori_loop(0, count, body, (state, zeros))
+
+  return steps
+
+
+class Trainer:
+  """The task, mesh, state layout and jitted steps of one config (train, eval and infer all build one).
+
+  Reaches the task only through the registry (`task.get_task_class(config.task.name)`).
+  """
+
+  def __init__(self, config, workdir: str, mode: str = "train"):
+    self.config = config
+    self.workdir = workdir
+    task_class = task_lib.get_task_class(config.task.name)
+    try:
+      self.task = task_class(config, workdir, mode)
+    except validation.ConfigError:
+      raise
+    except ValueError as error:
+      # The user's files are read (and a tokenizer trained) only here, after validation: what is
+      # wrong with them is theirs to fix, so it is reported in one line like a config error.
+      raise DataError(f"task {config.task.name!r} cannot build its data: {' '.join(str(error).split())}") \
+          from None
+    self.mesh = sharding.make_mesh(config.mesh)
+    self.rules = config.sharding_rules
+    self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    self.learning_rate = optim.make_schedule(config.optimizer, config.total_steps)
+    tx = optim.make_optimizer(config.optimizer, config.total_steps)
+    dtype = jnp.dtype(config.precision.compute_dtype)
+    param_dtype = jnp.dtype(config.precision.param_dtype)
+
+    def init():
+      with nnx.use_eager_sharding(False):  # placement comes from our rules, below
+        model = self.task.make_model(rng.model_rngs(config.seed), dtype=dtype, param_dtype=param_dtype)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(init))
+    self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
+    self.init_state = jax.jit(lambda: nnx.state(init()), out_shardings=self.shardings)
+    self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    self.task.rows_sharding = self.batch_sharding
+    self.stacked_batch_sharding = sharding.batch_sharding(self.mesh, self.rules, stacked=True)
+    self._eval_step = None
+    self._check_process_rows()
+
+  def _check_process_rows(self):
+    for size in (self.config.batch_size, self.config.eval_batch_size):
+      local = size // self.process_count
+      expected = (self.process_index * local, (self.process_index + 1) * local)
+      if sharding.process_rows(self.batch_sharding, size) != expected:
+        raise RunError(f"the mesh gives process {self.process_index} batch rows "
+                       f"{sharding.process_rows(self.batch_sharding, size)}, not {expected}")
+
+  def batch(self, local_batch, global_size, stacked=False):
+    """This process's rows as one global batch on the mesh (stacked: [K, global_size, ...])."""
+    return sharding.global_batch(local_batch, self.mesh, self.rules, global_size, stacked=stacked)
+
+  def read_train_batch(self, index: int) -> dict:
+    """This process's rows of train batch `index` (0-based)."""
+    return self.task.train_batch(index, process_index=self.process_index, process_count=self.process_count)
+
+  def model(self, state):
+    return nnx.merge(self.graphdef, state)[0]
+
+  # Checkpoint items are plain nested dicts of arrays: independent of nnx Variable classes.
+  def split_pure(self, state):
+    """(model dict, optimizer dict) of `state`, the items a checkpoint stores."""
+    return nnx.to_pure_dict(state[0]), nnx.to_pure_dict(state[1])
+
+  def abstract_pure(self):
+    abstract = checkpoints_lib.abstract_with_shardings(self.abstract_state, self.shardings)
+    return self.split_pure(abstract)
+
+  def from_pure(self, model_dict, optimizer_dict, state=None):
+    """A state holding `model_dict` (and `optimizer_dict` unless None), filled into `state` or into
+    a copy of the abstract state."""
+    state = state if state is not None else jax.tree.map(lambda x: x, self.abstract_state)
+    nnx.replace_by_pure_dict(state[0], model_dict)
+    if optimizer_dict is not None:
+      nnx.replace_by_pure_dict(state[1], optimizer_dict)
+    return state
+
+  def make_train_step(self):
+    """The jitted `(state, batches, first_step, count, rng_key) -> (state, metrics)`.
+
+    `batches` holds K batches stacked on a leading axis (K = `schedule.stack_depth(config)`, at
+    most config.steps_per_call); the call runs the first `count` of them (1 <= count <= K) as
+    consecutive updates first_step, first_step + 1, ... inside one program, and returns each
+    metric as a [K] array whose first `count` entries are those steps' values. The state is donated.
+    """
+    task, graphdef, learning_rate = self.task, self.graphdef, self.learning_rate
+    nan_at_step = self.config.debug.nan_at_step
+
+    def train_step(state, batch, step, rng_key):
+      # copy=True: a model holding nnx.Rngs must not mutate the Variables of the traced input.
+      model, optimizer = nnx.merge(graphdef, state, copy=True)
+      rng.reseed_for_step(model, rng_key, step)
+
+      def loss_fn(model):
+        loss, aux = task.loss(model, batch, rngs=rng.task_rngs(rng_key, step))
+        if nan_at_step >= 0:  # test-only fault injection (static: costs nothing when off)
+          loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
+        return loss, aux
+
+      (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+      optimizer.update(model, grads)
+      metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
+                 "train/learning_rate": learning_rate(step)}
+      metrics.update({f"train/{k}": v for k, v in aux.items()})
+      return nnx.state((model, optimizer)), metrics
+
+    return jax.jit(multi_step(train_step), donate_argnums=0,
+                   in_shardings=(self.shardings, self.stacked_batch_sharding, None, None, None),
+                   out_shardings=(self.shardings, None))
+
+  def evaluate(self, state) -> dict[str, float]:
+    """{"eval/<name>": value}: the task's eval metrics summed over every eval batch (sum / weight),
+    and its host-side extra_eval."""
+    if self._eval_step is None:
+      task, graphdef = self.task, self.graphdef
+      self._eval_step = jax.jit(
+          lambda s, b: task.eval_metrics(nnx.merge(graphdef, s, copy=True)[0], b),
+          in_shardings=(self.shardings, self.batch_sharding))
+    totals = None
+    for local in self.task.eval_batches(process_index=self.process_index,
+                                        process_count=self.process_count):
+      sums = self._eval_step(state, self.batch(local, self.config.eval_batch_size))
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    totals = jax.device_get(totals) or {}
+    values = {f"eval/{k}": float(s) / max(float(w), 1e-12) for k, (s, w) in totals.items()}
+    values.update({f"eval/{k}": float(v) for k, v in self.task.extra_eval(self.model(state)).items()})
+    return values
+
+  def restore(self, checkpoints: checkpoints_lib.Checkpoints):
+    """(state, step, rng_key) where training starts: the workdir's newest readable checkpoint, else
+    config.init_from's parameters at step 0, else the seed's."""
+    restored = checkpoints.restore_latest(*self.abstract_pure())
+    if restored is not None:
+      model_dict, optimizer_dict, meta = restored
+      key = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+      logging.info("Resuming from checkpoint step %d in %s", meta["step"], checkpoints.directory)
+      return self.from_pure(model_dict, optimizer_dict), meta["step"], key
+    state = self.init_state()
+    if self.config.init_from:
+      model_dict = checkpoints_lib.restore_model_from(self.config.init_from, self.abstract_pure()[0])
+      state = self.from_pure(model_dict, None, state)
+      logging.info("Initialised parameters from %s", self.config.init_from)
+    return state, 0, jax.random.key(self.config.seed)
+
+  def latest_state(self, checkpoints: checkpoints_lib.Checkpoints, purpose: str):
+    """(state, step) of the newest readable checkpoint; RunError naming `purpose` when there is none."""
+    restored = checkpoints.restore_latest(*self.abstract_pure())
+    if restored is None:
+      raise RunError(f"no checkpoint in {checkpoints.directory} to {purpose} with")
+    return self.from_pure(restored[0], restored[1]), restored[2]["step"]
+
+  def save(self, checkpoints: checkpoints_lib.Checkpoints, step: int, state, rng_key, metrics=None):
+    """Checkpoint `step`: the state, the run's RNG key data and the eval metrics at that step (if
+    any; the best-checkpoint policy reads them). A step already saved is left as it is."""
+    model_dict, optimizer_dict = self.split_pure(state)
+    rng_data = [int(x) for x in np.asarray(jax.random.key_data(rng_key)).ravel()]
+    checkpoints.save(step, model_dict, optimizer_dict,
+                     {"step": step, "rng": rng_data, "metrics": metrics or {}}, metrics)

@@ -1,0 +1,85 @@
+"""The config record of a run's workdir: config.json / config.txt / config.py, what a new config
+changes from it, and the results of later evals (eval_results.jsonl).
+
+`config.py` loads back as a config file (`--config=<workdir>/config.py`), so a run can be resumed,
+evaluated or loaded (`inference.load_model`) with exactly the config it was made with.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import validation
+
+
+def write_config(config, workdir: str) -> None:
+  """Writes the resolved `config` as `<workdir>/config.json`, `config.txt` and `config.py`."""
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+  with open(os.path.join(workdir, "config.txt"), "w") as f:
+    f.write(str(config))
+  with open(os.path.join(workdir, "config.py"), "w") as f:
+    f.write('"""The resolved config of this run; pass it back as --config=<this file>."""\n'
+            "import json\n\nfrom ml_collections import ConfigDict\n\n"
+            f"CONFIG = {config.to_json_best_effort(sort_keys=True)!r}\n\n\n"
+            "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """{"a.b.c": value} of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def config_differences(config, workdir: str) -> dict[str, tuple]:
+  """{dotted field: (value in the run's config.json, value in `config`)} for every field where they
+  differ, sorted by field (None for a field one side lacks); {} when the workdir holds no config.json."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    old = _flat(json.load(f))
+  new = _flat(json.loads(config.to_json_best_effort()))
+  return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+
+
+def check_same_model(config, workdir: str, mode: str = "train") -> None:
+  """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
+  model, task and data sections (resuming on other data or another tokenizer is another experiment);
+  eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
+  task.beam_size, and evaluate other files)."""
+  if not checkpoints_lib.step_numbers(workdir):
+    return  # no checkpoint yet (a run that failed before its first save): nothing to protect
+
+  def watched(field):
+    if mode == "train":
+      return True
+    return field.startswith("model.") or field in ("data.tokenizer", "data.vocab_size")
+
+  differences = config_differences(config, workdir)
+  # The first difference reported: another task or model by name (a whole other kind of run: its
+  # other fields differ too, and the alphabetically first of them would hide why), then by section.
+  reported = [field for field in ("task.name", "model.name") if field in differences] + [
+      field for section in ("model", "task", "data") for field in differences
+      if field.startswith(section + ".") and watched(field)]
+  if reported:
+    old, new = differences[reported[0]]
+    raise validation.ConfigError(reported[0], new, f"the run in {workdir} was made with {old!r}; keep it, or use "
+                                 "a new --workdir")
+
+
+def append_eval_result(config, workdir: str, step: int, values: dict[str, float]) -> dict:
+  """Appends `{"step", **values, "changed"}` to `<workdir>/eval_results.jsonl` and returns the row;
+  `changed` holds the fields this eval's config changed from the run's (another data.grid,
+  task.beam_size ...), so a row evaluated with other settings says so."""
+  changed = {field: new for field, (_, new) in config_differences(config, workdir).items()}
+  row = {"step": step, **values, "changed": changed}
+  with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:
+    f.write(json.dumps(row) + "\n")
+  return row
