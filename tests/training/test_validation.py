@@ -8,6 +8,7 @@ from flax import nnx
 from tests.helpers import load_config, abstract_model
 from configs import algorithmic, common, perceiver_digits, template, translate_dates
 from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.training import workdir as workdir_lib
 from xattn_jax.tasks.template import TemplateTask
 
 
@@ -129,7 +130,7 @@ def test_float16_parameters_are_a_config_error_that_names_the_alternatives():
 def test_a_workdir_of_another_kind_of_run_is_refused_naming_the_task(tmp_path):
   """Every field of another task's config differs; the first in alphabetical order
   (model.activation) hid the reason."""
-  loop._write_config(translate_dates.get_config(), str(tmp_path))
+  workdir_lib.write_config(translate_dates.get_config(), str(tmp_path))
   (tmp_path / "checkpoints" / "100").mkdir(parents=True)
   with pytest.raises(validation.ConfigError,
                      match=r"^config\.task\.name='digits': the run in .* was made with 'translate'"):

@@ -34,9 +34,6 @@ from xattn_jax.training.schedule import steps_per_call  # noqa: F401 - re-export
 from xattn_jax.training.trainer import Trainer, multi_step  # noqa: F401 - re-exported
 from xattn_jax.training.workdir import check_same_model  # noqa: F401 - re-exported
 
-# The old private name of workdir.write_config (tests/training/test_validation.py still calls it).
-_write_config = workdir_lib.write_config
-
 
 def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dict[str, float]:
   """Trains from where `trainer.restore` starts to config.total_steps; returns the last eval metrics.
