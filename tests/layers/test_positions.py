@@ -27,10 +27,10 @@ def _add(encoding, x, positions=None, grid=None):
   return encoding.add_to_inputs(x, positions, grid=grid)
 
 
-def test_unknown_position_encoding_name_raises_listing_allowed_names():
-  with pytest.raises(ValueError, match="allowed: none, learned, sinusoidal, rope, learned_2d") as error:
+def test_unknown_position_encoding_name_raises_listing_exactly_the_registered_names():
+  with pytest.raises(ValueError) as error:
     _make("alibi_typo")
-  assert all(name in str(error.value) for name in position_layers.POSITION_ENCODINGS)
+  assert str(error.value).endswith("allowed: " + ", ".join(position_layers.POSITION_ENCODINGS))
 
 
 @pytest.mark.parametrize("name, missing", [("learned", "max_length"), ("learned_2d", "grid"),
