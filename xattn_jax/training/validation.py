@@ -110,10 +110,6 @@ def _check_randomized_positions(model_config, prefix: str, encoding: position_la
   value = model_config.randomized_positions_max
   if isinstance(value, bool) or not isinstance(value, int) or value < 0:
     raise ConfigError(field, value, "must be an integer >= 0 (0 = off; else positions are drawn from [0, value))")
-  if "randomized_positions_at_eval" in model_config and not isinstance(model_config.randomized_positions_at_eval,
-                                                                       bool):
-    raise ConfigError(f"{prefix}.randomized_positions_at_eval", model_config.randomized_positions_at_eval,
-                      "must be a bool (False: evaluation uses 0..n-1; True: positions drawn as in training)")
   if value and (encoding is None or not encoding.randomizable):
     raise ConfigError(field, value, f"randomizes sequence positions: needs position_encoding in "
                       f"{list(position_layers.names(randomizable=True))}, this model has "
