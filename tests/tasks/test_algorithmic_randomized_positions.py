@@ -29,7 +29,8 @@ def test_training_loss_draws_positions_from_the_steps_rngs_and_eval_uses_0_to_n_
   loss = nnx.jit(lambda m, b, step: randomized.loss(m, b, rngs=loop.task_rngs(jax.random.key(0), step))[0])
   same, again, other = (float(loss(model, batch, step)) for step in (0, 0, 1))
   assert same == again and same != other  # a pure function of the step's rngs, and they matter
-  eval_batch = {k: jnp.asarray(v) for k, v in next(iter(randomized.eval_batches(process_index=0, process_count=1))).items()}
+  first_eval_batch = next(iter(randomized.eval_batches(process_index=0, process_count=1)))
+  eval_batch = {k: jnp.asarray(v) for k, v in first_eval_batch.items()}
   metrics = nnx.jit(randomized.eval_metrics)(model, eval_batch)
   # Sinusoidal positions have no parameters: the plain model has the same ones, and positions 0..n-1.
   plain_model = plain.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)

@@ -12,14 +12,15 @@ self-attention over the target so far, cross-attention from the target to the en
 
 The decode cache holds, per decoder layer, the self-attention keys/values (filled as tokens arrive)
 and the cross-attention keys/values projected from the memory once per source sentence, plus the
-memory's padding mask, the target positions of every cache row and the next row to fill.
+memory's padding mask, the target positions of every cache row and the next row to fill. Every
+array leaf with a batch axis has it first, so beam search can reorder rows directly
+(`decoding.beam_search(cache_batch_axis=0)`).
 
 Positions: explicit ones (packed rows) are used as given; otherwise each side's position module
 chooses them (`layers.positions.RandomizedPositions`): 0..t-1, or with randomized positions a
-sorted random subset of [0, max_position) drawn from the `position_rng` a training pass passes in. Every array leaf with a batch axis has it
-first, so beam search can reorder rows directly (`decoding.beam_search(cache_batch_axis=0)`).
+sorted random subset of [0, max_position) drawn from the `position_rng` a training pass passes in.
 
-The blocks are stacked (`training.layer_stack`): the training pass runs them with `nnx.scan` when
+The blocks are stacked (`layers.layer_stack`): the training pass runs them with `nnx.scan` when
 `scan_layers` is set, else as a Python loop over the same stacked parameters, so checkpoints do not
 depend on the switch. Decoding always loops over the layers, so each layer's cache is updated in
 place inside the decode loop instead of being restacked every step.
