@@ -1,9 +1,9 @@
 """Position-encoding modules, chosen by name from config.
 
 Every module has the same interface:
-  sequence_positions(batch, length, *, rng=None, start=0) -> (positions [b, t] int32, highest)
-      the positions a sequence of `length` tokens gets when none are passed: start + 0..t-1, or
-      randomized ones (see RandomizedPositions); `highest` is the largest they can hold, static.
+  sequence_positions(batch, length, *, rng=None) -> (positions [b, t] int32, highest)
+      the positions a sequence of `length` tokens gets when none are passed: 0..t-1, or randomized
+      ones (see RandomizedPositions); `highest` is the largest they can hold.
   add_to_inputs(x, positions=None, *, grid=None) -> x   additive encodings add themselves to the
       embeddings x [b, t, features]; rotary ones and "none" return x unchanged.
   rotary                                                 a RotarySpec for MultiHeadAttention to rotate
@@ -75,15 +75,13 @@ class RandomizedPositions:
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"RandomizedPositions: {field} must be an int >= 0, got {field}={value!r}")
 
-  def positions(self, batch: int, length: int, *, rng=None, start=0):
-    """(positions [batch, length] int32, the largest they can hold): sampled when on and an rng is given
-    (or at_eval), else start + 0..length-1. `start` may be traced (a decode step's offset)."""
+  def positions(self, batch: int, length: int, *, rng=None):
+    """(positions [batch, length] int32, the largest they can hold): drawn when on and an rng is given
+    (or at_eval), else 0..length-1."""
     if self.max_position and (rng is not None or self.at_eval):
       key = jax.random.key(self.eval_seed) if rng is None else rng
       return positions_ops.randomized_positions(key, batch, length, self.max_position), self.max_position - 1
-    sequential = start + jnp.arange(length, dtype=jnp.int32)
-    highest = start + length - 1 if isinstance(start, int) else None
-    return jnp.broadcast_to(sequential, (batch, length)), highest
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), length - 1
 
 
 class NoPositions(nnx.Module):
@@ -91,12 +89,11 @@ class NoPositions(nnx.Module):
   rotary = None
   randomized = RandomizedPositions()  # set per module by make_position_encoding
 
-  def sequence_positions(self, batch: int, length: int, *, rng=None, start=0):
-    """(positions [batch, length] int32, highest position or None if traced): what a sequence of length
-    tokens gets without explicit positions; raises if a table cannot hold the highest."""
-    positions, highest = self.randomized.positions(batch, length, rng=rng, start=start)
-    if highest is not None:
-      self.check_fits(highest)
+  def sequence_positions(self, batch: int, length: int, *, rng=None):
+    """(positions [batch, length] int32, the highest they can hold): what a sequence of `length` tokens
+    gets without explicit positions; ValueError if a table has no row for the highest."""
+    positions, highest = self.randomized.positions(batch, length, rng=rng)
+    self.check_fits(highest)
     return positions, highest
 
   def check_fits(self, highest: int) -> None:
