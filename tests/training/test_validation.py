@@ -8,7 +8,7 @@ from flax import nnx
 
 from tests.helpers import load_config, abstract_model
 from configs import algorithmic, common, perceiver_digits, toy_reverse, translate_dates
-from xattn_jax.layers import layer_stack
+from xattn_jax.layers import blocks, layer_stack
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.layers.rotary import ROTARY_KINDS
 from xattn_jax.training import loop, optim, task as task_lib, validation
@@ -196,6 +196,13 @@ def test_an_unknown_choice_lists_exactly_its_registrys_names(field, registry):
   names = sorted(registry()) if field.startswith("optimizer") else list(registry())
   _assert_refused(toy_reverse.get_config("size=tiny"), field, "nope",
                   rf"^config\.{re.escape(field)}='nope': allowed are {re.escape(str(names))}$")
+
+
+@pytest.mark.parametrize("field, registry", [("model.norm", blocks.NORM_PLACEMENTS),
+                                             ("model.activation", blocks.ACTIVATIONS)])
+def test_the_translators_norm_and_activation_choices_are_the_blocks(field, registry):
+  _assert_refused(translate_dates.get_config(), field, "nope",
+                  rf"^config\.{re.escape(field)}='nope': allowed are {re.escape(str(sorted(registry)))}$")
 
 
 def test_an_unknown_position_encoding_lists_exactly_the_registrys_names():
