@@ -6,6 +6,11 @@ evaluate exact match on lengths 1-32, 33-64 and 65-128.
         --config.model.rope_scaling=ntk --config.model.rope_scaling_factor=4
     echo abcabd | python launch.py --config=configs/algorithmic.py:posenc=alibi --workdir=workdirs/alg_alibi \
         --mode=infer
+    python launch.py --config=configs/algorithmic.py:posenc=rope,randomized=256 --workdir=...
+
+`randomized=N` trains on randomized positions (Ruoss et al. 2023): each string gets sorted distinct
+positions drawn from [0, N) instead of 0..n-1; N must cover the longest eval string plus EOS (129
+with the default bands). Evaluation uses 0..n-1 unless model.randomized_positions_at_eval is set.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ SIZES = {
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", operation="reverse")
+  args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", operation="reverse", randomized=0)
   if args.size not in SIZES:
     raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
   config = common.base_config(total_steps=3000, batch_size=64, eval_batch_size=64, log_every_steps=100,
@@ -39,12 +44,15 @@ def get_config(arg=None):
 
   d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
   config.model.name = "translator"
-  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | alibi | t5_bias
+  config.model.position_encoding = args.posenc  # one of xattn_jax.models.translator.POSITION_ENCODINGS
   config.model.d_model = d_model
   config.model.num_heads = num_heads
   config.model.num_layers = num_layers
   config.model.mlp_dim = mlp_dim
   config.model.rope_scaling = ""          # "" | linear | ntk (RoPE length scaling)
   config.model.rope_scaling_factor = 1.0
+  # Randomized positions: 0 = off, else training draws positions from [0, randomized_positions_max).
+  config.model.randomized_positions_max = args.randomized
+  config.model.randomized_positions_at_eval = False  # evaluation and decoding: 0..n-1 (True: drawn)
   config.model.scan_layers = False
   return config

@@ -91,10 +91,10 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   config.model = ConfigDict({"name": ""})
 
   config.optimizer = ConfigDict({
-      "name": "adamw",              # adamw | adam | sgd
+      "name": "adamw",              # a name in xattn_jax.training.optim.OPTIMIZERS
       "learning_rate": learning_rate,  # peak, reached at the end of warmup
       "warmup_steps": warmup_steps,
-      "schedule": "cosine",         # cosine | rsqrt | constant (after linear warmup)
+      "schedule": "cosine",         # optim.SCHEDULES, after linear warmup
       "final_learning_rate_fraction": 0.0,  # cosine ends at learning_rate * this
       "b1": 0.9,
       "b2": 0.98,

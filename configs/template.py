@@ -34,7 +34,7 @@ def get_config(arg=None):
   config.model.num_heads = num_heads
   config.model.num_layers = num_layers
   config.model.mlp_dim = mlp_dim
-  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope
+  config.model.position_encoding = args.posenc  # the registry's text encodings: tasks/template.py
   config.model.rotary_dim = 0         # rope / mrope; 0 = the whole head_dim
   # mrope: (time, height, width) frequency pairs summing to rotary_dim / 2 (Qwen2-VL's 1:1.5:1.5).
   pairs = d_model // num_heads // 2

@@ -52,23 +52,23 @@ def translator_config(args) -> ConfigDict:
   config.model.name = "translator"
   config.model.encoder = ConfigDict(side)  # the two sides may be given different sizes
   config.model.decoder = ConfigDict(side)
-  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | alibi | t5_bias
+  config.model.position_encoding = args.posenc  # xattn_jax.models.translator.POSITION_ENCODINGS
   config.model.max_length = 64 if args.size == "tiny" else 256
-  config.model.rope_scaling = ""        # "" | linear | ntk: RoPE length scaling (position_encoding=rope)
+  config.model.rope_scaling = ""        # "" or ops.positions.ROPE_SCALINGS: RoPE length scaling (rope)
   config.model.rope_scaling_factor = 1.0
   config.model.share_embeddings = True  # one table for source and target (one shared vocabulary)
   config.model.tie_output = True        # output projection = transposed target embedding
-  config.model.norm = "pre"             # pre | post (Vaswani et al.)
-  config.model.activation = "relu"
+  config.model.norm = "pre"             # layers.blocks.NORM_PLACEMENTS; post = Vaswani et al.
+  config.model.activation = "relu"      # layers.blocks.ACTIVATIONS
   config.model.dropout_rate = 0.0 if args.size == "tiny" else 0.1
   config.model.attention_dropout_rate = 0.0
   config.model.scan_layers = args.scan
-  # none | full | dots | dots_no_batch. With scan_layers, dots_no_batch: a scan zero-fills and copies
+  # layers.layer_stack.REMAT_POLICIES. With scan_layers, dots_no_batch: a scan zero-fills and copies
   # every saved activation through [layers, ...] stacks, and saving only the projections' outputs
   # shrinks those (d512 3+3 layers on CPU: scanned step 1.03-1.04x of unrolled, against 1.08-1.11x
   # without remat; unrolled, the same policy costs nothing).
   config.model.remat = "dots_no_batch" if args.scan else "none"
-  config.model.implementation = ""      # attention kernel; "" = the op's default choice
+  config.model.implementation = ""      # ops.attention.IMPLEMENTATIONS; "" = the op's default
 
   config.data = ConfigDict({
       "source": "dates",

@@ -34,8 +34,11 @@ import time
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY))
 
-SEQUENCE_ENCODINGS = ("none", "learned", "sinusoidal", "rope", "alibi", "t5_bias")
-IMAGE_ENCODINGS = ("learned_2d", "sincos_2d", "fourier", "rope_2d", "none")
+from xattn_jax.models import latent_reader, translator  # noqa: E402
+
+# What each model accepts, as the position registry (xattn_jax.layers.positions) lists it.
+SEQUENCE_ENCODINGS = translator.POSITION_ENCODINGS
+IMAGE_ENCODINGS = latent_reader.GRID_ENCODINGS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Properties of the position-encoding modules chosen by name (xattn_jax.layers.positions)."""
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from flax import nnx
 
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.layers.attention import MultiHeadAttention
+from xattn_jax.layers.rotary import ROTARY_KINDS
 from xattn_jax.ops import positions as positions_ops
 
 GRID_ENCODINGS = ("learned_2d", "sincos_2d", "fourier")
@@ -27,10 +29,10 @@ def _add(encoding, x, positions=None, grid=None):
   return encoding.add_to_inputs(x, positions, grid=grid)
 
 
-def test_unknown_position_encoding_name_raises_listing_allowed_names():
-  with pytest.raises(ValueError, match="allowed: none, learned, sinusoidal, rope, learned_2d") as error:
+def test_unknown_position_encoding_name_raises_listing_exactly_the_registered_names():
+  with pytest.raises(ValueError) as error:
     _make("alibi_typo")
-  assert all(name in str(error.value) for name in position_layers.POSITION_ENCODINGS)
+  assert str(error.value).endswith("allowed: " + ", ".join(position_layers.POSITION_ENCODINGS))
 
 
 @pytest.mark.parametrize("name, missing", [("learned", "max_length"), ("learned_2d", "grid"),
@@ -148,3 +150,71 @@ def test_positions_may_be_python_lists(name):
   else:
     x, positions = np.zeros((1, 2, 16), np.float32), [[[0, 1], [2, 3]]]
   np.testing.assert_allclose(encoding.add_to_inputs(x, positions), encoding.add_to_inputs(x, np.asarray(positions)))
+
+
+# --- the registry's declarations --------------------------------------------------------------
+
+def test_every_registered_encoding_builds_from_its_entry():
+  for name in position_layers.POSITION_ENCODINGS:
+    encoding = _make(name, num_heads=2)
+    assert (encoding.rotary is not None) == (position_layers.get(name).role == "rotary")
+
+
+@pytest.mark.parametrize("kind", ["rope", "rope_2d"])
+def test_a_rotary_kinds_declared_width_multiple_is_the_rule_its_op_enforces(kind):
+  rotary = ROTARY_KINDS[kind]
+  x = _normal(5, (1, 3, 1, 8))
+  positions = np.zeros((1, 3) if rotary.positions == "sequence" else (1, 3, 2), np.int32)
+  assert rotary.op(x, positions, rotary_dim=rotary.multiple_of).shape == x.shape
+  with pytest.raises(ValueError, match=f"multiple of {rotary.multiple_of}"):
+    rotary.op(x, positions, rotary_dim=rotary.multiple_of + 2 if rotary.multiple_of > 2 else 3)
+
+
+def test_names_by_layout_are_what_each_layout_takes():
+  assert position_layers.names(layout="sequence") == ("none", "learned", "sinusoidal", "rope", "alibi", "t5_bias")
+  assert set(position_layers.names(layout="grid")) == {"none", "learned_2d", "sincos_2d", "fourier", "rope_2d"}
+  assert position_layers.names(layout="multimodal") == ("mrope",)
+
+
+# --- randomized positions ---------------------------------------------------------------------
+
+RANDOMIZED = position_layers.RandomizedPositions(max_position=32)
+
+
+def test_sequence_positions_without_randomization_are_0_to_n_minus_1_even_with_an_rng():
+  positions, highest = _make("sinusoidal").sequence_positions(2, 5, rng=jax.random.key(0))
+  np.testing.assert_array_equal(positions, np.broadcast_to(np.arange(5), (2, 5)))
+  assert highest == 4
+
+
+def test_randomized_sequence_positions_are_drawn_from_the_training_rng():
+  encoding = _make("rope", randomized=RANDOMIZED)
+  positions, highest = encoding.sequence_positions(2, 5, rng=jax.random.key(0))
+  np.testing.assert_array_equal(positions, positions_ops.randomized_positions(jax.random.key(0), 2, 5, 32))
+  assert highest == 31
+
+
+def test_randomized_positions_default_to_0_to_n_minus_1_without_an_rng():
+  positions, _ = _make("learned", randomized=RANDOMIZED).sequence_positions(2, 5)
+  np.testing.assert_array_equal(positions, np.broadcast_to(np.arange(5), (2, 5)))
+
+
+def test_randomized_positions_at_eval_are_a_fixed_draw_without_an_rng():
+  randomized = position_layers.RandomizedPositions(max_position=32, at_eval=True, eval_seed=7)
+  positions, _ = _make("alibi", num_heads=2, randomized=randomized).sequence_positions(2, 5)
+  np.testing.assert_array_equal(positions, positions_ops.randomized_positions(jax.random.key(7), 2, 5, 32))
+
+
+def test_learned_table_has_a_row_for_every_randomized_position():
+  assert _make("learned", randomized=RANDOMIZED).table.shape == (32, 16)  # max_length is 8
+
+
+@pytest.mark.parametrize("name", ["learned_2d", "fourier", "rope_2d", "mrope"])
+def test_randomized_positions_are_refused_for_encodings_not_of_sequence_indices(name):
+  with pytest.raises(ValueError, match="randomized positions apply to"):
+    _make(name, randomized=RANDOMIZED)
+
+
+def test_randomized_option_refuses_a_negative_max_position_naming_it():
+  with pytest.raises(ValueError, match="max_position must be an int >= 0"):
+    position_layers.RandomizedPositions(max_position=-1)

@@ -3,12 +3,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from xattn_jax import decoding
 from xattn_jax.models import translator as translator_lib
 from xattn_jax.models.translator import StackSize, Translator
+from xattn_jax.ops import positions as positions_ops
 
 VOCAB = 40
 # Widths differ on purpose; one layer each keeps compile times short (stacking is tested with two).
@@ -230,3 +232,60 @@ def test_searches_refuse_to_decode_past_the_cache_capacity():
     decoding.beam_search(model.loop_step(), cache, batch_size=1, beam_size=2, max_length=6, bos_id=1, eos_id=2)
   _, cache = model.decode_step(jnp.ones((1, 1), jnp.int32), cache)
   assert cache.decode_room() == 1
+
+
+# --- randomized positions ---------------------------------------------------------------------
+
+RANDOMIZED = translator_lib.RandomizedPositions(max_position=32)
+SMALL = StackSize(16, 2, 1, 32)
+
+
+@pytest.mark.parametrize("position_encoding", ["learned", "sinusoidal", "rope"])
+def test_training_on_randomized_positions_lowers_the_loss(position_encoding):
+  model = _model(position_encoding, encoder=SMALL, decoder=SMALL, randomized_positions=RANDOMIZED)
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  inputs = _tokens(0, 8, 6)
+  decoder_inputs = jnp.concatenate([jnp.ones((8, 1), jnp.int32), inputs[:, :-1]], axis=1)  # copy the source
+
+  @nnx.jit
+  def step(model, optimizer, key):
+    def loss(model):
+      logits = model(inputs, decoder_inputs, position_rng=key)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, inputs).mean()
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return value
+
+  losses = [float(step(model, optimizer, jax.random.key(i))) for i in range(40)]
+  assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
+def test_a_pass_with_a_position_rng_draws_positions_and_one_without_uses_0_to_n_minus_1():
+  inputs, decoder_inputs = _tokens(0, 2, 6), _tokens(1, 2, 5)
+  randomized, plain = _model("rope", randomized_positions=RANDOMIZED), _model("rope")
+  run = nnx.jit(lambda m, key: m(inputs, decoder_inputs, position_rng=key))
+  evaluated = _forward(randomized, inputs, decoder_inputs)
+  np.testing.assert_allclose(np.asarray(evaluated), np.asarray(_forward(plain, inputs, decoder_inputs)), atol=1e-6)
+  assert not np.allclose(np.asarray(run(randomized, jax.random.key(0))), np.asarray(evaluated), atol=1e-3)
+
+
+def test_randomized_positions_at_eval_are_the_fixed_draw_of_eval_seed():
+  inputs, decoder_inputs = _tokens(0, 2, 6), _tokens(1, 2, 5)
+  model = _model("rope", randomized_positions=translator_lib.RandomizedPositions(32, at_eval=True, eval_seed=3))
+  draw = lambda length: positions_ops.randomized_positions(jax.random.key(3), 2, length, 32)
+  np.testing.assert_allclose(
+      np.asarray(_forward(model, inputs, decoder_inputs)),
+      np.asarray(_forward(model, inputs, decoder_inputs, inputs_positions=draw(6), targets_positions=draw(5))),
+      atol=1e-6)
+
+
+@pytest.mark.parametrize("position_encoding", ["rope", "alibi"])
+def test_cached_decode_steps_on_randomized_eval_positions_equal_full_forward(position_encoding):
+  """The cache draws its capacity's positions once; steps read them instead of 0..t-1."""
+  _compare_cached(_model(position_encoding,
+                         randomized_positions=translator_lib.RandomizedPositions(32, at_eval=True)))
+
+
+def test_randomized_positions_that_cannot_cover_max_length_are_refused():
+  with pytest.raises(ValueError, match=r"randomized_positions.max_position must be >= max_length=16"):
+    _model("rope", randomized_positions=translator_lib.RandomizedPositions(8))

@@ -126,7 +126,7 @@ def wait_for(predicate, process, timeout=240):
     (["--config.model.d_model=30", "--config.model.num_heads=4"], "model.d_model"),
     (["--config.model.position_encoding=rope", "--config.model.rotary_dim=7"], "model.rotary_dim"),
     (["--config.model.position_encoding=mrope", "--config.model.mrope_sections=(1,2,2)"], "model.mrope_sections"),
-    (["--config.model.position_encoding=alibi"], "model.position_encoding"),
+    (["--config.model.position_encoding=fourier"], "model.position_encoding"),
     (["--config.task.name=nope"], "task.name"),
     (["--config.mesh.data=3"], "mesh"),
     (["--mode=infer", "--config.infer.input_file=/nonexistent/inputs.txt"], "infer.input_file"),

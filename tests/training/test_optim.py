@@ -1,4 +1,6 @@
 """Optimizer, schedules and the shared losses."""
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -66,3 +68,25 @@ def test_gradient_clipping_bounds_the_update_norm():
 
 
 # --- dropout keys -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(optim.OPTIMIZERS))
+def test_every_registered_optimizer_lowers_a_quadratic(name):
+  config = template.get_config("size=tiny").optimizer
+  config.name, config.learning_rate, config.warmup_steps, config.schedule = name, 0.1, 0, "constant"
+  tx = optim.make_optimizer(config, total_steps=10)
+  params = {"w": jnp.ones((2, 2))}
+  state = tx.init(params)
+  for _ in range(5):
+    updates, state = tx.update({"w": 2 * params["w"]}, state, params)  # gradient of sum(w^2)
+    params = optax.apply_updates(params, updates)
+  assert float(jnp.sum(params["w"] ** 2)) < 4.0
+
+
+@pytest.mark.parametrize("field, key, registry", [("optimizer.name", "name", optim.OPTIMIZERS),
+                                                  ("optimizer.schedule", "schedule", optim.SCHEDULES)])
+def test_an_unregistered_name_raises_listing_the_registry(field, key, registry):
+  config = template.get_config("size=tiny").optimizer
+  config[key] = "nope"
+  with pytest.raises(ValueError, match=re.escape(f"{field}='nope': allowed are {sorted(registry)}")):
+    optim.make_optimizer(config, total_steps=10)

@@ -1,4 +1,5 @@
 """Config parsing and validation: every bad field fails before compiling, in one line naming it."""
+import dataclasses
 import re
 
 import jax.numpy as jnp
@@ -7,7 +8,10 @@ from flax import nnx
 
 from tests.helpers import load_config, abstract_model
 from configs import algorithmic, common, perceiver_digits, template, translate_dates
-from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.layers import blocks, layer_stack
+from xattn_jax.layers import positions as position_layers
+from xattn_jax.layers.rotary import ROTARY_KINDS
+from xattn_jax.training import loop, optim, task as task_lib, validation
 from xattn_jax.training import workdir as workdir_lib
 from xattn_jax.tasks.template import TemplateTask
 
@@ -30,7 +34,7 @@ def test_variant_argument_and_override_reach_the_model():
   model = abstract_model(TemplateTask(config))
   assert model.embed.embedding.shape == (27, 48)  # 26 letters + padding
   assert model.blocks.attention.query.kernel.shape == (3, 48, 48)  # 3 stacked layers
-  assert model.scan_layers and model.position_encoding == "rope" and not hasattr(model, "position_table")
+  assert model.scan_layers and model.positions.rotary.kind == "rope" and not hasattr(model.positions, "table")
 
 
 def test_misspelt_override_is_rejected_by_the_locked_config():
@@ -42,7 +46,7 @@ def test_misspelt_override_is_rejected_by_the_locked_config():
 
 @pytest.mark.parametrize("field,value", [
     ("task.name", "nope"), ("optimizer.name", "lamb"), ("optimizer.schedule", "step"),
-    ("model.position_encoding", "alibi"), ("model.remat", "some"), ("model.name", "other"),
+    ("model.position_encoding", "fourier"), ("model.remat", "some"), ("model.name", "other"),
 ])
 def test_unknown_name_is_a_config_error_naming_the_field(field, value):
   _assert_refused(template.get_config("size=tiny"), field, value, rf"^config\.{field}='{value}': allowed")
@@ -181,6 +185,78 @@ def test_unknown_task_name_lists_the_registered_tasks():
 
 def test_task_can_be_named_by_module_path():
   assert task_lib.get_task_class("xattn_jax.tasks.template:TemplateTask") is TemplateTask
+
+
+# --- one owner per list of choices ---------------------------------------------------------------
+
+@pytest.mark.parametrize("field, registry", [
+    ("optimizer.name", lambda: optim.OPTIMIZERS), ("optimizer.schedule", lambda: optim.SCHEDULES),
+    ("model.remat", lambda: layer_stack.REMAT_POLICIES),
+])
+def test_an_unknown_choice_lists_exactly_its_registrys_names(field, registry):
+  names = sorted(registry()) if field.startswith("optimizer") else list(registry())
+  _assert_refused(template.get_config("size=tiny"), field, "nope",
+                  rf"^config\.{re.escape(field)}='nope': allowed are {re.escape(str(names))}$")
+
+
+@pytest.mark.parametrize("field, registry", [("model.norm", blocks.NORM_PLACEMENTS),
+                                             ("model.activation", blocks.ACTIVATIONS)])
+def test_the_translators_norm_and_activation_choices_are_the_blocks(field, registry):
+  _assert_refused(translate_dates.get_config(), field, "nope",
+                  rf"^config\.{re.escape(field)}='nope': allowed are {re.escape(str(sorted(registry)))}$")
+
+
+def test_an_unknown_position_encoding_lists_exactly_the_registrys_names():
+  _assert_refused(algorithmic.get_config(), "model.position_encoding", "nope",
+                  rf"^config\.model\.position_encoding='nope': allowed are "
+                  rf"{re.escape(str(list(position_layers.POSITION_ENCODINGS)))}$")
+
+
+def test_a_new_registry_entry_is_checked_by_the_rules_it_declares(monkeypatch):
+  """Registering an encoding is all validation needs: its rotary rule comes with the entry."""
+  monkeypatch.setitem(position_layers.POSITION_ENCODINGS, "my_rope", position_layers.get("rope"))
+  config = translate_dates.get_config()
+  config.model.position_encoding = "my_rope"
+  validation.check_attention_dims(config.model)
+  config.model.decoder.d_model, config.model.decoder.num_heads = 36, 4  # head_dim 9
+  with pytest.raises(validation.ConfigError, match=r"model\.decoder\.d_model=36: rotary dimension 9"):
+    validation.check_attention_dims(config.model)
+
+
+def test_the_rotary_width_rule_is_read_from_the_rotary_registry(monkeypatch):
+  monkeypatch.setitem(ROTARY_KINDS, "rope", dataclasses.replace(ROTARY_KINDS["rope"], multiple_of=32))
+  config = algorithmic.get_config("posenc=rope")  # d_model 64, 4 heads: head_dim 16
+  with pytest.raises(validation.ConfigError, match=r"rotary dimension 16 must be a multiple of 32"):
+    validation.check_attention_dims(config.model)
+
+
+# --- randomized positions ---------------------------------------------------------------------------
+
+def test_randomized_positions_config_validates():
+  validation.validate_config(algorithmic.get_config("posenc=rope,randomized=256"))
+
+
+@pytest.mark.parametrize("value, rule", [(-1, "must be an integer >= 0"), (True, "must be an integer >= 0"),
+                                         (100, "must be >= 129, the longest sequence the model sees")])
+def test_a_bad_randomized_positions_max_is_a_config_error_naming_it(value, rule):
+  _assert_refused(algorithmic.get_config("posenc=learned"), "model.randomized_positions_max", value,
+                  rf"^config\.model\.randomized_positions_max={value}: {re.escape(rule)}")
+
+
+def test_randomized_positions_below_the_translators_max_length_are_a_config_error():
+  config = translate_dates.get_config()  # max_length 64
+  config.model.randomized_positions_max = 32
+  with pytest.raises(validation.ConfigError, match=r"randomized_positions_max=32: must be >= model\.max_length=64"):
+    validation.check_attention_dims(config.model)
+
+
+def test_randomized_positions_with_a_2d_encoding_are_a_config_error():
+  config = perceiver_digits.get_config("posenc=learned_2d")
+  config.model.randomized_positions_max = 256
+  with pytest.raises(validation.ConfigError, match=r"randomized_positions_max=256: randomizes sequence positions: "
+                                                   r"needs position_encoding in \[.*'rope'.*\], this model has "
+                                                   r"'learned_2d'"):
+    validation.check_attention_dims(config.model)
 
 
 # --- optimizer and loss -------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
+# The one list of each choice (tasks validate config against them): residual norm placements, and
+# MLP activations by name.
 NORM_PLACEMENTS = ("pre", "post")
 ACTIVATIONS: dict[str, Callable] = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-# Name -> what jax.checkpoint may keep from the forward pass (None = no remat at all).
+# Name -> what jax.checkpoint may keep from the forward pass (None = no remat at all). The one list
+# of remat policies: config validation reads it.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,

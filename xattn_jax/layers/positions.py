@@ -1,6 +1,9 @@
 """Position-encoding modules, chosen by name from config.
 
 Every module has the same interface:
+  sequence_positions(batch, length, *, rng=None) -> (positions [b, t] int32, highest)
+      the positions a sequence of `length` tokens gets when none are passed: 0..t-1, or randomized
+      ones (see RandomizedPositions); `highest` is the largest they can hold.
   add_to_inputs(x, positions=None, *, grid=None) -> x   additive encodings add themselves to the
       embeddings x [b, t, features]; rotary ones and "none" return x unchanged.
   rotary                                                 a RotarySpec for MultiHeadAttention to rotate
@@ -16,7 +19,10 @@ images (None = the row-major grid). Image encodings take the input's grid (heigh
 (a class token): x is then [b, num_extra + M, features], positions cover the M grid tokens only,
 and the extra tokens get their own learned rows (learned_2d) or nothing (fixed encodings).
 
-Adding an encoding means one module (or function of the options), one entry in
+POSITION_ENCODINGS is the one list of encodings: each entry builds its module and declares the
+rules configs are checked against (which positions it takes, whether it is additive, rotary or a
+score bias, which rotary op, whether randomized positions apply). Models, tasks, config checks and
+the ablation runner read names and rules from it. Adding an encoding means one op, one entry in
 POSITION_ENCODINGS and one test.
 """
 from __future__ import annotations
@@ -24,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from xattn_jax.layers import dense
-from xattn_jax.layers.rotary import RotarySpec
+from xattn_jax.layers.rotary import ROTARY_KINDS, RotaryKind, RotarySpec
 from xattn_jax.ops import positions as positions_ops
 from xattn_jax.ops import relative_bias
 
@@ -45,9 +52,53 @@ def _sequence_positions(x, positions):
   return positions
 
 
+@dataclasses.dataclass(frozen=True)
+class RandomizedPositions:
+  """Randomized positions (Ruoss et al. 2023), declared once for every sequence encoding.
+
+  max_position: 0 = off (positions 0..t-1); else a sequence of t tokens gets t sorted distinct
+    positions from [0, max_position) (`ops.positions.randomized_positions`), drawn from the `rng`
+    the training pass hands in, so the draw is a pure function of (seed, step).
+  at_eval: what passes without an rng (evaluation, cached decoding) get. False (the default):
+    0..t-1, deterministic, the same positions for a teacher-forced pass and for cached decoding,
+    and in distribution: training has reached every position below max_position. True: a draw
+    as in training from the fixed key `eval_seed`, the training distribution of position gaps;
+    decoding draws one sorted set for the cache's whole capacity (its prefix is what a step sees).
+  """
+  max_position: int = 0
+  at_eval: bool = False
+  eval_seed: int = 0
+
+  def __post_init__(self):
+    for field in ("max_position", "eval_seed"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"RandomizedPositions: {field} must be an int >= 0, got {field}={value!r}")
+
+  def positions(self, batch: int, length: int, *, rng=None):
+    """(positions [batch, length] int32, the largest they can hold): drawn when on and an rng is given
+    (or at_eval), else 0..length-1."""
+    if self.max_position and (rng is not None or self.at_eval):
+      key = jax.random.key(self.eval_seed) if rng is None else rng
+      return positions_ops.randomized_positions(key, batch, length, self.max_position), self.max_position - 1
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), length - 1
+
+
 class NoPositions(nnx.Module):
   """"none": no position information at all (attention is then permutation equivariant)."""
   rotary = None
+  randomized = RandomizedPositions()  # set per module by make_position_encoding
+
+  def sequence_positions(self, batch: int, length: int, *, rng=None):
+    """(positions [batch, length] int32, the highest they can hold): what a sequence of `length` tokens
+    gets without explicit positions; ValueError if a table has no row for the highest."""
+    positions, highest = self.randomized.positions(batch, length, rng=rng)
+    self.check_fits(highest)
+    return positions, highest
+
+  def check_fits(self, highest: int) -> None:
+    """Raises ValueError if position `highest` has no row (tables only; other encodings take any)."""
+    del highest
 
   def add_to_inputs(self, x, positions=None, *, grid=None):
     del positions, grid
@@ -71,6 +122,9 @@ class LearnedPositions(NoPositions):
   def __init__(self, max_length: int, features: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
     self.table = nnx.Param(init(rngs.params(), (max_length, features), param_dtype))
+
+  def check_fits(self, highest: int) -> None:
+    positions_ops.check_positions_fit(highest, self.table.shape[0], "LearnedPositions")
 
   def add_to_inputs(self, x, positions=None, *, grid=None):
     if positions is None:
@@ -244,6 +298,7 @@ class PositionOptions:
   causal: bool = False  # the stack's self-attention is causal: T5 buckets unidirectional, ALiBi causal form
   num_buckets: int = 32
   max_distance: int = 128
+  randomized: RandomizedPositions = RandomizedPositions()
   dtype: object = jnp.float32
   param_dtype: object = jnp.float32
 
@@ -255,7 +310,7 @@ class PositionOptions:
 
   def rotary(self, kind: str) -> RotarySpec:
     sections = self.mrope_sections
-    if kind == "mrope" and sections is None:
+    if ROTARY_KINDS[kind].num_sections and sections is None:
       sections = _default_mrope_sections(self.rotary_dim or self.require("head_dim"))
     spec = RotarySpec(kind=kind, base=self.base, layout=self.rope_layout, rotary_dim=self.rotary_dim,
                       sections=sections, scaling=self.rope_scaling, scaling_factor=self.rope_scaling_factor)
@@ -276,38 +331,113 @@ def _default_mrope_sections(rotary_dim: int) -> tuple[int, int, int]:
   return (pairs - 2 * spatial, spatial, spatial)
 
 
-POSITION_ENCODINGS: dict[str, Callable[[PositionOptions, nnx.Rngs], nnx.Module]] = {
-    "none": lambda o, rngs: NoPositions(),
-    "learned": lambda o, rngs: LearnedPositions(o.require("max_length"), o.features, param_dtype=o.param_dtype,
-                                                rngs=rngs),
-    "sinusoidal": lambda o, rngs: SinusoidalPositions(o.features, base=o.base),
-    "rope": lambda o, rngs: RotaryPositions(o.rotary("rope")),
-    "learned_2d": lambda o, rngs: Learned2DPositions(o.require("grid"), o.features,
-                                                     num_extra_tokens=o.num_extra_tokens,
-                                                     param_dtype=o.param_dtype, rngs=rngs),
-    "sincos_2d": lambda o, rngs: SinCos2DPositions(o.require("grid"), o.features,
-                                                   num_extra_tokens=o.num_extra_tokens, base=o.base),
-    "fourier": lambda o, rngs: FourierPositions(o.require("grid"), o.features, num_bands=o.num_fourier_bands,
-                                                num_extra_tokens=o.num_extra_tokens, dtype=o.dtype,
-                                                param_dtype=o.param_dtype, rngs=rngs),
-    "rope_2d": lambda o, rngs: RotaryPositions(o.rotary("rope_2d")),
-    "mrope": lambda o, rngs: RotaryPositions(o.rotary("mrope")),
-    "alibi": lambda o, rngs: AlibiPositions(o.require("num_heads"), causal=o.causal),
-    "t5_bias": lambda o, rngs: T5BiasPositions(o.require("num_heads"), bidirectional=not o.causal,
-                                               num_buckets=o.num_buckets, max_distance=o.max_distance,
-                                               param_dtype=o.param_dtype, rngs=rngs),
+POSITION_LAYOUTS = ("sequence", "grid", "multimodal")  # [b, t], [b, M, 2] (row, column), [3, b, t]
+ROLES = ("none", "additive", "rotary", "bias")  # nothing, added to the inputs, rotating q / k, on the scores
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionEncoding:
+  """One registered encoding: how to build it and what a config using it must meet.
+
+  build: (PositionOptions, rngs) -> the module.
+  layouts: the positions it takes (POSITION_LAYOUTS); a model lists the encodings of its layout.
+  role: how it acts (ROLES).
+  rotary: for role "rotary", its ROTARY_KINDS name (which carries the rotary width rules).
+  randomizable: computed from integer position indices, so randomized positions apply (a no-op
+    for "none").
+  """
+  build: Callable[[PositionOptions, nnx.Rngs], nnx.Module]
+  layouts: tuple[str, ...]
+  role: str
+  rotary: str | None = None
+  randomizable: bool = False
+
+  def __post_init__(self):
+    if not set(self.layouts) <= set(POSITION_LAYOUTS) or self.role not in ROLES:
+      raise ValueError(f"PositionEncoding: layouts must be from {POSITION_LAYOUTS} and role from {ROLES}, "
+                       f"got layouts={self.layouts}, role={self.role!r}")
+    if (self.role == "rotary") != (self.rotary in ROTARY_KINDS):
+      raise ValueError(f"PositionEncoding: role 'rotary' needs rotary from {list(ROTARY_KINDS)} and only it does, "
+                       f"got role={self.role!r}, rotary={self.rotary!r}")
+
+  @property
+  def rotary_kind(self) -> RotaryKind | None:
+    """The rotary op entry (its width multiple, sections) or None if not rotary."""
+    return None if self.rotary is None else ROTARY_KINDS[self.rotary]
+
+
+def _rotary(kind: str) -> PositionEncoding:
+  return PositionEncoding(lambda o, rngs: RotaryPositions(o.rotary(kind)), (ROTARY_KINDS[kind].positions,),
+                          "rotary", rotary=kind, randomizable=ROTARY_KINDS[kind].positions == "sequence")
+
+
+def _table_rows(o: PositionOptions) -> int:
+  """A learned table covers the model's longest sequence and every randomized position."""
+  return max(o.require("max_length"), o.randomized.max_position)
+
+
+POSITION_ENCODINGS: dict[str, PositionEncoding] = {
+    "none": PositionEncoding(lambda o, rngs: NoPositions(), ("sequence", "grid"), "none", randomizable=True),
+    "learned": PositionEncoding(
+        lambda o, rngs: LearnedPositions(_table_rows(o), o.features, param_dtype=o.param_dtype, rngs=rngs),
+        ("sequence",), "additive", randomizable=True),
+    "sinusoidal": PositionEncoding(lambda o, rngs: SinusoidalPositions(o.features, base=o.base),
+                                   ("sequence",), "additive", randomizable=True),
+    "rope": _rotary("rope"),
+    "alibi": PositionEncoding(lambda o, rngs: AlibiPositions(o.require("num_heads"), causal=o.causal),
+                              ("sequence",), "bias", randomizable=True),
+    "t5_bias": PositionEncoding(
+        lambda o, rngs: T5BiasPositions(o.require("num_heads"), bidirectional=not o.causal,
+                                        num_buckets=o.num_buckets, max_distance=o.max_distance,
+                                        param_dtype=o.param_dtype, rngs=rngs),
+        ("sequence",), "bias", randomizable=True),
+    "learned_2d": PositionEncoding(
+        lambda o, rngs: Learned2DPositions(o.require("grid"), o.features, num_extra_tokens=o.num_extra_tokens,
+                                           param_dtype=o.param_dtype, rngs=rngs),
+        ("grid",), "additive"),
+    "sincos_2d": PositionEncoding(
+        lambda o, rngs: SinCos2DPositions(o.require("grid"), o.features, num_extra_tokens=o.num_extra_tokens,
+                                          base=o.base),
+        ("grid",), "additive"),
+    "fourier": PositionEncoding(
+        lambda o, rngs: FourierPositions(o.require("grid"), o.features, num_bands=o.num_fourier_bands,
+                                         num_extra_tokens=o.num_extra_tokens, dtype=o.dtype,
+                                         param_dtype=o.param_dtype, rngs=rngs),
+        ("grid",), "additive"),
+    "rope_2d": _rotary("rope_2d"),
+    "mrope": _rotary("mrope"),
 }
+
+
+def names(*, layout: str | None = None, role: str | None = None, randomizable: bool | None = None) -> tuple[str, ...]:
+  """The registered encodings (registry order) that take `layout`, act as `role`, are randomizable."""
+  return tuple(name for name, entry in POSITION_ENCODINGS.items()
+               if (layout is None or layout in entry.layouts) and (role is None or entry.role == role)
+               and (randomizable is None or entry.randomizable == randomizable))
+
+
+def get(name: str) -> PositionEncoding:
+  """The registry entry of name; ValueError listing the registered names if there is none."""
+  if name not in POSITION_ENCODINGS:
+    raise ValueError(f"make_position_encoding: unknown name {name!r}; allowed: {', '.join(POSITION_ENCODINGS)}")
+  return POSITION_ENCODINGS[name]
 
 
 def make_position_encoding(name: str, *, features: int, rngs: nnx.Rngs, **options) -> nnx.Module:
   """The position-encoding module registered under name (see POSITION_ENCODINGS and PositionOptions).
 
   E.g. make_position_encoding("learned", features=512, max_length=256, rngs=rngs), or
-  make_position_encoding("rope", features=512, head_dim=64, rngs=rngs).
+  make_position_encoding("rope", features=512, head_dim=64, rngs=rngs), or with
+  randomized=RandomizedPositions(max_position=1024) for randomized sequence positions.
   """
-  if name not in POSITION_ENCODINGS:
-    raise ValueError(f"make_position_encoding: unknown name {name!r}; allowed: {', '.join(POSITION_ENCODINGS)}")
+  entry = get(name)
   unknown = set(options) - {f.name for f in dataclasses.fields(PositionOptions)}
   if unknown:
     raise ValueError(f"make_position_encoding: unknown options {sorted(unknown)}")
-  return POSITION_ENCODINGS[name](PositionOptions(name=name, features=features, **options), rngs)
+  options = PositionOptions(name=name, features=features, **options)
+  if options.randomized.max_position and not entry.randomizable:
+    raise ValueError(f"make_position_encoding: randomized positions apply to the encodings computed from "
+                     f"sequence indices {list(names(randomizable=True))}, got {name!r}")
+  module = entry.build(options, rngs)
+  module.randomized = options.randomized
+  return module

@@ -32,13 +32,14 @@ from flax import nnx
 
 from xattn_jax.layers import MLP, EncoderBlock, MultiHeadAttention, make_position_encoding
 from xattn_jax.layers import dense
+from xattn_jax.layers import positions as position_layers
 from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
 CONNECTORS = ("qformer", "mlp")
 # Encodings of a 2D grid of elements (the Perceiver's); 1D ones (rope, sinusoidal, ...) do not apply.
-GRID_ENCODINGS = ("fourier", "sincos_2d", "learned_2d", "rope_2d", "none")
+GRID_ENCODINGS = position_layers.names(layout="grid")
 
 
 class FrozenParam(nnx.Variable):
@@ -145,7 +146,7 @@ class Perceiver(nnx.Module):
     width: latent and element width; num_latents: N; num_heads: heads of every attention.
     num_blocks: latent self-attention blocks per repeat; num_repeats: how many times the latent stack
       runs with the SAME weights (Perceiver IO style weight sharing).
-    position_encoding: "fourier", "sincos_2d", "learned_2d", "rope_2d" or "none".
+    position_encoding: a name in GRID_ENCODINGS (the registry's encodings of grid positions).
     scan_layers / remat: run the latent stack with nnx.scan, under a remat policy by name.
   """
 

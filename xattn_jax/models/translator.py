@@ -12,10 +12,15 @@ self-attention over the target so far, cross-attention from the target to the en
 
 The decode cache holds, per decoder layer, the self-attention keys/values (filled as tokens arrive)
 and the cross-attention keys/values projected from the memory once per source sentence, plus the
-memory's padding mask and the next target position. Every array leaf with a batch axis has it
-first, so beam search can reorder rows directly (`decoding.beam_search(cache_batch_axis=0)`).
+memory's padding mask, the target positions of every cache row and the next row to fill. Every
+array leaf with a batch axis has it first, so beam search can reorder rows directly
+(`decoding.beam_search(cache_batch_axis=0)`).
 
-The blocks are stacked (`training.layer_stack`): the training pass runs them with `nnx.scan` when
+Positions: explicit ones (packed rows) are used as given; otherwise each side's position module
+chooses them (`layers.positions.RandomizedPositions`): 0..t-1, or with randomized positions a
+sorted random subset of [0, max_position) drawn from the `position_rng` a training pass passes in.
+
+The blocks are stacked (`layers.layer_stack`): the training pass runs them with `nnx.scan` when
 `scan_layers` is set, else as a Python loop over the same stacked parameters, so checkpoints do not
 depend on the switch. Decoding always loops over the layers, so each layer's cache is updated in
 place inside the decode loop instead of being restacked every step.
@@ -38,8 +43,10 @@ from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
 PAD_ID = 0
-# Sequence encodings of layers.positions: additive, rotary, or a relative bias on self-attention scores.
-POSITION_ENCODINGS = ("none", "learned", "sinusoidal", "rope", "alibi", "t5_bias")
+# The encodings of layers.positions that take sequence positions [b, t]: additive, rotary, or a
+# relative bias on the self-attention scores.
+POSITION_ENCODINGS = position_layers.names(layout="sequence")
+RandomizedPositions = position_layers.RandomizedPositions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +60,12 @@ class StackSize:
 
 @flax.struct.dataclass
 class TranslatorCache:
-  """Decode state: one DecoderCache per layer, the memory's padding mask [b, 1, 1, s], and the
-  position of the next target token (int32 scalar, the same for every row)."""
+  """Decode state: one DecoderCache per layer, the memory's padding mask [b, 1, 1, s], the target
+  position of every cache row [b, capacity] (int32) and the index of the next row to fill (int32
+  scalar, the same for every row)."""
   layers: tuple[blocks.DecoderCache, ...]
   memory_mask: jax.Array
+  positions: jax.Array
   position: jax.Array
 
   def decode_room(self) -> int:
@@ -72,12 +81,17 @@ def _check_tokens(name: str, tokens) -> None:
     raise ValueError(f"Translator: {name} must be int [batch, length], got {tokens.dtype}{list(tokens.shape)}")
 
 
-def _default_positions(tokens, positions, start=0):
-  """Explicit positions [b, t], or start + arange(t) for every row."""
+def _positions(encoding, tokens, positions, rng=None):
+  """Explicit positions [b, t] as given, else the ones the position module chooses for tokens [b, t]."""
   if positions is not None:
     chex.assert_equal_shape([tokens, positions])
     return positions
-  return jnp.broadcast_to(start + jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return encoding.sequence_positions(*tokens.shape, rng=rng)[0]
+
+
+def _split(rng):
+  """(source key, target key) of a training pass's position key, or (None, None)."""
+  return (None, None) if rng is None else tuple(jax.random.split(rng))
 
 
 class Translator(nnx.Module):
@@ -87,11 +101,13 @@ class Translator(nnx.Module):
     vocab_size: number of token ids (source and target share the id space).
     encoder, decoder: StackSize of each side; their widths may differ (the decoder's
       cross-attention reads encoder.d_model-wide memories).
-    position_encoding: "none" | "learned" | "sinusoidal" | "rope" | "alibi" | "t5_bias" (added to
-      the embeddings, rotating the self-attention queries and keys, or biasing the self-attention
-      scores; the decoder's relative biases use the causal form).
+    position_encoding: a name in POSITION_ENCODINGS (added to the embeddings, rotating the
+      self-attention queries and keys, or biasing the self-attention scores; the decoder's relative
+      biases use the causal form).
     max_length: longest sequence the learned position table covers (and the rope/sinusoidal
       positions are meant for).
+    randomized_positions: a RandomizedPositions option (default off): training passes given a
+      `position_rng` draw positions from [0, max_position), which must cover max_length.
     rope_scaling, rope_scaling_factor: RoPE length scaling, "linear" (position interpolation) or
       "ntk" (base scaling), or None.
     share_embeddings: one embedding table for source and target (needs equal widths).
@@ -103,7 +119,8 @@ class Translator(nnx.Module):
   """
 
   def __init__(self, vocab_size: int, *, encoder: StackSize, decoder: StackSize,
-               position_encoding: str = "sinusoidal", max_length: int = 256, rope_scaling: str | None = None,
+               position_encoding: str = "sinusoidal", max_length: int = 256,
+               randomized_positions: RandomizedPositions = RandomizedPositions(), rope_scaling: str | None = None,
                rope_scaling_factor: float = 1.0, share_embeddings: bool = True,
                tie_output: bool = True, norm: str = "pre", dropout_rate: float = 0.0,
                attention_dropout_rate: float = 0.0, activation: str = "relu", scan_layers: bool = False,
@@ -117,6 +134,9 @@ class Translator(nnx.Module):
     if share_embeddings and encoder.d_model != decoder.d_model:
       raise ValueError(f"Translator: share_embeddings needs encoder.d_model == decoder.d_model, got "
                        f"{encoder.d_model} and {decoder.d_model}")
+    if randomized_positions.max_position and randomized_positions.max_position < max_length:
+      raise ValueError(f"Translator: randomized_positions.max_position must be >= max_length={max_length} (every "
+                       f"sequence position must be drawable), got {randomized_positions.max_position}")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
     self.vocab_size, self.max_length, self.norm = vocab_size, max_length, norm
     self.share_embeddings, self.tie_output = share_embeddings, tie_output
@@ -133,7 +153,7 @@ class Translator(nnx.Module):
       return position_layers.make_position_encoding(
           position_encoding, features=side.d_model, max_length=max_length, num_heads=side.num_heads,
           head_dim=side.d_model // side.num_heads, causal=causal, rope_scaling=rope_scaling,
-          rope_scaling_factor=rope_scaling_factor, rngs=rngs, **common)
+          rope_scaling_factor=rope_scaling_factor, randomized=randomized_positions, rngs=rngs, **common)
 
     self.source_embed = embed(encoder.d_model)
     self.target_embed = None if share_embeddings else embed(decoder.d_model)
@@ -171,7 +191,8 @@ class Translator(nnx.Module):
     return self.source_embed if self.target_embed is None else self.target_embed
 
   def _embed(self, table: nnx.Embed, position_encoding, tokens, positions, deterministic):
-    """tokens [b, t] -> [b, t, d_model]: scaled embeddings (Vaswani et al.) plus additive positions."""
+    """tokens [b, t], positions [b, t] -> [b, t, d_model]: scaled embeddings (Vaswani et al.) plus
+    additive positions."""
     x = table(tokens) * jnp.sqrt(float(table.features)).astype(self.dtype)
     x = position_encoding.add_to_inputs(x, positions)
     return self.dropout(x, deterministic=deterministic)
@@ -198,16 +219,19 @@ class Translator(nnx.Module):
 
   # --- public passes ----------------------------------------------------------------------------
 
-  def encode(self, inputs, *, inputs_positions=None, inputs_segmentation=None, deterministic: bool = True):
-    """inputs [b, s] -> memory [b, s, encoder.d_model]; padded rows of the memory are ignored later."""
+  def encode(self, inputs, *, inputs_positions=None, inputs_segmentation=None, position_rng=None,
+             deterministic: bool = True):
+    """inputs [b, s] -> memory [b, s, encoder.d_model]; padded rows of the memory are ignored later.
+
+    position_rng: a key for randomized positions (training passes); None = the evaluation positions.
+    """
     _check_tokens("inputs", inputs)
-    positions = _default_positions(inputs, inputs_positions)
+    positions = _positions(self.source_positions, inputs, inputs_positions, position_rng)  # [b, s]
     if inputs_segmentation is None:
       mask = masks_lib.padding_mask(inputs != PAD_ID)  # [b, 1, 1, s]
     else:
       mask = masks_lib.segment_mask(inputs_segmentation, inputs_segmentation)  # [b, 1, s, s]
-    # The user's positions (None = 0..s-1 for every row, computed once for the batch).
-    x = self._embed(self.source_embed, self.source_positions, inputs, inputs_positions, deterministic)
+    x = self._embed(self.source_embed, self.source_positions, inputs, positions, deterministic)
     bias = self.source_positions.attention_bias(positions, positions)  # [b, heads, s, s] or None
     x = layer_stack.apply_stack(self.encoder_blocks, x, scan=self.scan_layers, remat=self.remat, mask=mask,
                                 positions=positions, bias=bias, deterministic=deterministic)
@@ -216,19 +240,19 @@ class Translator(nnx.Module):
     return memory
 
   def decode(self, decoder_inputs, memory, memory_mask, *, targets_positions=None, targets_segmentation=None,
-             deterministic: bool = True):
+             position_rng=None, deterministic: bool = True):
     """Full teacher-forced decoder pass: decoder_inputs [b, t] -> logits [b, t, vocab] (float32)."""
     _check_tokens("decoder_inputs", decoder_inputs)
-    positions = _default_positions(decoder_inputs, targets_positions)
-    x = self._embed(self._target_table(), self.target_positions, decoder_inputs, targets_positions, deterministic)
+    positions = _positions(self.target_positions, decoder_inputs, targets_positions, position_rng)  # [b, t]
+    x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic)
     return self.decode_embeddings(x, memory, memory_mask, targets_positions=positions,
                                   targets_segmentation=targets_segmentation, deterministic=deterministic)
 
   def decode_embeddings(self, x, memory, memory_mask, *, targets_positions=None, targets_segmentation=None,
-                        deterministic: bool = True):
+                        position_rng=None, deterministic: bool = True):
     """The decoder stack and output layer on embedded targets x [b, t, decoder.d_model] -> logits."""
     chex.assert_rank(x, 3)
-    positions = _default_positions(x[..., 0], targets_positions)
+    positions = _positions(self.target_positions, x[..., 0], targets_positions, position_rng)
     self_mask = None if targets_segmentation is None else masks_lib.segment_mask(
         targets_segmentation, targets_segmentation)  # [b, 1, t, t]; the block adds the causal mask
     self_bias = self.target_positions.attention_bias(positions, positions)  # [b, heads, t, t] or None
@@ -238,20 +262,24 @@ class Translator(nnx.Module):
     return self._logits(x)
 
   def __call__(self, inputs, decoder_inputs, *, inputs_positions=None, inputs_segmentation=None,
-               targets_positions=None, targets_segmentation=None, deterministic: bool = True):
+               targets_positions=None, targets_segmentation=None, position_rng=None, deterministic: bool = True):
     """Training pass: inputs [b, s], decoder_inputs [b, t] (BOS + target[:-1]) -> logits [b, t, vocab].
 
     For packed rows pass the segment ids (0 = padding) and per-segment positions of both streams.
+    position_rng: the key randomized positions are drawn from (a training step's; split between the
+    encoder and the decoder); None = the positions evaluation uses.
     """
+    source_rng, target_rng = _split(position_rng)
     if (inputs_segmentation is None) != (targets_segmentation is None):
       raise ValueError("Translator: pass both inputs_segmentation and targets_segmentation (packed rows) or "
                        "neither")
     memory = self.encode(inputs, inputs_positions=inputs_positions, inputs_segmentation=inputs_segmentation,
-                         deterministic=deterministic)
+                         position_rng=source_rng, deterministic=deterministic)
     memory_mask = self.memory_mask(inputs, inputs_segmentation=inputs_segmentation,
                                    targets_segmentation=targets_segmentation)
     return self.decode(decoder_inputs, memory, memory_mask, targets_positions=targets_positions,
-                       targets_segmentation=targets_segmentation, deterministic=deterministic)
+                       targets_segmentation=targets_segmentation, position_rng=target_rng,
+                       deterministic=deterministic)
 
   # --- incremental decoding ---------------------------------------------------------------------
 
@@ -268,12 +296,14 @@ class Translator(nnx.Module):
                        f"{memory_valid.dtype}{list(memory_valid.shape)}")
     if not isinstance(max_length, int) or max_length < 1:
       raise ValueError(f"Translator.init_cache: max_length must be a positive int, got {max_length!r}")
-    if self.position_encoding == "learned" and max_length > self.max_length:
-      # Decoding would look up rows past the table: NaN logits, which a search turns into tokens.
-      raise ValueError(f"Translator.init_cache: max_length={max_length} target positions do not fit the learned "
-                       f"position table of {self.max_length} rows (Translator max_length)")
+    # The positions of every row the cache will hold; a learned table that cannot hold them raises
+    # here (decoding would read NaN rows past the table, which a search turns into tokens).
+    try:
+      positions, _ = self.target_positions.sequence_positions(memory.shape[0], max_length)  # [b, capacity]
+    except ValueError as error:
+      raise ValueError(f"Translator.init_cache: max_length={max_length} target positions: {error}") from None
     layers = tuple(block.init_cache(memory, max_length) for block in self.decoder_layers())
-    return TranslatorCache(layers=layers, memory_mask=masks_lib.padding_mask(memory_valid),
+    return TranslatorCache(layers=layers, memory_mask=masks_lib.padding_mask(memory_valid), positions=positions,
                            position=jnp.zeros((), jnp.int32))
 
   def decode_step(self, tokens, cache: TranslatorCache):
@@ -291,12 +321,10 @@ class Translator(nnx.Module):
 
   def _decode_step(self, layers, tokens, cache: TranslatorCache):
     _check_tokens("tokens", tokens)
-    positions = _default_positions(tokens, None, start=cache.position)
+    positions = jax.lax.dynamic_slice_in_dim(cache.positions, cache.position, tokens.shape[1], axis=1)  # [b, t]
     x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
     # A relative bias between these queries and every cache row (rows past the fill are masked).
-    capacity = cache.layers[0].self_attention.max_length
-    cache_positions = _default_positions(jnp.zeros((tokens.shape[0], capacity), jnp.int32), None)
-    self_bias = self.target_positions.attention_bias(positions, cache_positions)  # [b, heads, t, capacity]
+    self_bias = self.target_positions.attention_bias(positions, cache.positions)  # [b, heads, t, capacity]
     new_layers = []
     for block, layer_cache in zip(layers, cache.layers):
       x, layer_cache = block.decode(x, layer_cache, positions=positions, memory_mask=cache.memory_mask,
@@ -312,7 +340,7 @@ class Translator(nnx.Module):
     _check_tokens("decoder_inputs", decoder_inputs)
     memory = self.encode(inputs)
     memory_mask = self.memory_mask(inputs)
-    positions = _default_positions(decoder_inputs, None)
+    positions = _positions(self.target_positions, decoder_inputs, None)
     x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic=True)
     self_bias = self.target_positions.attention_bias(positions, positions)
     weights = []

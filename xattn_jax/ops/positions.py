@@ -58,6 +58,31 @@ def _check_choice(value, choices, function: str, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Which positions a sequence gets.
+
+def randomized_positions(rng, batch: int, length: int, max_position: int) -> jax.Array:
+  """Randomized positions (Ruoss et al. 2023): for every row, `length` distinct positions drawn
+  uniformly from [0, max_position), sorted ascending: int32 [batch, length].
+
+  Training a sequence of length n on such a subset instead of 0..n-1 shows the encoding every
+  position below max_position, so a longer sequence at test time sees no position it never trained
+  on. Every row is an independent draw; the result is a pure function of rng.
+  """
+  batch = _check_positive_int(batch, "randomized_positions", "batch")
+  length = _check_positive_int(length, "randomized_positions", "length")
+  max_position = _check_positive_int(max_position, "randomized_positions", "max_position")
+  if length > max_position:
+    raise ValueError(f"randomized_positions: length must be <= max_position={max_position} (positions are "
+                     f"distinct), got length={length}")
+  rng = rng if isinstance(rng, jax.Array) else jnp.asarray(rng)
+  if not (jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    raise ValueError(f"randomized_positions: rng must be a jax.random key, got {rng.dtype}{list(rng.shape)}")
+  scores = jax.random.uniform(rng, (batch, max_position))
+  _, chosen = jax.lax.top_k(scores, length)  # [batch, length]: distinct indices of the largest scores
+  return jnp.sort(chosen, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
 # Absolute encodings added to the embeddings.
 
 def sinusoidal(positions, dim: int, base: float = 10000.0) -> jax.Array:

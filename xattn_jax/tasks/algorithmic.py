@@ -68,7 +68,12 @@ class AlgorithmicTask(task_lib.Task):
     if task.min_length > task.train_max_length:
       raise validation.ConfigError("task.min_length", task.min_length,
                                    f"must be <= task.train_max_length={task.train_max_length}")
-    parse_bands(task.eval_bands)
+    longest = max(task.train_max_length, *(hi for _, hi in parse_bands(task.eval_bands))) + 1  # EOS included
+    randomized = config.model.get("randomized_positions_max", 0)
+    if randomized and randomized < longest:
+      raise validation.ConfigError("model.randomized_positions_max", randomized,
+                                   f"must be >= {longest}, the longest sequence the model sees (the longest "
+                                   "eval band plus EOS), or 0 = off")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
@@ -81,9 +86,12 @@ class AlgorithmicTask(task_lib.Task):
     side = translator_lib.StackSize(c.d_model, c.num_heads, c.num_layers, c.mlp_dim)
     rope_scaling = dict(rope_scaling=c.rope_scaling, rope_scaling_factor=c.rope_scaling_factor) \
         if c.rope_scaling else {}
+    randomized = translator_lib.RandomizedPositions(max_position=c.get("randomized_positions_max", 0),
+                                                    at_eval=c.get("randomized_positions_at_eval", False))
     return translator_lib.Translator(
         algorithmic.vocab_size(self.config.task.num_symbols), encoder=side, decoder=side,
-        position_encoding=c.position_encoding, max_length=self.max_length, scan_layers=c.scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **rope_scaling)
+        position_encoding=c.position_encoding, max_length=self.max_length, randomized_positions=randomized,
+        scan_layers=c.scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **rope_scaling)
 
   def _examples(self, rng, count, min_length, max_length, width):
     task = self.config.task
@@ -98,8 +106,8 @@ class AlgorithmicTask(task_lib.Task):
     del batch["lengths"]
     return {k: v[process_index * size:(process_index + 1) * size] for k, v in batch.items()}
 
-  def _token_losses(self, model, batch):
-    logits = model(batch["inputs"], batch["decoder_inputs"])  # [b, t, vocab]
+  def _token_losses(self, model, batch, position_rng=None):
+    logits = model(batch["inputs"], batch["decoder_inputs"], position_rng=position_rng)  # [b, t, vocab]
     token_weights = (batch["targets"] != algorithmic.PAD_ID).astype(jnp.float32)  # [b, t]
     if "weights" in batch:
       token_weights = token_weights * batch["weights"][:, None]
@@ -108,8 +116,9 @@ class AlgorithmicTask(task_lib.Task):
     return logits, token_weights, loss_sum, weight_sum
 
   def loss(self, model, batch, *, rngs):
-    del rngs  # the model has no dropout: the sweep compares encodings, not regularisers
-    _, _, loss_sum, weight_sum = self._token_losses(model, batch)
+    # The model has no dropout (the sweep compares encodings, not regularisers); the step's rngs
+    # draw its randomized positions, if the model has them (a pure function of (seed, step)).
+    _, _, loss_sum, weight_sum = self._token_losses(model, batch, position_rng=rngs.positions())
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):

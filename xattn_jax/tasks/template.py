@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from xattn_jax.layers import EncoderBlock, dense, layer_stack, make_position_encoding
+from xattn_jax.layers import positions as position_layers
 from xattn_jax.ops import masks
 from xattn_jax.training import optim, task as task_lib, validation
 
@@ -25,16 +26,9 @@ MODELS = ("reverser",)
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1  # seeds of the train batches and of the eval set never collide
 
 
-def _text_positions(batch: int, length: int):  # [b, t]: the token indices
-  return jnp.broadcast_to(jnp.arange(length), (batch, length))
-
-
-# The encodings of the registry this model wires up, each with the positions its attention reads:
-# [b, t], or [3, b, t] (time, height, width) for the multimodal rope, all three the token index for text.
-POSITION_ENCODINGS = {
-    "none": _text_positions, "learned": _text_positions, "sinusoidal": _text_positions, "rope": _text_positions,
-    "mrope": lambda b, t: jnp.broadcast_to(_text_positions(b, t), (3, b, t)),
-}
+# Text takes the registry's sequence encodings, and M-RoPE with every axis the token index (text-only
+# M-RoPE is 1D RoPE); the registry declares which positions each takes.
+POSITION_ENCODINGS = position_layers.names(layout="sequence") + position_layers.names(layout="multimodal")
 
 
 class Reverser(nnx.Module):
@@ -42,13 +36,15 @@ class Reverser(nnx.Module):
 
   def __init__(self, c, max_length: int, *, dtype, param_dtype, rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype)
-    self.position_encoding, self.scan_layers, self.remat = c.position_encoding, c.scan_layers, c.remat
+    self.scan_layers, self.remat = c.scan_layers, c.remat
+    self.multimodal_positions = "multimodal" in position_layers.get(c.position_encoding).layouts
     # Logical axis names ("vocab", "embed", ...) tell the loop how to shard each parameter.
     init = nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"), eager_sharding=False)
     self.embed = nnx.Embed(VOCAB_SIZE, c.d_model, embedding_init=init, rngs=rngs, **common)
     # Additive encodings add themselves to the embeddings; rotary ones hand the blocks a RotarySpec.
     self.positions = make_position_encoding(
         c.position_encoding, features=c.d_model, max_length=max_length, head_dim=c.d_model // c.num_heads,
+        num_heads=c.num_heads,
         rotary_dim=c.rotary_dim or None, mrope_sections=tuple(c.mrope_sections), rngs=rngs, **common)
     self.blocks = layer_stack.create_stack(  # num_layers blocks as one module, parameters [layers, ...]
         lambda r: EncoderBlock(c.d_model, c.num_heads, c.mlp_dim, dropout_rate=c.dropout_rate,
@@ -59,11 +55,13 @@ class Reverser(nnx.Module):
 
   def __call__(self, tokens, *, deterministic: bool = True):
     """tokens [b, t] int (0 = padding) -> logits [b, t, vocab]; dropout only when not deterministic."""
-    x = self.positions.add_to_inputs(self.embed(tokens))  # [b, t, d_model]
-    positions = POSITION_ENCODINGS[self.position_encoding](*tokens.shape)
+    positions, _ = self.positions.sequence_positions(*tokens.shape)  # [b or 1, t]: 0..t-1
+    x = self.positions.add_to_inputs(self.embed(tokens), positions)  # [b, t, d_model] (additive encodings)
+    bias = self.positions.attention_bias(positions, positions)  # [b, heads, t, t] (ALiBi, T5) or None
+    rotary_positions = jnp.broadcast_to(positions, (3, *tokens.shape)) if self.multimodal_positions else positions
     x = layer_stack.apply_stack(self.blocks, x, scan=self.scan_layers, remat=self.remat,
                                 mask=masks.padding_mask(tokens != 0),  # [b, 1, 1, t]: keys that are letters
-                                positions=positions, deterministic=deterministic)
+                                positions=rotary_positions, bias=bias, deterministic=deterministic)
     return self.logits(self.final_norm(x))
 
 

@@ -1,35 +1,59 @@
-"""Optimizer, learning-rate schedule, weight-decay mask and the shared cross-entropy loss."""
+"""Optimizer, learning-rate schedule, weight-decay mask and the shared cross-entropy loss.
+
+OPTIMIZERS and SCHEDULES are the one list of each choice (config validation reads them): adding
+one is one function and one entry.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
 
-def make_schedule(optimizer_config, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to `learning_rate` over `warmup_steps`, then the named decay.
+def _cosine(optimizer_config, total_steps: int) -> optax.Schedule:
+  """Down to `learning_rate * final_learning_rate_fraction` at `total_steps`."""
+  return optax.cosine_decay_schedule(optimizer_config.learning_rate,
+                                     max(total_steps - optimizer_config.warmup_steps, 1),
+                                     alpha=optimizer_config.final_learning_rate_fraction)
 
-  cosine: down to `learning_rate * final_learning_rate_fraction` at `total_steps`.
-  rsqrt:  `learning_rate * sqrt(warmup_steps / step)` (inverse square root, as in Vaswani et al.).
-  constant: stays at `learning_rate`.
-  """
-  peak = optimizer_config.learning_rate
+
+def _rsqrt(optimizer_config, total_steps: int) -> optax.Schedule:
+  """`learning_rate * sqrt(warmup_steps / step)` (inverse square root, as in Vaswani et al.)."""
+  del total_steps
+  peak, warmup = optimizer_config.learning_rate, max(optimizer_config.warmup_steps, 1)
+
+  def decay(count):
+    # `count` counts steps after warmup; the decay joins the warmup at the peak.
+    return peak * jnp.sqrt(warmup / (count + warmup))
+
+  return decay
+
+
+def _constant(optimizer_config, total_steps: int) -> optax.Schedule:
+  del total_steps
+  return optax.constant_schedule(optimizer_config.learning_rate)
+
+
+# optimizer.schedule -> (optimizer config, total_steps) -> the decay after warmup.
+SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {"cosine": _cosine, "rsqrt": _rsqrt, "constant": _constant}
+
+
+def _chosen(registry: dict, field: str, name: str):
+  if name not in registry:
+    raise ValueError(f"{field}={name!r}: allowed are {sorted(registry)}")
+  return registry[name]
+
+
+def make_schedule(optimizer_config, total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to `learning_rate` over `warmup_steps`, then the SCHEDULES decay named
+  by `optimizer_config.schedule`."""
   warmup = optimizer_config.warmup_steps
-  name = optimizer_config.schedule
-  if name == "cosine":
-    decay = optax.cosine_decay_schedule(
-        peak, max(total_steps - warmup, 1), alpha=optimizer_config.final_learning_rate_fraction)
-  elif name == "rsqrt":
-    def decay(count):
-      # `count` counts steps after warmup; the decay joins the warmup at the peak.
-      return peak * jnp.sqrt(max(warmup, 1) / (count + max(warmup, 1)))
-  elif name == "constant":
-    decay = optax.constant_schedule(peak)
-  else:
-    raise ValueError(f"optimizer.schedule={name!r}: allowed are ['constant', 'cosine', 'rsqrt']")
+  decay = _chosen(SCHEDULES, "optimizer.schedule", optimizer_config.schedule)(optimizer_config, total_steps)
   if warmup == 0:
     return decay
-  warmup_schedule = optax.linear_schedule(0.0, peak, warmup)
+  warmup_schedule = optax.linear_schedule(0.0, optimizer_config.learning_rate, warmup)
   return optax.join_schedules([warmup_schedule, decay], [warmup])
 
 
@@ -48,20 +72,28 @@ def weight_decay_mask(params, exclude: str):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def _adamw(c, schedule) -> optax.GradientTransformation:
+  return optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay,
+                     mask=lambda params: weight_decay_mask(params, c.weight_decay_exclude))
+
+
+def _adam(c, schedule) -> optax.GradientTransformation:
+  return optax.adam(schedule, b1=c.b1, b2=c.b2, eps=c.eps)
+
+
+def _sgd(c, schedule) -> optax.GradientTransformation:
+  return optax.sgd(schedule, momentum=c.momentum)
+
+
+# optimizer.name -> (optimizer config, learning-rate schedule) -> the update rule.
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
+
+
 def make_optimizer(optimizer_config, total_steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW / Adam / SGD with the configured schedule."""
+  """Global-norm clipping, then the OPTIMIZERS entry named by `optimizer_config.name` with the
+  configured schedule."""
   schedule = make_schedule(optimizer_config, total_steps)
-  name = optimizer_config.name
-  if name == "adamw":
-    tx = optax.adamw(schedule, b1=optimizer_config.b1, b2=optimizer_config.b2,
-                     eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay,
-                     mask=lambda params: weight_decay_mask(params, optimizer_config.weight_decay_exclude))
-  elif name == "adam":
-    tx = optax.adam(schedule, b1=optimizer_config.b1, b2=optimizer_config.b2, eps=optimizer_config.eps)
-  elif name == "sgd":
-    tx = optax.sgd(schedule, momentum=optimizer_config.momentum)
-  else:
-    raise ValueError(f"optimizer.name={name!r}: allowed are ['adam', 'adamw', 'sgd']")
+  tx = _chosen(OPTIMIZERS, "optimizer.name", optimizer_config.name)(optimizer_config, schedule)
   if optimizer_config.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(optimizer_config.grad_clip_norm), tx)
   return tx

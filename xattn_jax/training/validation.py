@@ -14,16 +14,18 @@ import os
 import jax
 from ml_collections import ConfigDict
 
+from xattn_jax.layers import layer_stack
+from xattn_jax.layers import positions as position_layers
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import positions as position_ops
+from xattn_jax.training import optim
 from xattn_jax.training import task as tasks_lib
 
+# The choices of code elsewhere are read from the registry that implements them: optimizers and
+# schedules (training.optim), remat policies (layers.layer_stack), position encodings and their
+# rules (layers.positions), attention implementations (ops.attention), RoPE scalings (ops.positions).
 MESH_AXES = ("data", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("cosine", "rsqrt", "constant")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ROTARY_ENCODINGS = ("rope", "rope_2d", "mrope")
 
 
 class ConfigError(ValueError):
@@ -102,24 +104,48 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   return sizes
 
 
+def _check_randomized_positions(model_config, prefix: str, encoding: position_layers.PositionEncoding | None):
+  """randomized_positions_max: 0 (off) or a max_position for an encoding computed from sequence indices."""
+  field = f"{prefix}.randomized_positions_max"
+  value = model_config.randomized_positions_max
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ConfigError(field, value, "must be an integer >= 0 (0 = off; else positions are drawn from [0, value))")
+  if value and (encoding is None or not encoding.randomizable):
+    raise ConfigError(field, value, f"randomizes sequence positions: needs position_encoding in "
+                      f"{list(position_layers.names(randomizable=True))}, this model has "
+                      f"{model_config.get('position_encoding')!r}; leave it 0 otherwise")
+  if value and "max_length" in model_config and value < model_config.max_length:
+    raise ConfigError(field, value, f"must be >= {prefix}.max_length={model_config.max_length}, the longest "
+                      "sequence the model sees (or 0 = off)")
+
+
 def check_attention_dims(model_config, prefix: str = "model", position_encoding: str = ""):
-  """d_model divisible by num_heads; even rotary dims; mrope sections adding up to rotary_dim / 2.
+  """d_model divisible by num_heads; a registered position encoding and its declared rules (rotary
+  width multiple, mrope sections, randomized positions only where it applies).
 
   `position_encoding` is read from the section itself or inherited from the enclosing one, so an
   encoder-decoder's `model.position_encoding` applies to `model.encoder` and `model.decoder`.
   """
   fields = model_config.keys()
+  if "position_encoding" in fields and model_config.position_encoding not in position_layers.POSITION_ENCODINGS:
+    raise ConfigError(f"{prefix}.position_encoding", model_config.position_encoding,
+                      f"allowed are {list(position_layers.POSITION_ENCODINGS)}")
   position_encoding = model_config.get("position_encoding", position_encoding)
+  encoding = position_layers.POSITION_ENCODINGS.get(position_encoding)
+  rotary = encoding.rotary_kind if encoding is not None else None
+  if "randomized_positions_max" in fields:
+    _check_randomized_positions(model_config, prefix, encoding)
   if "rope_scaling_factor" in fields and not model_config.rope_scaling_factor > 0:
     raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor, "must be > 0")
   if model_config.get("rope_scaling") and model_config.rope_scaling not in position_ops.ROPE_SCALINGS:
     raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
                       f"allowed are '' (none) or {[s for s in position_ops.ROPE_SCALINGS if s]}")
-  if model_config.get("rope_scaling") and position_encoding not in ROTARY_ENCODINGS:
+  if model_config.get("rope_scaling") and rotary is None:
     # Without a rotary encoding the scaling would be ignored: a length ablation would measure nothing.
     raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
-                      f"scales rotary positions: needs position_encoding in {list(ROTARY_ENCODINGS)}, "
-                      f"this model has {position_encoding!r}; leave it '' otherwise")
+                      f"scales rotary positions: needs position_encoding in "
+                      f"{list(position_layers.names(role='rotary'))}, this model has {position_encoding!r}; "
+                      f"leave it '' otherwise")
   if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
     raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
   if "d_model" in fields and "num_heads" in fields:
@@ -132,27 +158,26 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
       raise ConfigError(f"{prefix}.d_model", d_model,
                         f"must be divisible by {prefix}.num_heads={num_heads}")
     head_dim = model_config.get("head_dim", 0) or d_model // num_heads
-    if position_encoding in ROTARY_ENCODINGS:
+    if rotary is not None:
       rotary_dim = model_config.get("rotary_dim", 0) or head_dim
       field = f"{prefix}.rotary_dim" if model_config.get("rotary_dim", 0) else f"{prefix}.d_model"
-      multiple = 4 if position_encoding == "rope_2d" else 2
-      if rotary_dim % multiple or rotary_dim > head_dim:
+      if rotary_dim % rotary.multiple_of or rotary_dim > head_dim:
         raise ConfigError(field, model_config.get(field.rsplit(".", 1)[1]),
-                          f"rotary dimension {rotary_dim} must be a multiple of {multiple} and at "
+                          f"rotary dimension {rotary_dim} must be a multiple of {rotary.multiple_of} and at "
                           f"most head_dim={head_dim} ({position_encoding})")
-      if position_encoding == "mrope":
+      if rotary.num_sections:
         sections = tuple(model_config.get("mrope_sections", ()))
-        if len(sections) != 3 or sum(sections) != rotary_dim // 2 or min(sections) < 1:
+        if len(sections) != rotary.num_sections or sum(sections) != rotary_dim // 2 or min(sections) < 1:
           raise ConfigError(f"{prefix}.mrope_sections", sections,
-                            f"needs 3 positive sections (time, height, width) summing to rotary_dim / 2 = "
-                            f"{rotary_dim // 2} frequency pairs")
+                            f"needs {rotary.num_sections} positive sections (one per position axis) summing to "
+                            f"rotary_dim / 2 = {rotary_dim // 2} frequency pairs")
   if "implementation" in fields:
     if model_config.implementation not in ("", *attention_ops.IMPLEMENTATIONS):
       raise ConfigError(f"{prefix}.implementation", model_config.implementation,
                         f"allowed are '' (the op's default choice) or {list(attention_ops.IMPLEMENTATIONS)}")
   if "remat" in fields:
-    if model_config.remat not in REMAT_POLICIES:
-      raise ConfigError(f"{prefix}.remat", model_config.remat, f"allowed are {list(REMAT_POLICIES)}")
+    if model_config.remat not in layer_stack.REMAT_POLICIES:
+      raise ConfigError(f"{prefix}.remat", model_config.remat, f"allowed are {list(layer_stack.REMAT_POLICIES)}")
   for key in fields:
     if isinstance(model_config[key], ConfigDict):
       check_attention_dims(model_config[key], f"{prefix}.{key}", position_encoding)
@@ -210,8 +235,8 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if "steps_per_call" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "steps_per_call")
   require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
-  require_choice(config, "optimizer.name", OPTIMIZERS)
-  require_choice(config, "optimizer.schedule", SCHEDULES)
+  require_choice(config, "optimizer.name", optim.OPTIMIZERS)
+  require_choice(config, "optimizer.schedule", optim.SCHEDULES)
   _check_optimizer_numbers(config.optimizer)
   _check_probabilities(config)
   require_choice(config, "checkpoint.best_mode", ("min", "max"))

@@ -5,8 +5,8 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
                        (data.train_file / data.eval_file of UTF-8 "source<TAB>target" lines)
   data.tokenizer       "sentencepiece" (trained on both sides of the training text into
                        <workdir>/tokenizer/, reused on resume and in eval / infer) or "bytes"
-  model.*              Translator sizes and options; model.position_encoding in none | learned |
-                       sinusoidal | rope | alibi | t5_bias
+  model.*              Translator sizes and options; model.position_encoding one of
+                       translator.POSITION_ENCODINGS, norm / activation from layers.blocks
   task.*               label smoothing, decoding (beam_size 1 = greedy, length_penalty), how many
                        eval sentences to decode, log and plot
 
@@ -49,14 +49,13 @@ from jax.experimental import multihost_utils
 
 from xattn_jax import decoding
 from xattn_jax.data import batching, dates, tokenizers, tsv
+from xattn_jax.layers import blocks
 from xattn_jax.models import translator as translator_lib
 from xattn_jax.training import optim, sharding, task as task_lib, validation
 from xattn_jax.tasks.translate import plots as translate_plots
 
 DATA_SOURCES = ("dates", "tsv")
 TOKENIZERS = ("sentencepiece", "bytes")
-NORMS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu", "silu")
 BLEU_TOKENIZERS = ("auto", "13a", "intl", "char", "zh", "none")  # sacrebleu's, with no extra installs
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
 # Packed batches' keys -> the translator's keyword arguments.
@@ -176,8 +175,8 @@ class TranslateTask(task_lib.Task):
     data, model, task = config.data, config.model, config.task
     validation.require_choice(config, "model.name", ("translator",))
     validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
-    validation.require_choice(config, "model.norm", NORMS)
-    validation.require_choice(config, "model.activation", ACTIVATIONS)
+    validation.require_choice(config, "model.norm", blocks.NORM_PLACEMENTS)
+    validation.require_choice(config, "model.activation", blocks.ACTIVATIONS)
     # validation.check_attention_dims has already checked each side's head_dim for rope.
     for side in ("encoder", "decoder"):
       validation.require_positive(config, *(f"model.{side}.{f}" for f in ("d_model", "num_heads", "num_layers",
