@@ -143,12 +143,21 @@ def _finite_or_zero(row_max, st: _Static):
   return jnp.where(jnp.isfinite(row_max), row_max, 0.0) if st.may_hide_rows else row_max
 
 
-def _key_blocks_needed(q_start, st: _Static, num_key_blocks: int):
-  """Number of leading key blocks a query block can see (causal skips blocks above the diagonal)."""
+def _over_key_blocks(q_start, st: _Static, num_key_blocks: int, step, init):
+  """`lax.fori_loop(0, n, step, init)` over the n leading key blocks a query block can see.
+
+  Causal attention skips the key blocks above the diagonal. The trip count is always a Python int,
+  so the loop lowers to a `scan`, which reverse mode differentiates (grad of grad); with a traced
+  q_start (inside the loop over query blocks) the loop spans every key block and a `cond` skips
+  those the query block cannot see.
+  """
   if not st.is_causal or st.blocking.parallel_units:  # one query block sees every key block
-    return num_key_blocks
-  last_key = st.query_offset + q_start + st.blocking.block_q - 1
-  return jnp.clip(last_key // st.blocking.block_k + 1, 0, num_key_blocks)
+    return lax.fori_loop(0, num_key_blocks, step, init)
+  needed = (st.query_offset + q_start + st.blocking.block_q - 1) // st.blocking.block_k + 1
+  if isinstance(needed, int):
+    return lax.fori_loop(0, min(max(needed, 0), num_key_blocks), step, init)
+  skip = lambda kb, carry: carry
+  return lax.fori_loop(0, num_key_blocks, lambda kb, carry: lax.cond(kb < needed, step, skip, kb, carry), init)
 
 
 def _rows(x_blk):
@@ -200,8 +209,7 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, q_start, st: _Static):
     rows, h = q_rows.shape
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, h), jnp.float32))
-    row_max, row_sum, acc = lax.fori_loop(
-        0, _key_blocks_needed(q_start, st, num_key_blocks), step, init)
+    row_max, row_sum, acc = _over_key_blocks(q_start, st, num_key_blocks, step, init)
   if not st.may_hide_rows:  # every row saw a key: no guards (they cost ~10% of the forward)
     return acc / row_sum[..., None], row_max + jnp.log(row_sum)
   seen = row_sum > 0
@@ -287,8 +295,7 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, st: 
     if num_key_blocks == 1:
       dq_t, dk_u, dv_u, dbias = step(0, init)
     else:
-      dq_t, dk_u, dv_u, dbias = lax.fori_loop(
-          0, _key_blocks_needed(q_start, st, num_key_blocks), step, init)
+      dq_t, dk_u, dv_u, dbias = _over_key_blocks(q_start, st, num_key_blocks, step, init)
     dq_blk = _unrows(dq_t.T * st.scale, groups).astype(dq_u.dtype)
     return lax.dynamic_update_slice_in_dim(dq_u, dq_blk, q_start, axis=0), dk_u, dv_u, dbias
 
