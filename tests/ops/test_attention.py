@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests.ops.attention_reference import (KINDS, make_case, output_and_grads, random_inputs, reference_attention,
+                                          reference_output_and_grads)
 from xattn_jax.ops import attention, blocked_attention, masks
 
 HAS_GPU = jax.default_backend() == "gpu"
@@ -34,80 +36,6 @@ def force_blocking(monkeypatch, blocking):
   monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: make(impl, s))
 
 
-def reference_attention(query, key, value, bias=None, mask=None, is_causal=False):
-  """Straightforward dense attention in float32; rows with no visible key give zeros."""
-  b, t, n, h = query.shape
-  s, kv_heads = key.shape[1], key.shape[2]
-  key = jnp.repeat(key.astype(jnp.float32), n // kv_heads, axis=2)  # [b, s, n, h]
-  value = jnp.repeat(value.astype(jnp.float32), n // kv_heads, axis=2)
-  scores = jnp.einsum("btnh,bsnh->bnts", query.astype(jnp.float32), key) / np.sqrt(h)
-  if bias is not None:
-    scores = scores + bias
-  if is_causal:
-    mask = masks.combine_masks(mask, masks.causal_mask(t, s))
-  if mask is not None:
-    scores = jnp.where(mask, scores, -1e30)
-  weights = jax.nn.softmax(scores, axis=-1)
-  if mask is not None:
-    weights = jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0)
-  return jnp.einsum("bnts,bsnh->btnh", weights, value)
-
-
-def random_inputs(seed, b=2, t=6, s=11, heads=4, kv_heads=2, h=8, dtype=jnp.float32):
-  rng = np.random.default_rng(seed)
-  query = jnp.asarray(rng.normal(size=(b, t, heads, h)), dtype)
-  key = jnp.asarray(rng.normal(size=(b, s, kv_heads, h)), dtype)
-  value = jnp.asarray(rng.normal(size=(b, s, kv_heads, h)), dtype)
-  return query, key, value, rng
-
-
-def make_case(kind, seed, **shape):
-  """(query, key, value, kwargs) for one masking kind."""
-  query, key, value, rng = random_inputs(seed, **shape)
-  b, t, n, _ = query.shape
-  s = key.shape[1]
-  kwargs = {}
-  if kind == "bool_mask":
-    mask = rng.random((b, n, t, s)) > 0.4
-    mask[0, 0, 0] = False  # one query that sees nothing
-    kwargs["mask"] = jnp.asarray(mask)
-  elif kind == "key_padding":
-    kwargs["mask"] = masks.padding_mask(jnp.asarray([s - 3, 0][:b]), kv_len=s)  # second batch: all padding
-  elif kind == "segments":
-    q_ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, t)), axis=1))
-    k_ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(b, s)), axis=1))
-    kwargs["mask"] = masks.segment_mask(q_ids, k_ids)
-  elif kind == "causal":  # q_len == kv_len; q_len < kv_len is in "bias_mask_causal" and the MQA test
-    key, value = key[:, :t], value[:, :t]
-    kwargs["is_causal"] = True
-  elif kind == "bias":
-    kwargs["bias"] = jnp.asarray(rng.normal(size=(1, n, t, s)), jnp.float32)
-  elif kind == "bias_mask_causal":
-    kwargs["bias"] = jnp.asarray(rng.normal(size=(b, 1, 1, s)), jnp.float32)
-    kwargs["mask"] = jnp.asarray(rng.random((b, 1, t, s)) > 0.3)
-    kwargs["is_causal"] = True
-  return query, key, value, kwargs
-
-
-def output_and_grads(fn, query, key, value, kwargs, cotangent):
-  """fn's output and the gradients of <output, cotangent> w.r.t. query, key, value and bias (or None).
-
-  One jitted function per call, so forward and backward compile together (test speed).
-  """
-  bias = kwargs.get("bias")
-  rest = {k: v for k, v in kwargs.items() if k != "bias"}
-
-  @jax.jit
-  def run(q, k, v, bias, cotangent):
-    def loss(q, k, v, bias):
-      out = fn(q, k, v, bias=bias, **rest)
-      return jnp.sum(out.astype(jnp.float32) * cotangent), out
-    grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
-    return out, grads
-
-  return run(query, key, value, bias, cotangent)
-
-
 def assert_matches_reference(implementation, query, key, value, kwargs, atol):
   ours = functools.partial(attention.dot_product_attention, implementation=implementation)
   assert_function_matches_reference(ours, query, key, value, kwargs, atol)
@@ -117,7 +45,7 @@ def assert_function_matches_reference(ours, query, key, value, kwargs, atol):
   """ours(q, k, v, bias=, mask=, is_causal=): output and gradients equal the reference's."""
   cotangent = jnp.asarray(np.random.default_rng(1).normal(size=query.shape), jnp.float32)
   out, got = output_and_grads(ours, query, key, value, kwargs, cotangent)
-  expected, want = output_and_grads(reference_attention, query, key, value, kwargs, cotangent)
+  expected, want = reference_output_and_grads(query, key, value, kwargs, cotangent)
   chex.assert_equal_shape([out, query])
   assert out.dtype == query.dtype
   np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=atol, rtol=atol)
@@ -127,9 +55,6 @@ def assert_function_matches_reference(ours, query, key, value, kwargs, atol):
     assert bool(jnp.all(jnp.isfinite(g))), f"non-finite gradient for {name}"
     np.testing.assert_allclose(g.astype(jnp.float32), w.astype(jnp.float32), atol=atol, rtol=atol,
                                err_msg=f"gradient w.r.t. {name}")
-
-
-KINDS = ["none", "bool_mask", "key_padding", "segments", "causal", "bias", "bias_mask_causal"]
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -216,14 +141,6 @@ def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups,
   ours = functools.partial(attention.dot_product_attention, implementation="chunked")
   with mock.patch.object(attention, "choose_blocking", lambda *_, **__: blocking):
     assert_function_matches_reference(ours, query, key, value, {"mask": mask, "is_causal": causal}, atol=2e-5)
-
-
-def test_chunked_default_blocks_match_xla_across_several_key_blocks(monkeypatch):
-  monkeypatch.undo()  # the default block sizes: 600 keys span two key blocks, the second padded
-  query, key, value, _ = random_inputs(seed=7, b=1, t=300, s=600, heads=2, kv_heads=1, h=8)
-  chunked = attention.dot_product_attention(query, key, value, is_causal=True, implementation="chunked")
-  dense = attention.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
-  np.testing.assert_allclose(chunked, dense, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -390,24 +307,6 @@ def test_fully_padded_query_gives_zeros_and_finite_gradients(implementation):
   grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2), argnums=(0, 1, 2))(query, key, value)
   for g in grads:
     assert bool(jnp.all(jnp.isfinite(g)))
-
-
-# --- PyTorch oracle --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("causal", [False, True], ids=["bool_mask", "causal"])
-def test_matches_torch_scaled_dot_product_attention(implementation, causal):
-  torch = pytest.importorskip("torch")
-  query, key, value, rng = random_inputs(seed=12, t=10, s=10, heads=4, kv_heads=4)
-  mask = None if causal else jnp.asarray(rng.random((2, 4, 10, 10)) > 0.3).at[..., 0].set(True)
-  out = attention.dot_product_attention(query, key, value, mask=mask, is_causal=causal,
-                                        implementation=implementation)
-  to_torch = lambda x: torch.from_numpy(np.array(x)).transpose(1, 2)  # -> [b, heads, length, h]
-  expected = torch.nn.functional.scaled_dot_product_attention(
-      to_torch(query), to_torch(key), to_torch(value), is_causal=causal,
-      attn_mask=None if mask is None else torch.from_numpy(np.array(mask)))
-  np.testing.assert_allclose(out, expected.transpose(1, 2).numpy(), atol=1e-5, rtol=1e-5)
 
 
 # --- tracing ---------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def test_rope_angles_match_formula():
 
 
 def test_rope_matches_torch_llama_and_complex_formulations():
-  torch = pytest.importorskip("torch")
+  import torch  # a test dependency (requirements-test.txt): missing, the test fails
   x = _normal(8, (2, 5, 3, 8))
   positions = jnp.arange(10).reshape(2, 5) * 3
   xt = torch.tensor(np.asarray(x), dtype=torch.float64)
@@ -199,7 +199,7 @@ def test_mrope_with_equal_axes_equals_1d_rope():
 
 
 def test_mrope_matches_qwen2_vl_torch_formulation():
-  torch = pytest.importorskip("torch")
+  import torch  # a test dependency (requirements-test.txt): missing, the test fails
   x = _normal(22, (1, 9, 2, 16))
   positions = P.mrope_position_ids([[("text", 2), ("image", (1, 2, 2)), ("text", 3)]])  # [3, 1, 9]
   sections = (2, 3, 3)

@@ -5,21 +5,20 @@ Shapes follow `jax.nn.dot_product_attention`: query [batch, q_len, heads, head_d
 (True = may attend) and biases broadcast to [batch, heads, q_len, kv_len]. `is_causal` aligns the
 queries to the LAST q_len keys (see `masks.causal_mask`): with q_len < kv_len these are a decode
 step's queries after a cache; `jax.nn.dot_product_attention` aligns them to the first keys instead.
-Differentiation is reverse mode (grad, vjp, grad of grad); the dense and blocked kernels are
-`jax.custom_vjp` functions, so forward mode (jvp, jacfwd, hessian) raises; use
-`jax.jacrev` or `jax.nn.dot_product_attention` for those. Softmax runs in float32; a query that may
-attend to no key returns zeros with finite gradients, in every implementation.
+Differentiation is reverse mode: grad and vjp everywhere, grad of grad in "dense", "xla" and
+"chunked" (cuDNN's backward has no derivative of its own). The dense and blocked kernels are
+`jax.custom_vjp` functions, so forward mode (jvp, jacfwd, hessian) raises; use `jax.jacrev` or
+`jax.nn.dot_product_attention` for those. Softmax runs in float32; a query that may attend to no
+key returns zeros with finite gradients, in every implementation.
 
 Implementations:
   "dense":   the whole [q, kv] score matrix as one fused XLA program with a hand-written VJP
              (`dense_attention`): the fastest CPU path for short sequences (training at length 64,
              a decode step's single query), memory quadratic in length.
-  "xla":     the one-pass softmax over all keys, compiled by XLA and sized to the problem. On CPU:
-             "dense" up to 256 x 256 scores per head, beyond that a loop over (batch, kv head)
-             units and query blocks so the score blocks stay in cache, several small units run
-             concurrently in each step, with a custom VJP that recomputes them (`blocked_attention`); never
-             slower than `jax.nn.dot_product_attention` there. On GPU / TPU: "dense" (one fused
-             program, as `jax.nn`'s "xla").
+  "xla":     the one-pass softmax over all keys, sized to the problem. On CPU: "dense" up to
+             256 x 256 scores per head; beyond that a loop over (batch, kv head) units and query
+             blocks, so the score blocks stay in cache, with a custom VJP that recomputes them
+             (`blocked_attention`). On GPU / TPU: "dense" (one fused program, as `jax.nn`'s "xla").
   "chunked": online softmax over key blocks: forward and backward memory linear in length. On CPU
              the units run in a loop (one per thread in each step); on GPU / TPU side by side
              (`Blocking.parallel_units`).
@@ -49,10 +48,11 @@ from xattn_jax.ops import masks as masks_lib
 IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
 # Up to this many scores per (batch, head) "xla" runs as one fused program ("dense"): below it the
 # blocked kernel's loop costs more than the cache locality it buys (CPU), and cuDNN's fixed costs
-# more than its fusion saves (GPU).
+# more than its fusion saves (GPU): experiments/results/attention_benchmark.md and _gpu.md.
 _FUSED_UP_TO_SCORES = 256 * 256
-# Above this many keys the default CPU path switches from one-pass ("xla") to online softmax
-# ("chunked"): both run at about the same speed there, and chunked needs far less memory.
+# From this many keys on, the default path beyond the fused size is online softmax ("chunked")
+# instead of one pass ("xla"): both run at about the same speed there, and chunked's score blocks do
+# not grow with the number of keys.
 _CHUNKED_FROM_KV_LEN = 4096
 
 
@@ -134,9 +134,8 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
                           has_mask: bool = False, has_bias: bool = False, is_causal: bool = False) -> str:
   """The implementation `implementation=None` takes for this case (pure function of static facts).
 
-  cuDNN only above 256 x 256 scores per head. Measured on an H200 (bfloat16, batch 8, 8 heads,
-  forward+backward, fused XLA program vs cuDNN): 0.12 vs 0.17 ms at length 128, 0.16 vs 0.21 ms at
-  256, 0.21 vs 0.20 ms at 384, 0.29 vs 0.25 ms at 512.
+  cuDNN only above 256 x 256 scores per head: below that the fused XLA program trains faster on an
+  H200 (experiments/results/attention_benchmark_gpu.md).
   """
   if q_len * kv_len > _FUSED_UP_TO_SCORES and cudnn_unsupported_reason(
       backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, has_mask=has_mask,
@@ -159,8 +158,8 @@ def _cpu_threads() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# Scores one CPU loop step holds at most (8 MiB in float32): sets the query block for "xla" and
-# how many units share a step.
+# Scores one CPU loop step holds at most (8 MiB in float32, about what stays in cache): sets the
+# query block for "xla" and how many units share a step.
 _STEP_SCORES = 2 ** 21
 # Units of one block per CPU loop step, at most (see choose_blocking).
 _MAX_CHAINS = 8
@@ -168,33 +167,30 @@ _MAX_CHAINS = 8
 
 def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str = "cpu", units: int = 1,
                     threads: int | None = None) -> blocked_attention.Blocking:
-  """Block sizes by length. CPU (measured): query blocks of about 2M scores ("xla") or 256 x 512
-  ("chunked"), and several units per step when their blocks are small. GPU / TPU: all units side
-  by side, 512 keys per step. units: batch * kv_heads; threads: CPU cores (default: this process's)."""
+  """Block sizes and schedule by length, tuned by measurement on a 2-core CPU (the resulting speeds:
+  experiments/results/attention_benchmark.md).
+
+  CPU: "xla" takes query blocks of about _STEP_SCORES scores over all keys, "chunked" 256 x 512
+  blocks, and a loop step takes several units while their score blocks stay within _STEP_SCORES.
+  GPU / TPU: all units side by side, 512 keys per step. units: batch * kv_heads; threads: CPU
+  cores (default: this process's).
+  """
   if backend != "cpu":
     return blocked_attention.Blocking(block_q=q_len, block_k=512, parallel_units=True)
   if implementation == "xla":  # (only beyond _FUSED_UP_TO_SCORES: below, "xla" runs fused)
-    # About 2M scores (8 MiB) per query block, 64 to 1024 rows. Against blocks of 2^18 scores
-    # (batch 8, 8 heads) the forward took 0.8x the time at length 1024 and 2048, 0.6x at 3072;
-    # forward+backward 1.04x, 0.94x and 0.76x. Fewer than 64 rows lose more to per-iteration
-    # overhead than they gain in cache (16 ran 2.4x slower than chunked at 16384). The queries are
-    # then split evenly into as many blocks as that size needs (rows rounded up to a multiple of 8),
-    # so padding stays small: 1030 queries run as 2 x 520, not 2 x 1024.
+    # 64 to 1024 rows: fewer rows lose more to per-iteration overhead than they gain in cache. The
+    # queries are then split evenly into as many blocks as that size needs (rows rounded up to a
+    # multiple of 8), so padding stays small: 1030 queries run as 2 x 520, not 2 x 1024.
     target = 1 << max(6, min(10, max(1, _STEP_SCORES // kv_len).bit_length() - 1))
     blocks = math.ceil(q_len / target)
     block_q = q_len if blocks == 1 else math.ceil(math.ceil(q_len / blocks) / 8) * 8
     block_k = kv_len
   else:
     block_q, block_k = 256, 512
-  # Several units per step while the step's score blocks stay within _STEP_SCORES. Units of one
-  # block are separate computations that XLA:CPU runs concurrently, and more of them than threads
-  # keep the threads busy: 2 cores, batch 8, 8 heads, length 512, 4 or 8 units per step against the
-  # former 2 vmapped: forward 0.81-0.89x the time, forward+backward 0.87-0.92x (with the keys-first
-  # backward); at 384, 8 separate units against 2: 0.81x / 0.86x. At most _MAX_CHAINS of them
-  # (compile time grows with each: 1.1 s for 8 at length 300, 2.2 s for 16). Units with block loops are vmapped,
-  # up to one per thread: a [512, 64] x [64, 512] matmul split across 2 threads runs at ~120
-  # GFLOP/s, two of them batched (one per thread) at ~190; chunked at 4096, 2 vmapped units per step
-  # against 1: 0.91-0.97x / 0.94x; at 2048 ("xla", 2M-score blocks) one unit per step is best.
+  # Units of one block are separate computations that XLA:CPU runs concurrently, so more of them
+  # than threads keep the threads busy (at most _MAX_CHAINS: compile time grows with each). Units
+  # with block loops are vmapped, one per thread, so that each thread runs whole matmuls instead of
+  # a share of each.
   block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
   one_block = block_q == q_len and block_k == kv_len
   limit = min(_MAX_CHAINS if one_block else threads or _cpu_threads(), max(1, _STEP_SCORES // (block_q * block_k)))
@@ -216,7 +212,7 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     implementation: None, "dense", "xla", "chunked" or "cudnn" (see the module docstring).
     kv_layout: "bskh" (key / value [batch, kv_len, kv_heads, head_dim], as jax.nn) or "bksh"
       ([batch, kv_heads, kv_len, head_dim]: the layout a decode cache should keep, so that a step
-      never transposes the whole cache; 3-4x faster per decode step on CPU).
+      never transposes the whole cache).
   Returns:
     [batch, q_len, heads, head_dim] in query's dtype.
   """

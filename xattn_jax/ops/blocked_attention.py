@@ -14,11 +14,8 @@ smaller `block_k` an online softmax runs over the key blocks (the "chunked" path
 The kernel reads every unit's rows straight out of the [batch, length, heads, head_dim] arrays
 and writes its results straight into arrays of that layout: no head-major copy of the queries,
 keys, values, output or gradients is made. Keys and values may also come in a decode cache's
-[batch, kv_heads, length, head_dim] layout (`kv_heads_major`), read as they are. On CPU the
-full-size transposes and their fresh temporaries cost more than the strided reads: against a
-kernel that transposed, the forward takes 0.85-0.92x the time and forward+backward 0.92-0.99x at
-length 512 and 2048 (batch 8, 8 heads); with two units per step at 512, about 0.7x forward and
-0.95x forward+backward (separate runs, relative to torch). Only the GPU / TPU schedule
+[batch, kv_heads, length, head_dim] layout (`kv_heads_major`), read as they are. On CPU strided
+reads cost less than full-size transposes and their temporaries. Only the GPU / TPU schedule
 (`Blocking.parallel_units`), which vmaps all units, transposes them to head-major once.
 
 Masks never need to be materialized at [q, kv]: causal masking is built inside each block from
@@ -106,8 +103,8 @@ def _scores(q_rows, k_blk, mask_u, bias_u, q_start, k_start, st: _Static, keys_f
   """Masked float32 scores [groups * block_q, block_k] (-inf where masked); q_rows is pre-scaled.
   keys_first: the same transposed, [block_k, groups * block_q], computed as such (the backward's).
 
-  Query rows are [groups * block_q, head_dim]: 2-D matmuls and row reductions run ~15% faster on
-  CPU than with a separate groups axis; masks see the free reshape to [groups, block_q, block_k].
+  Query rows are [groups * block_q, head_dim]: 2-D matmuls and row reductions run faster on CPU
+  than with a separate groups axis; masks see the free reshape to [groups, block_q, block_k].
   """
   bq, bk = st.blocking.block_q, st.blocking.block_k
   if keys_first:
@@ -143,12 +140,21 @@ def _finite_or_zero(row_max, st: _Static):
   return jnp.where(jnp.isfinite(row_max), row_max, 0.0) if st.may_hide_rows else row_max
 
 
-def _key_blocks_needed(q_start, st: _Static, num_key_blocks: int):
-  """Number of leading key blocks a query block can see (causal skips blocks above the diagonal)."""
+def _over_key_blocks(q_start, st: _Static, num_key_blocks: int, step, init):
+  """`lax.fori_loop(0, n, step, init)` over the n leading key blocks a query block can see.
+
+  Causal attention skips the key blocks above the diagonal. The trip count is always a Python int,
+  so the loop lowers to a `scan`, which reverse mode differentiates (grad of grad); with a traced
+  q_start (inside the loop over query blocks) the loop spans every key block and a `cond` skips
+  those the query block cannot see.
+  """
   if not st.is_causal or st.blocking.parallel_units:  # one query block sees every key block
-    return num_key_blocks
-  last_key = st.query_offset + q_start + st.blocking.block_q - 1
-  return jnp.clip(last_key // st.blocking.block_k + 1, 0, num_key_blocks)
+    return lax.fori_loop(0, num_key_blocks, step, init)
+  needed = (st.query_offset + q_start + st.blocking.block_q - 1) // st.blocking.block_k + 1
+  if isinstance(needed, int):
+    return lax.fori_loop(0, min(max(needed, 0), num_key_blocks), step, init)
+  skip = lambda kb, carry: carry
+  return lax.fori_loop(0, num_key_blocks, lambda kb, carry: lax.cond(kb < needed, step, skip, kb, carry), init)
 
 
 def _rows(x_blk):
@@ -158,8 +164,7 @@ def _rows(x_blk):
 
 def _query_rows(q_blk, st: _Static):
   """A query block's rows, times the score scale (XLA drops a scale of 1.0): scaled block by block,
-  the queries need no scaled copy, nor the backward a separate dq * scale pass (forward+backward
-  0.92x the time at length 512)."""
+  the queries need no scaled copy, nor the backward a separate dq * scale pass."""
   rows = _rows(q_blk)
   return rows * jnp.asarray(st.scale, rows.dtype)
 
@@ -200,9 +205,8 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, q_start, st: _Static):
     rows, h = q_rows.shape
     init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, h), jnp.float32))
-    row_max, row_sum, acc = lax.fori_loop(
-        0, _key_blocks_needed(q_start, st, num_key_blocks), step, init)
-  if not st.may_hide_rows:  # every row saw a key: no guards (they cost ~10% of the forward)
+    row_max, row_sum, acc = _over_key_blocks(q_start, st, num_key_blocks, step, init)
+  if not st.may_hide_rows:  # every row saw a key: no guards (a measurable part of the forward)
     return acc / row_sum[..., None], row_max + jnp.log(row_sum)
   seen = row_sum > 0
   # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
@@ -241,10 +245,9 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, st: 
 
   Score blocks are [block_k, groups * block_q] here (keys first), transposed from the forward's: the
   matmuls are "kh,qh->kq" for scores and dp, plain "kq,qh->kh" products for dk and dv, and
-  "kq,kh->hq" for dq (accumulated transposed, [head_dim, rows]). On CPU (units of 512 x 512, 2
-  cores, 8 units a step) forward+backward takes 0.88-0.92x the time it takes with query-first
-  blocks, whose dk and dv matmuls contract the blocks' leading axis; neutral at 2048 and for the
-  chunked path at 4096.
+  "kq,kh->hq" for dq (accumulated transposed, [head_dim, rows]). Query-first blocks would make the dk
+  and dv matmuls contract the blocks' leading axis: slower on CPU for one-block units, no faster
+  for long sequences.
   """
   bq, bk = st.blocking.block_q, st.blocking.block_k
   num_key_blocks = k_u.shape[0] // bk
@@ -287,8 +290,7 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, st: 
     if num_key_blocks == 1:
       dq_t, dk_u, dv_u, dbias = step(0, init)
     else:
-      dq_t, dk_u, dv_u, dbias = lax.fori_loop(
-          0, _key_blocks_needed(q_start, st, num_key_blocks), step, init)
+      dq_t, dk_u, dv_u, dbias = _over_key_blocks(q_start, st, num_key_blocks, step, init)
     dq_blk = _unrows(dq_t.T * st.scale, groups).astype(dq_u.dtype)
     return lax.dynamic_update_slice_in_dim(dq_u, dq_blk, q_start, axis=0), dk_u, dv_u, dbias
 

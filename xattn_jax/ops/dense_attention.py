@@ -2,14 +2,11 @@
 
 Without gradients the CPU forward normalizes the OUTPUT: exp against the row maximum, P V, then one
 divide of the [..., head_dim] rows by the row sums, which is cheaper than dividing the [q, kv]
-probabilities there. On GPU the other order is faster (XLA fuses the divide into the exp; measured
-on an H200, float32, length 2048: 1.49 ms against 1.74 ms, `jax.nn` 1.56 ms), so every other
-backend runs the differentiable forward's order. Under differentiation the forward keeps the
+probabilities there. On GPU the other order is faster (XLA fuses the divide into the exp), so every
+other backend runs the differentiable forward's order. Under differentiation the forward keeps the
 normalized float32 probabilities as the residual and the backward is the textbook softmax backward
-without recomputation. Measured on CPU (batch 8, 8 heads, head_dim 64, length 128) both beat XLA's
-autodiff of the plain formula and `jax.nn.dot_product_attention`; at 256 x 256 it still beats the
-blocked kernel (7 vs 15 ms forward), at 512 x 512 the blocked kernel wins (the score tensor no
-longer fits in cache).
+without recomputation. On CPU this is the fastest path up to 256 x 256 scores per head; beyond,
+the score tensor leaves the cache and the blocked kernel wins (experiments/results/attention_benchmark.md).
 
 Inputs are validated by `attention.dot_product_attention`; queries arrive already scaled.
 """
@@ -33,8 +30,7 @@ def _kv_head_major(x, kv_heads_major: bool):
   """key / value [b, s, k, h] -> [b, k, s, h] (as they are if already kv_heads_major).
 
   Every matmul below then has its batch axes leading and writes its natural output layout; the
-  one transpose of the output at the end is far cheaper than asking the matmuls for [b, t, n, h]
-  (2x faster at length 128 on CPU).
+  one transpose of the output at the end is far cheaper than asking the matmuls for [b, t, n, h].
   """
   return x if kv_heads_major else x.transpose(0, 2, 1, 3)
 
@@ -77,7 +73,7 @@ def _exp_and_sums(logits, hide: bool):
   """exp(logits - row max) and the row sums [..., 1].
 
   With `hide` (`masks.may_hide_rows`) a row that sees no key gives zeros and sum 0 instead of NaN;
-  without, the guard is skipped (it costs ~20% at length 128).
+  without, the guard is skipped (a measurable cost at short lengths).
   """
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   if hide:
