@@ -184,6 +184,7 @@ class LanguageModel(nnx.Module):
     position_encoding: one of POSITION_ENCODINGS.
     max_length: rows of the learned position table (the longest position it covers).
     rope_scaling, rope_scaling_factor: RoPE length scaling, None | "linear" | "ntk".
+    mrope_sections: frequency pairs per (time, height, width) axis for mrope; None = Qwen2-VL's split.
     norm_type: "layernorm" | "rmsnorm"; mlp_type: "mlp" (with activation) | "swiglu".
     tie_output: the output projection is the transposed embedding.
     use_bias: biases on the attention projections.
@@ -194,7 +195,7 @@ class LanguageModel(nnx.Module):
   def __init__(self, vocab_size: int, *, d_model: int, num_heads: int, num_layers: int, mlp_dim: int,
                num_kv_heads: int | None = None, head_dim: int | None = None, position_encoding: str = "rope",
                max_length: int = 512, rope_scaling: str | None = None, rope_scaling_factor: float = 1.0,
-               norm_type: str = "layernorm", mlp_type: str = "mlp", activation: str = "gelu",
+               mrope_sections: tuple[int, ...] | None = None, norm_type: str = "layernorm", mlp_type: str = "mlp", activation: str = "gelu",
                tie_output: bool = True, use_bias: bool = True, dropout_rate: float = 0.0,
                attention_dropout_rate: float = 0.0, scan_layers: bool = False, remat: str = "none",
                implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -218,7 +219,8 @@ class LanguageModel(nnx.Module):
                            embedding_init=_partitioned(nnx.initializers.normal(d_model ** -0.5), ("vocab", "embed")))
     self.positions = position_layers.make_position_encoding(
         position_encoding, features=d_model, max_length=max_length, num_heads=num_heads, head_dim=head_dim,
-        causal=True, rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor, rngs=rngs, **common)
+        causal=True, rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+        mrope_sections=mrope_sections, rngs=rngs, **common)
     self.blocks = layer_stack.create_stack(
         lambda r: LMBlock(d_model, num_heads, mlp_dim, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           norm_type=norm_type, mlp_type=mlp_type, activation=activation, use_bias=use_bias,

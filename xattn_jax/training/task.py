@@ -68,6 +68,7 @@ class InputLineError(ValueError):
 TASK_MODULES = {
     "algorithmic": "xattn_jax.tasks.algorithmic",
     "digits": "xattn_jax.tasks.digits.task",
+    "lm": "xattn_jax.tasks.lm",
     "toy_reverse": "xattn_jax.tasks.toy_reverse",
     "translate": "xattn_jax.tasks.translate.task",
 }
