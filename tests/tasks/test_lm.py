@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from xattn_jax.data import corpus, tokenizers
+from xattn_jax.data import corpus, lm_algorithmic, tokenizers
 from xattn_jax.tasks import lm as lm_task
 from xattn_jax.training import loop, validation
 
@@ -101,3 +101,31 @@ def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_
   config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}")
   with pytest.raises(validation.ConfigError, match=f"{train_file}:2"):
     validation.validate_config(config, mode="train")
+
+
+@pytest.mark.parametrize("operation", lm_algorithmic.OPERATIONS)
+def test_algorithmic_rows_are_bos_input_sep_output_eos_weighted_on_the_output_only(operation):
+  batch = lm_algorithmic.make_examples(np.random.default_rng(0), 8, operation=operation, min_length=1, max_length=6,
+                                       num_symbols=5)
+  sep = lm_algorithmic.sep_id(5)
+  for inputs, targets, weights, n in zip(batch["inputs"], batch["targets"], batch["weights"], batch["lengths"]):
+    symbols = inputs[1:n + 1]
+    output = lm_algorithmic.apply(operation, symbols)
+    assert inputs[0] == tokenizers.BOS_ID and inputs[n + 1] == sep
+    np.testing.assert_array_equal(targets[n:n + 2 + len(output)], [sep, *output, tokenizers.EOS_ID])
+    np.testing.assert_array_equal(np.nonzero(weights)[0], np.arange(n + 1, n + 2 + len(output)))
+
+
+def test_algorithmic_outputs_are_the_operations():
+  s = np.array([5, 3, 4, 4])
+  assert lm_algorithmic.apply("reverse", s).tolist() == [4, 4, 3, 5]
+  assert lm_algorithmic.apply("sort", s).tolist() == [3, 4, 4, 5]
+  assert lm_algorithmic.apply("duplicate", s).tolist() == [5, 3, 4, 4, 5, 3, 4, 4]
+  assert lm_algorithmic.apply("parity", s).tolist() == [3]  # symbol 4 ('b') occurs twice: even
+  assert lm_algorithmic.apply("parity", s[:3]).tolist() == [4]
+
+
+@pytest.mark.parametrize("arg", ["operation=copy,posenc=rope", "operation=parity,posenc=none,size=tiny",
+                                 "operation=duplicate,posenc=t5_bias", "operation=sort,posenc=mrope"])
+def test_lm_algorithmic_config_variants_validate(arg):
+  validation.validate_config(helpers.load_config(f"--config=configs/lm_algorithmic.py:{arg}"), mode="train")

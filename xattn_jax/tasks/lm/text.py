@@ -73,6 +73,48 @@ def _read_cached(path: str, mtime_ns: int) -> list[str]:
   return text.read_documents(path)
 
 
+def validate_model(config) -> None:
+  """The model.* fields of a LanguageModel config, as ConfigErrors."""
+  model = config.model
+  validation.require_choice(config, "model.name", ("lm",))
+  validation.require_choice(config, "model.position_encoding", lm_lib.POSITION_ENCODINGS)
+  validation.require_choice(config, "model.norm_type", lm_lib.NORM_TYPES)
+  validation.require_choice(config, "model.mlp_type", lm_lib.MLP_TYPES)
+  validation.require_choice(config, "model.activation", ACTIVATIONS)
+  validation.require_choice(config, "model.tie_output", (True, False))
+  validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim",
+                              "model.max_length")
+  validation.require_positive(config, "model.num_kv_heads", allow_zero=True)
+  if model.num_kv_heads and model.num_heads % model.num_kv_heads:
+    raise validation.ConfigError("model.num_kv_heads", model.num_kv_heads,
+                                 f"must divide model.num_heads={model.num_heads} (0 = num_heads)")
+
+
+def make_language_model(model_config, vocab_size: int, *, max_length: int, dtype, param_dtype, rngs):
+  """The LanguageModel of model_config (the model.* fields of configs/lm_text.py)."""
+  m = model_config
+  sections = tuple(m.get("mrope_sections", ())) or None
+  return lm_lib.LanguageModel(
+      vocab_size, d_model=m.d_model, num_heads=m.num_heads, num_layers=m.num_layers, mlp_dim=m.mlp_dim,
+      num_kv_heads=m.num_kv_heads or None, position_encoding=m.position_encoding, max_length=max_length,
+      rope_scaling=m.get("rope_scaling") or None, rope_scaling_factor=m.get("rope_scaling_factor", 1.0),
+      mrope_sections=sections, norm_type=m.norm_type, mlp_type=m.mlp_type, activation=m.activation,
+      tie_output=m.tie_output, dropout_rate=m.dropout_rate, scan_layers=m.scan_layers, remat=m.remat,
+      implementation=m.get("implementation") or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options):
+  """Left-padded prompts tokens [b, t] (t >= 2) -> continuations [b, max_new_tokens] (EOS, then padding).
+
+  The prompt but its last token fills the cache; the last token is fed first (decoding.search).
+  """
+  cache = model.init_cache(tokens.shape[0], capacity)
+  _, cache = model.prefill(tokens[:, :-1], cache, valid=valid[:, :-1])
+  return decoding.search(model.loop_step(), cache, options, batch_size=tokens.shape[0],
+                         max_length=max_new_tokens, bos_id=tokenizers.BOS_ID, eos_id=tokenizers.EOS_ID,
+                         rng=rng, first_tokens=tokens[:, -1]).tokens
+
+
 @task_lib.register("lm")
 class LanguageModelTask(task_lib.Task):
   """Next-token prediction on packed documents (see the module docstring)."""
@@ -81,19 +123,9 @@ class LanguageModelTask(task_lib.Task):
   @classmethod
   def validate(cls, config, mode="train"):
     data, model, task = config.data, config.model, config.task
-    validation.require_choice(config, "model.name", ("lm",))
-    validation.require_choice(config, "model.position_encoding", lm_lib.POSITION_ENCODINGS)
-    validation.require_choice(config, "model.norm_type", lm_lib.NORM_TYPES)
-    validation.require_choice(config, "model.mlp_type", lm_lib.MLP_TYPES)
-    validation.require_choice(config, "model.activation", ACTIVATIONS)
-    validation.require_choice(config, "model.tie_output", (True, False))
-    validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim",
-                                "model.max_length", "data.sequence_length", "task.decoding.max_new_tokens")
+    validate_model(config)
+    validation.require_positive(config, "data.sequence_length", "task.decoding.max_new_tokens")
     validation.require_positive(config, "data.num_eval_documents", allow_zero=True)
-    validation.require_positive(config, "model.num_kv_heads", allow_zero=True)
-    if model.num_kv_heads and model.num_heads % model.num_kv_heads:
-      raise validation.ConfigError("model.num_kv_heads", model.num_kv_heads,
-                                   f"must divide model.num_heads={model.num_heads} (0 = num_heads)")
     if data.sequence_length > model.max_length:
       raise validation.ConfigError("data.sequence_length", data.sequence_length,
                                    f"must be <= model.max_length={model.max_length}")
@@ -125,7 +157,7 @@ class LanguageModelTask(task_lib.Task):
     if mode != "infer":
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
     self._eval_sums = nnx.jit(self._sums)
-    self._generate = nnx.jit(self._generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
+    self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
 
   # --- data -------------------------------------------------------------------------------------
 
@@ -170,15 +202,8 @@ class LanguageModelTask(task_lib.Task):
   # --- model and losses -------------------------------------------------------------------------
 
   def make_model(self, rngs, *, dtype, param_dtype):
-    m = self.config.model
-    sections = tuple(m.get("mrope_sections", ())) or None
-    return lm_lib.LanguageModel(
-        self.vocab_size, d_model=m.d_model, num_heads=m.num_heads, num_layers=m.num_layers, mlp_dim=m.mlp_dim,
-        num_kv_heads=m.num_kv_heads or None, position_encoding=m.position_encoding, max_length=m.max_length,
-        rope_scaling=m.get("rope_scaling") or None, rope_scaling_factor=m.get("rope_scaling_factor", 1.0),
-        mrope_sections=sections, norm_type=m.norm_type, mlp_type=m.mlp_type, activation=m.activation,
-        tie_output=m.tie_output, dropout_rate=m.dropout_rate, scan_layers=m.scan_layers, remat=m.remat,
-        implementation=m.get("implementation") or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    return make_language_model(self.config.model, self.vocab_size, max_length=self.config.model.max_length,
+                               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def train_batch(self, step, *, process_index, process_count):
     return self.train_data.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
@@ -220,15 +245,6 @@ class LanguageModelTask(task_lib.Task):
     return {"perplexity": math.exp(loss / max(weight, 1.0))}
 
   # --- inference --------------------------------------------------------------------------------
-
-  @staticmethod
-  def _generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options):
-    """Left-padded prompts tokens [b, t] (t >= 2) -> continuations [b, max_new_tokens] (EOS, then padding)."""
-    cache = model.init_cache(tokens.shape[0], capacity)
-    _, cache = model.prefill(tokens[:, :-1], cache, valid=valid[:, :-1])  # the last token is fed first
-    return decoding.search(model.loop_step(), cache, options, batch_size=tokens.shape[0],
-                           max_length=max_new_tokens, bos_id=tokenizers.BOS_ID, eos_id=tokenizers.EOS_ID,
-                           rng=rng, first_tokens=tokens[:, -1]).tokens
 
   def infer(self, model, lines):
     """Each line continued by task.decoding's method: the prompt, then the model's continuation."""
