@@ -129,3 +129,14 @@ def test_algorithmic_outputs_are_the_operations():
                                  "operation=duplicate,posenc=t5_bias", "operation=sort,posenc=mrope"])
 def test_lm_algorithmic_config_variants_validate(arg):
   validation.validate_config(helpers.load_config(f"--config=configs/lm_algorithmic.py:{arg}"), mode="train")
+
+
+@pytest.mark.parametrize("arg", ["posenc=mrope", "posenc=alibi,tokenizer=bytes,size=small", "posenc=learned,size=micro"])
+def test_lm_text_config_variants_validate(arg):
+  validation.validate_config(helpers.load_config(f"--config=configs/lm_text.py:{arg}"), mode="train")
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_a_config_error():
+  config = helpers.load_config(*TINY, "--config.model.num_kv_heads=3")
+  with pytest.raises(validation.ConfigError, match="model.num_kv_heads"):
+    validation.validate_config(config, mode="train")

@@ -21,6 +21,8 @@ included, every pair of every eval document counted once):
   eval/loss            mean cross-entropy (nats) per eval token
   eval/token_accuracy  share of eval tokens whose most likely id is the true next token
   eval/perplexity      exp(eval/loss), computed in extra_eval over the same tokens
+How many eval tokens there are is logged when the task is built. A document longer than a row is
+scored in chunks of data.sequence_length pairs, each without the context before it (as it is trained).
 Infer: each input line is a prompt (BOS + its tokens); the output line is the prompt followed by the
 model's continuation (up to task.decoding.max_new_tokens tokens, stopping at EOS).
 """
@@ -156,6 +158,8 @@ class LanguageModelTask(task_lib.Task):
                                      f"{self.train_data.num_rows} rows of {length}; lower batch_size")
     if mode != "infer":
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
+      logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
+                   len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
     self._eval_sums = nnx.jit(self._sums)
     self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
 
