@@ -140,3 +140,16 @@ def test_kv_heads_that_do_not_divide_the_heads_are_a_config_error():
   config = helpers.load_config(*TINY, "--config.model.num_kv_heads=3")
   with pytest.raises(validation.ConfigError, match="model.num_kv_heads"):
     validation.validate_config(config, mode="train")
+
+
+def test_lm_algorithmic_run_logs_exact_match_per_band_and_infer_answers_each_line(tmp_path):
+  config = helpers.load_config(
+      "--config=configs/lm_algorithmic.py:size=micro,operation=reverse,posenc=alibi", "--config.total_steps=8",
+      "--config.eval_every_steps=8", "--config.checkpoint.every_steps=8", "--config.logging.tensorboard=False",
+      "--config.logging.plot=False", "--config.task.num_eval_examples=8", "--config.task.eval_bands=1-4,5-8",
+      "--config.task.train_max_length=4", "--config.batch_size=8", "--config.eval_batch_size=8")
+  metrics = loop.run(config, str(tmp_path), "train")
+  assert {"eval/exact_match_1_4", "eval/exact_match_5_8", "eval/token_accuracy_1_4"} <= set(metrics)
+  model, task = loop.load_model(str(tmp_path))
+  answers = task.infer(model, ["abc", "dcbad"])
+  assert len(answers) == 2 and all(answers)
