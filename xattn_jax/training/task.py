@@ -83,6 +83,8 @@ class InputLineError(ValueError):
 TASK_MODULES = {
     "algorithmic": "xattn_jax.tasks.algorithmic",
     "digits": "xattn_jax.tasks.digits.task",
+    "lm": "xattn_jax.tasks.lm",
+    "lm_algorithmic": "xattn_jax.tasks.lm",
     "template": "xattn_jax.tasks.template",
     "translate": "xattn_jax.tasks.translate.task",
 }

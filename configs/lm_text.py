@@ -1,0 +1,83 @@
+"""A decoder-only language model on the bundled corpus (CLDR text, number words) or your own text file.
+
+    python launch.py --config=configs/lm_text.py --workdir=workdirs/lm
+    python launch.py --config=configs/lm_text.py:size=small,posenc=alibi,tokenizer=bytes --workdir=workdirs/lm_b
+    python launch.py --config=configs/lm_text.py --workdir=workdirs/my_lm --config.data.train_file=my_text.txt
+    echo "4,213 is" | python launch.py --config=configs/lm_text.py --workdir=workdirs/lm --mode=infer \
+        --config.task.decoding.method=sample --config.task.decoding.temperature=0.8 --config.task.decoding.top_p=0.9
+
+One document per line (UTF-8). Documents are packed into rows of data.sequence_length tokens.
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from configs import common
+
+SIZES = {
+    # d_model, num_heads, num_layers, mlp_dim
+    "micro": (32, 2, 1, 64),   # smoke tests only
+    "tiny": (128, 4, 2, 512),
+    "small": (256, 8, 4, 1024),
+}
+
+
+def _mrope_sections(head_dim: int) -> tuple[int, int, int]:
+  """Qwen2-VL's split of head_dim / 2 frequency pairs, 2:3:3 between (time, height, width)."""
+  pairs = head_dim // 2
+  spatial = 3 * pairs // 8
+  return (pairs - 2 * spatial, spatial, spatial)
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, size="tiny", posenc="rope", tokenizer="sentencepiece")
+  if args.size not in SIZES:
+    raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
+  config = common.base_config(total_steps=2000, batch_size=32, eval_batch_size=64, log_every_steps=100,
+                              eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
+                              warmup_steps=100)
+
+  config.task.name = "lm"
+  config.task.decoding = ConfigDict({
+      "method": "sample",     # greedy | sample | beam (decoding.DecodingOptions checks every option)
+      "temperature": 0.8,
+      "top_k": 0,             # 0 = every token
+      "top_p": 0.95,          # 1 = no nucleus cut
+      "beam_size": 4,
+      "alpha": 0.6,           # beam length-penalty exponent
+      "max_new_tokens": 48,
+      "seed": 0,              # sampling keys, one per input line
+  })
+
+  config.data = ConfigDict()
+  config.data.train_file = ""       # "" = the bundled corpus; else one document per line
+  config.data.eval_file = ""        # "" = held out of the training documents (data.eval_fraction)
+  config.data.eval_fraction = 0.05
+  config.data.num_eval_documents = 0  # the first this many eval documents (0 = all)
+  config.data.corpus_seed = 0       # the bundled corpus's generator, and the held-out split
+  config.data.tokenizer = args.tokenizer  # sentencepiece | bytes
+  config.data.vocab_size = 1024     # sentencepiece: at most this many pieces ...
+  config.data.vocab_size_exact = False  # ... or exactly this many (an error if the text cannot give them)
+  config.data.sequence_length = 128
+
+  d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
+  config.model.name = "lm"
+  config.model.d_model = d_model
+  config.model.num_heads = num_heads
+  config.model.num_kv_heads = 0     # 0 = num_heads; fewer = grouped-query attention
+  config.model.num_layers = num_layers
+  config.model.mlp_dim = mlp_dim
+  config.model.max_length = 256     # learned table rows; prompt + new tokens must fit
+  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope | alibi | t5_bias
+  config.model.rope_scaling = ""    # "" | linear | ntk
+  config.model.rope_scaling_factor = 1.0
+  config.model.mrope_sections = _mrope_sections(d_model // num_heads)
+  config.model.norm_type = "rmsnorm"  # layernorm | rmsnorm
+  config.model.mlp_type = "swiglu"    # mlp (with model.activation) | swiglu
+  config.model.activation = "gelu"
+  config.model.tie_output = True
+  config.model.dropout_rate = 0.0
+  config.model.scan_layers = False
+  config.model.remat = "none"       # none | full | dots | dots_no_batch
+  config.model.implementation = ""  # "" = the attention op's default choice
+  return config

@@ -1,0 +1,175 @@
+"""The decoder-only LanguageModel: causality, packing, cached decoding, ragged prompts, hooks."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from xattn_jax.layers import blocks
+from xattn_jax.models import lm
+
+VOCAB, D_MODEL, LENGTH = 32, 16, 8
+ENCODINGS = lm.POSITION_ENCODINGS
+
+
+def _options(encoding: str) -> dict:
+  """One layer (compiles fast); the other choices alternate over the encodings, so every one is exercised:
+  even ones LayerNorm / MLP / tied / full heads, odd ones RMSNorm / SwiGLU / untied / one kv head (MQA)."""
+  odd = ENCODINGS.index(encoding) % 2
+  return dict(d_model=D_MODEL, num_heads=2, num_layers=1, mlp_dim=32, position_encoding=encoding, max_length=16,
+              norm_type="rmsnorm" if odd else "layernorm", mlp_type="swiglu" if odd else "mlp",
+              tie_output=not odd, num_kv_heads=1 if odd else 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _model(encoding: str, **overrides) -> lm.LanguageModel:
+  return lm.LanguageModel(VOCAB, **{**_options(encoding), **overrides}, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _forward(model, tokens, positions, segment_ids):
+  return model(tokens, positions=positions, segment_ids=segment_ids)
+
+
+@nnx.jit
+def _plain_forward(model, tokens):
+  return model(tokens)
+
+
+@nnx.jit
+def _prefill(model, tokens, valid, cache):
+  return model.prefill(tokens, cache, valid=valid)
+
+
+@nnx.jit
+def _step(model, tokens, cache):
+  return model.decode_step(tokens, cache)
+
+
+def _tokens(shape, seed=0):
+  return jnp.asarray(np.random.RandomState(seed).randint(3, VOCAB, shape), jnp.int32)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_output_at_i_has_zero_gradient_from_inputs_after_i(encoding):
+  model = _model(encoding)
+  prefix = jax.random.normal(jax.random.key(1), (1, LENGTH, D_MODEL))
+  weights = jax.random.normal(jax.random.key(2), (VOCAB,))
+
+  @nnx.jit
+  def jacobian(model, prefix):
+    # outputs [t] of the prefix embeddings -> d output_i / d input_j: [t, t, d_model]
+    outputs = lambda p: model(jnp.zeros((1, 0), jnp.int32), prefix=p)[0] @ weights
+    return jax.jacrev(outputs)(prefix)[:, 0]
+
+  norms = np.asarray(jnp.linalg.norm(jacobian(model, prefix), axis=-1))  # -> [t (output), t (input)]
+  later = np.triu(np.ones((LENGTH, LENGTH), bool), k=1)
+  assert np.all(norms[later] == 0.0)
+  assert np.all(norms[~later] > 0.0)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_packed_row_equals_its_documents_run_alone(encoding):
+  model = _model(encoding)
+  first, second = _tokens((3,), seed=1), _tokens((4,), seed=2)
+  packed = jnp.concatenate([first, second, jnp.zeros((1,), jnp.int32)])[None]
+  segment_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]], jnp.int32)
+  positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]], jnp.int32)
+  together = _forward(model, packed, positions, segment_ids)[0]
+  # Alone: each document from position 0, right-padded (later tokens cannot reach earlier outputs).
+  alone = _plain_forward(model, jnp.stack([jnp.pad(first, (0, LENGTH - 3)), jnp.pad(second, (0, LENGTH - 4))]))
+  np.testing.assert_allclose(together[:3], alone[0, :3], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(together[3:7], alone[1, :4], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_prefill_then_cached_steps_equal_the_full_forward(encoding):
+  model = _model(encoding)
+  tokens = _tokens((2, LENGTH))
+  full = _plain_forward(model, tokens)
+  logits, cache = _prefill(model, tokens[:, :5], jnp.ones((2, 5), bool), model.init_cache(2, 12))
+  steps = [logits]
+  for i in range(5, LENGTH):
+    logits, cache = _step(model, tokens[:, i:i + 1], cache)
+    steps.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("encoding", ("learned", "rope", "alibi", "t5_bias"))  # each reads per-row positions
+def test_left_padded_ragged_prompts_equal_each_prompt_alone(encoding):
+  model = _model(encoding)
+  lengths, new = (2, 5, 3), 3
+  sequences = [np.asarray(_tokens((n + new,), seed=10 + n)) for n in lengths]
+  tokens, valid = lm.left_pad([s[:n] for s, n in zip(sequences, lengths)])
+  logits, cache = _prefill(model, jnp.asarray(tokens), jnp.asarray(valid), model.init_cache(3, 12))
+  batched = [logits[:, -1:]]  # each row's last prompt token
+  for i in range(new - 1):
+    logits, cache = _step(model, jnp.asarray(np.stack([s[n + i] for s, n in zip(sequences, lengths)])[:, None]),
+                          cache)
+    batched.append(logits)
+  batched = np.asarray(jnp.concatenate(batched, axis=1))  # -> [3, new, vocab]
+  alone = np.asarray(_plain_forward(model, jnp.asarray(lm.left_pad(  # right-padded rows, each from position 0
+      [np.pad(s, (0, LENGTH - len(s))) for s in sequences])[0])))
+  for row, n in enumerate(lengths):
+    np.testing.assert_allclose(batched[row], alone[row, n - 1:n - 1 + new], atol=1e-5, rtol=1e-5)
+
+
+def test_scanned_and_rematerialised_stacks_equal_the_unrolled_one():
+  tokens = _tokens((2, LENGTH))
+  unrolled = _plain_forward(_model("alibi", num_layers=2), tokens)
+  for options in (dict(scan_layers=True), dict(scan_layers=True, remat="full"), dict(remat="dots")):
+    np.testing.assert_allclose(_plain_forward(_model("alibi", num_layers=2, **options), tokens), unrolled,
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_mrope_with_text_positions_equals_rope():
+  tokens = _tokens((2, LENGTH))
+  same = dict(num_kv_heads=2, norm_type="layernorm", mlp_type="mlp", tie_output=True)
+  mrope = _model("mrope", **same)
+  rope = _plain_forward(_model("rope", **same), tokens)
+  np.testing.assert_allclose(_plain_forward(mrope, tokens), rope, atol=1e-6, rtol=1e-6)
+  positions = jnp.broadcast_to(jnp.arange(LENGTH, dtype=jnp.int32), (3, 2, LENGTH))  # explicit [3, b, t]
+  np.testing.assert_allclose(_forward(mrope, tokens, positions, None), rope, atol=1e-6, rtol=1e-6)
+
+
+def test_nothing_inserted_leaves_the_logits_bit_for_bit_unchanged():
+  model = _model("rope", num_layers=2)
+  tokens = _tokens((2, LENGTH))
+  memory = jax.random.normal(jax.random.key(3), (2, 4, 12))
+  gated = blocks.GatedCrossAttentionBlock(D_MODEL, 12, 2, 32, rngs=nnx.Rngs(5))  # its gates start at zero
+
+  @nnx.jit
+  def with_inserted(model, gated, tokens, memory):
+    inserted = lambda x: gated(x, memory)
+    return model(tokens, insert={0: inserted, 2: inserted})
+
+  np.testing.assert_array_equal(np.asarray(with_inserted(model, gated, tokens, memory)),
+                                np.asarray(_plain_forward(model, tokens)))
+
+
+def test_prefix_of_token_embeddings_equals_the_tokens():
+  model = _model("learned")
+  tokens = _tokens((2, LENGTH))
+
+  @nnx.jit
+  def split(model, tokens):
+    prefix = model.embed(tokens[:, :3]) * jnp.sqrt(float(D_MODEL))
+    return model(tokens[:, 3:], prefix=prefix)
+
+  np.testing.assert_allclose(split(model, tokens), _plain_forward(model, tokens), atol=1e-6, rtol=1e-6)
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="position_encoding"):
+    lm.LanguageModel(VOCAB, **{**_options("rope"), "position_encoding": "rope_2d"}, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="norm_type"):
+    lm.LanguageModel(VOCAB, **{**_options("rope"), "norm_type": "batchnorm"}, rngs=nnx.Rngs(0))
+  model = _model("learned")
+  with pytest.raises(ValueError, match="capacity=17"):
+    model.init_cache(1, 17)
+  with pytest.raises(ValueError, match="insert keys"):
+    model(_tokens((1, 4)), insert={3: lambda x: x})

@@ -1,0 +1,155 @@
+"""The causal LM task: a tiny model learns the bundled corpus, infer continues prompts, configs fail early."""
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+import pytest
+
+from tests import helpers
+from xattn_jax.data import corpus, lm_algorithmic, tokenizers
+from xattn_jax.tasks import lm as lm_task
+from xattn_jax.training import loop, validation
+
+# Bytes, a 2-layer d64 model, 120 steps of 16 rows of 64 tokens; 256 eval documents.
+TINY = ("--config=configs/lm_text.py:tokenizer=bytes", "--config.model.d_model=64", "--config.model.num_heads=2",
+        "--config.model.num_layers=2", "--config.model.mlp_dim=128", "--config.model.max_length=128",
+        "--config.data.sequence_length=64", "--config.data.num_eval_documents=256", "--config.batch_size=16",
+        "--config.total_steps=120", "--config.eval_every_steps=120", "--config.checkpoint.every_steps=120",
+        "--config.log_every_steps=60", "--config.optimizer.learning_rate=3e-3", "--config.optimizer.warmup_steps=20",
+        "--config.logging.tensorboard=False", "--config.logging.plot=False", "--config.task.decoding.max_new_tokens=16")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("lm")
+  metrics = loop.run(helpers.load_config(*TINY), str(workdir), "train")
+  return workdir, metrics
+
+
+def _unigram_loss(train, evaluation) -> float:
+  """Cross-entropy (nats per token) on the eval documents of byte frequencies counted on the training
+  documents (EOS counted once per document, add-one smoothing), the pairs the LM is scored on."""
+  tokenizer = tokenizers.ByteTokenizer()
+  def counts(texts):
+    counter = collections.Counter(i for ids in tokenizer.encode_batch(list(texts)) for i in ids)
+    counter[tokenizer.eos_id] += len(texts)
+    return counter
+  train_counts, eval_counts = counts(train), counts(evaluation)
+  total = sum(train_counts.values()) + tokenizer.vocab_size
+  log_prob = {i: math.log((train_counts[i] + 1) / total) for i in range(tokenizer.vocab_size)}
+  return -sum(n * log_prob[i] for i, n in eval_counts.items()) / sum(eval_counts.values())
+
+
+def test_tiny_lm_eval_loss_is_below_half_the_unigram_loss(trained):
+  _, metrics = trained
+  bundled = corpus.default_corpus()
+  unigram = _unigram_loss(bundled.train, bundled.eval[:256])
+  assert metrics["eval/loss"] < 0.5 * unigram
+  assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]), rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_infer_continues_every_prompt_on_one_line(trained, method):
+  workdir, _ = trained
+  model, task = loop.load_model(str(workdir))
+  config = task.config.copy_and_resolve_references()
+  config.task.decoding.method = method
+  task = lm_task.LanguageModelTask(config, str(workdir), "infer")
+  prompts = ["4,213 is four", "dimanche", "The 21st"]
+  answers = task.infer(model, prompts)
+  assert len(answers) == len(prompts)
+  for prompt, answer in zip(prompts, answers):
+    assert answer.startswith(prompt) and "\n" not in answer
+
+
+def test_greedy_continuation_of_a_prompt_does_not_depend_on_the_other_prompts(trained):
+  workdir, _ = trained
+  model, task = loop.load_model(str(workdir))
+  config = task.config.copy_and_resolve_references()
+  config.task.decoding.method = "greedy"
+  task = lm_task.LanguageModelTask(config, str(workdir), "infer")
+  together = task.infer(model, ["12 is twelve", "Allemagne", "1,000,000 is"])
+  assert together == [task.infer(model, [prompt])[0] for prompt in ("12 is twelve", "Allemagne", "1,000,000 is")]
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 0.0), ("top_p", 1.5), ("top_k", -1), ("method", "nucleus")])
+def test_a_bad_decoding_option_is_one_config_error_line_naming_it(field, value):
+  config = helpers.load_config(*TINY, f"--config.task.decoding.{field}={value}")
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, mode="infer")
+  assert error.value.field == f"task.decoding.{field}"
+  assert len(str(error.value).splitlines()) == 1
+
+
+def test_a_sentencepiece_vocab_cap_above_what_a_small_file_supports_still_trains(tmp_path):
+  train_file = tmp_path / "small.txt"
+  train_file.write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(200)), encoding="utf-8")
+  config = helpers.load_config(*TINY, "--config.data.tokenizer=sentencepiece", "--config.data.vocab_size=4000",
+                               f"--config.data.train_file={train_file}", "--config.batch_size=2")
+  validation.validate_config(config, mode="train")
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  assert 8 <= task.vocab_size < 4000
+  batch = task.train_batch(0, process_index=0, process_count=1)
+  assert batch["inputs"].shape == (2, 64) and np.all(batch["inputs"] < task.vocab_size)
+
+
+def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_path):
+  train_file = tmp_path / "bad.txt"
+  train_file.write_bytes(b"fine\nbad \xff byte\n")
+  config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}")
+  with pytest.raises(validation.ConfigError, match=f"{train_file}:2"):
+    validation.validate_config(config, mode="train")
+
+
+@pytest.mark.parametrize("operation", lm_algorithmic.OPERATIONS)
+def test_algorithmic_rows_are_bos_input_sep_output_eos_weighted_on_the_output_only(operation):
+  batch = lm_algorithmic.make_examples(np.random.default_rng(0), 8, operation=operation, min_length=1, max_length=6,
+                                       num_symbols=5)
+  sep = lm_algorithmic.sep_id(5)
+  for inputs, targets, weights, n in zip(batch["inputs"], batch["targets"], batch["weights"], batch["lengths"]):
+    symbols = inputs[1:n + 1]
+    output = lm_algorithmic.apply(operation, symbols)
+    assert inputs[0] == tokenizers.BOS_ID and inputs[n + 1] == sep
+    np.testing.assert_array_equal(targets[n:n + 2 + len(output)], [sep, *output, tokenizers.EOS_ID])
+    np.testing.assert_array_equal(np.nonzero(weights)[0], np.arange(n + 1, n + 2 + len(output)))
+
+
+def test_algorithmic_outputs_are_the_operations():
+  s = np.array([5, 3, 4, 4])
+  assert lm_algorithmic.apply("reverse", s).tolist() == [4, 4, 3, 5]
+  assert lm_algorithmic.apply("sort", s).tolist() == [3, 4, 4, 5]
+  assert lm_algorithmic.apply("duplicate", s).tolist() == [5, 3, 4, 4, 5, 3, 4, 4]
+  assert lm_algorithmic.apply("parity", s).tolist() == [3]  # symbol 4 ('b') occurs twice: even
+  assert lm_algorithmic.apply("parity", s[:3]).tolist() == [4]
+
+
+@pytest.mark.parametrize("arg", ["operation=copy,posenc=rope", "operation=parity,posenc=none,size=tiny",
+                                 "operation=duplicate,posenc=t5_bias", "operation=sort,posenc=mrope"])
+def test_lm_algorithmic_config_variants_validate(arg):
+  validation.validate_config(helpers.load_config(f"--config=configs/lm_algorithmic.py:{arg}"), mode="train")
+
+
+@pytest.mark.parametrize("arg", ["posenc=mrope", "posenc=alibi,tokenizer=bytes,size=small", "posenc=learned,size=micro"])
+def test_lm_text_config_variants_validate(arg):
+  validation.validate_config(helpers.load_config(f"--config=configs/lm_text.py:{arg}"), mode="train")
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_a_config_error():
+  config = helpers.load_config(*TINY, "--config.model.num_kv_heads=3")
+  with pytest.raises(validation.ConfigError, match="model.num_kv_heads"):
+    validation.validate_config(config, mode="train")
+
+
+def test_lm_algorithmic_run_logs_exact_match_per_band_and_infer_answers_each_line(tmp_path):
+  config = helpers.load_config(
+      "--config=configs/lm_algorithmic.py:size=micro,operation=reverse,posenc=alibi", "--config.total_steps=8",
+      "--config.eval_every_steps=8", "--config.checkpoint.every_steps=8", "--config.logging.tensorboard=False",
+      "--config.logging.plot=False", "--config.task.num_eval_examples=8", "--config.task.eval_bands=1-4,5-8",
+      "--config.task.train_max_length=4", "--config.batch_size=8", "--config.eval_batch_size=8")
+  metrics = loop.run(config, str(tmp_path), "train")
+  assert {"eval/exact_match_1_4", "eval/exact_match_5_8", "eval/token_accuracy_1_4"} <= set(metrics)
+  model, task = loop.load_model(str(tmp_path))
+  answers = task.infer(model, ["abc", "dcbad"])
+  assert len(answers) == 2 and all(answers)

@@ -1,0 +1,143 @@
+"""Length generalization of a decoder-only model: `input SEP output` on copy, reverse, sort, duplicate, parity.
+
+Training draws input lengths from [task.min_length, task.train_max_length]; evaluation holds
+task.num_eval_examples strings per band of task.eval_bands ("1-20,21-40,41-80") and logs per band
+  eval/exact_match_LO_HI     share of examples whose whole output (EOS included) is right
+  eval/token_accuracy_LO_HI  share of output tokens (EOS included) that are right
+besides eval/loss and eval/token_accuracy over the output tokens of every band. As in the
+encoder-decoder version (tasks/algorithmic.py) exact match is read from the teacher-forced pass:
+every output position right given the gold prefix is the same event as greedy decoding returning
+the output. Only output tokens carry loss (data/lm_algorithmic.py).
+
+Infer: a line of letters ('a' = the first symbol) -> the output letters, decoded by task.decoding.
+"""
+from __future__ import annotations
+
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xattn_jax.data import lm_algorithmic
+from xattn_jax.tasks import algorithmic as seq2seq_algorithmic
+from xattn_jax.tasks.lm import text as text_task
+from xattn_jax.training import optim, task as task_lib, validation
+
+_TRAIN_STREAM, _EVAL_STREAM = 0, 1
+LETTERS = string.ascii_lowercase
+
+
+@task_lib.register("lm_algorithmic")
+class LMAlgorithmicTask(task_lib.Task):
+  """Decoder-only algorithmic sequences; exact match per length band (see the module docstring)."""
+  name = "lm_algorithmic"
+
+  @classmethod
+  def validate(cls, config, mode="train"):
+    task = config.task
+    text_task.validate_model(config)
+    validation.require_choice(config, "task.operation", lm_algorithmic.OPERATIONS)
+    validation.require_positive(config, "task.min_length", "task.train_max_length", "task.num_eval_examples")
+    if not 2 <= task.num_symbols <= len(LETTERS):
+      raise validation.ConfigError("task.num_symbols", task.num_symbols, f"must be in [2, {len(LETTERS)}]")
+    if task.min_length > task.train_max_length:
+      raise validation.ConfigError("task.min_length", task.min_length,
+                                   f"must be <= task.train_max_length={task.train_max_length}")
+    seq2seq_algorithmic.parse_bands(task.eval_bands)
+    text_task.decoding_options(config)
+
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    task = config.task
+    self.bands = seq2seq_algorithmic.parse_bands(task.eval_bands)
+    self.options = text_task.decoding_options(config)
+    # Positions 0 .. the longest eval row must have a row in a learned table.
+    longest = max(task.train_max_length, *(hi for _, hi in self.bands))
+    self.max_length = lm_algorithmic.row_width(task.operation, longest) + 1
+    self._generate = nnx.jit(text_task.generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    return text_task.make_language_model(self.config.model, lm_algorithmic.vocab_size(self.config.task.num_symbols),
+                                         max_length=self.max_length, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def _examples(self, rng, count, min_length, max_length):
+    task = self.config.task
+    return lm_algorithmic.make_examples(rng, count, operation=task.operation, min_length=min_length,
+                                        max_length=max_length, num_symbols=task.num_symbols)
+
+  def train_batch(self, step, *, process_index, process_count):
+    task, size = self.config.task, self.config.batch_size // process_count
+    rng = np.random.default_rng([self.config.seed, _TRAIN_STREAM, step])
+    batch = self._examples(rng, self.config.batch_size, task.min_length, task.train_max_length)
+    del batch["lengths"]
+    return {k: v[process_index * size:(process_index + 1) * size] for k, v in batch.items()}
+
+  def _sums(self, model, batch):
+    logits = model(batch["inputs"])  # -> [b, t, vocab]
+    weights = batch["weights"]
+    if "example_weights" in batch:
+      weights = weights * batch["example_weights"][:, None]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], weights)
+    return logits, weights, loss_sum, weight_sum
+
+  def loss(self, model, batch, *, rngs):
+    del rngs
+    _, _, loss_sum, weight_sum = self._sums(model, batch)
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+
+  def eval_batches(self, *, process_index, process_count):
+    """Each band's examples in batches of eval_batch_size at the band's width (weight-0 rows fill up)."""
+    size, local = self.config.eval_batch_size, self.config.eval_batch_size // process_count
+    for index, (lo, hi) in enumerate(self.bands):
+      rng = np.random.default_rng([self.config.seed, _EVAL_STREAM, index])
+      examples = self._examples(rng, self.config.task.num_eval_examples, lo, hi)
+      del examples["lengths"]
+      examples["example_weights"] = np.ones(len(examples["inputs"]), np.float32)
+      examples["band"] = np.full(len(examples["inputs"]), index, np.int32)
+      for start in range(0, len(examples["inputs"]), size):
+        batch = {}
+        for key, array in examples.items():
+          chunk = array[start:start + size]
+          batch[key] = np.pad(chunk, [(0, size - len(chunk))] + [(0, 0)] * (array.ndim - 1))
+        yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
+
+  def eval_metrics(self, model, batch):
+    logits, weights, loss_sum, weight_sum = self._sums(model, batch)
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (weights == 0)  # [b, t]
+    exact = jnp.all(correct, axis=-1).astype(jnp.float32)  # [b]
+    metrics = {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct * weights), weight_sum)}
+    for index, band in enumerate(self.bands):
+      in_band = batch["example_weights"] * (batch["band"] == index)  # [b]; every batch reports every band
+      metrics[seq2seq_algorithmic.band_name(band)] = (jnp.sum(exact * in_band), jnp.sum(in_band))
+      band_tokens = weights * in_band[:, None]
+      metrics[seq2seq_algorithmic.band_name(band, "token_accuracy")] = (jnp.sum(correct * band_tokens),
+                                                                        jnp.sum(band_tokens))
+    return metrics
+
+  def infer(self, model, lines):
+    """Each line of letters -> the operation's output letters, decoded with task.decoding."""
+    task = self.config.task
+    symbols = LETTERS[:task.num_symbols]
+    prompts = []
+    for index, line in enumerate(lines):
+      text = line.strip()
+      if not text or lm_algorithmic.row_width(task.operation, len(text)) >= self.max_length or \
+          any(ch not in symbols for ch in text):
+        raise task_lib.InputLineError(index, f"needs letters from {symbols!r}, short enough for the model's "
+                                      f"{self.max_length} positions, got {text!r}")
+      ids = [lm_algorithmic.FIRST_SYMBOL + symbols.index(ch) for ch in text]
+      prompts.append([lm_algorithmic.BOS_ID, *ids, lm_algorithmic.sep_id(task.num_symbols)])
+    width = max(map(len, prompts))
+    new = self.max_length - width
+    tokens, valid = text_task.lm_lib.left_pad(prompts, width)
+    rng = jax.random.split(jax.random.key(task.decoding.seed), len(lines))
+    outputs = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng, capacity=width - 1 + new,
+                                        max_new_tokens=new, options=self.options))
+    first, last = lm_algorithmic.FIRST_SYMBOL, lm_algorithmic.FIRST_SYMBOL + task.num_symbols
+    answers = []
+    for row in outputs:
+      end = int(np.argmax(row == lm_algorithmic.EOS_ID)) if (row == lm_algorithmic.EOS_ID).any() else len(row)
+      answers.append("".join(symbols[i - first] for i in row[:end] if first <= i < last) or "(none)")
+    return answers

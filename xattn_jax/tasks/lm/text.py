@@ -1,0 +1,267 @@
+"""Causal language modelling: the decoder-only LanguageModel on the bundled corpus or a user's text file.
+
+Config (see configs/lm_text.py):
+  data.train_file     "" = the bundled corpus (data.corpus.default_corpus: CLDR text and number words),
+                      else a UTF-8 file, one document per line (errors name file:line)
+  data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
+                      the text; the bundled corpus has its own held-out side); data.num_eval_documents
+                      keeps the first that many of them (0 = all)
+  data.tokenizer      "bytes" or "sentencepiece" (trained into <workdir>/tokenizer/, reused on resume,
+                      eval and infer); data.vocab_size is a cap unless data.vocab_size_exact
+  data.sequence_length  the packed row length (documents longer than a row are cut into chunks)
+  model.*             LanguageModel options (position_encoding, norm_type, mlp_type, num_kv_heads, ...)
+  task.decoding.*     method greedy | sample | beam and its options (decoding.DecodingOptions),
+                      max_new_tokens, for --mode=infer
+
+Documents are packed into rows (data.text.pack_documents): each is BOS d_1 .. d_n EOS, the model
+learns its n + 1 next-token pairs, attention stays within a document and positions restart at it.
+
+Metrics, logged as eval/<name> (an "eval token" is one next-token pair of an eval document, EOS
+included, every pair of every eval document counted once):
+  eval/loss            mean cross-entropy (nats) per eval token
+  eval/token_accuracy  share of eval tokens whose most likely id is the true next token
+  eval/perplexity      exp(eval/loss), computed in extra_eval over the same tokens
+How many eval tokens there are is logged when the task is built. A document longer than a row is
+scored in chunks of data.sequence_length pairs, each without the context before it (as it is trained).
+Infer: each input line is a prompt (BOS + its tokens); the output line is the prompt followed by the
+model's continuation (up to task.decoding.max_new_tokens tokens, stopping at EOS).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from xattn_jax import decoding
+from xattn_jax.data import corpus, splits, text, tokenizers
+from xattn_jax.models import lm as lm_lib
+from xattn_jax.training import optim, task as task_lib, validation
+
+TOKENIZERS = ("bytes", "sentencepiece")
+SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
+ACTIVATIONS = ("gelu", "relu", "silu")
+_DECODING_FIELDS = ("method", "beam_size", "alpha", "temperature", "top_k", "top_p")
+
+
+def decoding_options(config) -> decoding.DecodingOptions:
+  """task.decoding as a DecodingOptions, or a ConfigError naming the first bad task.decoding field."""
+  section = config.task.decoding
+  values = {name: section[name] for name in _DECODING_FIELDS if name in section}
+  try:
+    return decoding.DecodingOptions(**values)
+  except ValueError as error:
+    message = str(error).removeprefix("decoding: ")
+    field = next((name for name in _DECODING_FIELDS if message.startswith(name + " ")), "method")
+    raise validation.ConfigError(f"task.decoding.{field}", values.get(field), message) from None
+
+
+def _read(field: str, path: str) -> list[str]:
+  validation.require_file(field, path)
+  try:
+    return _read_cached(path, os.stat(path).st_mtime_ns)
+  except text.TextFormatError as error:
+    raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+
+
+@functools.lru_cache(maxsize=2)
+def _read_cached(path: str, mtime_ns: int) -> list[str]:
+  del mtime_ns  # part of the cache key only
+  return text.read_documents(path)
+
+
+def validate_model(config) -> None:
+  """The model.* fields of a LanguageModel config, as ConfigErrors."""
+  model = config.model
+  validation.require_choice(config, "model.name", ("lm",))
+  validation.require_choice(config, "model.position_encoding", lm_lib.POSITION_ENCODINGS)
+  validation.require_choice(config, "model.norm_type", lm_lib.NORM_TYPES)
+  validation.require_choice(config, "model.mlp_type", lm_lib.MLP_TYPES)
+  validation.require_choice(config, "model.activation", ACTIVATIONS)
+  validation.require_choice(config, "model.tie_output", (True, False))
+  validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim",
+                              "model.max_length")
+  validation.require_positive(config, "model.num_kv_heads", allow_zero=True)
+  if model.num_kv_heads and model.num_heads % model.num_kv_heads:
+    raise validation.ConfigError("model.num_kv_heads", model.num_kv_heads,
+                                 f"must divide model.num_heads={model.num_heads} (0 = num_heads)")
+
+
+def make_language_model(model_config, vocab_size: int, *, max_length: int, dtype, param_dtype, rngs):
+  """The LanguageModel of model_config (the model.* fields of configs/lm_text.py)."""
+  m = model_config
+  sections = tuple(m.get("mrope_sections", ())) or None
+  return lm_lib.LanguageModel(
+      vocab_size, d_model=m.d_model, num_heads=m.num_heads, num_layers=m.num_layers, mlp_dim=m.mlp_dim,
+      num_kv_heads=m.num_kv_heads or None, position_encoding=m.position_encoding, max_length=max_length,
+      rope_scaling=m.get("rope_scaling") or None, rope_scaling_factor=m.get("rope_scaling_factor", 1.0),
+      mrope_sections=sections, norm_type=m.norm_type, mlp_type=m.mlp_type, activation=m.activation,
+      tie_output=m.tie_output, dropout_rate=m.dropout_rate, scan_layers=m.scan_layers, remat=m.remat,
+      implementation=m.get("implementation") or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options):
+  """Left-padded prompts tokens [b, t] (t >= 2) -> continuations [b, max_new_tokens] (EOS, then padding).
+
+  The prompt but its last token fills the cache; the last token is fed first (decoding.search).
+  """
+  cache = model.init_cache(tokens.shape[0], capacity)
+  _, cache = model.prefill(tokens[:, :-1], cache, valid=valid[:, :-1])
+  return decoding.search(model.loop_step(), cache, options, batch_size=tokens.shape[0],
+                         max_length=max_new_tokens, bos_id=tokenizers.BOS_ID, eos_id=tokenizers.EOS_ID,
+                         rng=rng, first_tokens=tokens[:, -1]).tokens
+
+
+@task_lib.register("lm")
+class LanguageModelTask(task_lib.Task):
+  """Next-token prediction on packed documents (see the module docstring)."""
+  eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity")
+
+  @classmethod
+  def validate(cls, config, mode="train"):
+    data, model, task = config.data, config.model, config.task
+    validate_model(config)
+    validation.require_positive(config, "data.sequence_length", "task.decoding.max_new_tokens")
+    validation.require_positive(config, "data.num_eval_documents", allow_zero=True)
+    if data.sequence_length > model.max_length:
+      raise validation.ConfigError("data.sequence_length", data.sequence_length,
+                                   f"must be <= model.max_length={model.max_length}")
+    validation.require_choice(config, "data.tokenizer", TOKENIZERS)
+    validation.require_choice(config, "data.vocab_size_exact", (True, False))
+    if data.tokenizer == "sentencepiece":
+      validation.require_positive(config, "data.vocab_size")
+    if not 0 < data.eval_fraction < 1:
+      raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
+    decoding_options(config)
+    if mode == "train" and data.train_file:
+      _read("data.train_file", data.train_file)
+    if mode != "infer" and data.eval_file:
+      _read("data.eval_file", data.eval_file)
+
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    self.options = decoding_options(config)
+    self.train_texts, self.eval_texts = self._texts() if mode != "infer" else ((), ())
+    self.tokenizer = self._tokenizer(self.train_texts if mode == "train" else None)
+    self.vocab_size = self.tokenizer.vocab_size
+    length = config.data.sequence_length
+    if mode == "train":
+      self.train_data = text.TextBatches.from_texts(self.train_texts, self.tokenizer, length=length,
+                                                    pack_seed=config.seed)
+      if self.train_data.num_rows < config.batch_size:
+        raise validation.ConfigError("batch_size", config.batch_size, f"the training text packs into only "
+                                     f"{self.train_data.num_rows} rows of {length}; lower batch_size")
+    if mode != "infer":
+      self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
+      logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
+                   len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
+    self._eval_sums = nnx.jit(self._sums)
+    self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
+
+  # --- data -------------------------------------------------------------------------------------
+
+  def _texts(self):
+    data = self.config.data
+    if not data.train_file:
+      bundled = corpus.default_corpus(seed=data.corpus_seed)
+      train, evaluation = list(bundled.train), list(bundled.eval)
+    else:
+      train = _read("data.train_file", data.train_file) if self.mode == "train" else []
+      evaluation = []
+      if not data.eval_file and self.mode == "train":
+        train, evaluation = splits.split_by_key(train, lambda line: line, seed=data.corpus_seed,
+                                                eval_fraction=data.eval_fraction)
+    if data.eval_file:
+      evaluation = _read("data.eval_file", data.eval_file)
+    if data.num_eval_documents:
+      evaluation = evaluation[:data.num_eval_documents]
+    if not evaluation:
+      raise validation.ConfigError("data.eval_file", data.eval_file, "no eval documents: name an eval file, or "
+                                   "give data.train_file enough lines for data.eval_fraction to hold some out")
+    return tuple(train), tuple(evaluation)
+
+  def _tokenizer(self, train_texts):
+    data = self.config.data
+    if data.tokenizer == "bytes":
+      return tokenizers.ByteTokenizer()
+    path = os.path.join(self.workdir or "", SPM_FILE)
+    if train_texts is None:
+      if not os.path.isfile(path):
+        raise ValueError(f"{self.mode} needs the SentencePiece model the run trained, {path}, which is missing")
+      return tokenizers.SentencePieceTokenizer(path)
+    try:
+      tokenizer = tokenizers.train_sentencepiece(list(train_texts), path, vocab_size=data.vocab_size,
+                                                 exact=data.vocab_size_exact)
+    except ValueError as error:
+      raise validation.ConfigError("data.vocab_size", data.vocab_size, " ".join(str(error).split())) from None
+    logging.info("SentencePiece vocabulary: %d pieces (data.vocab_size=%d, exact=%s)", tokenizer.vocab_size,
+                 data.vocab_size, data.vocab_size_exact)
+    return tokenizer
+
+  # --- model and losses -------------------------------------------------------------------------
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    return make_language_model(self.config.model, self.vocab_size, max_length=self.config.model.max_length,
+                               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def train_batch(self, step, *, process_index, process_count):
+    return self.train_data.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
+                                       process_index=process_index, process_count=process_count)
+
+  @staticmethod
+  def _logits(model, batch, deterministic=True):
+    return model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                 deterministic=deterministic)
+
+  def loss(self, model, batch, *, rngs):
+    """Mean cross-entropy per next-token pair; padding (weight 0) counts nothing."""
+    del rngs  # the loop has reseeded the model's dropout streams
+    logits = self._logits(model, batch, deterministic=False)  # -> [b, t, vocab]
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["weights"])
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+
+  def eval_batches(self, *, process_index, process_count):
+    return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,
+                                       process_count=process_count)
+
+  def eval_metrics(self, model, batch):
+    """loss and token_accuracy over the eval tokens (see the module docstring)."""
+    loss_sum, correct, weight_sum = self._sums(model, batch)
+    return {"loss": (loss_sum, weight_sum), "token_accuracy": (correct, weight_sum)}
+
+  def _sums(self, model, batch):
+    logits = self._logits(model, batch)
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["weights"])
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["targets"]) * batch["weights"])
+    return loss_sum, correct, weight_sum
+
+  def extra_eval(self, model):
+    """perplexity = exp(mean eval loss per token), over every eval token."""
+    loss, weight = 0.0, 0.0
+    for batch in self.eval_data.eval_batches(self.config.eval_batch_size):
+      loss_sum, _, weight_sum = self._eval_sums(model, {k: jnp.asarray(v) for k, v in batch.items()})
+      loss, weight = loss + float(loss_sum), weight + float(weight_sum)
+    return {"perplexity": math.exp(loss / max(weight, 1.0))}
+
+  # --- inference --------------------------------------------------------------------------------
+
+  def infer(self, model, lines):
+    """Each line continued by task.decoding's method: the prompt, then the model's continuation."""
+    limit, new = self.config.model.max_length, self.config.task.decoding.max_new_tokens
+    prompts = []
+    for index, ids in enumerate(self.tokenizer.encode_batch(lines)):
+      if len(ids) + 1 + new > limit:
+        raise task_lib.InputLineError(index, f"{len(ids)} tokens, BOS and task.decoding.max_new_tokens={new} "
+                                      f"exceed model.max_length={limit}")
+      prompts.append([self.tokenizer.bos_id, *ids])
+    width = -(-max(map(len, prompts)) // 8) * 8  # few compiled shapes across calls
+    tokens, valid = lm_lib.left_pad(prompts, width)
+    rng = jax.random.split(jax.random.key(self.config.task.decoding.seed), len(lines))
+    continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
+                                              capacity=width - 1 + new, max_new_tokens=new, options=self.options))
+    return [line + self.tokenizer.decode([i for i in row if i >= 0]) for line, row in zip(lines, continuations)]
