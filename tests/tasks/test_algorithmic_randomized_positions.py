@@ -8,6 +8,7 @@ from configs import algorithmic as algorithmic_config
 from tests.helpers import abstract_model
 from xattn_jax.tasks import algorithmic as algorithmic_task
 from xattn_jax.training import loop
+from xattn_jax.training import rng as rng_lib
 
 
 def _task(arg):
@@ -26,7 +27,7 @@ def test_training_loss_draws_positions_from_the_steps_rngs_and_eval_uses_0_to_n_
   randomized, plain = _task("posenc=sinusoidal,randomized=64"), _task("posenc=sinusoidal")
   model = randomized.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   batch = {k: jnp.asarray(v) for k, v in randomized.train_batch(0, process_index=0, process_count=1).items()}
-  loss = nnx.jit(lambda m, b, step: randomized.loss(m, b, rngs=loop.task_rngs(jax.random.key(0), step))[0])
+  loss = nnx.jit(lambda m, b, step: randomized.loss(m, b, rngs=rng_lib.task_rngs(jax.random.key(0), step))[0])
   same, again, other = (float(loss(model, batch, step)) for step in (0, 0, 1))
   assert same == again and same != other  # a pure function of the step's rngs, and they matter
   first_eval_batch = next(iter(randomized.eval_batches(process_index=0, process_count=1)))

@@ -239,6 +239,8 @@ class TranslateTask(task_lib.Task):
       self._check_eval_lengths()
     if mode == "train":
       self._check_batch_size()
+    if mode != "infer":
+      self._log_bleu_choice()
     self.vocab_size = self.tokenizer.vocab_size
     self._generate = nnx.jit(decoding.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
@@ -299,22 +301,26 @@ class TranslateTask(task_lib.Task):
     return self.eval_pairs[:self.config.task.num_decode_examples or len(self.eval_pairs)]
 
   def _choose_bleu(self) -> BleuChoice:
-    """eval/bleu's tokenizer for the decoded references, chosen and logged once. In training, a best
+    """eval/bleu's tokenizer for the decoded references (logged once by _log_bleu_choice). In training, a best
     checkpoint kept by an eval/bleu this corpus cannot define stops the run, naming the field."""
     setting = self.config.task.get("bleu_tokenize", "auto")
     choice = bleu_choice([target for _, target in self._decoded_pairs], setting)
-    if choice.defined:
-      logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r): %s", choice.tokenize, setting,
-                   choice.reason)
-      return choice
     best = self.config.checkpoint.best_metric
-    if self.mode == "train" and best == "eval/bleu":
+    if not choice.defined and self.mode == "train" and best == "eval/bleu":
       others = [name for name in self.eval_metric_names if name != best]
       raise validation.ConfigError("checkpoint.best_metric", best, f"eval/bleu is undefined for this corpus: "
                                    f"{choice.reason}. Allowed are '' (no best checkpoint) or {others}")
-    logging.warning("eval/bleu is undefined for this corpus and left out of metrics.jsonl and TensorBoard: %s",
-                    choice.reason)
     return choice
+
+  def _log_bleu_choice(self) -> None:
+    """Logs eval/bleu's tokenizer or why BLEU is undefined, once the task is set up (a config refused
+    later in the constructor stays one line)."""
+    if self._bleu.defined:
+      logging.info("eval/bleu: sacrebleu tokenize=%r (task.bleu_tokenize=%r): %s", self._bleu.tokenize,
+                   self.config.task.get("bleu_tokenize", "auto"), self._bleu.reason)
+    else:
+      logging.warning("eval/bleu is undefined for this corpus and left out of metrics.jsonl and TensorBoard: %s",
+                      self._bleu.reason)
 
   def _take_init_from_tokenizer(self, path: str):
     """Fine-tuning from `init_from` keeps that run's vocabulary: its embedding rows belong to its
