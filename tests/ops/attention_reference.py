@@ -36,6 +36,8 @@ def reference_attention(query, key, value, bias=None, mask=None, is_causal=False
   scores = xp.where(visible, scores, -np.inf)
   row_max = scores.max(axis=-1, keepdims=True)
   row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+  if xp is jnp:  # the softmax does not depend on the shift, so no derivative flows through it (a fully
+    row_max = jax.lax.stop_gradient(row_max)  # masked row's -inf max would make 0 * inf = NaN there)
   weights = xp.exp(scores - row_max)
   row_sum = weights.sum(axis=-1, keepdims=True)
   weights = xp.where(row_sum > 0, weights / xp.where(row_sum > 0, row_sum, 1.0), 0.0)
