@@ -5,6 +5,8 @@
     python launch.py --config=configs/translate_dates.py --workdir=workdirs/dates \
         --config.model.position_encoding=rope
     echo "Sunday, November 29, 2026" | python launch.py --config=configs/translate_dates.py \
+        --workdir=workdirs/dates --mode=infer --config.task.decoding.method=beam --config.task.decoding.beam_size=4
+    echo "Sunday, November 29, 2026" | python launch.py --config=configs/translate_dates.py \
         --workdir=workdirs/dates --mode=infer
 
 `tiny` (the default) reaches eval exact match >= 0.99 in a few minutes on 2 CPU cores; `base` is
@@ -37,8 +39,10 @@ def translator_config(args) -> ConfigDict:
 
   config.task.name = "translate"
   config.task.label_smoothing = 0.1
-  config.task.beam_size = 1            # 1 = greedy; eval and infer decode this way
-  config.task.length_penalty = 0.6     # GNMT alpha, beam search only
+  # How eval and infer decode (tasks/decoding_config.py): greedy | beam (beam_size, alpha: GNMT length
+  # penalty) | sample (temperature, top_k: 0 = all, top_p: 1 = no nucleus cut, seed).
+  config.task.decoding = ConfigDict({"method": "greedy", "beam_size": 4, "alpha": 0.6, "temperature": 1.0,
+                                     "top_k": 0, "top_p": 1.0, "seed": 0})
   config.task.max_decode_length = 0    # 0 = model.max_length (decoding stops at EOS anyway)
   config.task.num_decode_examples = 0  # eval sentences decoded for exact match / BLEU / chrF; 0 = all
   config.task.bleu_tokenize = "auto"   # sacrebleu tokenizer: auto ("char" for zh / ja / th ... targets and
@@ -56,6 +60,10 @@ def translator_config(args) -> ConfigDict:
   config.model.max_length = 64 if args.size == "tiny" else 256
   config.model.rope_scaling = ""        # "" or ops.positions.ROPE_SCALINGS: RoPE length scaling (rope)
   config.model.rope_scaling_factor = 1.0
+  # Randomized positions (Ruoss et al. 2023): 0 = off, else training draws each sequence's positions from
+  # [0, randomized_positions_max) (>= max_length; unpacked rows only).
+  config.model.randomized_positions_max = 0
+  config.model.randomized_positions_at_eval = False  # evaluation and decoding: 0..n-1 (True: drawn)
   config.model.share_embeddings = True  # one table for source and target (one shared vocabulary)
   config.model.tie_output = True        # output projection = transposed target embedding
   config.model.norm = "pre"             # layers.blocks.NORM_PLACEMENTS; post = Vaswani et al.

@@ -428,6 +428,21 @@ def test_decoding_options_reject_bad_values_naming_them(argument, kwargs):
     decoding.DecodingOptions(**kwargs)
 
 
+def test_options_from_a_mapping_read_only_the_option_fields():
+  section = {"method": "sample", "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 48, "seed": 3}
+  assert decoding.options_from_mapping(section) == decoding.DecodingOptions(method="sample", temperature=0.7,
+                                                                           top_p=0.9)
+  assert decoding.options_from_mapping({}) == decoding.DecodingOptions()
+
+
+@pytest.mark.parametrize("field, value", [("method", "nucleus"), ("beam_size", 0), ("top_k", -1), ("top_p", 0.0)])
+def test_a_bad_option_in_a_mapping_names_its_field(field, value):
+  with pytest.raises(decoding.DecodingOptionError) as error:
+    decoding.options_from_mapping({"method": "beam", field: value})
+  assert (error.value.field, error.value.value) == (field, value)
+  assert isinstance(error.value, ValueError) and field in str(error.value)
+
+
 def test_decoding_options_are_hashable_and_normalised():
   options = decoding.DecodingOptions(method="sample", top_k=np.int64(5), temperature=1)
   assert options == decoding.DecodingOptions(method="sample", top_k=5, temperature=1.0)

@@ -23,8 +23,9 @@ Sequences: `tokens[:, t]` is the token generated at step t (the first token fed,
 prompt token, is not included); after EOS every position holds `pad_id`. A prompt is decoded by
 filling the cache with all of it but its last token, which is then fed first (`first_tokens`).
 
-`DecodingOptions` names one of `DECODING_METHODS` and its options, validated once; `search` and
-`generate` run it.
+`DecodingOptions` names one of `DECODING_METHODS` and its options, validated once (a bad field is a
+`DecodingOptionError` naming it); `options_from_mapping` reads them from a plain mapping (a config
+section); `search` and `generate` run them.
 """
 from __future__ import annotations
 
@@ -355,6 +356,14 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
                     jnp.where(impossible, -jnp.inf, scores))
 
 
+class DecodingOptionError(ValueError):
+  """A bad DecodingOptions field: `field` names it (a config wrapper reports it as task.decoding.<field>)."""
+
+  def __init__(self, field: str, value, message: str):
+    super().__init__(message)
+    self.field, self.value = field, value
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodingOptions:
   """A decoding method and its options, validated on construction; hashable, so a static jit argument.
@@ -375,16 +384,35 @@ class DecodingOptions:
 
   def __post_init__(self):
     if not isinstance(self.method, str) or self.method not in DECODING_METHODS:
-      raise ValueError(f"decoding: method must be one of {list(DECODING_METHODS)}, got {self.method!r}")
-    checked = dict(
-        beam_size=_as_int("beam_size", self.beam_size, 1),
-        alpha=_as_float("alpha", self.alpha, "a finite number >= 0", lambda x: x >= 0),
-        temperature=_as_float("temperature", self.temperature, "a finite number > 0 (method='greedy' is "
-                              "temperature 0)", lambda x: x > 0),
-        top_k=_as_int("top_k", self.top_k, 0),
-        top_p=_as_float("top_p", self.top_p, "a number in (0, 1]", lambda x: 0 < x <= 1))
-    for name, value in checked.items():  # numpy scalars and ints become plain ints / floats
-      object.__setattr__(self, name, value)
+      raise DecodingOptionError("method", self.method, f"decoding: method must be one of "
+                                f"{list(DECODING_METHODS)}, got {self.method!r}")
+    for name, check in _OPTION_CHECKS.items():
+      try:
+        value = check(getattr(self, name))
+      except ValueError as error:
+        raise DecodingOptionError(name, getattr(self, name), str(error)) from None
+      object.__setattr__(self, name, value)  # numpy scalars and ints become plain ints / floats
+
+
+# DecodingOptions' numeric fields and their checks (each returns the plain value or raises ValueError).
+_OPTION_CHECKS = {
+    "beam_size": lambda v: _as_int("beam_size", v, 1),
+    "alpha": lambda v: _as_float("alpha", v, "a finite number >= 0", lambda x: x >= 0),
+    "temperature": lambda v: _as_float("temperature", v, "a finite number > 0 (method='greedy' is temperature 0)",
+                                       lambda x: x > 0),
+    "top_k": lambda v: _as_int("top_k", v, 0),
+    "top_p": lambda v: _as_float("top_p", v, "a number in (0, 1]", lambda x: 0 < x <= 1),
+}
+OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(DecodingOptions))
+
+
+def options_from_mapping(values) -> DecodingOptions:
+  """The DecodingOptions of a plain mapping (a config section): its OPTION_FIELDS keys are read, others
+  (a task's own, e.g. max_new_tokens or seed) are not; a missing field takes its default.
+
+  Raises DecodingOptionError (a ValueError) whose `field` names the first bad field, method first.
+  """
+  return DecodingOptions(**{name: values[name] for name in OPTION_FIELDS if name in values})
 
 
 def _run_greedy(decode_step, cache, options, rng, **common):

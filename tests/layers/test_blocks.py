@@ -262,3 +262,38 @@ def test_learned_query_pooling_takes_valid_as_a_list():
   inputs = jnp.ones((1, 4, 8))
   np.testing.assert_array_equal(pool(inputs, valid=[[True, True, False, False]]),
                                 pool(inputs, valid=jnp.asarray([[True, True, False, False]])))
+
+
+# --- norm types and MLP kinds (the registries the LM reads) -----------------------------------------
+
+def test_rms_norm_is_x_over_its_root_mean_square_times_scale():
+  norm = blocks.make_norm("rmsnorm", FEATURES, rngs=nnx.Rngs(0))
+  scale = _normal(1, (FEATURES,))
+  norm.scale[...] = jnp.asarray(scale)
+  x = _normal(2, (2, 3, FEATURES))
+  expected = x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + norm.epsilon) * scale
+  np.testing.assert_allclose(norm(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_is_down_of_silu_gate_times_up():
+  mlp = blocks.make_mlp("swiglu", FEATURES, MLP_FEATURES, rngs=nnx.Rngs(0))
+  x = _normal(3, (2, 3, FEATURES))
+  gate, up, down = (np.asarray(layer.kernel[...]) for layer in (mlp.gate, mlp.up, mlp.down))
+  hidden = x @ gate
+  expected = (hidden / (1 + np.exp(-hidden)) * (x @ up)) @ down
+  np.testing.assert_allclose(mlp(jnp.asarray(x)), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_every_registered_norm_and_mlp_kind_maps_features_to_features():
+  x = jnp.asarray(_normal(4, (2, 3, FEATURES)))
+  for norm_type in blocks.NORM_TYPES:
+    assert blocks.make_norm(norm_type, FEATURES, rngs=nnx.Rngs(0))(x).shape == x.shape
+  for mlp_type in blocks.MLP_TYPES:
+    assert blocks.make_mlp(mlp_type, FEATURES, MLP_FEATURES, rngs=nnx.Rngs(0))(x).shape == x.shape
+
+
+def test_an_unregistered_norm_or_mlp_kind_is_named():
+  with pytest.raises(ValueError, match="norm_type='batchnorm'"):
+    blocks.make_norm("batchnorm", FEATURES, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="mlp_type='geglu'"):
+    blocks.make_mlp("geglu", FEATURES, MLP_FEATURES, rngs=nnx.Rngs(0))

@@ -173,3 +173,92 @@ def test_bad_arguments_are_named():
     model.init_cache(1, 17)
   with pytest.raises(ValueError, match="insert keys"):
     model(_tokens((1, 4)), insert={3: lambda x: x})
+
+
+# --- randomized positions ---------------------------------------------------------------------------
+
+RANDOMIZED = 64  # max_position of the randomized models below (max_length 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _randomized_model(encoding: str, at_eval: bool = False) -> lm.LanguageModel:
+  randomized = lm.RandomizedPositions(max_position=RANDOMIZED, at_eval=at_eval)
+  return lm.LanguageModel(VOCAB, **_options(encoding), randomized_positions=randomized, rngs=nnx.Rngs(0))
+
+
+def _without_randomized_positions(model):
+  """The same parameters with randomized positions off: positions are used as given."""
+  plain = nnx.clone(model)
+  plain.positions.randomized = lm.RandomizedPositions()
+  return plain
+
+
+@nnx.jit
+def _trained_forward(model, tokens, positions, segment_ids, rng):
+  return model(tokens, positions=positions, segment_ids=segment_ids, position_rng=rng)
+
+
+def test_randomized_document_positions_are_sorted_distinct_draws_within_each_document():
+  positions = np.array([[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 0, 0]] * 64, np.int32)  # documents of 4, 3, 2, 1 + padding
+  drawn = np.asarray(jax.jit(lm.randomized_document_positions, static_argnums=2)(
+      jax.random.key(0), jnp.asarray(positions), 50))
+  assert drawn.dtype == np.int32 and drawn.min() >= 0 and drawn.max() < 50
+  for start, end in ((0, 4), (4, 7), (7, 9)):
+    assert np.all(np.diff(drawn[:, start:end], axis=1) > 0)  # sorted, distinct
+  assert len(np.unique(drawn[:, 4])) > 10  # the second document's first position is a draw, not 0
+  assert not np.array_equal(drawn[0], drawn[1])  # every row draws anew
+
+
+def test_eval_positions_of_a_randomized_model_are_0_to_n_minus_1_by_default():
+  model = _randomized_model("rope")
+  tokens = _tokens((2, LENGTH))
+  plain = _plain_forward(_without_randomized_positions(model), tokens)
+  np.testing.assert_allclose(_plain_forward(model, tokens), plain, atol=1e-6, rtol=1e-6)
+  trained = _trained_forward(model, tokens, None, None, jax.random.key(1))
+  assert not np.allclose(trained, plain, atol=1e-3)  # a training pass draws other positions
+
+
+def test_a_packed_training_pass_draws_positions_per_document():
+  """The packed row equals its documents run alone at the per-document positions drawn from the same key."""
+  model = _randomized_model("learned")
+  first, second = _tokens((3,), seed=1), _tokens((4,), seed=2)
+  packed = jnp.concatenate([first, second, jnp.zeros((1,), jnp.int32)])[None]
+  segment_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]], jnp.int32)
+  positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]], jnp.int32)
+  rng = jax.random.key(3)
+  together = _trained_forward(model, packed, positions, segment_ids, rng)[0]
+  drawn = lm.randomized_document_positions(rng, positions, RANDOMIZED)[0]
+  plain = _without_randomized_positions(model)
+  for start, end in ((0, 3), (3, 7)):
+    alone = _forward(plain, packed[:, start:end], drawn[None, start:end], None)[0]
+    np.testing.assert_allclose(together[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("at_eval", (False, True))
+def test_prefill_then_cached_steps_equal_the_full_forward_at_the_eval_positions(at_eval):
+  model = _randomized_model("alibi", at_eval)
+  tokens = _tokens((2, LENGTH))
+  cache = model.init_cache(2, 12)
+  logits, cache = _prefill(model, tokens[:, :5], jnp.ones((2, 5), bool), cache)
+  steps = [logits]
+  for i in range(5, LENGTH):
+    logits, cache = _step(model, tokens[:, i:i + 1], cache)
+    steps.append(logits)
+  if at_eval:  # the cache's one sorted draw for its capacity; a step reads its prefix
+    assert cache.position_table is not None and not np.array_equal(cache.position_table[:, :LENGTH],
+                                                                    np.broadcast_to(np.arange(LENGTH), (2, LENGTH)))
+    positions = cache.position_table[:, :LENGTH]
+  else:
+    assert cache.position_table is None
+    positions = jnp.broadcast_to(jnp.arange(LENGTH, dtype=jnp.int32), (2, LENGTH))
+  full = _forward(_without_randomized_positions(model), tokens, positions, None)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_randomized_positions_are_named():
+  with pytest.raises(ValueError, match=r"randomized_positions\.max_position must be >= max_length=16"):
+    lm.LanguageModel(VOCAB, **_options("rope"), randomized_positions=lm.RandomizedPositions(max_position=8),
+                     rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="randomized positions apply to"):
+    lm.LanguageModel(VOCAB, **_options("mrope"), randomized_positions=lm.RandomizedPositions(max_position=64),
+                     rngs=nnx.Rngs(0))

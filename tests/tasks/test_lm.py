@@ -4,11 +4,15 @@ from __future__ import annotations
 import collections
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests import helpers
 from xattn_jax.data import corpus, lm_algorithmic, tokenizers
+from xattn_jax.layers import blocks
 from xattn_jax.tasks import lm as lm_task
 from xattn_jax.training import loop, validation
 
@@ -153,3 +157,59 @@ def test_lm_algorithmic_run_logs_exact_match_per_band_and_infer_answers_each_lin
   model, task = loop.load_model(str(tmp_path))
   answers = task.infer(model, ["abc", "dcbad"])
   assert len(answers) == 2 and all(answers)
+
+
+@pytest.mark.parametrize("field, registry", [("norm_type", blocks.NORM_TYPES), ("mlp_type", blocks.MLP_TYPES),
+                                             ("activation", blocks.ACTIVATIONS)])
+def test_the_norm_and_mlp_choices_a_config_may_name_are_the_registries(field, registry):
+  config = helpers.load_config(*TINY, f"--config.model.{field}=unregistered")
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, mode="train")
+  assert str(error.value) == f"config.model.{field}='unregistered': allowed are {sorted(registry)}"
+
+
+# Bytes, one d32 layer, rows of 32 tokens, 24 steps: randomized positions from [0, 256).
+RANDOMIZED = (*TINY, "--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.mlp_dim=64",
+              "--config.model.max_length=64", "--config.data.sequence_length=32", "--config.data.num_eval_documents=16",
+              "--config.batch_size=8", "--config.total_steps=24", "--config.eval_every_steps=24",
+              "--config.checkpoint.every_steps=24", "--config.log_every_steps=8", "--config.optimizer.warmup_steps=4",
+              "--config.optimizer.learning_rate=1e-2",
+              "--config.model.randomized_positions_max=256")
+
+
+def test_a_language_model_with_randomized_positions_trains(tmp_path):
+  config = helpers.load_config(*RANDOMIZED)
+  validation.validate_config(config, mode="train")
+  loop.run(config, str(tmp_path), "train")
+  losses = [row["train/loss"] for row in helpers.metric_rows(tmp_path) if "train/loss" in row]
+  assert len(losses) == 3 and losses[-1] < 0.8 * losses[0]
+
+
+def test_the_training_loss_draws_randomized_positions_from_the_step_rngs(tmp_path):
+  config = helpers.load_config(*RANDOMIZED)
+  task = lm_task.LanguageModelTask(config, str(tmp_path), "train")
+  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in task.train_batch(0, process_index=0, process_count=1).items()}
+  loss = nnx.jit(lambda model, batch, key: task.loss(model, batch, rngs=nnx.Rngs(key))[0])
+  losses = [float(loss(model, batch, jax.random.key(seed))) for seed in (0, 0, 1)]
+  assert losses[0] == losses[1] != losses[2]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (("--config.model.randomized_positions_max=-1",), "model.randomized_positions_max"),
+    (("--config.model.randomized_positions_max=100",), "model.randomized_positions_max"),  # < max_length 128
+    (("--config.model.position_encoding=mrope", "--config.model.randomized_positions_max=256"),
+     "model.randomized_positions_max"),
+])
+def test_a_bad_randomized_positions_field_is_a_config_error_naming_it(overrides, field):
+  config = helpers.load_config(*TINY, *overrides)
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, mode="train")
+  assert error.value.field == field
+
+
+def test_lm_algorithmic_randomized_positions_must_cover_the_longest_eval_row():
+  config = helpers.load_config("--config=configs/lm_algorithmic.py:size=micro", "--config.task.eval_bands=1-20,21-90",
+                               "--config.model.randomized_positions_max=170")
+  with pytest.raises(validation.ConfigError, match=r"model\.randomized_positions_max=170: must be >= 183"):
+    validation.validate_config(config, mode="train")

@@ -5,9 +5,11 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import translate_dates, translate_tsv
 from tests import helpers
@@ -104,6 +106,62 @@ def test_cudnn_with_float32_compute_is_refused_before_compiling():
     validation.validate_config(config)
 
 
+# --- decoding options and randomized positions -----------------------------------------------------
+
+def _infer_task(tmp_path, **decoding):
+  """An infer-mode task (bytes: no tokenizer file needed) decoding up to 12 tokens as `decoding` says."""
+  overrides = {"data.tokenizer": "bytes", "task.max_decode_length": 12,
+               **{f"task.decoding.{k}": v for k, v in decoding.items()}}
+  return translate_task.TranslateTask(_config(**overrides), str(tmp_path), mode="infer")
+
+
+def test_sampled_translations_with_a_fixed_seed_repeat_and_differ_from_greedy(tmp_path):
+  lines = ["Jan 4, 2001", "February 5, 2000", "Monday, January 3, 2000"]
+  sampler = _infer_task(tmp_path, method="sample", temperature=20.0, seed=3)
+  model = sampler.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)  # untrained
+  sampled = sampler.infer(model, lines)
+  assert sampler.infer(model, lines) == sampled
+  greedy = _infer_task(tmp_path, method="greedy").infer(model, lines)
+  assert len(sampled) == len(greedy) == 3 and sampled != greedy
+
+
+@pytest.mark.parametrize("field, value", [("method", "nucleus"), ("temperature", 0.0), ("top_p", 1.5),
+                                          ("top_k", -1), ("beam_size", 0), ("alpha", -0.5), ("seed", -1)])
+def test_a_bad_decoding_option_is_one_config_error_line_naming_it(field, value):
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(_config(**{f"task.decoding.{field}": value}), mode="infer")
+  assert error.value.field == f"task.decoding.{field}"
+  assert len(str(error.value).splitlines()) == 1
+
+
+def test_the_old_beam_size_field_is_a_config_error_naming_where_it_moved():
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.beam_size=2: moved to task\.decoding\.beam_size"):
+    validation.validate_config(_config(**{"task.beam_size": 2}))
+
+
+def test_randomized_positions_reach_both_sides_of_the_translator(tmp_path):
+  config = _config(**{"data.tokenizer": "bytes", "model.randomized_positions_max": 128,
+                      "model.randomized_positions_at_eval": True})
+  validation.validate_config(config)
+  task = translate_task.TranslateTask(config, str(tmp_path))
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  for side in (model.source_positions, model.target_positions):
+    assert (side.randomized.max_position, side.randomized.at_eval) == (128, True)
+  batch = {k: jnp.asarray(v) for k, v in task.train_batch(0, process_index=0, process_count=1).items()}
+  loss = nnx.jit(lambda model, batch, key: task.loss(model, batch, rngs=nnx.Rngs(key))[0])
+  losses = [float(loss(model, batch, jax.random.key(seed))) for seed in (0, 0, 1)]
+  assert losses[0] == losses[1] != losses[2]
+
+
+@pytest.mark.parametrize("overrides", [{"model.randomized_positions_max": 16},  # < model.max_length 32
+                                       {"model.randomized_positions_max": 128, "data.packing": True},
+                                       {"model.randomized_positions_max": 128, "model.position_encoding": "rope_2d"}])
+def test_bad_randomized_positions_for_the_translator_are_a_config_error_naming_the_field(overrides):
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(_config(**overrides))
+  assert error.value.field == "model.randomized_positions_max"
+
+
 @pytest.mark.slow
 def test_dates_run_logs_translation_metrics_and_attention_maps(dates_run):
   workdir = dates_run
@@ -130,7 +188,8 @@ def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
 @pytest.mark.slow
 def test_infer_may_decode_differently_but_training_may_not_change_the_data(dates_run):
   workdir = dates_run
-  beam = launch("configs/translate_dates.py", workdir, {**DATES, "task.beam_size": 2}, "--mode=infer",
+  beam = launch("configs/translate_dates.py", workdir, {**DATES, "task.decoding.method": "beam",
+                                                         "task.decoding.beam_size": 2}, "--mode=infer",
                 stdin="Jan 4, 2001\n")
   assert beam.returncode == 0 and len(beam.stdout.splitlines()) == 1, beam.stderr[-3000:]
   german = launch("configs/translate_dates.py", workdir, {**DATES, "data.target_locale": "de"})

@@ -21,8 +21,8 @@ from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
-# The one list of each choice (tasks validate config against them): residual norm placements, and
-# MLP activations by name.
+# The one list of each choice (tasks validate config against them): residual norm placements, MLP
+# activations by name; the norm types and MLP kinds (NORM_TYPES, MLP_TYPES) are registered below.
 NORM_PLACEMENTS = ("pre", "post")
 ACTIVATIONS: dict[str, Callable] = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
@@ -37,15 +37,36 @@ def _check_stream(where: str, name: str, x, features: int) -> None:
     raise ValueError(f"{where}: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
 
 
-def _layer_norm(features, dtype, param_dtype, rngs):
-  return nnx.LayerNorm(
-      features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-      scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",), eager_sharding=False),
-      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",), eager_sharding=False))
+def _partitioned(init, axes):
+  return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def layer_norm(features: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  """LayerNorm over the last axis of [..., features]: (x - mean) / sqrt(var + eps) * scale + bias."""
+  return nnx.LayerNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                       scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
+                       bias_init=_partitioned(nnx.initializers.zeros_init(), ("embed",)))
+
+
+def rms_norm(features: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.RMSNorm:
+  """RMSNorm (Zhang & Sennrich 2019; Llama) over the last axis: x / sqrt(mean(x^2) + eps) * scale, no bias."""
+  return nnx.RMSNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                     scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)))
+
+
+# Norm types by name: (features, *, dtype, param_dtype, rngs) -> a module over [..., features].
+NORM_TYPES: dict[str, Callable[..., nnx.Module]] = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+
+
+def make_norm(norm_type: str, features: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  """The NORM_TYPES entry norm_type over [..., features]; ValueError naming norm_type if there is none."""
+  _check_choice("norm_type", norm_type, NORM_TYPES)
+  return NORM_TYPES[norm_type](features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
 class MLP(nnx.Module):
   """Position-wise feed-forward: out(dropout(activation(x W_in + b_in))). [b, t, features] -> [b, t, out]."""
+  takes_activation = True
 
   def __init__(self, features: int, hidden_features: int, out_features: int | None = None, *,
                activation: str = "gelu", dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -71,6 +92,47 @@ class MLP(nnx.Module):
     return self.wo(self.dropout(hidden, deterministic=deterministic))
 
 
+class SwiGLU(nnx.Module):
+  """Gated feed-forward of Llama / Qwen (Shazeer 2020): W_down (silu(x W_gate) * x W_up), no biases.
+
+  [..., features] -> [..., features]. The gate's activation is silu by definition (no activation option).
+  """
+  takes_activation = False
+
+  def __init__(self, features: int, hidden_features: int, *, dropout_rate: float = 0.0, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def linear(fan_in, fan_out, axes):
+      return dense.Dense(fan_in, fan_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                         kernel_init=_partitioned(nnx.initializers.xavier_uniform(), axes))
+
+    self.features = features
+    self.gate = linear(features, hidden_features, ("embed", "mlp"))
+    self.up = linear(features, hidden_features, ("embed", "mlp"))
+    self.down = linear(hidden_features, features, ("mlp", "embed"))
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+  def __call__(self, x, *, deterministic: bool = True):
+    if x.shape[-1] != self.features:
+      raise ValueError(f"SwiGLU: x must be [..., {self.features}], got x{list(x.shape)}")
+    hidden = jax.nn.silu(self.gate(x)) * self.up(x)  # -> [..., hidden_features]
+    return self.down(self.dropout(hidden, deterministic=deterministic))
+
+
+# MLP kinds by name: (features, hidden_features, *, [activation,] dropout_rate, dtype, param_dtype, rngs);
+# `takes_activation` says whether the kind reads an ACTIVATIONS name.
+MLP_TYPES: dict[str, type[nnx.Module]] = {"mlp": MLP, "swiglu": SwiGLU}
+
+
+def make_mlp(mlp_type: str, features: int, hidden_features: int, *, activation: str = "gelu",
+             dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  """The MLP_TYPES entry mlp_type, [..., features] -> [..., features]; activation is read by "mlp" only."""
+  _check_choice("mlp_type", mlp_type, MLP_TYPES)
+  kind = MLP_TYPES[mlp_type]
+  options = dict(activation=activation) if kind.takes_activation else {}
+  return kind(features, hidden_features, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
+              rngs=rngs, **options)
+
+
 class _Residual(nnx.Module):
   """x + dropout(f(norm(x))) (pre-norm) or norm(x + dropout(f(x))) (post-norm, Vaswani et al.).
 
@@ -80,7 +142,7 @@ class _Residual(nnx.Module):
   def __init__(self, features, norm, dropout_rate, dtype, param_dtype, rngs, gated=False):
     _check_choice("norm", norm, NORM_PLACEMENTS)
     self.norm_placement = norm
-    self.norm = _layer_norm(features, dtype, param_dtype, rngs)
+    self.norm = layer_norm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
     self.gate = nnx.Param(jnp.zeros((), param_dtype)) if gated else None
 
@@ -233,7 +295,7 @@ class CrossAttentionBlock(nnx.Module):
                normalize_inputs: bool = True, gated: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.input_norm = _layer_norm(input_features, dtype, param_dtype, rngs) if normalize_inputs else None
+    self.input_norm = layer_norm(input_features, **common) if normalize_inputs else None
     self.attention = MultiHeadAttention(
         num_heads, features, input_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
         dropout_rate=attention_dropout_rate, implementation=implementation, **common)

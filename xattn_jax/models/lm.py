@@ -14,7 +14,15 @@ num_kv_heads; the output layer is the transposed embedding (tied) or its own.
 Positions, one option (`POSITION_ENCODINGS`, from layers.positions): `none`, `learned`,
 `sinusoidal` (added to the embeddings), `rope` (optionally scaled) and `mrope` (rotating q and k;
 text-only M-RoPE positions are the 1D positions on all three axes, which is 1D RoPE exactly),
-`alibi` and `t5_bias` (causal-form biases on the scores).
+`alibi` and `t5_bias` (causal-form biases on the scores). The norm type and MLP kind are the
+registries of layers.blocks (`NORM_TYPES`, `MLP_TYPES`).
+
+Randomized positions (`randomized_positions`, a layers.positions.RandomizedPositions; not for mrope):
+a training pass given `position_rng` replaces each document's positions 0..n-1 by n sorted distinct
+positions drawn from [0, max_position) (`randomized_document_positions`; a row without explicit
+positions is one document). Passes without an rng (evaluation) use 0..n-1, or with `at_eval` the same
+kind of draw from the fixed key `eval_seed`; a cache then draws one sorted set of positions for its
+whole capacity at `init_cache`, and the row's k-th real token takes the k-th of them.
 
 Packed rows: `segment_ids` (1.. per document, 0 = padding) keep attention inside a document and
 `positions` restart at every document, as data.text.pack_documents lays them out.
@@ -57,48 +65,13 @@ from xattn_jax.ops import masks as masks_lib
 PAD_ID = 0
 # The registry's text encodings: sequence positions, and M-RoPE with text positions on all three axes.
 POSITION_ENCODINGS = position_layers.names(layout="sequence") + position_layers.names(layout="multimodal")
-NORM_TYPES = ("layernorm", "rmsnorm")
-MLP_TYPES = ("mlp", "swiglu")
+RandomizedPositions = position_layers.RandomizedPositions
 
 Insert = Mapping[int, Callable[[jax.Array], jax.Array]]
 
 
 def _partitioned(init, axes):
   return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
-def make_norm(norm_type: str, features: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-  """LayerNorm (scale and bias) or RMSNorm (scale only, Llama) over the last axis of [..., features]."""
-  if norm_type == "layernorm":
-    return nnx.LayerNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                         scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
-                         bias_init=_partitioned(nnx.initializers.zeros_init(), ("embed",)))
-  if norm_type == "rmsnorm":
-    return nnx.RMSNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                       scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)))
-  raise ValueError(f"norm_type must be one of {NORM_TYPES}, got norm_type={norm_type!r}")
-
-
-class SwiGLU(nnx.Module):
-  """Gated feed-forward of Llama / Qwen: W_out (silu(x W_gate) * x W_up), no biases. [b, t, f] -> [b, t, f]."""
-
-  def __init__(self, features: int, hidden_features: int, *, dropout_rate: float = 0.0, dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
-    def linear(fan_in, fan_out, axes):
-      return dense.Dense(fan_in, fan_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                         kernel_init=_partitioned(nnx.initializers.xavier_uniform(), axes))
-
-    self.features = features
-    self.gate = linear(features, hidden_features, ("embed", "mlp"))
-    self.up = linear(features, hidden_features, ("embed", "mlp"))
-    self.down = linear(hidden_features, features, ("mlp", "embed"))
-    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
-
-  def __call__(self, x, *, deterministic: bool = True):
-    if x.shape[-1] != self.features:
-      raise ValueError(f"SwiGLU: x must be [..., {self.features}], got x{list(x.shape)}")
-    hidden = jax.nn.silu(self.gate(x)) * self.up(x)
-    return self.down(self.dropout(hidden, deterministic=deterministic))
 
 
 class LMBlock(nnx.Module):
@@ -113,14 +86,10 @@ class LMBlock(nnx.Module):
     self.attention = MultiHeadAttention(
         num_heads, features, num_kv_heads=num_kv_heads, head_dim=head_dim, use_bias=use_bias,
         dropout_rate=attention_dropout_rate, rotary=rotary, implementation=implementation, **common)
-    if mlp_type == "swiglu":
-      self.mlp = SwiGLU(features, mlp_features, dropout_rate=dropout_rate, **common)
-    elif mlp_type == "mlp":
-      self.mlp = blocks.MLP(features, mlp_features, activation=activation, dropout_rate=dropout_rate, **common)
-    else:
-      raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got mlp_type={mlp_type!r}")
-    self.attention_norm = make_norm(norm_type, features, **common)
-    self.mlp_norm = make_norm(norm_type, features, **common)
+    self.mlp = blocks.make_mlp(mlp_type, features, mlp_features, activation=activation, dropout_rate=dropout_rate,
+                               **common)
+    self.attention_norm = blocks.make_norm(norm_type, features, **common)
+    self.mlp_norm = blocks.make_norm(norm_type, features, **common)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
   def _mlp_residual(self, x, deterministic):
@@ -148,14 +117,18 @@ class LMBlock(nnx.Module):
 class LMCache:
   """Decode state: a KVCache per layer (one shared fill index), and per row
 
-  key_valid      bool [b, capacity]: the slot holds a real token (not left padding, not yet unfilled)
-  key_positions  int32 [b, capacity]: the position of the token in each slot (relative biases)
-  next_position  int32 [b]: the position the row's next token takes
+  key_valid       bool [b, capacity]: the slot holds a real token (not left padding, not yet unfilled)
+  key_positions   int32 [b, capacity]: the position of the token in each slot (relative biases)
+  next_position   int32 [b]: the index (real tokens so far) of the row's next token; its position
+                  unless position_table is set
+  position_table  int32 [b, capacity] or None: the position of the row's k-th real token (randomized
+                  positions at eval: one sorted draw per row); None = index k is position k
   """
   layers: tuple[KVCache, ...]
   key_valid: jax.Array
   key_positions: jax.Array
   next_position: jax.Array
+  position_table: jax.Array | None = None
 
   @property
   def capacity(self) -> int:
@@ -175,6 +148,28 @@ def _check_tokens(where: str, tokens) -> None:
                      f"{getattr(tokens, 'dtype', type(tokens))}{list(getattr(tokens, 'shape', ()))}")
 
 
+def randomized_document_positions(rng, positions, max_position: int) -> jax.Array:
+  """Randomized positions for packed rows (Ruoss et al. 2023, per document): positions int [b, t], 0..n-1
+  restarting at every document (data.text.pack_documents) -> int32 [b, t] where each document's n tokens
+  take n distinct positions from [0, max_position), sorted ascending, a uniform draw for each document.
+
+  A document starts at slot 0 and wherever a position does not exceed the one before it. One random
+  ordering of t distinct positions is drawn per row; each document takes the chunk at its own slots,
+  sorted (a chunk of a uniformly random ordering is a uniformly random subset). Needs t <= max_position.
+  """
+  batch, length = positions.shape
+  if length > max_position:
+    raise ValueError(f"randomized_document_positions: a row of {length} tokens needs max_position >= {length}, "
+                     f"got max_position={max_position}")
+  _, draw = jax.lax.top_k(jax.random.uniform(rng, (batch, max_position)), length)  # -> [b, t], random order
+  slots = jnp.arange(length, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones((batch, 1), bool), positions[:, 1:] <= positions[:, :-1]], axis=1)
+  document = jax.lax.cummax(jnp.where(starts, slots, 0), axis=1)  # -> [b, t]: the slot its document starts at
+  # Documents are contiguous, so sorting by (document start, drawn position) sorts within each in place.
+  _, ordered = jax.lax.sort((document, draw.astype(jnp.int32)), dimension=1, num_keys=2)
+  return ordered
+
+
 class LanguageModel(nnx.Module):
   """Decoder-only transformer over token ids (id 0 = padding); see the module docstring.
 
@@ -184,6 +179,8 @@ class LanguageModel(nnx.Module):
     num_kv_heads: key / value heads (GQA; 1 = MQA); None = num_heads. head_dim: None = d_model // num_heads.
     position_encoding: one of POSITION_ENCODINGS.
     max_length: rows of the learned position table (the longest position it covers).
+    randomized_positions: a RandomizedPositions (default off; see the module docstring): max_position
+      must cover max_length.
     rope_scaling, rope_scaling_factor: RoPE length scaling, None | "linear" | "ntk".
     mrope_sections: frequency pairs per (time, height, width) axis for mrope; None = Qwen2-VL's split.
     norm_type: "layernorm" | "rmsnorm"; mlp_type: "mlp" (with activation) | "swiglu".
@@ -195,8 +192,10 @@ class LanguageModel(nnx.Module):
 
   def __init__(self, vocab_size: int, *, d_model: int, num_heads: int, num_layers: int, mlp_dim: int,
                num_kv_heads: int | None = None, head_dim: int | None = None, position_encoding: str = "rope",
-               max_length: int = 512, rope_scaling: str | None = None, rope_scaling_factor: float = 1.0,
-               mrope_sections: tuple[int, ...] | None = None, norm_type: str = "layernorm", mlp_type: str = "mlp", activation: str = "gelu",
+               max_length: int = 512, randomized_positions: RandomizedPositions = RandomizedPositions(),
+               rope_scaling: str | None = None, rope_scaling_factor: float = 1.0,
+               mrope_sections: tuple[int, ...] | None = None, norm_type: str = "layernorm", mlp_type: str = "mlp",
+               activation: str = "gelu",
                tie_output: bool = True, use_bias: bool = True, dropout_rate: float = 0.0,
                attention_dropout_rate: float = 0.0, scan_layers: bool = False, remat: str = "none",
                implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -207,9 +206,16 @@ class LanguageModel(nnx.Module):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"LanguageModel: {name} must be a positive int, got {name}={value!r}")
     for name, value, allowed in (("position_encoding", position_encoding, POSITION_ENCODINGS),
-                                 ("norm_type", norm_type, NORM_TYPES), ("mlp_type", mlp_type, MLP_TYPES)):
+                                 ("norm_type", norm_type, blocks.NORM_TYPES),
+                                 ("mlp_type", mlp_type, blocks.MLP_TYPES)):
       if value not in allowed:
-        raise ValueError(f"LanguageModel: {name} must be one of {allowed}, got {name}={value!r}")
+        raise ValueError(f"LanguageModel: {name} must be one of {tuple(allowed)}, got {name}={value!r}")
+    if not isinstance(randomized_positions, RandomizedPositions):
+      raise ValueError(f"LanguageModel: randomized_positions must be a RandomizedPositions, got "
+                       f"{type(randomized_positions).__name__}")
+    if randomized_positions.max_position and randomized_positions.max_position < max_length:
+      raise ValueError(f"LanguageModel: randomized_positions.max_position must be >= max_length={max_length} (every "
+                       f"position a row can hold must be drawable), got {randomized_positions.max_position}")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
     head_dim = d_model // num_heads if head_dim is None else head_dim
     self.vocab_size, self.d_model, self.num_layers, self.max_length = vocab_size, d_model, num_layers, max_length
@@ -221,14 +227,14 @@ class LanguageModel(nnx.Module):
     self.positions = position_layers.make_position_encoding(
         position_encoding, features=d_model, max_length=max_length, num_heads=num_heads, head_dim=head_dim,
         causal=True, rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
-        mrope_sections=mrope_sections, rngs=rngs, **common)
+        mrope_sections=mrope_sections, randomized=randomized_positions, rngs=rngs, **common)
     self.blocks = layer_stack.create_stack(
         lambda r: LMBlock(d_model, num_heads, mlp_dim, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           norm_type=norm_type, mlp_type=mlp_type, activation=activation, use_bias=use_bias,
                           dropout_rate=dropout_rate, attention_dropout_rate=attention_dropout_rate,
                           rotary=self.positions.rotary, implementation=implementation, rngs=r, **common),
         num_layers, rngs)
-    self.final_norm = make_norm(norm_type, d_model, rngs=rngs, **common)
+    self.final_norm = blocks.make_norm(norm_type, d_model, rngs=rngs, **common)
     self.output = None if tie_output else dense.Dense(
         d_model, vocab_size, rngs=rngs, kernel_init=_partitioned(nnx.initializers.lecun_normal(), ("embed", "vocab")),
         **common)
@@ -267,6 +273,15 @@ class LanguageModel(nnx.Module):
                        f"{positions.dtype}{list(positions.shape)}")
     return positions.astype(jnp.int32)
 
+  def _randomized(self, positions, rng):
+    """positions [b, t] (0.. per document) as the pass uses them: drawn per document when randomized
+    positions are on and an rng is given (or at_eval, from the fixed key), else as given."""
+    randomized = self.positions.randomized
+    if not randomized.max_position or (rng is None and not randomized.at_eval) or positions.ndim != 2:
+      return positions
+    key = jax.random.key(randomized.eval_seed) if rng is None else rng
+    return randomized_document_positions(key, positions, randomized.max_position)
+
   def _logits(self, x):
     x = self.final_norm(x)
     logits = dense.flat_matmul(x, self.embed.attend) if self.output is None else self.output(x)
@@ -288,20 +303,22 @@ class LanguageModel(nnx.Module):
   # --- training pass ----------------------------------------------------------------------------
 
   def __call__(self, tokens, *, positions=None, segment_ids=None, prefix=None, insert: Insert | None = None,
-               deterministic: bool = True):
+               position_rng=None, deterministic: bool = True):
     """tokens [b, t] -> logits [b, p + t, vocab] (float32; p = 0 without prefix).
 
     positions: int [b, p + t] (mrope: or [3, b, p + t]); None = 0.. for every row. segment_ids: int
     [b, p + t], 1.. per packed document, 0 = padding; attention stays within a document.
+    position_rng: a training pass's key for randomized positions (per document); None = the
+    evaluation positions.
     """
     _check_tokens("__call__", tokens)
     batch = tokens.shape[0]
     length = tokens.shape[1] + (0 if prefix is None else prefix.shape[1])
     if positions is not None:
-      positions = self._check_positions("__call__", positions, (batch, length))
+      positions = self._randomized(self._check_positions("__call__", positions, (batch, length)), position_rng)
+    else:
+      positions, _ = self.positions.sequence_positions(batch, length, rng=position_rng)  # -> [b, p + t]
     x = self._embed(tokens, prefix, positions, deterministic)
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     mask = None
     if segment_ids is not None:
       segment_ids = jnp.asarray(segment_ids)
@@ -329,13 +346,20 @@ class LanguageModel(nnx.Module):
     for name, value in (("batch_size", batch_size), ("capacity", capacity)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"LanguageModel.init_cache: {name} must be a positive int, got {name}={value!r}")
-    if self.position_encoding == "learned" and capacity > self.max_length:
+    randomized = self.positions.randomized
+    drawn = bool(randomized.max_position and randomized.at_eval)
+    if drawn and capacity > randomized.max_position:
+      raise ValueError(f"LanguageModel.init_cache: capacity={capacity} tokens need as many distinct randomized "
+                       f"positions, more than max_position={randomized.max_position}")
+    if not drawn and self.position_encoding == "learned" and capacity > self.max_length:
       raise ValueError(f"LanguageModel.init_cache: capacity={capacity} positions do not fit the learned position "
                        f"table of {self.max_length} rows (max_length)")
+    # At eval with randomized positions: one sorted draw for the whole capacity (a step reads its prefix).
+    table = self.positions.sequence_positions(batch_size, capacity)[0] if drawn else None  # [b, capacity]
     layers = tuple(block.attention.init_cache(batch_size, capacity) for block in self.layers())
     return LMCache(layers=layers, key_valid=jnp.zeros((batch_size, capacity), bool),
                    key_positions=jnp.zeros((batch_size, capacity), jnp.int32),
-                   next_position=jnp.zeros((batch_size,), jnp.int32))
+                   next_position=jnp.zeros((batch_size,), jnp.int32), position_table=table)
 
   def prefill(self, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None,
               insert: Insert | None = None):
@@ -343,7 +367,8 @@ class LanguageModel(nnx.Module):
 
     valid: bool [b, t], False on left padding (default tokens != PAD_ID); a prefix [b, p, d_model] is
     always valid. positions (default: each row's next position onward, counting its real tokens only)
-    as in __call__; the row's next position is then one past its largest.
+    as in __call__; the row's next position is then one past its largest. With a cache's
+    position_table (randomized positions at eval) positions are indices into it.
     """
     return self._extend(self.layers(), tokens, cache, valid=valid, positions=positions, prefix=prefix,
                         insert=insert)
@@ -373,11 +398,14 @@ class LanguageModel(nnx.Module):
       valid = jnp.concatenate([jnp.ones(prefix.shape[:2], bool), valid], axis=1)
     length = valid.shape[1]
     if positions is None:
-      # Real tokens count up from the row's next position; a padded slot repeats it (it is never seen).
+      # Real tokens count up from the row's next index; a padded slot repeats it (it is never seen).
       counted = cache.next_position[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-      positions = jnp.maximum(counted, cache.next_position[:, None])
+      indices = jnp.maximum(counted, cache.next_position[:, None])
     else:
-      positions = self._check_positions("prefill", positions, (batch, length))
+      indices = self._check_positions("prefill", positions, (batch, length))
+    positions = indices
+    if cache.position_table is not None:  # the k-th real token takes the cache's k-th drawn position
+      positions = jnp.take_along_axis(cache.position_table, jnp.minimum(indices, cache.capacity - 1), axis=1)
     flat = self._sequence_positions(positions)
     index = cache.layers[0].index
     key_valid = jax.lax.dynamic_update_slice(cache.key_valid, valid, (0, index))
@@ -393,11 +421,11 @@ class LanguageModel(nnx.Module):
       x, layer_cache = block.decode(x, layer_cache, positions=rotary, mask=mask, bias=bias)
       new_layers.append(layer_cache)
     x = insert[self.num_layers](x) if self.num_layers in insert else x
-    all_positions = positions if positions.ndim == 2 else jnp.max(positions, axis=0)
-    last = jnp.max(jnp.where(valid, all_positions, -1), axis=1)  # -> [b]; -1 for a row of padding only
+    all_indices = indices if indices.ndim == 2 else jnp.max(indices, axis=0)
+    last = jnp.max(jnp.where(valid, all_indices, -1), axis=1)  # -> [b]; -1 for a row of padding only
     next_position = jnp.maximum(cache.next_position, last + 1)
     cache = LMCache(layers=tuple(new_layers), key_valid=key_valid, key_positions=key_positions,
-                    next_position=next_position)
+                    next_position=next_position, position_table=cache.position_table)
     return self._logits(x), cache
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import string
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from xattn_jax.data import lm_algorithmic
 from xattn_jax.tasks import algorithmic as seq2seq_algorithmic
+from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as text_task
 from xattn_jax.training import optim, task as task_lib, validation
 
@@ -45,14 +45,20 @@ class LMAlgorithmicTask(task_lib.Task):
     if task.min_length > task.train_max_length:
       raise validation.ConfigError("task.min_length", task.min_length,
                                    f"must be <= task.train_max_length={task.train_max_length}")
-    seq2seq_algorithmic.parse_bands(task.eval_bands)
-    text_task.decoding_options(config)
+    bands = seq2seq_algorithmic.parse_bands(task.eval_bands)
+    decoding_config.decoding_options(config)
+    longest = lm_algorithmic.row_width(task.operation, max(task.train_max_length, *(hi for _, hi in bands))) + 1
+    randomized = config.model.get("randomized_positions_max", 0)
+    if randomized and randomized < longest:
+      raise validation.ConfigError("model.randomized_positions_max", randomized,
+                                   f"must be >= {longest}, the longest row the model sees (the longest eval band's), "
+                                   "or 0 = off")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
     task = config.task
     self.bands = seq2seq_algorithmic.parse_bands(task.eval_bands)
-    self.options = text_task.decoding_options(config)
+    self.options = decoding_config.decoding_options(config)
     # Positions 0 .. the longest eval row must have a row in a learned table.
     longest = max(task.train_max_length, *(hi for _, hi in self.bands))
     self.max_length = lm_algorithmic.row_width(task.operation, longest) + 1
@@ -74,8 +80,8 @@ class LMAlgorithmicTask(task_lib.Task):
     del batch["lengths"]
     return {k: v[process_index * size:(process_index + 1) * size] for k, v in batch.items()}
 
-  def _sums(self, model, batch):
-    logits = model(batch["inputs"])  # -> [b, t, vocab]
+  def _sums(self, model, batch, position_rng=None):
+    logits = model(batch["inputs"], position_rng=position_rng)  # -> [b, t, vocab]
     weights = batch["weights"]
     if "example_weights" in batch:
       weights = weights * batch["example_weights"][:, None]
@@ -83,8 +89,8 @@ class LMAlgorithmicTask(task_lib.Task):
     return logits, weights, loss_sum, weight_sum
 
   def loss(self, model, batch, *, rngs):
-    del rngs
-    _, _, loss_sum, weight_sum = self._sums(model, batch)
+    # The step's rngs draw its randomized positions, if the model has them (a pure function of (seed, step)).
+    _, _, loss_sum, weight_sum = self._sums(model, batch, position_rng=rngs.positions())
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):
@@ -132,7 +138,7 @@ class LMAlgorithmicTask(task_lib.Task):
     width = max(map(len, prompts))
     new = self.max_length - width
     tokens, valid = text_task.lm_lib.left_pad(prompts, width)
-    rng = jax.random.split(jax.random.key(task.decoding.seed), len(lines))
+    rng = decoding_config.row_keys(self.config, len(lines))
     outputs = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng, capacity=width - 1 + new,
                                         max_new_tokens=new, options=self.options))
     first, last = lm_algorithmic.FIRST_SYMBOL, lm_algorithmic.FIRST_SYMBOL + task.num_symbols

@@ -10,7 +10,9 @@ Config (see configs/lm_text.py):
                       eval and infer); data.vocab_size is a cap unless data.vocab_size_exact
   data.sequence_length  the packed row length (documents longer than a row are cut into chunks)
   model.*             LanguageModel options (position_encoding, norm_type, mlp_type, num_kv_heads, ...)
-  task.decoding.*     method greedy | sample | beam and its options (decoding.DecodingOptions),
+  model.randomized_positions_max / _at_eval   randomized positions per packed document (0 = off;
+                      models.lm), drawn from the step's rngs in training
+  task.decoding.*     method greedy | sample | beam and its options (tasks.decoding_config), and
                       max_new_tokens, for --mode=infer
 
 Documents are packed into rows (data.text.pack_documents): each is BOS d_1 .. d_n EOS, the model
@@ -32,7 +34,6 @@ import functools
 import math
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
@@ -40,25 +41,13 @@ from flax import nnx
 
 from xattn_jax import decoding
 from xattn_jax.data import corpus, splits, text, tokenizers
+from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
+from xattn_jax.tasks import decoding_config
 from xattn_jax.training import optim, task as task_lib, validation
 
 TOKENIZERS = ("bytes", "sentencepiece")
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
-ACTIVATIONS = ("gelu", "relu", "silu")
-_DECODING_FIELDS = ("method", "beam_size", "alpha", "temperature", "top_k", "top_p")
-
-
-def decoding_options(config) -> decoding.DecodingOptions:
-  """task.decoding as a DecodingOptions, or a ConfigError naming the first bad task.decoding field."""
-  section = config.task.decoding
-  values = {name: section[name] for name in _DECODING_FIELDS if name in section}
-  try:
-    return decoding.DecodingOptions(**values)
-  except ValueError as error:
-    message = str(error).removeprefix("decoding: ")
-    field = next((name for name in _DECODING_FIELDS if message.startswith(name + " ")), "method")
-    raise validation.ConfigError(f"task.decoding.{field}", values.get(field), message) from None
 
 
 def _read(field: str, path: str) -> list[str]:
@@ -80,10 +69,13 @@ def validate_model(config) -> None:
   model = config.model
   validation.require_choice(config, "model.name", ("lm",))
   validation.require_choice(config, "model.position_encoding", lm_lib.POSITION_ENCODINGS)
-  validation.require_choice(config, "model.norm_type", lm_lib.NORM_TYPES)
-  validation.require_choice(config, "model.mlp_type", lm_lib.MLP_TYPES)
-  validation.require_choice(config, "model.activation", ACTIVATIONS)
+  validation.require_choice(config, "model.norm_type", blocks.NORM_TYPES)
+  validation.require_choice(config, "model.mlp_type", blocks.MLP_TYPES)
+  validation.require_choice(config, "model.activation", blocks.ACTIVATIONS)
   validation.require_choice(config, "model.tie_output", (True, False))
+  # model.randomized_positions_max itself is checked with the position encoding (check_attention_dims).
+  if "randomized_positions_at_eval" in model:
+    validation.require_choice(config, "model.randomized_positions_at_eval", (True, False))
   validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim",
                               "model.max_length")
   validation.require_positive(config, "model.num_kv_heads", allow_zero=True)
@@ -96,9 +88,12 @@ def make_language_model(model_config, vocab_size: int, *, max_length: int, dtype
   """The LanguageModel of model_config (the model.* fields of configs/lm_text.py)."""
   m = model_config
   sections = tuple(m.get("mrope_sections", ())) or None
+  randomized = lm_lib.RandomizedPositions(max_position=m.get("randomized_positions_max", 0),
+                                          at_eval=m.get("randomized_positions_at_eval", False))
   return lm_lib.LanguageModel(
       vocab_size, d_model=m.d_model, num_heads=m.num_heads, num_layers=m.num_layers, mlp_dim=m.mlp_dim,
       num_kv_heads=m.num_kv_heads or None, position_encoding=m.position_encoding, max_length=max_length,
+      randomized_positions=randomized,
       rope_scaling=m.get("rope_scaling") or None, rope_scaling_factor=m.get("rope_scaling_factor", 1.0),
       mrope_sections=sections, norm_type=m.norm_type, mlp_type=m.mlp_type, activation=m.activation,
       tie_output=m.tie_output, dropout_rate=m.dropout_rate, scan_layers=m.scan_layers, remat=m.remat,
@@ -137,7 +132,7 @@ class LanguageModelTask(task_lib.Task):
       validation.require_positive(config, "data.vocab_size")
     if not 0 < data.eval_fraction < 1:
       raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
-    decoding_options(config)
+    decoding_config.decoding_options(config)
     if mode == "train" and data.train_file:
       _read("data.train_file", data.train_file)
     if mode != "infer" and data.eval_file:
@@ -145,7 +140,7 @@ class LanguageModelTask(task_lib.Task):
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
-    self.options = decoding_options(config)
+    self.options = decoding_config.decoding_options(config)
     self.train_texts, self.eval_texts = self._texts() if mode != "infer" else ((), ())
     self.tokenizer = self._tokenizer(self.train_texts if mode == "train" else None)
     self.vocab_size = self.tokenizer.vocab_size
@@ -214,14 +209,15 @@ class LanguageModelTask(task_lib.Task):
                                        process_index=process_index, process_count=process_count)
 
   @staticmethod
-  def _logits(model, batch, deterministic=True):
+  def _logits(model, batch, deterministic=True, position_rng=None):
     return model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                 deterministic=deterministic)
+                 position_rng=position_rng, deterministic=deterministic)
 
   def loss(self, model, batch, *, rngs):
     """Mean cross-entropy per next-token pair; padding (weight 0) counts nothing."""
-    del rngs  # the loop has reseeded the model's dropout streams
-    logits = self._logits(model, batch, deterministic=False)  # -> [b, t, vocab]
+    # The loop has reseeded the model's dropout streams; rngs draw the step's randomized positions (per
+    # document of the packed rows), if the model has them.
+    logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["weights"])
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
@@ -261,7 +257,7 @@ class LanguageModelTask(task_lib.Task):
       prompts.append([self.tokenizer.bos_id, *ids])
     width = -(-max(map(len, prompts)) // 8) * 8  # few compiled shapes across calls
     tokens, valid = lm_lib.left_pad(prompts, width)
-    rng = jax.random.split(jax.random.key(self.config.task.decoding.seed), len(lines))
+    rng = decoding_config.row_keys(self.config, len(lines))
     continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
                                               capacity=width - 1 + new, max_new_tokens=new, options=self.options))
     return [line + self.tokenizer.decode([i for i in row if i >= 0]) for line, row in zip(lines, continuations)]

@@ -6,12 +6,15 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
   data.tokenizer       "sentencepiece" (trained on both sides of the training text into
                        <workdir>/tokenizer/, reused on resume and in eval / infer) or "bytes"
   model.*              Translator sizes and options; model.position_encoding one of
-                       translator.POSITION_ENCODINGS, norm / activation from layers.blocks
-  task.*               label smoothing, decoding (beam_size 1 = greedy, length_penalty), how many
-                       eval sentences to decode, log and plot
+                       translator.POSITION_ENCODINGS, norm / activation from layers.blocks;
+                       model.randomized_positions_max / _at_eval: randomized positions (0 = off; drawn
+                       from the step's rngs in training, unpacked rows only)
+  task.decoding.*      how eval and infer decode: method greedy | beam | sample and its options
+                       (tasks.decoding_config: beam_size, alpha, temperature, top_k, top_p, seed)
+  task.*               label smoothing, how many eval sentences to decode, log and plot
 
 Metrics, logged as eval/<name> at every eval ("decoded pairs": the first task.num_decode_examples
-eval pairs, 0 = all of them, decoded by the model alone with task.beam_size, 1 = greedy):
+eval pairs, 0 = all of them, decoded by the model alone as task.decoding says, greedy by default):
   eval/loss         cross-entropy per target token (EOS included, no label smoothing), teacher-forced,
                     over every eval pair
   eval/accuracy     share of those target tokens whose most likely id is the reference's, teacher-forced,
@@ -51,8 +54,9 @@ from xattn_jax import decoding
 from xattn_jax.data import batching, dates, tokenizers, tsv
 from xattn_jax.layers import blocks
 from xattn_jax.models import translator as translator_lib
-from xattn_jax.training import optim, sharding, task as task_lib, validation
+from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.translate import plots as translate_plots
+from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 DATA_SOURCES = ("dates", "tsv")
 TOKENIZERS = ("sentencepiece", "bytes")
@@ -184,12 +188,22 @@ class TranslateTask(task_lib.Task):
     if model.share_embeddings and model.encoder.d_model != model.decoder.d_model:
       raise validation.ConfigError("model.share_embeddings", True,
                                    "needs model.encoder.d_model == model.decoder.d_model")
-    validation.require_positive(config, "model.max_length", "task.beam_size")
+    validation.require_positive(config, "model.max_length")
     validation.require_positive(config, "task.max_decode_length", "task.num_decode_examples",
                                 "task.num_samples_logged", "task.num_attention_plots",
                                 "data.max_source_length", "data.max_target_length", allow_zero=True)
-    if task.length_penalty < 0:
-      raise validation.ConfigError("task.length_penalty", task.length_penalty, "must be >= 0")
+    for old, new in (("beam_size", "beam_size"), ("length_penalty", "alpha")):
+      if old in task:  # a config written before task.decoding existed
+        raise validation.ConfigError(f"task.{old}", task[old], f"moved to task.decoding.{new} (with "
+                                     "task.decoding.method='beam'); write the task.decoding section instead")
+    decoding_config.decoding_options(config)
+    # model.randomized_positions_max itself is checked with the position encoding (check_attention_dims).
+    if "randomized_positions_at_eval" in model:
+      validation.require_choice(config, "model.randomized_positions_at_eval", (True, False))
+    if model.get("randomized_positions_max", 0) and data.packing:
+      raise validation.ConfigError("model.randomized_positions_max", model.randomized_positions_max,
+                                   "packed rows keep their positions as given, so nothing would be randomized: "
+                                   "set data.packing=False, or 0 = off")
     if "bleu_tokenize" in task:
       validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
@@ -242,8 +256,8 @@ class TranslateTask(task_lib.Task):
     if mode != "infer":
       self._log_bleu_choice()
     self.vocab_size = self.tokenizer.vocab_size
-    self._generate = nnx.jit(decoding.generate,
-                             static_argnames=("max_length", "bos_id", "eos_id", "beam_size", "alpha"))
+    self.options = decoding_config.decoding_options(config)
+    self._generate = nnx.jit(decoding.generate, static_argnames=("max_length", "bos_id", "eos_id", "options"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
         inputs, decoder_inputs))
 
@@ -417,9 +431,11 @@ class TranslateTask(task_lib.Task):
   def make_model(self, rngs, *, dtype, param_dtype):
     model = self.config.model
     encoder, decoder = stack_sizes(model)
+    randomized = translator_lib.RandomizedPositions(max_position=model.get("randomized_positions_max", 0),
+                                                    at_eval=model.get("randomized_positions_at_eval", False))
     return translator_lib.Translator(
         self.vocab_size, encoder=encoder, decoder=decoder, position_encoding=model.position_encoding,
-        max_length=model.max_length, rope_scaling=model.get("rope_scaling") or None,
+        max_length=model.max_length, randomized_positions=randomized, rope_scaling=model.get("rope_scaling") or None,
         rope_scaling_factor=model.get("rope_scaling_factor", 1.0), share_embeddings=model.share_embeddings,
         tie_output=model.tie_output,
         norm=model.norm, dropout_rate=model.dropout_rate, attention_dropout_rate=model.attention_dropout_rate,
@@ -430,13 +446,15 @@ class TranslateTask(task_lib.Task):
     return self.train_batches.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
                                           process_index=process_index, process_count=process_count)
 
-  def _logits(self, model, batch, deterministic=True):
+  def _logits(self, model, batch, deterministic=True, position_rng=None):
     packing = {argument: batch[key] for key, argument in _PACKING_KEYS.items() if key in batch}
-    return model(batch["inputs"], batch["decoder_inputs"], deterministic=deterministic, **packing)
+    return model(batch["inputs"], batch["decoder_inputs"], deterministic=deterministic, position_rng=position_rng,
+                 **packing)
 
   def loss(self, model, batch, *, rngs):
-    del rngs  # the loop has reseeded the model's dropout streams for this step
-    logits = self._logits(model, batch, deterministic=False)  # -> [b, t, vocab]
+    # The loop has reseeded the model's dropout streams for this step; rngs draw its randomized
+    # positions, if the model has them (a pure function of (seed, step)).
+    logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0,
                                                self.config.task.label_smoothing)
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
@@ -457,8 +475,9 @@ class TranslateTask(task_lib.Task):
   # --- decoding ---------------------------------------------------------------------------------
 
   def translate_ids(self, model, inputs: np.ndarray, max_length: int) -> list[str]:
-    """Decodes inputs [n, s] in batches of eval_batch_size (the last one padded) -> n strings."""
-    task, size = self.config.task, self.config.eval_batch_size
+    """Decodes inputs [n, s] as task.decoding says, in batches of eval_batch_size (the last one padded)
+    -> n strings. Row i samples with its own key (task.decoding.seed, i), whatever the batching."""
+    size = self.config.eval_batch_size
     outputs = []
     for start in range(0, len(inputs), size):
       chunk = inputs[start:start + size]
@@ -466,9 +485,10 @@ class TranslateTask(task_lib.Task):
       padded[len(chunk):, 0] = self.tokenizer.eos_id  # padding rows need one real source token
       # Rows split over the data axes (each device decodes its share; with host arrays every device
       # and every process decoded every row), gathered back whole on every process.
+      rng = decoding_config.row_keys(self.config, size, offset=start)
       ids = self._generate(model, sharding.rows_on_mesh(padded, self.rows_sharding), max_length=max_length,
-                           bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, beam_size=task.beam_size,
-                           alpha=task.length_penalty)
+                           bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, options=self.options,
+                           rng=rng)
       outputs += [self.tokenizer.decode(row) for row in sharding.rows_to_host(ids)[:len(chunk)]]
     return outputs
 

@@ -1,0 +1,43 @@
+"""The `task.decoding` section every decoding task shares, read once into a decoding.DecodingOptions.
+
+  task.decoding.method       greedy | beam | sample (decoding.DECODING_METHODS)
+  task.decoding.beam_size    beam: hypotheses kept (>= 1)
+  task.decoding.alpha        beam: GNMT length-penalty exponent (>= 0)
+  task.decoding.temperature  sample: softmax temperature (> 0)
+  task.decoding.top_k        sample: keep the k most likely tokens (0 = all)
+  task.decoding.top_p        sample: nucleus mass (in (0, 1], 1 = no cut)
+  task.decoding.seed         sample: the PRNG seed of the per-row keys (>= 0)
+A task may add its own fields to the section (the LM's max_new_tokens); they are not read here.
+"""
+from __future__ import annotations
+
+import jax
+
+from xattn_jax import decoding
+from xattn_jax.training import validation
+
+SECTION = "task.decoding"
+
+
+def decoding_options(config) -> decoding.DecodingOptions:
+  """config.task.decoding as a DecodingOptions; a bad field (or a missing section) is one ConfigError
+  line naming task.decoding.<field>."""
+  if "decoding" not in config.task:
+    raise validation.ConfigError(SECTION, None, "is required: a section with method (greedy | beam | sample) and "
+                                 "its options (beam_size, alpha, temperature, top_k, top_p, seed)")
+  section = config.task.decoding
+  try:
+    options = decoding.options_from_mapping(section)
+  except decoding.DecodingOptionError as error:
+    raise validation.ConfigError(f"{SECTION}.{error.field}", error.value,
+                                 str(error).removeprefix("decoding: ")) from None
+  if "seed" in section:
+    validation.require_positive(config, f"{SECTION}.seed", allow_zero=True)
+  return options
+
+
+def row_keys(config, rows: int, offset: int = 0) -> jax.Array:
+  """PRNG keys [rows] for sampling rows offset .. offset + rows - 1 of a decode: key i depends only on
+  task.decoding.seed and i, so a row's sample does not depend on how the rows are batched."""
+  base = jax.random.key(config.task.decoding.get("seed", 0))
+  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jax.numpy.arange(offset, offset + rows))
