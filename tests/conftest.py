@@ -56,3 +56,13 @@ def trained_translator():
     result = helpers.launch("configs/translate_dates.py", workdir, overrides=helpers.TINY_DATES)
     assert result.returncode == 0, result.stderr[-3000:]
   return helpers.build_once("trained_translator", build)
+
+
+def pytest_collection_modifyitems(config, items):
+  # Files with the most slow (launching, training) tests run first: pytest-xdist hands whole files to its
+  # workers in collection order, and a long file that starts last runs alone at the end. Within a file the
+  # order is kept; every worker sorts the same collection the same way.
+  slow_per_file: dict[str, int] = {}
+  for item in items:
+    slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+  items.sort(key=lambda item: -slow_per_file[item.path])

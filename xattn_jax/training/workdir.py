@@ -53,7 +53,7 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
   model, task and data sections (resuming on other data or another tokenizer is another experiment);
   eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
-  task.beam_size, and evaluate other files)."""
+  task.decoding, and evaluate other files)."""
   if not checkpoints_lib.step_numbers(workdir):
     return  # no checkpoint yet (a run that failed before its first save): nothing to protect
 
@@ -77,7 +77,7 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
 def append_eval_result(config, workdir: str, step: int, values: dict[str, float]) -> dict:
   """Appends `{"step", **values, "changed"}` to `<workdir>/eval_results.jsonl` and returns the row;
   `changed` holds the fields this eval's config changed from the run's (another data.grid,
-  task.beam_size ...), so a row evaluated with other settings says so."""
+  task.decoding ...), so a row evaluated with other settings says so."""
   changed = {field: new for field, (_, new) in config_differences(config, workdir).items()}
   row = {"step": step, **values, "changed": changed}
   with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:

@@ -148,6 +148,8 @@ class DigitsBase(task_lib.Task):
                                process_count=process_count, grid=self.grid)
 
   def eval_metrics(self, model, batch):
+    """Over every test image once: eval/loss (cross-entropy of the class), eval/accuracy (share of images
+    classified right) and eval/tokens_handed_on (how many tokens the reader passes on per image)."""
     logits = model(batch["images"])
     weights = batch["weights"]
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], weights)
@@ -170,7 +172,8 @@ class DigitsBase(task_lib.Task):
                            for start in range(0, len(images), size)])
 
   def extra_eval(self, model):
-    """Accuracy on the test images resized to each extra grid; attention maps into the workdir."""
+    """eval/accuracy_HxW: accuracy on every test image resized to each extra grid; attention maps into the
+    workdir."""
     results = {}
     for grid in self.extra_grids:
       predictions = self._classify(model, digits.resize_images(self.split.test_images, grid))

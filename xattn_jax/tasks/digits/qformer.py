@@ -39,13 +39,17 @@ class Connector:
   has_queries: bool  # whether it has queries whose attention over the patches can be drawn
 
 
-# The connectors, by `model.connector`: the one list of them that config checks and errors read.
+# What the task reads of each connector the model offers (`latent_reader.CONNECTORS` owns the names, which
+# config checks and errors read).
 CONNECTORS = {
     "qformer": Connector(lambda model, images: model.queries.queries.shape[0], has_queries=True),  # N
     # LLaVA-style: one token per encoder output, the class token and every patch (1 + M).
     "mlp": Connector(lambda model, images: 1 + common.patch_tokens(images, model.encoder.patch_size),
                      has_queries=False),
 }
+if set(CONNECTORS) != set(latent_reader.CONNECTORS):
+  raise ImportError(f"tasks.digits.qformer: CONNECTORS {sorted(CONNECTORS)} must cover the model's "
+                    f"latent_reader.CONNECTORS {sorted(latent_reader.CONNECTORS)}")
 
 
 def _read_record(workdir: str | None) -> dict | None:
@@ -87,7 +91,7 @@ class QFormerTask(common.DigitsBase):
   @classmethod
   def validate(cls, config, mode="train"):
     super().validate(config, mode)
-    validation.require_choice(config, "model.connector", CONNECTORS)
+    validation.require_choice(config, "model.connector", latent_reader.CONNECTORS)
     validation.require_positive(config, "model.num_queries", "model.cross_attention_every",
                                 "model.num_consumer_blocks")
     if mode == "train":  # eval and infer take the encoder from the run's record (see __init__)
