@@ -1,6 +1,7 @@
 """Data for the models: bundled and user data sets, tokenizers and host-side numpy batching.
 
   dates.py       English -> target-locale date pairs from Babel's CLDR data, split by date
+  files.py       the checks every reader of a user's UTF-8 line file shares (missing, UTF-16, bare \r)
   tsv.py         a user's parallel corpus (source<TAB>target), validated line by line
   text.py        a user's text file (one document per line) packed into next-token rows for a causal LM
   corpus.py      a bundled LM corpus generated from CLDR (Babel) and English number words

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from xattn_jax.data import tokenizers
+from xattn_jax.data import files, tokenizers
 
 _MAX_REPORTED_PROBLEMS = 5
 
@@ -70,25 +70,9 @@ def read_documents(path) -> list[str]:
       with bare carriage returns, has a line that is not UTF-8 (each named ``file:line``), or holds
       no non-blank line.
   """
-  if not isinstance(path, (str, os.PathLike)):
-    raise ValueError(f"path must be a str or os.PathLike naming a text file, got {type(path).__name__} {path!r}")
-  if not os.path.exists(path):
-    raise TextFormatError(path, [(None, "no such file")])
-  if not os.path.isfile(path):
-    raise TextFormatError(path, [(None, "not a regular file")])
-  with open(path, "rb") as f:
-    data = f.read()
-  if data.startswith(b"\xef\xbb\xbf"):
-    data = data[3:]
-  if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-    raise TextFormatError(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); "
-                                        "save it as UTF-8")])
-  if b"\r" in data and b"\n" not in data:
-    raise TextFormatError(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); "
-                                        "save it with \\n line ends")])
+  lines = files.read_line_bytes(path, TextFormatError, "a text file")
   documents, problems = [], []
-  for line_number, raw in enumerate(data.split(b"\n"), start=1):
-    raw = raw[:-1] if raw.endswith(b"\r") else raw
+  for line_number, raw in enumerate(lines, start=1):
     try:
       text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from xattn_jax.data import files
+
 _MAX_REPORTED_PROBLEMS = 5
 
 
@@ -65,24 +67,7 @@ def read_parallel_tsv(path) -> list[tuple[str, str]]:
       malformed line (not UTF-8, blank, no tab, more than one tab, an empty side); the message names
       the file and the 1-based line numbers.
   """
-  if not isinstance(path, (str, os.PathLike)):
-    raise ValueError(f"path must be a str or os.PathLike naming a TSV file, got {type(path).__name__} {path!r}")
-  if not os.path.exists(path):
-    raise CorpusFormatError(path, [(None, "no such file")])
-  if not os.path.isfile(path):
-    raise CorpusFormatError(path, [(None, "not a regular file")])
-  with open(path, "rb") as f:
-    data = f.read()
-  if data.startswith(b"\xef\xbb\xbf"):
-    data = data[3:]
-  if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-    raise CorpusFormatError(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); "
-                                          "save it as UTF-8")])
-  if b"\r" in data and b"\n" not in data:
-    raise CorpusFormatError(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); "
-                                          "save it with \\n line ends")])
-  lines = data.split(b"\n")
-  lines = [line[:-1] if line.endswith(b"\r") else line for line in lines]
+  lines = files.read_line_bytes(path, CorpusFormatError, "a TSV file")
   while lines and not lines[-1].strip():
     lines.pop()
   if not lines:

@@ -1,0 +1,29 @@
+"""Reading a user's line-oriented UTF-8 file, with the checks every such reader shares."""
+from __future__ import annotations
+
+import os
+
+
+def read_line_bytes(path, error, kind: str) -> list[bytes]:
+  """The lines of a UTF-8 file as bytes, without their line ends (\\n or \\r\\n) or a byte-order mark.
+
+  `error(path, problems)` builds the reader's own exception from (line number or None, message) pairs;
+  it is raised for a missing or non-regular file, a UTF-16 file and bare carriage-return line ends.
+  `kind` names the file in the message for a `path` that is no path ("a TSV file").
+  """
+  if not isinstance(path, (str, os.PathLike)):
+    raise ValueError(f"path must be a str or os.PathLike naming {kind}, got {type(path).__name__} {path!r}")
+  if not os.path.exists(path):
+    raise error(path, [(None, "no such file")])
+  if not os.path.isfile(path):
+    raise error(path, [(None, "not a regular file")])
+  with open(path, "rb") as f:
+    data = f.read()
+  if data.startswith(b"\xef\xbb\xbf"):
+    data = data[3:]
+  if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+    raise error(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")])
+  if b"\r" in data and b"\n" not in data:
+    raise error(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); save it with \\n "
+                              "line ends")])
+  return [line[:-1] if line.endswith(b"\r") else line for line in data.split(b"\n")]
