@@ -2,14 +2,12 @@
 determinism, exact resume after SIGTERM / SIGKILL, the NaN guard, corrupted checkpoints, eval and
 infer modes. Expensive runs are module-scoped fixtures shared between assertions. Every run trains
 with dropout, so determinism and exact resume cover the dropout keys too."""
-import atexit
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+
+from tests import helpers
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -31,8 +31,6 @@ OVERRIDES = {
 }
 CONFIG = "configs/template.py:size=tiny"
 # Compiled programs are shared between the subprocesses of a test session (same HLO, same result).
-COMPILE_CACHE = tempfile.mkdtemp(prefix="xattn_jax_test_compile_cache_")
-atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
 
 
 def launch_args(workdir, *extra, overrides=None):
@@ -42,14 +40,8 @@ def launch_args(workdir, *extra, overrides=None):
 
 
 def subprocess_env(device_count=1, default_optimization=False):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=COMPILE_CACHE,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  # Optimization level 0 halves XLA's CPU compile time; every comparison here is between runs
-  # that share these flags. `default_optimization` keeps XLA's default level (what real runs use).
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={device_count}"
-  if not default_optimization:
-    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-  return env
+  """The session's launch environment (tests/helpers.py); `default_optimization` keeps XLA's default level."""
+  return helpers.subprocess_env(device_count, optimize=default_optimization)
 
 
 def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300, default_optimization=False):

@@ -3,6 +3,31 @@ from __future__ import annotations
 
 import os
 
+_MAX_REPORTED_PROBLEMS = 5
+
+
+class LineFileError(ValueError):
+  """A user's line file is unreadable or has bad lines; subclasses name the format.
+
+  Attributes:
+    path: the file.
+    line_number: 1-based number of the first bad line, or None for whole-file problems.
+    problems: ``(line_number, description)`` for every problem found (the first five are shown).
+  """
+  heading = "invalid file"  # e.g. "invalid text file (expected UTF-8, one document per line)"
+  bad_line = "bad line"  # what the "... and N more" summary calls a line
+
+  def __init__(self, path, problems: list[tuple[int | None, str]]):
+    self.path = os.fspath(path)
+    self.problems = problems
+    self.line_number = problems[0][0]
+    shown = [f"{self.path}:{n}: {what}" if n is not None else f"{self.path}: {what}"
+             for n, what in problems[:_MAX_REPORTED_PROBLEMS]]
+    more = len(problems) - len(shown)
+    if more:
+      shown.append(f"... and {more} more {self.bad_line}{'s' if more > 1 else ''}")
+    super().__init__(f"{self.heading}:\n  " + "\n  ".join(shown))
+
 
 def read_line_bytes(path, error, kind: str) -> list[bytes]:
   """The lines of a UTF-8 file as bytes, without their line ends (\\n or \\r\\n) or a byte-order mark.

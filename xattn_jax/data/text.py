@@ -31,35 +31,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from xattn_jax.data import files, tokenizers
 
-_MAX_REPORTED_PROBLEMS = 5
 
-
-class TextFormatError(ValueError):
-  """A text file is missing, not UTF-8, or holds no document.
-
-  Attributes:
-    path: the file.
-    line_number: 1-based number of the first bad line, or None for whole-file problems.
-    problems: ``(line_number, description)`` for every problem found.
-  """
-
-  def __init__(self, path, problems: list[tuple[int | None, str]]):
-    self.path = os.fspath(path)
-    self.problems = problems
-    self.line_number = problems[0][0]
-    shown = [f"{self.path}:{n}: {what}" if n is not None else f"{self.path}: {what}"
-             for n, what in problems[:_MAX_REPORTED_PROBLEMS]]
-    more = len(problems) - len(shown)
-    if more:
-      shown.append(f"... and {more} more bad line{'s' if more > 1 else ''}")
-    super().__init__("invalid text file (expected UTF-8, one document per line):\n  " + "\n  ".join(shown))
+class TextFormatError(files.LineFileError):
+  """A text file is missing, not UTF-8, or holds no document (see files.LineFileError)."""
+  heading = "invalid text file (expected UTF-8, one document per line)"
+  bad_line = "bad line"
 
 
 def read_documents(path) -> list[str]:

@@ -11,32 +11,13 @@ Decisions:
 """
 from __future__ import annotations
 
-import os
-
 from xattn_jax.data import files
 
-_MAX_REPORTED_PROBLEMS = 5
 
-
-class CorpusFormatError(ValueError):
-  """A parallel corpus file is missing, empty, not UTF-8, or has malformed lines.
-
-  Attributes:
-    path: the file.
-    line_number: 1-based number of the first malformed line, or None for whole-file problems.
-    problems: ``(line_number, description)`` for every malformed line found.
-  """
-
-  def __init__(self, path, problems: list[tuple[int | None, str]]):
-    self.path = os.fspath(path)
-    self.problems = problems
-    self.line_number = problems[0][0]
-    shown = [f"{self.path}:{n}: {what}" if n is not None else f"{self.path}: {what}"
-             for n, what in problems[:_MAX_REPORTED_PROBLEMS]]
-    more = len(problems) - len(shown)
-    if more:
-      shown.append(f"... and {more} more malformed line{'s' if more > 1 else ''}")
-    super().__init__("invalid parallel corpus (expected UTF-8 'source<TAB>target' lines):\n  " + "\n  ".join(shown))
+class CorpusFormatError(files.LineFileError):
+  """A parallel corpus file is missing, empty, not UTF-8, or has malformed lines (see files.LineFileError)."""
+  heading = "invalid parallel corpus (expected UTF-8 'source<TAB>target' lines)"
+  bad_line = "malformed line"
 
 
 def _line_problem(raw: bytes) -> tuple[str | None, tuple[str, str] | None]:

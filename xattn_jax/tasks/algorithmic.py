@@ -51,6 +51,34 @@ def band_name(band: tuple[int, int], metric: str = "exact_match") -> str:
   return f"{metric}_{band[0]}_{band[1]}"
 
 
+def padded_batches(examples: dict[str, np.ndarray], size: int, *, process_index: int, process_count: int):
+  """examples cut into global batches of `size` rows (the last padded with zero rows, so weight 0), each
+  yielded as this process's rows."""
+  local = size // process_count
+  for start in range(0, len(next(iter(examples.values()))), size):
+    batch = {}
+    for key, array in examples.items():
+      chunk = array[start:start + size]
+      batch[key] = np.pad(chunk, [(0, size - len(chunk))] + [(0, 0)] * (array.ndim - 1))
+    yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
+
+
+def band_metrics(bands, correct, token_weights, example_weights, band_ids) -> dict[str, tuple]:
+  """eval/exact_match_LO_HI and eval/token_accuracy_LO_HI as (sum, weight) for every band.
+
+  correct [b, t] bool (True at padding), token_weights [b, t], example_weights [b], band_ids [b]. Every
+  batch reports every band (weight 0 for the others), so the loop can sum them.
+  """
+  exact = jnp.all(correct, axis=-1).astype(jnp.float32)  # [b]
+  metrics = {}
+  for index, band in enumerate(bands):
+    in_band = example_weights * (band_ids == index)  # [b]
+    metrics[band_name(band)] = (jnp.sum(exact * in_band), jnp.sum(in_band))
+    band_tokens = token_weights * in_band[:, None]  # [b, t]
+    metrics[band_name(band, "token_accuracy")] = (jnp.sum(correct * band_tokens), jnp.sum(band_tokens))
+  return metrics
+
+
 @task_lib.register("algorithmic")
 class AlgorithmicTask(task_lib.Task):
   """Copy or reverse random strings; exact match per length band (see the module docstring)."""
@@ -123,31 +151,20 @@ class AlgorithmicTask(task_lib.Task):
 
   def eval_batches(self, *, process_index, process_count):
     """Each band's examples in batches of eval_batch_size padded to the band's width (weight-0 rows fill up)."""
-    size, local = self.config.eval_batch_size, self.config.eval_batch_size // process_count
     for index, (lo, hi) in enumerate(self.bands):
       rng = np.random.default_rng([self.config.seed, _EVAL_STREAM, index])
       examples = self._examples(rng, self.config.task.num_eval_examples, lo, hi, hi)
       del examples["lengths"]
       examples["weights"] = np.ones(len(examples["inputs"]), np.float32)
       examples["band"] = np.full(len(examples["inputs"]), index, np.int32)
-      for start in range(0, len(examples["inputs"]), size):
-        batch = {}
-        for key, array in examples.items():
-          chunk = array[start:start + size]
-          batch[key] = np.pad(chunk, [(0, size - len(chunk))] + [(0, 0)] * (array.ndim - 1))
-        yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
+      yield from padded_batches(examples, self.config.eval_batch_size, process_index=process_index,
+                                process_count=process_count)
 
   def eval_metrics(self, model, batch):
     logits, token_weights, loss_sum, weight_sum = self._token_losses(model, batch)
     correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (token_weights == 0)  # [b, t]
-    exact = jnp.all(correct, axis=-1).astype(jnp.float32)  # [b]
     metrics = {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct * token_weights), weight_sum)}
-    for index, band in enumerate(self.bands):
-      # Every batch reports every band (weight 0 for the others), so the loop can sum them.
-      in_band = batch["weights"] * (batch["band"] == index)  # [b]
-      metrics[band_name(band)] = (jnp.sum(exact * in_band), jnp.sum(in_band))
-      band_tokens = token_weights * in_band[:, None]  # [b, t]
-      metrics[band_name(band, "token_accuracy")] = (jnp.sum(correct * band_tokens), jnp.sum(band_tokens))
+    metrics.update(band_metrics(self.bands, correct, token_weights, batch["weights"], batch["band"]))
     return metrics
 
   def infer(self, model, lines):

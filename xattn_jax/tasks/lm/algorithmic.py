@@ -95,31 +95,21 @@ class LMAlgorithmicTask(task_lib.Task):
 
   def eval_batches(self, *, process_index, process_count):
     """Each band's examples in batches of eval_batch_size at the band's width (weight-0 rows fill up)."""
-    size, local = self.config.eval_batch_size, self.config.eval_batch_size // process_count
     for index, (lo, hi) in enumerate(self.bands):
       rng = np.random.default_rng([self.config.seed, _EVAL_STREAM, index])
       examples = self._examples(rng, self.config.task.num_eval_examples, lo, hi)
       del examples["lengths"]
       examples["example_weights"] = np.ones(len(examples["inputs"]), np.float32)
       examples["band"] = np.full(len(examples["inputs"]), index, np.int32)
-      for start in range(0, len(examples["inputs"]), size):
-        batch = {}
-        for key, array in examples.items():
-          chunk = array[start:start + size]
-          batch[key] = np.pad(chunk, [(0, size - len(chunk))] + [(0, 0)] * (array.ndim - 1))
-        yield {k: v[process_index * local:(process_index + 1) * local] for k, v in batch.items()}
+      yield from seq2seq_algorithmic.padded_batches(examples, self.config.eval_batch_size,
+                                                    process_index=process_index, process_count=process_count)
 
   def eval_metrics(self, model, batch):
     logits, weights, loss_sum, weight_sum = self._sums(model, batch)
     correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (weights == 0)  # [b, t]
-    exact = jnp.all(correct, axis=-1).astype(jnp.float32)  # [b]
     metrics = {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct * weights), weight_sum)}
-    for index, band in enumerate(self.bands):
-      in_band = batch["example_weights"] * (batch["band"] == index)  # [b]; every batch reports every band
-      metrics[seq2seq_algorithmic.band_name(band)] = (jnp.sum(exact * in_band), jnp.sum(in_band))
-      band_tokens = weights * in_band[:, None]
-      metrics[seq2seq_algorithmic.band_name(band, "token_accuracy")] = (jnp.sum(correct * band_tokens),
-                                                                        jnp.sum(band_tokens))
+    metrics.update(seq2seq_algorithmic.band_metrics(self.bands, correct, weights, batch["example_weights"],
+                                                    batch["band"]))
     return metrics
 
   def infer(self, model, lines):
