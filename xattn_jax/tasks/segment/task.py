@@ -121,6 +121,8 @@ class SegmentTask(task_lib.Task):
                                    "cross-attentions work at half the width; the Fourier features pair sin / cos)")
     if not isinstance(model.encoder.freeze, bool):
       raise validation.ConfigError("model.encoder.freeze", model.encoder.freeze, "must be True or False")
+    if not model.fourier_scale > 0:
+      raise validation.ConfigError("model.fourier_scale", model.fourier_scale, "must be > 0")
     mix = task.prompt_mix
     unknown = sorted(set(mix) - set(segment_digits.PROMPT_KINDS))
     if unknown:
