@@ -23,6 +23,7 @@ def get_config(arg=None):
   config.task.name = "segment"
   config.task.num_masks = 3                 # masks per prompt (SAM's multimask output)
   config.task.iou_loss_weight = 1.0         # the IoU head's squared error, added to the mask loss
+  config.task.all_masks_loss_weight = 0.05  # the mean loss of all masks, added to the best one's (no dead masks)
   # Prompt kinds of the training batches, by weight (segment_digits.PROMPT_KINDS).
   config.task.prompt_mix = ConfigDict({"click": 0.35, "clicks": 0.15, "box": 0.3, "ambiguous": 0.2})
   config.task.num_eval_scenes = 200         # test scenes: a click and a box each, and an ambiguous click

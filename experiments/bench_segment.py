@@ -5,7 +5,8 @@ The model is the default `configs/segment_digits.py` segmenter (ViT encoder of 3
 patches; two two-way blocks, width 64), freshly initialised (the cost does not depend on the weights).
 One image, one click prompt at a time, as in an interactive session. For each canvas side (the ViT's
 learned position table is resized, so M = (side / 4)^2 features) three jitted functions are timed,
-interleaved, median after warm-up, each result `block_until_ready`:
+in alternating blocks of back-to-back calls (bench_common.blocked_median_seconds), median after warm-up,
+each result `block_until_ready`:
   encode:  images -> ImageFeatures (once per image);
   decode:  (ImageFeatures, click) -> masks, IoU (once per click);
   full:    images, click -> masks, IoU (encode + decode in one program: re-encoding every click).
@@ -27,10 +28,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from bench_common import add_output_flags, interleaved_median_seconds, parse_output_args  # noqa: E402
+from bench_common import add_output_flags, blocked_median_seconds, parse_output_args  # noqa: E402
 
-FULL = {"sides": (32, 64, 128), "repeats": 30}
-QUICK = {"sides": (32,), "repeats": 5}
+FULL = {"sides": (32, 64, 128), "blocks": 10, "per_block": 10}
+QUICK = {"sides": (32,), "blocks": 2, "per_block": 3}
 
 
 def _commit() -> str:
@@ -41,7 +42,7 @@ def _commit() -> str:
     return "unknown"
 
 
-def time_side(side: int, repeats: int) -> dict:
+def time_side(side: int, sizes: dict) -> dict:
   """Median seconds of encode, decode and full at one canvas side, and the model's feature count M."""
   import jax
   import jax.numpy as jnp
@@ -66,15 +67,18 @@ def time_side(side: int, repeats: int) -> dict:
   images = jnp.asarray(rng.uniform(size=(1, side, side, 1)), jnp.float32)
   points = jnp.asarray([[[0.4, 0.6], [0.0, 0.0], [0.0, 0.0]]], jnp.float32)
   labels = jnp.asarray([[segment_digits.POSITIVE, 0, 0]], jnp.int32)
-  encode = nnx.jit(lambda m, x: m.encode(x))
-  decode = nnx.jit(lambda m, f, p, l: m.decode(f, p, l))
-  full = nnx.jit(lambda m, x, p, l: m(x, p, l))
-  features = encode(model, images)
-  seconds = interleaved_median_seconds({
-      "encode": lambda: jax.block_until_ready(encode(model, images)),
-      "decode": lambda: jax.block_until_ready(decode(model, features, points, labels)),
-      "full": lambda: jax.block_until_ready(full(model, images, points, labels)),
-  }, repeats)
+  # Plain jax.jit over the split state: the least per-call overhead (nnx.jit walks the module graph on
+  # every call), which matters for calls of a millisecond or two.
+  graphdef, state = nnx.split(model)
+  encode = jax.jit(lambda state, x: nnx.merge(graphdef, state).encode(x))
+  decode = jax.jit(lambda state, f, p, l: nnx.merge(graphdef, state).decode(f, p, l))
+  full = jax.jit(lambda state, x, p, l: nnx.merge(graphdef, state)(x, p, l))
+  features = encode(state, images)
+  seconds = blocked_median_seconds({
+      "encode": lambda: jax.block_until_ready(encode(state, images)),
+      "decode": lambda: jax.block_until_ready(decode(state, features, points, labels)),
+      "full": lambda: jax.block_until_ready(full(state, images, points, labels)),
+  }, blocks=sizes["blocks"], per_block=sizes["per_block"])
   return {"side": side, "M": features.embeddings.shape[1], **{f"{k}_ms": 1e3 * v for k, v in seconds.items()},
           "full_over_decode": seconds["full"] / seconds["decode"]}
 
@@ -87,14 +91,14 @@ def main(argv=None):
   load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
   rows = []
   for side in sizes["sides"]:
-    rows.append(time_side(side, sizes["repeats"]))
+    rows.append(time_side(side, sizes))
     print(json.dumps(rows[-1]), flush=True)
   command = "python experiments/bench_segment.py" + (" --quick" if args.quick else "")
   import jax
   provenance = {"commit": _commit(), "date": started, "load_average_1min_before": load_before,
                 "load_average_1min_after": os.getloadavg()[0], "command": command,
                 "cores": len(os.sched_getaffinity(0)), "platform": platform.platform(), "jax": jax.__version__,
-                "repeats": sizes["repeats"]}
+                "blocks": sizes["blocks"], "per_block": sizes["per_block"]}
   stem = os.path.join(args.out, "segment_benchmark")
   with open(stem + ".json", "w") as f:
     json.dump({"provenance": provenance, "rows": rows}, f, indent=1)
@@ -107,7 +111,7 @@ def main(argv=None):
           f"shared with other jobs (1-minute load average {load_before:.1f} before, "
           f"{provenance['load_average_1min_after']:.1f} after). Model: configs/segment_digits.py (ViT 3 blocks "
           f"width 64, 4x4 patches; 2 two-way blocks width 64; 3 masks), batch 1, one positive click, float32; "
-          f"median of {sizes['repeats']} interleaved runs after warm-up, `block_until_ready` on every result.",
+          f"median of {sizes['blocks']} alternating blocks of {sizes['per_block']} back-to-back runs after warm-up, `block_until_ready` on every result.",
           "", *table, "",
           "`full / decode`: clicks answered from cached features (`Segmenter.decode`) in the time one click "
           "costs when the image is encoded again (`Segmenter.__call__`). The encoder's self-attention grows as "

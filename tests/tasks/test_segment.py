@@ -73,7 +73,8 @@ def test_infer_writes_a_mask_png_for_clicks_on_an_image_file(trained_segmenter, 
 @pytest.mark.parametrize("field, value", [
     ("data.digit_size", 40), ("data.min_digits", 5), ("data.threshold", 16.0), ("model.patch_size", 5),
     ("model.d_model", 68), ("model.fourier_scale", 0.0), ("task.prompt_mix.scribble", 1.0),
-    ("task.prompt_mix.box", -1.0), ("task.num_masks", 0), ("model.name", "unet"), ("task.iou_loss_weight", -1.0)])
+    ("task.prompt_mix.box", -1.0), ("task.num_masks", 0), ("model.name", "unet"), ("task.iou_loss_weight", -1.0),
+    ("task.all_masks_loss_weight", -0.5)])
 def test_a_bad_config_field_is_refused_by_name_before_anything_builds(field, value):
   with pytest.raises(validation.ConfigError) as error:
     validation.validate_config(_config(**{field: value}))

@@ -88,28 +88,25 @@ def load_pools(options: SceneOptions, *, test_fraction: float = 0.2, split_seed:
 
 
 def make_scene(pool: DigitPool, rng: np.random.Generator, options: SceneOptions) -> Scene:
-  """A canvas of min_digits..max_digits digits of `pool`, each keeping min_visible of its mask alone."""
-  count = int(rng.integers(options.min_digits, options.max_digits + 1))
+  """A canvas of min_digits..max_digits digits of `pool`, each keeping min_visible of its mask alone.
+
+  Placements are drawn up to _PLACEMENT_TRIES times; a count that keeps failing is lowered by one (a
+  single digit always fits).
+  """
   size, canvas = options.digit_size, options.canvas
-  for _ in range(_PLACEMENT_TRIES):
-    chosen = rng.choice(len(pool.labels), size=count, replace=False)
-    corners = rng.integers(0, canvas - size + 1, size=(count, 2))
-    pixels = np.zeros((count, canvas, canvas), np.float32)
-    masks = np.zeros((count, canvas, canvas), bool)
-    for i, (index, (row, col)) in enumerate(zip(chosen, corners)):
-      pixels[i, row:row + size, col:col + size] = pool.pixels[index]
-      masks[i, row:row + size, col:col + size] = pool.masks[index]
-    coverage = masks.sum(axis=0)
-    alone = (masks & (coverage == 1)[None]).sum(axis=(1, 2))
-    if np.all(alone >= options.min_visible * masks.sum(axis=(1, 2))):
-      return Scene(image=pixels.max(axis=0), masks=masks, labels=pool.labels[chosen])
-  count = 1  # a crowded draw kept failing: one digit always fits
-  index, (row, col) = rng.integers(len(pool.labels)), rng.integers(0, canvas - size + 1, size=2)
-  pixels = np.zeros((1, canvas, canvas), np.float32)
-  masks = np.zeros((1, canvas, canvas), bool)
-  pixels[0, row:row + size, col:col + size] = pool.pixels[index]
-  masks[0, row:row + size, col:col + size] = pool.masks[index]
-  return Scene(image=pixels[0], masks=masks, labels=pool.labels[[index]])
+  for count in range(int(rng.integers(options.min_digits, options.max_digits + 1)), 0, -1):
+    for _ in range(_PLACEMENT_TRIES):
+      chosen = rng.choice(len(pool.labels), size=count, replace=False)
+      corners = rng.integers(0, canvas - size + 1, size=(count, 2))
+      pixels = np.zeros((count, canvas, canvas), np.float32)
+      masks = np.zeros((count, canvas, canvas), bool)
+      for i, (index, (row, col)) in enumerate(zip(chosen, corners)):
+        pixels[i, row:row + size, col:col + size] = pool.pixels[index]
+        masks[i, row:row + size, col:col + size] = pool.masks[index]
+      alone = (masks & (masks.sum(axis=0) == 1)[None]).sum(axis=(1, 2))
+      if np.all(alone >= options.min_visible * masks.sum(axis=(1, 2))):
+        return Scene(image=pixels.max(axis=0), masks=masks, labels=pool.labels[chosen])
+  raise AssertionError("unreachable: one digit alone keeps all of its mask")
 
 
 def _pick(rng, cells: np.ndarray) -> np.ndarray:

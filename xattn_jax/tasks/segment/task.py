@@ -7,7 +7,9 @@ transformer, num_masks masks and their predicted IoU per prompt).
 Loss (SAM's): for each prompt the smallest over the K masks of (pixel-mean binary cross-entropy + dice
 loss) against the target mask, so an ambiguous click can keep several readings in different masks; plus
 task.iou_loss_weight times the mean squared error of the IoU head against every mask's actual IoU
-(thresholded at logit 0, no gradient into the masks).
+(thresholded at logit 0, no gradient into the masks). Unlike SAM's, task.all_masks_loss_weight (small)
+times the mean over all K masks is added too: with the minimum alone a mask that loses every prompt early
+gets no gradient and stays untrained for good (a mask of everything).
 
 Eval (over the fixed test prompts, `segment_digits.eval_examples`): the mask the IoU head ranks highest
 is the prediction. eval/click_* are single positive clicks on a digit's own strokes, eval/box_* its
@@ -133,8 +135,9 @@ class SegmentTask(task_lib.Task):
         raise validation.ConfigError(f"task.prompt_mix.{kind}", weight, "must be a non-negative number")
     if not sum(mix.values()) > 0:
       raise validation.ConfigError("task.prompt_mix", mix.to_dict(), "needs a positive weight on some prompt kind")
-    if not task.iou_loss_weight >= 0:
-      raise validation.ConfigError("task.iou_loss_weight", task.iou_loss_weight, "must be >= 0")
+    for field in ("iou_loss_weight", "all_masks_loss_weight"):
+      if not task[field] >= 0:
+        raise validation.ConfigError(f"task.{field}", task[field], "must be >= 0")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
@@ -144,7 +147,8 @@ class SegmentTask(task_lib.Task):
 
   @functools.cached_property
   def eval_set(self) -> dict[str, np.ndarray]:
-    return segment_digits.eval_examples(self.test_pool, self.options, seed=self.config.seed,
+    # Drawn from data.split_seed, not the run's seed: runs with different seeds score the same prompts.
+    return segment_digits.eval_examples(self.test_pool, self.options, seed=self.config.data.split_seed,
                                         num_scenes=self.config.task.num_eval_scenes)
 
   def make_model(self, rngs, *, dtype, param_dtype):
@@ -175,7 +179,10 @@ class SegmentTask(task_lib.Task):
     actual = jax.lax.stop_gradient(mask_iou(logits, batch["masks"]))
     per_mask = mask_losses(logits, batch["masks"])  # [b, K]
     iou_error = jnp.mean((predicted - actual) ** 2, axis=-1)
-    return jnp.min(per_mask, axis=-1) + self.config.task.iou_loss_weight * iou_error, logits, predicted, actual
+    task = self.config.task
+    losses = (jnp.min(per_mask, axis=-1) + task.all_masks_loss_weight * jnp.mean(per_mask, axis=-1)
+              + task.iou_loss_weight * iou_error)
+    return losses, logits, predicted, actual
 
   def loss(self, model, batch, *, rngs):
     del rngs  # no randomness of its own: prompts and jitter come with the batch
