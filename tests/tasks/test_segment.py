@@ -1,5 +1,7 @@
 """The promptable segmentation task: config checks (in-process), one tiny launch that learns, and its
-inference on a PNG with clicks."""
+inference (in-process, from the run's workdir) on a PNG with clicks and a box."""
+import shutil
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -9,7 +11,7 @@ import pytest
 
 from tests import helpers
 from xattn_jax.tasks.segment import task as segment_task
-from xattn_jax.training import validation
+from xattn_jax.training import inference, task as task_lib, validation
 
 CONFIG = "configs/segment_digits.py"
 # A tiny model on 16x16 canvases of two 8x8 digits: M = 16 features, one two-way block, 400 steps.
@@ -56,18 +58,29 @@ def test_a_tiny_run_learns_to_segment_the_prompted_digit(trained_segmenter):
 
 @pytest.mark.slow
 def test_infer_writes_a_mask_png_for_clicks_on_an_image_file(trained_segmenter, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained_segmenter, workdir)  # infer writes its PNGs into the workdir
   image = np.zeros((16, 16))
   image[4:12, 6:9] = 1.0  # a bar, clicked on its stroke at column 7, row 8
   matplotlib.image.imsave(tmp_path / "bar.png", image, cmap="gray")
-  overrides = {**TINY, "infer.input_file": tmp_path / "prompts.txt"}
-  (tmp_path / "prompts.txt").write_text(f"{tmp_path / 'bar.png'} 7,8\ntest:1\n{tmp_path / 'bar.png'} box=6,4,9,12\n")
-  result = helpers.launch(CONFIG, trained_segmenter, "--mode=infer", overrides=overrides)
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()[-3:]
-  assert [line.split("\t")[0] for line in lines] == [str(tmp_path / "bar.png"), "test:1", str(tmp_path / "bar.png")]
+  model, task = inference.load_model(str(workdir))
+  bar = str(tmp_path / "bar.png")
+  lines = task.infer(model, [f"{bar} 7,8", "test:1", f"{bar} box=6,4,9,12", f"{bar} 7,8 2,2,-"])
+  assert [line.split("\t")[0] for line in lines] == [bar, "test:1", bar, bar]
   for line in lines:
     name, png, iou, pixels = line.split("\t")
-    assert matplotlib.image.imread(png).ndim == 3 and iou.startswith("iou=") and pixels.startswith("pixels=")
+    assert png.startswith(str(workdir / "infer")) and matplotlib.image.imread(png).ndim == 3
+    assert 0.0 <= float(iou.removeprefix("iou=")) <= 1.0 and int(pixels.removeprefix("pixels=")) >= 0
+
+
+@pytest.mark.slow
+def test_infer_refuses_a_click_outside_the_image_naming_the_line(trained_segmenter, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained_segmenter, workdir)
+  model, task = inference.load_model(str(workdir))
+  with pytest.raises(task_lib.InputLineError, match="outside") as error:
+    task.infer(model, ["test:0", "test:0 99,3"])
+  assert error.value.index == 1
 
 
 @pytest.mark.parametrize("field, value", [
