@@ -85,6 +85,7 @@ TASK_MODULES = {
     "digits": "xattn_jax.tasks.digits.task",
     "lm": "xattn_jax.tasks.lm",
     "lm_algorithmic": "xattn_jax.tasks.lm",
+    "segment": "xattn_jax.tasks.segment.task",
     "template": "xattn_jax.tasks.template",
     "translate": "xattn_jax.tasks.translate.task",
 }

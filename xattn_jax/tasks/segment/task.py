@@ -1,0 +1,316 @@
+"""Promptable digit segmentation (`configs/segment_digits.py`): click a digit or box it, get its mask.
+
+Data: `xattn_jax.data.segment_digits` (scenes of 2-4 digits on a canvas, prompts of PROMPT_KINDS, split
+by source image). Model: `xattn_jax.models.segmenter.Segmenter` (ViT encoder, prompt encoder, two-way
+transformer, num_masks masks and their predicted IoU per prompt).
+
+Loss (SAM's): for each prompt the smallest over the K masks of (pixel-mean binary cross-entropy + dice
+loss) against the target mask, so an ambiguous click can keep several readings in different masks; plus
+task.iou_loss_weight times the mean squared error of the IoU head against every mask's actual IoU
+(thresholded at logit 0, no gradient into the masks). Unlike SAM's, task.all_masks_loss_weight (small)
+times the mean over all K masks is added too: with the minimum alone a mask that loses every prompt early
+gets no gradient and stays untrained for good (a mask of everything).
+
+Eval (over the fixed test prompts, `segment_digits.eval_examples`): the mask the IoU head ranks highest
+is the prediction. eval/click_* are single positive clicks on a digit's own strokes, eval/box_* its
+bounding box: mean_iou, iou50_rate / iou75_rate (share with IoU >= 0.5 / 0.75) and oracle_iou (the best
+of the K masks). eval/ambiguous_both_iou: for a click on a pixel two digits share, the mean over the two
+digits of the best mask's IoU with it (do the K masks hold both readings?). eval/iou_head_pearson: the
+correlation of predicted with actual IoU over every mask of every test prompt. PNGs of the first
+task.num_plot_examples test prompts go to `<workdir>/segment_plots/`.
+
+Inference (`launch.py --mode=infer`), one line per prompt:
+    IMAGE x,y[,+|-] [x,y[,+|-] ...]      clicks (x = column, y = row in IMAGE's pixels; + positive, - negative)
+    IMAGE box=x0,y0,x1,y1                a box (pixel edges: the box holds columns x0..x1-1, rows y0..y1-1)
+IMAGE is a .png or .npy file (resized to the canvas) or test:K (test prompt K's image; with no prompt
+after it, test prompt K's own). The answer line is IMAGE, the PNG written to `<workdir>/infer/`
+(image, prompt, every mask), the predicted IoU and pixel count of the chosen mask, tab-separated.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from xattn_jax.data import digits, segment_digits
+from xattn_jax.models import segmenter
+from xattn_jax.training import task as task_lib, validation
+
+MODELS = ("sam",)
+PROMPTED = ("click", "box")  # the prompt kinds with per-kind IoU metrics
+_PER_KIND = ("mean_iou", "iou50_rate", "iou75_rate", "oracle_iou")
+METRIC_NAMES = (("loss",) + tuple(f"{kind}_{name}" for kind in PROMPTED for name in _PER_KIND)
+                + ("ambiguous_both_iou", "iou_head_pearson"))
+_BOX = re.compile(r"box=(-?[\d.]+),(-?[\d.]+),(-?[\d.]+),(-?[\d.]+)$")
+_CLICK = re.compile(r"(-?[\d.]+),(-?[\d.]+)(?:,([+-]))?$")
+
+
+def scene_options(config) -> segment_digits.SceneOptions:
+  data = config.data
+  return segment_digits.SceneOptions(canvas=data.canvas, digit_size=data.digit_size, min_digits=data.min_digits,
+                                     max_digits=data.max_digits, threshold=data.threshold,
+                                     min_visible=data.min_visible, max_clicks=data.max_clicks)
+
+
+def mask_losses(logits, targets):
+  """Per-mask BCE (pixel mean) + dice loss: logits [b, K, H, W], targets [b, H, W] in {0, 1} -> [b, K]."""
+  targets = jnp.broadcast_to(targets[:, None], logits.shape)
+  bce = optax.sigmoid_binary_cross_entropy(logits, targets).mean(axis=(-2, -1))
+  probabilities = jax.nn.sigmoid(logits)
+  overlap = jnp.sum(probabilities * targets, axis=(-2, -1))
+  dice = 1.0 - (2.0 * overlap + 1.0) / (jnp.sum(probabilities, axis=(-2, -1)) + jnp.sum(targets, axis=(-2, -1)) + 1.0)
+  return bce + dice
+
+
+def mask_iou(logits, targets):
+  """IoU of each mask (logit > 0) with the target: logits [b, K, H, W], targets [b, H, W] -> [b, K]
+  (1 when both are empty)."""
+  predicted, target = logits > 0, targets[:, None] > 0.5
+  intersection = jnp.sum(predicted & target, axis=(-2, -1))
+  union = jnp.sum(predicted | target, axis=(-2, -1))
+  return jnp.where(union > 0, intersection / jnp.maximum(union, 1), 1.0).astype(jnp.float32)
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+  """Pearson correlation of two equal-length vectors (0 when either is constant)."""
+  x, y = np.asarray(x, np.float64) - np.mean(x), np.asarray(y, np.float64) - np.mean(y)
+  denominator = np.sqrt(np.sum(x * x) * np.sum(y * y))
+  return float(np.sum(x * y) / denominator) if denominator > 0 else 0.0
+
+
+@task_lib.register("segment")
+class SegmentTask(task_lib.Task):
+  """Segment the digit a prompt points at (see the module docstring)."""
+
+  eval_metric_names = tuple(f"eval/{name}" for name in METRIC_NAMES)
+
+  @classmethod
+  def validate(cls, config, mode="train"):
+    validation.require_choice(config, "model.name", MODELS)
+    validation.require_positive(config, "data.canvas", "data.digit_size", "data.min_digits", "data.max_digits",
+                                "data.max_clicks", "task.num_eval_scenes", "task.num_masks", "model.patch_size",
+                                "model.num_blocks", "model.mlp_dim", "model.mask_features",
+                                "model.encoder.num_blocks", "model.encoder.mlp_ratio")
+    validation.require_positive(config, "task.num_plot_examples", allow_zero=True)
+    data, model, task = config.data, config.model, config.task
+    if data.digit_size > data.canvas:
+      raise validation.ConfigError("data.digit_size", data.digit_size, f"must be at most data.canvas={data.canvas}")
+    if data.min_digits > data.max_digits:
+      raise validation.ConfigError("data.min_digits", data.min_digits,
+                                   f"must be at most data.max_digits={data.max_digits}")
+    if not 0.0 <= data.threshold < 16.0:
+      raise validation.ConfigError("data.threshold", data.threshold, "must be in [0, 16) (the digits' 0..16 scale)")
+    if not 0.0 <= data.min_visible <= 1.0:
+      raise validation.ConfigError("data.min_visible", data.min_visible, "must be in [0, 1]")
+    if not 0.0 < data.test_fraction < 1.0:
+      raise validation.ConfigError("data.test_fraction", data.test_fraction, "must be in (0, 1)")
+    test_images = digits.num_test_images(data.test_fraction)
+    if min(test_images, digits.NUM_IMAGES - test_images) < data.max_digits:
+      raise validation.ConfigError("data.test_fraction", data.test_fraction,
+                                   f"leaves fewer than data.max_digits={data.max_digits} source images on one side")
+    if data.canvas % model.patch_size:
+      raise validation.ConfigError("model.patch_size", model.patch_size,
+                                   f"must divide data.canvas={data.canvas}")
+    if model.d_model % (2 * model.num_heads):
+      raise validation.ConfigError("model.d_model", model.d_model,
+                                   f"must be divisible by 2 * model.num_heads = {2 * model.num_heads} (the "
+                                   "cross-attentions work at half the width; the Fourier features pair sin / cos)")
+    if not isinstance(model.encoder.freeze, bool):
+      raise validation.ConfigError("model.encoder.freeze", model.encoder.freeze, "must be True or False")
+    if not model.fourier_scale > 0:
+      raise validation.ConfigError("model.fourier_scale", model.fourier_scale, "must be > 0")
+    mix = task.prompt_mix
+    unknown = sorted(set(mix) - set(segment_digits.PROMPT_KINDS))
+    if unknown:
+      raise validation.ConfigError(f"task.prompt_mix.{unknown[0]}", mix[unknown[0]],
+                                   f"is no prompt kind: allowed are {list(segment_digits.PROMPT_KINDS)}")
+    for kind, weight in mix.items():
+      if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+        raise validation.ConfigError(f"task.prompt_mix.{kind}", weight, "must be a non-negative number")
+    if not sum(mix.values()) > 0:
+      raise validation.ConfigError("task.prompt_mix", mix.to_dict(), "needs a positive weight on some prompt kind")
+    for field in ("iou_loss_weight", "all_masks_loss_weight"):
+      if not task[field] >= 0:
+        raise validation.ConfigError(f"task.{field}", task[field], "must be >= 0")
+
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    self.options = scene_options(config)
+    self.train_pool, self.test_pool = segment_digits.load_pools(
+        self.options, test_fraction=config.data.test_fraction, split_seed=config.data.split_seed)
+
+  @functools.cached_property
+  def eval_set(self) -> dict[str, np.ndarray]:
+    # Drawn from data.split_seed, not the run's seed: runs with different seeds score the same prompts.
+    return segment_digits.eval_examples(self.test_pool, self.options, seed=self.config.data.split_seed,
+                                        num_scenes=self.config.task.num_eval_scenes)
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    model, canvas = self.config.model, self.config.data.canvas
+    # The layers' Dropout modules want a "dropout" stream at construction even when they never drop.
+    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())
+    side = canvas // model.patch_size
+    return segmenter.Segmenter(
+        patch_size=model.patch_size, grid=(side, side), encoder_width=model.encoder.d_model,
+        encoder_heads=model.encoder.num_heads, encoder_blocks=model.encoder.num_blocks,
+        encoder_mlp_ratio=model.encoder.mlp_ratio, freeze_encoder=model.encoder.freeze, width=model.d_model,
+        num_heads=model.num_heads, num_blocks=model.num_blocks, mlp_features=model.mlp_dim,
+        num_masks=self.config.task.num_masks, mask_features=model.mask_features,
+        num_point_labels=segment_digits.NUM_POINT_LABELS, fourier_scale=model.fourier_scale, dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
+
+  # --- training ---------------------------------------------------------------------------------
+
+  def train_batch(self, step, *, process_index, process_count):
+    return segment_digits.train_batch(self.train_pool, self.options, seed=self.config.seed, step=step,
+                                      batch_size=self.config.batch_size,
+                                      kind_weights=dict(self.config.task.prompt_mix),
+                                      process_index=process_index, process_count=process_count)
+
+  def _losses(self, model, batch):
+    """(per-prompt loss [b], logits [b, K, H, W], predicted IoU [b, K], actual IoU [b, K])."""
+    logits, predicted = model(batch["images"], batch["points"], batch["point_labels"])
+    actual = jax.lax.stop_gradient(mask_iou(logits, batch["masks"]))
+    per_mask = mask_losses(logits, batch["masks"])  # [b, K]
+    iou_error = jnp.mean((predicted - actual) ** 2, axis=-1)
+    task = self.config.task
+    losses = (jnp.min(per_mask, axis=-1) + task.all_masks_loss_weight * jnp.mean(per_mask, axis=-1)
+              + task.iou_loss_weight * iou_error)
+    return losses, logits, predicted, actual
+
+  def loss(self, model, batch, *, rngs):
+    del rngs  # no randomness of its own: prompts and jitter come with the batch
+    losses, _, predicted, actual = self._losses(model, batch)
+    chosen = jnp.take_along_axis(actual, jnp.argmax(predicted, axis=-1)[:, None], axis=-1)[:, 0]
+    return jnp.mean(losses), {"iou": jnp.mean(chosen), "oracle_iou": jnp.mean(jnp.max(actual, axis=-1))}
+
+  # --- evaluation -------------------------------------------------------------------------------
+
+  def eval_batches(self, *, process_index, process_count):
+    return segment_digits.padded_batches(self.eval_set, self.config.eval_batch_size, process_index=process_index,
+                                         process_count=process_count)
+
+  def eval_metrics(self, model, batch):
+    """See the module docstring: loss, per-kind IoU of the chosen mask, its rates, the oracle's, and
+    ambiguous_both_iou."""
+    losses, logits, predicted, actual = self._losses(model, batch)
+    weights, kinds = batch["weights"], batch["kinds"]
+    chosen = jnp.take_along_axis(actual, jnp.argmax(predicted, axis=-1)[:, None], axis=-1)[:, 0]  # [b]
+    metrics = {"loss": (jnp.sum(losses * weights), jnp.sum(weights))}
+    for kind in PROMPTED:
+      selected = weights * (kinds == segment_digits.PROMPT_KINDS.index(kind))
+      count = jnp.sum(selected)
+      metrics[f"{kind}_mean_iou"] = (jnp.sum(chosen * selected), count)
+      metrics[f"{kind}_iou50_rate"] = (jnp.sum((chosen >= 0.5) * selected), count)
+      metrics[f"{kind}_iou75_rate"] = (jnp.sum((chosen >= 0.75) * selected), count)
+      metrics[f"{kind}_oracle_iou"] = (jnp.sum(jnp.max(actual, axis=-1) * selected), count)
+    ambiguous = weights * (kinds == segment_digits.PROMPT_KINDS.index("ambiguous"))
+    both = 0.5 * (jnp.max(actual, axis=-1) + jnp.max(mask_iou(logits, batch["alt_masks"]), axis=-1))
+    metrics["ambiguous_both_iou"] = (jnp.sum(both * ambiguous), jnp.maximum(jnp.sum(ambiguous), 1.0))
+    return metrics
+
+  @functools.cached_property
+  def _predict(self):
+    """(model, images, points, point_labels) -> (mask logits, predicted IoU), jitted."""
+    return nnx.jit(lambda model, images, points, labels: model(images, points, labels))
+
+  def _predict_rows(self, model, images, points, labels):
+    """Predictions for any number of rows, in eval batches (the last one padded)."""
+    size, total = self.config.eval_batch_size, len(images)
+    logits, ious = [], []
+    for start in range(0, total, size):
+      rows = np.minimum(np.arange(start, start + size), total - 1)
+      out_logits, out_iou = self._predict(model, images[rows], points[rows], labels[rows])
+      count = min(size, total - start)
+      logits.append(np.asarray(out_logits)[:count])
+      ious.append(np.asarray(out_iou)[:count])
+    return np.concatenate(logits), np.concatenate(ious)
+
+  def extra_eval(self, model):
+    """eval/iou_head_pearson over every mask of every test prompt; PNGs of the first test prompts."""
+    examples = self.eval_set
+    logits, predicted = self._predict_rows(model, examples["images"], examples["points"], examples["point_labels"])
+    actual = np.asarray(mask_iou(jnp.asarray(logits), jnp.asarray(examples["masks"])))
+    if self.workdir and jax.process_index() == 0 and self.config.task.num_plot_examples:
+      from xattn_jax.tasks.segment import plots  # matplotlib only when pictures are asked for
+      directory = os.path.join(self.workdir, "segment_plots")
+      os.makedirs(directory, exist_ok=True)
+      for k in range(min(self.config.task.num_plot_examples, len(logits))):
+        kind = segment_digits.PROMPT_KINDS[examples["kinds"][k]]
+        plots.plot_prediction(examples["images"][k, ..., 0], examples["points"][k], examples["point_labels"][k],
+                              logits[k] > 0, predicted[k], os.path.join(directory, f"test_{k}.png"),
+                              target=examples["masks"][k] > 0.5,
+                              title=f"{kind}: IoU {actual[k, np.argmax(predicted[k])]:.2f}")
+    return {"iou_head_pearson": pearson(predicted.ravel(), actual.ravel())}
+
+  # --- inference --------------------------------------------------------------------------------
+
+  def _read_line(self, line: str):
+    """(name, image [H, W] on the canvas, points [P, 2], point_labels [P]) of one inference line."""
+    name, *prompt = line.split()
+    canvas = self.options.canvas
+    if name.startswith("test:"):
+      index = int(name[len("test:"):]) if name[len("test:"):].isdigit() else -1
+      count = len(self.eval_set["kinds"])
+      if not 0 <= index < count:
+        raise ValueError(f"{name!r}: the test prompts are test:0 .. test:{count - 1}")
+      image = self.eval_set["images"][index, ..., 0]
+      if not prompt:
+        return name, image, self.eval_set["points"][index], self.eval_set["point_labels"][index]
+    else:
+      image = digits.read_image_file(name)
+      if not np.isfinite(image).all():
+        raise ValueError(f"{name!r} holds NaN or infinite pixel values")
+    height, width = image.shape
+    if not prompt:
+      raise ValueError(f"{name!r}: no prompt; give clicks x,y[,+|-] or box=x0,y0,x1,y1 after the image")
+    box = _BOX.match(prompt[0]) if len(prompt) == 1 else None
+    if box:
+      x0, y0, x1, y1 = (float(v) for v in box.groups())
+      if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
+        raise ValueError(f"box {prompt[0]!r} must satisfy 0 <= x0 < x1 <= {width} and 0 <= y0 < y1 <= {height}")
+      points = np.zeros((self.options.num_prompt_tokens, 2), np.float32)
+      labels = np.zeros(self.options.num_prompt_tokens, np.int32)
+      points[:2] = [(y0 / height, x0 / width), (y1 / height, x1 / width)]
+      labels[:2] = (segment_digits.BOX_TOP_LEFT, segment_digits.BOX_BOTTOM_RIGHT)
+    else:
+      clicks = []
+      for text in prompt:
+        match = _CLICK.match(text)
+        if not match:
+          raise ValueError(f"{text!r} is no click: write x,y or x,y,+ (positive) or x,y,- (negative)")
+        label = segment_digits.NEGATIVE if match.group(3) == "-" else segment_digits.POSITIVE
+        clicks.append((float(match.group(1)), float(match.group(2)), label))
+      points, labels = segment_digits.click_points(clicks, self.options, height=height, width=width)
+    if image.shape != (canvas, canvas):
+      image = digits.resize_images(image[None], (canvas, canvas))[0]
+    return name, np.clip(image, 0.0, 1.0), points, labels
+
+  def infer(self, model, lines):
+    """One answer line per prompt line (module docstring); the PNG of each into `<workdir>/infer/`."""
+    parsed = []
+    for index, line in enumerate(lines):
+      try:
+        parsed.append(self._read_line(line.strip()))
+      except (ValueError, OSError) as e:
+        raise task_lib.InputLineError(index, str(e)) from None
+    images = np.stack([p[1] for p in parsed])[..., None].astype(np.float32)
+    points, labels = np.stack([p[2] for p in parsed]), np.stack([p[3] for p in parsed])
+    logits, predicted = self._predict_rows(model, images, points, labels)
+    from xattn_jax.tasks.segment import plots  # matplotlib only when pictures are asked for
+    directory = os.path.join(self.workdir or ".", "infer")
+    os.makedirs(directory, exist_ok=True)
+    outputs = []
+    for index, (name, image, point, label) in enumerate(parsed):
+      best = int(np.argmax(predicted[index]))
+      stem = re.sub(r"[^\w.-]", "_", os.path.splitext(os.path.basename(name))[0])
+      path = os.path.join(directory, f"{stem}_{index}.png")
+      plots.plot_prediction(image, point, label, logits[index] > 0, predicted[index], path, title=name)
+      outputs.append(f"{name}\t{path}\tiou={predicted[index, best]:.3f}\tpixels={int(np.sum(logits[index, best] > 0))}")
+    return outputs
