@@ -81,7 +81,7 @@ def launch(config: str, workdir, *extra, overrides: dict | None = None, stdin: s
 # pick the server: one per distinct set, started on first use with that environment. Other commands, and
 # everything when XATTN_JAX_TEST_FRESH_PROCESSES=1, run as plain subprocesses.
 _IMPORT_TIME_PREFIXES = ("JAX_", "PYTHON", "TF_", "XATTN_JAX_", "COV_", "COVERAGE", "LD_", "OMP_", "MKL_",
-                         "OPENBLAS_", "CUDA_", "NVIDIA_", "TPU_", "LC_", "LANG")
+                         "OPENBLAS_", "CUDA_", "NVIDIA_", "TPU_", "LC_", "LANG", "MPL")
 _MAX_SERVERS = 3  # per test process; a request beyond them gets a plain subprocess
 _servers: dict = {"owner": None, "sockets": {}}
 # CPU-seconds the served children of this process used so far (they are not this process's waited-for
@@ -202,21 +202,23 @@ def _text(data: bytes) -> str:
   return data.decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
-def start(argv: list[str], *, cwd=REPO, env: dict[str, str] | None = None, stdin_pipe: bool = False):
+def start(argv: list[str], *, cwd=REPO, env: dict[str, str] | None = None, stdin_pipe: bool = False,
+          fresh: bool = False):
   """Starts `argv` with stdout / stderr piped (text): subprocess.Popen's behaviour, from the launch server
-  when the command is a Python script or `-c` code."""
+  when the command is a Python script or `-c` code. `fresh`: a new interpreter, for a test about what one
+  imports or how it starts."""
   env = dict(os.environ) if env is None else env
-  if server := _served(argv, env):
+  if not fresh and (server := _served(argv, env)):
     return ServedProcess(argv, cwd=cwd, env=env, stdin_pipe=stdin_pipe, server=server)
   return subprocess.Popen(argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           stdin=subprocess.PIPE if stdin_pipe else None)
 
 
 def run(argv: list[str], *, cwd=REPO, env: dict[str, str] | None = None, input: str | None = None,
-        timeout: float | None = None) -> subprocess.CompletedProcess:
+        timeout: float | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
   """subprocess.run(argv, capture_output=True, text=True, ...), from the launch server where `start` uses it."""
   env = dict(os.environ) if env is None else env
-  if not (server := _served(argv, env)):
+  if fresh or not (server := _served(argv, env)):
     return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout,
                           stdin=None if input is not None else subprocess.DEVNULL)
   process = ServedProcess(argv, cwd=cwd, env=env, stdin_pipe=input is not None, server=server)

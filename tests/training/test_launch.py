@@ -48,10 +48,8 @@ def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=
            fresh=False):
   """Runs launch.py to the end, forked from the pre-imported launch server (tests/helpers.py), or with
   `fresh` as a plain subprocess: a new interpreter that imports everything itself."""
-  args, env = launch_args(workdir, *extra, overrides=overrides), subprocess_env(device_count, default_optimization)
-  if fresh:
-    return subprocess.run(args, cwd=REPO, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
-  return helpers.run(args, cwd=REPO, input=stdin, timeout=timeout, env=env)
+  return helpers.run(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, input=stdin, timeout=timeout,
+                     env=subprocess_env(device_count, default_optimization), fresh=fresh)
 
 
 def start(workdir, *extra, overrides=None, device_count=1):
