@@ -5,6 +5,7 @@ and hands over to `xattn_jax.training.loop.run`. An invalid config or override p
 stderr naming the field and exits with status 2, as does data the task cannot build (a corpus too
 small for its vocabulary); a diverged run exits with status 1.
 """
+import os
 import sys
 
 from absl import app, flags
@@ -24,8 +25,11 @@ _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "after that JAX aborts it.", lower_bound=1)
 
 
-def fail(message: str, status: int = 2):
+def fail(message: str, status: int = 2, *, at_once: bool = False):
+  """Prints one line on stderr and exits with `status`; `at_once` skips the exit handlers too."""
   print(f"launch.py: {message}", file=sys.stderr, flush=True)
+  if at_once:
+    os._exit(status)
   sys.exit(status)
 
 
@@ -69,8 +73,9 @@ def main(argv):
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              timeout_seconds=_DISTRIBUTED_TIMEOUT.value)
     except Exception as e:  # a bad host name, a port in use, mismatched process counts
+      # At once: JAX's exit handler would wait at the shutdown barrier for peers of a group that cannot form.
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
-           f"{type(e).__name__}: {' '.join(str(e).split())}")
+           f"{type(e).__name__}: {' '.join(str(e).split())}", at_once=True)
     dependencies.resolve(_CONFIG.value, _WORKDIR.value, _MODE.value)  # runs the task needs finished first
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
   except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:

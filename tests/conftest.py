@@ -58,11 +58,19 @@ def trained_translator():
   return helpers.build_once("trained_translator", build)
 
 
+def pytest_configure(config):
+  # pytest-xdist would hand out the files with the most tests first, undoing the order below.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-  # Files with the most slow (launching, training) tests run first: pytest-xdist hands whole files to its
-  # workers in collection order, and a long file that starts last runs alone at the end. Within a file the
-  # order is kept; every worker sorts the same collection the same way.
-  slow_per_file: dict[str, int] = {}
+  # The costliest files run first: pytest-xdist (--dist loadfile) hands whole files to its workers in this
+  # order, and a long file that starts last runs alone at the end. A file's cost is estimated as its test
+  # count plus ten per slow (launching, training) test. Within a file the order is kept; every worker
+  # sorts the same collection the same way.
+  cost_per_file: dict[str, int] = {}
   for item in items:
-    slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-  items.sort(key=lambda item: -slow_per_file[item.path])
+    cost = 1 + 10 * (item.get_closest_marker("slow") is not None)
+    cost_per_file[item.path] = cost_per_file.get(item.path, 0) + cost
+  items.sort(key=lambda item: -cost_per_file[item.path])

@@ -1,12 +1,16 @@
 """Helpers shared by test modules (fixtures live in conftest.py)."""
+import atexit
 import fcntl
 import json
 import os
 import pathlib
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Callable
 
 import jax.numpy as jnp
@@ -66,9 +70,165 @@ def launch_command(config: str, workdir, *extra, overrides: dict | None = None) 
 def launch(config: str, workdir, *extra, overrides: dict | None = None, stdin: str | None = None,
            device_count: int = 1, optimize: bool = False, cwd=REPO, timeout: int = 600):
   """Runs launch.py to the end; returns the CompletedProcess (stdout / stderr as text)."""
-  return subprocess.run(launch_command(config, workdir, *extra, overrides=overrides), cwd=cwd, input=stdin,
-                        capture_output=True, text=True, env=subprocess_env(device_count, optimize=optimize),
-                        timeout=timeout)
+  return run(launch_command(config, workdir, *extra, overrides=overrides), cwd=cwd, input=stdin,
+             env=subprocess_env(device_count, optimize=optimize), timeout=timeout)
+
+
+# --- subprocesses forked from a pre-imported Python (tests/launch_server.py) ------------------------------
+# `python SCRIPT ...` and `python -c CODE ...` children are forked from a server that has already imported
+# jax, flax, orbax and the package: each skips ~2.5 CPU-seconds of imports and is otherwise a real process
+# (own pid, signals, pipes, exit status). The environment variables that imports read (JAX_*, PYTHON*, ...)
+# pick the server: one per distinct set, started on first use with that environment. Other commands, and
+# everything when XATTN_JAX_TEST_FRESH_PROCESSES=1, run as plain subprocesses.
+_IMPORT_TIME_PREFIXES = ("JAX_", "PYTHON", "TF_", "XATTN_JAX_", "COV_", "COVERAGE", "LD_", "OMP_", "MKL_",
+                         "OPENBLAS_", "CUDA_", "NVIDIA_", "TPU_", "LC_", "LANG", "MPL")
+_MAX_SERVERS = 3  # per test process; a request beyond them gets a plain subprocess
+_servers: dict = {"owner": None, "sockets": {}}
+# CPU-seconds the served children of this process used so far (they are not this process's waited-for
+# children, so resource.RUSAGE_CHILDREN does not count them).
+served_cpu_seconds = [0.0]
+
+
+def _import_time_key(env: dict[str, str]) -> tuple:
+  return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)))
+
+
+def _server_socket(env: dict[str, str]) -> str | None:
+  """The socket of this process's launch server for `env`'s import-time variables, started on first use
+  (it exits when this process does); None where no more servers may start."""
+  if _servers["owner"] != os.getpid():  # a forked test process starts its own
+    _servers.update(owner=os.getpid(), sockets={})
+  key = _import_time_key(env)
+  if key not in _servers["sockets"]:
+    if len(_servers["sockets"]) >= _MAX_SERVERS:
+      return None
+    directory = tempfile.mkdtemp(prefix="xattn_jax_launch_server_")
+    path = os.path.join(directory, "socket")
+    server = subprocess.Popen([sys.executable, "-m", "tests.launch_server", path], cwd=REPO, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    if server.stdout.readline() != b"ready\n":
+      raise RuntimeError(f"the launch server did not start (status {server.wait()})")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    atexit.register(server.stdin.close)
+    _servers["sockets"][key] = path
+  return _servers["sockets"][key]
+
+
+def _served(argv: list[str], env: dict[str, str]) -> str | None:
+  """The server socket that runs `argv` in `env`, or None for a plain subprocess."""
+  if (os.environ.get("XATTN_JAX_TEST_FRESH_PROCESSES") == "1" or len(argv) < 2 or argv[0] != sys.executable
+      or (argv[1].startswith("-") and argv[1] != "-c")):
+    return None
+  return _server_socket(env)
+
+
+class ServedProcess:
+  """A child of the launch server with the subset of subprocess.Popen's interface the tests use (text mode):
+  pid, returncode, poll, wait, communicate, send_signal, kill."""
+
+  def __init__(self, argv: list[str], *, cwd, env: dict[str, str], stdin_pipe: bool, server: str):
+    self.args, self.returncode = argv, None
+    child_stdin, self._stdin = os.pipe() if stdin_pipe else (os.open(os.devnull, os.O_RDONLY), None)
+    self._stdout, child_stdout = os.pipe()
+    self._stderr, child_stderr = os.pipe()
+    self._control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._control.connect(server)
+    request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode()
+    socket.send_fds(self._control, [request], [child_stdin, child_stdout, child_stderr])
+    for fd in (child_stdin, child_stdout, child_stderr):
+      os.close(fd)
+    self._replies = self._control.makefile("rb")
+    self.pid = int(self._replies.readline().split()[1])
+    self._status: int | None = None
+    self._ended = threading.Event()
+    self._outputs: dict[int, list[bytes]] = {self._stdout: [], self._stderr: []}
+    self._readers = [threading.Thread(target=self._read, args=(fd,), daemon=True) for fd in self._outputs]
+    for thread in [threading.Thread(target=self._await_status, daemon=True), *self._readers]:
+      thread.start()
+
+  def _await_status(self):
+    reply = self._replies.readline()
+    if reply.startswith(b"status "):
+      _, status, cpu_seconds = reply.split()
+      self._status = int(status)
+      served_cpu_seconds[0] += float(cpu_seconds)
+    self._control.close()
+    self._ended.set()
+
+  def _read(self, fd: int):
+    while chunk := os.read(fd, 1 << 16):
+      self._outputs[fd].append(chunk)
+    os.close(fd)
+
+  def poll(self) -> int | None:
+    if self.returncode is None and self._ended.is_set():
+      if self._status is None:
+        raise RuntimeError(f"the launch server stopped before reporting how {self.args} ended")
+      self.returncode = os.waitstatus_to_exitcode(self._status)
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    if not self._ended.wait(timeout):
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self.poll()
+
+  def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str, str]:
+    if self._stdin is not None:
+      if input:
+        with open(self._stdin, "wb", closefd=False) as pipe:
+          try:
+            pipe.write(input.encode())
+          except BrokenPipeError:
+            pass
+      os.close(self._stdin)
+      self._stdin = None
+    self.wait(timeout)
+    for thread in self._readers:
+      thread.join(timeout)
+      if thread.is_alive():
+        raise subprocess.TimeoutExpired(self.args, timeout)
+    return tuple(_text(b"".join(self._outputs[fd])) for fd in (self._stdout, self._stderr))
+
+  def send_signal(self, signal_number: int):
+    if self.poll() is None:
+      os.kill(self.pid, signal_number)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)
+
+
+def _text(data: bytes) -> str:
+  """Output as subprocess's text mode decodes it."""
+  return data.decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+def start(argv: list[str], *, cwd=REPO, env: dict[str, str] | None = None, stdin_pipe: bool = False,
+          fresh: bool = False):
+  """Starts `argv` with stdout / stderr piped (text): subprocess.Popen's behaviour, from the launch server
+  when the command is a Python script or `-c` code. `fresh`: a new interpreter, for a test about what one
+  imports or how it starts."""
+  env = dict(os.environ) if env is None else env
+  if not fresh and (server := _served(argv, env)):
+    return ServedProcess(argv, cwd=cwd, env=env, stdin_pipe=stdin_pipe, server=server)
+  return subprocess.Popen(argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          stdin=subprocess.PIPE if stdin_pipe else None)
+
+
+def run(argv: list[str], *, cwd=REPO, env: dict[str, str] | None = None, input: str | None = None,
+        timeout: float | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+  """subprocess.run(argv, capture_output=True, text=True, ...), from the launch server where `start` uses it."""
+  env = dict(os.environ) if env is None else env
+  if fresh or not (server := _served(argv, env)):
+    return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout,
+                          stdin=None if input is not None else subprocess.DEVNULL)
+  process = ServedProcess(argv, cwd=cwd, env=env, stdin_pipe=input is not None, server=server)
+  try:
+    stdout, stderr = process.communicate(input, timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.communicate()
+    raise
+  return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
 
 
 def metric_rows(workdir) -> list[dict]:

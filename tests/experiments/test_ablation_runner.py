@@ -1,7 +1,6 @@
 """The ablation runner (experiments/ablate_positions.py) and its encoding plots (experiments/plot_encodings.py)."""
 import json
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ sys.path.insert(0, str(REPOSITORY / "experiments"))
 
 import ablate_positions  # noqa: E402
 import plot_encodings  # noqa: E402
+from tests import helpers  # noqa: E402
 from xattn_jax.ops import positions as positions_ops  # noqa: E402
 
 
@@ -68,11 +68,11 @@ def test_every_cell_has_its_own_workdir_and_seed():
 def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path):
   command = [sys.executable, str(REPOSITORY / "experiments" / "ablate_positions.py"), "--quick",
              f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
-  first = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=600)
+  first = helpers.run(command, cwd=REPOSITORY, timeout=600)
   assert first.returncode == 0, first.stdout + first.stderr
   summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
   assert set(summary) == {"dates", "length", "resolution"}
   for name in ("length_bands", "resolution", "dot_products", "rope_scores"):
     assert (tmp_path / "results" / f"ablation_{name}.png").stat().st_size > 1000
-  second = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=600)
+  second = helpers.run(command, cwd=REPOSITORY, timeout=600)
   assert second.returncode == 0 and second.stdout.count("done before") == 3, second.stdout

@@ -1,16 +1,16 @@
 """The benchmark scripts' arguments: a bad one stops the script before it measures anything."""
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests import helpers
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
 
 
 def _run(script, *args):
-  return subprocess.run([sys.executable, str(EXPERIMENTS / script), *args], capture_output=True, text=True,
-                        timeout=120)
+  return helpers.run([sys.executable, str(EXPERIMENTS / script), *args], timeout=120)
 
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_latent_reader.py", "bench_translator.py",

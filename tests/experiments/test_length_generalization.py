@@ -1,7 +1,6 @@
 """The length-generalization runner (experiments/length_generalization.py)."""
 import json
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPOSITORY / "experiments"))
 
 import length_generalization as lg  # noqa: E402
+from tests import helpers  # noqa: E402
 from xattn_jax.layers import positions as position_layers  # noqa: E402
 
 ROOT = pathlib.Path("/w")
@@ -135,7 +135,7 @@ def test_outputs_are_a_table_a_json_summary_and_a_plot(tmp_path):
 def test_quick_run_trains_its_cells_and_writes_table_json_and_plot(tmp_path):
   command = [sys.executable, str(REPOSITORY / "experiments" / "length_generalization.py"), "--quick",
              f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
-  run = subprocess.run(command, capture_output=True, text=True, cwd=REPOSITORY, timeout=600)
+  run = helpers.run(command, cwd=REPOSITORY, timeout=600)
   assert run.returncode == 0, run.stdout + run.stderr
   document = json.loads((tmp_path / "results" / "length_generalization.json").read_text())
   assert "eval/exact_match_41_80" in document["summary"]["copy"]["rope"]

@@ -3,7 +3,6 @@ task's config checks (in-process, no training)."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import matplotlib
@@ -16,6 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from flax import nnx
+
+from tests import helpers
 
 from xattn_jax.data import digits
 from xattn_jax.models import latent_reader
@@ -31,8 +32,8 @@ PERCEIVER = ["--config=configs/perceiver_digits.py:steps=4,width=16,latents=4,bl
 
 
 def launch(*args, workdir, stdin=None, cwd=ROOT):
-  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), f"--workdir={workdir}", *args], cwd=cwd,
-                        input=stdin, capture_output=True, text=True, timeout=600)
+  done = helpers.run([sys.executable, os.path.join(ROOT, "launch.py"), f"--workdir={workdir}", *args], cwd=cwd,
+                     input=stdin, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout
 

@@ -1,13 +1,13 @@
 """What the translate task's eval metrics measure on a corpus, and where BLEU is undefined for it."""
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from configs import translate_tsv
+from tests import helpers
 from xattn_jax.tasks.translate import task as translate_task
 from xattn_jax.training import loop, validation
 
@@ -125,13 +125,13 @@ def test_best_metric_on_a_bleu_the_corpus_cannot_define_stops_before_training_na
 def test_launch_stops_a_best_metric_bleu_the_corpus_cannot_define_in_one_line(tmp_path):
   config = _config(tmp_path, COMPOUND_WORDS[4:], COMPOUND_WORDS[:4])
   workdir = tmp_path / "work"
-  result = subprocess.run(
+  result = helpers.run(
       [sys.executable, "launch.py", "--config=configs/translate_tsv.py", f"--workdir={workdir}",
        *(f"--config.{key}={value}" for key, value in {**TINY, "data.train_file": config.data.train_file,
                                                         "data.eval_file": config.data.eval_file,
                                                         "checkpoint.best_metric": "eval/bleu",
                                                         "task.bleu_tokenize": "13a"}.items())],
-      cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
   assert result.returncode == 2, result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("launch.py: config.checkpoint.best_metric='eval/bleu'"), lines

@@ -3,14 +3,14 @@ under three meshes, and two processes on 127.0.0.1 with two devices each."""
 import json
 import signal
 import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.training.test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps, launch, launch_args, metrics_rows, subprocess_env,
-                         train_losses, wait_for)
+from tests import helpers
+from tests.training.test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps, launch, launch_args, metrics_rows,
+                                        start, subprocess_env, train_losses, wait_for)
 
 MESHES = {
     "data8": {"data": 8, "fsdp": 1, "tensor": 1},
@@ -42,9 +42,8 @@ def single_device(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
   root = tmp_path_factory.mktemp("meshes")
-  result = subprocess.run([sys.executable, "-c", _RUN_MESHES, json.dumps(OVERRIDES), json.dumps(MESHES),
-                           str(root)], cwd=REPO, capture_output=True, text=True,
-                          env=subprocess_env(device_count=8), timeout=600)
+  result = helpers.run([sys.executable, "-c", _RUN_MESHES, json.dumps(OVERRIDES), json.dumps(MESHES), str(root)],
+                       cwd=REPO, env=subprocess_env(device_count=8), timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return root
 
@@ -88,8 +87,8 @@ print("RESULT " + json.dumps({"sharded": sharded, "replicated": replicated, "dev
 @pytest.mark.slow
 def test_eval_decoding_splits_rows_over_the_data_axes_and_decodes_as_replicated(tmp_path):
   """Host arrays made every device of the data axes decode every row; now each decodes its share."""
-  result = subprocess.run([sys.executable, "-c", _DECODE_SHARDED, str(tmp_path / "run")], cwd=REPO,
-                          capture_output=True, text=True, env=subprocess_env(device_count=8), timeout=600)
+  result = helpers.run([sys.executable, "-c", _DECODE_SHARDED, str(tmp_path / "run")], cwd=REPO,
+                       env=subprocess_env(device_count=8), timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   out = json.loads(result.stdout.split("RESULT ", 1)[1])
   assert out["devices"] == [8, 8, 1, 1]  # rows split over data x fsdp, then the replicated reference
@@ -106,12 +105,8 @@ def _free_port():
 def test_two_processes_give_the_single_device_losses(tmp_path, single_device):
   workdir = tmp_path / "run"
   address = f"127.0.0.1:{_free_port()}"
-  processes = [
-      subprocess.Popen(launch_args(workdir, f"--coordinator_address={address}", "--num_processes=2",
-                                   f"--process_id={i}"),
-                       cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       env=subprocess_env(device_count=2))
-      for i in range(2)]
+  processes = [start(workdir, f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}",
+                     device_count=2) for i in range(2)]
   outputs = [p.communicate(timeout=600) for p in processes]
   for process, (_, stderr) in zip(processes, outputs):
     assert process.returncode == 0, stderr[-3000:]
@@ -131,11 +126,8 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes_exactly(
 
   def start_both():
     address = f"127.0.0.1:{_free_port()}"
-    return [subprocess.Popen(launch_args(workdir, f"--coordinator_address={address}", "--num_processes=2",
-                                         f"--process_id={i}", overrides={"debug.step_delay_s": 0.5}),
-                             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=subprocess_env(device_count=2))
-            for i in range(2)]
+    return [start(workdir, f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}",
+                  overrides={"debug.step_delay_s": 0.5}, device_count=2) for i in range(2)]
 
   def finish(processes, timeout):
     try:
@@ -169,10 +161,9 @@ def test_processes_given_different_process_counts_are_stopped_in_one_line(tmp_pa
   address = f"127.0.0.1:{_free_port()}"
   args = [launch_args(tmp_path / "run", f"--coordinator_address={address}", f"--num_processes={n}",
                       f"--process_id={i}", "--distributed_timeout=60") for i, n in ((0, 2), (1, 4))]
-  first = subprocess.Popen(args[0], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           env=subprocess_env())
+  first = helpers.start(args[0], cwd=REPO, env=subprocess_env())
   try:
-    second = subprocess.run(args[1], cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    second = helpers.run(args[1], cwd=REPO, env=subprocess_env(), timeout=120)
   finally:
     first.kill()
     _, first_stderr = first.communicate(timeout=60)

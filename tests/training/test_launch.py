@@ -35,7 +35,7 @@ CONFIG = "configs/template.py:size=tiny"
 
 def launch_args(workdir, *extra, overrides=None):
   merged = {**OVERRIDES, **(overrides or {})}
-  return ([sys.executable, "launch.py", f"--config={CONFIG}", f"--workdir={workdir}"]
+  return ([sys.executable, str(REPO / "launch.py"), f"--config={CONFIG}", f"--workdir={workdir}"]
           + [f"--config.{k}={v}" for k, v in merged.items()] + list(extra))
 
 
@@ -44,15 +44,16 @@ def subprocess_env(device_count=1, default_optimization=False):
   return helpers.subprocess_env(device_count, optimize=default_optimization)
 
 
-def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300, default_optimization=False):
-  return subprocess.run(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, input=stdin,
-                        capture_output=True, text=True, timeout=timeout,
-                        env=subprocess_env(device_count, default_optimization=default_optimization))
+def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300, default_optimization=False,
+           fresh=False):
+  """Runs launch.py to the end, forked from the pre-imported launch server (tests/helpers.py), or with
+  `fresh` as a plain subprocess: a new interpreter that imports everything itself."""
+  return helpers.run(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, input=stdin, timeout=timeout,
+                     env=subprocess_env(device_count, default_optimization), fresh=fresh)
 
 
-def start(workdir, *extra, overrides=None):
-  return subprocess.Popen(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+def start(workdir, *extra, overrides=None, device_count=1):
+  return helpers.start(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, env=subprocess_env(device_count))
 
 
 def metrics_rows(workdir):
@@ -161,8 +162,9 @@ def test_missing_or_unloadable_config_is_a_one_line_usage_error(tmp_path, argv, 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+  """A fresh interpreter (not the launch server): the run every other run here is compared with."""
   workdir = tmp_path_factory.mktemp("reference") / "run"
-  result = launch(workdir, overrides={"logging.tensorboard": True, "logging.plot": True})
+  result = launch(workdir, overrides={"logging.tensorboard": True, "logging.plot": True}, fresh=True)
   assert result.returncode == 0, result.stderr[-3000:]
   return workdir
 
@@ -251,9 +253,8 @@ def test_a_runs_config_from_before_steps_per_call_still_loads_and_resumes(tmp_pa
   from xattn_jax.training import loop
   model, _ = loop.load_model(str(workdir))
   assert_same_params(nnx.to_pure_dict(nnx.state(model)), model_params(reference, STEPS))
-  result = subprocess.run([sys.executable, "launch.py", f"--config={workdir / 'config.py'}", f"--workdir={workdir}",
-                           "--mode=eval"], cwd=REPO, capture_output=True, text=True, env=subprocess_env(1),
-                          timeout=300)
+  result = helpers.run([sys.executable, str(REPO / "launch.py"), f"--config={workdir / 'config.py'}",
+                        f"--workdir={workdir}", "--mode=eval"], cwd=REPO, env=subprocess_env(1), timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
 
 
