@@ -24,7 +24,7 @@ def get_config(arg=None):
   config.data = ConfigDict({
       "max_digits": args.max_digits,  # digits per strip: 1..max_digits, uniform
       "scale": args.scale,            # integer upscale of the 8x8 digits
-      "max_shift": 1,                 # training digits move inside their cells by up to this many pixels (0 = off)
+      "max_shift": 1,                 # training strips move up or down by up to this many pixels (0 = off)
       "num_eval_strips": 512,         # fixed test strips (test digit images, held-out sequences)
       "eval_seed": 0,
   })

@@ -108,21 +108,15 @@ class StripEncoderTask(task_lib.Task):
     """Images [n, H, W, 1] on the canvas and position labels [n, max_digits] of one strip per rng."""
     strips, sequences = zip(*(vlm_digits.draw_strip(split, rng, max_digits=self.max_digits, scale=self.scale)
                               for rng in rngs))
-    if max_shift:
-      strips = [self._jitter(strip, rng, max_shift) for strip, rng in zip(strips, rngs)]
+    if max_shift:  # augmentation: each strip moves up or down by up to max_shift pixels, over zeros
+      shifted = []
+      for strip, rng in zip(strips, rngs):
+        rows = int(rng.integers(-max_shift, max_shift + 1))
+        padded = np.pad(strip, ((max_shift, max_shift), (0, 0)))
+        shifted.append(padded[max_shift - rows: max_shift - rows + strip.shape[0]])
+      strips = shifted
     images = vlm_digits.collate_images([(s,) for s in strips], canvas=self.canvas, max_images=1)["images"][:, 0]
     return images, vlm_digits.position_labels(sequences, self.max_digits)
-
-  def _jitter(self, strip, rng, max_shift):
-    """Augmentation: each digit of a strip [h, n * h] moves inside its own h x h cell by a random (row, column)
-    offset in [-max_shift, max_shift]^2, over zeros, so it never crosses into a neighbour's position."""
-    side = self.position_width
-    cells = strip.reshape(side, -1, side).transpose(1, 0, 2)  # [n, side, side]
-    padded = np.pad(cells, ((0, 0), (max_shift, max_shift), (max_shift, max_shift)))
-    moved = np.empty_like(cells)
-    for k, (rows, cols) in enumerate(rng.integers(-max_shift, max_shift + 1, size=(len(cells), 2))):
-      moved[k] = padded[k, max_shift - rows: max_shift - rows + side, max_shift - cols: max_shift - cols + side]
-    return moved.transpose(1, 0, 2).reshape(side, -1)
 
   def train_batch(self, step, *, process_index, process_count):
     local = self.config.batch_size // process_count
