@@ -213,3 +213,25 @@ def test_lm_algorithmic_randomized_positions_must_cover_the_longest_eval_row():
                                "--config.model.randomized_positions_max=170")
   with pytest.raises(validation.ConfigError, match=r"model\.randomized_positions_max=170: must be >= 183"):
     validation.validate_config(config, mode="train")
+
+
+def test_the_vlm_lm_trains_on_the_vlm_texts_and_keeps_the_image_token_one_piece(tmp_path):
+  from xattn_jax.data import vlm_digits
+  config = helpers.load_config("--config=configs/vlm_lm.py", "--config.data.num_train_documents=300",
+                               "--config.data.num_eval_documents=40", "--config.batch_size=4")
+  validation.validate_config(config, mode="train")
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  assert task.train_texts == tuple(vlm_digits.texts(vlm_digits.make_examples("train", 300, seed=0)))
+  assert task.eval_texts == tuple(vlm_digits.texts(vlm_digits.make_examples("test", 40, seed=0)))
+  tokenizer = task.tokenizer
+  [image_id] = tokenizer.encode(vlm_digits.IMAGE_TOKEN)
+  for example in vlm_digits.make_examples("test", 40, seed=0):
+    pieces = [[image_id] if role == "image" else tokenizer.encode(value) for role, value in example.segments]
+    assert tokenizer.encode(vlm_digits.text_of(example)) == [i for ids in pieces for i in ids]
+
+
+def test_a_generated_corpus_with_a_training_file_is_a_config_error(tmp_path):
+  config = helpers.load_config("--config=configs/vlm_lm.py", f"--config.data.train_file={tmp_path}/x.txt")
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, mode="train")
+  assert error.value.field == "data.source"

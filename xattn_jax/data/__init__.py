@@ -9,4 +9,7 @@
   tokenizers.py  ByteTokenizer and a SentencePiece model trained into the workdir
   batching.py    TranslationBatches: deterministic train batches by step, buckets, packing, eval
   digits.py      scikit-learn's bundled 8x8 digits for the latent readers
+  vlm_digits.py  image-to-text examples on strips of those digits (captions, questions, two images), split
+                 by source image and by digit sequence; collate_images for batches of images
+  image_text.py  a user's image_path<TAB>text pairs (PNG / JPEG through Pillow), validated line by line
 """

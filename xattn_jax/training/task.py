@@ -88,6 +88,7 @@ TASK_MODULES = {
     "segment": "xattn_jax.tasks.segment.task",
     "template": "xattn_jax.tasks.template",
     "translate": "xattn_jax.tasks.translate.task",
+    "vlm_encoder": "xattn_jax.tasks.vlm.encoder",
 }
 
 
