@@ -160,7 +160,8 @@ def _training_sample(texts: Sequence[str], limit: int) -> list[str]:
 
 
 def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, exact: bool = True,
-                        model_type: str = "bpe", max_sentences: int = 100_000) -> SentencePieceTokenizer:
+                        model_type: str = "bpe", max_sentences: int = 100_000,
+                        single_piece_words: Sequence[str] = ()) -> SentencePieceTokenizer:
   """Trains a SentencePiece model on ``texts`` into ``model_path``; reuses the file if it exists.
 
   With ``exact=False``, ``vocab_size`` is a cap: the model gets as many pieces as the text supports,
@@ -184,13 +185,21 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
     exact: True: exactly ``vocab_size`` pieces or an error; False: as many as the text supports.
     model_type: ``bpe`` or ``unigram``.
     max_sentences: cap on the sentences given to the trainer.
+    single_piece_words: words that are always one piece each where they start a text or follow a space
+      (e.g. a multimodal model's "<image>"): SentencePiece user-defined symbols "\u2581word", so encoding
+      the pieces of a text one by one, joined by single spaces, gives the ids of the whole text.
 
   Raises:
     ValueError: bad arguments; with ``exact``, a corpus too small for ``vocab_size`` (says the
       largest possible); a ``vocab_size`` below the text's characters plus the specials; an existing
-      model file whose vocabulary size differs from ``vocab_size`` (with ``exact=False``: exceeds it).
+      model file whose vocabulary size differs from ``vocab_size`` (with ``exact=False``: exceeds it), or
+      in which a ``single_piece_words`` word is not one piece.
   """
   model_path = os.fspath(model_path)
+  if isinstance(single_piece_words, str) or any(not isinstance(w, str) or not w or any(c.isspace() for c in w)
+                                                for w in single_piece_words):
+    raise ValueError(f"single_piece_words must be a sequence of non-empty words without spaces, got "
+                     f"{single_piece_words!r}")
   if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
     raise ValueError(f"vocab_size must be an integer >= 8, got {vocab_size!r}")
   if not isinstance(exact, bool):
@@ -203,6 +212,10 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
       asked = f"vocab_size={vocab_size} was asked" if exact else f"the cap is vocab_size={vocab_size}"
       raise ValueError(f"existing SentencePiece model {model_path!r} has vocab_size {tokenizer.vocab_size}, "
                        f"but {asked}; delete the file to retrain")
+    split = [word for word in single_piece_words if len(tokenizer.encode(word)) != 1]
+    if split:
+      raise ValueError(f"existing SentencePiece model {model_path!r} does not keep {split} as one piece each "
+                       f"(single_piece_words); delete the file to retrain")
     return tokenizer
   if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
     raise ValueError(f"texts must be a non-empty sequence of strings, got {type(texts).__name__}")
@@ -219,7 +232,7 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
         sentence_iterator=iter(sample), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
         pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=3, num_threads=1, shuffle_input_sentence=False,
-        hard_vocab_limit=exact,
+        hard_vocab_limit=exact, user_defined_symbols=[f"\u2581{word}" for word in single_piece_words],
         # SentencePiece skips sentences over 4192 bytes by default, silently: their characters
         # would then be unknown pieces. Every sampled text is used, however long.
         max_sentence_length=max(4192, max((len(text.encode("utf-8")) for text in sample), default=0) + 1),

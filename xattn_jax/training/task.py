@@ -87,6 +87,7 @@ TASK_MODULES = {
     "lm_algorithmic": "xattn_jax.tasks.lm",
     "template": "xattn_jax.tasks.template",
     "translate": "xattn_jax.tasks.translate.task",
+    "vlm_encoder": "xattn_jax.tasks.vlm.encoder",
 }
 
 

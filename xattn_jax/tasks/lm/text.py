@@ -3,11 +3,16 @@
 Config (see configs/lm_text.py):
   data.train_file     "" = the bundled corpus (data.corpus.default_corpus: CLDR text and number words),
                       else a UTF-8 file, one document per line (errors name file:line)
+  data.source         (optional) a name in GENERATED_CORPORA instead of either: a generated corpus, e.g.
+                      "vlm_digits" (data.vlm_digits.lm_corpus: the texts of data.num_train_documents
+                      "train" and data.num_eval_documents "test" examples with up to data.max_digits
+                      digits, the VLM's text alone; configs/vlm_lm.py)
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
                       the text; the bundled corpus has its own held-out side); data.num_eval_documents
                       keeps the first that many of them (0 = all)
   data.tokenizer      "bytes" or "sentencepiece" (trained into <workdir>/tokenizer/, reused on resume,
-                      eval and infer); data.vocab_size is a cap unless data.vocab_size_exact
+                      eval and infer); data.vocab_size is a cap unless data.vocab_size_exact;
+                      data.single_piece_words (optional) words kept one piece each (e.g. "<image>")
   data.sequence_length  the packed row length (documents longer than a row are cut into chunks)
   model.*             LanguageModel options (position_encoding, norm_type, mlp_type, num_kv_heads, ...)
   model.randomized_positions_max / _at_eval   randomized positions per packed document (0 = off;
@@ -40,13 +45,19 @@ from absl import logging
 from flax import nnx
 
 from xattn_jax import decoding
-from xattn_jax.data import corpus, splits, text, tokenizers
+from xattn_jax.data import corpus, splits, text, tokenizers, vlm_digits
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.tasks import decoding_config
 from xattn_jax.training import optim, task as task_lib, validation
 
 TOKENIZERS = ("bytes", "sentencepiece")
+# data.source -> (train documents, eval documents) generated from the data config.
+GENERATED_CORPORA = {
+    "vlm_digits": lambda data: vlm_digits.lm_corpus(num_train=data.num_train_documents,
+                                                    num_eval=data.num_eval_documents, seed=data.corpus_seed,
+                                                    max_digits=data.max_digits),
+}
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
 
 
@@ -133,6 +144,14 @@ class LanguageModelTask(task_lib.Task):
     if not 0 < data.eval_fraction < 1:
       raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
     decoding_config.decoding_options(config)
+    if data.get("source", ""):
+      validation.require_choice(config, "data.source", GENERATED_CORPORA)
+      if data.train_file or data.eval_file:
+        raise validation.ConfigError("data.source", data.source, "a generated corpus takes no data.train_file "
+                                     "or data.eval_file; set them to '' or data.source to ''")
+      validation.require_positive(config, "data.num_train_documents", "data.num_eval_documents", "data.max_digits")
+      if data.max_digits > vlm_digits.MAX_DIGITS:
+        raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
     if mode == "train" and data.train_file:
       _read("data.train_file", data.train_file)
     if mode != "infer" and data.eval_file:
@@ -162,7 +181,9 @@ class LanguageModelTask(task_lib.Task):
 
   def _texts(self):
     data = self.config.data
-    if not data.train_file:
+    if data.get("source", ""):
+      train, evaluation = GENERATED_CORPORA[data.source](data)
+    elif not data.train_file:
       bundled = corpus.default_corpus(seed=data.corpus_seed)
       train, evaluation = list(bundled.train), list(bundled.eval)
     else:
@@ -191,7 +212,8 @@ class LanguageModelTask(task_lib.Task):
       return tokenizers.SentencePieceTokenizer(path)
     try:
       tokenizer = tokenizers.train_sentencepiece(list(train_texts), path, vocab_size=data.vocab_size,
-                                                 exact=data.vocab_size_exact)
+                                                 exact=data.vocab_size_exact,
+                                                 single_piece_words=tuple(data.get("single_piece_words", ())))
     except ValueError as error:
       raise validation.ConfigError("data.vocab_size", data.vocab_size, " ".join(str(error).split())) from None
     logging.info("SentencePiece vocabulary: %d pieces (data.vocab_size=%d, exact=%s)", tokenizer.vocab_size,

@@ -1,0 +1,47 @@
+"""The vision-language models' image encoder: a ViT that names the digit at each position of a digit strip.
+
+    python launch.py --config=configs/vlm_encoder.py --workdir=workdirs/vlm_encoder
+    python launch.py --config=configs/vlm_encoder.py:scale=2 --workdir=workdirs/vlm_encoder_x2
+    echo test:0 | python launch.py --config=configs/vlm_encoder.py --workdir=workdirs/vlm_encoder --mode=infer
+
+Strips of 1 to max_digits bundled digits on the canvas 8 x (8 * max_digits), times scale (see
+xattn_jax/tasks/vlm/encoder.py); with 2x2 patches a strip hands on 16 to 64 patch features.
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from configs import common
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1)
+  config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
+                              eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
+                              warmup_steps=100)
+  config.task.name = "vlm_encoder"
+  config.task.label_smoothing = 0.1
+  config.data = ConfigDict({
+      "max_digits": args.max_digits,  # digits per strip: 1..max_digits, uniform
+      "scale": args.scale,            # integer upscale of the 8x8 digits
+      "max_shift": 1,                 # training strips move up or down by up to this many pixels (0 = off)
+      "num_eval_strips": 512,         # fixed test strips (test digit images, held-out sequences)
+      "eval_seed": 0,
+  })
+  config.checkpoint.best_metric = "eval/position_accuracy"
+  config.checkpoint.best_mode = "max"
+  config.optimizer.b2 = 0.99
+  config.optimizer.eps = 1e-8
+  config.optimizer.weight_decay = 0.1
+  config.model.name = "vit"
+  config.model.patch_size = args.patch
+  height, width = 8 * args.scale, 8 * args.max_digits * args.scale
+  patch = max(args.patch, 1)                # (a patch below 1 is left to validation, which names the field)
+  config.model.grid = f"{height // patch}x{width // patch}"  # the learned position table: the canvas in patches
+  config.model.d_model = args.width
+  config.model.num_heads = 4
+  config.model.num_blocks = args.blocks
+  config.model.mlp_ratio = 2
+  config.model.scan_layers = False
+  config.model.remat = "none"
+  return config

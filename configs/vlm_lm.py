@@ -1,0 +1,33 @@
+"""The vision-language models' frozen language model: the decoder-only LM pretrained on the VLM's text alone.
+
+    python launch.py --config=configs/vlm_lm.py --workdir=workdirs/vlm_lm
+
+Its documents are the texts of the "train" examples of data.vlm_digits (data.source="vlm_digits"), with
+"<image>" where an image sits and no image: the LM learns the language (the questions, digits as words,
+number words) but cannot know the answers. Eval: the texts of "test" examples (held-out digit sequences).
+SentencePiece keeps "<image>" one piece (data.single_piece_words), so the VLM task can encode each text
+segment alone and splice image tokens in between.
+"""
+from __future__ import annotations
+
+from configs import common, lm_text
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, steps=600, size="tiny", posenc="rope")
+  config = lm_text.get_config(f"size={args.size},posenc={args.posenc},tokenizer=sentencepiece")
+  config.total_steps = args.steps
+  config.optimizer.warmup_steps = 50
+  config.eval_every_steps = 300
+  config.checkpoint.every_steps = 300
+  config.data.source = "vlm_digits"     # data.vlm_digits.lm_corpus
+  config.data.num_train_documents = 20000
+  config.data.num_eval_documents = 1000
+  config.data.max_digits = 4
+  config.data.corpus_seed = 0
+  config.data.vocab_size = 128          # a cap: every one of the texts' 39 words is one piece
+  config.data.single_piece_words = ("<image>",)
+  config.data.sequence_length = 64
+  config.task.decoding.method = "greedy"
+  config.task.decoding.max_new_tokens = 16
+  return config

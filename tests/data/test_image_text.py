@@ -1,0 +1,100 @@
+"""A user's image-caption pairs: good files read, every malformed case refused naming file and line."""
+import numpy as np
+import pytest
+from PIL import Image
+
+from xattn_jax.data import files
+from xattn_jax.data.image_text import ImageTextFormatError, fit_size, read_image_text_pairs, read_images
+
+CANVAS = (8, 32)
+
+
+@pytest.fixture
+def folder(tmp_path):
+  """Two images next to where the pairs files go: a 16x32 dark-on-white PNG and a 10x10 white-on-black JPEG."""
+  paper = np.full((16, 32), 255, np.uint8)
+  paper[4:12, 4:12] = 0
+  Image.fromarray(paper).save(tmp_path / "seven two.png")
+  (tmp_path / "sub").mkdir()
+  ink = np.zeros((10, 10, 3), np.uint8)
+  ink[2:8, 2:8] = 255
+  Image.fromarray(ink).save(tmp_path / "sub" / "one.jpg")
+  (tmp_path / "broken.png").write_bytes(b"not an image")
+  return tmp_path
+
+
+def write(folder, data: bytes, name="pairs.tsv"):
+  path = folder / name
+  path.write_bytes(data)
+  return path
+
+
+def test_reads_pairs_in_order_with_paths_relative_to_the_file(folder, monkeypatch):
+  monkeypatch.chdir("/")
+  examples = read_image_text_pairs(write(folder, b"seven two.png\tseven two\r\nsub/one.jpg\t one \n\n"), canvas=CANVAS)
+  assert [e.segments for e in examples] == [(("image", 0), ("target", "seven two")),
+                                           (("image", 0), ("target", " one "))]
+  assert {e.kind for e in examples} == {"user"}
+
+
+def test_images_are_grey_ink_high_and_fit_the_canvas_keeping_aspect(folder):
+  first, second = read_image_text_pairs(write(folder, b"seven two.png\ta\nsub/one.jpg\tb\n"), canvas=CANVAS)
+  assert first.images[0].shape == (8, 16) and second.images[0].shape == (8, 8)
+  image = first.images[0]
+  assert image.dtype == np.float32 and 0.0 <= image.min() and image.max() <= 1.0
+  assert image[3:5, 3:5].min() > 0.9 and image[:, 8:].max() < 0.1  # the dark square became ink
+
+
+def test_rgb_images_keep_three_channels(folder):
+  [example] = read_image_text_pairs(write(folder, b"sub/one.jpg\tb\n"), canvas=CANVAS, grey=False)
+  assert example.images[0].shape == (8, 8, 3)
+
+
+@pytest.mark.parametrize("data, line_number, problem", [
+    (b"seven two.png\ta\nno tab here\n", 2, "no tab"),
+    (b"seven two.png\ta\tb\n", 1, "2 tabs"),
+    (b"\tseven two\n", 1, "empty image path"),
+    (b"seven two.png\ta\nsub/one.jpg\t  \n", 2, "empty text"),
+    (b"seven two.png\ta\n\nsub/one.jpg\tb\n", 2, "blank line"),
+    (b"seven two.png\tcaf\xe9\n", 1, "not valid UTF-8"),
+    (b"seven two.png\ta\nmissing.png\tb\n", 2, "missing.png' does not exist"),
+    (b"sub\ta\n", 1, "is not a regular file"),
+    (b"seven two.png\ta\nbroken.png\tb\n", 2, "broken.png' cannot be read as an image"),
+])
+def test_malformed_line_raises_with_file_and_line_number(folder, data, line_number, problem):
+  path = write(folder, data)
+  with pytest.raises(ImageTextFormatError, match=problem) as caught:
+    read_image_text_pairs(path, canvas=CANVAS)
+  assert isinstance(caught.value, files.LineFileError)
+  assert f"{path}:{line_number}: " in str(caught.value) and caught.value.line_number == line_number
+
+
+def test_every_bad_line_is_reported_at_once(folder):
+  path = write(folder, b"x\nmissing.png\ta\nseven two.png\tok\n\tb\n")
+  with pytest.raises(ImageTextFormatError) as caught:
+    read_image_text_pairs(path, canvas=CANVAS)
+  assert [n for n, _ in caught.value.problems] == [1, 2, 4]
+
+
+@pytest.mark.parametrize("data", [b"", b"\n \n"])
+def test_empty_file_raises_naming_it(folder, data):
+  path = write(folder, data)
+  with pytest.raises(ImageTextFormatError, match=f"{path}: the file is empty"):
+    read_image_text_pairs(path, canvas=CANVAS)
+
+
+def test_missing_file_raises_naming_it(folder):
+  with pytest.raises(ImageTextFormatError, match="nope.tsv: no such file"):
+    read_image_text_pairs(folder / "nope.tsv", canvas=CANVAS)
+
+
+def test_read_images_names_the_bad_path(folder):
+  assert [i.shape for i in read_images([folder / "sub" / "one.jpg"], CANVAS)] == [(8, 8)]
+  with pytest.raises(ValueError, match="broken.png"):
+    read_images([folder / "sub" / "one.jpg", folder / "broken.png"], CANVAS)
+
+
+@pytest.mark.parametrize("size, fitted", [((16, 32), (8, 16)), ((4, 4), (8, 8)), ((100, 10), (8, 1)),
+                                          ((1, 100), (1, 32))])
+def test_fit_size_keeps_aspect_inside_the_canvas(size, fitted):
+  assert fit_size(size, CANVAS) == fitted

@@ -1,0 +1,131 @@
+"""A user's image-caption pairs: UTF-8 lines of ``image_path<TAB>text``, checked before training starts.
+
+Decisions (those of data.tsv, plus the image):
+  * An image path is relative to the folder of the file that names it (an absolute path is kept), so a
+    folder of images and its pairs file can move together.
+  * PNG and JPEG (anything Pillow opens) are read grey-scale (or RGB with ``grey=False``) in [0, 1], ink
+    high: a mostly light image (dark ink on paper) is inverted, as data.digits reads PNGs, so a photo of a
+    written number looks like the bundled digits. It is resized (bilinear, aspect ratio kept) to fit
+    inside the canvas: the largest size no larger than the canvas on either side.
+  * CRLF line ends and a UTF-8 byte-order mark are accepted; blank lines at the end are ignored, a blank
+    line elsewhere is an error. A side that is empty or only whitespace is an error; the text is kept
+    exactly otherwise.
+  * Every bad line (not UTF-8, blank, no tab, more than one tab, an empty side, a missing or unreadable
+    image) is found in one pass; the error (a files.LineFileError) names the file and each line.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from xattn_jax.data import files
+from xattn_jax.data.vlm_digits import VLMExample
+
+
+class ImageTextFormatError(files.LineFileError):
+  """An image-caption file is missing, empty, not UTF-8, or has bad lines (see files.LineFileError)."""
+  heading = "invalid image-caption file (expected UTF-8 'image_path<TAB>text' lines)"
+  bad_line = "bad line"
+
+
+def _check_canvas(canvas, caller: str) -> tuple[int, int]:
+  if (len(canvas) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+                              for v in canvas)):
+    raise ValueError(f"{caller}: canvas must be (height, width) of positive ints, got {canvas!r}")
+  return int(canvas[0]), int(canvas[1])
+
+
+def fit_size(size: tuple[int, int], canvas: tuple[int, int]) -> tuple[int, int]:
+  """The (height, width) of an image of size (h, w) scaled, aspect ratio kept, to the largest size that
+  fits inside canvas (each side at least 1 pixel)."""
+  (h, w), (height, width) = size, canvas
+  factor = min(height / h, width / w)
+  return (min(height, max(1, round(h * factor))), min(width, max(1, round(w * factor))))
+
+
+def load_image(path: str, canvas: tuple[int, int], *, grey: bool = True) -> np.ndarray:
+  """One image file -> float32 [h, w] (grey) or [h, w, 3] in [0, 1], ink high, fitted inside canvas.
+
+  Raises OSError (missing or not a file) or ValueError (not an image Pillow can read), saying which.
+  """
+  from PIL import Image, UnidentifiedImageError  # Pillow only where a user's images are read
+
+  canvas = _check_canvas(canvas, "load_image")
+  if not os.path.exists(path):
+    raise OSError(f"image {path!r} does not exist")
+  if not os.path.isfile(path):
+    raise OSError(f"image {path!r} is not a regular file")
+  try:
+    with Image.open(path) as opened:
+      opened.load()
+      image = opened.convert("L" if grey else "RGB")
+  except (UnidentifiedImageError, OSError, ValueError) as error:
+    raise ValueError(f"image {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
+  height, width = fit_size((image.height, image.width), canvas)
+  if (height, width) != (image.height, image.width):
+    image = image.resize((width, height), Image.Resampling.BILINEAR)
+  pixels = np.asarray(image, np.float32) / 255.0
+  return (1.0 - pixels if pixels.mean() > 0.5 else pixels).astype(np.float32)
+
+
+def read_images(paths: Sequence[str], canvas: tuple[int, int], *, grey: bool = True) -> list[np.ndarray]:
+  """`load_image` of each path (for inference); the first bad one raises, naming it."""
+  return [load_image(os.fspath(path), canvas, grey=grey) for path in paths]
+
+
+def _line_problem(raw: bytes, folder: str) -> tuple[str | None, tuple[str, str] | None]:
+  """(what is wrong, None) or (None, (image path, text)) for one line without its newline."""
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError as error:
+    return f"not valid UTF-8 at byte {error.start + 1} of the line ({raw[error.start:error.start + 4]!r})", None
+  if not line.strip():
+    return "blank line (blank lines are only allowed at the end of the file)", None
+  tabs = line.count("\t")
+  if tabs == 0:
+    return "no tab: expected 'image_path<TAB>text'", None
+  if tabs > 1:
+    return f"{tabs} tabs: expected exactly one, between image path and text", None
+  image_path, text = line.split("\t")
+  for side, value in (("image path", image_path), ("text", text)):
+    if not value.strip():
+      return f"empty {side}", None
+  return None, (os.path.join(folder, image_path.strip()), text)
+
+
+def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -> list[VLMExample]:
+  """Reads ``image_path<TAB>text`` lines into examples of kind "user", in file order.
+
+  Each example has one image (see `load_image`) and segments (("image", 0), ("target", text)).
+
+  Raises:
+    ImageTextFormatError (a files.LineFileError, a ValueError): the file is missing, not a regular file,
+      empty, or has a bad line (not UTF-8, blank, no tab, more than one tab, an empty side, a missing or
+      unreadable image); the message names the file and the 1-based line numbers.
+  """
+  canvas = _check_canvas(canvas, "read_image_text_pairs")
+  lines = files.read_line_bytes(path, ImageTextFormatError, "an image-caption file")
+  while lines and not lines[-1].strip():
+    lines.pop()
+  if not lines:
+    raise ImageTextFormatError(path, [(None, "the file is empty (no 'image_path<TAB>text' lines)")])
+  folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+  examples, problems = [], []
+  for line_number, raw in enumerate(lines, start=1):
+    problem, pair = _line_problem(raw, folder)
+    if problem is None:
+      image_path, text = pair
+      try:
+        image = load_image(image_path, canvas, grey=grey)
+      except (OSError, ValueError) as error:
+        problem = str(error)
+    if problem is not None:
+      problems.append((line_number, problem))
+      continue
+    examples.append(VLMExample(images=(image,), segments=(("image", 0), ("target", text)), kind="user",
+                               num_digits=0))
+  if problems:
+    raise ImageTextFormatError(path, problems)
+  return examples

@@ -1,0 +1,1 @@
+"""The vision-language tasks."""
