@@ -44,10 +44,10 @@ def make_images(seed=0, batch=2):
 
 
 def layout(model, pieces):
-  """Token ids of ("text", ids) / ("image", (h, w)) pieces: an image as slots_per_image copies of IMAGE."""
+  """Token ids of ("text", ids) / ("image", (h, w)) pieces: an image as its soft-token slots, then its marker."""
   ids = []
   for kind, value in pieces:
-    ids += list(value) if kind == "text" else [IMAGE] * model.slots_per_image(*value)
+    ids += list(value) if kind == "text" else [vlm.SOFT_TOKEN] * model.slots_per_image(*value) + [IMAGE]
   return ids
 
 
@@ -154,7 +154,8 @@ def test_qformer_permuting_features_with_their_positions_changes_nothing():
   model = make_vlm("qformer")
   images, pixel_valid, _ = make_images()
   patch_valid = vit.patch_valid(pixel_valid[:, 1], PATCH)
-  features = model.encoder.features(images[:, 1], valid=patch_valid)  # [b, 1 + P, w], positions added inside
+  features = nnx.jit(lambda e, x, v: e.features(x, valid=v))(model.encoder, images[:, 1], patch_valid)
+  # -> [b, 1 + P, w]: each feature carries its position (added inside the encoder)
   valid = jnp.ones(features.shape[:2], bool)
   permutation = np.random.default_rng(3).permutation(features.shape[1])
   read = nnx.jit(lambda c, f, v: c.tokens(f, v, deterministic=True))
@@ -167,7 +168,7 @@ def test_llava_mrope_image_positions_are_mrope_position_ids():
   tokens, valid = batch_of([interleaved(model)])
   context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, *make_images(batch=1))
   expected = positions_ops.mrope_position_ids(
-      [[("text", 2), ("image", (1, 2, 2)), ("text", 2), ("image", (1, 2, 4)), ("text", 3)]])
+      [[("text", 2), ("image", (1, 2, 2)), ("text", 1 + 2), ("image", (1, 2, 4)), ("text", 1 + 3)]])
   np.testing.assert_array_equal(model.positions(tokens, valid, context), expected)
 
 
@@ -200,26 +201,18 @@ def test_llava_mrope_on_text_only_is_the_1d_rope_lm():
 def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connector, image_positions):
   model = make_vlm(connector, image_positions=image_positions, gates=0.7 if connector == "flamingo" else None)
   images = make_images()
-  rows = [interleaved(model), layout(model, [("image", (8, 8)), ("text", [5])])]
+  rows = [interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])]  # a prompt may end with an image
   prompt, prompt_valid = batch_of(rows)
   steps = 4
   generate = nnx.jit(lambda m, *a: m.generate(*a, max_length=steps, eos_id=VOCAB + 1))
-  generated, _ = generate(model, *images, prompt, prompt_valid)
+  generated, scores = generate(model, *images, prompt, prompt_valid)
   full = jnp.concatenate([prompt, generated], axis=1)
   full_valid = jnp.concatenate([prompt_valid, jnp.ones(generated.shape, bool)], axis=1)
-  logits = logits_of(model, *images, full, full_valid)  # [b, t + steps, vocab]
-  t = prompt.shape[1]
-  # Each generated token is the full forward's greedy choice on the prefix before it.
-  np.testing.assert_array_equal(jnp.argmax(logits[:, t - 1:t - 1 + steps], axis=-1), generated)
-  # And the cached step logits are the full forward's.
-  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, *images)
-  cache, first = nnx.jit(lambda m, c, p, v: m.prefill(c, p, v, t + steps))(model, context, prompt, prompt_valid)
-  step = nnx.jit(lambda m, tok, c: m.loop_step()(tok, c))
-  token = first
-  for i in range(steps):
-    step_logits, cache = step(model, token[:, None], cache)
-    np.testing.assert_allclose(step_logits[:, 0], logits[:, t - 1 + i], atol=2e-5, rtol=1e-5)
-    token = generated[:, i]
+  logits = logits_of(model, *images, full, full_valid)[:, prompt.shape[1] - 1:-1]  # -> [b, steps, vocab]
+  # Each generated token is the full forward's greedy choice on the prefix before it, with its log-probability.
+  np.testing.assert_array_equal(jnp.argmax(logits, axis=-1), generated)
+  log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), generated[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(scores, log_probs.sum(axis=1), rtol=1e-5, atol=1e-5)
 
 
 def test_mrope_needs_an_mrope_lm_and_a_spatial_connector():

@@ -8,9 +8,9 @@ the same frozen `lm.LanguageModel`:
   starting at 0) before every `cross_attention_every`-th LM layer (layers 0, k, 2k, ...), through the
   LM's `insert` hook. The text's tokens read the image features, or with `num_latents` > 0 the N
   latents of a Perceiver resampler (latents cross-attend to the features and themselves). Each text
-  token reads only the LATEST image at or before it (Flamingo's image-causal masking); a token before
-  any image reads none, so its cross-attention output is zero. At initialisation the logits are the
-  frozen LM's, bit for bit. An image sits in the text as ONE IMAGE_TOKEN marker.
+  token reads only the LATEST image whose marker is at or before it (Flamingo's image-causal masking);
+  a token before any image reads none, so its cross-attention output is zero. At initialisation the
+  logits are the frozen LM's, bit for bit. An image sits in the text as its marker alone.
 - "qformer" (BLIP-2, Li et al. 2023): `num_queries` learned queries (32 by default) self-attend and
   cross-attend (every `qformer_cross_attention_every`-th block) to the image's features, a linear
   maps them to the LM width, and they stand in the text as N soft tokens whatever the image's M.
@@ -26,11 +26,11 @@ Inputs (the task turns a VLMExample's segments into them):
   images       float [b, n, H, W, C]: up to n images per row, each top-left on a zero canvas H x W
   pixel_valid  bool [b, n, H, W]: the pixels of the image (a patch is real when all its pixels are)
   image_valid  bool [b, n]: which of the n slots hold an image
-  tokens       int [b, T]: the text's ids; where image i sits, `slots_per_image(h_i, w_i)` copies of
-               `image_token_id` (flamingo: 1 marker; qformer: N; llava: one per real patch). The soft
-               tokens replace the copies in order (the k-th copy of the j-th image in the row takes that
-               image's k-th soft token); images are numbered in reading order, the j-th in the text is
-               slot j of `images`.
+  tokens       int [b, T]: the text's ids; where image j sits, `slots_per_image(h_j, w_j)` SOFT_TOKEN slots
+               (flamingo: none; qformer: N; llava: one per real patch, row-major) and then the image's
+               marker `image_token_id` (the LM's id of IMAGE_TOKEN, an ordinary token it was pretrained
+               with). The soft tokens replace the slots in order (the k-th slot of the j-th image in the
+               row takes that image's k-th soft token); the j-th image in the text is slot j of `images`.
   valid        bool [b, T]: real tokens (False on padding, left or right); None = tokens != 0.
 Positions are computed here from tokens, valid and the images' patch grids: 1D positions count the
 real tokens (the first at 0); "mrope" as above.
@@ -38,8 +38,12 @@ real tokens (the first at 0); "mrope" as above.
 Training: `__call__(...) -> logits [b, T, vocab]` (predicting token t + 1 at t). Generation: the image
 context (soft tokens, or flamingo's projected memory per gated layer) is computed ONCE, the LM's KV cache
 is pre-filled with the prompt (soft tokens included), then the shared `decoding.search` (greedy, beam,
-sampling) runs over `loop_step`. A prompt must end with a text token (it is fed first), e.g. BOS before
-the target.
+sampling) runs over `loop_step`. A prompt ends with a text token (it is fed first): an image's marker
+comes after its soft tokens, so a prompt may end with an image.
+
+Canvas padding: with `hide_padding` the padded patches are hidden from the encoder's attention and from
+the connector; without it (an encoder trained on padded canvases, which reads padding as "empty") every
+canvas patch is a feature, and only llava's soft tokens stay one per REAL patch.
 
 Freezing: the encoder and the LM are `latent_reader.freeze`d (their parameters are `FrozenParam`s, so
 `nnx.Param`-selecting gradients and optimizers never see them) and run deterministically; the encoder's
@@ -63,6 +67,7 @@ from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
 
 IMAGE_POSITIONS = ("sequence", "mrope")
+SOFT_TOKEN = -1  # the id of a soft-token slot in `tokens` (never embedded: the connector's token replaces it)
 
 
 @flax.struct.dataclass
@@ -126,8 +131,9 @@ class FlamingoConnector(nnx.Module):
                                         dropout_rate=dropout_rate, **common)
         for _ in self.layers])
 
-  def slots_per_image(self, grid) -> int:
-    return 1
+  @staticmethod
+  def slots(grid, num_queries: int) -> int:
+    return 0
 
   def memory(self, features, valid, *, deterministic):
     """features [B, 1 + P, w], valid [B, 1 + P] -> (memory [B, S, w], memory_valid [B, S])."""
@@ -164,8 +170,9 @@ class QFormerConnector(nnx.Module):
     self.norm = blocks.layer_norm(width, **common)
     self.projection = latent_reader._linear(width, lm.d_model, ("embed", "embed"), **common)
 
-  def slots_per_image(self, grid) -> int:
-    return self.num_queries
+  @staticmethod
+  def slots(grid, num_queries: int) -> int:
+    return num_queries
 
   def tokens(self, features, valid, *, deterministic):
     """features [B, 1 + P, w], valid [B, 1 + P] -> soft tokens [B, N, d_lm]."""
@@ -192,7 +199,8 @@ class LlavaConnector(nnx.Module):
     self.projector = MLP(feature_width, lm.d_model, lm.d_model, activation="gelu", dropout_rate=dropout_rate,
                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def slots_per_image(self, grid) -> int:
+  @staticmethod
+  def slots(grid, num_queries: int) -> int:
     return grid[0] * grid[1]
 
   def tokens(self, features, valid, *, deterministic):
@@ -207,6 +215,11 @@ class LlavaConnector(nnx.Module):
 CONNECTORS = {"flamingo": FlamingoConnector, "qformer": QFormerConnector, "llava": LlavaConnector}
 
 
+def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int = 32) -> int:
+  """How many SOFT_TOKEN slots `connector` gives an image whose real patch grid is grid = (gh, gw)."""
+  return CONNECTORS[connector].slots(tuple(grid), num_queries)
+
+
 # --- the model ----------------------------------------------------------------------------------
 
 class VisionLanguageModel(nnx.Module):
@@ -216,9 +229,10 @@ class VisionLanguageModel(nnx.Module):
     encoder: a `vit.ViT` (or any module with `features(images, valid=) -> [B, 1 + P, width]`, `width`,
       `patch_size`); frozen here.
     lm: a `lm.LanguageModel`; frozen here. image_positions="mrope" needs its position_encoding "mrope".
-    connector: a name in CONNECTORS. image_token_id: the id that marks image slots in `tokens`.
+    connector: a name in CONNECTORS. image_token_id: the LM's id of the image marker (IMAGE_TOKEN).
     num_heads, mlp_ratio: sizes of the connector's attention / MLP layers.
     cross_attention_every, num_latents, resampler_blocks: flamingo (k; resampler latents, 0 = none).
+    hide_padding: hide padded canvas patches from the encoder and the connector (module docstring).
     num_queries, qformer_width, qformer_blocks, qformer_cross_attention_every: qformer.
     image_positions: a name in IMAGE_POSITIONS (llava only; the others hand the LM no spatial tokens).
   """
@@ -227,7 +241,8 @@ class VisionLanguageModel(nnx.Module):
                num_heads: int = 4, mlp_ratio: int = 4, cross_attention_every: int = 1, num_latents: int = 0,
                resampler_blocks: int = 1, num_queries: int = 32, qformer_width: int = 64, qformer_blocks: int = 2,
                qformer_cross_attention_every: int = 2, image_positions: str = "sequence",
-               dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               hide_padding: bool = True, dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
     if connector not in CONNECTORS:
       raise ValueError(f"VisionLanguageModel: connector must be one of {tuple(CONNECTORS)}, got "
                        f"connector={connector!r}")
@@ -243,12 +258,14 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with "
                        f"position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
                        f"{lm.position_encoding!r}")
-    if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or not 0 < image_token_id < lm.vocab_size:
+    if (isinstance(image_token_id, bool) or not isinstance(image_token_id, int)
+        or not 0 < image_token_id < lm.vocab_size):
       raise ValueError(f"VisionLanguageModel: image_token_id must be an id in [1, {lm.vocab_size}), got "
                        f"image_token_id={image_token_id!r}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.connector_name, self.image_token_id, self.image_positions = connector, image_token_id, image_positions
-    self.patch_size, self.dtype = encoder.patch_size, dtype
+    self.patch_size, self.dtype, self.hide_padding = encoder.patch_size, dtype, hide_padding
+    self.num_queries = num_queries
     self.encoder = latent_reader.freeze(encoder)
     self.lm = latent_reader.freeze(lm)
     options = {
@@ -263,11 +280,12 @@ class VisionLanguageModel(nnx.Module):
   # --- host side ----------------------------------------------------------------------------------
 
   def slots_per_image(self, height: int, width: int) -> int:
-    """How many `image_token_id` copies an image of height x width pixels takes in `tokens`."""
+    """How many SOFT_TOKEN slots an image of height x width pixels takes in `tokens` (before its marker)."""
     if height % self.patch_size or width % self.patch_size or height < 1 or width < 1:
       raise ValueError(f"VisionLanguageModel.slots_per_image: an image must be a positive multiple of the "
                        f"encoder's patch size {self.patch_size} on each side, got {height}x{width}")
-    return self.connector.slots_per_image((height // self.patch_size, width // self.patch_size))
+    return slots_per_image(self.connector_name, (height // self.patch_size, width // self.patch_size),
+                           num_queries=self.num_queries)
 
   # --- images -------------------------------------------------------------------------------------
 
@@ -283,18 +301,21 @@ class VisionLanguageModel(nnx.Module):
     p = self.patch_size
     grid = (height // p, width // p)
     patch_valid = vit_lib.patch_valid(pixel_valid.reshape(b * n, height, width), p)
-    patch_valid = patch_valid & image_valid.reshape(b * n)[:, None]  # [B, P], B = b * n
+    present = image_valid.reshape(b * n, 1)
+    patch_valid = patch_valid & present  # [B, P], B = b * n
     features = self.encoder.features(images.reshape(b * n, height, width, channels).astype(self.dtype),
-                                     valid=patch_valid, deterministic=True)
+                                     valid=patch_valid if self.hide_padding else None, deterministic=True)
     features = jax.lax.stop_gradient(features)  # [B, 1 + P, w]
-    feature_valid = jnp.concatenate([image_valid.reshape(b * n, 1), patch_valid], axis=1)
+    read = patch_valid if self.hide_padding else jnp.broadcast_to(present, patch_valid.shape)
+    feature_valid = jnp.concatenate([present, read], axis=1)
     on_grid = patch_valid.reshape(b, n, *grid)
     grid_height = jnp.sum(on_grid[..., 0], axis=-1, dtype=jnp.int32)  # [b, n]
     grid_width = jnp.sum(on_grid[:, :, 0, :], axis=-1, dtype=jnp.int32)
     if isinstance(self.connector, LlavaConnector):
       counts = grid_height * grid_width
     else:
-      counts = jnp.where(image_valid, self.connector.slots_per_image(grid), 0).astype(jnp.int32)
+      counts = jnp.where(image_valid, slots_per_image(self.connector_name, grid, num_queries=self.num_queries),
+                         0).astype(jnp.int32)
     context = ImageContext(counts=counts, grid_height=grid_height, grid_width=grid_width, canvas_width=grid[1])
     if self.connector.prefix_tokens:
       tokens = self.connector.tokens(features, feature_valid, deterministic=deterministic)  # [B, K, d_lm]
@@ -319,7 +340,7 @@ class VisionLanguageModel(nnx.Module):
 
   def _slots(self, tokens, valid, context: ImageContext):
     """Per token: (is an image slot, its image j, its index k within the image), each [b, T]."""
-    is_slot = (tokens == self.image_token_id) & valid
+    is_slot = (tokens == SOFT_TOKEN) & valid
     slot = jnp.cumsum(is_slot, axis=1, dtype=jnp.int32) - 1  # the row's slot count so far
     ends = jnp.cumsum(context.counts, axis=1)  # [b, n]: one past each image's last slot
     image = jnp.sum(slot[:, :, None] >= ends[:, None, :], axis=-1, dtype=jnp.int32)  # -> [b, T]
@@ -348,8 +369,9 @@ class VisionLanguageModel(nnx.Module):
   def _embed(self, tokens, valid, context: ImageContext):
     """The LM's input embeddings [b, T, d_lm]: text ids embedded as the LM embeds them, image slots
     replaced by the images' soft tokens in order."""
-    x = self.lm.embed(tokens) * jnp.sqrt(float(self.lm.d_model)).astype(self.lm.dtype)
     is_slot, image, k = self._slots(tokens, valid, context)
+    x = self.lm.embed(jnp.where(tokens == SOFT_TOKEN, lm_lib.PAD_ID, tokens))
+    x = x * jnp.sqrt(float(self.lm.d_model)).astype(self.lm.dtype)
     b, n, size, features = context.tokens.shape
     width = jnp.maximum(jnp.take_along_axis(context.grid_width, image, axis=1), 1)
     index = image * size + jnp.clip(self.connector.slot_token(k, width, context.canvas_width), 0, size - 1)
@@ -359,7 +381,8 @@ class VisionLanguageModel(nnx.Module):
   # --- flamingo's masks and inserted layers -----------------------------------------------------
 
   def _media(self, tokens, valid):
-    """The latest image at or before each token [b, T] (-1: none yet), Flamingo's image-causal index."""
+    """The latest image whose marker is at or before each token [b, T] (-1: none yet), Flamingo's
+    image-causal index."""
     return jnp.cumsum((tokens == self.image_token_id) & valid, axis=1, dtype=jnp.int32) - 1
 
   def _memory_mask(self, media, context: ImageContext):
@@ -406,7 +429,7 @@ class VisionLanguageModel(nnx.Module):
 
   def prefill(self, context: ImageContext, tokens, valid, capacity: int):
     """Pre-fills a fresh cache of `capacity` with a left-padded prompt tokens [b, t] but its last token
-    -> (VLMCache, the last tokens [b] to feed first). The prompt's last token must be text."""
+    -> (VLMCache, the last tokens [b] to feed first). The prompt's last token must be text (or a marker)."""
     valid = self._check_text(tokens, valid)
     batch = tokens.shape[0]
     cache = self.lm.init_cache(batch, capacity)
