@@ -118,7 +118,7 @@ def test_flamingo_an_image_reaches_no_token_before_its_marker():
 def first_gated_layer(model, images, pixel_valid, image_valid, tokens, valid):
   """The first gated block's output on the token embeddings (before any LM layer mixes the tokens)."""
   context = model.encode_images(images, pixel_valid, image_valid)
-  mask = model._memory_mask(model._media(tokens, valid), context)
+  mask = model._memory_mask(model._media(tokens, valid), context.memory_image, context.memory_valid)
   insert = model._insert(model._project_memories(context), mask, True)
   x = model.lm.embed(tokens) * jnp.sqrt(float(model.lm.d_model))
   return x, insert[0](x)

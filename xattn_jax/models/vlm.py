@@ -93,11 +93,14 @@ class ImageContext:
 
 @flax.struct.dataclass
 class VLMCache:
-  """Decode state: the LM's cache, and for flamingo each gated layer's projected memory and which memory
-  rows the generated tokens read (the prompt's latest image), memory_mask bool [b, 1, 1, n * S]."""
+  """Decode state: the LM's cache, and for flamingo each gated layer's projected memory, which memory rows
+  are real (memory_valid bool [b, n * S]) and of which image (memory_image int32 [b, n * S]), and the latest
+  image before the next fed token (latest int32 [b]; a fed marker opens the next one, as in the full pass)."""
   lm: lm_lib.LMCache
   memory: tuple[MemoryCache, ...] | None = None
-  memory_mask: jax.Array | None = None
+  memory_valid: jax.Array | None = None
+  memory_image: jax.Array | None = None
+  latest: jax.Array | None = None
 
   def decode_room(self) -> int:
     return self.lm.decode_room()
@@ -385,9 +388,12 @@ class VisionLanguageModel(nnx.Module):
     image-causal index."""
     return jnp.cumsum((tokens == self.image_token_id) & valid, axis=1, dtype=jnp.int32) - 1
 
-  def _memory_mask(self, media, context: ImageContext):
-    """media [b, T] -> bool [b, 1, T, n * S]: a token reads the real memory rows of its latest image."""
-    mask = (media[:, :, None] == context.memory_image[None, None, :]) & context.memory_valid[:, None, :]
+  @staticmethod
+  def _memory_mask(media, memory_image, memory_valid):
+    """media [b, T], memory_image [n * S] or [b, n * S], memory_valid [b, n * S] -> bool [b, 1, T, n * S]:
+    a token reads the real memory rows of its latest image."""
+    memory_image = jnp.broadcast_to(memory_image, memory_valid.shape)
+    mask = (media[:, :, None] == memory_image[:, None, :]) & memory_valid[:, None, :]
     return mask[:, None]
 
   def _insert(self, memory_caches, mask, deterministic):
@@ -421,7 +427,7 @@ class VisionLanguageModel(nnx.Module):
     if self.connector.prefix_tokens:
       return self.lm(tokens[:, :0], prefix=self._embed(tokens, valid, context), positions=positions,
                      segment_ids=segment_ids)
-    mask = self._memory_mask(self._media(tokens, valid), context)
+    mask = self._memory_mask(self._media(tokens, valid), context.memory_image, context.memory_valid)
     insert = self._insert(self._project_memories(context), mask, deterministic)
     return self.lm(tokens, positions=positions, segment_ids=segment_ids, insert=insert)
 
@@ -439,13 +445,15 @@ class VisionLanguageModel(nnx.Module):
       _, lm_cache = self.lm.prefill(head[:, :0], cache, valid=head_valid[:, :0], positions=positions,
                                     prefix=self._embed(head, head_valid, context), prefix_valid=head_valid)
       return VLMCache(lm=lm_cache), tokens[:, -1]
-    media = self._media(tokens, valid)
+    media = self._media(head, head_valid)
     memories = self._project_memories(context)
-    insert = self._insert(memories, self._memory_mask(media[:, :-1], context), True)
-    _, lm_cache = self.lm.prefill(head, cache, valid=head_valid, positions=positions, insert=insert)
-    latest = jnp.max(jnp.where(valid, media, -1), axis=1)  # -> [b]: what the generated tokens read
-    step_mask = self._memory_mask(latest[:, None], context)  # [b, 1, 1, n * S]
-    return VLMCache(lm=lm_cache, memory=memories, memory_mask=step_mask), tokens[:, -1]
+    mask = self._memory_mask(media, context.memory_image, context.memory_valid)
+    _, lm_cache = self.lm.prefill(head, cache, valid=head_valid, positions=positions,
+                                  insert=self._insert(memories, mask, True))
+    latest = jnp.max(jnp.where(head_valid, media, -1), axis=1)  # -> [b], before the last prompt token
+    memory_image = jnp.broadcast_to(context.memory_image, context.memory_valid.shape)
+    return VLMCache(lm=lm_cache, memory=memories, memory_valid=context.memory_valid, memory_image=memory_image,
+                    latest=latest), tokens[:, -1]
 
   def loop_step(self) -> decoding.DecodeStep:
     """(tokens [b, 1], VLMCache) -> (logits [b, 1, vocab], VLMCache), the LM's layers sliced once."""
@@ -457,8 +465,10 @@ class VisionLanguageModel(nnx.Module):
       return prefix_step
 
     def flamingo_step(tokens, cache):
-      logits, lm_cache = step(tokens, cache.lm, insert=self._insert(cache.memory, cache.memory_mask, True))
-      return logits, cache.replace(lm=lm_cache)
+      latest = cache.latest + (tokens[:, 0] == self.image_token_id)  # the fed token's latest image
+      mask = self._memory_mask(latest[:, None], cache.memory_image, cache.memory_valid)  # [b, 1, 1, n * S]
+      logits, lm_cache = step(tokens, cache.lm, insert=self._insert(cache.memory, mask, True))
+      return logits, cache.replace(lm=lm_cache, latest=latest)
     return flamingo_step
 
   def generate(self, images, pixel_valid, image_valid, prompt, prompt_valid, *, max_length: int, eos_id: int,
