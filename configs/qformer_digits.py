@@ -1,7 +1,7 @@
 """Learned queries (BLIP-2 Q-Former) over a frozen ViT's patch features, or the LLaVA-style MLP connector.
 
     python launch.py --config=configs/qformer_digits.py --workdir=workdirs/qformer_digits
-    python launch.py --config=configs/qformer_digits.py:connector=mlp --workdir=workdirs/mlp_digits
+    python launch.py --config=configs/qformer_digits.py:connector=llava --workdir=workdirs/llava_digits
 
 The frozen encoder is the ViT trained by `model.encoder_config` (configs/vit_digits.py) in
 `model.encoder_workdir`: the task declares it as a dependency, so launch.py trains (or resumes) it there
@@ -22,7 +22,7 @@ def get_config(arg=None):
   args = common.parse_arg(arg, steps=1500, connector="qformer", queries=8, encoder="workdirs/vit_digits")
   config = digits_config(total_steps=args.steps, learning_rate=2e-3)
   config.model.name = "qformer"
-  config.model.connector = args.connector   # qformer: N = num_queries tokens | mlp: one token per feature
+  config.model.connector = args.connector   # qformer: N = num_queries tokens | llava: one token per feature (LLaVA-1.5 MLP)
   config.model.encoder_workdir = args.encoder
   config.model.encoder_config = "configs/vit_digits.py"  # trains the encoder when its workdir is empty
   # BLIP-2 reads 257 ViT outputs with 32 queries (the model's default); this ViT has 1 + 16 outputs on

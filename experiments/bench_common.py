@@ -94,3 +94,21 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   cores = len(os.sched_getaffinity(0))
   torch.set_num_threads(cores)
   return args, (quick if args.quick else full), cores
+
+
+def provenance(argv=None) -> dict:
+  """What a results file records about its run: the commit (and whether the tree had local changes), the
+  UTC date, the 1-minute load average now (call it before measuring) and the exact command."""
+  import datetime
+  import shlex
+  import subprocess
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  def git(*args):
+    try:
+      return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return ""
+  return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+          "load_average_before": os.getloadavg()[0], "cpu_cores": os.cpu_count(),
+          "command": " ".join(shlex.quote(a) for a in ["python", *(sys.argv if argv is None else argv)])}

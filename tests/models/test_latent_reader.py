@@ -91,14 +91,14 @@ def test_learned_2d_resize_to_a_new_grid_keeps_the_class_row():
   assert not np.allclose(added[0, 1:65], encoder.positions.table[...][1:])  # the grid rows did change
 
 
-def test_qformer_hands_on_n_tokens_and_the_mlp_connector_one_per_feature():
+def test_qformer_hands_on_n_tokens_and_the_llava_connector_one_per_feature():
   images = jnp.zeros((2, 12, 12, 1))  # M = 1 + 144 encoder outputs (class token and patches)
   tokens = nnx.jit(lambda model, images: model.tokens(images))
   chex.assert_shape(tokens(make_qformer("qformer"), images), (2, LATENTS, WIDTH))
-  chex.assert_shape(tokens(make_qformer("mlp"), images), (2, 145, WIDTH))
+  chex.assert_shape(tokens(make_qformer("llava"), images), (2, 145, WIDTH))
 
 
-@pytest.mark.parametrize("connector", ["qformer", "mlp"])
+@pytest.mark.parametrize("connector", ["qformer", "llava"])
 def test_qformer_padded_features_change_nothing(connector):
   """Features padded from 10 to 16 rows with junk, marked invalid: the same logits as the 10 alone."""
   model = make_qformer(connector)

@@ -10,7 +10,7 @@
   classification from the mean of the latents.
 - `QFormer` (BLIP-2, Li et al. 2023): a frozen image encoder's patch features are read by learned queries
   whose blocks self-attend and cross-attend to the features every other block; or, as the LLaVA-style
-  baseline (`connector="mlp"`), an MLP maps each feature to one token. The tokens handed on (N queries or M
+  baseline (`connector="llava"`), an MLP maps each feature to one token. The tokens handed on (N queries or M
   features) go through a small self-attention "consumer" (a stand-in for the language model) and a head.
   `read(features, valid=...)` takes any encoder's features directly, padded to a common M with a
   `valid` mask, and `classify` pools only the real tokens: padding changes no output.
@@ -37,7 +37,7 @@ from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
-CONNECTORS = ("qformer", "mlp")
+CONNECTORS = ("qformer", "llava")
 # Encodings of a 2D grid of elements (the Perceiver's); 1D ones (rope, sinusoidal, ...) do not apply.
 GRID_ENCODINGS = position_layers.names(layout="grid")
 
@@ -229,7 +229,7 @@ class QFormer(nnx.Module):
       it is frozen here (see `freeze`) and run deterministically, gradients stopped at its features.
     connector: "qformer": `num_queries` learned queries pass through `num_blocks` ReaderBlocks that all
       self-attend and cross-attend to the features in every `cross_attention_every`-th block (blocks 0, 2,
-      ... by default, as BLIP-2), handing on N = num_queries tokens whatever M is. "mlp": each feature is
+      ... by default, as BLIP-2), handing on N = num_queries tokens whatever M is. "llava": each feature is
       mapped by Linear-GELU-Linear to one token (LLaVA-1.5), handing on M tokens.
     num_consumer_blocks: self-attention blocks over the handed-on tokens before the mean-pooled head
       (a stand-in for the language model that would read them).
@@ -271,14 +271,14 @@ class QFormer(nnx.Module):
     -> (tokens, token_valid): the tokens handed on and which of them are real.
 
     "qformer": tokens [b, N, width], token_valid None (every query is real; padded features are
-    hidden from the cross-attention). "mlp": tokens [b, M, width], token_valid = valid.
+    hidden from the cross-attention). "llava": tokens [b, M, width], token_valid = valid.
     """
     if features.ndim != 3 or features.shape[-1] != self.feature_width:
       raise ValueError(f"QFormer.read: features must be [batch, M, {self.feature_width}], got "
                        f"features{list(features.shape)}")
     features = features.astype(self.dtype)
     mask = _padding_mask(valid, features)
-    if self.connector == "mlp":
+    if self.connector == "llava":
       return self.projector(features, deterministic=deterministic), valid
     x = self.queries(features.shape[0], features.dtype)
     for block in self.blocks:
@@ -301,7 +301,7 @@ class QFormer(nnx.Module):
     return self.head(self.norm(pooled)).astype(jnp.float32)
 
   def tokens(self, images, *, deterministic: bool = True):
-    """The tokens handed on: [b, N, width] (qformer) or [b, M, width] (mlp), M = the encoder's outputs."""
+    """The tokens handed on: [b, N, width] (qformer) or [b, M, width] (llava), M = the encoder's outputs."""
     return self.read(self.features(images), deterministic=deterministic)[0]
 
   def __call__(self, images, *, deterministic: bool = True):
@@ -311,6 +311,6 @@ class QFormer(nnx.Module):
   def cross_attention_weights(self, images):
     """The queries' attention over the encoder's M outputs in the first block [b, heads, N, M] (qformer only)."""
     if self.connector != "qformer":
-      raise ValueError("QFormer.cross_attention_weights: connector='mlp' has no queries to look at")
+      raise ValueError("QFormer.cross_attention_weights: connector='llava' has no queries to look at")
     features = self.features(images)
     return self.blocks[0].cross_attention_weights(self.queries(features.shape[0], features.dtype), features)

@@ -361,17 +361,18 @@ class LanguageModel(nnx.Module):
                    key_positions=jnp.zeros((batch_size, capacity), jnp.int32),
                    next_position=jnp.zeros((batch_size,), jnp.int32), position_table=table)
 
-  def prefill(self, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None,
+  def prefill(self, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None, prefix_valid=None,
               insert: Insert | None = None):
     """Feeds a (left-padded) prompt tokens [b, t] -> (logits [b, p + t, vocab], advanced cache).
 
     valid: bool [b, t], False on left padding (default tokens != PAD_ID); a prefix [b, p, d_model] is
-    always valid. positions (default: each row's next position onward, counting its real tokens only)
+    valid where prefix_valid bool [b, p] is (default: everywhere; left padding of a prompt given
+    whole as embeddings, tokens [b, 0]). positions (default: each row's next position onward, counting its real tokens only)
     as in __call__; the row's next position is then one past its largest. With a cache's
     position_table (randomized positions at eval) positions are indices into it.
     """
     return self._extend(self.layers(), tokens, cache, valid=valid, positions=positions, prefix=prefix,
-                        insert=insert)
+                        prefix_valid=prefix_valid, insert=insert)
 
   def decode_step(self, tokens, cache: LMCache, *, insert: Insert | None = None):
     """tokens [b, t] (t = 1 per step) continue every row -> (logits [b, t, vocab], cache)."""
@@ -379,13 +380,16 @@ class LanguageModel(nnx.Module):
 
   def loop_step(self, *, insert: Insert | None = None):
     """`decode_step` with the per-layer parameters sliced out of the stack once, now (for search loops:
-    inside `lax.while_loop` XLA would otherwise copy every stacked weight at every step)."""
+    inside `lax.while_loop` XLA would otherwise copy every stacked weight at every step). The step
+    takes `insert=` per call too (a host model whose inserted layers read state carried in its cache)."""
     layers = self.layers()
-    def step(tokens, cache):
+    default_insert = insert
+    def step(tokens, cache, *, insert=default_insert):
       return self._extend(layers, tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert)
     return step
 
-  def _extend(self, layers, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None, insert=None):
+  def _extend(self, layers, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None, prefix_valid=None,
+              insert=None):
     _check_tokens("prefill", tokens)
     batch = tokens.shape[0]
     if cache.key_valid.shape[0] != batch:
@@ -395,7 +399,11 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"LanguageModel.prefill: valid must be bool {list(tokens.shape)}, got "
                        f"{valid.dtype}{list(valid.shape)}")
     if prefix is not None:
-      valid = jnp.concatenate([jnp.ones(prefix.shape[:2], bool), valid], axis=1)
+      prefix_valid = jnp.ones(prefix.shape[:2], bool) if prefix_valid is None else jnp.asarray(prefix_valid)
+      if prefix_valid.shape != prefix.shape[:2] or prefix_valid.dtype != jnp.bool_:
+        raise ValueError(f"LanguageModel.prefill: prefix_valid must be bool {list(prefix.shape[:2])}, got "
+                         f"{prefix_valid.dtype}{list(prefix_valid.shape)}")
+      valid = jnp.concatenate([prefix_valid, valid], axis=1)
     length = valid.shape[1]
     if positions is None:
       # Real tokens count up from the row's next index; a padded slot repeats it (it is never seen).

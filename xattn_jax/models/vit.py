@@ -18,6 +18,7 @@ from flax import nnx
 from xattn_jax.layers import EncoderBlock, make_position_encoding
 from xattn_jax.layers import dense
 from xattn_jax.layers import layer_stack
+from xattn_jax.ops import masks as masks_lib
 
 
 POOLS = ("token", "gap")
@@ -39,6 +40,16 @@ def patchify(images, patch_size: int):
   rows, cols = jnp.meshgrid(jnp.arange(grid[0]), jnp.arange(grid[1]), indexing="ij")
   positions = jnp.stack([rows.ravel(), cols.ravel()], axis=-1).astype(jnp.int32)  # [M, 2]
   return patches, jnp.broadcast_to(positions, (batch, *positions.shape)), grid
+
+
+def patch_valid(pixel_valid, patch_size: int):
+  """pixel_valid bool [b, H, W] -> bool [b, M] (row-major, as `patchify`): a patch is real when all its
+  pixels are (an image placed top-left on a padded canvas covers whole patches)."""
+  if pixel_valid.ndim != 3 or pixel_valid.shape[1] % patch_size or pixel_valid.shape[2] % patch_size:
+    raise ValueError(f"patch_valid: pixel_valid must be bool [batch, H, W] with H, W multiples of "
+                     f"patch_size={patch_size}, got pixel_valid{list(pixel_valid.shape)}")
+  grid = einops.rearrange(pixel_valid, "b (gh p) (gw q) -> b (gh gw) (p q)", p=patch_size, q=patch_size)
+  return jnp.all(grid, axis=-1)
 
 
 class ViT(nnx.Module):
@@ -80,13 +91,25 @@ class ViT(nnx.Module):
     self.norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.head = dense.Dense(width, num_classes, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def features(self, images, *, deterministic: bool = True):
-    """images [b, H, W, C] -> tokens [b, 1 + M, width]: the class token, then the M patches row-major."""
+  def features(self, images, *, valid=None, deterministic: bool = True):
+    """images [b, H, W, C] -> tokens [b, 1 + M, width]: the class token, then the M patches row-major.
+
+    valid: bool [b, M] (True = a real patch, e.g. `patch_valid` of an image on a padded canvas) or None;
+    padded patches are hidden from every attention, so the real tokens do not depend on the padding.
+    """
     patches, positions, grid = patchify(images, self.patch_size)
+    mask = None
+    if valid is not None:
+      valid = jnp.asarray(valid)
+      if valid.shape != patches.shape[:2] or valid.dtype != jnp.bool_:
+        raise ValueError(f"ViT.features: valid must be bool {list(patches.shape[:2])} (batch, patches), got "
+                         f"valid {valid.dtype}{list(valid.shape)}")
+      with_class = jnp.concatenate([jnp.ones((valid.shape[0], 1), bool), valid], axis=1)
+      mask = masks_lib.padding_mask(with_class)  # [b, 1, 1, 1 + M]
     x = self.embed(patches.astype(self.dtype))  # [b, M, width]
     class_token = jnp.broadcast_to(self.class_token[...].astype(x.dtype), (x.shape[0], 1, x.shape[-1]))
     x = self.positions.add_to_inputs(jnp.concatenate([class_token, x], axis=1), positions, grid=grid)
-    x = layer_stack.apply_stack(self.blocks, x, scan=self.scan_layers, remat=self.remat,
+    x = layer_stack.apply_stack(self.blocks, x, scan=self.scan_layers, remat=self.remat, mask=mask,
                                 deterministic=deterministic)
     x = self.norm(x)
     chex.assert_shape(x, (images.shape[0], 1 + patches.shape[1], self.width))

@@ -44,7 +44,7 @@ class Connector:
 CONNECTORS = {
     "qformer": Connector(lambda model, images: model.queries.queries.shape[0], has_queries=True),  # N
     # LLaVA-style: one token per encoder output, the class token and every patch (1 + M).
-    "mlp": Connector(lambda model, images: 1 + common.patch_tokens(images, model.encoder.patch_size),
+    "llava": Connector(lambda model, images: 1 + common.patch_tokens(images, model.encoder.patch_size),
                      has_queries=False),
 }
 if set(CONNECTORS) != set(latent_reader.CONNECTORS):

@@ -5,7 +5,7 @@ metrics and inference of `common.py`:
 
 - "vit": the small ViT that is later frozen as the Q-Former's encoder (`vit.py`, `configs/vit_digits.py`);
 - "perceiver": the Perceiver latent reader over pixels or patches (`perceiver.py`, `configs/perceiver_digits.py`);
-- "qformer": learned queries (or, with `model.connector="mlp"`, an MLP connector) over the frozen ViT's
+- "qformer": learned queries (or, with `model.connector="llava"`, an MLP connector) over the frozen ViT's
   patch features (`qformer.py`, `configs/qformer_digits.py`); it declares the ViT run as a dependency.
 """
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""A frozen language model reads digit strips through one of three connectors (task "vlm").
+
+    python launch.py --config=configs/vlm_digits.py:connector=flamingo --workdir=workdirs/vlm_flamingo
+    python launch.py --config=configs/vlm_digits.py:connector=qformer --workdir=workdirs/vlm_qformer
+    python launch.py --config=configs/vlm_digits.py:connector=llava --workdir=workdirs/vlm_llava
+    python launch.py --config=configs/vlm_digits.py:connector=llava,positions=mrope --workdir=workdirs/vlm_llava_mrope
+    printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
+        --workdir=workdirs/vlm_llava --mode=infer
+
+The frozen parts are trained first when their workdirs hold no finished run (task dependencies): the image
+encoder by configs/vlm_encoder.py in workdirs/vlm_encoder and the LM by configs/vlm_lm.py in workdirs/vlm_lm,
+shared by all three connectors (see xattn_jax/tasks/vlm/task.py).
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from configs import common
+
+
+def vlm_config(args) -> ConfigDict:
+  """What both VLM configs share: the loop, the model and the frozen parts (args from common.parse_arg)."""
+  config = common.base_config(total_steps=args.steps, batch_size=32, eval_batch_size=64, log_every_steps=50,
+                              eval_every_steps=args.steps, checkpoint_every_steps=args.steps,
+                              learning_rate=args.lr, warmup_steps=50)
+  config.task.name = "vlm"
+  config.task.decoding = ConfigDict({
+      "method": "greedy",     # greedy | beam | sample (decoding.DecodingOptions checks every option)
+      "beam_size": 4,
+      "alpha": 0.6,
+      "temperature": 1.0,
+      "top_k": 0,
+      "top_p": 1.0,
+      "seed": 0,
+      "max_new_tokens": 8,    # a target's tokens and the token that ends it
+  })
+  config.checkpoint.best_metric = "eval/exact_match"
+  config.checkpoint.best_mode = "max"
+  config.optimizer.weight_decay = 0.01
+  config.model.name = "vlm"
+  config.model.connector = args.connector     # flamingo | qformer | llava (models.vlm.CONNECTORS)
+  config.model.encoder_workdir = args.encoder
+  config.model.encoder_config = "configs/vlm_encoder.py"  # trained first when its workdir is empty
+  config.model.lm_workdir = args.lm
+  config.model.lm_config = "configs/vlm_lm.py"
+  config.model.hide_padding = False           # the encoder was trained on the padded canvas: padding reads "empty"
+  config.model.num_heads = 4
+  config.model.mlp_ratio = 2
+  config.model.dropout_rate = 0.0
+  config.model.cross_attention_every = 1      # flamingo: a gated block before every k-th LM layer
+  config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features)
+  config.model.resampler_blocks = 1
+  config.model.num_queries = args.queries     # qformer: N soft tokens per image (BLIP-2: 32)
+  config.model.qformer_width = 64
+  config.model.qformer_blocks = 2
+  config.model.qformer_cross_attention_every = 2
+  config.model.image_positions = args.positions  # llava: sequence | mrope (Qwen2-VL)
+  config.data = ConfigDict({
+      "source": "digits",                     # digits | tsv (tasks.vlm.task.SOURCES)
+      "max_digits": 4,                        # the canvas: 8 x (8 * max_digits), times scale (the encoder's)
+      "scale": 1,
+      "kinds": ",".join(args.kinds.split("+")),
+      "num_train_examples": 20000,
+      "num_eval_examples": 256,
+      "seed": 0,
+      "eval_seed": 0,
+      "train_file": "",
+      "eval_file": "",
+  })
+  return config
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, steps=1000, lr=1e-3, connector="flamingo", positions="sequence", queries=32,
+                          latents=0, kinds="caption+count+nth+sum+larger", encoder="workdirs/vlm_encoder",
+                          lm="workdirs/vlm_lm")
+  return vlm_config(args)

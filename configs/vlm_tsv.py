@@ -1,0 +1,23 @@
+"""A frozen language model captions a user's images: `image_path<TAB>text` pairs (task "vlm", data.source=tsv).
+
+    python launch.py --config=configs/vlm_tsv.py:connector=llava --workdir=workdirs/vlm_pairs \
+        --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
+
+Image paths are relative to the file's folder; PNG / JPEG are read grey and fitted into the frozen encoder's
+canvas (data.image_text). A missing or unreadable image, a line without a tab or an empty side stops the run
+before anything is written, naming file and line. The frozen encoder and LM are those of configs/vlm_digits.py.
+"""
+from __future__ import annotations
+
+from configs import common
+from configs.vlm_digits import vlm_config
+
+
+def get_config(arg=None):
+  args = common.parse_arg(arg, steps=1000, lr=1e-3, connector="llava", positions="sequence", queries=32,
+                          latents=0, kinds="caption", encoder="workdirs/vlm_encoder", lm="workdirs/vlm_lm")
+  config = vlm_config(args)
+  config.data.source = "tsv"
+  config.data.train_file = ""   # required: --config.data.train_file=pairs.tsv
+  config.data.eval_file = ""    # required: --config.data.eval_file=...
+  return config

@@ -1,0 +1,232 @@
+"""Properties of the vision-language model: frozen parts stay frozen, each connector reads what it should."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from xattn_jax.models import lm as lm_lib, vit, vlm
+from xattn_jax.ops import positions as positions_ops
+
+IMAGE, EOS, VOCAB = 3, 2, 24
+PATCH, CANVAS = 4, (8, 16)  # a canvas of 2 x 4 patches; images of 8 x 8 (2 x 2) or 8 x 16 (2 x 4) pixels
+
+
+def make_parts(position_encoding="rope"):
+  encoder = vit.ViT(num_classes=3, patch_size=PATCH, grid=(2, 4), width=16, num_heads=2, num_blocks=1, mlp_ratio=2,
+                    rngs=nnx.Rngs(0))
+  lm = lm_lib.LanguageModel(vocab_size=VOCAB, d_model=32, num_heads=2, num_layers=2, mlp_dim=64,
+                            position_encoding=position_encoding, max_length=64, rngs=nnx.Rngs(1))
+  return encoder, lm
+
+
+def make_vlm(connector, *, image_positions="sequence", gates=None, **options):
+  encoder, lm = make_parts("mrope" if image_positions == "mrope" else "rope")
+  defaults = dict(num_heads=2, mlp_ratio=2, num_queries=3, qformer_width=16, num_latents=0)
+  model = vlm.VisionLanguageModel(encoder, lm, connector=connector, image_token_id=IMAGE,
+                                  image_positions=image_positions, rngs=nnx.Rngs(2), **{**defaults, **options})
+  if gates is not None:  # open flamingo's tanh gates so the image reaches the text
+    for block in model.connector.blocks:
+      for residual in (block.attention_residual, block.mlp_residual):
+        residual.gate[...] = jnp.asarray(gates, jnp.float32)
+  return model
+
+
+def make_images(seed=0, batch=2):
+  """Two images per row on the canvas: image 0 is 8 x 8 (top-left), image 1 fills it."""
+  images = np.random.default_rng(seed).random((batch, 2, *CANVAS, 1)).astype(np.float32)
+  pixel_valid = np.zeros((batch, 2, *CANVAS), bool)
+  pixel_valid[:, 0, :, :8] = True
+  pixel_valid[:, 1] = True
+  images = np.where(pixel_valid[..., None], images, 0.0)
+  return jnp.asarray(images), jnp.asarray(pixel_valid), jnp.ones((batch, 2), bool)
+
+
+def layout(model, pieces):
+  """Token ids of ("text", ids) / ("image", (h, w)) pieces: an image as its soft-token slots, then its marker."""
+  ids = []
+  for kind, value in pieces:
+    ids += list(value) if kind == "text" else [vlm.SOFT_TOKEN] * model.slots_per_image(*value) + [IMAGE]
+  return ids
+
+
+def interleaved(model):
+  return layout(model, [("text", [1, 5]), ("image", (8, 8)), ("text", [6, 7]), ("image", (8, 16)),
+                        ("text", [8, 9, 10])])
+
+
+@nnx.jit
+def logits_of(model, images, pixel_valid, image_valid, tokens, valid):
+  return model(images, pixel_valid, image_valid, tokens, valid)
+
+
+def batch_of(rows):
+  tokens, valid = lm_lib.left_pad(rows)
+  return jnp.asarray(tokens), jnp.asarray(valid)
+
+
+@pytest.mark.parametrize("connector", sorted(vlm.CONNECTORS))
+def test_training_changes_only_the_connector(connector):
+  model = make_vlm(connector, gates=0.5 if connector == "flamingo" else None)
+  images = make_images()
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  frozen_before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, vlm.latent_reader.FrozenParam)))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    def loss_fn(model):
+      logits = model(*images, tokens, valid)
+      return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param))(model)
+    optimizer.update(model, grads)
+    return grads
+
+  for _ in range(2):
+    grads = train_step(model, optimizer)
+  assert set(nnx.to_pure_dict(grads)) == {"connector"}
+  assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
+  frozen_after = nnx.to_pure_dict(nnx.state(model, vlm.latent_reader.FrozenParam))
+  assert set(frozen_after) == {"encoder", "lm"}
+  jax.tree.map(np.testing.assert_array_equal, frozen_before, jax.tree.map(np.asarray, frozen_after))
+
+
+def test_flamingo_with_closed_gates_is_the_frozen_lm_bit_for_bit():
+  model = make_vlm("flamingo", num_latents=4)
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  expected = nnx.jit(lambda lm, t: lm(t))(model.lm, tokens)
+  np.testing.assert_array_equal(logits_of(model, *make_images(), tokens, valid), expected)
+
+
+def test_flamingo_an_image_reaches_no_token_before_its_marker():
+  model = make_vlm("flamingo", gates=1.0)
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  first, second = np.flatnonzero(np.asarray(tokens[0]) == IMAGE)
+  images, pixel_valid, image_valid = make_images(seed=0)
+  other, _, _ = make_images(seed=1)
+  base = logits_of(model, images, pixel_valid, image_valid, tokens, valid)
+  first_changed = logits_of(model, images.at[:, 0].set(other[:, 0]), pixel_valid, image_valid, tokens, valid)
+  second_changed = logits_of(model, images.at[:, 1].set(other[:, 1]), pixel_valid, image_valid, tokens, valid)
+  np.testing.assert_array_equal(base[:, :first], first_changed[:, :first])
+  assert not np.allclose(base[:, first:second], first_changed[:, first:second])
+  np.testing.assert_array_equal(base[:, :second], second_changed[:, :second])
+  assert not np.allclose(base[:, second:], second_changed[:, second:])
+
+
+@nnx.jit
+def first_gated_layer(model, images, pixel_valid, image_valid, tokens, valid):
+  """The first gated block's output on the token embeddings (before any LM layer mixes the tokens)."""
+  context = model.encode_images(images, pixel_valid, image_valid)
+  mask = model._memory_mask(model._media(tokens, valid), context.memory_image, context.memory_valid)
+  insert = model._insert(model._project_memories(context), mask, True)
+  x = model.lm.embed(tokens) * jnp.sqrt(float(model.lm.d_model))
+  return x, insert[0](x)
+
+
+def test_flamingo_tokens_read_only_their_latest_image():
+  model = make_vlm("flamingo", gates=1.0, num_latents=4)
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  first, second = np.flatnonzero(np.asarray(tokens[0]) == IMAGE)
+  images, pixel_valid, image_valid = make_images(seed=0)
+  other, _, _ = make_images(seed=1)
+  x, base = first_gated_layer(model, images, pixel_valid, image_valid, tokens, valid)
+  _, changed = first_gated_layer(model, images.at[:, 0].set(other[:, 0]), pixel_valid, image_valid, tokens, valid)
+  # Image 0 is read from its marker up to the next image, by no token after that; nothing reads before it.
+  assert not np.allclose(base[:, first:second], changed[:, first:second])
+  np.testing.assert_array_equal(base[:, second:], changed[:, second:])
+  # A token before any image reads none: the cross-attention adds nothing (only the gated MLP acts).
+  _, no_images = first_gated_layer(model, images, pixel_valid, jnp.zeros_like(image_valid), tokens, valid)
+  np.testing.assert_array_equal(base[:, :first], no_images[:, :first])
+
+
+@pytest.mark.parametrize("canvas", [(8, 8), (8, 16), (16, 16)])
+def test_qformer_hands_the_lm_n_tokens_whatever_m(canvas):
+  model = make_vlm("qformer")
+  images = jnp.ones((2, 1, *canvas, 1))
+  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, images, jnp.ones((2, 1, *canvas), bool),
+                                                        jnp.ones((2, 1), bool))
+  assert context.tokens.shape == (2, 1, 3, 32)
+  assert model.slots_per_image(*canvas) == 3
+
+
+def test_qformer_permuting_features_with_their_positions_changes_nothing():
+  model = make_vlm("qformer")
+  images, pixel_valid, _ = make_images()
+  patch_valid = vit.patch_valid(pixel_valid[:, 1], PATCH)
+  features = nnx.jit(lambda e, x, v: e.features(x, valid=v))(model.encoder, images[:, 1], patch_valid)
+  # -> [b, 1 + P, w]: each feature carries its position (added inside the encoder)
+  valid = jnp.ones(features.shape[:2], bool)
+  permutation = np.random.default_rng(3).permutation(features.shape[1])
+  read = nnx.jit(lambda c, f, v: c.tokens(f, v, deterministic=True))
+  np.testing.assert_allclose(read(model.connector, features[:, permutation], valid[:, permutation]),
+                             read(model.connector, features, valid), atol=1e-5)
+
+
+def test_llava_mrope_image_positions_are_mrope_position_ids():
+  model = make_vlm("llava", image_positions="mrope")
+  tokens, valid = batch_of([interleaved(model)])
+  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, *make_images(batch=1))
+  expected = positions_ops.mrope_position_ids(
+      [[("text", 2), ("image", (1, 2, 2)), ("text", 1 + 2), ("image", (1, 2, 4)), ("text", 1 + 3)]])
+  np.testing.assert_array_equal(model.positions(tokens, valid, context), expected)
+
+
+def test_llava_mrope_text_after_an_image_resumes_at_its_maximum_plus_one():
+  model = make_vlm("llava", image_positions="mrope")
+  tokens, valid = batch_of([layout(model, [("image", (8, 16)), ("text", [5, 6])])])
+  images, pixel_valid, image_valid = make_images(batch=1)  # the row's first image: the 8 x 16 one
+  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, images[:, ::-1], pixel_valid[:, ::-1], image_valid)
+  positions = np.asarray(model.positions(tokens, valid, context))[:, 0]  # [3, T]
+  image_end = model.slots_per_image(8, 16)
+  assert positions[:, image_end].tolist() == [positions[:, :image_end].max() + 1] * 3
+  assert positions[:, image_end + 1].tolist() == [positions[:, :image_end].max() + 2] * 3
+
+
+def test_llava_mrope_on_text_only_is_the_1d_rope_lm():
+  model = make_vlm("llava", image_positions="mrope")
+  _, rope_lm = make_parts("rope")
+  # The VLM's LM (mrope) holds the 1D-RoPE LM's weights: copy them over, then compare on text alone.
+  weights = nnx.to_pure_dict(nnx.state(rope_lm, nnx.Param))
+  frozen = nnx.state(model.lm, vlm.latent_reader.FrozenParam)
+  nnx.replace_by_pure_dict(frozen, weights)
+  nnx.update(model.lm, frozen)
+  tokens, valid = batch_of([[1, 5, 6, 7, 8], [1, 9, 10, 11, 12]])
+  np.testing.assert_array_equal(logits_of(model, *make_images(), tokens, valid),
+                                nnx.jit(lambda lm, t: lm(t))(rope_lm, tokens))
+
+
+@pytest.mark.parametrize("connector,image_positions", [("flamingo", "sequence"), ("qformer", "sequence"),
+                                                       ("llava", "sequence"), ("llava", "mrope")])
+def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connector, image_positions):
+  model = make_vlm(connector, image_positions=image_positions, gates=0.7 if connector == "flamingo" else None)
+  images = make_images()
+  rows = [interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])]  # a prompt may end with an image
+  prompt, prompt_valid = batch_of(rows)
+  steps = 4
+  generate = nnx.jit(lambda m, *a: m.generate(*a, max_length=steps, eos_id=VOCAB + 1))
+  generated, scores = generate(model, *images, prompt, prompt_valid)
+  full = jnp.concatenate([prompt, generated], axis=1)
+  full_valid = jnp.concatenate([prompt_valid, jnp.ones(generated.shape, bool)], axis=1)
+  logits = logits_of(model, *images, full, full_valid)[:, prompt.shape[1] - 1:-1]  # -> [b, steps, vocab]
+  # Each generated token is the full forward's greedy choice on the prefix before it, with its log-probability.
+  np.testing.assert_array_equal(jnp.argmax(logits, axis=-1), generated)
+  log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), generated[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(scores, log_probs.sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_mrope_needs_an_mrope_lm_and_a_spatial_connector():
+  encoder, lm = make_parts("rope")
+  with pytest.raises(ValueError, match="position_encoding='mrope'"):
+    vlm.VisionLanguageModel(encoder, lm, connector="llava", image_token_id=IMAGE, image_positions="mrope",
+                            rngs=nnx.Rngs(0))
+  encoder, lm = make_parts("mrope")
+  with pytest.raises(ValueError, match="image_positions"):
+    vlm.VisionLanguageModel(encoder, lm, connector="qformer", image_token_id=IMAGE, image_positions="mrope",
+                            rngs=nnx.Rngs(0))
+
+
+def test_unknown_connector_raises_naming_it():
+  encoder, lm = make_parts()
+  with pytest.raises(ValueError, match="connector must be one of"):
+    vlm.VisionLanguageModel(encoder, lm, connector="mlp", image_token_id=IMAGE, rngs=nnx.Rngs(0))

@@ -1,0 +1,76 @@
+"""The VLM task: config errors before anything compiles, a user's bad pairs file refused by file:line, and a
+tiny chain (encoder, LM, connector) that learns."""
+import pathlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests import helpers
+from xattn_jax.training import validation
+
+TINY_CHAIN = {
+    "model.encoder_config": "configs/vlm_encoder.py:steps=30,width=32,blocks=1",
+    "model.lm_config": "configs/vlm_lm.py:steps=30,size=micro",
+    "data.num_train_examples": 200, "data.num_eval_examples": 16, "batch_size": 16, "eval_batch_size": 16,
+    "log_every_steps": 10,
+}
+
+
+def config_error_field(*argv):
+  """The field named by the ConfigError that validation raises, or None."""
+  config = helpers.load_config(*argv)
+  try:
+    validation.validate_config(config, mode="train")
+  except validation.ConfigError as error:
+    return str(error).split("=", 1)[0]
+  return None
+
+
+@pytest.mark.parametrize("argument,field", [
+    ("--config.model.connector=mlp", "config.model.connector"),
+    ("--config.model.image_positions=mrope", "config.model.image_positions"),  # flamingo has no soft tokens
+    ("--config.data.kinds=caption,colour", "config.data.kinds"),
+    ("--config.data.max_digits=3", "config.data.max_digits"),  # not the frozen encoder's canvas
+    ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
+])
+def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
+  assert config_error_field("--config=configs/vlm_digits.py", argument) == field
+
+
+def test_llava_takes_mrope_positions():
+  assert config_error_field("--config=configs/vlm_digits.py:connector=llava,positions=mrope") is None
+
+
+def test_every_malformed_pairs_line_exits_2_naming_file_and_line_and_writes_nothing(tmp_path):
+  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
+  (tmp_path / "broken.png").write_bytes(b"not an image")
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("ok.png\tseven\n"          # 1: fine
+                   "missing.png\tseven\n"     # 2: no such image
+                   "broken.png\tseven\n"      # 3: unreadable image
+                   "ok.png seven\n"           # 4: no tab
+                   "ok.png\t \n")             # 5: empty text
+  workdir = tmp_path / "run"
+  result = helpers.launch("configs/vlm_tsv.py", workdir, overrides={
+      "data.train_file": pairs, "data.eval_file": tmp_path / "ok_pairs.tsv"})
+  assert result.returncode == 2, result.stderr[-2000:]
+  for line in (2, 3, 4, 5):
+    assert f"{pairs}:{line}: " in result.stderr, result.stderr[-2000:]
+  assert f"{pairs}:1: " not in result.stderr
+  assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns(tmp_path):
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": tmp_path / "lm"}
+  result = helpers.launch("configs/vlm_digits.py:connector=llava,steps=60,lr=0.003,kinds=count", tmp_path / "vlm",
+                          overrides=overrides, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  for part in ("encoder", "lm"):
+    assert (tmp_path / part / "checkpoints").is_dir()
+  losses = [row["train/loss"] for row in helpers.metric_rows(tmp_path / "vlm") if "train/loss" in row]
+  assert losses[-1] < 0.8 * losses[0], losses
+  final = helpers.metric_rows(tmp_path / "vlm")[-1]
+  assert {"eval/exact_match", "eval/chrf", "eval/exact_match_count"} <= set(final)
+  assert pathlib.Path(tmp_path / "vlm" / "frozen.json").is_file()

@@ -1,0 +1,491 @@
+"""A vision-language model: a frozen decoder-only language model reads images through a connector.
+
+Three connectors (`CONNECTORS`, the one list of them), all reading the same frozen image encoder (a
+`vit.ViT`: `features(images, valid=) -> [B, 1 + P, width]`, the class token then P patches) and feeding
+the same frozen `lm.LanguageModel`:
+
+- "flamingo" (Alayrac et al. 2022): a `GatedCrossAttentionBlock` (cross-attention + MLP, tanh gates
+  starting at 0) before every `cross_attention_every`-th LM layer (layers 0, k, 2k, ...), through the
+  LM's `insert` hook. The text's tokens read the image features, or with `num_latents` > 0 the N
+  latents of a Perceiver resampler (latents cross-attend to the features and themselves). Each text
+  token reads only the LATEST image whose marker is at or before it (Flamingo's image-causal masking);
+  a token before any image reads none, so its cross-attention output is zero. At initialisation the
+  logits are the frozen LM's, bit for bit. An image sits in the text as its marker alone.
+- "qformer" (BLIP-2, Li et al. 2023): `num_queries` learned queries (32 by default) self-attend and
+  cross-attend (every `qformer_cross_attention_every`-th block) to the image's features, a linear
+  maps them to the LM width, and they stand in the text as N soft tokens whatever the image's M.
+- "llava" (LLaVA-1.5, Liu et al. 2023): Linear-GELU-Linear maps each of the image's patch features (the
+  class token is left out, as LLaVA reads patches only) to one LM token: gh * gw soft tokens, one per
+  real patch, row-major. Their positions follow `image_positions` (`IMAGE_POSITIONS`): "sequence"
+  (1D, one position per token) or "mrope" (Qwen2-VL: image token (row, col) of an image starting at s
+  sits at (s, s + row, s + col); text after it resumes at the image's maximum position + 1, as
+  `ops.positions.mrope_position_ids`). "mrope" needs an LM built with position_encoding="mrope"; an LM
+  pretrained with 1D RoPE runs with it unchanged (text-only M-RoPE positions are 1D RoPE exactly).
+
+Inputs (the task turns a VLMExample's segments into them):
+  images       float [b, n, H, W, C]: up to n images per row, each top-left on a zero canvas H x W
+  pixel_valid  bool [b, n, H, W]: the pixels of the image (a patch is real when all its pixels are)
+  image_valid  bool [b, n]: which of the n slots hold an image
+  tokens       int [b, T]: the text's ids; where image j sits, `slots_per_image(h_j, w_j)` SOFT_TOKEN slots
+               (flamingo: none; qformer: N; llava: one per real patch, row-major) and then the image's
+               marker `image_token_id` (the LM's id of IMAGE_TOKEN, an ordinary token it was pretrained
+               with). The soft tokens replace the slots in order (the k-th slot of the j-th image in the
+               row takes that image's k-th soft token); the j-th image in the text is slot j of `images`.
+  valid        bool [b, T]: real tokens (False on padding, left or right); None = tokens != 0.
+Positions are computed here from tokens, valid and the images' patch grids: 1D positions count the
+real tokens (the first at 0); "mrope" as above.
+
+Training: `__call__(...) -> logits [b, T, vocab]` (predicting token t + 1 at t). Generation: the image
+context (soft tokens, or flamingo's projected memory per gated layer) is computed ONCE, the LM's KV cache
+is pre-filled with the prompt (soft tokens included), then the shared `decoding.search` (greedy, beam,
+sampling) runs over `loop_step`. A prompt ends with a text token (it is fed first): an image's marker
+comes after its soft tokens, so a prompt may end with an image.
+
+Canvas padding: with `hide_padding` the padded patches are hidden from the encoder's attention and from
+the connector; without it (an encoder trained on padded canvases, which reads padding as "empty") every
+canvas patch is a feature, and only llava's soft tokens stay one per REAL patch.
+
+Freezing: the encoder and the LM are `latent_reader.freeze`d (their parameters are `FrozenParam`s, so
+`nnx.Param`-selecting gradients and optimizers never see them) and run deterministically; the encoder's
+features also stop gradients. Only the connector's parameters train.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax import decoding
+from xattn_jax.layers import MLP, blocks
+from xattn_jax.layers.attention import MemoryCache
+from xattn_jax.models import latent_reader
+from xattn_jax.models import lm as lm_lib
+from xattn_jax.models import vit as vit_lib
+from xattn_jax.ops import masks as masks_lib
+
+IMAGE_POSITIONS = ("sequence", "mrope")
+SOFT_TOKEN = -1  # the id of a soft-token slot in `tokens` (never embedded: the connector's token replaces it)
+
+
+@flax.struct.dataclass
+class ImageContext:
+  """What the connector made of a batch's images, computed once per image.
+
+  counts        int32 [b, n]: soft tokens (or flamingo markers) each image takes in the text; 0 = no image
+  grid_height   int32 [b, n], grid_width int32 [b, n]: each image's real patch grid (gh, gw)
+  tokens        [b, n, K, d_lm] soft tokens (qformer, llava) or None
+  memory        [b, n * S, memory_features] what flamingo's gated layers read, or None
+  memory_valid  bool [b, n * S]; memory_image int32 [n * S]: the image each memory row belongs to
+  canvas_width  the canvas's patch-grid width (static)
+  """
+  counts: jax.Array
+  grid_height: jax.Array
+  grid_width: jax.Array
+  tokens: jax.Array | None = None
+  memory: jax.Array | None = None
+  memory_valid: jax.Array | None = None
+  memory_image: jax.Array | None = None
+  canvas_width: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
+class VLMCache:
+  """Decode state: the LM's cache, and for flamingo each gated layer's projected memory, which memory rows
+  are real (memory_valid bool [b, n * S]) and of which image (memory_image int32 [b, n * S]), and the latest
+  image before the next fed token (latest int32 [b]; a fed marker opens the next one, as in the full pass)."""
+  lm: lm_lib.LMCache
+  memory: tuple[MemoryCache, ...] | None = None
+  memory_valid: jax.Array | None = None
+  memory_image: jax.Array | None = None
+  latest: jax.Array | None = None
+
+  def decode_room(self) -> int:
+    return self.lm.decode_room()
+
+
+# --- connectors ---------------------------------------------------------------------------------
+
+class FlamingoConnector(nnx.Module):
+  """Gated cross-attention dense blocks before LM layers 0, k, 2k, ... and an optional resampler."""
+  prefix_tokens = False  # reads the image through inserted layers, not soft tokens
+  spatial = False
+
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
+               cross_attention_every: int = 1, num_latents: int = 0, resampler_blocks: int = 1,
+               dropout_rate: float = 0.0, dtype, param_dtype, rngs: nnx.Rngs):
+    if cross_attention_every < 1 or num_latents < 0 or resampler_blocks < 1:
+      raise ValueError(f"FlamingoConnector: cross_attention_every and resampler_blocks must be positive and "
+                       f"num_latents >= 0, got cross_attention_every={cross_attention_every}, "
+                       f"num_latents={num_latents}, resampler_blocks={resampler_blocks}")
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.layers = tuple(range(0, lm.num_layers, cross_attention_every))
+    self.latents = (latent_reader.LearnedQueries(num_latents, feature_width, param_dtype=param_dtype, rngs=rngs)
+                    if num_latents else None)
+    self.resampler = nnx.List([
+        latent_reader.ReaderBlock(feature_width, feature_width, num_heads, mlp_ratio * feature_width,
+                                  dropout_rate=dropout_rate, **common)
+        for _ in range(resampler_blocks if num_latents else 0)])
+    self.resampler_norm = blocks.layer_norm(feature_width, **common) if num_latents else None
+    self.blocks = nnx.List([
+        blocks.GatedCrossAttentionBlock(lm.d_model, feature_width, num_heads, mlp_ratio * lm.d_model,
+                                        dropout_rate=dropout_rate, **common)
+        for _ in self.layers])
+
+  @staticmethod
+  def slots(grid, num_queries: int) -> int:
+    return 0
+
+  def memory(self, features, valid, *, deterministic):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> (memory [B, S, w], memory_valid [B, S])."""
+    if self.latents is None:
+      return features, valid
+    latents = self.latents(features.shape[0], features.dtype)  # [B, N, w]
+    for block in self.resampler:  # Flamingo: the latents read the features and themselves
+      keys = jnp.concatenate([features, latents], axis=1)
+      key_valid = jnp.concatenate([valid, jnp.ones(latents.shape[:2], bool)], axis=1)
+      latents = block(latents, keys, input_mask=masks_lib.padding_mask(key_valid), deterministic=deterministic)
+    latents = self.resampler_norm(latents)
+    return latents, jnp.ones(latents.shape[:2], bool)
+
+
+class QFormerConnector(nnx.Module):
+  """BLIP-2: N learned queries read the features in ReaderBlocks, then a linear to the LM width."""
+  prefix_tokens = True
+  spatial = False
+
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
+               num_queries: int = 32, width: int = 64, num_blocks: int = 2, cross_attention_every: int = 2,
+               dropout_rate: float = 0.0, dtype, param_dtype, rngs: nnx.Rngs):
+    if num_blocks < 1 or cross_attention_every < 1:
+      raise ValueError(f"QFormerConnector: num_blocks and cross_attention_every must be positive, got "
+                       f"num_blocks={num_blocks}, cross_attention_every={cross_attention_every}")
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.num_queries = num_queries
+    self.queries = latent_reader.LearnedQueries(num_queries, width, param_dtype=param_dtype, rngs=rngs)
+    self.blocks = nnx.List([
+        latent_reader.ReaderBlock(width, feature_width, num_heads, mlp_ratio * width, self_attention=True,
+                                  cross_attention=i % cross_attention_every == 0, dropout_rate=dropout_rate,
+                                  **common)
+        for i in range(num_blocks)])
+    self.norm = blocks.layer_norm(width, **common)
+    self.projection = latent_reader._linear(width, lm.d_model, ("embed", "embed"), **common)
+
+  @staticmethod
+  def slots(grid, num_queries: int) -> int:
+    return num_queries
+
+  def tokens(self, features, valid, *, deterministic):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> soft tokens [B, N, d_lm]."""
+    mask = masks_lib.padding_mask(valid)
+    x = self.queries(features.shape[0], features.dtype)
+    for block in self.blocks:
+      x = block(x, features if block.cross_attention is not None else None, input_mask=mask,
+                deterministic=deterministic)
+    return self.projection(self.norm(x))
+
+  def slot_token(self, k, grid_width, canvas_width):
+    """The index into `tokens`' K axis of an image's k-th soft token."""
+    return k
+
+
+class LlavaConnector(nnx.Module):
+  """LLaVA-1.5's projector: Linear-GELU-Linear on every patch feature, one LM token per patch."""
+  prefix_tokens = True
+  spatial = True
+
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, patch_size: int, dropout_rate: float = 0.0,
+               dtype, param_dtype, rngs: nnx.Rngs):
+    self.patch_size = patch_size
+    self.projector = MLP(feature_width, lm.d_model, lm.d_model, activation="gelu", dropout_rate=dropout_rate,
+                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  @staticmethod
+  def slots(grid, num_queries: int) -> int:
+    return grid[0] * grid[1]
+
+  def tokens(self, features, valid, *, deterministic):
+    """features [B, 1 + P, w] -> soft tokens [B, P, d_lm] (the patches, canvas row-major)."""
+    return self.projector(features[:, 1:], deterministic=deterministic)
+
+  def slot_token(self, k, grid_width, canvas_width):
+    """The image's k-th real patch (row-major on its own gh x gw grid) on the canvas grid."""
+    return (k // grid_width) * canvas_width + k % grid_width
+
+
+CONNECTORS = {"flamingo": FlamingoConnector, "qformer": QFormerConnector, "llava": LlavaConnector}
+
+
+def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int = 32) -> int:
+  """How many SOFT_TOKEN slots `connector` gives an image whose real patch grid is grid = (gh, gw)."""
+  return CONNECTORS[connector].slots(tuple(grid), num_queries)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+class VisionLanguageModel(nnx.Module):
+  """A frozen image encoder and a frozen LM joined by a trainable connector; see the module docstring.
+
+  Args:
+    encoder: a `vit.ViT` (or any module with `features(images, valid=) -> [B, 1 + P, width]`, `width`,
+      `patch_size`); frozen here.
+    lm: a `lm.LanguageModel`; frozen here. image_positions="mrope" needs its position_encoding "mrope".
+    connector: a name in CONNECTORS. image_token_id: the LM's id of the image marker (IMAGE_TOKEN).
+    num_heads, mlp_ratio: sizes of the connector's attention / MLP layers.
+    cross_attention_every, num_latents, resampler_blocks: flamingo (k; resampler latents, 0 = none).
+    hide_padding: hide padded canvas patches from the encoder and the connector (module docstring).
+    num_queries, qformer_width, qformer_blocks, qformer_cross_attention_every: qformer.
+    image_positions: a name in IMAGE_POSITIONS (llava only; the others hand the LM no spatial tokens).
+  """
+
+  def __init__(self, encoder: nnx.Module, lm: lm_lib.LanguageModel, *, connector: str, image_token_id: int,
+               num_heads: int = 4, mlp_ratio: int = 4, cross_attention_every: int = 1, num_latents: int = 0,
+               resampler_blocks: int = 1, num_queries: int = 32, qformer_width: int = 64, qformer_blocks: int = 2,
+               qformer_cross_attention_every: int = 2, image_positions: str = "sequence",
+               hide_padding: bool = True, dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    if connector not in CONNECTORS:
+      raise ValueError(f"VisionLanguageModel: connector must be one of {tuple(CONNECTORS)}, got "
+                       f"connector={connector!r}")
+    if image_positions not in IMAGE_POSITIONS:
+      raise ValueError(f"VisionLanguageModel: image_positions must be one of {IMAGE_POSITIONS}, got "
+                       f"image_positions={image_positions!r}")
+    kind = CONNECTORS[connector]
+    if image_positions == "mrope" and not kind.spatial:
+      raise ValueError(f"VisionLanguageModel: image_positions='mrope' places soft tokens on their patch grid, "
+                       f"which connector={connector!r} does not hand the LM (only "
+                       f"{tuple(n for n, k in CONNECTORS.items() if k.spatial)})")
+    if image_positions == "mrope" and lm.position_encoding != "mrope":
+      raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with "
+                       f"position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
+                       f"{lm.position_encoding!r}")
+    if (isinstance(image_token_id, bool) or not isinstance(image_token_id, int)
+        or not 0 < image_token_id < lm.vocab_size):
+      raise ValueError(f"VisionLanguageModel: image_token_id must be an id in [1, {lm.vocab_size}), got "
+                       f"image_token_id={image_token_id!r}")
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.connector_name, self.image_token_id, self.image_positions = connector, image_token_id, image_positions
+    self.patch_size, self.dtype, self.hide_padding = encoder.patch_size, dtype, hide_padding
+    self.num_queries = num_queries
+    self.encoder = latent_reader.freeze(encoder)
+    self.lm = latent_reader.freeze(lm)
+    options = {
+        "flamingo": dict(num_heads=num_heads, mlp_ratio=mlp_ratio, cross_attention_every=cross_attention_every,
+                         num_latents=num_latents, resampler_blocks=resampler_blocks),
+        "qformer": dict(num_heads=num_heads, mlp_ratio=mlp_ratio, num_queries=num_queries, width=qformer_width,
+                        num_blocks=qformer_blocks, cross_attention_every=qformer_cross_attention_every),
+        "llava": dict(patch_size=encoder.patch_size),
+    }[connector]
+    self.connector = kind(encoder.width, lm, dropout_rate=dropout_rate, **options, **common)
+
+  # --- host side ----------------------------------------------------------------------------------
+
+  def slots_per_image(self, height: int, width: int) -> int:
+    """How many SOFT_TOKEN slots an image of height x width pixels takes in `tokens` (before its marker)."""
+    if height % self.patch_size or width % self.patch_size or height < 1 or width < 1:
+      raise ValueError(f"VisionLanguageModel.slots_per_image: an image must be a positive multiple of the "
+                       f"encoder's patch size {self.patch_size} on each side, got {height}x{width}")
+    return slots_per_image(self.connector_name, (height // self.patch_size, width // self.patch_size),
+                           num_queries=self.num_queries)
+
+  # --- images -------------------------------------------------------------------------------------
+
+  def encode_images(self, images, pixel_valid, image_valid, *, deterministic: bool = True) -> ImageContext:
+    """The connector's reading of images [b, n, H, W, C] (pixel_valid [b, n, H, W], image_valid [b, n])."""
+    if images.ndim != 5:
+      raise ValueError(f"VisionLanguageModel: images must be [batch, n, H, W, C], got images{list(images.shape)}")
+    b, n, height, width, channels = images.shape
+    for name, array, shape in (("pixel_valid", pixel_valid, (b, n, height, width)), ("image_valid", image_valid, (b, n))):
+      if getattr(array, "shape", None) != shape or array.dtype != jnp.bool_:
+        raise ValueError(f"VisionLanguageModel: {name} must be bool {list(shape)}, got "
+                         f"{getattr(array, 'dtype', type(array))}{list(getattr(array, 'shape', ()))}")
+    p = self.patch_size
+    grid = (height // p, width // p)
+    patch_valid = vit_lib.patch_valid(pixel_valid.reshape(b * n, height, width), p)
+    present = image_valid.reshape(b * n, 1)
+    patch_valid = patch_valid & present  # [B, P], B = b * n
+    features = self.encoder.features(images.reshape(b * n, height, width, channels).astype(self.dtype),
+                                     valid=patch_valid if self.hide_padding else None, deterministic=True)
+    features = jax.lax.stop_gradient(features)  # [B, 1 + P, w]
+    read = patch_valid if self.hide_padding else jnp.broadcast_to(present, patch_valid.shape)
+    feature_valid = jnp.concatenate([present, read], axis=1)
+    on_grid = patch_valid.reshape(b, n, *grid)
+    grid_height = jnp.sum(on_grid[..., 0], axis=-1, dtype=jnp.int32)  # [b, n]
+    grid_width = jnp.sum(on_grid[:, :, 0, :], axis=-1, dtype=jnp.int32)
+    if isinstance(self.connector, LlavaConnector):
+      counts = grid_height * grid_width
+    else:
+      counts = jnp.where(image_valid, slots_per_image(self.connector_name, grid, num_queries=self.num_queries),
+                         0).astype(jnp.int32)
+    context = ImageContext(counts=counts, grid_height=grid_height, grid_width=grid_width, canvas_width=grid[1])
+    if self.connector.prefix_tokens:
+      tokens = self.connector.tokens(features, feature_valid, deterministic=deterministic)  # [B, K, d_lm]
+      return context.replace(tokens=tokens.reshape(b, n, *tokens.shape[1:]))
+    memory, memory_valid = self.connector.memory(features, feature_valid, deterministic=deterministic)
+    size = memory.shape[1]
+    return context.replace(memory=memory.reshape(b, n * size, memory.shape[-1]),
+                           memory_valid=memory_valid.reshape(b, n * size),
+                           memory_image=jnp.repeat(jnp.arange(n, dtype=jnp.int32), size))
+
+  # --- text layout --------------------------------------------------------------------------------
+
+  def _check_text(self, tokens, valid):
+    if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"VisionLanguageModel: tokens must be int [batch, length], got "
+                       f"{getattr(tokens, 'dtype', type(tokens))}{list(getattr(tokens, 'shape', ()))}")
+    valid = tokens != lm_lib.PAD_ID if valid is None else jnp.asarray(valid)
+    if valid.shape != tokens.shape or valid.dtype != jnp.bool_:
+      raise ValueError(f"VisionLanguageModel: valid must be bool {list(tokens.shape)}, got "
+                       f"{valid.dtype}{list(valid.shape)}")
+    return valid
+
+  def _slots(self, tokens, valid, context: ImageContext):
+    """Per token: (is an image slot, its image j, its index k within the image), each [b, T]."""
+    is_slot = (tokens == SOFT_TOKEN) & valid
+    slot = jnp.cumsum(is_slot, axis=1, dtype=jnp.int32) - 1  # the row's slot count so far
+    ends = jnp.cumsum(context.counts, axis=1)  # [b, n]: one past each image's last slot
+    image = jnp.sum(slot[:, :, None] >= ends[:, None, :], axis=-1, dtype=jnp.int32)  # -> [b, T]
+    image = jnp.minimum(image, context.counts.shape[1] - 1)
+    starts = jnp.take_along_axis(ends - context.counts, image, axis=1)
+    return is_slot, image, slot - starts
+
+  def positions(self, tokens, valid, context: ImageContext):
+    """Position ids of tokens [b, T]: int32 [b, T] (1D: the real tokens counted from 0) or, for
+    image_positions="mrope", [3, b, T] (see the module docstring)."""
+    valid = self._check_text(tokens, valid)
+    if self.image_positions == "sequence":
+      return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+    is_slot, image, k = self._slots(tokens, valid, context)
+    height = jnp.take_along_axis(context.grid_height, image, axis=1)
+    width = jnp.maximum(jnp.take_along_axis(context.grid_width, image, axis=1), 1)
+    count = jnp.take_along_axis(context.counts, image, axis=1)
+    # A text token advances the next position by 1, an image by max(gh, gw) at its last slot: an image's
+    # slots then share their start s, and the text after it resumes at s + max(gh, gw) = max id + 1.
+    advance = jnp.where(is_slot, jnp.where(k == count - 1, jnp.maximum(height, width), 0), valid.astype(jnp.int32))
+    start = jnp.cumsum(advance, axis=1, dtype=jnp.int32) - advance  # exclusive -> [b, T]
+    row = jnp.where(is_slot, k // width, 0)
+    column = jnp.where(is_slot, k % width, 0)
+    return jnp.stack([start, start + row, start + column])  # -> [3, b, T]
+
+  def _embed(self, tokens, valid, context: ImageContext):
+    """The LM's input embeddings [b, T, d_lm]: text ids embedded as the LM embeds them, image slots
+    replaced by the images' soft tokens in order."""
+    is_slot, image, k = self._slots(tokens, valid, context)
+    x = self.lm.embed(jnp.where(tokens == SOFT_TOKEN, lm_lib.PAD_ID, tokens))
+    x = x * jnp.sqrt(float(self.lm.d_model)).astype(self.lm.dtype)
+    b, n, size, features = context.tokens.shape
+    width = jnp.maximum(jnp.take_along_axis(context.grid_width, image, axis=1), 1)
+    index = image * size + jnp.clip(self.connector.slot_token(k, width, context.canvas_width), 0, size - 1)
+    soft = jnp.take_along_axis(context.tokens.reshape(b, n * size, features), index[..., None], axis=1)
+    return jnp.where(is_slot[..., None], soft.astype(x.dtype), x)
+
+  # --- flamingo's masks and inserted layers -----------------------------------------------------
+
+  def _media(self, tokens, valid):
+    """The latest image whose marker is at or before each token [b, T] (-1: none yet), Flamingo's
+    image-causal index."""
+    return jnp.cumsum((tokens == self.image_token_id) & valid, axis=1, dtype=jnp.int32) - 1
+
+  @staticmethod
+  def _memory_mask(media, memory_image, memory_valid):
+    """media [b, T], memory_image [n * S] or [b, n * S], memory_valid [b, n * S] -> bool [b, 1, T, n * S]:
+    a token reads the real memory rows of its latest image."""
+    memory_image = jnp.broadcast_to(memory_image, memory_valid.shape)
+    mask = (media[:, :, None] == memory_image[:, None, :]) & memory_valid[:, None, :]
+    return mask[:, None]
+
+  def _insert(self, memory_caches, mask, deterministic):
+    """{LM layer: x -> gated block(x)} reading the projected memories under mask."""
+    def gated(block, memory_cache):
+      def apply(x):
+        x, _ = block.attention_residual(x, lambda h: (block.attention.attend(
+            h, memory_cache, mask=mask, deterministic=deterministic), None), deterministic)
+        x, _ = block.mlp_residual(x, lambda h: (block.mlp(h, deterministic=deterministic), None), deterministic)
+        return x
+      return apply
+    return {layer: gated(block, cache)
+            for layer, block, cache in zip(self.connector.layers, self.connector.blocks, memory_caches)}
+
+  def _project_memories(self, context: ImageContext):
+    return tuple(block.attention.project_memory(context.memory) for block in self.connector.blocks)
+
+  # --- training pass ------------------------------------------------------------------------------
+
+  def __call__(self, images, pixel_valid, image_valid, tokens, valid=None, *, deterministic: bool = True):
+    """-> logits [b, T, vocab] (float32); arrays as in the module docstring."""
+    valid = self._check_text(tokens, valid)
+    context = self.encode_images(images, pixel_valid, image_valid, deterministic=deterministic)
+    return self.forward(context, tokens, valid, deterministic=deterministic)
+
+  def forward(self, context: ImageContext, tokens, valid=None, *, deterministic: bool = True):
+    """The LM pass over tokens [b, T] given an image context -> logits [b, T, vocab]."""
+    valid = self._check_text(tokens, valid)
+    positions = self.positions(tokens, valid, context)
+    segment_ids = valid.astype(jnp.int32)  # padding (0) is hidden from every real token
+    if self.connector.prefix_tokens:
+      return self.lm(tokens[:, :0], prefix=self._embed(tokens, valid, context), positions=positions,
+                     segment_ids=segment_ids)
+    mask = self._memory_mask(self._media(tokens, valid), context.memory_image, context.memory_valid)
+    insert = self._insert(self._project_memories(context), mask, deterministic)
+    return self.lm(tokens, positions=positions, segment_ids=segment_ids, insert=insert)
+
+  # --- generation ---------------------------------------------------------------------------------
+
+  def prefill(self, context: ImageContext, tokens, valid, capacity: int):
+    """Pre-fills a fresh cache of `capacity` with a left-padded prompt tokens [b, t] but its last token
+    -> (VLMCache, the last tokens [b] to feed first). The prompt's last token must be text (or a marker)."""
+    valid = self._check_text(tokens, valid)
+    batch = tokens.shape[0]
+    cache = self.lm.init_cache(batch, capacity)
+    positions = self.positions(tokens, valid, context)[..., :-1]
+    head, head_valid = tokens[:, :-1], valid[:, :-1]
+    if self.connector.prefix_tokens:
+      _, lm_cache = self.lm.prefill(head[:, :0], cache, valid=head_valid[:, :0], positions=positions,
+                                    prefix=self._embed(head, head_valid, context), prefix_valid=head_valid)
+      return VLMCache(lm=lm_cache), tokens[:, -1]
+    media = self._media(head, head_valid)
+    memories = self._project_memories(context)
+    mask = self._memory_mask(media, context.memory_image, context.memory_valid)
+    _, lm_cache = self.lm.prefill(head, cache, valid=head_valid, positions=positions,
+                                  insert=self._insert(memories, mask, True))
+    latest = jnp.max(jnp.where(head_valid, media, -1), axis=1)  # -> [b], before the last prompt token
+    memory_image = jnp.broadcast_to(context.memory_image, context.memory_valid.shape)
+    return VLMCache(lm=lm_cache, memory=memories, memory_valid=context.memory_valid, memory_image=memory_image,
+                    latest=latest), tokens[:, -1]
+
+  def loop_step(self) -> decoding.DecodeStep:
+    """(tokens [b, 1], VLMCache) -> (logits [b, 1, vocab], VLMCache), the LM's layers sliced once."""
+    step = self.lm.loop_step()
+    if self.connector.prefix_tokens:
+      def prefix_step(tokens, cache):
+        logits, lm_cache = step(tokens, cache.lm)
+        return logits, cache.replace(lm=lm_cache)
+      return prefix_step
+
+    def flamingo_step(tokens, cache):
+      latest = cache.latest + (tokens[:, 0] == self.image_token_id)  # the fed token's latest image
+      mask = self._memory_mask(latest[:, None], cache.memory_image, cache.memory_valid)  # [b, 1, 1, n * S]
+      logits, lm_cache = step(tokens, cache.lm, insert=self._insert(cache.memory, mask, True))
+      return logits, cache.replace(lm=lm_cache, latest=latest)
+    return flamingo_step
+
+  def generate(self, images, pixel_valid, image_valid, prompt, prompt_valid, *, max_length: int, eos_id: int,
+               options: decoding.DecodingOptions | None = None, pad_id: int = lm_lib.PAD_ID, rng=None):
+    """Continues each left-padded prompt [b, t] -> tokens [b, max_length] (EOS then padding) and scores [b].
+
+    The images are read once; the search is `options` (default greedy). Wrap in nnx.jit with
+    max_length, eos_id, options static.
+    """
+    options = decoding.DecodingOptions() if options is None else options
+    context = self.encode_images(images, pixel_valid, image_valid)
+    cache, first = self.prefill(context, prompt, prompt_valid, prompt.shape[1] + max_length)
+    out = decoding.search(self.loop_step(), cache, options, batch_size=prompt.shape[0], max_length=max_length,
+                          bos_id=0, eos_id=eos_id, pad_id=pad_id, rng=rng, first_tokens=first)
+    return out.tokens, out.scores
+
+
+def trainable_parameters(model: nnx.Module) -> int:
+  """How many parameters training updates (the `nnx.Param`s; frozen ones are `FrozenParam`s)."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,455 @@
+"""Image-to-text with a frozen language model: `models.vlm.VisionLanguageModel` (`configs/vlm_digits.py`,
+`configs/vlm_tsv.py`; task "vlm").
+
+The frozen parts are two finished runs, declared as dependencies that launch.py trains first when their
+workdirs hold no finished run: the image encoder (`model.encoder_config`, e.g. configs/vlm_encoder.py, in
+`model.encoder_workdir`) and the language model pretrained on the task's text alone (`model.lm_config`,
+e.g. configs/vlm_lm.py, in `model.lm_workdir`; SentencePiece with IMAGE_TOKEN one piece). Training records
+in this run's workdir where they are and their model configs (FROZEN_RECORD) and copies the LM's tokenizer
+there: eval and infer read only this workdir (its checkpoints hold the frozen weights too).
+
+Data (`data.source`, SOURCES):
+  digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
+          data.num_train_examples "train" examples cycled in order, data.num_eval_examples "test" ones
+  tsv     a user's `image_path<TAB>text` files data.train_file / data.eval_file (data.image_text); every
+          bad line stops the run before anything is written, naming file and line
+Images sit top-left on the encoder's canvas (vlm_digits.canvas_for(data.max_digits, data.scale)), up to
+MAX_IMAGES per example.
+
+Token layout of an example: BOS, then its segments in order, then EOS. A text or target segment is its
+SentencePiece ids (segments encoded one by one give the ids of the LM's pretraining text); an image is
+`slots_per_image` SOFT_TOKEN slots (the connector's soft tokens; none for flamingo) and then the IMAGE_TOKEN
+marker. The loss is on the target segments only: each target token, and after a target the token that ends
+it (EOS, the next image's marker, or the next text's first token). Eval generates every target in turn from
+the prefix before it (earlier targets given), up to task.decoding.max_new_tokens, cut at the token that ends
+it (or EOS, or a marker).
+
+Metrics, logged as eval/<name>:
+  loss, token_accuracy    cross-entropy / argmax accuracy per target token (the end token included)
+  exact_match, chrf       generated target == reference (whitespace-normalised) / sacrebleu chrF in [0, 1],
+                          over every target of every eval example
+  exact_match_<k>digits   exact match over the examples whose largest image has k digits (digits only)
+  exact_match_<kind>      per kind of example (data.vlm_digits.KINDS, or "user")
+Infer: each line is `image_path` (generate its caption) or `image_path<TAB>question`; the output is the text
+generated after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from ml_collections import ConfigDict
+
+from xattn_jax.data import files, image_text, tokenizers, vlm_digits
+from xattn_jax.models import lm as lm_lib, vlm
+from xattn_jax.tasks import decoding_config
+from xattn_jax.tasks.lm import text as lm_task
+from xattn_jax.tasks.vlm import encoder as encoder_task
+from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import dependencies as dependencies_lib
+from xattn_jax.training import optim, task as task_lib, validation
+
+FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_model", "lm_workdir", "lm_model", "vocab_size"}
+TOKENIZER_FILE = lm_task.SPM_FILE
+SOURCES = ("digits", "tsv")
+MAX_IMAGES = 2  # image slots per example: the two-image "larger" kind
+EVAL_METRICS = ("eval/loss", "eval/token_accuracy", "eval/exact_match", "eval/chrf")
+
+
+def canvas(config) -> tuple[int, int]:
+  return vlm_digits.canvas_for(config.data.max_digits, config.data.scale)
+
+
+def _stored_config(workdir: str) -> ConfigDict:
+  with open(os.path.join(workdir, "config.json")) as f:
+    return ConfigDict(json.load(f))
+
+
+def _read_record(workdir: str | None) -> dict | None:
+  path = os.path.join(workdir, FROZEN_RECORD) if workdir else ""
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _select(tree: dict, template: dict) -> dict:
+  """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
+  return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
+          for key, sub in template.items()}
+
+
+def _normalise(text: str) -> str:
+  return " ".join(text.split())
+
+
+def _lm_model_config(lm_model: ConfigDict, image_positions: str) -> ConfigDict:
+  """The frozen LM's model config as the VLM builds it: M-RoPE (same weights) when the images take it."""
+  lm_model = ConfigDict(lm_model.to_dict())
+  if image_positions == "mrope":
+    lm_model.position_encoding = "mrope"
+  return lm_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One example as token arrays (see the module docstring): ids, labels (the token to predict at each
+  position), weights (1 on target positions) and per target (prefix length, end token id, reference)."""
+  ids: np.ndarray
+  labels: np.ndarray
+  weights: np.ndarray
+  targets: tuple[tuple[int, int, str], ...]
+
+
+@task_lib.register("vlm")
+class VLMTask(task_lib.Task):
+  """Generate the text of images through a connector into a frozen LM (see the module docstring)."""
+  eval_metric_names = EVAL_METRICS
+
+  # --- config -----------------------------------------------------------------------------------
+
+  @classmethod
+  def validate(cls, config, mode="train"):
+    model, data = config.model, config.data
+    validation.require_choice(config, "model.name", ("vlm",))
+    validation.require_choice(config, "model.connector", vlm.CONNECTORS)
+    validation.require_choice(config, "model.image_positions", vlm.IMAGE_POSITIONS)
+    if model.image_positions == "mrope" and not vlm.CONNECTORS[model.connector].spatial:
+      raise validation.ConfigError("model.image_positions", model.image_positions,
+                                   f"'mrope' places soft tokens on their patch grid: connector=llava only, got "
+                                   f"model.connector={model.connector!r}")
+    validation.require_positive(config, "model.num_heads", "model.mlp_ratio", "model.cross_attention_every",
+                                "model.resampler_blocks", "model.num_queries", "model.qformer_width",
+                                "model.qformer_blocks", "model.qformer_cross_attention_every",
+                                "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
+    validation.require_positive(config, "model.num_latents", allow_zero=True)
+    validation.require_choice(config, "data.source", SOURCES)
+    if data.max_digits > vlm_digits.MAX_DIGITS:
+      raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
+    if data.source == "digits":
+      validation.require_positive(config, "data.num_train_examples", "data.num_eval_examples")
+      kinds = [k.strip() for k in data.kinds.split(",") if k.strip()]
+      if not kinds or any(k not in vlm_digits.KINDS for k in kinds):
+        raise validation.ConfigError("data.kinds", data.kinds, f"a comma-separated subset of {tuple(vlm_digits.KINDS)}")
+    decoding_config.decoding_options(config)
+    if mode == "train":  # eval and infer take the frozen parts from the run's record
+      cls._check_frozen(config)
+    if data.source == "tsv":
+      fields = (("data.train_file",) if mode == "train" else ()) + (("data.eval_file",) if mode != "infer" else ())
+      for field in fields:
+        cls._read_pairs(config, field)
+
+  @classmethod
+  def _check_frozen(cls, config):
+    encoder = dependencies_lib.load_config(config.model.encoder_config, "model.encoder_config")
+    lm = dependencies_lib.load_config(config.model.lm_config, "model.lm_config")
+    if encoder.task.name != "vlm_encoder":
+      raise validation.ConfigError("model.encoder_config", config.model.encoder_config,
+                                   f"must train a vlm_encoder run, got task.name={encoder.task.name!r}")
+    encoder_canvas = encoder_task.canvas(encoder)
+    if encoder_canvas != canvas(config):
+      raise validation.ConfigError("data.max_digits", config.data.max_digits,
+                                   f"the canvas {canvas(config)} (data.max_digits, data.scale) must be the frozen "
+                                   f"encoder's {encoder_canvas} ({config.model.encoder_config})")
+    if lm.task.name != "lm" or lm.data.tokenizer != "sentencepiece" or \
+        vlm_digits.IMAGE_TOKEN not in tuple(lm.data.get("single_piece_words", ())):
+      raise validation.ConfigError("model.lm_config", config.model.lm_config,
+                                   f"must train an lm run with data.tokenizer='sentencepiece' and "
+                                   f"{vlm_digits.IMAGE_TOKEN!r} in data.single_piece_words (one marker id)")
+    if config.model.image_positions == "mrope" and lm.model.position_encoding not in ("rope", "mrope"):
+      raise validation.ConfigError("model.image_positions", "mrope", f"needs a rope or mrope LM, got "
+                                   f"position_encoding={lm.model.position_encoding!r} ({config.model.lm_config})")
+
+  @classmethod
+  def _read_pairs(cls, config, field: str):
+    path = validation._get(config, field)
+    validation.require_file(field, path)
+    try:
+      return _read_pairs_cached(os.path.abspath(path), os.stat(path).st_mtime_ns, canvas(config))
+    except files.LineFileError as error:
+      raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+
+  @classmethod
+  def dependencies(cls, config, workdir):
+    """The frozen encoder and LM runs: those recorded in this run's workdir, else the configured ones."""
+    record = _read_record(workdir)
+    return [
+        task_lib.Dependency(workdir=record["encoder_workdir"] if record else config.model.encoder_workdir,
+                            config=config.model.encoder_config, workdir_field="model.encoder_workdir",
+                            config_field="model.encoder_config"),
+        task_lib.Dependency(workdir=record["lm_workdir"] if record else config.model.lm_workdir,
+                            config=config.model.lm_config, workdir_field="model.lm_workdir",
+                            config_field="model.lm_config"),
+    ]
+
+  # --- setup ------------------------------------------------------------------------------------
+
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    self.canvas = canvas(config)
+    self.options = decoding_config.decoding_options(config)
+    self.max_new_tokens = config.task.decoding.max_new_tokens
+    self.weights = None
+    if mode == "train":
+      record, tokenizer_path, self.weights = self._load_frozen()
+    else:
+      record = _read_record(workdir)
+      if record is None:
+        raise validation.ConfigError("workdir", workdir, f"holds no {FROZEN_RECORD}: train the VLM there first")
+      tokenizer_path = os.path.join(workdir, TOKENIZER_FILE)
+    self.encoder_model = ConfigDict(record["encoder_model"])
+    self.lm_model = _lm_model_config(ConfigDict(record["lm_model"]), config.model.image_positions)
+    self.vocab_size = record["vocab_size"]
+    self.tokenizer = tokenizers.SentencePieceTokenizer(tokenizer_path)
+    marker = self.tokenizer.encode(vlm_digits.IMAGE_TOKEN)
+    if len(marker) != 1:
+      raise validation.ConfigError("model.lm_config", config.model.lm_config,
+                                   f"its tokenizer splits {vlm_digits.IMAGE_TOKEN!r} into {len(marker)} pieces")
+    self.marker = marker[0]
+    self.patch_size = self.encoder_model.patch_size
+    self.train_examples = self._examples("train") if mode == "train" else []
+    self.eval_examples = self._examples("eval") if mode != "infer" else []
+    self.train_layouts = [self.layout(e) for e in self.train_examples]
+    self.eval_layouts = [self.layout(e) for e in self.eval_examples]
+    lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
+    self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
+    prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
+    self.prompt_length = -(-max(prompts, default=8) // 8) * 8
+    logging.info("VLM %s: %d train / %d eval examples, rows of %d tokens", config.model.connector,
+                 len(self.train_examples), len(self.eval_examples), self.length)
+
+  def _examples(self, side: str) -> list[vlm_digits.VLMExample]:
+    data = self.config.data
+    if data.source == "tsv":
+      return self._read_pairs(self.config, "data.train_file" if side == "train" else "data.eval_file")
+    kinds = tuple(k.strip() for k in data.kinds.split(",") if k.strip())
+    split, count = ("train", data.num_train_examples) if side == "train" else ("test", data.num_eval_examples)
+    return vlm_digits.make_examples(split, count, data.seed if side == "train" else data.eval_seed,
+                                    max_digits=data.max_digits, kinds=kinds, scale=data.scale)
+
+  def _load_frozen(self):
+    """(record, tokenizer path, {"encoder": params, "lm": params}) of the finished dependency runs."""
+    encoder_dep, lm_dep = self.dependencies(self.config, self.workdir)
+    for dependency in (encoder_dep, lm_dep):
+      if not dependencies_lib.is_finished(dependency):
+        raise validation.ConfigError(
+            dependency.workdir_field, dependency.workdir, "holds no finished run; launch.py trains it first (from "
+            "Python, call xattn_jax.training.dependencies.resolve(config, workdir) before loop.run)")
+    encoder_model = _stored_config(encoder_dep.workdir).model
+    lm_config = _stored_config(lm_dep.workdir)
+    tokenizer_path = os.path.join(lm_dep.workdir, TOKENIZER_FILE)
+    vocab_size = tokenizers.SentencePieceTokenizer(tokenizer_path).vocab_size
+    record = {"encoder_workdir": encoder_dep.workdir, "encoder_model": encoder_model.to_dict(),
+              "lm_workdir": lm_dep.workdir, "lm_model": lm_config.model.to_dict(), "vocab_size": vocab_size}
+    weights = {
+        "encoder": self._restore(encoder_dep.workdir, lambda: encoder_task.make_encoder(
+            encoder_model, rngs=nnx.Rngs(params=0, dropout=0))),
+        "lm": self._restore(lm_dep.workdir, lambda: lm_task.make_language_model(
+            lm_config.model, vocab_size, max_length=lm_config.model.max_length, dtype=jnp.float32,
+            param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))),
+    }
+    if self.workdir and jax.process_index() == 0:
+      os.makedirs(os.path.join(self.workdir, os.path.dirname(TOKENIZER_FILE)), exist_ok=True)
+      shutil.copyfile(tokenizer_path, os.path.join(self.workdir, TOKENIZER_FILE))
+      if _read_record(self.workdir) != record:
+        path = os.path.join(self.workdir, FROZEN_RECORD)
+        with open(path + ".tmp", "w") as f:
+          json.dump(record, f, indent=2, sort_keys=True)
+        os.replace(path + ".tmp", path)
+    return record, tokenizer_path, weights
+
+  @staticmethod
+  def _restore(workdir, build):
+    abstract = nnx.eval_shape(build)
+    restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints"),
+                                                  nnx.to_pure_dict(nnx.state(abstract)))
+    return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+
+  # --- token layout -----------------------------------------------------------------------------
+
+  def slots(self, image: np.ndarray) -> int:
+    """SOFT_TOKEN slots of one image [h, w] (its real patch grid)."""
+    grid = (-(-image.shape[0] // self.patch_size), -(-image.shape[1] // self.patch_size))
+    return vlm.slots_per_image(self.config.model.connector, grid, num_queries=self.config.model.num_queries)
+
+  def layout(self, example: vlm_digits.VLMExample) -> Layout:
+    """The example's token layout (see the module docstring)."""
+    pieces = []
+    for role, value in example.segments:
+      if role == "image":
+        pieces.append((role, [vlm.SOFT_TOKEN] * self.slots(example.images[value]) + [self.marker]))
+      else:
+        pieces.append((role, self.tokenizer.encode(str(value))))
+    ids = [self.tokenizer.bos_id]
+    spans = []
+    for role, piece in pieces:
+      if role == "target":
+        spans.append((len(ids), len(ids) + len(piece)))
+      ids += piece
+    ids.append(self.tokenizer.eos_id)
+    ids = np.asarray(ids, np.int32)
+    labels = np.append(ids[1:], self.tokenizer.eos_id).astype(np.int32)
+    weights = np.zeros(len(ids), np.float32)
+    targets = []
+    for (start, end), reference in zip(spans, example.targets()):
+      if labels[end - 1] == vlm.SOFT_TOKEN:  # an image follows: its marker ends the target
+        labels[end - 1] = self.marker
+      weights[start - 1:end] = 1.0
+      targets.append((start, int(labels[end - 1]), reference))
+    labels = np.where(labels == vlm.SOFT_TOKEN, lm_lib.PAD_ID, labels)
+    return Layout(ids=ids, labels=labels, weights=weights, targets=tuple(targets))
+
+  def _rows(self, examples, layouts, indices):
+    """Right-padded token arrays and collated images of the given examples (index -1: a weight-0 row)."""
+    n = len(indices)
+    tokens = np.zeros((n, self.length), np.int32)
+    labels = np.zeros((n, self.length), np.int32)
+    weights = np.zeros((n, self.length), np.float32)
+    images = []
+    for row, index in enumerate(indices):
+      if index < 0:
+        images.append(())
+        continue
+      layout = layouts[index]
+      size = len(layout.ids)
+      tokens[row, :size], labels[row, :size], weights[row, :size] = layout.ids, layout.labels, layout.weights
+      images.append(examples[index].images)
+    batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=MAX_IMAGES)
+    batch.update(tokens=tokens, labels=labels, weights=weights, valid=tokens != lm_lib.PAD_ID)
+    return batch
+
+  # --- batches ----------------------------------------------------------------------------------
+
+  def train_batch(self, step, *, process_index, process_count):
+    local = self.config.batch_size // process_count
+    rows = step * self.config.batch_size + process_index * local + np.arange(local)
+    return self._rows(self.train_examples, self.train_layouts, rows % len(self.train_examples))
+
+  def eval_batches(self, *, process_index, process_count):
+    size = self.config.eval_batch_size
+    local = size // process_count
+    for start in range(0, len(self.eval_examples), size):
+      rows = start + process_index * local + np.arange(local)
+      yield self._rows(self.eval_examples, self.eval_layouts, np.where(rows < len(self.eval_examples), rows, -1))
+
+  # --- model, loss, metrics ---------------------------------------------------------------------
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    model = self.config.model
+    rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())  # the layers' Dropout wants a stream
+    encoder = encoder_task.make_encoder(self.encoder_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
+                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if self.weights is not None:  # None in eval / infer: the checkpoint restore sets them
+      for module, weights in ((encoder, self.weights["encoder"]), (lm, self.weights["lm"])):
+        state = nnx.state(module, nnx.Param)
+        nnx.replace_by_pure_dict(state, weights)
+        nnx.update(module, state)
+    return vlm.VisionLanguageModel(
+        encoder, lm, connector=model.connector, image_token_id=self.marker, num_heads=model.num_heads,
+        mlp_ratio=model.mlp_ratio, cross_attention_every=model.cross_attention_every,
+        num_latents=model.num_latents, resampler_blocks=model.resampler_blocks, num_queries=model.num_queries,
+        qformer_width=model.qformer_width, qformer_blocks=model.qformer_blocks,
+        qformer_cross_attention_every=model.qformer_cross_attention_every, image_positions=model.image_positions,
+        hide_padding=model.hide_padding, dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype,
+        rngs=rngs)
+
+  @staticmethod
+  def _logits(model, batch, deterministic=True):
+    return model(batch["images"], batch["pixel_valid"], batch["image_valid"], batch["tokens"], batch["valid"],
+                 deterministic=deterministic)
+
+  def loss(self, model, batch, *, rngs):
+    del rngs
+    logits = self._logits(model, batch, deterministic=False)
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], batch["weights"])
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+
+  def eval_metrics(self, model, batch):
+    logits = self._logits(model, batch)
+    loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], batch["weights"])
+    correct = (jnp.argmax(logits, axis=-1) == batch["labels"]) * batch["weights"]
+    return {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct), weight_sum)}
+
+  # --- generation -------------------------------------------------------------------------------
+
+  @functools.cached_property
+  def _generate(self):
+    options, max_new = self.options, self.max_new_tokens
+    return nnx.jit(lambda model, images, pixel_valid, image_valid, prompt, valid, keys: model.generate(
+        images, pixel_valid, image_valid, prompt, valid, max_length=max_new, eos_id=tokenizers.EOS_ID,
+        options=options, rng=keys)[0])
+
+  def _cut(self, row, stop: int) -> str:
+    """The generated ids up to the token that ends a target (or EOS, a marker, an invalid id), as text."""
+    kept = []
+    for token in np.asarray(row).tolist():
+      if token in (stop, tokenizers.EOS_ID, self.marker, lm_lib.PAD_ID) or token < 0:
+        break
+      kept.append(token)
+    return _normalise(self.tokenizer.decode(kept))
+
+  def generate(self, model, requests) -> list[str]:
+    """requests: (images, prompt ids, end token id) each -> the generated text of each, in order."""
+    size = self.config.eval_batch_size
+    outputs = []
+    for start in range(0, len(requests), size):
+      chunk = requests[start:start + size]
+      padded = chunk + [chunk[-1]] * (size - len(chunk))  # one batch shape: one compiled program
+      prompt_length = max(self.prompt_length, max(len(ids) for _, ids, _ in padded))
+      tokens, valid = lm_lib.left_pad([ids for _, ids, _ in padded], prompt_length)
+      images = vlm_digits.collate_images([im for im, _, _ in padded], canvas=self.canvas, max_images=MAX_IMAGES)
+      keys = decoding_config.row_keys(self.config, size, offset=start)
+      generated = np.asarray(self._generate(model, images["images"], images["pixel_valid"], images["image_valid"],
+                                            tokens, valid, keys))
+      outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(generated, chunk)]
+    return outputs
+
+  def extra_eval(self, model):
+    requests, references, groups = [], [], []
+    for example, layout in zip(self.eval_examples, self.eval_layouts):
+      for prefix, stop, reference in layout.targets:
+        requests.append((example.images, layout.ids[:prefix].tolist(), stop))
+        references.append(_normalise(reference))
+        groups.append((example.kind, example.num_digits))
+    if not requests:
+      return {}
+    hypotheses = self.generate(model, requests)
+    correct = np.array([h == r for h, r in zip(hypotheses, references)], float)
+    import sacrebleu  # imported here: only evaluation needs it
+    metrics = {"exact_match": float(correct.mean()),
+               "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score / 100.0}
+    kinds = np.array([kind for kind, _ in groups])
+    digits = np.array([n for _, n in groups])
+    for kind in sorted(set(kinds)):
+      metrics[f"exact_match_{kind}"] = float(correct[kinds == kind].mean())
+    for n in sorted(set(digits) - {0}):
+      metrics[f"exact_match_{n}digits"] = float(correct[digits == n].mean())
+    return metrics
+
+  def infer(self, model, lines):
+    requests = []
+    for index, line in enumerate(lines):
+      path, _, question = line.rstrip("\n").partition("\t")
+      try:
+        image = image_text.load_image(path.strip(), self.canvas)
+      except (OSError, ValueError) as error:
+        raise task_lib.InputLineError(index, str(error)) from None
+      ids = [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
+      ids += self.tokenizer.encode(question.strip()) if question.strip() else []
+      requests.append(((image,), ids, tokenizers.EOS_ID))
+    return [text or "(nothing)" for text in self.generate(model, requests)]
+
+
+@functools.lru_cache(maxsize=4)
+def _read_pairs_cached(path: str, mtime_ns: int, canvas_size: tuple[int, int]):
+  del mtime_ns  # part of the cache key: an edited file is read again
+  return image_text.read_image_text_pairs(path, canvas=canvas_size)
