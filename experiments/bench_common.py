@@ -94,3 +94,17 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   cores = len(os.sched_getaffinity(0))
   torch.set_num_threads(cores)
   return args, (quick if args.quick else full), cores
+
+
+def run_record() -> dict:
+  """{"commit": the repository's HEAD (with "+changes" when the work tree differs from it), "command": the
+  exact command line}: what a results file records so that its numbers can be traced to the code."""
+  import shlex
+  import subprocess
+  root = RESULTS.parents[1]
+  git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, check=False)
+  commit = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+  if git("status", "--porcelain", "--untracked-files=no").stdout.strip():
+    commit += "+changes"
+  command = " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, *sys.argv])
+  return {"commit": commit, "command": command}
