@@ -117,11 +117,10 @@ def jax_attention_fn(name, case: Case, mask):
 
 
 def names_for(dtype: str, case: Case) -> tuple[str, ...]:
-  """The rows measured besides torch: cuDNN rows only where cuDNN can run (GPU, half precision);
-  dense only for the plain case (the others show the paths the default can take)."""
+  """The rows measured besides torch: the paths the default can take ("xla", "chunked"), and cuDNN rows
+  only where cuDNN can run (GPU, half precision). "dense" is what "xla" runs up to 256 x 256 scores."""
   cudnn = ON_GPU and dtype != "float32"
-  ours = [n for n in OURS if n != "ours (default)" and (cudnn or n != "ours cudnn")
-          and (n != "ours dense" or case.name == "plain")]
+  ours = [n for n in OURS if n not in ("ours (default)", "ours dense") and (cudnn or n != "ours cudnn")]
   return ("jax.nn", *(("jax.nn cudnn",) if cudnn else ()), *ours)
 
 
@@ -171,6 +170,11 @@ def torch_runners(arrays, mask, case: Case, threads):
   return forward, backward
 
 
+def small(case: Case) -> bool:
+  """Whether a case's calls are short (up to 8 x 8 x 512 x 512 scores): more runs a round."""
+  return case.batch * case.heads * case.q_len * case.kv_len <= 8 * 8 * 512 * 512
+
+
 def speed_rows(cases, threads, repeats_at, dtype="float32"):
   rows = []
   rng = np.random.default_rng(0)
@@ -185,10 +189,10 @@ def speed_rows(cases, threads, repeats_at, dtype="float32"):
     # Every row interleaved in rounds, so load changes hit them alike. In a round each row first runs
     # once untimed, so the timed runs follow a run of the same program, as in a training loop: right
     # after another library's call its threads still spin, and right after a call that freed
-    # gigabytes (jax.nn's backward) the allocator faults its pages back in. Short calls run 2 a round.
-    small = case.batch * case.heads * case.q_len * case.kv_len <= 8 * 8 * 512 * 512
-    seconds = blocked_median_seconds(runners, blocks=repeats, per_block=2 if small or ON_GPU else 1,
-                                     warmup=1, drop_first=True)
+    # gigabytes (jax.nn's backward) the allocator faults its pages back in. Short calls run 2 a round;
+    # long ones (a second or more) once, without the untimed run.
+    few = small(case) or ON_GPU
+    seconds = blocked_median_seconds(runners, blocks=repeats, per_block=2 if few else 1, warmup=1, drop_first=few)
     row = {"case": case.name, "shape": dataclasses.asdict(case), "dtype": dtype,
            "default": default_implementation(case, dtype),
            "ms": {name: [seconds[name, 0] * 1e3, seconds[name, 1] * 1e3] for name, mode in runners if mode == 0}}
@@ -278,7 +282,7 @@ def to_markdown(meta, speed, long, memory):
            f"Machine: {meta['machine']}; {where}. Load average before the start: {meta['load_average']}. "
            f"Commit {meta['commit']}. Command: `{meta['command']}`. "
            f"Medians over {meta['repeats']} after a warm-up; within a case every row is timed round by "
-           "round, interleaved with the others, each round's timed runs after one untimed run. "
+           "round, interleaved with the others. "
            "`ours (default)` is the implementation `implementation=None` picks for the case (the same program "
            "as that row, so its numbers are that row's).", ""]
   digits = 3 if ON_GPU else 1
@@ -315,6 +319,8 @@ def to_markdown(meta, speed, long, memory):
                    f"{x[1]:.0f} | {c[1]:.0f} | {c[0] / x[0]:.2f}, {c[1] / x[1]:.2f} | {mx[1]:.0f} / {mc[1]:.0f} | "
                    f"{t[0]:.0f} / {t[1]:.0f} |")
     lines.append("")
+  if not memory:
+    return "\n".join(lines) + "\n"
   peak = ("Peak device bytes in use while running the compiled function (after a first run), over what its "
           "inputs hold" if ON_GPU else "Peak resident-set growth while running the compiled function (after compiling)")
   lines += [f"## Memory: batch 1, {meta['heads']} heads, head_dim {meta['head_dim']}, float32, each in a "
@@ -335,6 +341,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_output_flags(parser)
   parser.add_argument("--memory_worker", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--no_memory", action="store_true",
+                      help="skip the fresh-process memory rows at length 16384 (minutes on a loaded machine)")
   args = parser.parse_args()
   if args.memory_worker:
     name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
@@ -355,8 +363,7 @@ def main():
   memory_length = 256 if args.quick else 16384
   # Short calls get more rounds: at 512 one round of every row takes ~6 s, and on a shared machine
   # 5 rounds left the same program 10% apart in two rows of one run.
-  small = lambda case: case.batch * case.heads * case.q_len * case.kv_len <= 8 * 8 * 512 * 512
-  repeats_at = (lambda case: 2) if args.quick else (lambda case: 5 if small(case) else 3)
+  repeats_at = (lambda case: 2) if args.quick else (lambda case: 3 if small(case) else 2)
   if ON_GPU and not args.quick:  # milliseconds a call: many more runs for the same wall time
     repeats_at = lambda case: 10
   meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores,
@@ -366,15 +373,15 @@ def main():
           "torch_threads": cores, "load_average": load_before, **run_record(),
           "heads": heads, "head_dim": head_dim,
           "repeats": ("10 rounds of 3; 3 for memory" if ON_GPU else
-                      "5 rounds of 2 timed runs up to 8 x 8 x 512 x 512 scores, 3 rounds of 1 beyond; long keys "
-                      "2 rounds of 1; 1 for memory")
+                      "3 rounds of 2 timed runs (after one untimed) up to 8 x 8 x 512 x 512 scores, 2 rounds of 1 "
+                      "beyond; long keys 2 rounds of 1; 1 for memory")
                      if not args.quick else 2}
   speed = []
   for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
     speed += speed_rows(cases, cores, repeats_at, dtype)
   long = long_rows(long, cores, 2)
-  memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
-                       repeats=(3 if ON_GPU else 1) if not args.quick else 2)
+  memory = [] if args.no_memory else memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads,
+                                                 head_dim, repeats=(3 if ON_GPU else 1) if not args.quick else 2)
   out_dir = args.out
   markdown = to_markdown(meta, speed, long, memory)
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"
