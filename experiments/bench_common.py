@@ -108,3 +108,16 @@ def run_record() -> dict:
     commit += "+changes"
   command = " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, *sys.argv])
   return {"commit": commit, "command": command}
+
+
+def parse_jax_vs_torch_args_with(doc: str, full: dict, quick: dict, add_arguments):
+  """parse_jax_vs_torch_args with the script's own flags: add_arguments(parser) adds them."""
+  import torch  # only the JAX-vs-torch scripts need it
+
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  add_output_flags(parser)
+  add_arguments(parser)
+  args = parse_output_args(parser, pathlib.Path(sys.argv[0]).stem)
+  cores = len(os.sched_getaffinity(0))
+  torch.set_num_threads(cores)
+  return args, (quick if args.quick else full), cores
