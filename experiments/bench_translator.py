@@ -492,31 +492,37 @@ def compiled_step(decoder: TorchCachedDecoder, inputs, new_tokens: int):
 
 # --- report -------------------------------------------------------------------------------------
 
-def decode_section(s, rng, repeats):
+def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
   """Greedy and beam decoding, JAX and torch, interleaved: {name: seconds}, the torch.compile status, and
-  the check that the cached torch decoder's tokens equal the re-running decoder's."""
+  the check that the cached torch decoder's tokens equal the re-running decoder's. The re-running
+  decoder (the no-cache row, ~10x the others' time) is timed once, in that check."""
   inputs = tokens(rng, s["vocab"], s["batch"], s["length"])
   jax_decoders = decode_functions(make_translator(s), s)
+  if not reprojecting:
+    del jax_decoders["greedy_reprojecting"]
   jax_inputs, torch_inputs = jnp.asarray(inputs), torch.from_numpy(inputs).long()
   torch.manual_seed(0)
   torch_model = TorchTranslator(s).eval()
   cached = TorchCachedDecoder(torch_model, s["new_tokens"])
   rerun, greedy = torch_greedy_rerun(torch_model, s["new_tokens"]), torch_greedy_cached(cached, s["new_tokens"])
   # The baseline decodes what torch.nn.Transformer decodes, token for token (EOS never emitted).
+  start = time.perf_counter()
   reference = rerun(torch_inputs)
+  rerun_seconds = time.perf_counter() - start
   assert torch.equal(greedy(torch_inputs), reference), "cached torch decoder differs from the re-running decoder"
   decoders = {name: (lambda f=f: f(jax_inputs)) for name, f in jax_decoders.items()}
   decoders["torch_greedy_cached"] = lambda: greedy(torch_inputs)
   decoders["torch_beam_cached"] = lambda: torch_beam_cached(cached, s["new_tokens"], s["beam"], 0.6, s["vocab"])(
       torch_inputs)
-  step, compile_failure = compiled_step(cached, torch_inputs, s["new_tokens"])
+  step, compile_failure = compiled_step(cached, torch_inputs, s["new_tokens"]) if torch_compile else (
+      None, "not run (--no_torch_compile)")
   print(f"torch.compile of the decode step: {compile_failure or 'compiled, tokens equal eager'}", flush=True)
   if step is not None:
     compiled_greedy = torch_greedy_cached(cached, s["new_tokens"], step)
     decoders["torch_greedy_cached_compiled"] = lambda: compiled_greedy(torch_inputs)
-  decoders["torch_greedy_rerun"] = lambda: rerun(torch_inputs)
   # Interleaved: the machine's speed drifts by several percent over the minutes this takes.
-  return interleaved_median_seconds(decoders, repeats, warmup=1), compile_failure
+  seconds = interleaved_median_seconds(decoders, repeats, warmup=1)
+  return dict(seconds, torch_greedy_rerun=rerun_seconds), compile_failure
 
 
 SECTIONS = ("training", "decoding", "compile")
@@ -526,6 +532,9 @@ def add_arguments(parser):
   parser.add_argument("--sections", default=",".join(SECTIONS),
                       help=f"comma-separated sections to run, of {SECTIONS} (default: all)")
   parser.add_argument("--repeats", type=int, default=None, help="runs per median (default: the sizes' own)")
+  parser.add_argument("--no_torch_compile", action="store_true", help="decoding: no torch.compile row")
+  parser.add_argument("--no_reprojecting", action="store_true",
+                      help="decoding: no row re-projecting the memory's keys / values every step")
   parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
                       help="measure nothing: merge these results files (sections run separately) and write the tables")
 
@@ -556,7 +565,8 @@ def training_section(s, rng, results):
 
 
 def decoding_section(s, rng, results):
-  decode_seconds, compile_failure = decode_section(s, rng, s["repeats"] // 2 + 1)
+  decode_seconds, compile_failure = decode_section(s, rng, s["repeats"] // 2 + 1, s["torch_compile"],
+                                                   s["reprojecting"])
   print(f"decode seconds: {decode_seconds}", flush=True)
   # The machine's rates, measured right after the decoders in the same process.
   matmul_rate, bandwidth = matmul_flops_per_second(s["repeats"]), memory_bytes_per_second(s["repeats"])
@@ -644,9 +654,12 @@ def render(results) -> str:
         ("torch_greedy_cached", "torch greedy, cached, eager", greedy_base),
         ("torch_greedy_cached_compiled", "torch greedy, cached, torch.compile of the step (fixed shapes)",
          greedy_base),
-        ("torch_greedy_rerun", "torch.nn.Transformer greedy, no cache (decoder re-run on the prefix)", greedy_base),
+        ("torch_greedy_rerun", "torch.nn.Transformer greedy, no cache (decoder re-run on the prefix; one run)",
+         greedy_base),
         ("beam", f"xattn_jax beam search, beam {s['beam']} (tokens of the best beam)", beam_base),
         ("torch_beam_cached", f"torch beam search, beam {s['beam']}, cached, eager", beam_base)):
+      if name == "greedy_reprojecting" and name not in d:
+        continue
       if name in d:
         lines.append(row(label, f"{seconds[name]:.3f}", f"{d[name]['new_tokens_per_s']:.0f}",
                          f"{base / seconds[name]:.2f}x"))
@@ -656,8 +669,9 @@ def render(results) -> str:
     lines += [
         "", f"Greedy vs cached torch: **{greedy_base / seconds['greedy']:.2f}x** (target >= 1.5x); beam {s['beam']} "
         f"vs cached torch beam: **{beam_base / seconds['beam']:.2f}x** (target >= 1.5x); greedy vs the no-cache "
-        f"torch decoder: {seconds['torch_greedy_rerun'] / seconds['greedy']:.1f}x (not the same work). Projecting "
-        f"the memory once vs every step: {seconds['greedy_reprojecting'] / seconds['greedy']:.2f}x faster.", "",
+        f"torch decoder: {seconds['torch_greedy_rerun'] / seconds['greedy']:.1f}x (not the same work)."
+        + (f" Projecting the memory once vs every step: {seconds['greedy_reprojecting'] / seconds['greedy']:.2f}x "
+           "faster." if "greedy_reprojecting" in seconds else ""), "",
         f"Machine limit for greedy decoding (`greedy_work`): encoding {lim['encode_flops'] / 1e9:.1f} GFLOP, then "
         f"{s['new_tokens']} steps of {lim['step_flops'] / 1e9:.1f} GFLOP and {lim['step_bytes'] / 1e9:.2f} GB in all "
         "(every weight read once a step, the caches and the logits), against this process's 2048^3 matmul rate "
@@ -702,7 +716,8 @@ def main():
     if unknown or (args.repeats is not None and args.repeats < 1):
       raise SystemExit(f"--sections must name some of {SECTIONS}, got {args.sections!r}" if unknown else
                        f"--repeats must be >= 1, got {args.repeats}")
-    s = dict(s, repeats=args.repeats or s["repeats"])
+    s = dict(s, repeats=args.repeats or s["repeats"], torch_compile=not args.no_torch_compile,
+             reprojecting=not args.no_reprojecting)
     # Taken before any work: from here on the benchmark itself keeps the cores busy (load ~2).
     run = {"sections": ",".join(sections), "load_average_before": os.getloadavg()[0],
            "started": time.strftime("%Y-%m-%d %H:%M"), **run_record()}
