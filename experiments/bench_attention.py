@@ -1,11 +1,18 @@
 """Attention speed and memory on this machine: our implementations vs jax.nn and torch SDPA.
 
-Speed: batch 8, 8 heads, head_dim 64, float32, lengths 128 / 512 / 2048; forward and
-forward+backward (gradients w.r.t. query, key and value of the output's sum), medians of several
-rounds after a warm-up (every row of a length interleaved round by round), `block_until_ready` on
-every result; torch runs with as many threads as JAX has cores. Memory: peak resident set of dense
-(`jax.nn.dot_product_attention`, which materializes the [batch, heads, q, kv] scores) versus our
-paths at length 16384 (batch 1, 8 heads), each in its own fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
+Speed: forward and forward+backward (gradients w.r.t. query, key and value of the output's sum),
+float32, medians of several rounds after a warm-up (every row of a case interleaved round by round),
+`block_until_ready` on every result; torch runs with as many threads as JAX has cores. The cases
+(`CASES`) are the shapes the models use, each at a base length L of 512 and 2048 (the plain case
+also at 128): plain self-attention (batch 8, 8 heads, head_dim 64), causal with key padding,
+cross-attention over a padded memory, GQA, head_dim 128, batch 1 with a short query over a long
+memory, and a shape the blocking constants were not tuned on (odd lengths, 6 heads of 80). The
+default path's row names the implementation `implementation=None` picks; it runs that program.
+Long keys: "xla" against "chunked" at kv_len 4096 / 8192 / 16384 (and a short query up to 32768),
+time and XLA's temp-buffer bytes: the numbers behind the default's choice between them.
+Memory: peak resident set of dense (`jax.nn.dot_product_attention`, which materializes the
+[batch, heads, q, kv] scores) versus our paths at length 16384 (batch 1, 8 heads), each in its own
+fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
 
 On a GPU backend the same tables are made on the GPU (torch on CUDA, synchronized), in float32
 and in bfloat16 with cuDNN rows (ours and jax.nn's), memory as the device's peak bytes in use;
@@ -17,6 +24,7 @@ they go to attention_benchmark_gpu.{md,json}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -34,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_common import add_output_flags, blocked_median_seconds, parse_output_args  # noqa: E402
+from bench_common import add_output_flags, blocked_median_seconds, parse_output_args, run_record  # noqa: E402
 from xattn_jax.ops import attention  # noqa: E402
 
 OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked",
@@ -42,17 +50,78 @@ OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours 
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def jax_attention_fn(name):
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One attention shape: query [batch, q_len, heads, head_dim], keys [batch, kv_len, kv_heads, head_dim].
+
+  key_padding: the last keys of some rows are hidden by a [batch, 1, 1, kv_len] mask (row b keeps
+  kv_len - (b % 4) * kv_len // 8 keys, so no query row is left without keys).
+  """
+  name: str
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int = 8
+  kv_heads: int = 8
+  head_dim: int = 64
+  is_causal: bool = False
+  key_padding: bool = False
+
+  def label(self) -> str:
+    shape = f"b{self.batch} q{self.q_len} kv{self.kv_len} h{self.heads}"
+    shape += f"/{self.kv_heads}kv" if self.kv_heads != self.heads else ""
+    return shape + f" d{self.head_dim}" + (" causal" if self.is_causal else "") + (" pad" if self.key_padding else "")
+
+
+# The shapes the models use, at base length L and batch B (`CASES[name](L, B)`): the one owner of the list.
+CASES = {
+    "plain": lambda L, B: Case("plain", B, L, L),
+    "causal + key padding": lambda L, B: Case("causal + key padding", B, L, L, is_causal=True, key_padding=True),
+    "cross, padded memory": lambda L, B: Case("cross, padded memory", B, L // 2, L, key_padding=True),
+    "GQA 8/2": lambda L, B: Case("GQA 8/2", B, L, L, kv_heads=2),
+    "head_dim 128": lambda L, B: Case("head_dim 128", B, L, L, heads=4, kv_heads=4, head_dim=128),
+    "batch 1, long kv": lambda L, B: Case("batch 1, long kv", 1, L // 4, 8 * L),
+    "untuned shape": lambda L, B: Case("untuned shape", max(1, B * 3 // 8), L - L // 8 + 5, L - L // 8 + 5, heads=6,
+                                       kv_heads=6, head_dim=80),
+}
+LONG_CASES = (  # xla against chunked: the default's rule between them
+    *(Case("self", 1, n, n) for n in (4096, 8192)),
+    *(Case("short query", 1, 256, n) for n in (4096, 8192, 16384, 32768)),
+)
+
+
+def case_arrays(case: Case, dtype, rng):
+  """(query, key, value, mask or None) for a case, as JAX arrays."""
+  q = jnp.asarray(rng.normal(size=(case.batch, case.q_len, case.heads, case.head_dim)), dtype)
+  k, v = (jnp.asarray(rng.normal(size=(case.batch, case.kv_len, case.kv_heads, case.head_dim)), dtype)
+          for _ in range(2))
+  mask = None
+  if case.key_padding:
+    valid = case.kv_len - (np.arange(case.batch) % 4) * (case.kv_len // 8)  # -> [batch]
+    mask = jnp.asarray(np.arange(case.kv_len)[None, :] < valid[:, None])[:, None, None, :]
+  return q, k, v, mask
+
+
+def default_implementation(case: Case, dtype) -> str:
+  return attention.select_implementation(
+      backend=jax.default_backend(), dtype=dtype, head_dim=case.head_dim, q_len=case.q_len, kv_len=case.kv_len,
+      has_mask=case.key_padding, has_bias=False, is_causal=case.is_causal)
+
+
+def jax_attention_fn(name, case: Case, mask):
+  kwargs = dict(mask=mask, is_causal=case.is_causal)
   if name in ("jax.nn", "jax.nn cudnn"):
     implementation = "cudnn" if name == "jax.nn cudnn" else "xla"
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation)
-  return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation=OURS[name])
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+  return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation=OURS[name], **kwargs)
 
 
-def names_for(dtype: str) -> tuple[str, ...]:
-  """The rows measured besides torch: cuDNN rows only where cuDNN can run (GPU, half precision)."""
+def names_for(dtype: str, case: Case) -> tuple[str, ...]:
+  """The rows measured besides torch: the paths the default can take ("xla", "chunked"), and cuDNN rows
+  only where cuDNN can run (GPU, half precision). "dense" is what "xla" runs up to 256 x 256 scores."""
   cudnn = ON_GPU and dtype != "float32"
-  return ("jax.nn", *(("jax.nn cudnn",) if cudnn else ()), *(n for n in OURS if cudnn or n != "ours cudnn"))
+  ours = [n for n in OURS if n not in ("ours (default)", "ours dense") and (cudnn or n != "ours cudnn")]
+  return ("jax.nn", *(("jax.nn cudnn",) if cudnn else ()), *ours)
 
 
 def forward_and_backward(fn):
@@ -70,7 +139,7 @@ def median_ms(run, repeats):
   return statistics.median(times)
 
 
-def torch_runners(arrays, threads):
+def torch_runners(arrays, mask, case: Case, threads):
   import torch
   torch.set_num_threads(threads)
   device = "cuda" if ON_GPU else "cpu"
@@ -80,38 +149,75 @@ def torch_runners(arrays, threads):
   q, k, v = (torch.from_numpy(np.array(x, np.float32)).to(device, dtype).transpose(1, 2).contiguous()
              for x in arrays)
   qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+  attn_mask, is_causal = None, case.is_causal
+  if mask is not None:  # torch takes a causal flag or a mask, not both: a causal case's mask holds both
+    attn_mask = torch.from_numpy(np.array(mask)).to(device)
+    if case.is_causal:
+      attn_mask = attn_mask & torch.ones(case.q_len, case.kv_len, dtype=torch.bool, device=device).tril(
+          case.kv_len - case.q_len)
+      is_causal = False
+  kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, enable_gqa=case.kv_heads != case.heads)
 
   def forward():
     with torch.no_grad():
-      torch.nn.functional.scaled_dot_product_attention(q, k, v)
+      torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
     sync()
 
   def backward():
-    torch.nn.functional.scaled_dot_product_attention(qg, kg, vg).sum().backward()
+    torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, **kwargs).sum().backward()
     sync()
 
   return forward, backward
 
 
-def speed_rows(lengths, batch, heads, head_dim, threads, repeats_at, dtype="float32"):
+def small(case: Case) -> bool:
+  """Whether a case's calls are short (up to 8 x 8 x 512 x 512 scores): more runs a round."""
+  return case.batch * case.heads * case.q_len * case.kv_len <= 8 * 8 * 512 * 512
+
+
+def speed_rows(cases, threads, repeats_at, dtype="float32"):
   rows = []
   rng = np.random.default_rng(0)
-  for length in lengths:
-    arrays = [jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), dtype) for _ in range(3)]
-    repeats = repeats_at(length)
-    runners = dict(zip((("torch SDPA", 0), ("torch SDPA", 1)), torch_runners(arrays, threads)))
-    for name in names_for(dtype):
-      fwd, bwd = forward_and_backward(jax_attention_fn(name))
+  for case in cases:
+    *arrays, mask = case_arrays(case, dtype, rng)
+    repeats = repeats_at(case)
+    runners = dict(zip((("torch SDPA", 0), ("torch SDPA", 1)), torch_runners(arrays, mask, case, threads)))
+    for name in names_for(dtype, case):
+      fwd, bwd = forward_and_backward(jax_attention_fn(name, case, mask))
       runners[name, 0] = lambda fwd=fwd: jax.block_until_ready(fwd(*arrays))
       runners[name, 1] = lambda bwd=bwd: jax.block_until_ready(bwd(*arrays))
     # Every row interleaved in rounds, so load changes hit them alike. In a round each row first runs
     # once untimed, so the timed runs follow a run of the same program, as in a training loop: right
     # after another library's call its threads still spin, and right after a call that freed
-    # gigabytes (jax.nn's backward) the allocator faults its pages back in. Short calls run 3 a round.
-    seconds = blocked_median_seconds(runners, blocks=repeats, per_block=3 if length <= 512 or ON_GPU else 1,
-                                     warmup=1, drop_first=True)
-    row = {"length": length, "dtype": dtype,
+    # gigabytes (jax.nn's backward) the allocator faults its pages back in. Short calls run 2 a round;
+    # long ones (a second or more) once, without the untimed run.
+    few = small(case) or ON_GPU
+    seconds = blocked_median_seconds(runners, blocks=repeats, per_block=2 if few else 1, warmup=1, drop_first=few)
+    row = {"case": case.name, "shape": dataclasses.asdict(case), "dtype": dtype,
+           "default": default_implementation(case, dtype),
            "ms": {name: [seconds[name, 0] * 1e3, seconds[name, 1] * 1e3] for name, mode in runners if mode == 0}}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  return rows
+
+
+def long_rows(cases, threads, repeats):
+  """xla and chunked (and torch SDPA) at long key lengths: ms forward / forward+backward and XLA's
+  temp bytes for each program, interleaved round by round."""
+  rows = []
+  rng = np.random.default_rng(0)
+  for case in cases:
+    *arrays, mask = case_arrays(case, "float32", rng)
+    runners, temp_mb = dict(zip((("torch SDPA", 0), ("torch SDPA", 1)), torch_runners(arrays, mask, case, threads))), {}
+    for name in ("ours xla", "ours chunked"):
+      for mode, fn in enumerate(forward_and_backward(jax_attention_fn(name, case, mask))):
+        compiled = fn.lower(*arrays).compile()
+        temp_mb[name, mode] = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+        runners[name, mode] = lambda compiled=compiled: jax.block_until_ready(compiled(*arrays))
+    seconds = blocked_median_seconds(runners, blocks=repeats, per_block=1, warmup=1, drop_first=False)
+    row = {"case": case.name, "shape": dataclasses.asdict(case), "default": default_implementation(case, "float32"),
+           "ms": {name: [seconds[name, 0] * 1e3, seconds[name, 1] * 1e3] for name, mode in runners if mode == 0},
+           "xla_temp_mb": {name: [temp_mb[name, 0], temp_mb[name, 1]] for name, mode in temp_mb if mode == 0}}
     print(json.dumps(row), flush=True)
     rows.append(row)
   return rows
@@ -120,8 +226,9 @@ def speed_rows(lengths, batch, heads, head_dim, threads, repeats_at, dtype="floa
 def memory_worker(name, mode, length, heads, head_dim, repeats):
   """Runs in a fresh process: prints peak RSS growth (MB), time (ms) and XLA's temp buffer size."""
   rng = np.random.default_rng(0)
-  arrays = [jnp.asarray(rng.normal(size=(1, length, heads, head_dim)), jnp.float32) for _ in range(3)]
-  fwd, bwd = forward_and_backward(jax_attention_fn(name))
+  case = Case("memory", 1, length, length, heads=heads, kv_heads=heads, head_dim=head_dim)
+  *arrays, mask = case_arrays(case, jnp.float32, rng)
+  fwd, bwd = forward_and_backward(jax_attention_fn(name, case, mask))
   fn = fwd if mode == "forward" else bwd
   compiled = fn.lower(*arrays).compile()
   temp_mb = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
@@ -167,25 +274,53 @@ def memory_rows(names, length, heads, head_dim, repeats):
   return rows
 
 
-def to_markdown(meta, speed, memory):
+def to_markdown(meta, speed, long, memory):
   where = (f"JAX {meta['jax']} on {meta['jax_device_kind']}; torch {meta['torch']} on CUDA" if ON_GPU else
            f"JAX {meta['jax']} on {meta['jax_devices']} CPU device(s) using {meta['cores']} cores; "
            f"torch {meta['torch']} with {meta['torch_threads']} threads")
   lines = [f"# Attention benchmark ({meta['date']})", "",
-           f"Machine: {meta['machine']}; {where}. Load average at start: {meta['load_average']}. "
-           f"Medians over {meta['repeats']} after a warm-up; within a length every row is timed round by "
-           "round, interleaved with the others, each round's timed runs after one untimed run.", ""]
+           f"Machine: {meta['machine']}; {where}. Load average before the start: {meta['load_average']}. "
+           f"Commit {meta['commit']}. Command: `{meta['command']}`. "
+           f"Medians over {meta['repeats']} after a warm-up; within a case every row is timed round by "
+           "round, interleaved with the others. "
+           "`ours (default)` is the implementation `implementation=None` picks for the case (the same program "
+           "as that row, so its numbers are that row's).", ""]
   digits = 3 if ON_GPU else 1
   for dtype in dict.fromkeys(row["dtype"] for row in speed):
-    lines += [f"## Speed: batch {meta['batch']}, {meta['heads']} heads, head_dim {meta['head_dim']}, {dtype} (ms)", "",
-              "| length | implementation | forward | fwd+bwd | fwd / torch | fwd+bwd / torch | fwd / jax.nn | "
-              "fwd+bwd / jax.nn |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in (r for r in speed if r["dtype"] == dtype):
+    rows = [r for r in speed if r["dtype"] == dtype]
+    lines += [f"## Default path against torch SDPA and jax.nn, {dtype} (forward+backward unless said)", "",
+              "| case | shape | default | fwd / torch | fwd+bwd / torch | fwd / jax.nn | fwd+bwd / jax.nn |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+      ours, torch_ms, jax_ms = row["ms"][f"ours {row['default']}"], row["ms"]["torch SDPA"], row["ms"]["jax.nn"]
+      lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {row['default']} | "
+                   f"{ours[0] / torch_ms[0]:.2f} | **{ours[1] / torch_ms[1]:.2f}** | {ours[0] / jax_ms[0]:.2f} | "
+                   f"{ours[1] / jax_ms[1]:.2f} |")
+    lines += ["", f"## Speed, every implementation, {dtype} (ms)", "",
+              "| case | shape | implementation | forward | fwd+bwd | fwd / torch | fwd+bwd / torch | fwd / jax.nn | "
+              "fwd+bwd / jax.nn |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
       torch_ms, jax_ms = row["ms"]["torch SDPA"], row["ms"]["jax.nn"]
       for name, (fwd, bwd) in row["ms"].items():
-        lines.append(f"| {row['length']} | {name} | {fwd:.{digits}f} | {bwd:.{digits}f} | {fwd / torch_ms[0]:.2f} | "
-                     f"{bwd / torch_ms[1]:.2f} | {fwd / jax_ms[0]:.2f} | {bwd / jax_ms[1]:.2f} |")
+        shown = name + (" = default" if name == f"ours {row['default']}" else "")
+        lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {shown} | {fwd:.{digits}f} | "
+                     f"{bwd:.{digits}f} | {fwd / torch_ms[0]:.2f} | {bwd / torch_ms[1]:.2f} | {fwd / jax_ms[0]:.2f} | "
+                     f"{bwd / jax_ms[1]:.2f} |")
     lines.append("")
+  if long:
+    lines += ["## Long keys: xla against chunked, float32 (ms; XLA temp buffers in MB)", "",
+              "| case | shape | default | xla fwd | chunked fwd | xla fwd+bwd | chunked fwd+bwd | chunked / xla "
+              "(fwd, fwd+bwd) | temp MB xla / chunked (fwd+bwd) | torch SDPA fwd / fwd+bwd |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in long:
+      x, c, t = row["ms"]["ours xla"], row["ms"]["ours chunked"], row["ms"]["torch SDPA"]
+      mx, mc = row["xla_temp_mb"]["ours xla"], row["xla_temp_mb"]["ours chunked"]
+      lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {row['default']} | {x[0]:.0f} | {c[0]:.0f} | "
+                   f"{x[1]:.0f} | {c[1]:.0f} | {c[0] / x[0]:.2f}, {c[1] / x[1]:.2f} | {mx[1]:.0f} / {mc[1]:.0f} | "
+                   f"{t[0]:.0f} / {t[1]:.0f} |")
+    lines.append("")
+  if not memory:
+    return "\n".join(lines) + "\n"
   peak = ("Peak device bytes in use while running the compiled function (after a first run), over what its "
           "inputs hold" if ON_GPU else "Peak resident-set growth while running the compiled function (after compiling)")
   lines += [f"## Memory: batch 1, {meta['heads']} heads, head_dim {meta['head_dim']}, float32, each in a "
@@ -206,44 +341,54 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_output_flags(parser)
   parser.add_argument("--memory_worker", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--no_memory", action="store_true",
+                      help="skip the fresh-process memory rows at length 16384 (minutes on a loaded machine)")
   args = parser.parse_args()
   if args.memory_worker:
     name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
     memory_worker(name, mode, int(length), int(heads), int(head_dim), int(repeats))
     return
+  load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
   args = parse_output_args(parser, "bench_attention")  # the output directory made before measuring
 
   import torch
-  cores = os.cpu_count()
-  batch, heads, head_dim = (2, 2, 16) if args.quick else (8, 8, 64)
-  lengths = (32, 64) if args.quick else (128, 512, 2048)
+  cores = len(os.sched_getaffinity(0))
+  heads, head_dim = (2, 16) if args.quick else (8, 64)
+  # Base lengths and batches: batch 8 up to length 512, 2 at 2048 (a round of every case there takes
+  # minutes on this shared 2-core machine at batch 8).
+  bases = {"plain": ((32, 8), (64, 8))} if args.quick else {"plain": ((128, 8), (512, 8), (2048, 2))}
+  default_bases = ((32, 8), (64, 8)) if args.quick else ((512, 8), (2048, 2))
+  cases = [CASES[name](*base) for name in CASES for base in bases.get(name, default_bases)]
+  long = ((Case("self", 1, 256, 256), Case("short query", 1, 16, 512)) if args.quick else LONG_CASES)
   memory_length = 256 if args.quick else 16384
   # Short calls get more rounds: at 512 one round of every row takes ~6 s, and on a shared machine
   # 5 rounds left the same program 10% apart in two rows of one run.
-  repeats_at = (lambda length: 2) if args.quick else (lambda length: 15 if length <= 512 else 5)
+  repeats_at = (lambda case: 2) if args.quick else (lambda case: 3 if small(case) else 2)
   if ON_GPU and not args.quick:  # milliseconds a call: many more runs for the same wall time
-    repeats_at = lambda length: 10
+    repeats_at = lambda case: 10
   meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cores": cores,
-          "machine": f"{platform.processor() or platform.machine()}, {cores} cores",
+          "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
           "jax": jax.__version__, "jax_devices": jax.local_device_count(),
           "jax_device_kind": jax.devices()[0].device_kind, "torch": torch.__version__,
-          "torch_threads": cores, "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-          "batch": batch, "heads": heads, "head_dim": head_dim,
+          "torch_threads": cores, "load_average": load_before, **run_record(),
+          "heads": heads, "head_dim": head_dim,
           "repeats": ("10 rounds of 3; 3 for memory" if ON_GPU else
-                      "15 rounds of 3 timed runs up to length 512, 5 rounds of 1 beyond; 1 for memory")
+                      "3 rounds of 2 timed runs (after one untimed) up to 8 x 8 x 512 x 512 scores, 2 rounds of 1 "
+                      "beyond; long keys 2 rounds of 1; 1 for memory")
                      if not args.quick else 2}
   speed = []
   for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
-    speed += speed_rows(lengths, batch, heads, head_dim, cores, repeats_at, dtype)
-  memory = memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
-                       repeats=(3 if ON_GPU else 1) if not args.quick else 2)
+    speed += speed_rows(cases, cores, repeats_at, dtype)
+  long = long_rows(long, cores, 2)
+  memory = [] if args.no_memory else memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads,
+                                                 head_dim, repeats=(3 if ON_GPU else 1) if not args.quick else 2)
   out_dir = args.out
-  markdown = to_markdown(meta, speed, memory)
+  markdown = to_markdown(meta, speed, long, memory)
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"
   with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
     f.write(markdown)
   with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-    json.dump({"meta": meta, "speed": speed, "memory": memory}, f, indent=1)
+    json.dump({"meta": meta, "speed": speed, "long": long, "memory": memory}, f, indent=1)
   print(markdown)
   print(f"wrote {os.path.join(out_dir, stem)}.md")
 

@@ -112,3 +112,29 @@ def provenance(argv=None) -> dict:
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "load_average_before": os.getloadavg()[0], "cpu_cores": os.cpu_count(),
           "command": " ".join(shlex.quote(a) for a in ["python", *(sys.argv if argv is None else argv)])}
+
+def run_record() -> dict:
+  """{"commit": the repository's HEAD (with "+changes" when the work tree differs from it), "command": the
+  exact command line}: what a results file records so that its numbers can be traced to the code."""
+  import shlex
+  import subprocess
+  root = RESULTS.parents[1]
+  git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, check=False)
+  commit = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+  if git("status", "--porcelain", "--untracked-files=no").stdout.strip():
+    commit += "+changes"
+  command = " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, *sys.argv])
+  return {"commit": commit, "command": command}
+
+
+def parse_jax_vs_torch_args_with(doc: str, full: dict, quick: dict, add_arguments):
+  """parse_jax_vs_torch_args with the script's own flags: add_arguments(parser) adds them."""
+  import torch  # only the JAX-vs-torch scripts need it
+
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  add_output_flags(parser)
+  add_arguments(parser)
+  args = parse_output_args(parser, pathlib.Path(sys.argv[0]).stem)
+  cores = len(os.sched_getaffinity(0))
+  torch.set_num_threads(cores)
+  return args, (quick if args.quick else full), cores

@@ -32,3 +32,35 @@ def test_an_output_directory_that_cannot_be_made_fails_before_measuring(script, 
 def test_latent_reader_benchmark_refuses_bad_arguments_in_one_line(args, message):
   result = _run("bench_latent_reader.py", *args)
   assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(message), result.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def torch_translator():
+  """bench_translator's torch model at its --quick sizes, its cached decoder, and a batch of sources."""
+  import importlib
+  import numpy as np
+  import torch
+  sys.path.insert(0, str(EXPERIMENTS))
+  try:
+    bench = importlib.import_module("bench_translator")
+  finally:
+    sys.path.remove(str(EXPERIMENTS))
+  sizes = dict(bench.QUICK, vocab=50)  # a small vocabulary: few near-ties left to rounding
+  torch.manual_seed(0)
+  model = bench.TorchTranslator(sizes).eval()
+  inputs = torch.from_numpy(bench.tokens(np.random.default_rng(0), sizes["vocab"], sizes["batch"], sizes["length"]))
+  return bench, sizes, model, bench.TorchCachedDecoder(model, sizes["new_tokens"]), inputs.long()
+
+
+def test_cached_torch_decoder_decodes_what_the_rerunning_decoder_decodes(torch_translator):
+  bench, sizes, model, cached, inputs = torch_translator
+  rerun = bench.torch_greedy_rerun(model, sizes["new_tokens"])(inputs)
+  assert rerun.shape == (sizes["batch"], sizes["new_tokens"])
+  assert bool((bench.torch_greedy_cached(cached, sizes["new_tokens"])(inputs) == rerun).all())
+
+
+def test_cached_torch_beam_search_of_one_beam_without_penalty_is_greedy(torch_translator):
+  bench, sizes, _, cached, inputs = torch_translator
+  greedy = bench.torch_greedy_cached(cached, sizes["new_tokens"])(inputs)
+  beam = bench.torch_beam_cached(cached, sizes["new_tokens"], beam_size=1, alpha=0.0, eos_id=sizes["vocab"])(inputs)
+  assert bool((beam == greedy).all())

@@ -29,7 +29,7 @@ Implementations:
              clipped at a quarter of the dtype's range (half precision would overflow to -inf and
              NaN), so a row hidden by a -inf bias alone averages its values there: hide keys with
              `mask`.
-  None:      cuDNN when allowed, otherwise "xla", or "chunked" for long key sequences
+  None:      cuDNN when allowed, otherwise "xla", or "chunked" from 4096 keys on
              (`select_implementation`).
 """
 from __future__ import annotations
@@ -51,8 +51,9 @@ IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
 # more than its fusion saves (GPU): experiments/results/attention_benchmark.md and _gpu.md.
 _FUSED_UP_TO_SCORES = 256 * 256
 # From this many keys on, the default path beyond the fused size is online softmax ("chunked")
-# instead of one pass ("xla"): both run at about the same speed there, and chunked's score blocks do
-# not grow with the number of keys.
+# instead of one pass ("xla"): chunked's 256 x 512 score blocks stay in a core's L2 cache at any key
+# count, while xla's rows over all keys outgrow it and lean on the shared L3 (the trade by key count:
+# experiments/results/attention_benchmark.md, "Long keys").
 _CHUNKED_FROM_KV_LEN = 4096
 
 
