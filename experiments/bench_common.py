@@ -114,17 +114,10 @@ def provenance(argv=None) -> dict:
           "command": " ".join(shlex.quote(a) for a in ["python", *(sys.argv if argv is None else argv)])}
 
 def run_record() -> dict:
-  """{"commit": the repository's HEAD (with "+changes" when the work tree differs from it), "command": the
-  exact command line}: what a results file records so that its numbers can be traced to the code."""
-  import shlex
-  import subprocess
-  root = RESULTS.parents[1]
-  git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, check=False)
-  commit = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
-  if git("status", "--porcelain", "--untracked-files=no").stdout.strip():
-    commit += "+changes"
-  command = " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, *sys.argv])
-  return {"commit": commit, "command": command}
+  """{"commit": the short HEAD hash (with "+changes" when the work tree differs from it), "command": the
+  exact command line}: provenance() in the compact form the speed tables print."""
+  record = provenance()
+  return {"commit": record["commit"][:7] + ("+changes" if record["dirty"] else ""), "command": record["command"]}
 
 
 def parse_jax_vs_torch_args_with(doc: str, full: dict, quick: dict, add_arguments):

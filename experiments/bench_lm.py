@@ -35,8 +35,6 @@ import math
 import os
 import pathlib
 import platform
-import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -52,6 +50,7 @@ from flax import nnx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
+import bench_common  # noqa: E402
 from bench_common import blocked_median_seconds, parse_jax_vs_torch_args  # noqa: E402
 from configs import lm_text  # noqa: E402
 from xattn_jax import decoding  # noqa: E402
@@ -318,13 +317,11 @@ def torch_decoders(model: TorchLM, s, compiled: bool):
 # --- provenance and checks ----------------------------------------------------------------------
 
 def provenance(load_before: float) -> dict:
-  """Commit (with a `+dirty` mark), UTC date, load average before the start, the exact command."""
-  def git(*args):
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-  dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-  return {"commit": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
-          "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_average_before": load_before,
-          "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
+  """bench_common.provenance with the commit marked `+dirty`, the date as `date_utc` and the load measured
+  before the models were built."""
+  record = bench_common.provenance()
+  return {**record, "commit": record["commit"] + ("+dirty" if record["dirty"] else ""),
+          "date_utc": record["date"].removesuffix(" UTC"), "load_average_before": load_before}
 
 
 def check_agreement(jax_model, torch_model, s, rng) -> dict:
