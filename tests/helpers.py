@@ -1,6 +1,7 @@
 """Helpers shared by test modules (fixtures live in conftest.py)."""
 import atexit
 import fcntl
+import functools
 import json
 import os
 import pathlib
@@ -36,17 +37,18 @@ def abstract_model(task):
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# A very small translator: a few steps, one eval, a checkpoint.
+# A very small translator: a few steps, one eval, a checkpoint; no pictures (rendering them costs a launch
+# more than its training: the runs that check them ask for them).
 TINY_TRANSLATOR = {
     "total_steps": 4, "batch_size": 8, "eval_batch_size": 16, "log_every_steps": 2, "eval_every_steps": 4,
-    "checkpoint.every_steps": 4, "optimizer.warmup_steps": 1, "logging.tensorboard": False,
+    "checkpoint.every_steps": 4, "optimizer.warmup_steps": 1, "logging.tensorboard": False, "logging.plot": False,
     "model.encoder.d_model": 32, "model.encoder.num_layers": 1, "model.encoder.mlp_dim": 64,
     "model.decoder.d_model": 32, "model.decoder.num_layers": 1, "model.decoder.mlp_dim": 64,
-    "model.max_length": 32, "task.num_decode_examples": 16, "task.num_attention_plots": 1,
+    "model.max_length": 32, "task.num_decode_examples": 16, "task.num_attention_plots": 0,
 }
 # ... on two years of dates.
 TINY_DATES = {**TINY_TRANSLATOR, "data.first_year": 2000, "data.last_year": 2001, "data.eval_fraction": 0.05,
-              "data.vocab_size": 128}
+              "data.vocab_size": 128, "task.num_attention_plots": 1}
 
 
 def subprocess_env(device_count: int = 1, *, optimize: bool = False) -> dict[str, str]:
@@ -262,3 +264,31 @@ def build_once(name: str, build: Callable[[pathlib.Path], None]) -> pathlib.Path
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
   return target
+
+
+@functools.cache
+def _jitted_method(name: str, static_argnames: tuple[str, ...]):
+  return nnx.jit(lambda module, *args, **kwargs: getattr(module, name)(*args, **kwargs),
+                 static_argnames=static_argnames)
+
+
+class Jitted:
+  """`module`, with its call and methods run under `nnx.jit`: one compile per input shapes instead of one
+  per primitive (a small model run eagerly compiles each of its ops for every new shape, which costs the
+  suite more than the tests' arithmetic). Python-valued keyword arguments go in `static_argnames`.
+
+      model = Jitted(Segmenter(...)); model(images, points, labels); model.encode(images)
+  """
+
+  def __init__(self, module: nnx.Module, static_argnames: tuple[str, ...] = ()):
+    self.module, self._static = module, tuple(static_argnames)
+
+  def __call__(self, *args, **kwargs):
+    return _jitted_method("__call__", self._static)(self.module, *args, **kwargs)
+
+  def __getattr__(self, name: str):
+    attribute = getattr(self.module, name)
+    if not callable(attribute) or isinstance(attribute, nnx.Module):
+      return attribute
+    return functools.partial(_jitted_method(name, self._static), self.module)
+

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import Jitted
 from xattn_jax.layers.two_way import TwoWayAttentionBlock, TwoWayTransformer
 
 WIDTH = 16
@@ -18,12 +19,12 @@ def _inputs(seed, batch=2, tokens=5, features=12):
 
 @pytest.fixture(scope="module")
 def transformer():
-  return TwoWayTransformer(WIDTH, 2, 32, 2, rngs=nnx.Rngs(0))
+  return Jitted(TwoWayTransformer(WIDTH, 2, 32, 2, rngs=nnx.Rngs(0)))
 
 
 @pytest.fixture(scope="module")
 def block():
-  return TwoWayAttentionBlock(WIDTH, 2, 32, rngs=nnx.Rngs(1))
+  return Jitted(TwoWayAttentionBlock(WIDTH, 2, 32, rngs=nnx.Rngs(1)))
 
 
 @pytest.mark.parametrize("layer", ["block", "transformer"])

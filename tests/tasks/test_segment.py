@@ -14,9 +14,9 @@ from xattn_jax.tasks.segment import task as segment_task
 from xattn_jax.training import inference, task as task_lib, validation
 
 CONFIG = "configs/segment_digits.py"
-# A tiny model on 16x16 canvases of two 8x8 digits: M = 16 features, one two-way block, 400 steps.
-TINY = {"total_steps": 400, "batch_size": 16, "eval_batch_size": 48, "log_every_steps": 25,
-        "eval_every_steps": 400, "checkpoint.every_steps": 400, "logging.tensorboard": False, "logging.plot": False,
+# A tiny model on 16x16 canvases of two 8x8 digits: M = 16 features, one two-way block, 200 steps.
+TINY = {"total_steps": 200, "batch_size": 16, "eval_batch_size": 48, "log_every_steps": 25,
+        "eval_every_steps": 200, "checkpoint.every_steps": 200, "logging.tensorboard": False, "logging.plot": False,
         "optimizer.warmup_steps": 20, "optimizer.learning_rate": 5e-3, "data.canvas": 16, "data.digit_size": 8,
         "data.max_digits": 2, "model.d_model": 32, "model.num_heads": 2, "model.num_blocks": 1, "model.mlp_dim": 64,
         "model.mask_features": 8, "model.encoder.d_model": 32, "model.encoder.num_heads": 2,
