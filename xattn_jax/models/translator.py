@@ -12,9 +12,10 @@ self-attention over the target so far, cross-attention from the target to the en
 
 The decode cache holds, per decoder layer, the self-attention keys/values (filled as tokens arrive)
 and the cross-attention keys/values projected from the memory once per source sentence, plus the
-memory's padding mask, the target positions of every cache row and the next row to fill. Every
-array leaf with a batch axis has it first, so beam search can reorder rows directly
-(`decoding.beam_search(cache_batch_axis=0)`).
+memory's padding mask, the target positions of every cache row and the next row to fill. For beam
+search it expands and reorders itself (`TranslatorCache.expand_beams` / `reorder_beams`): the
+memory's keys / values stay one per source sentence, shared by its beams, and the self-attention
+caches are reordered by index (`KVCache` beam layout) instead of copied every step.
 
 Positions: explicit ones (packed rows) are used as given; otherwise each side's position module
 chooses them (`layers.positions.RandomizedPositions`): 0..t-1, or with randomized positions a
@@ -74,6 +75,22 @@ class TranslatorCache:
     if isinstance(self.position, jax.core.Tracer):
       return capacity
     return capacity - int(self.position)
+
+  def expand_beams(self, beam_size: int) -> TranslatorCache:
+    """The cache for beam_size beams per example (rows b * beams + j): the self-attention caches in
+    the beam layout (`KVCache.expand_beams`); the memory's keys / values and mask stay one per example,
+    read once by all of its beams (`MultiHeadAttention.attend`)."""
+    layers = tuple(layer.replace(self_attention=layer.self_attention.expand_beams(beam_size))
+                   for layer in self.layers)
+    return self.replace(layers=layers, positions=jnp.repeat(self.positions, beam_size, axis=0))
+
+  def reorder_beams(self, parent) -> TranslatorCache:
+    """Beam j of example b continues beam parent[b, j] (int [batch, beams]): the self-attention caches
+    rewrite their ancestry (no keys / values move); the memory's are the same for every beam."""
+    batch, beams = parent.shape
+    rows = (jnp.arange(batch)[:, None] * beams + parent).reshape(-1)  # -> [batch * beams]
+    layers = tuple(layer.replace(self_attention=layer.self_attention.reorder_beams(parent)) for layer in self.layers)
+    return self.replace(layers=layers, positions=jnp.take(self.positions, rows, axis=0))
 
 
 def _check_tokens(name: str, tokens) -> None:
