@@ -89,9 +89,21 @@ class KVCache:
 
 @flax.struct.dataclass
 class MemoryCache:
-  """Cross-attention cache: a memory's projected keys and values, [batch, kv_heads, kv_len, head_dim]."""
+  """Cross-attention cache: a memory's projected keys and values, [batch, kv_heads, kv_len, head_dim].
+
+  With keys_transposed the keys are [batch, kv_heads, head_dim, kv_len] (`transpose_keys`): the layout
+  in which a few queries per memory row (a beam search's beams of one source) score several times
+  faster on CPU.
+  """
   keys: jax.Array
   values: jax.Array
+  keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def transpose_keys(self) -> MemoryCache:
+    """The same cache with keys [batch, kv_heads, head_dim, kv_len]."""
+    if self.keys_transposed:
+      return self
+    return MemoryCache(keys=self.keys.transpose(0, 1, 3, 2), values=self.values, keys_transposed=True)
 
 
 def _check_features(name: str, x, features: int) -> None:
@@ -272,23 +284,34 @@ class MultiHeadAttention(nnx.Module):
     q = self._project_query(x_q, query_positions)
     rows, length = q.shape[:2]
     batch = memory_cache.keys.shape[0]
-    if rows == batch or rows % batch:
+    group = rows // batch if rows != batch and rows % batch == 0 else 1
+    if group == 1 and not memory_cache.keys_transposed:
       return self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias,
                                 is_causal=is_causal, deterministic=deterministic)
-    # Query rows r * batch .. share one memory row (a beam search's beams of one source): they attend
-    # as more queries of that row, so the memory's keys / values are read once, never copied per row.
-    group = rows // batch
-    for name, array in (("mask", mask), ("bias", bias)):
-      if array is not None and not (jnp.ndim(array) <= 4 and jnp.shape(array)[-2:-1] in ((), (1,))
-                                    and (jnp.ndim(array) < 4 or jnp.shape(array)[0] in (1, batch))):
-        raise ValueError(f"MultiHeadAttention.attend: x_q has {group} rows per memory row, so {name} must "
-                         f"broadcast to [{batch}, heads, 1, kv_len] (one per memory row), got {name}"
-                         f"{list(jnp.shape(array))}")
     if is_causal:
-      raise ValueError("MultiHeadAttention.attend: is_causal needs one memory row per query row, got "
-                       f"{group} query rows per memory row")
-    out = self._attend_heads(q.reshape(batch, group * length, *q.shape[2:]), memory_cache.keys,
-                             memory_cache.values, mask=mask, bias=bias, is_causal=False, deterministic=deterministic)
+      raise ValueError("MultiHeadAttention.attend: is_causal needs one memory row per query row and keys not "
+                       f"transposed, got {group} query rows per memory row")
+    if group > 1:
+      # Query rows r * batch .. share one memory row (a beam search's beams of one source): they attend
+      # as more queries of that row, so the memory's keys / values are read once, never copied per row.
+      for name, array in (("mask", mask), ("bias", bias)):
+        if array is not None and not (jnp.ndim(array) <= 4 and jnp.shape(array)[-2:-1] in ((), (1,))
+                                      and (jnp.ndim(array) < 4 or jnp.shape(array)[0] in (1, batch))):
+          raise ValueError(f"MultiHeadAttention.attend: x_q has {group} rows per memory row, so {name} must "
+                           f"broadcast to [{batch}, heads, 1, kv_len] (one per memory row), got {name}"
+                           f"{list(jnp.shape(array))}")
+      q = q.reshape(batch, group * length, *q.shape[2:])
+    if not memory_cache.keys_transposed:
+      out = self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias, is_causal=False,
+                               deterministic=deterministic)
+    else:
+      if self.dropout_rate > 0.0 and not deterministic:
+        raise ValueError("MultiHeadAttention.attend: a memory with transposed keys is read deterministically")
+      target = (batch, self.num_heads, q.shape[1], memory_cache.keys.shape[3])
+      mask = None if mask is None else _check_broadcastable("mask", mask, target)
+      bias = None if bias is None else _check_broadcastable("bias", bias, target)
+      heads = _attention_keys_transposed(q, memory_cache.keys, memory_cache.values, mask, bias)
+      out = self.out(heads.reshape(*q.shape[:2], self.num_heads * self.head_dim))
     return out.reshape(rows, length, self.out_features)
 
   def __call__(self, x_q, x_kv=None, *, mask=None, bias=None, query_positions=None, key_positions=None,
@@ -415,7 +438,8 @@ class MultiHeadAttention(nnx.Module):
       beam_mask = beam_mask & self._to_beam_layout("mask", mask, batch, beams, max_length)
     if bias is not None:
       bias = self._to_beam_layout("bias", bias, batch, beams, max_length)
-    heads = _beam_attention(q.reshape(batch, beams, self.num_heads, head_dim), keys, values, beam_mask, bias)
+    heads = _attention_keys_transposed(q.reshape(batch, beams, self.num_heads, head_dim), keys, values, beam_mask,
+                                       bias)
     out = self.out(heads.reshape(rows, 1, self.num_heads * head_dim))
     out = jnp.where(index + 1 <= max_length, out, jnp.nan)
     return out, cache.replace(keys=keys, values=values, index=index + 1)
@@ -430,13 +454,13 @@ class MultiHeadAttention(nnx.Module):
     return jnp.repeat(array, beams, axis=-1)  # position t's value for each of its slots
 
 
-def _beam_attention(q, keys, values, mask, bias):
-  """softmax(q keys / sqrt(head_dim) + bias, masked) values over one example's beam slots.
+def _attention_keys_transposed(q, keys, values, mask, bias):
+  """softmax(q keys / sqrt(head_dim) + bias, masked) values, with the keys stored transposed.
 
-  q [b, beams, heads, head_dim]; keys [b, kv_heads, head_dim, slots] (transposed); values [b, kv_heads,
-  slots, head_dim]; mask bool and bias broadcasting to [b, heads, beams, slots] -> [b, beams, heads,
-  head_dim]. Scores and softmax in float32, as `ops.attention`; every beam sees its own newest key,
-  so no row is empty.
+  q [b, beams, heads, head_dim] (a few queries per row: beams, or beams x steps); keys [b, kv_heads,
+  head_dim, slots]; values [b, kv_heads, slots, head_dim]; mask bool and bias (or None) broadcasting
+  to [b, heads, beams, slots] -> [b, beams, heads, head_dim]. Scores and softmax in float32, and a
+  query that may attend to no slot returns zeros, as in `ops.attention`.
   """
   b, beams, heads, head_dim = q.shape
   kv_heads, slots = keys.shape[1], keys.shape[3]
@@ -452,9 +476,12 @@ def _beam_attention(q, keys, values, mask, bias):
 
   if bias is not None:
     logits = logits + grouped(bias).astype(jnp.float32)
-  logits = jnp.where(grouped(mask), logits, -jnp.inf)
-  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  if mask is not None:
+    logits = jnp.where(grouped(mask), logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+  weights = jnp.where(row_sum > 0, weights / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
   out = jnp.einsum("bkqs,bksh->bkqh", weights.reshape(b, kv_heads, groups * beams, slots).astype(values.dtype),
                    values, preferred_element_type=jnp.float32)  # -> [b, k, g * beams, h]
   out = out.reshape(b, kv_heads, groups, beams, head_dim).transpose(0, 3, 1, 2, 4)

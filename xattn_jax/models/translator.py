@@ -79,8 +79,9 @@ class TranslatorCache:
   def expand_beams(self, beam_size: int) -> TranslatorCache:
     """The cache for beam_size beams per example (rows b * beams + j): the self-attention caches in
     the beam layout (`KVCache.expand_beams`); the memory's keys / values and mask stay one per example,
-    read once by all of its beams (`MultiHeadAttention.attend`)."""
-    layers = tuple(layer.replace(self_attention=layer.self_attention.expand_beams(beam_size))
+    read once by all of its beams (`MultiHeadAttention.attend`), the keys transposed (`MemoryCache`)."""
+    layers = tuple(layer.replace(self_attention=layer.self_attention.expand_beams(beam_size),
+                                 cross_attention=layer.cross_attention.transpose_keys())
                    for layer in self.layers)
     return self.replace(layers=layers, positions=jnp.repeat(self.positions, beam_size, axis=0))
 
