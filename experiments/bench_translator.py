@@ -341,15 +341,20 @@ class TorchCachedDecoder:
     self.layers = list(model.transformer.decoder.layers)
 
   def start(self, inputs, repeat: int = 1):
-    """Encodes inputs [batch, source] and returns the caches, each row repeated `repeat` times (beams)."""
-    memory = self.model.encode(inputs).repeat_interleave(repeat, dim=0)  # -> [rows, source, d]
-    rows, length = memory.shape[:2]
+    """Encodes inputs [batch, source] and returns the caches, each row repeated `repeat` times (beams).
+
+    The memory's keys / values are projected once per source, then repeated for its beams."""
+    memory = self.model.encode(inputs)  # -> [batch, source, d]
+    rows = memory.shape[0] * repeat
     h, d = self.heads, self.d
-    split = lambda x: x.view(rows, -1, h, d // h).transpose(1, 2).contiguous()  # -> [rows, heads, len, head_dim]
+
+    def split(x):  # [batch, source, d] -> [rows, heads, source, head_dim]
+      return x.view(x.shape[0], -1, h, d // h).transpose(1, 2).repeat_interleave(repeat, dim=0).contiguous()
+
     cross = []
     for layer in self.layers:
       attn = layer.multihead_attn
-      kv = F.linear(memory, attn.in_proj_weight[d:], attn.in_proj_bias[d:])  # -> [rows, source, 2 d]
+      kv = F.linear(memory, attn.in_proj_weight[d:], attn.in_proj_bias[d:])  # -> [batch, source, 2 d]
       cross.append((split(kv[..., :d]), split(kv[..., d:])))
     own = [(torch.empty(rows, h, self.capacity, d // h), torch.empty(rows, h, self.capacity, d // h))
            for _ in self.layers]
@@ -645,8 +650,10 @@ def render(results) -> str:
         "keys / values appended per token into preallocated caches, the memory's keys / values projected once, "
         "logits for the new position only, F.scaled_dot_product_attention); the script asserts its tokens equal "
         "the re-running decoder's, token for token. Its beam search is decoding.beam_search's algorithm "
-        "(reordering only the filled part of the self-attention caches). The re-running decoder is the no-cache "
-        "row: it does other work (~40x the FLOPs).", "",
+        "(the memory's keys / values projected once per source and repeated for its beams, reordering only the "
+        "filled part of the self-attention caches). Ours keeps the memory's keys / values once per source, read "
+        "by all its beams, and reorders the self-attention caches by index (`KVCache` beam layout). The "
+        "re-running decoder is the no-cache row: it does other work (~40x the FLOPs).", "",
         row("", "seconds", "new tokens/s", "vs torch cached (same search)"), row("---", "---", "---", "---")]
     for name, label, base in (
         ("greedy", "xattn_jax greedy, cached, jitted (cross-attention K/V projected once)", greedy_base),

@@ -11,8 +11,11 @@ memory, so no step ever recomputes the memory's projections.
 
 Beam search keeps `beam_size` live hypotheses per example in a flattened `[batch * beams]` batch
 (example-major: row `b * beams + k` is beam k of example b). After each step it reorders the cache
-rows by the chosen parent beams. Cache leaves are gathered along `cache_batch_axis`; leaves with
-no such axis (a scalar fill index, or one stacked per layer) are shared by all rows and pass through.
+by the chosen parent beams. A cache may do both itself: `cache.expand_beams(beam_size)` and
+`cache.reorder_beams(parent [batch, beams])` (the translator's keeps the memory's keys / values once
+per example and reorders its self-attention caches by index, copying nothing). Any other cache has
+its leaves repeated, then gathered, along `cache_batch_axis`; leaves with no such axis (a scalar fill
+index, or one stacked per layer) are shared by all rows and pass through.
 
 Sampling draws each token from the softmax of the logits divided by a temperature, restricted to the
 top_k most likely tokens and then to the nucleus (the fewest most likely tokens whose probability
@@ -256,14 +259,20 @@ def _map_rows(fn, cache, axis: int):
 
 
 def expand_beams(cache, beam_size: int, *, cache_batch_axis: int = 0):
-  """Repeats each example's cache rows beam_size times: [..., batch, ...] -> [..., batch * beams, ...]."""
+  """The cache for beam_size beams per example: the cache's own `expand_beams(beam_size)` where it has
+  one, else each example's rows repeated: [..., batch, ...] -> [..., batch * beams, ...]."""
+  if hasattr(cache, "expand_beams"):
+    return cache.expand_beams(beam_size)
   return _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, cache_batch_axis)
 
 
-def _gather_beams(tree, parent, batch_size, beam_size, axis):
-  """Selects rows of a flattened [batch * beams] tree by parent beam indices parent [batch, beams]."""
+def _reorder_beams(cache, parent, batch_size, beam_size, axis):
+  """The cache after beam j of every example continues beam parent[b, j] (parent [batch, beams]): the
+  cache's own `reorder_beams(parent)` where it has one, else its [batch * beams] rows gathered."""
+  if hasattr(cache, "reorder_beams"):
+    return cache.reorder_beams(parent)
   rows = (jnp.arange(batch_size)[:, None] * beam_size + parent).reshape(-1)  # -> [batch * beams]
-  return _map_rows(lambda x, ax: jnp.take(x, rows, axis=ax), tree, axis)
+  return _map_rows(lambda x, ax: jnp.take(x, rows, axis=ax), cache, axis)
 
 
 def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: int, max_length: int,
@@ -319,7 +328,7 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
     live_candidates = jnp.where(is_eos, NEG_INF, top_scores)
     live_scores, live_rank = lax.top_k(live_candidates, k)  # -> [batch, beams]
     live_tokens = jnp.take_along_axis(top_tokens, live_rank[:, :, None], axis=1)
-    cache = _gather_beams(cache, jnp.take_along_axis(parent, live_rank, axis=1), b, k, cache_batch_axis)
+    cache = _reorder_beams(cache, jnp.take_along_axis(parent, live_rank, axis=1), b, k, cache_batch_axis)
 
     # Finished: EOS candidates within the top beam_size, merged with earlier finished hypotheses.
     in_top_k = jnp.arange(2 * k)[None, :] < k

@@ -258,3 +258,48 @@ def test_extend_with_a_bad_mask_names_extend_and_max_length(mask, needle):
 def test_init_cache_refuses_non_positive_or_non_int_sizes(batch_size, max_length):
   with pytest.raises(ValueError, match="init_cache: batch_size and max_length must be positive ints"):
     _layer().init_cache(batch_size, max_length)
+
+
+def _beam_steps(layer, prefix, steps, parents, mask, bias, by_index):
+  """Pre-fills prefix [b, p, 16], expands to beams, then one token per beam per step, reordering by
+  parents[i] [b, beams] after each step: by index (beam layout) or by copying the cache rows."""
+  batch, beams = parents.shape[1:]
+  _, cache = _run(layer, prefix, layer.init_cache(batch, 8), method="extend")
+  rows = (np.arange(batch)[:, None] * beams + parents).reshape(len(parents), -1)  # -> [steps, b * beams]
+  if by_index:
+    cache = cache.expand_beams(beams)
+  else:
+    cache = jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0) if jnp.ndim(x) else x, cache)
+  outs = []
+  for i, x in enumerate(steps):
+    out, cache = _run(layer, x, cache, mask=mask, bias=bias, method="extend")
+    outs.append(out)
+    cache = cache.reorder_beams(jnp.asarray(parents[i])) if by_index else jax.tree.map(
+        lambda a, r=rows[i]: jnp.take(a, r, axis=0) if jnp.ndim(a) else a, cache)
+  return np.concatenate(outs, axis=1)
+
+
+def test_beam_cache_reordered_by_index_equals_cache_rows_copied_per_beam():
+  layer = _layer(num_kv_heads=2, rotary=RotarySpec())
+  batch, beams, prompt = 2, 3, 2
+  parents = np.random.default_rng(3).integers(0, beams, (4, batch, beams))
+  steps = [_normal(20 + i, (batch * beams, 1, 16)) for i in range(4)]
+  valid = np.ones((batch * beams, 8), bool)
+  valid[-beams:, 0] = False  # the last example's first prompt token is padding, in all its beams
+  mask = masks_lib.padding_mask(valid)  # -> [b * beams, 1, 1, 8]
+  bias = _normal(9, (batch * beams, 4, 1, 8))  # e.g. a relative position bias
+  args = (layer, _normal(19, (batch, prompt, 16)), steps, parents, mask, bias)
+  np.testing.assert_allclose(_beam_steps(*args, by_index=True), _beam_steps(*args, by_index=False), atol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_query_rows_sharing_a_memory_row_equal_attending_to_it_repeated(transposed):
+  layer = _layer(num_kv_heads=2, kv_features=24)
+  memory_cache = _run(layer, _normal(30, (2, 5, 24)), method="project_memory")
+  x_q = _normal(31, (6, 2, 16))  # 3 query rows per memory row
+  valid = np.array([[True] * 5, [True, True, True, False, False]])
+  shared = memory_cache.transpose_keys() if transposed else memory_cache
+  repeated = jax.tree.map(lambda x: jnp.repeat(x, 3, axis=0), memory_cache)
+  out = _run(layer, x_q, shared, mask=masks_lib.padding_mask(valid), method="attend")
+  expected = _run(layer, x_q, repeated, mask=masks_lib.padding_mask(np.repeat(valid, 3, axis=0)), method="attend")
+  np.testing.assert_allclose(out, expected, atol=1e-5)

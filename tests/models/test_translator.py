@@ -166,6 +166,29 @@ def test_beam_search_scores_equal_full_model_rescoring_of_its_beams():
   np.testing.assert_allclose(np.asarray(result.scores).reshape(-1), np.asarray(expected), rtol=1e-4)
 
 
+@pytest.mark.parametrize("position_encoding", ["rope", "t5_bias"])
+def test_beam_search_over_the_index_reordered_cache_equals_gathering_its_rows(position_encoding):
+  """TranslatorCache expands / reorders itself (memory once per source, self-attention reordered by
+  index); hidden inside a dict, the same cache takes decoding's generic path (every row repeated,
+  then gathered by parent beam each step). Both must find the same beams."""
+  model = _model(position_encoding)
+  inputs = _tokens(2, 2, 6, pad_from=3)
+  steps, beams = 4, 3
+
+  @nnx.jit
+  def search(model, inputs):
+    cache = model.init_cache(model.encode(inputs), inputs != 0, steps)
+    step = model.loop_step()
+    options = dict(batch_size=2, beam_size=beams, max_length=steps, bos_id=1, eos_id=2, alpha=0.6)
+    own = decoding.beam_search(step, cache, **options)
+    hidden_step = lambda tokens, hidden: (lambda logits, c: (logits, {"cache": c}))(*step(tokens, hidden["cache"]))
+    return own, decoding.beam_search(hidden_step, {"cache": cache}, **options)
+
+  own, generic = search(model, inputs)
+  np.testing.assert_array_equal(np.asarray(own.tokens), np.asarray(generic.tokens))
+  np.testing.assert_allclose(np.asarray(own.scores), np.asarray(generic.scores), rtol=1e-5)
+
+
 def test_rope_switch_rotates_self_attention_and_adds_no_parameters():
   rope, sinusoidal = _model("rope"), _model("sinusoidal")
   assert rope.decoder_blocks.self_attention.rotary.kind == "rope"

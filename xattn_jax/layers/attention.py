@@ -42,22 +42,68 @@ class KVCache:
 
   keys, values: [batch, kv_heads, max_length, head_dim]; index: int32 scalar.
   A pytree, so caches of several layers can be stacked and carried through jit / scan.
+
+  Beam layout (`expand_beams`): values [batch, kv_heads, max_length * beams, head_dim], row
+  t * beams + i holding position t of beam slot i; keys the same rows transposed, [batch, kv_heads,
+  head_dim, max_length * beams] (one example's beams are few queries against many rows: the
+  score matmul runs several times faster with the rows minor); and ancestry int32 [batch, beams,
+  max_length]: the slot whose row holds position t of beam j's history. A beam search then reorders
+  its beams by rewriting the ancestry (`reorder_beams`) instead of copying whole caches, and `extend`
+  attends each beam to its own history through a mask over its example's slots.
   """
   keys: jax.Array
   values: jax.Array
   index: jax.Array
+  ancestry: jax.Array | None = None
 
   @property
   def max_length(self) -> int:
-    """The capacity: how many rows the cache can hold."""
-    return self.keys.shape[-2]
+    """The capacity: how many rows (positions per beam, in the beam layout) the cache can hold."""
+    if self.ancestry is None:
+      return self.keys.shape[-2]
+    return self.ancestry.shape[-1]
+
+  def expand_beams(self, beam_size: int) -> KVCache:
+    """This cache in the beam layout: every example's filled rows copied to beam_size slots."""
+    if self.ancestry is not None:
+      raise ValueError("KVCache.expand_beams: the cache is already in the beam layout")
+    batch, _, capacity, _ = self.keys.shape
+    slots = lambda x: jnp.repeat(x, beam_size, axis=2)  # -> [batch, kv_heads, capacity * beams, head_dim]
+    own = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32)[:, None], (batch, beam_size, capacity))
+    return KVCache(keys=slots(self.keys).transpose(0, 1, 3, 2), values=slots(self.values), index=self.index,
+                   ancestry=own)
+
+  def reorder_beams(self, parent) -> KVCache:
+    """Beam j continues beam parent[b, j] (int [batch, beams]): it inherits that beam's history up to
+    the fill index, and its own slot holds the positions still to come. Keys / values stay in place."""
+    if self.ancestry is None:
+      raise ValueError("KVCache.reorder_beams: the cache is not in the beam layout (expand_beams)")
+    batch, beams, capacity = self.ancestry.shape
+    if parent.shape != (batch, beams):
+      raise ValueError(f"KVCache.reorder_beams: parent must be int [{batch}, {beams}], got parent{list(parent.shape)}")
+    inherited = jnp.take_along_axis(self.ancestry, parent[:, :, None].astype(jnp.int32), axis=1)
+    own = jnp.arange(beams, dtype=jnp.int32)[:, None]
+    filled = jnp.arange(capacity) < self.index
+    return self.replace(ancestry=jnp.where(filled, inherited, own))
 
 
 @flax.struct.dataclass
 class MemoryCache:
-  """Cross-attention cache: a memory's projected keys and values, [batch, kv_heads, kv_len, head_dim]."""
+  """Cross-attention cache: a memory's projected keys and values, [batch, kv_heads, kv_len, head_dim].
+
+  With keys_transposed the keys are [batch, kv_heads, head_dim, kv_len] (`transpose_keys`): the layout
+  in which a few queries per memory row (a beam search's beams of one source) score several times
+  faster on CPU.
+  """
   keys: jax.Array
   values: jax.Array
+  keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def transpose_keys(self) -> MemoryCache:
+    """The same cache with keys [batch, kv_heads, head_dim, kv_len]."""
+    if self.keys_transposed:
+      return self
+    return MemoryCache(keys=self.keys.transpose(0, 1, 3, 2), values=self.values, keys_transposed=True)
 
 
 def _check_features(name: str, x, features: int) -> None:
@@ -231,11 +277,42 @@ class MultiHeadAttention(nnx.Module):
     """Queries x_q [b, t, in_features] attend to a projected memory -> [b, t, out_features].
 
     mask (bool, True = may attend) and bias broadcast to [b, heads, t, kv_len]; is_causal aligns
-    the queries with the last t keys.
+    the queries with the last t keys. A memory of batch m dividing b serves b / m consecutive query
+    rows each (rows i * b / m .. read memory row i: the beams of one source), read once for all of
+    them; mask and bias then broadcast to [m, heads, 1, kv_len].
     """
     q = self._project_query(x_q, query_positions)
-    return self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias,
-                              is_causal=is_causal, deterministic=deterministic)
+    rows, length = q.shape[:2]
+    batch = memory_cache.keys.shape[0]
+    group = rows // batch if rows != batch and rows % batch == 0 else 1
+    if group == 1 and not memory_cache.keys_transposed:
+      return self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias,
+                                is_causal=is_causal, deterministic=deterministic)
+    if is_causal:
+      raise ValueError("MultiHeadAttention.attend: is_causal needs one memory row per query row and keys not "
+                       f"transposed, got {group} query rows per memory row")
+    if group > 1:
+      # Query rows r * batch .. share one memory row (a beam search's beams of one source): they attend
+      # as more queries of that row, so the memory's keys / values are read once, never copied per row.
+      for name, array in (("mask", mask), ("bias", bias)):
+        if array is not None and not (jnp.ndim(array) <= 4 and jnp.shape(array)[-2:-1] in ((), (1,))
+                                      and (jnp.ndim(array) < 4 or jnp.shape(array)[0] in (1, batch))):
+          raise ValueError(f"MultiHeadAttention.attend: x_q has {group} rows per memory row, so {name} must "
+                           f"broadcast to [{batch}, heads, 1, kv_len] (one per memory row), got {name}"
+                           f"{list(jnp.shape(array))}")
+      q = q.reshape(batch, group * length, *q.shape[2:])
+    if not memory_cache.keys_transposed:
+      out = self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias, is_causal=False,
+                               deterministic=deterministic)
+    else:
+      if self.dropout_rate > 0.0 and not deterministic:
+        raise ValueError("MultiHeadAttention.attend: a memory with transposed keys is read deterministically")
+      target = (batch, self.num_heads, q.shape[1], memory_cache.keys.shape[3])
+      mask = None if mask is None else _check_broadcastable("mask", mask, target)
+      bias = None if bias is None else _check_broadcastable("bias", bias, target)
+      heads = _attention_keys_transposed(q, memory_cache.keys, memory_cache.values, mask, bias)
+      out = self.out(heads.reshape(*q.shape[:2], self.num_heads * self.head_dim))
+    return out.reshape(rows, length, self.out_features)
 
   def __call__(self, x_q, x_kv=None, *, mask=None, bias=None, query_positions=None, key_positions=None,
                is_causal: bool = False, deterministic: bool = True):
@@ -285,12 +362,18 @@ class MultiHeadAttention(nnx.Module):
     Under jit the index is traced and cannot be checked at trace time; dynamic_update_slice would
     then clamp the write and overwrite the newest rows, so instead the output is set to NaN, which
     makes a decode past capacity impossible to miss.
+
+    A cache in the beam layout (`KVCache.expand_beams`, batch b and beams k) takes one token per
+    beam, x [b * k, 1, in_features] (row b * k + j: beam j of example b); mask and bias then
+    broadcast to [b * k, heads, 1, max_length].
     """
     if self.kv_features != self.in_features:
       raise ValueError(
           f"MultiHeadAttention.extend: self-attention needs kv_features == in_features, got "
           f"kv_features={self.kv_features}, in_features={self.in_features}")
     _check_features("x", x, self.in_features)
+    if cache.ancestry is not None:
+      return self._extend_beams(x, cache, positions=positions, mask=mask, bias=bias, deterministic=deterministic)
     batch, length = x.shape[:2]
     expected = (batch, self.num_kv_heads, cache.keys.shape[2], self.head_dim)
     if cache.keys.shape != expected or cache.values.shape != expected:
@@ -316,3 +399,90 @@ class MultiHeadAttention(nnx.Module):
                              is_causal=False, deterministic=deterministic)
     out = jnp.where(index + length <= max_length, out, jnp.nan)
     return out, KVCache(keys=keys, values=values, index=index + length)
+
+  def _extend_beams(self, x, cache: KVCache, *, positions, mask, bias, deterministic):
+    """`extend` for a cache in the beam layout: one token per beam, x [batch * beams, 1, in_features].
+
+    The beams of one example attend as `beams` queries to that example's slots, each masked to the
+    rows its ancestry names: the same scores as a cache reordered per beam, with no copying.
+    """
+    batch, beams, max_length = cache.ancestry.shape
+    rows, slots = batch * beams, max_length * beams
+    kv_heads, head_dim = self.num_kv_heads, self.head_dim
+    if (x.shape[:2] != (rows, 1) or cache.keys.shape != (batch, kv_heads, head_dim, slots)
+        or cache.values.shape != (batch, kv_heads, slots, head_dim)):
+      raise ValueError(
+          f"MultiHeadAttention.extend: a beam cache of {batch} examples x {beams} beams takes x [{rows}, 1, "
+          f"{self.in_features}], keys {[batch, kv_heads, head_dim, slots]} and values "
+          f"{[batch, kv_heads, slots, head_dim]}, got x{list(x.shape)}, keys{list(cache.keys.shape)}, values"
+          f"{list(cache.values.shape)}")
+    if self.dropout_rate > 0.0 and not deterministic:
+      raise ValueError("MultiHeadAttention.extend: a beam cache decodes deterministically (deterministic=True)")
+    if not _is_traced(cache.index) and int(cache.index) + 1 > max_length:
+      raise ValueError(f"MultiHeadAttention.extend: cache of max_length={max_length} cannot take 1 more token "
+                       f"at index={int(cache.index)}")
+    index = cache.index
+    q = self._project_query(x, positions, start=index)  # -> [rows, 1, heads, head_dim]
+    new_keys, new_values = self._project_key_value(x, positions, start=index)
+    # This position of every beam: slots index * beams .. (index + 1) * beams - 1.
+    new_keys = new_keys.reshape(batch, beams, kv_heads, head_dim).transpose(0, 2, 3, 1)  # -> [b, k, h, beams]
+    new_values = new_values.reshape(batch, beams, kv_heads, head_dim).transpose(0, 2, 1, 3)  # -> [b, k, beams, h]
+    keys = jax.lax.dynamic_update_slice(cache.keys, new_keys.astype(cache.keys.dtype), (0, 0, 0, index * beams))
+    values = jax.lax.dynamic_update_slice(cache.values, new_values.astype(cache.values.dtype),
+                                          (0, 0, index * beams, 0))
+    # Beam j sees slot t * beams + i iff t <= index and slot i holds position t of its history.
+    sees = ((cache.ancestry[..., None] == jnp.arange(beams, dtype=jnp.int32))
+            & (jnp.arange(max_length) <= index)[:, None])  # -> [b, beams (j), max_length, beams (i)]
+    beam_mask = sees.reshape(batch, 1, beams, slots)
+    if mask is not None:
+      beam_mask = beam_mask & self._to_beam_layout("mask", mask, batch, beams, max_length)
+    if bias is not None:
+      bias = self._to_beam_layout("bias", bias, batch, beams, max_length)
+    heads = _attention_keys_transposed(q.reshape(batch, beams, self.num_heads, head_dim), keys, values, beam_mask,
+                                       bias)
+    out = self.out(heads.reshape(rows, 1, self.num_heads * head_dim))
+    out = jnp.where(index + 1 <= max_length, out, jnp.nan)
+    return out, cache.replace(keys=keys, values=values, index=index + 1)
+
+  def _to_beam_layout(self, name, array, batch: int, beams: int, max_length: int):
+    """A mask / bias over beam rows and positions, [b * beams | 1, heads | 1, 1, max_length], as one over
+    the beam layout's queries and slots: [b | 1, heads | 1, beams | 1, max_length * beams]."""
+    array = _check_broadcastable(name, array, (batch * beams, self.num_heads, 1, max_length), "extend")
+    array = jnp.broadcast_to(array, array.shape[:3] + (max_length,))
+    if array.shape[0] == batch * beams:  # -> [b, heads, beams, max_length]
+      array = array.reshape(batch, beams, array.shape[1], max_length).transpose(0, 2, 1, 3)
+    return jnp.repeat(array, beams, axis=-1)  # position t's value for each of its slots
+
+
+def _attention_keys_transposed(q, keys, values, mask, bias):
+  """softmax(q keys / sqrt(head_dim) + bias, masked) values, with the keys stored transposed.
+
+  q [b, beams, heads, head_dim] (a few queries per row: beams, or beams x steps); keys [b, kv_heads,
+  head_dim, slots]; values [b, kv_heads, slots, head_dim]; mask bool and bias (or None) broadcasting
+  to [b, heads, beams, slots] -> [b, beams, heads, head_dim]. Scores and softmax in float32, and a
+  query that may attend to no slot returns zeros, as in `ops.attention`.
+  """
+  b, beams, heads, head_dim = q.shape
+  kv_heads, slots = keys.shape[1], keys.shape[3]
+  groups = heads // kv_heads
+  q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
+  q = q.reshape(b, beams, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)  # -> [b, k, g, beams, h]
+  logits = jnp.einsum("bkqh,bkhs->bkqs", q.reshape(b, kv_heads, groups * beams, head_dim), keys,
+                      preferred_element_type=jnp.float32).reshape(b, kv_heads, groups, beams, slots)
+
+  def grouped(x):  # [B, 1 | heads, beams | 1, slots] -> [B, 1 | k, 1 | g, beams | 1, slots]
+    x = jnp.broadcast_to(x, x.shape[:3] + (slots,))
+    return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kv_heads, groups, *x.shape[2:])
+
+  if bias is not None:
+    logits = logits + grouped(bias).astype(jnp.float32)
+  if mask is not None:
+    logits = jnp.where(grouped(mask), logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+  weights = jnp.where(row_sum > 0, weights / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
+  out = jnp.einsum("bkqs,bksh->bkqh", weights.reshape(b, kv_heads, groups * beams, slots).astype(values.dtype),
+                   values, preferred_element_type=jnp.float32)  # -> [b, k, g * beams, h]
+  out = out.reshape(b, kv_heads, groups, beams, head_dim).transpose(0, 3, 1, 2, 4)
+  return out.reshape(b, beams, heads, head_dim).astype(q.dtype)

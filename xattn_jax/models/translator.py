@@ -12,9 +12,10 @@ self-attention over the target so far, cross-attention from the target to the en
 
 The decode cache holds, per decoder layer, the self-attention keys/values (filled as tokens arrive)
 and the cross-attention keys/values projected from the memory once per source sentence, plus the
-memory's padding mask, the target positions of every cache row and the next row to fill. Every
-array leaf with a batch axis has it first, so beam search can reorder rows directly
-(`decoding.beam_search(cache_batch_axis=0)`).
+memory's padding mask, the target positions of every cache row and the next row to fill. For beam
+search it expands and reorders itself (`TranslatorCache.expand_beams` / `reorder_beams`): the
+memory's keys / values stay one per source sentence, shared by its beams, and the self-attention
+caches are reordered by index (`KVCache` beam layout) instead of copied every step.
 
 Positions: explicit ones (packed rows) are used as given; otherwise each side's position module
 chooses them (`layers.positions.RandomizedPositions`): 0..t-1, or with randomized positions a
@@ -74,6 +75,23 @@ class TranslatorCache:
     if isinstance(self.position, jax.core.Tracer):
       return capacity
     return capacity - int(self.position)
+
+  def expand_beams(self, beam_size: int) -> TranslatorCache:
+    """The cache for beam_size beams per example (rows b * beams + j): the self-attention caches in
+    the beam layout (`KVCache.expand_beams`); the memory's keys / values and mask stay one per example,
+    read once by all of its beams (`MultiHeadAttention.attend`), the keys transposed (`MemoryCache`)."""
+    layers = tuple(layer.replace(self_attention=layer.self_attention.expand_beams(beam_size),
+                                 cross_attention=layer.cross_attention.transpose_keys())
+                   for layer in self.layers)
+    return self.replace(layers=layers, positions=jnp.repeat(self.positions, beam_size, axis=0))
+
+  def reorder_beams(self, parent) -> TranslatorCache:
+    """Beam j of example b continues beam parent[b, j] (int [batch, beams]): the self-attention caches
+    rewrite their ancestry (no keys / values move); the memory's are the same for every beam."""
+    batch, beams = parent.shape
+    rows = (jnp.arange(batch)[:, None] * beams + parent).reshape(-1)  # -> [batch * beams]
+    layers = tuple(layer.replace(self_attention=layer.self_attention.reorder_beams(parent)) for layer in self.layers)
+    return self.replace(layers=layers, positions=jnp.take(self.positions, rows, axis=0))
 
 
 def _check_tokens(name: str, tokens) -> None:
@@ -197,11 +215,20 @@ class Translator(nnx.Module):
     x = position_encoding.add_to_inputs(x, positions)
     return self.dropout(x, deterministic=deterministic)
 
-  def _logits(self, x):
-    """Decoder output [b, t, d_model] -> float32 logits [b, t, vocab]."""
+  def _logits(self, x, output_kernel=None):
+    """Decoder output [b, t, d_model] -> float32 logits [b, t, vocab].
+
+    output_kernel: the tied output projection already transposed, [d_model, vocab] (`loop_step`
+    makes it once per loop), or None.
+    """
     if self.decoder_norm is not None:
       x = self.decoder_norm(x)
-    logits = dense.flat_matmul(x, self._target_table().attend) if self.output is None else self.output(x)
+    if output_kernel is not None:
+      logits = dense.flat_matmul(x.astype(output_kernel.dtype), lambda rows: rows @ output_kernel)
+    elif self.output is None:
+      logits = dense.flat_matmul(x, self._target_table().attend)
+    else:
+      logits = self.output(x)
     return logits.astype(jnp.float32)
 
   def decoder_layers(self):
@@ -308,18 +335,25 @@ class Translator(nnx.Module):
 
   def decode_step(self, tokens, cache: TranslatorCache):
     """Feeds tokens [b, t] (t = 1 per step, or a prompt) -> (logits [b, t, vocab], advanced cache)."""
-    return self._decode_step(self.decoder_layers(), tokens, cache)
+    return self._decode_step(self.decoder_layers(), None, tokens, cache)
 
   def loop_step(self):
-    """`decode_step` with the decoder's per-layer parameters sliced out of the stack once, now.
+    """`decode_step` with the decoder's per-layer parameters sliced out of the stack once, now, and
+    a tied output projection transposed once, to [d_model, vocab].
 
     Use it as the step of a decoding loop: inside `lax.while_loop` XLA does not hoist the slices of
     the loop-invariant stacked weights, so `decode_step` there would copy every decoder weight at
-    every step (a fifth of a d512 greedy step on CPU).
+    every step (a fifth of a d512 greedy step on CPU); and XLA:CPU's matmul of a few rows against the
+    [vocab, d_model] embedding table contracted on its minor axis is slower than against its transpose.
     """
-    return functools.partial(self._decode_step, self.decoder_layers())
+    output_kernel = None
+    if self.output is None:
+      table = self._target_table()
+      embedding = table.embedding[...]
+      output_kernel = embedding.astype(table.dtype or embedding.dtype).T  # -> [d_model, vocab]
+    return functools.partial(self._decode_step, self.decoder_layers(), output_kernel)
 
-  def _decode_step(self, layers, tokens, cache: TranslatorCache):
+  def _decode_step(self, layers, output_kernel, tokens, cache: TranslatorCache):
     _check_tokens("tokens", tokens)
     positions = jax.lax.dynamic_slice_in_dim(cache.positions, cache.position, tokens.shape[1], axis=1)  # [b, t]
     x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
@@ -331,7 +365,7 @@ class Translator(nnx.Module):
                                     self_bias=self_bias)
       new_layers.append(layer_cache)
     cache = cache.replace(layers=tuple(new_layers), position=cache.position + tokens.shape[1])
-    return self._logits(x), cache
+    return self._logits(x, output_kernel), cache
 
   # --- inspection -------------------------------------------------------------------------------
 
