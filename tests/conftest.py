@@ -3,9 +3,9 @@ import os
 import shutil
 import tempfile
 
-# One compilation cache for this test session, shared by pytest-xdist workers and by every launch.py
-# subprocess a test spawns (they inherit the environment): the same small programs are compiled by many
-# tests, and a cache hit skips XLA's compile. Set before JAX is imported; a cache the caller chose is kept.
+# One compilation cache for this test session, shared by every launch.py subprocess a test spawns (they
+# inherit the environment): the same small programs are compiled by many launches, and a cache hit skips
+# XLA's compile. Set before JAX is imported; a cache the caller chose is kept.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE_DIR = tempfile.mkdtemp(prefix="xattn_jax_test_xla_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
@@ -38,6 +38,10 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 # matmuls are float32 either way.
 if jax.default_backend() == "gpu":
   jax.config.update("jax_default_matmul_precision", "highest")
+
+# The persistent cache is for the launch.py subprocesses, which compile the same programs again and again;
+# this process's tests compile programs no other process compiles, so writing them out only costs time.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_unconfigure(config):
