@@ -123,16 +123,24 @@ def main(argv=None):
     extra = {"encoder_config": "configs/vlm_encoder.py:steps=30,width=32,blocks=1",
              "lm_config": "configs/vlm_lm.py:steps=30,size=micro"}
     args.encoder, args.lm = str(workdirs / "encoder"), str(workdirs / "lm")
-  config = None
-  for connector in args.connectors.split(","):
-    for seed in (int(s) for s in args.seeds.split(",")):
-      config = vlm_digits.get_config(f"connector={connector},steps={args.steps},encoder={args.encoder},lm={args.lm}")
-      config.seed = seed
-      for key, value in extra.items():
-        config.model[key] = value
-      if args.quick:
-        config.data.num_train_examples, config.data.num_eval_examples = 200, 32
-        config.batch_size, config.eval_batch_size = 16, 32
+  def run_config(connector: str, seed: int):
+    config = vlm_digits.get_config(f"connector={connector},steps={args.steps},encoder={args.encoder},lm={args.lm}")
+    config.seed = seed
+    for key, value in extra.items():
+      config.model[key] = value
+    if args.quick:
+      config.data.num_train_examples, config.data.num_eval_examples = 200, 32
+      config.batch_size, config.eval_batch_size = 16, 32
+    return config
+
+  connectors, seeds = args.connectors.split(","), [int(s) for s in args.seeds.split(",")]
+  first = run_config(connectors[0], seeds[0])
+  dependencies.resolve(first, str(workdirs / f"{connectors[0]}_seed{seeds[0]}"), "train")  # the frozen parts
+  record["probe"] = _probe(first, args)
+  print(json.dumps({"probe": record["probe"]}), flush=True)
+  for connector in connectors:
+    for seed in seeds:
+      config = run_config(connector, seed)
       workdir = str(workdirs / f"{connector}_seed{seed}")
       start = time.perf_counter()
       dependencies.resolve(config, workdir, "train")
@@ -145,7 +153,6 @@ def main(argv=None):
       print(json.dumps(run), flush=True)
   encoder_metrics = _final_metrics(args.encoder)
   record["encoder_strip_accuracy"] = encoder_metrics.get("eval/strip_accuracy")
-  record["probe"] = _probe(config, args)
   record["load_average_after"] = os.getloadavg()[0]
   stem = os.path.join(args.out, "compare_connectors")
   with open(stem + ".json", "w") as f:
