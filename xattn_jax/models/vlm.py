@@ -44,9 +44,9 @@ comes after its soft tokens, so a prompt may end with an image.
 Feature positions: before any connector reads them, the features get the connector's own position
 encoding of the encoder's patch grid (`feature_positions`, FEATURE_POSITIONS: "learned_2d" by default, a
 trained table of 1 + P rows, class token included, as Flamingo's and BLIP-2's encoders hand on features
-that carry their positions). An encoder trained with a position-blind objective (a head shared by every
-place, as the digits' encoder) keeps little of where a feature sits; without it flamingo and qformer read
-the image as a set and cannot tell the first digit from the second.
+that carry their positions). An encoder trained with a position-blind objective (one head shared by every
+place, as the digits' encoder) keeps little of where a feature sits, and a connector that reads features by
+content alone then confuses the order of the digits (experiments/results/compare_connectors.md).
 
 Canvas padding: with `hide_padding` the padded patches are hidden from the encoder's attention and from
 the connector; without it (an encoder trained on padded canvases, which reads padding as "empty") every
