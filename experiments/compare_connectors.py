@@ -136,23 +136,39 @@ def main(argv=None):
   connectors, seeds = args.connectors.split(","), [int(s) for s in args.seeds.split(",")]
   first = run_config(connectors[0], seeds[0])
   dependencies.resolve(first, str(workdirs / f"{connectors[0]}_seed{seeds[0]}"), "train")  # the frozen parts
-  record["probe"] = _probe(first, args)
+  probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
+  if probe_file.is_file() and json.loads(probe_file.read_text()).get("encoder") == os.path.abspath(args.encoder):
+    record["probe"] = json.loads(probe_file.read_text())
+  else:
+    record["probe"] = {"encoder": os.path.abspath(args.encoder), **_probe(first, args)}
+    probe_file.write_text(json.dumps(record["probe"]))
   print(json.dumps({"probe": record["probe"]}), flush=True)
-  for connector in connectors:
-    for seed in seeds:
+  # Seed-major: every connector's first seed runs first, and the results files are rewritten after each run,
+  # so a sweep stopped early still compares all three. A run whose workdir records its training wall time
+  # finished: it is measured again, not retrained.
+  for seed in seeds:
+    for connector in connectors:
       config = run_config(connector, seed)
       workdir = str(workdirs / f"{connector}_seed{seed}")
-      start = time.perf_counter()
-      dependencies.resolve(config, workdir, "train")
-      loop.run(config, workdir, "train")
+      wall_file = pathlib.Path(workdir, "wall_seconds.json")
+      if not wall_file.is_file():
+        start = time.perf_counter()
+        dependencies.resolve(config, workdir, "train")
+        loop.run(config, workdir, "train")
+        wall_file.write_text(json.dumps(time.perf_counter() - start))
       metrics = _final_metrics(workdir)
-      run = {"connector": connector, "seed": seed, "steps": args.steps, "wall_seconds": time.perf_counter() - start,
+      run = {"connector": connector, "seed": seed, "steps": args.steps,
+             "wall_seconds": json.loads(wall_file.read_text()),
              **{k: v for k, v in metrics.items() if k.startswith("eval/") or k == "train/steps_per_second"},
              **_measure(config, workdir)}
       record["runs"].append(run)
       print(json.dumps(run), flush=True)
-  encoder_metrics = _final_metrics(args.encoder)
-  record["encoder_strip_accuracy"] = encoder_metrics.get("eval/strip_accuracy")
+      _write(record, args)
+
+
+def _write(record: dict, args):
+  """experiments/results/compare_connectors.{json,md} (or under --out) of the runs so far."""
+  record["encoder_strip_accuracy"] = _final_metrics(args.encoder).get("eval/strip_accuracy")
   record["load_average_after"] = os.getloadavg()[0]
   stem = os.path.join(args.out, "compare_connectors")
   with open(stem + ".json", "w") as f:
@@ -160,7 +176,7 @@ def main(argv=None):
   text = render(record)
   with open(stem + ".md", "w") as f:
     f.write(text)
-  print(text)
+  print(text, flush=True)
 
 
 def render(record: dict) -> str:
