@@ -12,7 +12,7 @@ from xattn_jax.tasks.vlm import probe
 from xattn_jax.training import validation
 
 TINY_CHAIN = {
-    # the encoder the vlm_encoder tests read too: 2 x 2-digit positions, 4 x 4 patches (8 per canvas)
+    # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
     "model.encoder_config": "configs/vlm_encoder.py:steps=120,width=32,blocks=1,patch=4,max_digits=2,warmup=10",
     "model.lm_config": "configs/vlm_lm.py:steps=30,size=micro",
     "data.max_digits": 2, "data.num_train_examples": 200, "data.num_eval_examples": 16, "batch_size": 16,
@@ -46,6 +46,7 @@ def config_error_field(*argv):
 @pytest.mark.parametrize("argument,field", [
     ("--config.model.connector=mlp", "config.model.connector"),
     ("--config.model.image_positions=mrope", "config.model.image_positions"),  # flamingo has no soft tokens
+    ("--config.model.feature_positions=rope_2d", "config.model.feature_positions"),  # rotary: not added
     ("--config.data.kinds=caption,colour", "config.data.kinds"),
     ("--config.data.max_digits=3", "config.data.max_digits"),  # not the frozen encoder's canvas
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
