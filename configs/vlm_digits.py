@@ -55,6 +55,7 @@ def vlm_config(args) -> ConfigDict:
   config.model.qformer_blocks = 2
   config.model.qformer_cross_attention_every = 2
   config.model.image_positions = args.positions  # llava: sequence | mrope (Qwen2-VL)
+  config.model.feature_positions = "learned_2d"  # the connector's positions of the feature grid (FEATURE_POSITIONS)
   config.data = ConfigDict({
       "source": "digits",                     # digits | tsv (tasks.vlm.task.SOURCES)
       "max_digits": 4,                        # the canvas: 8 x (8 * max_digits), times scale (the encoder's)
@@ -71,7 +72,7 @@ def vlm_config(args) -> ConfigDict:
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1000, lr=1e-3, connector="flamingo", positions="sequence", queries=32,
+  args = common.parse_arg(arg, steps=1000, lr=3e-3, connector="flamingo", positions="sequence", queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", encoder="workdirs/vlm_encoder",
                           lm="workdirs/vlm_lm")
   return vlm_config(args)

@@ -15,10 +15,10 @@ from configs import common
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1)
+  args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1, warmup=100)
   config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
                               eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
-                              warmup_steps=100)
+                              warmup_steps=args.warmup)
   config.task.name = "vlm_encoder"
   config.task.label_smoothing = 0.1
   config.data = ConfigDict({

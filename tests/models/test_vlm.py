@@ -143,24 +143,41 @@ def test_flamingo_tokens_read_only_their_latest_image():
 @pytest.mark.parametrize("canvas", [(8, 8), (8, 16), (16, 16)])
 def test_qformer_hands_the_lm_n_tokens_whatever_m(canvas):
   model = make_vlm("qformer")
-  images = jnp.ones((2, 1, *canvas, 1))
-  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, images, jnp.ones((2, 1, *canvas), bool),
-                                                        jnp.ones((2, 1), bool))
+  arrays = (jax.ShapeDtypeStruct((2, 1, *canvas, 1), jnp.float32), jax.ShapeDtypeStruct((2, 1, *canvas), bool),
+            jax.ShapeDtypeStruct((2, 1), bool))
+  context = nnx.eval_shape(lambda m, *a: m.encode_images(*a), model, *arrays)  # shapes only: nothing compiles
   assert context.tokens.shape == (2, 1, 3, 32)
   assert model.slots_per_image(*canvas) == 3
 
 
-def test_qformer_permuting_features_with_their_positions_changes_nothing():
-  model = make_vlm("qformer")
+@nnx.jit
+def qformer_tokens(connector, features, valid):
+  return connector.tokens(features, valid, deterministic=True)
+
+
+def encoder_features(model):
+  """The encoder's features of the full-canvas images [b, 1 + P, w] (each carries its position, added inside)."""
   images, pixel_valid, _ = make_images()
   patch_valid = vit.patch_valid(pixel_valid[:, 1], PATCH)
-  features = nnx.jit(lambda e, x, v: e.features(x, valid=v))(model.encoder, images[:, 1], patch_valid)
-  # -> [b, 1 + P, w]: each feature carries its position (added inside the encoder)
+  return nnx.jit(lambda e, x, v: e.features(x, valid=v))(model.encoder, images[:, 1], patch_valid)
+
+
+def test_qformer_permuting_features_with_their_positions_changes_nothing():
+  model = make_vlm("qformer")
+  features = model.connector.positioned(encoder_features(model), (2, 4))  # with the connector's positions too
   valid = jnp.ones(features.shape[:2], bool)
   permutation = np.random.default_rng(3).permutation(features.shape[1])
-  read = nnx.jit(lambda c, f, v: c.tokens(f, v, deterministic=True))
-  np.testing.assert_allclose(read(model.connector, features[:, permutation], valid[:, permutation]),
-                             read(model.connector, features, valid), atol=1e-5)
+  np.testing.assert_allclose(qformer_tokens(model.connector, features[:, permutation], valid[:, permutation]),
+                             qformer_tokens(model.connector, features, valid), atol=1e-5)
+
+
+def test_the_connectors_feature_positions_tell_where_each_feature_sits():
+  model = make_vlm("qformer")  # feature_positions="learned_2d", the default
+  features = encoder_features(model)
+  valid = jnp.ones(features.shape[:2], bool)
+  swapped = features.at[:, 1].set(features[:, 2]).at[:, 2].set(features[:, 1])  # two patches trade places
+  read = lambda f: qformer_tokens(model.connector, model.connector.positioned(f, (2, 4)), valid)
+  assert not np.allclose(read(swapped), read(features), atol=1e-5)
 
 
 def test_llava_mrope_image_positions_are_mrope_position_ids():
@@ -197,7 +214,7 @@ def test_llava_mrope_on_text_only_is_the_1d_rope_lm():
 
 
 @pytest.mark.parametrize("connector,image_positions", [("flamingo", "sequence"), ("qformer", "sequence"),
-                                                       ("llava", "sequence"), ("llava", "mrope")])
+                                                       ("llava", "mrope")])
 def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connector, image_positions):
   model = make_vlm(connector, image_positions=image_positions, gates=0.7 if connector == "flamingo" else None)
   images = make_images()

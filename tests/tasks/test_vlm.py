@@ -7,14 +7,30 @@ import pytest
 from PIL import Image
 
 from tests import helpers
+from xattn_jax.data import vlm_digits
+from xattn_jax.tasks.vlm import probe
 from xattn_jax.training import validation
 
 TINY_CHAIN = {
-    "model.encoder_config": "configs/vlm_encoder.py:steps=30,width=32,blocks=1",
+    # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
+    "model.encoder_config": "configs/vlm_encoder.py:steps=120,width=32,blocks=1,patch=4,max_digits=2,warmup=10",
     "model.lm_config": "configs/vlm_lm.py:steps=30,size=micro",
-    "data.num_train_examples": 200, "data.num_eval_examples": 16, "batch_size": 16, "eval_batch_size": 16,
-    "log_every_steps": 10,
+    "data.max_digits": 2, "data.num_train_examples": 200, "data.num_eval_examples": 16, "batch_size": 16,
+    "eval_batch_size": 16, "log_every_steps": 10,
 }
+
+
+def tiny_chain() -> pathlib.Path:
+  """A folder with encoder/, lm/ and vlm/: one launch of a llava connector (60 steps on the count questions)
+  whose frozen encoder and LM the launcher trained first, as their workdirs held no run. Built once per
+  test session (tests of the encoder task read encoder/); tests must not write into it."""
+  def build(directory):
+    overrides = {**TINY_CHAIN, "model.encoder_workdir": directory / "encoder", "model.lm_workdir": directory / "lm"}
+    result = helpers.launch("configs/vlm_digits.py:connector=llava,steps=60,lr=0.003,kinds=count",
+                            directory / "vlm", overrides=overrides, timeout=900)
+    if result.returncode:
+      raise RuntimeError(f"the tiny VLM chain failed (exit {result.returncode}): {result.stderr[-3000:]}")
+  return helpers.build_once("vlm_tiny_chain", build)
 
 
 def config_error_field(*argv):
@@ -30,6 +46,7 @@ def config_error_field(*argv):
 @pytest.mark.parametrize("argument,field", [
     ("--config.model.connector=mlp", "config.model.connector"),
     ("--config.model.image_positions=mrope", "config.model.image_positions"),  # flamingo has no soft tokens
+    ("--config.model.feature_positions=rope_2d", "config.model.feature_positions"),  # rotary: not added
     ("--config.data.kinds=caption,colour", "config.data.kinds"),
     ("--config.data.max_digits=3", "config.data.max_digits"),  # not the frozen encoder's canvas
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
@@ -40,6 +57,16 @@ def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
 
 def test_llava_takes_mrope_positions():
   assert config_error_field("--config=configs/vlm_digits.py:connector=llava,positions=mrope") is None
+
+
+def test_the_probe_answers_what_its_reading_implies():
+  examples = vlm_digits.make_examples("test", 80, seed=0)
+  assert all(probe.answers_correct(examples, [e.digits for e in examples]))
+  shifted = [tuple(tuple((d + 1) % 10 for d in s) for s in e.digits) for e in examples]  # every digit misread
+  correct = dict.fromkeys(vlm_digits.KINDS, ())
+  for example, ok in zip((e for e in examples for _ in e.targets()), probe.answers_correct(examples, shifted)):
+    correct[example.kind] += (ok,)
+  assert not any(correct["caption"] + correct["nth"]) and all(correct["count"])
 
 
 def test_every_malformed_pairs_line_exits_2_naming_file_and_line_and_writes_nothing(tmp_path):
@@ -62,15 +89,12 @@ def test_every_malformed_pairs_line_exits_2_naming_file_and_line_and_writes_noth
 
 
 @pytest.mark.slow
-def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns(tmp_path):
-  overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": tmp_path / "lm"}
-  result = helpers.launch("configs/vlm_digits.py:connector=llava,steps=60,lr=0.003,kinds=count", tmp_path / "vlm",
-                          overrides=overrides, timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
+def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns():
+  chain = tiny_chain()
   for part in ("encoder", "lm"):
-    assert (tmp_path / part / "checkpoints").is_dir()
-  losses = [row["train/loss"] for row in helpers.metric_rows(tmp_path / "vlm") if "train/loss" in row]
+    assert (chain / part / "checkpoints").is_dir()
+  losses = [row["train/loss"] for row in helpers.metric_rows(chain / "vlm") if "train/loss" in row]
   assert losses[-1] < 0.8 * losses[0], losses
-  final = helpers.metric_rows(tmp_path / "vlm")[-1]
+  final = helpers.metric_rows(chain / "vlm")[-1]
   assert {"eval/exact_match", "eval/chrf", "eval/exact_match_count"} <= set(final)
-  assert pathlib.Path(tmp_path / "vlm" / "frozen.json").is_file()
+  assert (chain / "vlm" / "frozen.json").is_file()

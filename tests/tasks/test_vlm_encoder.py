@@ -23,8 +23,10 @@ def config(arg=TINY_ARG, **overrides):
 
 @pytest.fixture(scope="module")
 def trained_encoder():
-  """(workdir, its eval rows) of a tiny encoder run, built once per test session."""
-  workdir = helpers.build_once("vlm_encoder_tiny", lambda directory: loop.run(config(), str(directory), "train"))
+  """(workdir, its eval rows) of the tiny encoder (TINY_ARG's shapes) that the session's tiny VLM chain trained
+  as its frozen encoder (tests/tasks/test_vlm.py)."""
+  from tests.tasks.test_vlm import tiny_chain
+  workdir = tiny_chain() / "encoder"
   return workdir, [row for row in helpers.metric_rows(workdir) if "eval/position_accuracy" in row]
 
 
@@ -91,6 +93,7 @@ def test_position_logits_have_one_row_per_position():
   assert logits.shape == (3, 2, vlm_digits.NUM_POSITION_CLASSES)
 
 
+@pytest.mark.slow
 def test_tiny_encoder_learns_to_read_test_strips(trained_encoder):
   _, rows = trained_encoder
   final = rows[-1]
@@ -98,6 +101,7 @@ def test_tiny_encoder_learns_to_read_test_strips(trained_encoder):
   assert final["eval/empty_accuracy"] > 0.95
 
 
+@pytest.mark.slow
 def test_infer_answers_each_line_with_the_digits_read(trained_encoder):
   model, task = loop.load_model(str(trained_encoder[0]))
   lines = task.infer(model, ["test:0", "test:1"])

@@ -41,6 +41,13 @@ is pre-filled with the prompt (soft tokens included), then the shared `decoding.
 sampling) runs over `loop_step`. A prompt ends with a text token (it is fed first): an image's marker
 comes after its soft tokens, so a prompt may end with an image.
 
+Feature positions: before any connector reads them, the features get the connector's own position
+encoding of the encoder's patch grid (`feature_positions`, FEATURE_POSITIONS: "learned_2d" by default, a
+trained table of 1 + P rows, class token included, as Flamingo's and BLIP-2's encoders hand on features
+that carry their positions). An encoder trained with a position-blind objective (one head shared by every
+place, as the digits' encoder) keeps little of where a feature sits, and a connector that reads features by
+content alone then confuses the order of the digits (experiments/results/compare_connectors.md).
+
 Canvas padding: with `hide_padding` the padded patches are hidden from the encoder's attention and from
 the connector; without it (an encoder trained on padded canvases, which reads padding as "empty") every
 canvas patch is a feature, and only llava's soft tokens stay one per REAL patch.
@@ -60,6 +67,7 @@ from flax import nnx
 
 from xattn_jax import decoding
 from xattn_jax.layers import MLP, blocks
+from xattn_jax.layers import positions as positions_lib
 from xattn_jax.layers.attention import MemoryCache
 from xattn_jax.models import latent_reader
 from xattn_jax.models import lm as lm_lib
@@ -67,6 +75,8 @@ from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
 
 IMAGE_POSITIONS = ("sequence", "mrope")
+# The encodings a connector may add to the features of the encoder's patch grid (read from the registry).
+FEATURE_POSITIONS = tuple(n for n in positions_lib.names(layout="grid") if positions_lib.get(n).role != "rotary")
 SOFT_TOKEN = -1  # the id of a soft-token slot in `tokens` (never embedded: the connector's token replaces it)
 
 
@@ -108,19 +118,37 @@ class VLMCache:
 
 # --- connectors ---------------------------------------------------------------------------------
 
-class FlamingoConnector(nnx.Module):
+class _Connector(nnx.Module):
+  """What every connector shares: its position encoding of the features' patch grid."""
+
+  def _init_feature_positions(self, name: str, feature_width: int, grid, *, param_dtype, rngs):
+    if name not in FEATURE_POSITIONS:
+      raise ValueError(f"{type(self).__name__}: feature_positions must be one of {FEATURE_POSITIONS}, got "
+                       f"feature_positions={name!r}")
+    options = {} if name == "none" else dict(grid=tuple(grid), num_extra_tokens=1, param_dtype=param_dtype)
+    self.feature_positions = positions_lib.make_position_encoding(name, features=feature_width, rngs=rngs,
+                                                                  **options)
+
+  def positioned(self, features, grid):
+    """features [B, 1 + P, w] of the patch grid (gh, gw), P = gh * gw -> the same with their positions added."""
+    return self.feature_positions.add_to_inputs(features, grid=tuple(grid))
+
+
+class FlamingoConnector(_Connector):
   """Gated cross-attention dense blocks before LM layers 0, k, 2k, ... and an optional resampler."""
   prefix_tokens = False  # reads the image through inserted layers, not soft tokens
   spatial = False
 
   def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
                cross_attention_every: int = 1, num_latents: int = 0, resampler_blocks: int = 1,
-               dropout_rate: float = 0.0, dtype, param_dtype, rngs: nnx.Rngs):
+               feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
+               rngs: nnx.Rngs):
     if cross_attention_every < 1 or num_latents < 0 or resampler_blocks < 1:
       raise ValueError(f"FlamingoConnector: cross_attention_every and resampler_blocks must be positive and "
                        f"num_latents >= 0, got cross_attention_every={cross_attention_every}, "
                        f"num_latents={num_latents}, resampler_blocks={resampler_blocks}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
     self.layers = tuple(range(0, lm.num_layers, cross_attention_every))
     self.latents = (latent_reader.LearnedQueries(num_latents, feature_width, param_dtype=param_dtype, rngs=rngs)
                     if num_latents else None)
@@ -151,18 +179,20 @@ class FlamingoConnector(nnx.Module):
     return latents, jnp.ones(latents.shape[:2], bool)
 
 
-class QFormerConnector(nnx.Module):
+class QFormerConnector(_Connector):
   """BLIP-2: N learned queries read the features in ReaderBlocks, then a linear to the LM width."""
   prefix_tokens = True
   spatial = False
 
   def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
                num_queries: int = 32, width: int = 64, num_blocks: int = 2, cross_attention_every: int = 2,
-               dropout_rate: float = 0.0, dtype, param_dtype, rngs: nnx.Rngs):
+               feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
+               rngs: nnx.Rngs):
     if num_blocks < 1 or cross_attention_every < 1:
       raise ValueError(f"QFormerConnector: num_blocks and cross_attention_every must be positive, got "
                        f"num_blocks={num_blocks}, cross_attention_every={cross_attention_every}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
     self.num_queries = num_queries
     self.queries = latent_reader.LearnedQueries(num_queries, width, param_dtype=param_dtype, rngs=rngs)
     self.blocks = nnx.List([
@@ -191,13 +221,15 @@ class QFormerConnector(nnx.Module):
     return k
 
 
-class LlavaConnector(nnx.Module):
+class LlavaConnector(_Connector):
   """LLaVA-1.5's projector: Linear-GELU-Linear on every patch feature, one LM token per patch."""
   prefix_tokens = True
   spatial = True
 
-  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, patch_size: int, dropout_rate: float = 0.0,
-               dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, patch_size: int,
+               feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
     self.patch_size = patch_size
     self.projector = MLP(feature_width, lm.d_model, lm.d_model, activation="gelu", dropout_rate=dropout_rate,
                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -238,14 +270,16 @@ class VisionLanguageModel(nnx.Module):
     hide_padding: hide padded canvas patches from the encoder and the connector (module docstring).
     num_queries, qformer_width, qformer_blocks, qformer_cross_attention_every: qformer.
     image_positions: a name in IMAGE_POSITIONS (llava only; the others hand the LM no spatial tokens).
+    feature_positions: a name in FEATURE_POSITIONS, the connector's encoding of the features' patch grid
+      (module docstring); feature_grid: the grid it is built for (default: the encoder's `positions.grid`).
   """
 
   def __init__(self, encoder: nnx.Module, lm: lm_lib.LanguageModel, *, connector: str, image_token_id: int,
                num_heads: int = 4, mlp_ratio: int = 4, cross_attention_every: int = 1, num_latents: int = 0,
                resampler_blocks: int = 1, num_queries: int = 32, qformer_width: int = 64, qformer_blocks: int = 2,
                qformer_cross_attention_every: int = 2, image_positions: str = "sequence",
-               hide_padding: bool = True, dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               feature_positions: str = "learned_2d", feature_grid=None, hide_padding: bool = True,
+               dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if connector not in CONNECTORS:
       raise ValueError(f"VisionLanguageModel: connector must be one of {tuple(CONNECTORS)}, got "
                        f"connector={connector!r}")
@@ -261,6 +295,14 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with "
                        f"position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
                        f"{lm.position_encoding!r}")
+    if feature_positions not in FEATURE_POSITIONS:
+      raise ValueError(f"VisionLanguageModel: feature_positions must be one of {FEATURE_POSITIONS}, got "
+                       f"feature_positions={feature_positions!r}")
+    if feature_grid is None:
+      feature_grid = getattr(getattr(encoder, "positions", None), "grid", None)
+    if feature_positions != "none" and feature_grid is None:
+      raise ValueError("VisionLanguageModel: feature_positions needs feature_grid (the encoder has no "
+                       "positions.grid to take it from)")
     if (isinstance(image_token_id, bool) or not isinstance(image_token_id, int)
         or not 0 < image_token_id < lm.vocab_size):
       raise ValueError(f"VisionLanguageModel: image_token_id must be an id in [1, {lm.vocab_size}), got "
@@ -278,7 +320,8 @@ class VisionLanguageModel(nnx.Module):
                         num_blocks=qformer_blocks, cross_attention_every=qformer_cross_attention_every),
         "llava": dict(patch_size=encoder.patch_size),
     }[connector]
-    self.connector = kind(encoder.width, lm, dropout_rate=dropout_rate, **options, **common)
+    self.connector = kind(encoder.width, lm, feature_positions=feature_positions, feature_grid=feature_grid,
+                          dropout_rate=dropout_rate, **options, **common)
 
   # --- host side ----------------------------------------------------------------------------------
 
@@ -309,6 +352,7 @@ class VisionLanguageModel(nnx.Module):
     features = self.encoder.features(images.reshape(b * n, height, width, channels).astype(self.dtype),
                                      valid=patch_valid if self.hide_padding else None, deterministic=True)
     features = jax.lax.stop_gradient(features)  # [B, 1 + P, w]
+    features = self.connector.positioned(features, grid)
     read = patch_valid if self.hide_padding else jnp.broadcast_to(present, patch_valid.shape)
     feature_valid = jnp.concatenate([present, read], axis=1)
     on_grid = patch_valid.reshape(b, n, *grid)

@@ -122,6 +122,7 @@ class VLMTask(task_lib.Task):
     validation.require_choice(config, "model.name", ("vlm",))
     validation.require_choice(config, "model.connector", vlm.CONNECTORS)
     validation.require_choice(config, "model.image_positions", vlm.IMAGE_POSITIONS)
+    validation.require_choice(config, "model.feature_positions", vlm.FEATURE_POSITIONS)
     if model.image_positions == "mrope" and not vlm.CONNECTORS[model.connector].spatial:
       raise validation.ConfigError("model.image_positions", model.image_positions,
                                    f"'mrope' places soft tokens on their patch grid: connector=llava only, got "
@@ -359,8 +360,8 @@ class VLMTask(task_lib.Task):
         num_latents=model.num_latents, resampler_blocks=model.resampler_blocks, num_queries=model.num_queries,
         qformer_width=model.qformer_width, qformer_blocks=model.qformer_blocks,
         qformer_cross_attention_every=model.qformer_cross_attention_every, image_positions=model.image_positions,
-        hide_padding=model.hide_padding, dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype,
-        rngs=rngs)
+        feature_positions=model.feature_positions, hide_padding=model.hide_padding,
+        dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   @staticmethod
   def _logits(model, batch, deterministic=True):
