@@ -449,8 +449,10 @@ def render(r) -> str:
   lines = [
       "# Decoder-only LM benchmark (xattn_jax LanguageModel vs torch)", "",
       f"Commit {m['commit']}, {m['date_utc']} UTC, `{m['command']}`; 1-minute load average before the start "
-      f"{m['load_average_before']:.1f} on {m['cores']} cores (other jobs shared the machine: absolute numbers are "
-      f"pessimistic, the ratios come from interleaved runs); whole run {m['wall_s'] / 60:.1f} min.",
+      f"{m['load_average_before']:.1f} on {m['cores']} cores"
+      + (" (other jobs shared the machine: absolute numbers are pessimistic, the ratios come from interleaved runs)"
+         if m["load_average_before"] > m["cores"] else " (idle)")
+      + f"; whole run {m['wall_s'] / 60:.1f} min.",
       f"jax {m['jax']} ({', '.join(m['jax_devices'])}, XLA_FLAGS={m['xla_flags'] or 'unset'}, XLA:CPU's default "
       f"threads), torch {m['torch']} ({m['torch_threads']} intra-op threads, {m['torch_interop_threads']} inter-op), "
       "float32 on both sides.", "",
