@@ -41,6 +41,21 @@ def output_dir(args: argparse.Namespace, name: str) -> pathlib.Path:
   return out
 
 
+def multi_step_call(step, state, batches, steps_per_call: int):
+  """run(): one call of a jitted `trainer.multi_step` program `step` over `batches` (each stacked
+  [steps_per_call, ...]), carrying the training state from call to call; blocks on the loss."""
+  import jax  # the torch-only scripts import this module too
+  import jax.numpy as jnp
+  holder = {"state": state}
+  first, count, key = jnp.int32(0), jnp.int32(steps_per_call), jax.random.key(0)
+
+  def run():
+    holder["state"], metrics = step(holder["state"], batches, first, count, key)
+    metrics["loss"].block_until_ready()
+
+  return run
+
+
 def median_seconds(fn, repeats: int, warmup: bool = True) -> float:
   """Median wall time of fn() over `repeats` runs after one warm-up run; fn blocks until done."""
   if warmup:

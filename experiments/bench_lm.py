@@ -104,14 +104,7 @@ def jax_train_call(s, rng, steps_per_call):
   step = jax.jit(trainer_lib.multi_step(train_step), donate_argnums=0)
   batches = {name: jnp.asarray(np.stack([random_tokens(rng, s["vocab"], s["batch"], s["length"])
                                          for _ in range(steps_per_call)])) for name in ("inputs", "targets")}
-  holder = {"state": state}
-  first, count, key = jnp.int32(0), jnp.int32(steps_per_call), jax.random.key(0)
-
-  def run():
-    holder["state"], metrics = step(holder["state"], batches, first, count, key)
-    metrics["loss"].block_until_ready()
-
-  return run
+  return bench_common.multi_step_call(step, state, batches, steps_per_call)
 
 
 def jax_decoders(model, s):

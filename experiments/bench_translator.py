@@ -44,8 +44,8 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from configs import common  # noqa: E402
-from bench_common import (interleaved_median_seconds, median_seconds, parse_jax_vs_torch_args_with,  # noqa: E402
-                          run_record)
+from bench_common import (interleaved_median_seconds, median_seconds, multi_step_call,  # noqa: E402
+                          parse_jax_vs_torch_args_with, run_record)
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 from xattn_jax.training import trainer as trainer_lib  # noqa: E402
@@ -106,8 +106,8 @@ def jax_training(s, rng, steps_per_call=None):
   """A function running one call: one step, or `steps_per_call` steps in one jitted call."""
   model = make_translator(s)
   step, state = make_train_step(model, steps_per_call)
-  holder = {"state": state}
   if steps_per_call is None:
+    holder = {"state": state}
     batch = [jnp.asarray(tokens(rng, s["vocab"], s["batch"], s["length"])) for _ in range(3)]
 
     def run():
@@ -117,13 +117,7 @@ def jax_training(s, rng, steps_per_call=None):
     return run
   batches = tuple(jnp.asarray(np.stack([tokens(rng, s["vocab"], s["batch"], s["length"])
                                         for _ in range(steps_per_call)])) for _ in range(3))
-  first, count, key = jnp.int32(0), jnp.int32(steps_per_call), jax.random.key(0)
-
-  def run_multi():
-    holder["state"], metrics = step(holder["state"], batches, first, count, key)
-    metrics["loss"].block_until_ready()
-
-  return run_multi
+  return multi_step_call(step, state, batches, steps_per_call)
 
 
 def decode_functions(model, s):
