@@ -50,6 +50,11 @@ def _step(model, tokens, cache):
   return model.decode_step(tokens, cache)
 
 
+@nnx.jit
+def _loop_step(model, tokens, cache):  # the search loops' step: layers sliced and output table transposed once
+  return model.loop_step()(tokens, cache)
+
+
 def _tokens(shape, seed=0):
   return jnp.asarray(np.random.RandomState(seed).randint(3, VOCAB, shape), jnp.int32)
 
@@ -94,7 +99,7 @@ def test_prefill_then_cached_steps_equal_the_full_forward(encoding):
   logits, cache = _prefill(model, tokens[:, :5], jnp.ones((2, 5), bool), model.init_cache(2, 12))
   steps = [logits]
   for i in range(5, LENGTH):
-    logits, cache = _step(model, tokens[:, i:i + 1], cache)
+    logits, cache = _loop_step(model, tokens[:, i:i + 1], cache)
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
 

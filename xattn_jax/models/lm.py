@@ -282,9 +282,16 @@ class LanguageModel(nnx.Module):
     key = jax.random.key(randomized.eval_seed) if rng is None else rng
     return randomized_document_positions(key, positions, randomized.max_position)
 
-  def _logits(self, x):
+  def _logits(self, x, output_table=None):
+    """x [b, t, d_model] -> float32 logits [b, t, vocab]. output_table: the tied embedding transposed,
+    [d_model, vocab], made once by `loop_step` (a step then streams it in the matmul's own layout)."""
     x = self.final_norm(x)
-    logits = dense.flat_matmul(x, self.embed.attend) if self.output is None else self.output(x)
+    if self.output is not None:
+      logits = self.output(x)
+    elif output_table is not None:
+      logits = dense.flat_matmul(x.astype(self.dtype), lambda rows: rows @ output_table)
+    else:
+      logits = dense.flat_matmul(x, self.embed.attend)
     return logits.astype(jnp.float32)
 
   def layers(self):
@@ -383,13 +390,15 @@ class LanguageModel(nnx.Module):
     inside `lax.while_loop` XLA would otherwise copy every stacked weight at every step). The step
     takes `insert=` per call too (a host model whose inserted layers read state carried in its cache)."""
     layers = self.layers()
+    table = None if self.output is not None else self.embed.embedding.value.T.astype(self.dtype)
     default_insert = insert
     def step(tokens, cache, *, insert=default_insert):
-      return self._extend(layers, tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert)
+      return self._extend(layers, tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert,
+                          output_table=table)
     return step
 
   def _extend(self, layers, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None, prefix_valid=None,
-              insert=None):
+              insert=None, output_table=None):
     _check_tokens("prefill", tokens)
     batch = tokens.shape[0]
     if cache.key_valid.shape[0] != batch:
@@ -434,7 +443,7 @@ class LanguageModel(nnx.Module):
     next_position = jnp.maximum(cache.next_position, last + 1)
     cache = LMCache(layers=tuple(new_layers), key_valid=key_valid, key_positions=key_positions,
                     next_position=next_position, position_table=cache.position_table)
-    return self._logits(x), cache
+    return self._logits(x, output_table), cache
 
 
 def left_pad(sequences, length: int | None = None, pad_id: int = PAD_ID):
