@@ -390,7 +390,7 @@ class LanguageModel(nnx.Module):
     inside `lax.while_loop` XLA would otherwise copy every stacked weight at every step). The step
     takes `insert=` per call too (a host model whose inserted layers read state carried in its cache)."""
     layers = self.layers()
-    table = None if self.output is not None else self.embed.embedding.value.T.astype(self.dtype)
+    table = None if self.output is not None else self.embed.embedding[...].T.astype(self.dtype)
     default_insert = insert
     def step(tokens, cache, *, insert=default_insert):
       return self._extend(layers, tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert,

@@ -220,6 +220,18 @@ class QFormerConnector(_Connector):
     """The index into `tokens`' K axis of an image's k-th soft token."""
     return k
 
+  def cross_attention_weights(self, features, valid):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> float32 [B, C, heads, N, 1 + P]: each query's attention over
+    the features in each of the C blocks that cross-attend, as `tokens` computes it."""
+    mask = masks_lib.padding_mask(valid)
+    x = self.queries(features.shape[0], features.dtype)
+    weights = []
+    for block in self.blocks:
+      if block.cross_attention is not None:
+        weights.append(block.cross_attention_weights(x, features, input_mask=mask))
+      x = block(x, features if block.cross_attention is not None else None, input_mask=mask)
+    return jnp.stack(weights, axis=1)
+
 
 class LlavaConnector(_Connector):
   """LLaVA-1.5's projector: Linear-GELU-Linear on every patch feature, one LM token per patch."""
@@ -344,17 +356,8 @@ class VisionLanguageModel(nnx.Module):
       if getattr(array, "shape", None) != shape or array.dtype != jnp.bool_:
         raise ValueError(f"VisionLanguageModel: {name} must be bool {list(shape)}, got "
                          f"{getattr(array, 'dtype', type(array))}{list(getattr(array, 'shape', ()))}")
-    p = self.patch_size
-    grid = (height // p, width // p)
-    patch_valid = vit_lib.patch_valid(pixel_valid.reshape(b * n, height, width), p)
-    present = image_valid.reshape(b * n, 1)
-    patch_valid = patch_valid & present  # [B, P], B = b * n
-    features = self.encoder.features(images.reshape(b * n, height, width, channels).astype(self.dtype),
-                                     valid=patch_valid if self.hide_padding else None, deterministic=True)
-    features = jax.lax.stop_gradient(features)  # [B, 1 + P, w]
-    features = self.connector.positioned(features, grid)
-    read = patch_valid if self.hide_padding else jnp.broadcast_to(present, patch_valid.shape)
-    feature_valid = jnp.concatenate([present, read], axis=1)
+    grid = (height // self.patch_size, width // self.patch_size)
+    features, feature_valid, patch_valid = self._features(images, pixel_valid, image_valid)
     on_grid = patch_valid.reshape(b, n, *grid)
     grid_height = jnp.sum(on_grid[..., 0], axis=-1, dtype=jnp.int32)  # [b, n]
     grid_width = jnp.sum(on_grid[:, :, 0, :], axis=-1, dtype=jnp.int32)
@@ -372,6 +375,22 @@ class VisionLanguageModel(nnx.Module):
     return context.replace(memory=memory.reshape(b, n * size, memory.shape[-1]),
                            memory_valid=memory_valid.reshape(b, n * size),
                            memory_image=jnp.repeat(jnp.arange(n, dtype=jnp.int32), size))
+
+  def _features(self, images, pixel_valid, image_valid):
+    """The frozen encoder's features of every image slot with the connector's positions -> (features
+    [B, 1 + P, w], feature_valid [B, 1 + P]: what the connector reads, patch_valid [B, P]: the real
+    patches), B = b * n."""
+    b, n, height, width, channels = images.shape
+    p = self.patch_size
+    patch_valid = vit_lib.patch_valid(pixel_valid.reshape(b * n, height, width), p)
+    present = image_valid.reshape(b * n, 1)
+    patch_valid = patch_valid & present
+    features = self.encoder.features(images.reshape(b * n, height, width, channels).astype(self.dtype),
+                                     valid=patch_valid if self.hide_padding else None, deterministic=True)
+    features = jax.lax.stop_gradient(features)  # [B, 1 + P, w]
+    features = self.connector.positioned(features, (height // p, width // p))
+    read = patch_valid if self.hide_padding else jnp.broadcast_to(present, patch_valid.shape)
+    return features, jnp.concatenate([present, read], axis=1), patch_valid
 
   # --- text layout --------------------------------------------------------------------------------
 
@@ -452,6 +471,20 @@ class VisionLanguageModel(nnx.Module):
     return {layer: gated(block, cache)
             for layer, block, cache in zip(self.connector.layers, self.connector.blocks, memory_caches)}
 
+  def _recording_insert(self, memory, mask, record):
+    """`_insert` (deterministic) that also appends each gated layer's attention probabilities
+    [b, heads, T, n * S] over memory [b, n * S, w] to record."""
+    def gated(block):
+      def attend(h):
+        record.append(block.attention.attention_weights(h, memory, mask=mask))
+        return block.attention(h, memory, mask=mask), None
+      def apply(x):
+        x, _ = block.attention_residual(x, attend, True)
+        x, _ = block.mlp_residual(x, lambda h: (block.mlp(h), None), True)
+        return x
+      return apply
+    return {layer: gated(block) for layer, block in zip(self.connector.layers, self.connector.blocks)}
+
   def _project_memories(self, context: ImageContext):
     return tuple(block.attention.project_memory(context.memory) for block in self.connector.blocks)
 
@@ -474,6 +507,32 @@ class VisionLanguageModel(nnx.Module):
     mask = self._memory_mask(self._media(tokens, valid), context.memory_image, context.memory_valid)
     insert = self._insert(self._project_memories(context), mask, deterministic)
     return self.lm(tokens, positions=positions, segment_ids=segment_ids, insert=insert)
+
+  def attention_maps(self, images, pixel_valid, image_valid, tokens, valid=None) -> jax.Array:
+    """Where the connector looks in the images (float32 probabilities, deterministic; arrays as in __call__).
+
+    qformer: [b, n, C, heads, N, 1 + P], each of the N queries' attention over image j's features (the class
+      token first, then the canvas patches row-major) in each of the C Q-Former blocks that cross-attend.
+    flamingo: [b, L, heads, T, n * S], each text token's attention in each of the L gated layers over the
+      memory rows (image j's rows are j * S .. (j + 1) * S - 1; without a resampler the features as above).
+      A token reads only its latest image, so its weights over every other image are 0 (all 0 before the
+      first image's marker).
+    llava has no cross-attention (the LM's self-attention reads its soft tokens): a ValueError.
+    """
+    if self.connector_name == "llava":
+      raise ValueError("VisionLanguageModel.attention_maps: connector='llava' has no cross-attention; its soft "
+                       "tokens are read by the LM's own self-attention")
+    valid = self._check_text(tokens, valid)
+    context = self.encode_images(images, pixel_valid, image_valid)  # validates the image arrays
+    if self.connector_name == "qformer":
+      features, feature_valid, _ = self._features(images, pixel_valid, image_valid)
+      weights = self.connector.cross_attention_weights(features, feature_valid)  # XLA drops the unused context
+      return weights.reshape(*images.shape[:2], *weights.shape[1:])
+    mask = self._memory_mask(self._media(tokens, valid), context.memory_image, context.memory_valid)
+    record = []
+    self.lm(tokens, positions=self.positions(tokens, valid, context), segment_ids=valid.astype(jnp.int32),
+            insert=self._recording_insert(context.memory, mask, record))
+    return jnp.stack(record, axis=1)
 
   # --- generation ---------------------------------------------------------------------------------
 
