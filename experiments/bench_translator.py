@@ -21,7 +21,8 @@ Results go to experiments/results/translator_benchmark.{md,json}.
 
     python experiments/bench_translator.py           # the full sizes (several minutes)
     python experiments/bench_translator.py --quick   # a tiny smoke run
-    python experiments/bench_translator.py --sections=training --out=/tmp/a   # one section; then
+    python experiments/bench_translator.py --sections=decoding   # one section; the file keeps the others
+    python experiments/bench_translator.py --sections=training --out=/tmp/a   # one section elsewhere; then
     python experiments/bench_translator.py --render /tmp/a/translator_benchmark.json /tmp/b/translator_benchmark.json
 """
 from __future__ import annotations
@@ -525,6 +526,10 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
 
 
 SECTIONS = ("training", "decoding", "compile")
+# The results keys each section writes (a partial run keeps the other sections of the file it rewrites).
+SECTION_KEYS = {"training": ("training", "training_flops"),
+                "decoding": ("decoding", "torch_compile", "decode_limit"),
+                "compile": ("compile_s", "step_s_at_benchmark_depth")}
 
 
 def add_arguments(parser):
@@ -701,6 +706,24 @@ def render(results) -> str:
   return "\n".join(lines)
 
 
+def keep_other_sections(path: pathlib.Path, results: dict, sections) -> dict:
+  """results of the sections just run, plus the other sections of the results file at path (if any): a
+  partial run rewrites its own tables only. Each run keeps its own record (commit, command, dates)."""
+  if set(sections) == set(SECTIONS) or not path.is_file():
+    return results
+  previous = json.loads(path.read_text())
+  kept = [name for name in SECTIONS if name not in sections and SECTION_KEYS[name][0] in previous]
+  if not kept:
+    return results
+  merged = dict(results)
+  for name in kept:
+    merged.update({key: previous[key] for key in SECTION_KEYS[name] if key in previous})
+  earlier = [run for run in previous.get("machine", {}).get("runs", [])
+             if set(run["sections"].split(",")) & set(kept)]
+  merged["machine"] = dict(results["machine"], runs=earlier + results["machine"]["runs"])
+  return merged
+
+
 def main():
   args, s, cores = parse_jax_vs_torch_args_with(__doc__, FULL, QUICK, add_arguments)
   out = pathlib.Path(args.out)
@@ -733,6 +756,7 @@ def main():
       if name in sections:
         section(s, rng, results)
     results["machine"]["runs"] = [dict(run, ended=time.strftime("%Y-%m-%d %H:%M"))]
+    results = keep_other_sections(out / "translator_benchmark.json", results, sections)
   markdown = render(results)
   print(markdown)
   (out / "translator_benchmark.md").write_text(markdown)

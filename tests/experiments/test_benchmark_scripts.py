@@ -64,3 +64,19 @@ def test_cached_torch_beam_search_of_one_beam_without_penalty_is_greedy(torch_tr
   greedy = bench.torch_greedy_cached(cached, sizes["new_tokens"])(inputs)
   beam = bench.torch_beam_cached(cached, sizes["new_tokens"], beam_size=1, alpha=0.0, eos_id=sizes["vocab"])(inputs)
   assert bool((beam == greedy).all())
+
+
+def test_a_partial_translator_run_keeps_the_other_sections_of_the_file_it_rewrites(torch_translator, tmp_path):
+  bench = torch_translator[0]
+  runs = lambda sections, commit: [{"sections": sections, "commit": commit}]  # noqa: E731
+  previous = {"machine": {"runs": runs("training,decoding,compile", "old")}, "training": {"jax": 1.0},
+              "training_flops": {"f": 2}, "decoding": {"jax": "old"}, "decode_limit": {"l": 1},
+              "compile_s": {"c": 3}, "step_s_at_benchmark_depth": {"s": 4}}
+  (tmp_path / "translator_benchmark.json").write_text(bench.json.dumps(previous))
+  new = {"machine": {"runs": runs("decoding", "new")}, "decoding": {"jax": "new"}, "torch_compile": "ok",
+         "decode_limit": {"l": 2}}
+  merged = bench.keep_other_sections(tmp_path / "translator_benchmark.json", new, ("decoding",))
+  assert merged["decoding"] == {"jax": "new"} and merged["decode_limit"] == {"l": 2}
+  assert merged["training"] == {"jax": 1.0} and merged["compile_s"] == {"c": 3}
+  assert [r["commit"] for r in merged["machine"]["runs"]] == ["old", "new"]
+  assert bench.keep_other_sections(tmp_path / "translator_benchmark.json", new, bench.SECTIONS) is new
