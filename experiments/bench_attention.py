@@ -8,7 +8,7 @@ also at 128): plain self-attention (batch 8, 8 heads, head_dim 64), causal with 
 cross-attention over a padded memory, GQA, head_dim 128, batch 1 with a short query over a long
 memory, and a shape the blocking constants were not tuned on (odd lengths, 6 heads of 80). The
 default path's row names the implementation `implementation=None` picks; it runs that program.
-Long keys: "xla" against "chunked" at kv_len 4096 / 8192 / 16384 (and a short query up to 32768),
+Long keys: "xla" against "chunked" at kv_len 4096 / 8192 / 16384 (self-attention, and a short query up to 32768),
 time and XLA's temp-buffer bytes: the numbers behind the default's choice between them.
 Memory: peak resident set of dense (`jax.nn.dot_product_attention`, which materializes the
 [batch, heads, q, kv] scores) versus our paths at length 16384 (batch 1, 8 heads), each in its own
@@ -20,6 +20,7 @@ they go to attention_benchmark_gpu.{md,json}.
 
   python experiments/bench_attention.py           # full run, several minutes
   python experiments/bench_attention.py --quick   # seconds: tiny sizes, into a new temporary directory
+  python experiments/bench_attention.py --long_keys_only   # the long-key rows alone: attention_long_keys.{md,json}
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ CASES = {
                                        kv_heads=6, head_dim=80),
 }
 LONG_CASES = (  # xla against chunked: the default's rule between them
-    *(Case("self", 1, n, n) for n in (4096, 8192)),
+    *(Case("self", 1, n, n) for n in (4096, 8192, 16384)),
     *(Case("short query", 1, 256, n) for n in (4096, 8192, 16384, 32768)),
 )
 
@@ -343,6 +344,8 @@ def main():
   parser.add_argument("--memory_worker", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--no_memory", action="store_true",
                       help="skip the fresh-process memory rows at length 16384 (minutes on a loaded machine)")
+  parser.add_argument("--long_keys_only", action="store_true",
+                      help="only the long-key rows (xla against chunked), into attention_long_keys.{md,json}")
   args = parser.parse_args()
   if args.memory_worker:
     name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
@@ -377,14 +380,19 @@ def main():
                       "beyond; long keys 2 rounds of 1; 1 for memory")
                      if not args.quick else 2}
   speed = []
+  if args.long_keys_only:
+    cases = []
+    meta["repeats"] = "2 rounds of 1 (after a warm-up)" if not args.quick else 2
   for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
     speed += speed_rows(cases, cores, repeats_at, dtype)
   long = long_rows(long, cores, 2)
-  memory = [] if args.no_memory else memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads,
+  memory = [] if args.no_memory or args.long_keys_only else memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads,
                                                  head_dim, repeats=(3 if ON_GPU else 1) if not args.quick else 2)
   out_dir = args.out
   markdown = to_markdown(meta, speed, long, memory)
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"
+  if args.long_keys_only:
+    stem = stem.replace("benchmark", "long_keys")
   with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
     f.write(markdown)
   with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
