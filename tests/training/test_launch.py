@@ -40,8 +40,9 @@ def launch_args(workdir, *extra, overrides=None):
 
 
 def subprocess_env(device_count=1, default_optimization=False):
-  """The session's launch environment (tests/helpers.py); `default_optimization` keeps XLA's default level."""
-  return helpers.subprocess_env(device_count, optimize=default_optimization)
+  """The session's launch environment (tests/helpers.py) with XLA:CPU's default fusion emitters (runs here are
+  compared bit for bit across steps per call); `default_optimization` keeps XLA's default level too."""
+  return helpers.subprocess_env(device_count, optimize=default_optimization, fusion_emitters=True)
 
 
 def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300, default_optimization=False,
