@@ -15,9 +15,10 @@ else:
   _CACHE_DIR = None
 # XLA's backend optimization level 0 halves its CPU compile time, and compiling is most of what these small
 # tests do; XLA:CPU's older (non-MLIR) fusion emitters halve what is left. Numerics are the same programs' up
-# to float rounding; the tests that must see XLA's default compiler ask for it
-# (helpers.subprocess_env(optimize=True)).
-_COMPILE_FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")  # helpers'
+# to float rounding; the launch tests that must see XLA's default level or emitters ask for them
+# (helpers.subprocess_env(optimize=True) or fusion_emitters=True). The flags of helpers.COMPILE_FAST_XLA_FLAGS,
+# set here before JAX starts.
+_COMPILE_FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 for _flag in _COMPILE_FAST_XLA_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
