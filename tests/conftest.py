@@ -14,10 +14,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
   _CACHE_DIR = None
 # XLA's backend optimization level 0 halves its CPU compile time, and compiling is most of what these small
-# tests do. Numerics are the same programs' up to float rounding; the tests that must see XLA's default
-# level ask for it (helpers.subprocess_env(optimize=True)).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# tests do; XLA:CPU's older (non-MLIR) fusion emitters halve what is left. Numerics are the same programs' up
+# to float rounding; the launch tests that must see XLA's default level or emitters ask for them
+# (helpers.subprocess_env(optimize=True) or fusion_emitters=True). The flags of helpers.COMPILE_FAST_XLA_FLAGS,
+# set here before JAX starts.
+_COMPILE_FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+for _flag in _COMPILE_FAST_XLA_FLAGS:
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # Trained artefacts that many tests read (tests/helpers.py build_once), built once per session.
 if "XATTN_JAX_TEST_ARTIFACTS" not in os.environ:
   _ARTIFACTS_DIR = tempfile.mkdtemp(prefix="xattn_jax_test_artifacts_")

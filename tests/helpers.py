@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from typing import Callable
 
 import jax.numpy as jnp
@@ -51,14 +52,22 @@ TINY_DATES = {**TINY_TRANSLATOR, "data.first_year": 2000, "data.last_year": 2001
               "data.vocab_size": 128, "task.num_attention_plots": 1}
 
 
-def subprocess_env(device_count: int = 1, *, optimize: bool = False) -> dict[str, str]:
+# XLA flags that compile the tests' small programs ~3x faster, numerics the same up to float rounding: XLA's
+# backend optimization level 0, and XLA:CPU's older (non-MLIR) fusion emitters. The pytest processes use
+# both (conftest.py).
+COMPILE_FAST_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+
+
+def subprocess_env(device_count: int = 1, *, optimize: bool = False, fusion_emitters: bool = False) -> dict[str, str]:
   """The environment of a launch.py subprocess: CPU, `device_count` devices, this session's compilation
-  cache (inherited from conftest.py). XLA's optimization level 0 halves its CPU compile time; runs that
-  a test compares share the level, and `optimize=True` keeps XLA's default for the tests that must see it."""
+  cache (inherited from conftest.py), COMPILE_FAST_XLA_FLAGS. Runs that a test compares share the flags;
+  `optimize=True` keeps XLA's defaults for the tests that must see them, and `fusion_emitters=True` keeps
+  the default emitters at level 0 for runs compared bit for bit with runs of another program structure
+  (several steps per call against one: the older emitters round them differently)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   flags_ = [f"--xla_force_host_platform_device_count={device_count}"]
   if not optimize:
-    flags_.append("--xla_backend_optimization_level=0")
+    flags_ += COMPILE_FAST_XLA_FLAGS[:1] if fusion_emitters else COMPILE_FAST_XLA_FLAGS
   env["XLA_FLAGS"] = " ".join(flags_)
   return env
 
@@ -86,6 +95,7 @@ _IMPORT_TIME_PREFIXES = ("JAX_", "PYTHON", "TF_", "XATTN_JAX_", "COV_", "COVERAG
                          "OPENBLAS_", "CUDA_", "NVIDIA_", "TPU_", "LC_", "LANG", "MPL")
 _MAX_SERVERS = 3  # per test process; a request beyond them gets a plain subprocess
 _servers: dict = {"owner": None, "sockets": {}}
+_servers_lock = threading.Lock()  # threads of one test (a runner's parallel jobs) start one server per set
 # CPU-seconds the served children of this process used so far (they are not this process's waited-for
 # children, so resource.RUSAGE_CHILDREN does not count them).
 served_cpu_seconds = [0.0]
@@ -98,6 +108,11 @@ def _import_time_key(env: dict[str, str]) -> tuple:
 def _server_socket(env: dict[str, str]) -> str | None:
   """The socket of this process's launch server for `env`'s import-time variables, started on first use
   (it exits when this process does); None where no more servers may start."""
+  with _servers_lock:
+    return _locked_server_socket(env)
+
+
+def _locked_server_socket(env: dict[str, str]) -> str | None:
   if _servers["owner"] != os.getpid():  # a forked test process starts its own
     _servers.update(owner=os.getpid(), sockets={})
   key = _import_time_key(env)
@@ -231,6 +246,25 @@ def run(argv: list[str], *, cwd=REPO, env: dict[str, str] | None = None, input: 
     process.communicate()
     raise
   return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def served_call(argv: list[str], *, stdout, stderr=None, env: dict[str, str] | None = None, cwd=REPO) -> int:
+  """subprocess.call(argv, stdout=FILE, stderr=subprocess.STDOUT, env=..., cwd=...) as `start` runs commands
+  (a Python script forks from the launch server): for experiment runners whose cells are launch.py
+  processes, patched in as their `subprocess.call`. Stdout, then stderr, go to FILE; returns the exit status."""
+  if stderr not in (None, subprocess.STDOUT):
+    raise ValueError(f"served_call: stderr must be None or subprocess.STDOUT, got {stderr!r}")
+  process = start(argv, cwd=cwd, env=env)
+  out, err = process.communicate()
+  stdout.write(out + (err if stderr is subprocess.STDOUT else ""))
+  if stderr is None:
+    sys.stderr.write(err)
+  return process.returncode
+
+
+def subprocess_serving_calls():
+  """The subprocess module with `call` replaced by served_call: patched into a runner as its `subprocess`."""
+  return types.SimpleNamespace(**{**vars(subprocess), "call": served_call})
 
 
 def metric_rows(workdir) -> list[dict]:

@@ -65,14 +65,17 @@ def test_every_cell_has_its_own_workdir_and_seed():
 
 
 @pytest.mark.slow
-def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path):
-  command = [sys.executable, str(REPOSITORY / "experiments" / "ablate_positions.py"), "--quick",
-             f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
-  first = helpers.run(command, cwd=REPOSITORY, timeout=600)
-  assert first.returncode == 0, first.stdout + first.stderr
+def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path, monkeypatch, capsys):
+  # The runner runs in this process; its cells (launch.py commands) fork from the launch server
+  # (helpers.served_call) instead of each importing everything in a fresh interpreter.
+  monkeypatch.setattr(ablate_positions, "subprocess", helpers.subprocess_serving_calls())
+  argv = ["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
+  assert ablate_positions.main(argv) == 0, capsys.readouterr().out
+  capsys.readouterr()
   summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
   assert set(summary) == {"dates", "length", "resolution"}
   for name in ("length_bands", "resolution", "dot_products", "rope_scores"):
     assert (tmp_path / "results" / f"ablation_{name}.png").stat().st_size > 1000
-  second = helpers.run(command, cwd=REPOSITORY, timeout=600)
-  assert second.returncode == 0 and second.stdout.count("done before") == 3, second.stdout
+  assert ablate_positions.main(argv) == 0
+  second = capsys.readouterr().out
+  assert second.count("done before") == 3, second

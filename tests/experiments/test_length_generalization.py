@@ -132,11 +132,12 @@ def test_outputs_are_a_table_a_json_summary_and_a_plot(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_run_trains_its_cells_and_writes_table_json_and_plot(tmp_path):
-  command = [sys.executable, str(REPOSITORY / "experiments" / "length_generalization.py"), "--quick",
-             f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
-  run = helpers.run(command, cwd=REPOSITORY, timeout=600)
-  assert run.returncode == 0, run.stdout + run.stderr
+def test_quick_run_trains_its_cells_and_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
+  # The runner runs in this process; its cells (launch.py commands) fork from the launch server
+  # (helpers.served_call) instead of each importing everything in a fresh interpreter.
+  monkeypatch.setattr(lg, "subprocess", helpers.subprocess_serving_calls())
+  status = lg.main(["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"])
+  assert status == 0, capsys.readouterr().out
   document = json.loads((tmp_path / "results" / "length_generalization.json").read_text())
   assert "eval/exact_match_41_80" in document["summary"]["copy"]["rope"]
   assert (tmp_path / "work" / "quick" / "copy" / "rope" / "seed0" / "result.json").exists()

@@ -218,7 +218,8 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
 def test_length_bucketed_batches_of_several_shapes_train_as_at_one_step_per_call(tmp_path):
   """Bucketed batches change shape from step to step; a call stacks only batches of one shape (the
   stack of different shapes crashed), and the losses are those of one step per call."""
-  corpus = "".join(f"{n}{' cats' * (n % 3)}\t{n}{' chats' * (n % 3)}\n" for n in range(64))  # 2-3 shapes
+  # Two shapes, (8, 8) and (16, 16) tokens after bucketing: each call of 4 steps is cut where the shape changes.
+  corpus = "".join(f"{n}{' cats cats' * (n % 2)}\t{n}{' chats chats' * (n % 2)}\n" for n in range(64))
   (tmp_path / "train.tsv").write_text(corpus)
   (tmp_path / "eval.tsv").write_text("70 cats\t70 chats\n")
   losses = []

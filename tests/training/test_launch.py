@@ -39,21 +39,24 @@ def launch_args(workdir, *extra, overrides=None):
           + [f"--config.{k}={v}" for k, v in merged.items()] + list(extra))
 
 
-def subprocess_env(device_count=1, default_optimization=False):
-  """The session's launch environment (tests/helpers.py); `default_optimization` keeps XLA's default level."""
-  return helpers.subprocess_env(device_count, optimize=default_optimization)
+def subprocess_env(device_count=1, default_optimization=False, fusion_emitters=True):
+  """The session's launch environment (tests/helpers.py), by default with XLA:CPU's default fusion emitters
+  (runs here are compared bit for bit across steps per call); `default_optimization` keeps XLA's default
+  level too."""
+  return helpers.subprocess_env(device_count, optimize=default_optimization, fusion_emitters=fusion_emitters)
 
 
 def launch(workdir, *extra, overrides=None, stdin=None, device_count=1, timeout=300, default_optimization=False,
-           fresh=False):
+           fresh=False, fusion_emitters=True):
   """Runs launch.py to the end, forked from the pre-imported launch server (tests/helpers.py), or with
   `fresh` as a plain subprocess: a new interpreter that imports everything itself."""
   return helpers.run(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, input=stdin, timeout=timeout,
-                     env=subprocess_env(device_count, default_optimization), fresh=fresh)
+                     env=subprocess_env(device_count, default_optimization, fusion_emitters), fresh=fresh)
 
 
-def start(workdir, *extra, overrides=None, device_count=1):
-  return helpers.start(launch_args(workdir, *extra, overrides=overrides), cwd=REPO, env=subprocess_env(device_count))
+def start(workdir, *extra, overrides=None, device_count=1, fusion_emitters=True):
+  return helpers.start(launch_args(workdir, *extra, overrides=overrides), cwd=REPO,
+                       env=subprocess_env(device_count, fusion_emitters=fusion_emitters))
 
 
 def metrics_rows(workdir):
