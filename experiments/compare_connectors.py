@@ -48,14 +48,8 @@ def _measure(config, workdir: str) -> dict:
   import numpy as np
   from flax import nnx
   from xattn_jax.models import vlm
-  from xattn_jax.training import checkpoints as checkpoints_lib, trainer as trainer_lib
-  trainer = trainer_lib.Trainer(config, workdir, "eval")
-  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=2)
-  try:
-    state, _ = trainer.latest_state(checkpoints, "eval")
-  finally:
-    checkpoints.close()
-  model, task = trainer.model(state), trainer.task
+  from xattn_jax.training import inference
+  model, task = inference.load_model(workdir, mode="eval")
   requests = [(example.images, layout.ids[:prefix].tolist(), stop)
               for example, layout in zip(task.eval_examples, task.eval_layouts) for prefix, stop, _ in layout.targets]
   task.generate(model, requests)  # warm-up: compiles

@@ -36,18 +36,11 @@ def pick_examples(examples, count: int):
 def draw(workdir: str, out_dir: str, examples: int) -> tuple[str, list[str]]:
   """Draws one workdir's maps -> (the PNG's path, a markdown line per example)."""
   from xattn_jax.tasks.vlm import plots
-  from xattn_jax.training import checkpoints as checkpoints_lib, trainer as trainer_lib, validation
-  config = validation.load_config_file(os.path.join(workdir, "config.py"))
-  trainer = trainer_lib.Trainer(config, workdir, "eval")
-  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=2)
-  try:
-    state, _ = trainer.latest_state(checkpoints, "eval")
-  finally:
-    checkpoints.close()
-  connector = config.model.connector
-  path = os.path.join(out_dir, f"vlm_attention_{connector}.png")
-  chosen = pick_examples(trainer.task.eval_examples, examples)
-  drawn = plots.attention_figure(trainer.task, trainer.model(state), chosen, path)
+  from xattn_jax.training import inference
+  model, task = inference.load_model(workdir, mode="eval")
+  path = os.path.join(out_dir, f"vlm_attention_{task.config.model.connector}.png")
+  chosen = pick_examples(task.eval_examples, examples)
+  drawn = plots.attention_figure(task, model, chosen, path)
   lines = [f"- {example.num_digits} digit(s), {prompt.strip() or '(caption)'}: generated \"{answer}\", reference "
            f"\"{example.targets()[0]}\"" for example, (_, prompt, answer, _) in zip(chosen, drawn)]
   return path, lines

@@ -16,10 +16,10 @@ else:
 # XLA's backend optimization level 0 halves its CPU compile time, and compiling is most of what these small
 # tests do; XLA:CPU's older (non-MLIR) fusion emitters halve what is left. Numerics are the same programs' up
 # to float rounding; the launch tests that must see XLA's default level or emitters ask for them
-# (helpers.subprocess_env(optimize=True) or fusion_emitters=True). The flags of helpers.COMPILE_FAST_XLA_FLAGS,
-# set here before JAX starts.
-_COMPILE_FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-for _flag in _COMPILE_FAST_XLA_FLAGS:
+# (helpers.subprocess_env(optimize=True) or fusion_emitters=True). Set here before JAX starts.
+from tests.xla_flags import COMPILE_FAST_XLA_FLAGS  # noqa: E402  (no imports of its own)
+
+for _flag in COMPILE_FAST_XLA_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # Trained artefacts that many tests read (tests/helpers.py build_once), built once per session.

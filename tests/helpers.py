@@ -20,6 +20,8 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
+from tests.xla_flags import COMPILE_FAST_XLA_FLAGS
+
 
 def load_config(*argv):
   """The config exactly as launch.py resolves it from command-line arguments."""
@@ -52,12 +54,6 @@ TINY_DATES = {**TINY_TRANSLATOR, "data.first_year": 2000, "data.last_year": 2001
               "data.vocab_size": 128, "task.num_attention_plots": 1}
 
 
-# XLA flags that compile the tests' small programs ~3x faster, numerics the same up to float rounding: XLA's
-# backend optimization level 0, and XLA:CPU's older (non-MLIR) fusion emitters. The pytest processes use
-# both (conftest.py).
-COMPILE_FAST_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
-
-
 def subprocess_env(device_count: int = 1, *, optimize: bool = False, fusion_emitters: bool = False) -> dict[str, str]:
   """The environment of a launch.py subprocess: CPU, `device_count` devices, this session's compilation
   cache (inherited from conftest.py), COMPILE_FAST_XLA_FLAGS. Runs that a test compares share the flags;
@@ -67,7 +63,7 @@ def subprocess_env(device_count: int = 1, *, optimize: bool = False, fusion_emit
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   flags_ = [f"--xla_force_host_platform_device_count={device_count}"]
   if not optimize:
-    flags_ += COMPILE_FAST_XLA_FLAGS[:1] if fusion_emitters else COMPILE_FAST_XLA_FLAGS
+    flags_ += list(COMPILE_FAST_XLA_FLAGS[:1] if fusion_emitters else COMPILE_FAST_XLA_FLAGS)
   env["XLA_FLAGS"] = " ".join(flags_)
   return env
 

@@ -53,3 +53,8 @@ def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
 def test_load_model_of_a_directory_that_is_no_run_says_so(tmp_path):
   with pytest.raises(RunError, match="holds no config.py"):
     inference.load_model(str(tmp_path))
+
+
+def test_load_model_names_a_mode_it_cannot_load_in(tmp_path):
+  with pytest.raises(ValueError, match="mode must be 'infer' or 'eval', got mode='train'"):
+    inference.load_model(str(tmp_path), mode="train")

@@ -333,10 +333,19 @@ class MultiHeadAttention(nnx.Module):
     """Attention probabilities [b, heads, t, s] in float32 (for plots), same projections as __call__."""
     if x_kv is None:
       x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
-    keys, _ = self._project_key_value(x_kv, key_positions)
+    return self.memory_attention_weights(x_q, self.project_memory(x_kv, key_positions=key_positions), mask=mask,
+                                         bias=bias, query_positions=query_positions, is_causal=is_causal)
+
+  def memory_attention_weights(self, x_q, memory_cache: MemoryCache, *, mask=None, bias=None, query_positions=None,
+                               is_causal: bool = False):
+    """Attention probabilities [b, heads, t, kv_len] in float32 of queries x_q over a projected memory, as
+    `attend` computes them (one memory row per query row, keys not transposed)."""
+    if memory_cache.keys_transposed:
+      raise ValueError("MultiHeadAttention.memory_attention_weights: needs a memory with keys not transposed")
     q = self._project_query(x_q, query_positions)
-    mask, bias = self._check_mask_bias(q, _swap_length_and_heads(keys), mask, bias)
-    return attention_ops.attention_weights(q, keys, bias=bias, mask=mask, is_causal=is_causal)
+    mask, bias = self._check_mask_bias(q, memory_cache.keys, mask, bias)
+    return attention_ops.attention_weights(q, _swap_length_and_heads(memory_cache.keys), bias=bias, mask=mask,
+                                           is_causal=is_causal)
 
   # --- self-attention decoding ----------------------------------------------------------------
 

@@ -349,13 +349,8 @@ class VisionLanguageModel(nnx.Module):
 
   def encode_images(self, images, pixel_valid, image_valid, *, deterministic: bool = True) -> ImageContext:
     """The connector's reading of images [b, n, H, W, C] (pixel_valid [b, n, H, W], image_valid [b, n])."""
-    if images.ndim != 5:
-      raise ValueError(f"VisionLanguageModel: images must be [batch, n, H, W, C], got images{list(images.shape)}")
-    b, n, height, width, channels = images.shape
-    for name, array, shape in (("pixel_valid", pixel_valid, (b, n, height, width)), ("image_valid", image_valid, (b, n))):
-      if getattr(array, "shape", None) != shape or array.dtype != jnp.bool_:
-        raise ValueError(f"VisionLanguageModel: {name} must be bool {list(shape)}, got "
-                         f"{getattr(array, 'dtype', type(array))}{list(getattr(array, 'shape', ()))}")
+    self._check_images(images, pixel_valid, image_valid)
+    b, n, height, width, _ = images.shape
     grid = (height // self.patch_size, width // self.patch_size)
     features, feature_valid, patch_valid = self._features(images, pixel_valid, image_valid)
     on_grid = patch_valid.reshape(b, n, *grid)
@@ -375,6 +370,16 @@ class VisionLanguageModel(nnx.Module):
     return context.replace(memory=memory.reshape(b, n * size, memory.shape[-1]),
                            memory_valid=memory_valid.reshape(b, n * size),
                            memory_image=jnp.repeat(jnp.arange(n, dtype=jnp.int32), size))
+
+  @staticmethod
+  def _check_images(images, pixel_valid, image_valid) -> None:
+    if images.ndim != 5:
+      raise ValueError(f"VisionLanguageModel: images must be [batch, n, H, W, C], got images{list(images.shape)}")
+    b, n, height, width, _ = images.shape
+    for name, array, shape in (("pixel_valid", pixel_valid, (b, n, height, width)), ("image_valid", image_valid, (b, n))):
+      if getattr(array, "shape", None) != shape or array.dtype != jnp.bool_:
+        raise ValueError(f"VisionLanguageModel: {name} must be bool {list(shape)}, got "
+                         f"{getattr(array, 'dtype', type(array))}{list(getattr(array, 'shape', ()))}")
 
   def _features(self, images, pixel_valid, image_valid):
     """The frozen encoder's features of every image slot with the connector's positions -> (features
@@ -459,31 +464,21 @@ class VisionLanguageModel(nnx.Module):
     mask = (media[:, :, None] == memory_image[:, None, :]) & memory_valid[:, None, :]
     return mask[:, None]
 
-  def _insert(self, memory_caches, mask, deterministic):
-    """{LM layer: x -> gated block(x)} reading the projected memories under mask."""
+  def _insert(self, memory_caches, mask, deterministic, record=None):
+    """{LM layer: x -> gated block(x)} reading the projected memories under mask; with a list `record`, each
+    gated layer also appends its attention probabilities [b, heads, T, n * S] to it."""
     def gated(block, memory_cache):
+      def attend(h):
+        if record is not None:
+          record.append(block.attention.memory_attention_weights(h, memory_cache, mask=mask))
+        return block.attention.attend(h, memory_cache, mask=mask, deterministic=deterministic), None
       def apply(x):
-        x, _ = block.attention_residual(x, lambda h: (block.attention.attend(
-            h, memory_cache, mask=mask, deterministic=deterministic), None), deterministic)
+        x, _ = block.attention_residual(x, attend, deterministic)
         x, _ = block.mlp_residual(x, lambda h: (block.mlp(h, deterministic=deterministic), None), deterministic)
         return x
       return apply
     return {layer: gated(block, cache)
             for layer, block, cache in zip(self.connector.layers, self.connector.blocks, memory_caches)}
-
-  def _recording_insert(self, memory, mask, record):
-    """`_insert` (deterministic) that also appends each gated layer's attention probabilities
-    [b, heads, T, n * S] over memory [b, n * S, w] to record."""
-    def gated(block):
-      def attend(h):
-        record.append(block.attention.attention_weights(h, memory, mask=mask))
-        return block.attention(h, memory, mask=mask), None
-      def apply(x):
-        x, _ = block.attention_residual(x, attend, True)
-        x, _ = block.mlp_residual(x, lambda h: (block.mlp(h), None), True)
-        return x
-      return apply
-    return {layer: gated(block) for layer, block in zip(self.connector.layers, self.connector.blocks)}
 
   def _project_memories(self, context: ImageContext):
     return tuple(block.attention.project_memory(context.memory) for block in self.connector.blocks)
@@ -523,15 +518,16 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError("VisionLanguageModel.attention_maps: connector='llava' has no cross-attention; its soft "
                        "tokens are read by the LM's own self-attention")
     valid = self._check_text(tokens, valid)
-    context = self.encode_images(images, pixel_valid, image_valid)  # validates the image arrays
     if self.connector_name == "qformer":
+      self._check_images(images, pixel_valid, image_valid)
       features, feature_valid, _ = self._features(images, pixel_valid, image_valid)
-      weights = self.connector.cross_attention_weights(features, feature_valid)  # XLA drops the unused context
+      weights = self.connector.cross_attention_weights(features, feature_valid)
       return weights.reshape(*images.shape[:2], *weights.shape[1:])
+    context = self.encode_images(images, pixel_valid, image_valid)
     mask = self._memory_mask(self._media(tokens, valid), context.memory_image, context.memory_valid)
     record = []
     self.lm(tokens, positions=self.positions(tokens, valid, context), segment_ids=valid.astype(jnp.int32),
-            insert=self._recording_insert(context.memory, mask, record))
+            insert=self._insert(self._project_memories(context), mask, True, record=record))
     return jnp.stack(record, axis=1)
 
   # --- generation ---------------------------------------------------------------------------------

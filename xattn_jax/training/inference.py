@@ -68,25 +68,28 @@ def infer(trainer: Trainer, state, input_file: str, output=None) -> list[str]:
   return outputs
 
 
-def load_model(workdir: str):
+def load_model(workdir: str, mode: str = "infer"):
   """(model, task) of the newest checkpoint of a run, for notebooks and scripts:
 
       model, task = loop.load_model("workdirs/dates")
       task.infer(model, ["Sunday, November 29, 2026"])   # the task's own inference
 
-  The run's resolved config (`<workdir>/config.py`) rebuilds the task in "infer" mode (it reads the
-  workdir's tokenizer, not the training data); the model is `task.config`'s, restored in place.
+  The run's resolved config (`<workdir>/config.py`) rebuilds the task in `mode`: "infer" reads the
+  workdir's tokenizer, not the training data; "eval" reads the eval data too (the task's eval examples).
+  The model is `task.config`'s, restored in place.
   """
+  if mode not in ("infer", "eval"):
+    raise ValueError(f"load_model: mode must be 'infer' or 'eval', got mode={mode!r}")
   path = os.path.join(workdir, "config.py")
   if not os.path.isfile(path):
     raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")
   config = validation.load_config_file(path)
-  validation.validate_config(config, mode="infer", device_count=jax.device_count(),
+  validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count())
-  trainer = Trainer(config, workdir, "infer")
+  trainer = Trainer(config, workdir, mode)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
   try:
-    state, _ = trainer.latest_state(checkpoints, "load")
+    state, _ = trainer.latest_state(checkpoints, "load" if mode == "infer" else mode)
   finally:
     checkpoints.close()
   return trainer.model(state), trainer.task
