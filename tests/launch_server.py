@@ -27,14 +27,16 @@ import sys
 import types
 
 # What launch.py and the experiment runners import before their first line of work. Importing here is what
-# the children then skip (the engine, the tasks the tests launch, matplotlib for their plots); nothing here
-# may start a JAX backend or a thread.
+# the children then skip (the engine, the tasks the tests launch, matplotlib for their plots, scikit-learn for
+# the digits data); nothing here may start a JAX backend, or a thread other than an OpenBLAS pool (numpy's and
+# scipy's, which stop before a fork and restart after it).
 PRELOAD = ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "numpy", "ml_collections",
            "ml_collections.config_flags", "absl.app", "absl.flags", "matplotlib", "matplotlib.figure",
            "matplotlib.backends.backend_agg", "xattn_jax.training.loop", "xattn_jax.training.checkpoints",
            "xattn_jax.training.dependencies", "xattn_jax.training.distributed", "xattn_jax.training.validation",
            "xattn_jax.training.trainer", "xattn_jax.tasks.template", "xattn_jax.tasks.algorithmic",
-           "xattn_jax.tasks.translate.task", "xattn_jax.tasks.digits.task")
+           "xattn_jax.tasks.translate.task", "xattn_jax.tasks.digits.task", "sklearn.datasets",
+           "sklearn.model_selection")
 
 
 def serve(path: str) -> dict:

@@ -37,19 +37,23 @@ def multi_step(train_step):
   one call reuses them. Same updates, same order, same keys: only the grouping into calls changes.
   """
 
+  # The loop body calls the step through jit so that the trace `eval_shape` makes for the metrics'
+  # shapes is cached and reused by the loop's trace (XLA inlines the call: the same program).
+  traced_step = jax.jit(train_step)
+
   def steps(state, batches, first_step, count, rng_key):
     size = jax.tree.leaves(batches)[0].shape[0]
     if size == 1:
       state, metrics = train_step(state, jax.tree.map(lambda x: x[0], batches), first_step, rng_key)
       return state, jax.tree.map(lambda x: x[None], metrics)
     first = jax.tree.map(lambda x: x[0], batches)
-    shapes = jax.eval_shape(train_step, state, first, first_step, rng_key)[1]
+    shapes = jax.eval_shape(traced_step, state, first, first_step, rng_key)[1]
     zeros = jax.tree.map(lambda s: jnp.zeros((size,) + s.shape, s.dtype), shapes)
 
     def body(i, carry):
       state, metrics = carry
       batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
-      state, values = train_step(state, batch, first_step + i, rng_key)
+      state, values = traced_step(state, batch, first_step + i, rng_key)
       return state, jax.tree.map(lambda m, v: m.at[i].set(v), metrics, values)
 
     return jax.lax.fori_loop(0, count, body, (state, zeros))
