@@ -111,6 +111,21 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   return args, (quick if args.quick else full), cores
 
 
+def cpu_description() -> str:
+  """The processor, as /proc/cpuinfo names it, with its widest vector ISA: "AMD EPYC (AVX2)". Timings from
+  different processors do not compare, and this project's 2-core machines have changed between runs."""
+  try:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    import platform
+    return platform.processor() or "unknown processor"
+  fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+  model = " ".join(fields.get("model name\t", fields.get("model name", "unknown")).split())
+  flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
+  isa = [name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags]
+  return f"{model} ({', '.join(isa[:2]) or 'no AVX2'})"
+
+
 def provenance(argv=None) -> dict:
   """What a results file records about its run: the commit (and whether the tree had local changes), the
   UTC date, the 1-minute load average now (call it before measuring) and the exact command."""
@@ -125,14 +140,15 @@ def provenance(argv=None) -> dict:
       return ""
   return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          "load_average_before": os.getloadavg()[0], "cpu_cores": os.cpu_count(),
+          "load_average_before": os.getloadavg()[0], "cpu_cores": os.cpu_count(), "cpu": cpu_description(),
           "command": " ".join(shlex.quote(a) for a in ["python", *(sys.argv if argv is None else argv)])}
 
 def run_record() -> dict:
   """{"commit": the short HEAD hash (with "+changes" when the work tree differs from it), "command": the
-  exact command line}: provenance() in the compact form the speed tables print."""
+  exact command line, "cpu": the processor}: provenance() in the compact form the speed tables print."""
   record = provenance()
-  return {"commit": record["commit"][:7] + ("+changes" if record["dirty"] else ""), "command": record["command"]}
+  return {"commit": record["commit"][:7] + ("+changes" if record["dirty"] else ""), "command": record["command"],
+          "cpu": record["cpu"]}
 
 
 def parse_jax_vs_torch_args_with(doc: str, full: dict, quick: dict, add_arguments):

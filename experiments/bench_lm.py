@@ -442,7 +442,7 @@ def render(r) -> str:
   lines = [
       "# Decoder-only LM benchmark (xattn_jax LanguageModel vs torch)", "",
       f"Commit {m['commit']}, {m['date_utc']} UTC, `{m['command']}`; 1-minute load average before the start "
-      f"{m['load_average_before']:.1f} on {m['cores']} cores"
+      f"{m['load_average_before']:.1f} on {m['cores']} cores" + (f" of an {m['cpu']}" if "cpu" in m else "")
       + (" (other jobs shared the machine: absolute numbers are pessimistic, the ratios come from interleaved runs)"
          if m["load_average_before"] > m["cores"] else " (idle)")
       + f"; whole run {m['wall_s'] / 60:.1f} min.",

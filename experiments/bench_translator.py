@@ -602,7 +602,8 @@ def render(results) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
   runs = "; ".join(f"{r['sections']}: commit {r['commit']}, `{r['command']}`, {r['started']} to {r['ended']}, "
-                   f"1-minute load average before it started {r['load_average_before']:.1f}" for r in m["runs"])
+                   f"1-minute load average before it started {r['load_average_before']:.1f}"
+                   + (f", on {r['cpu']}" if "cpu" in r else "") for r in m["runs"])
   lines = [
       "# Translator benchmark", "",
       f"{m['cores']} CPU cores ({m['platform']}), jax {m['jax']}, torch {m['torch']} ({m['torch_threads']} threads), "
