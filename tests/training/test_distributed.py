@@ -140,10 +140,10 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes_exactly(
   collective the signalled process never joined and both hung."""
   workdir = tmp_path / "run"
 
-  def start_both():
+  def start_both(step_delay_s):
     address = f"127.0.0.1:{_free_port()}"
     return [start(workdir, f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}",
-                  overrides={"debug.step_delay_s": 0.5}, device_count=2) for i in range(2)]
+                  overrides={"debug.step_delay_s": step_delay_s}, device_count=2) for i in range(2)]
 
   def finish(processes, timeout):
     try:
@@ -155,7 +155,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes_exactly(
       assert process.returncode == 0, stderr[-3000:]
     return outputs
 
-  processes = start_both()
+  processes = start_both(0.5)  # slowed, so the signal arrives mid-run
   wait_for(lambda: (workdir / "metrics.jsonl").exists() and len(metrics_rows(workdir)) >= 2, processes[0])
   processes[1].send_signal(signal.SIGTERM)
   outputs = finish(processes, timeout=120)
@@ -163,7 +163,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes_exactly(
   stopped_at = checkpoint_steps(workdir)
   assert stopped_at and stopped_at[-1] < STEPS
 
-  finish(start_both(), timeout=600)
+  finish(start_both(0.0), timeout=600)
   losses = train_losses(workdir)
   assert sorted(losses) == sorted(single_device)
   np.testing.assert_allclose([losses[s] for s in sorted(losses)],
