@@ -119,9 +119,9 @@ def cpu_description() -> str:
   except OSError:
     import platform
     return platform.processor() or "unknown processor"
-  fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-  model = " ".join(fields.get("model name\t", fields.get("model name", "unknown")).split())
-  flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
+  fields = {key.strip(): value for key, value in (line.split(":", 1) for line in text.splitlines() if ":" in line)}
+  model = " ".join(fields.get("model name", "unknown").split())
+  flags = set(fields.get("flags", "").split())
   isa = [name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags]
   return f"{model} ({', '.join(isa[:2]) or 'no AVX2'})"
 
