@@ -72,7 +72,8 @@ def vlm_config(args) -> ConfigDict:
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1000, lr=3e-3, connector="flamingo", positions="sequence", queries=32,
+  # steps: a budget of about 10 minutes a connector on 2 CPU cores (experiments/results/compare_connectors.md)
+  args = common.parse_arg(arg, steps=3500, lr=3e-3, connector="flamingo", positions="sequence", queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", encoder="workdirs/vlm_encoder",
                           lm="workdirs/vlm_lm")
   return vlm_config(args)

@@ -1,7 +1,7 @@
 """The three connectors on one frozen image encoder and one frozen LM: accuracy, cost, and how both grow with M.
 
     python experiments/compare_connectors.py                      # 3 connectors x 3 seeds (hours on 2 cores)
-    python experiments/compare_connectors.py --seeds 0 --steps 300  # a shorter sweep
+    python experiments/compare_connectors.py --seeds 0 --steps 300  # a shorter sweep (default: the config's steps)
     python experiments/compare_connectors.py --quick              # smoke run: tiny chain, a temporary directory
 
 Every run is configs/vlm_digits.py:connector=C (seed S) trained in this process (`loop.run`) on the SAME
@@ -12,8 +12,9 @@ pass) and, per image size k = 1..4 digits (M = 1 + 16 k features with 2 x 2 patc
 hands the LM and the median forward time of a batch of k-digit examples, and the wall time of the run
 (training and its final eval). The ceiling is a probe (`xattn_jax.tasks.vlm.probe`) trained on the same
 frozen features (--probe_steps fresh train strips of 64) to read each strip's digits, scored on the same
-test targets by the answers its reading implies; the frozen encoder's own strip accuracy is listed beside
-it. Results: experiments/results/compare_connectors.{md,json}.
+test targets by the answers its reading implies; a second probe, trained alike with a head that predicts the
+sum directly, answers the sum question as the connectors must (learned, not added up); the frozen encoder's
+own strip accuracy is listed beside them. Results: experiments/results/compare_connectors.{md,json}.
 """
 from __future__ import annotations
 
@@ -92,15 +93,20 @@ def _probe(config, args) -> dict:
                                       kinds=tuple(data.kinds.split(",")), scale=data.scale)
   metrics = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale, probe=probe)
   head = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale)
+  direct, direct_seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps,
+                                                 direct_sum=True)
+  direct_metrics = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale,
+                                           probe=direct)
   return {"steps": steps, "train_seconds": seconds, **{f"eval/{k}": v for k, v in metrics.items()},
-          "encoder_head": {f"eval/{k}": v for k, v in head.items()}}
+          "encoder_head": {f"eval/{k}": v for k, v in head.items()},
+          "direct_sum": {"train_seconds": direct_seconds, **{f"eval/{k}": v for k, v in direct_metrics.items()}}}
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--connectors", default=",".join(CONNECTORS))
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--steps", type=int, default=1000)
+  parser.add_argument("--steps", type=int, default=None, help="connector steps (default: configs/vlm_digits.py's)")
   parser.add_argument("--encoder", default="workdirs/vlm_encoder")
   parser.add_argument("--lm", default="workdirs/vlm_lm")
   parser.add_argument("--workdirs", default="workdirs/compare_connectors")
@@ -118,7 +124,8 @@ def main(argv=None):
              "lm_config": "configs/vlm_lm.py:steps=30,size=micro"}
     args.encoder, args.lm = str(workdirs / "encoder"), str(workdirs / "lm")
   def run_config(connector: str, seed: int):
-    config = vlm_digits.get_config(f"connector={connector},steps={args.steps},encoder={args.encoder},lm={args.lm}")
+    steps = "" if args.steps is None else f",steps={args.steps}"
+    config = vlm_digits.get_config(f"connector={connector}{steps},encoder={args.encoder},lm={args.lm}")
     config.seed = seed
     for key, value in extra.items():
       config.model[key] = value
@@ -151,7 +158,7 @@ def main(argv=None):
         loop.run(config, workdir, "train")
         wall_file.write_text(json.dumps(time.perf_counter() - start))
       metrics = _final_metrics(workdir)
-      run = {"connector": connector, "seed": seed, "steps": args.steps,
+      run = {"connector": connector, "seed": seed, "steps": config.total_steps,
              "wall_seconds": json.loads(wall_file.read_text()),
              **{k: v for k, v in metrics.items() if k.startswith("eval/") or k == "train/steps_per_second"},
              **_measure(config, workdir)}
@@ -186,8 +193,11 @@ def render(record: dict) -> str:
            f"the same frozen features reads each test image's digits, and the encoder's own position head reads "
            f"them too; each is scored on the connectors' test targets by the answers its reading implies "
            f"(`xattn_jax/tasks/vlm/probe.py`; the \"larger\" question follows from the reference captions its "
-           f"prompt holds). The ceiling is the higher of the two. The frozen encoder's strip accuracy (every "
-           f"position of its own test strips right): {record['encoder_strip_accuracy']:.3f}.", "",
+           f"prompt holds). The ceiling is the higher of the two. A second probe, trained alike with a head that "
+           f"predicts the sum of the digits directly from the positions' states, answers the sum question as the "
+           f"connectors must (learned, not added up from the digits read); its other answers are its reading's. "
+           f"The frozen encoder's strip accuracy (every position of its own test strips right): "
+           f"{record['encoder_strip_accuracy']:.3f}.", "",
            "| model | seeds | steps | wall s | exact match | chrF | 1-2 digits | trainable params | steps/s | "
            "generation tok/s |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -203,6 +213,11 @@ def render(record: dict) -> str:
   lines.append(f"| probe on the frozen features | 1 | {probe['steps']} | {probe['train_seconds']:.0f} | "
                f"{probe['eval/exact_match']:.3f} | | "
                f"{mean([probe.get('eval/exact_match_1digits'), probe.get('eval/exact_match_2digits')]):.3f} | | | |")
+  direct = probe.get("direct_sum")
+  if direct:
+    lines.append(f"| probe with a direct sum head | 1 | {probe['steps']} | {direct['train_seconds']:.0f} | "
+                 f"{direct['eval/exact_match']:.3f} | | "
+                 f"{mean([direct.get('eval/exact_match_1digits'), direct.get('eval/exact_match_2digits')]):.3f} | | | |")
   head = probe["encoder_head"]
   lines.append(f"| the encoder's own head | | | | {head['eval/exact_match']:.3f} | | "
                f"{mean([head.get('eval/exact_match_1digits'), head.get('eval/exact_match_2digits')]):.3f} | | | |")
@@ -228,6 +243,9 @@ def render(record: dict) -> str:
     rs = [r for r in runs if r["connector"] == connector]
     lines.append(f"| {connector} | " + " | ".join(f"{mean([r.get(key) for r in rs]):.3f}" for key in keys) + " |")
   lines.append("| probe on the frozen features | " + " | ".join(f"{mean([probe.get(key)]):.3f}" for key in keys) + " |")
+  if direct:
+    lines.append("| probe with a direct sum head | " + " | ".join(f"{mean([direct.get(key)]):.3f}" for key in keys)
+                 + " |")
   lines.append("| the encoder's own head | " + " | ".join(f"{mean([head.get(key)]):.3f}" for key in keys) + " |")
   lines += ["", "Flamingo hands the LM one marker per image; its gated layers read every canvas feature "
             "(1 + 64 with 2 x 2 patches on the 8 x 32 canvas) whatever k. Q-Former: N soft tokens + marker; "

@@ -4,10 +4,12 @@ import pathlib
 
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 
 from tests import helpers
 from xattn_jax.data import vlm_digits
+from xattn_jax.models import vit
 from xattn_jax.tasks.vlm import probe
 from xattn_jax.training import validation
 
@@ -68,6 +70,30 @@ def test_the_probe_answers_what_its_reading_implies():
     correct[example.kind] += (ok,)
   assert not any(correct["caption"] + correct["nth"]) and all(correct["count"])
 
+
+
+def test_a_direct_sum_answers_the_sum_and_leaves_the_other_answers_to_the_digits_read():
+  examples = [e for e in vlm_digits.make_examples("test", 80, seed=0) if e.kind in ("sum", "caption")]
+  wrong_totals = [tuple(probe.Reading(s, total=sum(s) + 1) for s in e.digits) for e in examples]
+  for example, ok in zip((e for e in examples for _ in e.targets()), probe.answers_correct(examples, wrong_totals)):
+    assert ok == (example.kind == "caption")
+  right_totals = [tuple(probe.Reading(((d + 1) % 10 for d in s), total=sum(s)) for s in e.digits)
+                  for e in examples]  # every digit misread, every total right
+  for example, ok in zip((e for e in examples for _ in e.targets()), probe.answers_correct(examples, right_totals)):
+    assert ok == (example.kind == "sum")
+
+
+def test_a_direct_sum_probe_predicts_a_total_per_image():
+  # an untrained encoder of 2-digit strips (4 x 4 patches): the probe's plumbing, not its accuracy
+  encoder = vit.ViT(num_classes=vlm_digits.NUM_POSITION_CLASSES, patch_size=4, grid=(2, 4), width=16, num_heads=2,
+                    num_blocks=1, mlp_ratio=2, pool="gap", rngs=nnx.Rngs(params=0, dropout=0))
+  trained, _ = probe.train_probe(encoder, max_digits=2, steps=2, batch_size=4, direct_sum=True)
+  strips = [vlm_digits.draw_strip("test", np.random.default_rng(i), max_digits=2)[0] for i in range(3)]
+  reads = probe.read_digits(encoder, strips, max_digits=2, probe=trained)
+  assert len(reads) == 3 and all(0 <= r.total <= 18 for r in reads)
+  assert all(r.total is None for r in probe.read_digits(encoder, strips, max_digits=2,
+                                                        probe=probe.train_probe(encoder, max_digits=2, steps=2,
+                                                                                batch_size=4)[0]))
 
 def test_every_malformed_pairs_line_exits_2_naming_file_and_line_and_writes_nothing(tmp_path):
   Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")

@@ -5,6 +5,7 @@ and the answers follow from what it reads.
     probe, seconds = train_probe(encoder, max_digits=4, steps=600)
     metrics = probe_metrics(encoder, examples, max_digits=4, probe=probe)  # exact_match, by digits, by kind
     head = probe_metrics(encoder, examples, max_digits=4)                  # the encoder's own head reading
+    direct, _ = train_probe(encoder, max_digits=4, steps=600, direct_sum=True)  # the sum learned, not added
 
 `StripProbe`: one learned query per strip position reads the features (the encoder's `features`, frozen, the
 canvas padding included, as the VLM reads them) through the probe's own learned 2D position table in one
@@ -16,6 +17,10 @@ holds (the VLM's eval gives it the reference captions before that target), so it
 be for the connectors. Exact match over the same targets as the VLM's eval is then the share a model that
 reads the features as well as this probe could reach. The same scoring of the encoder's own position head
 (trained with the encoder; a linear read of each position's mean patch feature) is the other reference.
+
+The sum is the one answer a reading gets by arithmetic the connectors must learn. `direct_sum=True` adds a
+head that predicts it from the positions' states (trained jointly on the same strips), and its prediction
+answers the sum question (`Reading.total`): the probe that predicts the answers directly.
 """
 from __future__ import annotations
 
@@ -36,10 +41,15 @@ from xattn_jax.tasks.vlm import encoder as encoder_task
 
 
 class StripProbe(nnx.Module):
-  """features [b, 1 + P, w] of the patch grid `grid` -> logits [b, max_digits, NUM_POSITION_CLASSES] (float32)."""
+  """features [b, 1 + P, w] of the patch grid `grid` -> logits [b, max_digits, NUM_POSITION_CLASSES] (float32).
+
+  With `direct_sum`, a second head predicts the digits' sum directly (`sum_logits`: an MLP on the
+  positions' states, classes 0 .. 9 * max_digits), so the sum is learned from the features as the VLMs must
+  learn it, not added up from the digits read.
+  """
 
   def __init__(self, feature_width: int, grid: tuple[int, int], max_digits: int, *, num_heads: int = 4,
-               rngs: nnx.Rngs):
+               direct_sum: bool = False, rngs: nnx.Rngs):
     self.grid = tuple(grid)
     self.positions = make_position_encoding("learned_2d", features=feature_width, grid=self.grid,
                                             num_extra_tokens=1, rngs=rngs)
@@ -47,11 +57,22 @@ class StripProbe(nnx.Module):
     self.block = latent_reader.ReaderBlock(feature_width, feature_width, num_heads, 2 * feature_width, rngs=rngs)
     self.norm = blocks.layer_norm(feature_width, rngs=rngs)
     self.head = dense.Dense(feature_width, vlm_digits.NUM_POSITION_CLASSES, rngs=rngs)
+    self.sum_head = (blocks.MLP(max_digits * feature_width, 4 * feature_width, 9 * max_digits + 1, rngs=rngs)
+                     if direct_sum else None)
 
-  def __call__(self, features):
+  def _states(self, features):
     features = self.positions.add_to_inputs(features, grid=self.grid)
     x = self.block(self.queries(features.shape[0], features.dtype), features)  # -> [b, max_digits, w]
-    return self.head(self.norm(x)).astype(jnp.float32)
+    return self.norm(x)
+
+  def __call__(self, features):
+    return self.head(self._states(features)).astype(jnp.float32)
+
+  def logits(self, features):
+    """-> (position logits [b, max_digits, NUM_POSITION_CLASSES], sum logits [b, 9 * max_digits + 1] or None)."""
+    states = self._states(features)
+    sums = None if self.sum_head is None else self.sum_head(states.reshape(states.shape[0], -1))
+    return self.head(states).astype(jnp.float32), None if sums is None else sums.astype(jnp.float32)
 
 
 def _canvas_images(strips, canvas):
@@ -59,22 +80,28 @@ def _canvas_images(strips, canvas):
 
 
 def train_probe(encoder, *, max_digits: int, scale: int = 1, steps: int = 600, batch_size: int = 64,
-                learning_rate: float = 2e-3, seed: int = 0) -> tuple[StripProbe, float]:
+                learning_rate: float = 2e-3, seed: int = 0, direct_sum: bool = False) -> tuple[StripProbe, float]:
   """A StripProbe trained on the frozen `encoder`'s features of fresh "train" strips -> (probe, seconds).
 
-  AdamW (weight decay 0.01), linear warmup over a tenth of the steps then cosine decay.
+  AdamW (weight decay 0.01), linear warmup over a tenth of the steps then cosine decay. With direct_sum the
+  loss adds the sum head's cross-entropy to the positions'.
   """
   canvas = vlm_digits.canvas_for(max_digits, scale)
   patch = encoder.patch_size
-  probe = StripProbe(encoder.width, (canvas[0] // patch, canvas[1] // patch), max_digits, rngs=nnx.Rngs(seed))
+  probe = StripProbe(encoder.width, (canvas[0] // patch, canvas[1] // patch), max_digits, direct_sum=direct_sum,
+                     rngs=nnx.Rngs(seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1), steps)
   optimizer = nnx.Optimizer(probe, optax.adamw(schedule, weight_decay=0.01), wrt=nnx.Param)
 
   @nnx.jit
-  def step(probe, optimizer, encoder, images, labels):
+  def step(probe, optimizer, encoder, images, labels, sums):
     features = jax.lax.stop_gradient(encoder.features(images))
     def loss_fn(probe):
-      return optax.softmax_cross_entropy_with_integer_labels(probe(features), labels).mean()
+      positions, sum_logits = probe.logits(features)
+      loss = optax.softmax_cross_entropy_with_integer_labels(positions, labels).mean()
+      if sum_logits is not None:
+        loss += optax.softmax_cross_entropy_with_integer_labels(sum_logits, sums).mean()
+      return loss
     loss, grads = nnx.value_and_grad(loss_fn)(probe)
     optimizer.update(probe, grads)
     return loss
@@ -85,26 +112,43 @@ def train_probe(encoder, *, max_digits: int, scale: int = 1, steps: int = 600, b
     strips, sequences = zip(*(vlm_digits.draw_strip("train", rng, max_digits=max_digits, scale=scale)
                               for _ in range(batch_size)))
     step(probe, optimizer, encoder, jnp.asarray(_canvas_images(strips, canvas)),
-         jnp.asarray(vlm_digits.position_labels(sequences, max_digits)))
+         jnp.asarray(vlm_digits.position_labels(sequences, max_digits)), jnp.asarray([sum(s) for s in sequences]))
   return probe, time.perf_counter() - start
 
 
+class Reading(tuple):
+  """The digits read from one image, in order (a tuple), and `total`: the sum a direct-sum probe predicted, or
+  None (the sum is then the digits' sum)."""
+
+  def __new__(cls, digits, total: int | None = None):
+    reading = super().__new__(cls, digits)
+    reading.total = total
+    return reading
+
+
 def read_digits(encoder, images, *, max_digits: int, scale: int = 1, probe: StripProbe | None = None,
-                batch_size: int = 128) -> list[tuple[int, ...]]:
+                batch_size: int = 128) -> list[Reading]:
   """Per image [h, w] (on the canvas of max_digits, scale) the digits read, up to the first EMPTY: by the
-  probe, or with probe=None by the encoder's own position head (`encoder.position_logits`)."""
+  probe, or with probe=None by the encoder's own position head (`encoder.position_logits`); with the total of
+  the probe's sum head where it has one."""
   canvas = vlm_digits.canvas_for(max_digits, scale)
   width = vlm_digits.DIGIT_SIZE * scale
   if probe is None:
-    predict = nnx.jit(lambda e, x: jnp.argmax(encoder_task.position_logits(e, x, position_width=width), axis=-1))
+    predict = nnx.jit(lambda e, x: (
+        jnp.argmax(encoder_task.position_logits(e, x, position_width=width), axis=-1), None))
   else:
-    predict = nnx.jit(lambda e, x: jnp.argmax(probe(e.features(x)), axis=-1))
+    def predict_(e, x):
+      positions, sums = probe.logits(e.features(x))
+      return jnp.argmax(positions, axis=-1), None if sums is None else jnp.argmax(sums, axis=-1)
+    predict = nnx.jit(predict_)
   reads = []
   for start in range(0, len(images), batch_size):
-    rows = np.asarray(predict(encoder, jnp.asarray(_canvas_images(images[start:start + batch_size], canvas))))
-    for row in rows:
+    rows, totals = predict(encoder, jnp.asarray(_canvas_images(images[start:start + batch_size], canvas)))
+    rows = np.asarray(rows)
+    totals = [None] * len(rows) if totals is None else [int(t) for t in np.asarray(totals)]
+    for row, total in zip(rows, totals):
       stop = np.flatnonzero(row == vlm_digits.EMPTY)
-      reads.append(tuple(int(d) for d in row[:stop[0] if len(stop) else len(row)]))
+      reads.append(Reading((int(d) for d in row[:stop[0] if len(stop) else len(row)]), total))
   return reads
 
 
@@ -115,7 +159,8 @@ def answers(example: vlm_digits.VLMExample, reads) -> list[str]:
   if example.kind == "count":
     return [vlm_digits.number_words(len(reads[0]))]
   if example.kind == "sum":
-    return [vlm_digits.number_words(sum(reads[0]))]
+    total = getattr(reads[0], "total", None)
+    return [vlm_digits.number_words(sum(reads[0]) if total is None else total)]
   if example.kind == "nth":
     question = next(value for role, value in example.segments if role == "text")
     position = next(i for i, word in enumerate(vlm_digits.ORDINALS) if f" {word} " in f" {question} ")
