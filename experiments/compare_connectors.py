@@ -137,6 +137,7 @@ def main(argv=None):
   connectors, seeds = args.connectors.split(","), [int(s) for s in args.seeds.split(",")]
   first = run_config(connectors[0], seeds[0])
   dependencies.resolve(first, str(workdirs / f"{connectors[0]}_seed{seeds[0]}"), "train")  # the frozen parts
+  workdirs.mkdir(parents=True, exist_ok=True)
   probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
   if probe_file.is_file() and json.loads(probe_file.read_text()).get("encoder") == os.path.abspath(args.encoder):
     record["probe"] = json.loads(probe_file.read_text())
