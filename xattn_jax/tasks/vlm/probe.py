@@ -43,7 +43,7 @@ from xattn_jax.tasks.vlm import encoder as encoder_task
 class StripProbe(nnx.Module):
   """features [b, 1 + P, w] of the patch grid `grid` -> logits [b, max_digits, NUM_POSITION_CLASSES] (float32).
 
-  With `direct_sum`, a second head predicts the digits' sum directly (`sum_logits`: an MLP on the
+  With `direct_sum`, a second head predicts the digits' sum directly (`logits`' second output: an MLP on the
   positions' states, classes 0 .. 9 * max_digits), so the sum is learned from the features as the VLMs must
   learn it, not added up from the digits read.
   """
