@@ -11,10 +11,11 @@ per second (the loop's own figure), generation tokens / s (greedy over the eval 
 pass) and, per image size k = 1..4 digits (M = 1 + 16 k features with 2 x 2 patches), the tokens an image
 hands the LM and the median forward time of a batch of k-digit examples, and the wall time of the run
 (training and its final eval). The ceiling is a probe (`xattn_jax.tasks.vlm.probe`) trained on the same
-frozen features (--probe_steps fresh train strips of 64) to read each strip's digits, scored on the same
-test targets by the answers its reading implies; a second probe, trained alike with a head that predicts the
-sum directly, answers the sum question as the connectors must (learned, not added up); the frozen encoder's
-own strip accuracy is listed beside them. Results: experiments/results/compare_connectors.{md,json}.
+frozen features (--probe_steps batches of 64 fresh train strips; by default as many as the connectors' steps)
+to read each strip's digits, scored on the same test targets by the answers its reading implies. A second
+probe, trained alike with a head that predicts the sum directly, answers the sum question as the connectors
+must (learned, not added up). The frozen encoder's own strip accuracy is listed beside them. Results:
+experiments/results/compare_connectors.{md,json}.
 """
 from __future__ import annotations
 
@@ -81,13 +82,12 @@ def _measure(config, workdir: str) -> dict:
           "by_size": by_size}
 
 
-def _probe(config, args) -> dict:
+def _probe(config, args, steps: int) -> dict:
   """The probe's exact match on the connectors' test examples (see the module docstring)."""
   from xattn_jax.data import vlm_digits
   from xattn_jax.tasks.vlm import probe as probe_lib
   data = config.data
   encoder = probe_lib.load_encoder(args.encoder)
-  steps = 30 if args.quick else args.probe_steps
   probe, seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps)
   examples = vlm_digits.make_examples("test", data.num_eval_examples, data.eval_seed, max_digits=data.max_digits,
                                       kinds=tuple(data.kinds.split(",")), scale=data.scale)
@@ -110,7 +110,8 @@ def main(argv=None):
   parser.add_argument("--encoder", default="workdirs/vlm_encoder")
   parser.add_argument("--lm", default="workdirs/vlm_lm")
   parser.add_argument("--workdirs", default="workdirs/compare_connectors")
-  parser.add_argument("--probe_steps", type=int, default=600)
+  parser.add_argument("--probe_steps", type=int, default=None,
+                      help="steps of each probe (default: the connectors' steps; the learned sum needs them)")
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "compare_connectors", argv)
   record = {"provenance": bench_common.provenance(argv), "runs": []}
@@ -139,10 +140,12 @@ def main(argv=None):
   dependencies.resolve(first, str(workdirs / f"{connectors[0]}_seed{seeds[0]}"), "train")  # the frozen parts
   workdirs.mkdir(parents=True, exist_ok=True)
   probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
-  if probe_file.is_file() and json.loads(probe_file.read_text()).get("encoder") == os.path.abspath(args.encoder):
-    record["probe"] = json.loads(probe_file.read_text())
+  probe_steps = 30 if args.quick else args.probe_steps or first.total_steps  # the connectors' budget by default
+  stored = json.loads(probe_file.read_text()) if probe_file.is_file() else {}
+  if stored.get("encoder") == os.path.abspath(args.encoder) and stored.get("steps") == probe_steps:
+    record["probe"] = stored
   else:
-    record["probe"] = {"encoder": os.path.abspath(args.encoder), **_probe(first, args)}
+    record["probe"] = {"encoder": os.path.abspath(args.encoder), **_probe(first, args, probe_steps)}
     probe_file.write_text(json.dumps(record["probe"]))
   print(json.dumps({"probe": record["probe"]}), flush=True)
   # Seed-major: every connector's first seed runs first, and the results files are rewritten after each run,
