@@ -72,7 +72,7 @@ def vlm_config(args) -> ConfigDict:
 
 
 def get_config(arg=None):
-  # steps: a budget of about 10 minutes a connector on 2 CPU cores (experiments/results/compare_connectors.md)
+  # steps: a budget of about 10 minutes a connector on 2 CPU cores (experiments/results/vlm_steps_sweep.md)
   args = common.parse_arg(arg, steps=3500, lr=3e-3, connector="flamingo", positions="sequence", queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", encoder="workdirs/vlm_encoder",
                           lm="workdirs/vlm_lm")

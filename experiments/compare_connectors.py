@@ -88,18 +88,16 @@ def _probe(config, args, steps: int) -> dict:
   from xattn_jax.tasks.vlm import probe as probe_lib
   data = config.data
   encoder = probe_lib.load_encoder(args.encoder)
-  probe, seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps)
   examples = vlm_digits.make_examples("test", data.num_eval_examples, data.eval_seed, max_digits=data.max_digits,
                                       kinds=tuple(data.kinds.split(",")), scale=data.scale)
-  metrics = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale, probe=probe)
-  head = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale)
+  probe, seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps)
+  def scored(probe=None):
+    metrics = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale, probe=probe)
+    return {f"eval/{k}": v for k, v in metrics.items()}
   direct, direct_seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps,
                                                  direct_sum=True)
-  direct_metrics = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale,
-                                           probe=direct)
-  return {"steps": steps, "train_seconds": seconds, **{f"eval/{k}": v for k, v in metrics.items()},
-          "encoder_head": {f"eval/{k}": v for k, v in head.items()},
-          "direct_sum": {"train_seconds": direct_seconds, **{f"eval/{k}": v for k, v in direct_metrics.items()}}}
+  return {"steps": steps, "train_seconds": seconds, **scored(probe), "encoder_head": scored(),
+          "direct_sum": {"train_seconds": direct_seconds, **scored(direct)}}
 
 
 def main(argv=None):
@@ -214,17 +212,14 @@ def render(record: dict) -> str:
                  f"{mean([r['eval/chrf'] for r in rs]):.3f} | {small:.3f} | {rs[0]['trainable_parameters']:,} | "
                  f"{mean([r['train/steps_per_second'] for r in rs]):.1f} | "
                  f"{mean([r['generation_tokens_per_second'] for r in rs]):.0f} |")
-  lines.append(f"| probe on the frozen features | 1 | {probe['steps']} | {probe['train_seconds']:.0f} | "
-               f"{probe['eval/exact_match']:.3f} | | "
-               f"{mean([probe.get('eval/exact_match_1digits'), probe.get('eval/exact_match_2digits')]):.3f} | | | |")
-  direct = probe.get("direct_sum")
-  if direct:
-    lines.append(f"| probe with a direct sum head | 1 | {probe['steps']} | {direct['train_seconds']:.0f} | "
-                 f"{direct['eval/exact_match']:.3f} | | "
-                 f"{mean([direct.get('eval/exact_match_1digits'), direct.get('eval/exact_match_2digits')]):.3f} | | | |")
-  head = probe["encoder_head"]
-  lines.append(f"| the encoder's own head | | | | {head['eval/exact_match']:.3f} | | "
-               f"{mean([head.get('eval/exact_match_1digits'), head.get('eval/exact_match_2digits')]):.3f} | | | |")
+  direct, head = probe.get("direct_sum"), probe["encoder_head"]
+  references = [("probe on the frozen features", probe, probe["train_seconds"]),
+                *([("probe with a direct sum head", direct, direct["train_seconds"])] if direct else []),
+                ("the encoder's own head", head, None)]
+  for name, entry, seconds in references:
+    trained = "| | |" if seconds is None else f"1 | {probe['steps']} | {seconds:.0f} |"
+    lines.append(f"| {name} | {trained} {entry['eval/exact_match']:.3f} | | "
+                 f"{mean([entry.get('eval/exact_match_1digits'), entry.get('eval/exact_match_2digits')]):.3f} | | | |")
   lines += ["", "By image size (first seed): tokens an image hands the LM / median forward ms of an eval batch / "
             "exact match", "", "| connector | " + " | ".join(f"k={k}" for k in range(1, 5)) + " |",
             "| --- |" + " --- |" * 4]
@@ -246,11 +241,8 @@ def render(record: dict) -> str:
   for connector in dict.fromkeys(r["connector"] for r in runs):
     rs = [r for r in runs if r["connector"] == connector]
     lines.append(f"| {connector} | " + " | ".join(f"{mean([r.get(key) for r in rs]):.3f}" for key in keys) + " |")
-  lines.append("| probe on the frozen features | " + " | ".join(f"{mean([probe.get(key)]):.3f}" for key in keys) + " |")
-  if direct:
-    lines.append("| probe with a direct sum head | " + " | ".join(f"{mean([direct.get(key)]):.3f}" for key in keys)
-                 + " |")
-  lines.append("| the encoder's own head | " + " | ".join(f"{mean([head.get(key)]):.3f}" for key in keys) + " |")
+  for name, entry, _ in references:
+    lines.append(f"| {name} | " + " | ".join(f"{mean([entry.get(key)]):.3f}" for key in keys) + " |")
   lines += ["", "Flamingo hands the LM one marker per image; its gated layers read every canvas feature "
             "(1 + 64 with 2 x 2 patches on the 8 x 32 canvas) whatever k. Q-Former: N soft tokens + marker; "
             "LLaVA: one soft token per real patch (16 k) + marker."]

@@ -71,7 +71,6 @@ def test_the_probe_answers_what_its_reading_implies():
   assert not any(correct["caption"] + correct["nth"]) and all(correct["count"])
 
 
-
 def test_a_direct_sum_answers_the_sum_and_leaves_the_other_answers_to_the_digits_read():
   examples = [e for e in vlm_digits.make_examples("test", 80, seed=0) if e.kind in ("sum", "caption")]
   wrong_totals = [tuple(probe.Reading(s, total=sum(s) + 1) for s in e.digits) for e in examples]
@@ -94,6 +93,7 @@ def test_a_direct_sum_probe_predicts_a_total_per_image():
   assert all(r.total is None for r in probe.read_digits(encoder, strips, max_digits=2,
                                                         probe=probe.train_probe(encoder, max_digits=2, steps=2,
                                                                                 batch_size=4)[0]))
+
 
 def test_every_malformed_pairs_line_exits_2_naming_file_and_line_and_writes_nothing(tmp_path):
   Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")

@@ -5,7 +5,7 @@ and the answers follow from what it reads.
     probe, seconds = train_probe(encoder, max_digits=4, steps=600)
     metrics = probe_metrics(encoder, examples, max_digits=4, probe=probe)  # exact_match, by digits, by kind
     head = probe_metrics(encoder, examples, max_digits=4)                  # the encoder's own head reading
-    direct, _ = train_probe(encoder, max_digits=4, steps=600, direct_sum=True)  # the sum learned, not added
+    direct, _ = train_probe(encoder, max_digits=4, steps=3500, direct_sum=True)  # the sum learned: more steps
 
 `StripProbe`: one learned query per strip position reads the features (the encoder's `features`, frozen, the
 canvas padding included, as the VLM reads them) through the probe's own learned 2D position table in one
@@ -60,19 +60,15 @@ class StripProbe(nnx.Module):
     self.sum_head = (blocks.MLP(max_digits * feature_width, 4 * feature_width, 9 * max_digits + 1, rngs=rngs)
                      if direct_sum else None)
 
-  def _states(self, features):
-    features = self.positions.add_to_inputs(features, grid=self.grid)
-    x = self.block(self.queries(features.shape[0], features.dtype), features)  # -> [b, max_digits, w]
-    return self.norm(x)
-
   def __call__(self, features):
-    return self.head(self._states(features)).astype(jnp.float32)
+    return self.logits(features)[0]
 
   def logits(self, features):
     """-> (position logits [b, max_digits, NUM_POSITION_CLASSES], sum logits [b, 9 * max_digits + 1] or None)."""
-    states = self._states(features)
-    sums = None if self.sum_head is None else self.sum_head(states.reshape(states.shape[0], -1))
-    return self.head(states).astype(jnp.float32), None if sums is None else sums.astype(jnp.float32)
+    features = self.positions.add_to_inputs(features, grid=self.grid)
+    states = self.norm(self.block(self.queries(features.shape[0], features.dtype), features))  # [b, max_digits, w]
+    sums = None if self.sum_head is None else self.sum_head(states.reshape(states.shape[0], -1)).astype(jnp.float32)
+    return self.head(states).astype(jnp.float32), sums
 
 
 def _canvas_images(strips, canvas):
