@@ -4,6 +4,7 @@
     python launch.py --config=configs/vlm_digits.py:connector=qformer --workdir=workdirs/vlm_qformer
     python launch.py --config=configs/vlm_digits.py:connector=llava --workdir=workdirs/vlm_llava
     python launch.py --config=configs/vlm_digits.py:connector=llava,positions=mrope --workdir=workdirs/vlm_llava_mrope
+    python launch.py --config=configs/vlm_digits.py:connector=llava,merge=2 --workdir=workdirs/vlm_llava_merge2
     printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
         --workdir=workdirs/vlm_llava --mode=infer
 
@@ -55,6 +56,7 @@ def vlm_config(args) -> ConfigDict:
   config.model.qformer_blocks = 2
   config.model.qformer_cross_attention_every = 2
   config.model.image_positions = args.positions  # llava: sequence | mrope (Qwen2-VL)
+  config.model.spatial_merge = args.merge     # llava: m x m patches per soft token (Qwen2-VL's merger: 2)
   config.model.feature_positions = "learned_2d"  # the connector's positions of the feature grid (FEATURE_POSITIONS)
   config.data = ConfigDict({
       "source": "digits",                     # digits | tsv (tasks.vlm.task.SOURCES)
@@ -73,7 +75,7 @@ def vlm_config(args) -> ConfigDict:
 
 def get_config(arg=None):
   # steps: a budget of about 10 minutes a connector on 2 CPU cores (experiments/results/vlm_steps_sweep.md)
-  args = common.parse_arg(arg, steps=3500, lr=3e-3, connector="flamingo", positions="sequence", queries=32,
+  args = common.parse_arg(arg, steps=3500, lr=3e-3, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", encoder="workdirs/vlm_encoder",
                           lm="workdirs/vlm_lm")
   return vlm_config(args)

@@ -3,6 +3,7 @@
     python experiments/compare_connectors.py                      # 3 connectors x 3 seeds (about an hour on 2 idle cores)
     python experiments/compare_connectors.py --seeds 0 --steps 300  # a shorter sweep (default: the config's steps)
     python experiments/compare_connectors.py --quick              # smoke run: tiny chain, a temporary directory
+    python experiments/compare_connectors.py --connectors llava,llava/merge=2 --seeds 0   # variants of a connector
 
 Every run is configs/vlm_digits.py:connector=C (seed S) trained in this process (`loop.run`) on the SAME
 frozen parts (--encoder / --lm workdirs, trained first by their configs when empty). Per connector and seed:
@@ -102,7 +103,9 @@ def _probe(config, args, steps: int) -> dict:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--connectors", default=",".join(CONNECTORS))
+  parser.add_argument("--connectors", default=",".join(CONNECTORS),
+                      help="connectors, each optionally with configs/vlm_digits.py arguments after slashes "
+                           "(llava/merge=2/positions=mrope)")
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--steps", type=int, default=None, help="connector steps (default: configs/vlm_digits.py's)")
   parser.add_argument("--encoder", default="workdirs/vlm_encoder")
@@ -124,7 +127,9 @@ def main(argv=None):
     args.encoder, args.lm = str(workdirs / "encoder"), str(workdirs / "lm")
   def run_config(connector: str, seed: int):
     steps = "" if args.steps is None else f",steps={args.steps}"
-    config = vlm_digits.get_config(f"connector={connector}{steps},encoder={args.encoder},lm={args.lm}")
+    name, *options = connector.split("/")
+    config = vlm_digits.get_config(",".join([f"connector={name}{steps}", *options, f"encoder={args.encoder}",
+                                             f"lm={args.lm}"]))
     config.seed = seed
     for key, value in extra.items():
       config.model[key] = value
@@ -134,8 +139,9 @@ def main(argv=None):
     return config
 
   connectors, seeds = args.connectors.split(","), [int(s) for s in args.seeds.split(",")]
+  workdir_of = lambda connector, seed: str(workdirs / f"{connector.replace('/', '_')}_seed{seed}")
   first = run_config(connectors[0], seeds[0])
-  dependencies.resolve(first, str(workdirs / f"{connectors[0]}_seed{seeds[0]}"), "train")  # the frozen parts
+  dependencies.resolve(first, workdir_of(connectors[0], seeds[0]), "train")  # the frozen parts
   workdirs.mkdir(parents=True, exist_ok=True)
   probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
   probe_steps = 30 if args.quick else args.probe_steps or first.total_steps  # the connectors' budget by default
@@ -152,7 +158,7 @@ def main(argv=None):
   for seed in seeds:
     for connector in connectors:
       config = run_config(connector, seed)
-      workdir = str(workdirs / f"{connector}_seed{seed}")
+      workdir = workdir_of(connector, seed)
       wall_file = pathlib.Path(workdir, "wall_seconds.json")
       if not wall_file.is_file():
         start = time.perf_counter()

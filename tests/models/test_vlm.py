@@ -152,7 +152,7 @@ def test_qformer_hands_the_lm_n_tokens_whatever_m(canvas):
 
 @nnx.jit
 def qformer_tokens(connector, features, valid):
-  return connector.tokens(features, valid, deterministic=True)
+  return connector.tokens(features, valid, grid=(2, 4), deterministic=True)
 
 
 def encoder_features(model):
@@ -200,6 +200,44 @@ def test_llava_mrope_text_after_an_image_resumes_at_its_maximum_plus_one():
   assert positions[:, image_end + 1].tolist() == [positions[:, :image_end].max() + 2] * 3
 
 
+def test_llava_spatial_merge_makes_one_token_of_each_block_of_patches():
+  model = make_vlm("llava", spatial_merge=2)
+  features = model.connector.positioned(encoder_features(model), (2, 4))  # [b, 1 + 8, w]: a 2 x 4 patch grid
+  valid = jnp.ones(features.shape[:2], bool)
+  tokens = qformer_tokens(model.connector, features, valid)  # -> [b, 2, d_lm]: blocks (0, 1, 4, 5), (2, 3, 6, 7)
+  patches = features[:, 1:]
+  blocks = jnp.stack([patches[:, [0, 1, 4, 5]], patches[:, [2, 3, 6, 7]]], axis=1).reshape(2, 2, -1)
+  project = nnx.jit(lambda m, x: m(x))
+  np.testing.assert_allclose(tokens, project(model.connector.projector, blocks), atol=1e-6)
+  # A side that is not a multiple of 2 ends in blocks holding padding: a 2 x 3 grid (its 6 patches are the
+  # first 6 features here) gives 1 x 2 tokens, the second of patches 2 and 5 with zeros beside each.
+  odd = nnx.jit(lambda c, f, v: c.tokens(f, v, grid=(2, 3), deterministic=True))(
+      model.connector, features[:, :7], valid[:, :7])
+  zeros = jnp.zeros_like(patches[:, 0])
+  edge = jnp.concatenate([patches[:, 2], zeros, patches[:, 5], zeros], axis=-1)
+  assert odd.shape[1] == 2
+  np.testing.assert_allclose(odd[:, 1], project(model.connector.projector, edge), atol=1e-6)
+  assert [model.slots_per_image(*size) for size in ((8, 8), (8, 16), (12, 12))] == [1, 2, 4]
+
+
+def test_llava_spatial_merge_positions_are_mrope_position_ids_of_the_merged_grid():
+  model = make_vlm("llava", image_positions="mrope", spatial_merge=2)
+  tokens, valid = batch_of([interleaved(model)])
+  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, *make_images(batch=1))
+  assert context.counts.tolist() == [[1, 2]] and context.tokens.shape[2] == 2
+  expected = positions_ops.mrope_position_ids(
+      [[("text", 2), ("image", (1, 1, 1)), ("text", 1 + 2), ("image", (1, 1, 2)), ("text", 1 + 3)]])
+  np.testing.assert_array_equal(model.positions(tokens, valid, context), expected)
+
+
+def test_spatial_merge_is_llava_only_and_positive():
+  encoder, lm = make_parts()
+  with pytest.raises(ValueError, match="spatial_merge merges the patches"):
+    vlm.VisionLanguageModel(encoder, lm, connector="qformer", image_token_id=IMAGE, spatial_merge=2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="spatial_merge must be a positive int, got spatial_merge=0"):
+    vlm.VisionLanguageModel(encoder, lm, connector="llava", image_token_id=IMAGE, spatial_merge=0, rngs=nnx.Rngs(0))
+
+
 def test_llava_mrope_on_text_only_is_the_1d_rope_lm():
   model = make_vlm("llava", image_positions="mrope")
   _, rope_lm = make_parts("rope")
@@ -213,10 +251,11 @@ def test_llava_mrope_on_text_only_is_the_1d_rope_lm():
                                 nnx.jit(lambda lm, t: lm(t))(rope_lm, tokens))
 
 
-@pytest.mark.parametrize("connector,image_positions", [("flamingo", "sequence"), ("qformer", "sequence"),
-                                                       ("llava", "mrope")])
-def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connector, image_positions):
-  model = make_vlm(connector, image_positions=image_positions, gates=0.7 if connector == "flamingo" else None)
+@pytest.mark.parametrize("connector,image_positions,merge", [("flamingo", "sequence", 1), ("qformer", "sequence", 1),
+                                                             ("llava", "mrope", 1), ("llava", "mrope", 2)])
+def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connector, image_positions, merge):
+  model = make_vlm(connector, image_positions=image_positions, gates=0.7 if connector == "flamingo" else None,
+                   spatial_merge=merge)
   images = make_images()
   rows = [interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])]  # a prompt may end with an image
   prompt, prompt_valid = batch_of(rows)

@@ -49,6 +49,8 @@ def config_error_field(*argv):
     ("--config.model.connector=mlp", "config.model.connector"),
     ("--config.model.image_positions=mrope", "config.model.image_positions"),  # flamingo has no soft tokens
     ("--config.model.feature_positions=rope_2d", "config.model.feature_positions"),  # rotary: not added
+    ("--config.model.spatial_merge=2", "config.model.spatial_merge"),  # flamingo hands the LM no patches
+    ("--config.model.spatial_merge=0", "config.model.spatial_merge"),
     ("--config.data.kinds=caption,colour", "config.data.kinds"),
     ("--config.data.max_digits=3", "config.data.max_digits"),  # not the frozen encoder's canvas
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
@@ -57,8 +59,8 @@ def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field
 
 
-def test_llava_takes_mrope_positions():
-  assert config_error_field("--config=configs/vlm_digits.py:connector=llava,positions=mrope") is None
+def test_llava_takes_mrope_positions_and_merged_patches():
+  assert config_error_field("--config=configs/vlm_digits.py:connector=llava,positions=mrope,merge=2") is None
 
 
 def test_the_probe_answers_what_its_reading_implies():

@@ -16,7 +16,10 @@ the same frozen `lm.LanguageModel`:
   maps them to the LM width, and they stand in the text as N soft tokens whatever the image's M.
 - "llava" (LLaVA-1.5, Liu et al. 2023): Linear-GELU-Linear maps each of the image's patch features (the
   class token is left out, as LLaVA reads patches only) to one LM token: gh * gw soft tokens, one per
-  real patch, row-major. Their positions follow `image_positions` (`IMAGE_POSITIONS`): "sequence"
+  real patch, row-major. With `spatial_merge` m > 1 (Qwen2-VL's patch merger) each m x m block of
+  neighbouring patches is concatenated into one feature first (m * m * width wide), so an image hands
+  the LM ceil(gh / m) * ceil(gw / m) tokens on its merged grid; an image side that is not a multiple
+  of m ends in blocks that also hold canvas padding (Qwen2-VL resizes images to avoid them). Their positions follow `image_positions` (`IMAGE_POSITIONS`): "sequence"
   (1D, one position per token) or "mrope" (Qwen2-VL: image token (row, col) of an image starting at s
   sits at (s, s + row, s + col); text after it resumes at the image's maximum position + 1, as
   `ops.positions.mrope_position_ids`). "mrope" needs an LM built with position_encoding="mrope"; an LM
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import math
 
+import einops
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -85,11 +89,12 @@ class ImageContext:
   """What the connector made of a batch's images, computed once per image.
 
   counts        int32 [b, n]: soft tokens (or flamingo markers) each image takes in the text; 0 = no image
-  grid_height   int32 [b, n], grid_width int32 [b, n]: each image's real patch grid (gh, gw)
+  grid_height   int32 [b, n], grid_width int32 [b, n]: each image's real patch grid (gh, gw); llava with
+                spatial_merge m: the grid of its soft tokens, (ceil(gh / m), ceil(gw / m))
   tokens        [b, n, K, d_lm] soft tokens (qformer, llava) or None
   memory        [b, n * S, memory_features] what flamingo's gated layers read, or None
   memory_valid  bool [b, n * S]; memory_image int32 [n * S]: the image each memory row belongs to
-  canvas_width  the canvas's patch-grid width (static)
+  canvas_width  the canvas's patch-grid width (static; llava: of its soft-token grid)
   """
   counts: jax.Array
   grid_height: jax.Array
@@ -163,7 +168,7 @@ class FlamingoConnector(_Connector):
         for _ in self.layers])
 
   @staticmethod
-  def slots(grid, num_queries: int) -> int:
+  def slots(grid, num_queries: int, merge: int = 1) -> int:
     return 0
 
   def memory(self, features, valid, *, deterministic):
@@ -204,11 +209,11 @@ class QFormerConnector(_Connector):
     self.projection = latent_reader._linear(width, lm.d_model, ("embed", "embed"), **common)
 
   @staticmethod
-  def slots(grid, num_queries: int) -> int:
+  def slots(grid, num_queries: int, merge: int = 1) -> int:
     return num_queries
 
-  def tokens(self, features, valid, *, deterministic):
-    """features [B, 1 + P, w], valid [B, 1 + P] -> soft tokens [B, N, d_lm]."""
+  def tokens(self, features, valid, *, grid, deterministic):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> soft tokens [B, N, d_lm] (N whatever the grid)."""
     mask = masks_lib.padding_mask(valid)
     x = self.queries(features.shape[0], features.dtype)
     for block in self.blocks:
@@ -234,25 +239,39 @@ class QFormerConnector(_Connector):
 
 
 class LlavaConnector(_Connector):
-  """LLaVA-1.5's projector: Linear-GELU-Linear on every patch feature, one LM token per patch."""
+  """LLaVA-1.5's projector: Linear-GELU-Linear on every patch feature, one LM token per patch; with merge
+  m > 1, on every m x m block of patches concatenated (Qwen2-VL's merger), one LM token per block."""
   prefix_tokens = True
   spatial = True
 
-  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, patch_size: int,
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, patch_size: int, merge: int = 1,
                feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
                rngs: nnx.Rngs):
     self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
-    self.patch_size = patch_size
-    self.projector = MLP(feature_width, lm.d_model, lm.d_model, activation="gelu", dropout_rate=dropout_rate,
-                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.patch_size, self.merge = patch_size, merge
+    self.projector = MLP(feature_width * merge * merge, lm.d_model, lm.d_model, activation="gelu",
+                         dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   @staticmethod
-  def slots(grid, num_queries: int) -> int:
-    return grid[0] * grid[1]
+  def token_grid(grid, merge: int) -> tuple[int, int]:
+    """The soft-token grid of a patch grid (gh, gw): (ceil(gh / merge), ceil(gw / merge))."""
+    return -(-grid[0] // merge), -(-grid[1] // merge)
 
-  def tokens(self, features, valid, *, deterministic):
-    """features [B, 1 + P, w] -> soft tokens [B, P, d_lm] (the patches, canvas row-major)."""
-    return self.projector(features[:, 1:], deterministic=deterministic)
+  @staticmethod
+  def slots(grid, num_queries: int, merge: int = 1) -> int:
+    return math.prod(LlavaConnector.token_grid(grid, merge))
+
+  def tokens(self, features, valid, *, grid, deterministic):
+    """features [B, 1 + P, w] of the canvas patch grid (gh, gw) -> soft tokens [B, K, d_lm], the canvas's
+    patches (merge 1: K = P) or m x m blocks (K = ceil(gh / m) * ceil(gw / m)), row-major."""
+    patches = features[:, 1:]
+    if self.merge > 1:
+      m = self.merge
+      height, width = self.token_grid(grid, m)
+      patches = patches.reshape(patches.shape[0], grid[0], grid[1], patches.shape[-1])
+      patches = jnp.pad(patches, ((0, 0), (0, height * m - grid[0]), (0, width * m - grid[1]), (0, 0)))
+      patches = einops.rearrange(patches, "b (h i) (w j) c -> b (h w) (i j c)", i=m, j=m)
+    return self.projector(patches, deterministic=deterministic)
 
   def slot_token(self, k, grid_width, canvas_width):
     """The image's k-th real patch (row-major on its own gh x gw grid) on the canvas grid."""
@@ -262,9 +281,9 @@ class LlavaConnector(_Connector):
 CONNECTORS = {"flamingo": FlamingoConnector, "qformer": QFormerConnector, "llava": LlavaConnector}
 
 
-def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int = 32) -> int:
+def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int = 32, spatial_merge: int = 1) -> int:
   """How many SOFT_TOKEN slots `connector` gives an image whose real patch grid is grid = (gh, gw)."""
-  return CONNECTORS[connector].slots(tuple(grid), num_queries)
+  return CONNECTORS[connector].slots(tuple(grid), num_queries, spatial_merge)
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -282,6 +301,7 @@ class VisionLanguageModel(nnx.Module):
     hide_padding: hide padded canvas patches from the encoder and the connector (module docstring).
     num_queries, qformer_width, qformer_blocks, qformer_cross_attention_every: qformer.
     image_positions: a name in IMAGE_POSITIONS (llava only; the others hand the LM no spatial tokens).
+    spatial_merge: llava: m x m blocks of patches make one soft token (Qwen2-VL: 2); 1 = one per patch.
     feature_positions: a name in FEATURE_POSITIONS, the connector's encoding of the features' patch grid
       (module docstring); feature_grid: the grid it is built for (default: the encoder's `positions.grid`).
   """
@@ -289,7 +309,7 @@ class VisionLanguageModel(nnx.Module):
   def __init__(self, encoder: nnx.Module, lm: lm_lib.LanguageModel, *, connector: str, image_token_id: int,
                num_heads: int = 4, mlp_ratio: int = 4, cross_attention_every: int = 1, num_latents: int = 0,
                resampler_blocks: int = 1, num_queries: int = 32, qformer_width: int = 64, qformer_blocks: int = 2,
-               qformer_cross_attention_every: int = 2, image_positions: str = "sequence",
+               qformer_cross_attention_every: int = 2, image_positions: str = "sequence", spatial_merge: int = 1,
                feature_positions: str = "learned_2d", feature_grid=None, hide_padding: bool = True,
                dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if connector not in CONNECTORS:
@@ -310,6 +330,12 @@ class VisionLanguageModel(nnx.Module):
     if feature_positions not in FEATURE_POSITIONS:
       raise ValueError(f"VisionLanguageModel: feature_positions must be one of {FEATURE_POSITIONS}, got "
                        f"feature_positions={feature_positions!r}")
+    if isinstance(spatial_merge, bool) or not isinstance(spatial_merge, int) or spatial_merge < 1:
+      raise ValueError(f"VisionLanguageModel: spatial_merge must be a positive int, got spatial_merge={spatial_merge!r}")
+    if spatial_merge > 1 and not kind.spatial:
+      raise ValueError(f"VisionLanguageModel: spatial_merge merges the patches that become soft tokens, which "
+                       f"connector={connector!r} does not hand the LM (only "
+                       f"{tuple(n for n, k in CONNECTORS.items() if k.spatial)}), got spatial_merge={spatial_merge}")
     if feature_grid is None:
       feature_grid = getattr(getattr(encoder, "positions", None), "grid", None)
     if feature_positions != "none" and feature_grid is None:
@@ -322,7 +348,7 @@ class VisionLanguageModel(nnx.Module):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.connector_name, self.image_token_id, self.image_positions = connector, image_token_id, image_positions
     self.patch_size, self.dtype, self.hide_padding = encoder.patch_size, dtype, hide_padding
-    self.num_queries = num_queries
+    self.num_queries, self.spatial_merge = num_queries, spatial_merge
     self.encoder = latent_reader.freeze(encoder)
     self.lm = latent_reader.freeze(lm)
     options = {
@@ -330,7 +356,7 @@ class VisionLanguageModel(nnx.Module):
                          num_latents=num_latents, resampler_blocks=resampler_blocks),
         "qformer": dict(num_heads=num_heads, mlp_ratio=mlp_ratio, num_queries=num_queries, width=qformer_width,
                         num_blocks=qformer_blocks, cross_attention_every=qformer_cross_attention_every),
-        "llava": dict(patch_size=encoder.patch_size),
+        "llava": dict(patch_size=encoder.patch_size, merge=spatial_merge),
     }[connector]
     self.connector = kind(encoder.width, lm, feature_positions=feature_positions, feature_grid=feature_grid,
                           dropout_rate=dropout_rate, **options, **common)
@@ -343,7 +369,7 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError(f"VisionLanguageModel.slots_per_image: an image must be a positive multiple of the "
                        f"encoder's patch size {self.patch_size} on each side, got {height}x{width}")
     return slots_per_image(self.connector_name, (height // self.patch_size, width // self.patch_size),
-                           num_queries=self.num_queries)
+                           num_queries=self.num_queries, spatial_merge=self.spatial_merge)
 
   # --- images -------------------------------------------------------------------------------------
 
@@ -356,14 +382,17 @@ class VisionLanguageModel(nnx.Module):
     on_grid = patch_valid.reshape(b, n, *grid)
     grid_height = jnp.sum(on_grid[..., 0], axis=-1, dtype=jnp.int32)  # [b, n]
     grid_width = jnp.sum(on_grid[:, :, 0, :], axis=-1, dtype=jnp.int32)
-    if isinstance(self.connector, LlavaConnector):
+    canvas_width = grid[1]
+    if isinstance(self.connector, LlavaConnector):  # its soft tokens' grid: the patches', or merged blocks'
+      grid_height, grid_width = self.connector.token_grid((grid_height, grid_width), self.spatial_merge)
+      canvas_width = self.connector.token_grid(grid, self.spatial_merge)[1]
       counts = grid_height * grid_width
     else:
       counts = jnp.where(image_valid, slots_per_image(self.connector_name, grid, num_queries=self.num_queries),
                          0).astype(jnp.int32)
-    context = ImageContext(counts=counts, grid_height=grid_height, grid_width=grid_width, canvas_width=grid[1])
+    context = ImageContext(counts=counts, grid_height=grid_height, grid_width=grid_width, canvas_width=canvas_width)
     if self.connector.prefix_tokens:
-      tokens = self.connector.tokens(features, feature_valid, deterministic=deterministic)  # [B, K, d_lm]
+      tokens = self.connector.tokens(features, feature_valid, grid=grid, deterministic=deterministic)  # [B, K, d_lm]
       return context.replace(tokens=tokens.reshape(b, n, *tokens.shape[1:]))
     memory, memory_valid = self.connector.memory(features, feature_valid, deterministic=deterministic)
     size = memory.shape[1]

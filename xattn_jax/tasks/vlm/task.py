@@ -130,8 +130,12 @@ class VLMTask(task_lib.Task):
     validation.require_positive(config, "model.num_heads", "model.mlp_ratio", "model.cross_attention_every",
                                 "model.resampler_blocks", "model.num_queries", "model.qformer_width",
                                 "model.qformer_blocks", "model.qformer_cross_attention_every",
-                                "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
+                                "model.spatial_merge", "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
     validation.require_positive(config, "model.num_latents", allow_zero=True)
+    if model.spatial_merge > 1 and not vlm.CONNECTORS[model.connector].spatial:
+      raise validation.ConfigError("model.spatial_merge", model.spatial_merge,
+                                   f"merges the patches that become soft tokens: connector=llava only (or 1), got "
+                                   f"model.connector={model.connector!r}")
     validation.require_choice(config, "data.source", SOURCES)
     if data.max_digits > vlm_digits.MAX_DIGITS:
       raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
@@ -279,7 +283,8 @@ class VLMTask(task_lib.Task):
   def slots(self, image: np.ndarray) -> int:
     """SOFT_TOKEN slots of one image [h, w] (its real patch grid)."""
     grid = (-(-image.shape[0] // self.patch_size), -(-image.shape[1] // self.patch_size))
-    return vlm.slots_per_image(self.config.model.connector, grid, num_queries=self.config.model.num_queries)
+    model = self.config.model
+    return vlm.slots_per_image(model.connector, grid, num_queries=model.num_queries, spatial_merge=model.spatial_merge)
 
   def layout(self, example: vlm_digits.VLMExample) -> Layout:
     """The example's token layout (see the module docstring)."""
@@ -360,7 +365,7 @@ class VLMTask(task_lib.Task):
         num_latents=model.num_latents, resampler_blocks=model.resampler_blocks, num_queries=model.num_queries,
         qformer_width=model.qformer_width, qformer_blocks=model.qformer_blocks,
         qformer_cross_attention_every=model.qformer_cross_attention_every, image_positions=model.image_positions,
-        feature_positions=model.feature_positions, hide_padding=model.hide_padding,
+        spatial_merge=model.spatial_merge, feature_positions=model.feature_positions, hide_padding=model.hide_padding,
         dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   @staticmethod
