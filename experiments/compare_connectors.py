@@ -251,8 +251,8 @@ def render(record: dict) -> str:
     lines.append(f"| {name} | " + " | ".join(f"{mean([entry.get(key)]):.3f}" for key in keys) + " |")
   lines += ["", "Flamingo hands the LM one marker per image; its gated layers read every canvas feature "
             "(1 + 64 with 2 x 2 patches on the 8 x 32 canvas) whatever k. Q-Former: N soft tokens + marker; "
-            "LLaVA: one soft token per real patch (16 k) + marker, or with merge=2 one per 2 x 2 block of patches (4 k) + "
-            "marker."]
+            "LLaVA: one soft token per real patch (16 k) + marker, or with merge=2 one per 2 x 2 block of patches "
+            "(4 k) + marker."]
   return "\n".join(lines) + "\n"
 
 

@@ -189,6 +189,9 @@ def test_cpu_blocking_units_per_step():
   assert choose("xla", 512, 512, units=12, threads=8).units_per_step == 6
   assert choose("chunked", 1, 8192, units=8, threads=4).units_per_step == 4  # a decode step
   assert choose("chunked", 8192, 8192, units=8, threads=2) == blocked_attention.Blocking(256, 512, units_per_step=2)
+  # GQA: a unit's blocks hold `groups` query heads' rows, so fewer rows and units fit the same 2M scores.
+  assert choose("xla", 512, 512, units=16, threads=2, groups=4).units_per_step == 2  # 2 x 4 x 512 x 512
+  assert choose("xla", 2048, 2048, units=4, threads=2, groups=4).block_q == 256  # 4 x 256 x 2048 = 2M
 
 
 @pytest.mark.parametrize("kind", KINDS)

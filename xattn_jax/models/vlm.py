@@ -19,9 +19,10 @@ the same frozen `lm.LanguageModel`:
   real patch, row-major. With `spatial_merge` m > 1 (Qwen2-VL's patch merger) each m x m block of
   neighbouring patches is concatenated into one feature first (m * m * width wide), so an image hands
   the LM ceil(gh / m) * ceil(gw / m) tokens on its merged grid; an image side that is not a multiple
-  of m ends in blocks that also hold canvas padding (Qwen2-VL resizes images to avoid them). Their positions follow `image_positions` (`IMAGE_POSITIONS`): "sequence"
-  (1D, one position per token) or "mrope" (Qwen2-VL: image token (row, col) of an image starting at s
-  sits at (s, s + row, s + col); text after it resumes at the image's maximum position + 1, as
+  of m ends in blocks that also hold canvas padding (Qwen2-VL resizes images to avoid them). Their
+  positions follow `image_positions` (`IMAGE_POSITIONS`): "sequence" (1D, one position per token) or
+  "mrope" (Qwen2-VL: image token (row, col) of an image starting at s sits at (s, s + row, s + col);
+  text after it resumes at the image's maximum position + 1, as
   `ops.positions.mrope_position_ids`). "mrope" needs an LM built with position_encoding="mrope"; an LM
   pretrained with 1D RoPE runs with it unchanged (text-only M-RoPE positions are 1D RoPE exactly).
 
@@ -274,7 +275,7 @@ class LlavaConnector(_Connector):
     return self.projector(patches, deterministic=deterministic)
 
   def slot_token(self, k, grid_width, canvas_width):
-    """The image's k-th real patch (row-major on its own gh x gw grid) on the canvas grid."""
+    """The image's k-th soft token (row-major on its own token grid, grid_width wide) on the canvas's."""
     return (k // grid_width) * canvas_width + k % grid_width
 
 
@@ -331,7 +332,8 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError(f"VisionLanguageModel: feature_positions must be one of {FEATURE_POSITIONS}, got "
                        f"feature_positions={feature_positions!r}")
     if isinstance(spatial_merge, bool) or not isinstance(spatial_merge, int) or spatial_merge < 1:
-      raise ValueError(f"VisionLanguageModel: spatial_merge must be a positive int, got spatial_merge={spatial_merge!r}")
+      raise ValueError(f"VisionLanguageModel: spatial_merge must be a positive int, got "
+                       f"spatial_merge={spatial_merge!r}")
     if spatial_merge > 1 and not kind.spatial:
       raise ValueError(f"VisionLanguageModel: spatial_merge merges the patches that become soft tokens, which "
                        f"connector={connector!r} does not hand the LM (only "
@@ -392,7 +394,7 @@ class VisionLanguageModel(nnx.Module):
                          0).astype(jnp.int32)
     context = ImageContext(counts=counts, grid_height=grid_height, grid_width=grid_width, canvas_width=canvas_width)
     if self.connector.prefix_tokens:
-      tokens = self.connector.tokens(features, feature_valid, grid=grid, deterministic=deterministic)  # [B, K, d_lm]
+      tokens = self.connector.tokens(features, feature_valid, grid=grid, deterministic=deterministic)  # [B, K, d]
       return context.replace(tokens=tokens.reshape(b, n, *tokens.shape[1:]))
     memory, memory_valid = self.connector.memory(features, feature_valid, deterministic=deterministic)
     size = memory.shape[1]

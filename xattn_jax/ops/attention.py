@@ -167,14 +167,15 @@ _MAX_CHAINS = 8
 
 
 def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str = "cpu", units: int = 1,
-                    threads: int | None = None) -> blocked_attention.Blocking:
+                    threads: int | None = None, groups: int = 1) -> blocked_attention.Blocking:
   """Block sizes and schedule by length, tuned by measurement on a 2-core CPU (the resulting speeds:
   experiments/results/attention_benchmark.md).
 
   CPU: "xla" takes query blocks of about _STEP_SCORES scores over all keys, "chunked" 256 x 512
   blocks, and a loop step takes several units while their score blocks stay within _STEP_SCORES.
   GPU / TPU: all units side by side, 512 keys per step. units: batch * kv_heads; threads: CPU
-  cores (default: this process's).
+  cores (default: this process's); groups: query heads per kv head (a unit's score block holds
+  groups * block_q rows, so GQA takes proportionally fewer query rows per block and units per step).
   """
   if backend != "cpu":
     return blocked_attention.Blocking(block_q=q_len, block_k=512, parallel_units=True)
@@ -182,7 +183,7 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
     # 64 to 1024 rows: fewer rows lose more to per-iteration overhead than they gain in cache. The
     # queries are then split evenly into as many blocks as that size needs (rows rounded up to a
     # multiple of 8), so padding stays small: 1030 queries run as 2 x 520, not 2 x 1024.
-    target = 1 << max(6, min(10, max(1, _STEP_SCORES // kv_len).bit_length() - 1))
+    target = 1 << max(6, min(10, max(1, _STEP_SCORES // (kv_len * groups)).bit_length() - 1))
     blocks = math.ceil(q_len / target)
     block_q = q_len if blocks == 1 else math.ceil(math.ceil(q_len / blocks) / 8) * 8
     block_k = kv_len
@@ -194,7 +195,8 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   # a share of each.
   block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
   one_block = block_q == q_len and block_k == kv_len
-  limit = min(_MAX_CHAINS if one_block else threads or _cpu_threads(), max(1, _STEP_SCORES // (block_q * block_k)))
+  limit = min(_MAX_CHAINS if one_block else threads or _cpu_threads(),
+              max(1, _STEP_SCORES // (groups * block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
   return blocked_attention.Blocking(block_q=block_q, block_k=block_k, units_per_step=per_step)
 
@@ -249,7 +251,8 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     query, scale = query * jnp.asarray(scale, query.dtype), 1.0
   return blocked_attention.blocked_attention(
       query, key, value, mask=mask, bias=bias, is_causal=bool(is_causal),
-      blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads), kv_heads_major=kv_layout == "bksh",
+      blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads, groups=n // kv_heads),
+      kv_heads_major=kv_layout == "bksh",
       scale=scale)
 
 
