@@ -11,7 +11,7 @@ Everything is measured in ONE process, side by side, so the ratios hold on a loa
       re-running its decoder on the growing prefix, which stays as the no-cache row), eager and under
       torch.compile where that works; the once-projected cross-attention cache against projecting the
       memory's keys/values at every step; and the machine's limit for that work (FLOPs and bytes per
-      step against this process's matmul rate and copy bandwidth);
+      step against this process's matmul rate and copy bandwidth, timed in the decoders' interleaved rounds);
   (d) beam search (beam 4) tokens/s, against a cached torch beam search of the same algorithm;
   (e) compile time of the train step at 2, 6 and 12 layers per stack, with and without
       scan_layers, and the step time of both.
@@ -163,23 +163,33 @@ def decode_functions(model, s):
           for name, f in (("greedy", greedy), ("greedy_reprojecting", greedy_reprojecting), ("beam", beam))}
 
 
-def matmul_flops_per_second(repeats):
+MATMUL_FLOPS, COPY_MEGABYTES = 2 * 2048 ** 3, 256
+
+
+def machine_rate_probes() -> dict:
+  """{name: fn} timing this machine's rates: a float32 2048^3 matmul (MATMUL_FLOPS) and copies of a
+  COPY_MEGABYTES float32 array by numpy and by a jitted JAX op; `machine_rates` turns their times into rates."""
   a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
   matmul = jax.jit(lambda x, y: x @ y)
-  seconds = median_seconds(lambda: matmul(a, a).block_until_ready(), max(repeats, 5))
-  return 2 * 2048 ** 3 / seconds
-
-
-def memory_bytes_per_second(repeats, megabytes=256):
-  """Copy bandwidth (bytes read + written per second) of a large float32 array: the faster of numpy's
-  copy and a jitted JAX copy, medians over `repeats`."""
-  n = megabytes * 2 ** 20 // 4
-  source, target = np.ones(n, np.float32), np.empty(n, np.float32)
-  numpy_s = median_seconds(lambda: np.copyto(target, source), max(repeats, 5))
-  x = jnp.ones(n, jnp.float32)
+  n = COPY_MEGABYTES * 2 ** 20 // 4
+  source, target, x = np.ones(n, np.float32), np.empty(n, np.float32), jnp.ones(n, jnp.float32)
   copy = jax.jit(lambda x: x + 1.0)
-  jax_s = median_seconds(lambda: copy(x).block_until_ready(), max(repeats, 5))
-  return 2 * n * 4 / min(numpy_s, jax_s)
+  return {"rate_matmul_2048": lambda: matmul(a, a).block_until_ready(),
+          "rate_copy_numpy": lambda: np.copyto(target, source),
+          "rate_copy_jax": lambda: copy(x).block_until_ready()}
+
+
+def machine_rates(seconds: dict) -> tuple[float, float]:
+  """(matmul FLOP/s, copy bandwidth in bytes read + written per second: the faster copy) from the median
+  seconds of `machine_rate_probes`."""
+  copy_bytes = 2 * COPY_MEGABYTES * 2 ** 20
+  return (MATMUL_FLOPS / seconds["rate_matmul_2048"],
+          copy_bytes / min(seconds["rate_copy_numpy"], seconds["rate_copy_jax"]))
+
+
+def matmul_flops_per_second(repeats):
+  probe = machine_rate_probes()["rate_matmul_2048"]
+  return MATMUL_FLOPS / median_seconds(probe, max(repeats, 5))
 
 
 def greedy_work(s):
@@ -520,9 +530,12 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
   if step is not None:
     compiled_greedy = torch_greedy_cached(cached, s["new_tokens"], step)
     decoders["torch_greedy_cached_compiled"] = lambda: compiled_greedy(torch_inputs)
-  # Interleaved: the machine's speed drifts by several percent over the minutes this takes.
-  seconds = interleaved_median_seconds(decoders, repeats, warmup=1)
-  return dict(seconds, torch_greedy_rerun=rerun_seconds), compile_failure
+  # Interleaved: the machine's speed drifts by several percent over the minutes this takes, so its matmul
+  # rate and copy bandwidth (the limit's denominators) are timed in the same rounds, several runs a round.
+  probes = {name: (lambda f=f: [f() for _ in range(5)]) for name, f in machine_rate_probes().items()}
+  seconds = interleaved_median_seconds({**decoders, **probes}, repeats, warmup=1)
+  rates = machine_rates({name: seconds.pop(name) / 5 for name in probes})
+  return dict(seconds, torch_greedy_rerun=rerun_seconds), compile_failure, rates
 
 
 SECTIONS = ("training", "decoding", "compile")
@@ -569,11 +582,9 @@ def training_section(s, rng, results):
 
 
 def decoding_section(s, rng, results):
-  decode_seconds, compile_failure = decode_section(s, rng, s["repeats"] // 2 + 1, s["torch_compile"],
-                                                   s["reprojecting"])
+  decode_seconds, compile_failure, (matmul_rate, bandwidth) = decode_section(
+      s, rng, s["repeats"] // 2 + 1, s["torch_compile"], s["reprojecting"])
   print(f"decode seconds: {decode_seconds}", flush=True)
-  # The machine's rates, measured right after the decoders in the same process.
-  matmul_rate, bandwidth = matmul_flops_per_second(s["repeats"]), memory_bytes_per_second(s["repeats"])
   work = greedy_work(s)
   limit = machine_limit_seconds(work, matmul_rate, bandwidth)
   print(f"matmul 2048^3: {matmul_rate / 1e9:.1f} GFLOP/s; copy bandwidth {bandwidth / 1e9:.1f} GB/s; greedy limit "
@@ -681,9 +692,10 @@ def render(results) -> str:
            "faster." if "greedy_reprojecting" in seconds else ""), "",
         f"Machine limit for greedy decoding (`greedy_work`): encoding {lim['encode_flops'] / 1e9:.1f} GFLOP, then "
         f"{s['new_tokens']} steps of {lim['step_flops'] / 1e9:.1f} GFLOP and {lim['step_bytes'] / 1e9:.2f} GB in all "
-        "(every weight read once a step, the caches and the logits), against this process's 2048^3 matmul rate "
+        "(every weight read once a step, the caches and the logits), against the 2048^3 matmul rate "
         f"{lim['matmul_2048_flops_per_s'] / 1e9:.1f} GFLOP/s and copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} "
-        f"GB/s, each step bounded by the larger of its two times: **{limit:.3f} s**. Our greedy decoder reaches "
+        f"GB/s (both timed in the decoders' interleaved rounds, medians), each step bounded by the larger of its two "
+        f"times: **{limit:.3f} s**. Our greedy decoder reaches "
         f"**{lim['fraction_of_limit']:.2f}** of that limit (target >= 0.5); torch cached eager "
         f"{limit / greedy_base:.2f}.", ""]
   if "compile_s" in results:
