@@ -166,15 +166,20 @@ def decode_functions(model, s):
 MATMUL_FLOPS, COPY_MEGABYTES = 2 * 2048 ** 3, 256
 
 
-def machine_rate_probes() -> dict:
-  """{name: fn} timing this machine's rates: a float32 2048^3 matmul (MATMUL_FLOPS) and copies of a
-  COPY_MEGABYTES float32 array by numpy and by a jitted JAX op; `machine_rates` turns their times into rates."""
+def _matmul_2048():
+  """A function running one float32 2048^3 matmul (MATMUL_FLOPS) to completion."""
   a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
   matmul = jax.jit(lambda x, y: x @ y)
+  return lambda: matmul(a, a).block_until_ready()
+
+
+def machine_rate_probes() -> dict:
+  """{name: fn} timing this machine's rates: the 2048^3 matmul and copies of a COPY_MEGABYTES float32
+  array by numpy and by a jitted JAX op; `machine_rates` turns their times into rates."""
   n = COPY_MEGABYTES * 2 ** 20 // 4
   source, target, x = np.ones(n, np.float32), np.empty(n, np.float32), jnp.ones(n, jnp.float32)
   copy = jax.jit(lambda x: x + 1.0)
-  return {"rate_matmul_2048": lambda: matmul(a, a).block_until_ready(),
+  return {"rate_matmul_2048": _matmul_2048(),
           "rate_copy_numpy": lambda: np.copyto(target, source),
           "rate_copy_jax": lambda: copy(x).block_until_ready()}
 
@@ -188,8 +193,7 @@ def machine_rates(seconds: dict) -> tuple[float, float]:
 
 
 def matmul_flops_per_second(repeats):
-  probe = machine_rate_probes()["rate_matmul_2048"]
-  return MATMUL_FLOPS / median_seconds(probe, max(repeats, 5))
+  return MATMUL_FLOPS / median_seconds(_matmul_2048(), max(repeats, 5))
 
 
 def greedy_work(s):
@@ -532,9 +536,10 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
     decoders["torch_greedy_cached_compiled"] = lambda: compiled_greedy(torch_inputs)
   # Interleaved: the machine's speed drifts by several percent over the minutes this takes, so its matmul
   # rate and copy bandwidth (the limit's denominators) are timed in the same rounds, several runs a round.
-  probes = {name: (lambda f=f: [f() for _ in range(5)]) for name, f in machine_rate_probes().items()}
+  runs = 5
+  probes = {name: (lambda f=f: [f() for _ in range(runs)]) for name, f in machine_rate_probes().items()}
   seconds = interleaved_median_seconds({**decoders, **probes}, repeats, warmup=1)
-  rates = machine_rates({name: seconds.pop(name) / 5 for name in probes})
+  rates = machine_rates({name: seconds.pop(name) / runs for name in probes})
   return dict(seconds, torch_greedy_rerun=rerun_seconds), compile_failure, rates
 
 

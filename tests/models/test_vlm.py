@@ -151,7 +151,7 @@ def test_qformer_hands_the_lm_n_tokens_whatever_m(canvas):
 
 
 @nnx.jit
-def qformer_tokens(connector, features, valid):
+def connector_tokens(connector, features, valid):
   return connector.tokens(features, valid, grid=(2, 4), deterministic=True)
 
 
@@ -167,8 +167,8 @@ def test_qformer_permuting_features_with_their_positions_changes_nothing():
   features = model.connector.positioned(encoder_features(model), (2, 4))  # with the connector's positions too
   valid = jnp.ones(features.shape[:2], bool)
   permutation = np.random.default_rng(3).permutation(features.shape[1])
-  np.testing.assert_allclose(qformer_tokens(model.connector, features[:, permutation], valid[:, permutation]),
-                             qformer_tokens(model.connector, features, valid), atol=1e-5)
+  np.testing.assert_allclose(connector_tokens(model.connector, features[:, permutation], valid[:, permutation]),
+                             connector_tokens(model.connector, features, valid), atol=1e-5)
 
 
 def test_the_connectors_feature_positions_tell_where_each_feature_sits():
@@ -176,7 +176,7 @@ def test_the_connectors_feature_positions_tell_where_each_feature_sits():
   features = encoder_features(model)
   valid = jnp.ones(features.shape[:2], bool)
   swapped = features.at[:, 1].set(features[:, 2]).at[:, 2].set(features[:, 1])  # two patches trade places
-  read = lambda f: qformer_tokens(model.connector, model.connector.positioned(f, (2, 4)), valid)
+  read = lambda f: connector_tokens(model.connector, model.connector.positioned(f, (2, 4)), valid)
   assert not np.allclose(read(swapped), read(features), atol=1e-5)
 
 
@@ -204,7 +204,7 @@ def test_llava_spatial_merge_makes_one_token_of_each_block_of_patches():
   model = make_vlm("llava", spatial_merge=2)
   features = model.connector.positioned(encoder_features(model), (2, 4))  # [b, 1 + 8, w]: a 2 x 4 patch grid
   valid = jnp.ones(features.shape[:2], bool)
-  tokens = qformer_tokens(model.connector, features, valid)  # -> [b, 2, d_lm]: blocks (0, 1, 4, 5), (2, 3, 6, 7)
+  tokens = connector_tokens(model.connector, features, valid)  # -> [b, 2, d_lm]: blocks (0, 1, 4, 5), (2, 3, 6, 7)
   patches = features[:, 1:]
   blocks = jnp.stack([patches[:, [0, 1, 4, 5]], patches[:, [2, 3, 6, 7]]], axis=1).reshape(2, 2, -1)
   project = nnx.jit(lambda m, x: m(x))
