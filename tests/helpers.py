@@ -20,7 +20,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from tests.xla_flags import COMPILE_FAST_XLA_FLAGS
+from tests import xla_flags
 
 
 def load_config(*argv):
@@ -56,14 +56,16 @@ TINY_DATES = {**TINY_TRANSLATOR, "data.first_year": 2000, "data.last_year": 2001
 
 def subprocess_env(device_count: int = 1, *, optimize: bool = False, fusion_emitters: bool = False) -> dict[str, str]:
   """The environment of a launch.py subprocess: CPU, `device_count` devices, this session's compilation
-  cache (inherited from conftest.py), COMPILE_FAST_XLA_FLAGS. Runs that a test compares share the flags;
-  `optimize=True` keeps XLA's defaults for the tests that must see them, and `fusion_emitters=True` keeps
+  cache (inherited from conftest.py), tests/xla_flags.py's flags. Runs that a test compares share the flags;
+  `optimize=True` keeps XLA's default level and emitters for the tests that must see them, and `fusion_emitters=True` keeps
   the default emitters at level 0 for runs compared bit for bit with runs of another program structure
   (several steps per call against one: the older emitters round them differently)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  flags_ = [f"--xla_force_host_platform_device_count={device_count}"]
+  flags_ = [f"--xla_force_host_platform_device_count={device_count}", xla_flags.ONE_CODEGEN_PIECE]
   if not optimize:
-    flags_ += list(COMPILE_FAST_XLA_FLAGS[:1] if fusion_emitters else COMPILE_FAST_XLA_FLAGS)
+    flags_.append(xla_flags.OPTIMIZATION_LEVEL_0)
+    if not fusion_emitters:
+      flags_.append(xla_flags.OLDER_FUSION_EMITTERS)
   env["XLA_FLAGS"] = " ".join(flags_)
   return env
 

@@ -14,7 +14,7 @@ from tests.training.test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps
                                         wait_for)
 
 # The runs here are compared to 1e-5, not bit for bit: XLA:CPU's older fusion emitters (the faster compile,
-# helpers.COMPILE_FAST_XLA_FLAGS) serve, in every run of this file.
+# tests/xla_flags.py) serve, in every run of this file.
 
 
 def subprocess_env(device_count=1):
