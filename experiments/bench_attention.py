@@ -43,7 +43,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_common import add_output_flags, blocked_median_seconds, parse_output_args, run_record  # noqa: E402
+from bench_common import (HostContention, add_output_flags, blocked_median_seconds, parse_output_args,  # noqa: E402
+                          run_record)
 from xattn_jax.ops import attention  # noqa: E402
 
 OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked",
@@ -280,7 +281,8 @@ def to_markdown(meta, speed, long, memory):
            f"JAX {meta['jax']} on {meta['jax_devices']} CPU device(s) using {meta['cores']} cores; "
            f"torch {meta['torch']} with {meta['torch_threads']} threads")
   lines = [f"# Attention benchmark ({meta['date']})", "",
-           f"Machine: {meta['machine']}; {where}. Load average before the start: {meta['load_average']}. "
+           f"Machine: {meta['machine']}; {where}. Load average before the start: {meta['load_average']}"
+           + (f"; {HostContention.describe(meta['contention'])}. " if "contention" in meta else ". ") +
            f"Commit {meta['commit']}. Command: `{meta['command']}`. "
            f"Medians over {meta['repeats']} after a warm-up; within a case every row is timed round by "
            "round, interleaved with the others. "
@@ -352,6 +354,7 @@ def main():
     memory_worker(name, mode, int(length), int(heads), int(head_dim), int(repeats))
     return
   load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+  contention = HostContention()
   args = parse_output_args(parser, "bench_attention")  # the output directory made before measuring
 
   import torch
@@ -388,6 +391,7 @@ def main():
   long = long_rows(long, cores, 2)
   memory = [] if args.no_memory or args.long_keys_only else memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads,
                                                  head_dim, repeats=(3 if ON_GPU else 1) if not args.quick else 2)
+  meta["contention"] = contention.summary()
   out_dir = args.out
   markdown = to_markdown(meta, speed, long, memory)
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"

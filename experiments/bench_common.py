@@ -111,6 +111,53 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   return args, (quick if args.quick else full), cores
 
 
+class HostContention:
+  """What else used the machine while a benchmark ran: a load average read before the start says little
+  once the benchmark itself keeps the cores busy. Created at the start; `summary()` at the end gives
+
+    other_processes_cores: the cores' busy seconds not spent by this process or its waited-for children,
+      per second of wall time (0 = nothing else ran; 1 = another job took a whole core);
+    steal_fraction: the share of the cores' time the hypervisor gave to other machines (virtual cores
+      waiting for a physical one), which no load average shows.
+
+  Linux only (/proc/stat); elsewhere summary() is None."""
+
+  def __init__(self):
+    self._start = self._snapshot()
+
+  @staticmethod
+  def _snapshot():
+    import resource
+    try:
+      fields = pathlib.Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+      return None
+    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return time.monotonic(), ticks, own
+
+  def summary(self) -> dict | None:
+    end = self._snapshot()
+    if self._start is None or end is None:
+      return None
+    (t0, ticks0, own0), (t1, ticks1, own1) = self._start, end
+    delta = [b - a for a, b in zip(ticks0, ticks1)]
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = (delta[0] + delta[1] + delta[2] + delta[5] + delta[6]) / hz
+    wall = max(t1 - t0, 1e-9)
+    return {"other_processes_cores": round(max(0.0, busy - (own1 - own0)) / wall, 3),
+            "steal_fraction": round(delta[7] / max(sum(delta), 1), 3), "wall_s": round(wall, 1)}
+
+  @staticmethod
+  def describe(summary: dict | None) -> str:
+    """The summary as the results files print it."""
+    if summary is None:
+      return "other processes' use of the cores during the run: not measured (no /proc/stat)"
+    return (f"during the run other processes used {summary['other_processes_cores']:.2f} cores and the "
+            f"hypervisor stole {100 * summary['steal_fraction']:.0f}% of the cores' time")
+
+
 def cpu_description() -> str:
   """The processor, as /proc/cpuinfo names it, with its widest vector ISA: "AMD EPYC (AVX2)". Timings from
   different processors do not compare, and this project's 2-core machines have changed between runs."""

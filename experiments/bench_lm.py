@@ -345,6 +345,7 @@ def main():
   args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK)
   load_before = os.getloadavg()[0]
   start_time = time.time()
+  contention = bench_common.HostContention()
   meta = provenance(load_before)
   meta.update(cores=cores, platform=platform.platform(), jax=jax.__version__, torch=torch.__version__,
               torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
@@ -428,6 +429,7 @@ def main():
       "torch_eager_decode_best_s": best_eager, "torch_eager_prefill_best_s": best_eager_prefill,
   }
   meta["wall_s"] = time.time() - start_time
+  meta["contention"] = contention.summary()
   markdown = render(results)
   print(markdown)
   out = pathlib.Path(args.out)
@@ -445,7 +447,8 @@ def render(r) -> str:
       f"{m['load_average_before']:.1f} on {m['cores']} cores" + (f" of an {m['cpu']}" if "cpu" in m else "")
       + (" (other jobs shared the machine: absolute numbers are pessimistic, the ratios come from interleaved runs)"
          if m["load_average_before"] > m["cores"] else " (idle)")
-      + f"; whole run {m['wall_s'] / 60:.1f} min.",
+      + f"; whole run {m['wall_s'] / 60:.1f} min"
+      + (f"; {bench_common.HostContention.describe(m['contention'])}." if "contention" in m else "."),
       f"jax {m['jax']} ({', '.join(m['jax_devices'])}, XLA_FLAGS={m['xla_flags'] or 'unset'}, XLA:CPU's default "
       f"threads), torch {m['torch']} ({m['torch_threads']} intra-op threads, {m['torch_interop_threads']} inter-op), "
       "float32 on both sides.", "",

@@ -45,8 +45,8 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from configs import common  # noqa: E402
-from bench_common import (interleaved_median_seconds, median_seconds, multi_step_call,  # noqa: E402
-                          parse_jax_vs_torch_args_with, run_record)
+from bench_common import (HostContention, interleaved_median_seconds, median_seconds,  # noqa: E402
+                          multi_step_call, parse_jax_vs_torch_args_with, run_record)
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 from xattn_jax.training import trainer as trainer_lib  # noqa: E402
@@ -619,6 +619,7 @@ def render(results) -> str:
 
   runs = "; ".join(f"{r['sections']}: commit {r['commit']}, `{r['command']}`, {r['started']} to {r['ended']}, "
                    f"1-minute load average before it started {r['load_average_before']:.1f}"
+                   + (f", {HostContention.describe(r['contention'])}" if "contention" in r else "")
                    + (f", on {r['cpu']}" if "cpu" in r else "") for r in m["runs"])
   lines = [
       "# Translator benchmark", "",
@@ -763,6 +764,7 @@ def main():
     # Taken before any work: from here on the benchmark itself keeps the cores busy (load ~2).
     run = {"sections": ",".join(sections), "load_average_before": os.getloadavg()[0],
            "started": time.strftime("%Y-%m-%d %H:%M"), **run_record()}
+    contention = HostContention()
     rng = np.random.default_rng(0)
     print(f"sizes: {s}; cores: {cores}; torch threads: {torch.get_num_threads()}", flush=True)
     results = {"machine": {"cores": cores, "platform": platform.platform(), "jax": jax.__version__,
@@ -773,7 +775,7 @@ def main():
                           ("compile", compile_section)):
       if name in sections:
         section(s, rng, results)
-    results["machine"]["runs"] = [dict(run, ended=time.strftime("%Y-%m-%d %H:%M"))]
+    results["machine"]["runs"] = [dict(run, ended=time.strftime("%Y-%m-%d %H:%M"), contention=contention.summary())]
     results = keep_other_sections(out / "translator_benchmark.json", results, sections)
   markdown = render(results)
   print(markdown)
