@@ -14,9 +14,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
   _CACHE_DIR = None
 # XLA's backend optimization level 0 halves its CPU compile time, and compiling is most of what these small
-# tests do; XLA:CPU's older (non-MLIR) fusion emitters halve what is left. Numerics are the same programs' up
-# to float rounding; the launch tests that must see XLA's default level or emitters ask for them
-# (helpers.subprocess_env(optimize=True) or fusion_emitters=True). Set here before JAX starts.
+# tests do; XLA:CPU's older (non-MLIR) fusion emitters halve what is left, and each program's LLVM module is
+# compiled in one piece rather than split across a thread pool the busy cores cannot serve. Numerics are the
+# same programs' up to float rounding; the launch tests that must see XLA's default level or emitters ask for
+# them (helpers.subprocess_env(optimize=True) or fusion_emitters=True). Set here before JAX starts.
 from tests.xla_flags import COMPILE_FAST_XLA_FLAGS  # noqa: E402  (no imports of its own)
 
 for _flag in COMPILE_FAST_XLA_FLAGS:

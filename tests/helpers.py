@@ -57,9 +57,9 @@ TINY_DATES = {**TINY_TRANSLATOR, "data.first_year": 2000, "data.last_year": 2001
 def subprocess_env(device_count: int = 1, *, optimize: bool = False, fusion_emitters: bool = False) -> dict[str, str]:
   """The environment of a launch.py subprocess: CPU, `device_count` devices, this session's compilation
   cache (inherited from conftest.py), tests/xla_flags.py's flags. Runs that a test compares share the flags;
-  `optimize=True` keeps XLA's default level and emitters for the tests that must see them, and `fusion_emitters=True` keeps
-  the default emitters at level 0 for runs compared bit for bit with runs of another program structure
-  (several steps per call against one: the older emitters round them differently)."""
+  `optimize=True` keeps XLA's default level and emitters for the tests that must see them, and
+  `fusion_emitters=True` keeps the default emitters at level 0 for runs compared bit for bit with runs of
+  another program structure (several steps per call against one: the older emitters round them differently)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   flags_ = [f"--xla_force_host_platform_device_count={device_count}", xla_flags.ONE_CODEGEN_PIECE]
   if not optimize:

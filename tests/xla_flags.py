@@ -5,7 +5,7 @@ subprocesses."""
 OPTIMIZATION_LEVEL_0 = "--xla_backend_optimization_level=0"
 # XLA:CPU's older (non-MLIR) fusion emitters.
 OLDER_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-# The LLVM module is compiled in one piece instead of being split for a thread pool: the same machine code,
-# with less work when the two cores are busy with two test processes anyway. Kept at every level.
+# Each program's LLVM module is compiled in one piece instead of split across a thread pool: the same kernels,
+# with less work when two test processes already keep both cores busy. Kept at every optimization level.
 ONE_CODEGEN_PIECE = "--xla_cpu_parallel_codegen_split_count=1"
 COMPILE_FAST_XLA_FLAGS = (OPTIMIZATION_LEVEL_0, OLDER_FUSION_EMITTERS, ONE_CODEGEN_PIECE)
