@@ -110,6 +110,24 @@ def default_implementation(case: Case, dtype) -> str:
       has_mask=case.key_padding, has_bias=False, is_causal=case.is_causal)
 
 
+# Float32 on both sides means full float32 matmuls: XLA's GPU default for float32 is TF32, torch's is not
+# (torch_runners turns TF32 off explicitly). CPU matmuls are float32 either way.
+FLOAT32_MATMUL_PRECISION = "highest"
+PRECISION_NOTE = ("float32 rows at full float32 on both sides: JAX traced under "
+                  f"jax.default_matmul_precision({FLOAT32_MATMUL_PRECISION!r}), torch with "
+                  "torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 False")
+
+
+def at_equal_precision(fn, enabled: bool):
+  """fn(q, k, v) traced with full-float32 matmuls when its inputs are float32 (and `enabled`)."""
+  def wrapped(q, k, v):
+    if not enabled or q.dtype != jnp.float32:
+      return fn(q, k, v)
+    with jax.default_matmul_precision(FLOAT32_MATMUL_PRECISION):
+      return fn(q, k, v)
+  return wrapped
+
+
 def jax_attention_fn(name, case: Case, mask):
   kwargs = dict(mask=mask, is_causal=case.is_causal)
   if name in ("jax.nn", "jax.nn cudnn"):
@@ -126,9 +144,11 @@ def names_for(dtype: str, case: Case) -> tuple[str, ...]:
   return ("jax.nn", *(("jax.nn cudnn",) if cudnn else ()), *ours)
 
 
-def forward_and_backward(fn):
-  """(jitted forward, jitted gradients of sum(output) w.r.t. q, k, v)."""
-  return jax.jit(fn), jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
+def forward_and_backward(fn, equal_precision: bool = ON_GPU):
+  """(jitted forward, jitted gradients of sum(output) w.r.t. q, k, v), each traced whole (the backward's
+  custom VJP rules included) at full float32 for float32 inputs when `equal_precision`."""
+  grad = jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))
+  return (jax.jit(at_equal_precision(fn, equal_precision)), jax.jit(at_equal_precision(grad, equal_precision)))
 
 
 def median_ms(run, repeats):
@@ -144,6 +164,8 @@ def median_ms(run, repeats):
 def torch_runners(arrays, mask, case: Case, threads):
   import torch
   torch.set_num_threads(threads)
+  torch.backends.cuda.matmul.allow_tf32 = False  # PRECISION_NOTE: full float32, as the JAX rows
+  torch.backends.cudnn.allow_tf32 = False
   device = "cuda" if ON_GPU else "cpu"
   sync = torch.cuda.synchronize if ON_GPU else (lambda: None)
   dtype = getattr(torch, str(arrays[0].dtype))
@@ -287,7 +309,8 @@ def to_markdown(meta, speed, long, memory):
            f"Medians over {meta['repeats']} after a warm-up; within a case every row is timed round by "
            "round, interleaved with the others. "
            "`ours (default)` is the implementation `implementation=None` picks for the case (the same program "
-           "as that row, so its numbers are that row's).", ""]
+           "as that row, so its numbers are that row's)."
+           + (f" Precision: {meta['float32_precision']}." if "float32_precision" in meta else ""), ""]
   digits = 3 if ON_GPU else 1
   for dtype in dict.fromkeys(row["dtype"] for row in speed):
     rows = [r for r in speed if r["dtype"] == dtype]
@@ -377,6 +400,7 @@ def main():
           "jax": jax.__version__, "jax_devices": jax.local_device_count(),
           "jax_device_kind": jax.devices()[0].device_kind, "torch": torch.__version__,
           "torch_threads": cores, "load_average": load_before, **run_record(),
+          "float32_precision": PRECISION_NOTE if ON_GPU else "float32 matmuls at full float32 on both sides (CPU)",
           "heads": heads, "head_dim": head_dim,
           "repeats": ("10 rounds of 3; 3 for memory" if ON_GPU else
                       "3 rounds of 2 timed runs (after one untimed) up to 8 x 8 x 512 x 512 scores, 2 rounds of 1 "

@@ -18,12 +18,12 @@ if "$python" -c "import xdist" 2>/dev/null; then
   parallel=(-n "$(( $(nproc) < 12 ? $(nproc) : 12 ))")
 fi
 timeout "${TEST_TIMEOUT:-240}" "$python" -m pytest -v -p no:cacheprovider "${parallel[@]}" -rs \
-  tests/test_attention.py tests/test_torch_oracle.py tests/test_layers_attention.py tests/test_layers_blocks.py \
-  tests/test_masks.py tests/test_decoding.py tests/test_translator.py tests/test_latent_reader.py \
+  tests/ops/test_attention.py tests/ops/test_torch_oracle.py tests/ops/test_masks.py tests/layers/test_attention.py \
+  tests/layers/test_blocks.py tests/test_decoding.py tests/models/test_translator.py tests/models/test_latent_reader.py \
   2>&1 | tee "$out/tests.log" | grep -v " PASSED " | tail -60
 tests_status=$?
 echo "tests exit: $tests_status"
-timeout "${BENCH_TIMEOUT:-300}" "$python" experiments/bench_attention.py --out_dir "$out" 2>&1 | tee "$out/bench.log" | tail -60
+timeout "${BENCH_TIMEOUT:-300}" "$python" experiments/bench_attention.py --out="$out" 2>&1 | tee "$out/bench.log" | tail -60
 bench_status=$?
 echo "benchmark exit: $bench_status"
 exit $(( tests_status || bench_status ))

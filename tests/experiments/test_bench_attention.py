@@ -1,0 +1,54 @@
+"""The attention benchmark's GPU float32 rows run at full float32 on both sides (experiments/bench_attention.py),
+and experiments/gpu_check.sh names test files and flags that exist."""
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPOSITORY / "experiments"))
+
+import bench_attention  # noqa: E402
+
+
+def _dot_precisions(jaxpr) -> list:
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      for inner in (value if isinstance(value, (tuple, list)) else (value,)):
+        inner = getattr(inner, "jaxpr", inner)  # ClosedJaxpr -> Jaxpr
+        if hasattr(inner, "eqns"):
+          found += _dot_precisions(inner)
+  return found
+
+
+@pytest.mark.parametrize("implementation", ["ours xla", "ours chunked", "jax.nn"])
+def test_float32_rows_trace_every_matmul_of_forward_and_backward_at_highest_precision(implementation):
+  case = bench_attention.Case("plain", 2, 8, 8, heads=2, kv_heads=2, head_dim=4)
+  q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+  fwd, bwd = bench_attention.forward_and_backward(bench_attention.jax_attention_fn(implementation, case, None),
+                                                  equal_precision=True)
+  highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+  for fn in (fwd, bwd):
+    precisions = _dot_precisions(jax.make_jaxpr(fn)(q, q, q).jaxpr)
+    assert precisions and all(p == highest for p in precisions), precisions
+  # Half-precision rows, and every row where equal precision is off (CPU), trace as the function itself does.
+  plain_fwd, _ = bench_attention.forward_and_backward(bench_attention.jax_attention_fn(implementation, case, None),
+                                                      equal_precision=False)
+  assert highest not in _dot_precisions(jax.make_jaxpr(plain_fwd)(q, q, q).jaxpr)
+  half = q.astype(jnp.bfloat16)
+  assert (_dot_precisions(jax.make_jaxpr(fwd)(half, half, half).jaxpr)
+          == _dot_precisions(jax.make_jaxpr(plain_fwd)(half, half, half).jaxpr))
+
+
+def test_gpu_check_runs_test_files_and_benchmark_flags_that_exist():
+  script = (REPOSITORY / "experiments" / "gpu_check.sh").read_text()
+  test_files = re.findall(r"\btests/[\w/]+\.py\b", script)
+  assert test_files and all((REPOSITORY / f).is_file() for f in test_files), test_files
+  flags = re.findall(r"bench_attention\.py (--\w+)", script)
+  assert flags == ["--out"], flags
