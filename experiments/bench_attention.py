@@ -14,9 +14,9 @@ Memory: peak resident set of dense (`jax.nn.dot_product_attention`, which materi
 [batch, heads, q, kv] scores) versus our paths at length 16384 (batch 1, 8 heads), each in its own
 fresh process, with its time. Writes experiments/results/attention_benchmark.{md,json}.
 
-On a GPU backend the same tables are made on the GPU (torch on CUDA, synchronized), in float32
-and in bfloat16 with cuDNN rows (ours and jax.nn's), memory as the device's peak bytes in use;
-they go to attention_benchmark_gpu.{md,json}.
+On a GPU backend the same tables are made on the GPU (torch on CUDA, synchronized), in float32 (full
+float32 matmuls on both sides: PRECISION_NOTE) and in bfloat16 with cuDNN rows (ours and jax.nn's), memory
+as the device's peak bytes in use; they go to attention_benchmark_gpu.{md,json}.
 
   python experiments/bench_attention.py           # full run, several minutes
   python experiments/bench_attention.py --quick   # seconds: tiny sizes, into a new temporary directory
