@@ -1,4 +1,5 @@
 """The benchmarks' record of what else used the machine during a run (experiments/bench_common.py)."""
+import os
 import pathlib
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def test_another_process_busy_during_the_run_is_counted_as_other_use_of_the_core
 
 
 def test_own_and_children_time_is_subtracted_and_steal_is_a_share_of_all_ticks(monkeypatch):
-  hz = bench_common.os.sysconf("SC_CLK_TCK")
+  hz = os.sysconf("SC_CLK_TCK")
   # ticks: user nice system idle iowait irq softirq steal. Over 10 s: 15 busy core-seconds, 5 of them this
   # process's (with its children), 2 idle and 1 stolen.
   snapshots = iter([(0.0, [0] * 8, 1.0), (10.0, [12 * hz, 0, 3 * hz, 2 * hz, 0, 0, 0, 1 * hz], 6.0)])
