@@ -85,6 +85,33 @@ def test_an_epoch_visits_distinct_examples_and_epochs_differ(dataset):
   assert first != second
 
 
+@pytest.mark.parametrize("num_units, batch_size", [(3, 8), (5, 10), (7, 7), (1, 4)])
+def test_units_fewer_than_a_batch_fill_it_each_as_evenly_as_possible(num_units, batch_size):
+  """A corpus smaller than one batch used to stop the run; now every batch holds each unit
+  batch_size // num_units times or once more, and which units get the extra copy changes."""
+  orders = [batching.epoch_order(np.random.default_rng([0, epoch]), num_units, batch_size) for epoch in range(6)]
+  for order in orders:
+    counts = np.bincount(order, minlength=num_units)
+    assert order.shape == (batch_size,) and set(counts) <= {batch_size // num_units, -(-batch_size // num_units)}
+  if batch_size % num_units:
+    assert len({tuple(np.bincount(o, minlength=num_units)) for o in orders}) > 1
+  assert batching.steps_per_epoch(num_units, batch_size) == 1
+
+
+def test_a_batch_larger_than_the_data_trains_on_repeated_examples(examples, dataset):
+  batch = dataset.train_batch(3, seed=0, batch_size=250)  # 100 examples
+  rows = [example_of_row(r) for r in batch["inputs"]]
+  assert len(rows) == 250 and len(set(rows)) == 100
+  chex.assert_trees_all_equal(batch, batching.TranslationBatches(examples).train_batch(3, seed=0, batch_size=250))
+
+
+def test_epoch_order_with_enough_units_is_one_permutation_cut_to_whole_batches():
+  order = batching.epoch_order(np.random.default_rng([1, 2]), 10, 4)
+  np.testing.assert_array_equal(order, np.random.default_rng([1, 2]).permutation(10)[:8])
+  with pytest.raises(ValueError, match="no training examples"):
+    batching.epoch_order(np.random.default_rng(0), 0, 4)
+
+
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_process_slices_are_disjoint_and_make_up_the_global_batch(dataset, process_count):
   global_batch = dataset.train_batch(9, seed=2, batch_size=16)
@@ -102,7 +129,6 @@ def test_global_batch_not_divisible_by_process_count_raises(dataset):
 @pytest.mark.parametrize("kwargs, message", [
     ({"step": -1}, "step must be a non-negative integer"),
     ({"batch_size": 0}, "batch_size must be a positive integer"),
-    ({"batch_size": 101}, "batch_size=101 is larger than the 100 training examples"),
     ({"process_index": 2, "process_count": 2}, r"process_index must be in \[0, process_count=2\)"),
 ])
 def test_bad_train_batch_arguments_raise(dataset, kwargs, message):

@@ -153,6 +153,14 @@ def test_an_epoch_of_train_batches_takes_each_row_at_most_once():
   assert len({row.tobytes() for row in seen}) == len(seen) == steps * 3
 
 
+def test_rows_fewer_than_a_batch_fill_it_by_repeating_every_row():
+  batches = text.TextBatches(_documents(5, count=6), length=16)
+  assert batches.num_rows < 8 and batches.steps_per_epoch(8) == 1
+  inputs = batches.train_batch(2, seed=0, batch_size=8)["inputs"]
+  assert inputs.shape == (8, 16)
+  assert len({row.tobytes() for row in inputs}) == batches.num_rows
+
+
 def test_eval_batches_yield_every_row_once_then_padding():
   batches = text.TextBatches.from_texts(["one two", "three", "four five six"] * 5, tokenizers.ByteTokenizer(),
                                         length=8)

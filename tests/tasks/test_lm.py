@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
 
 import jax
@@ -97,6 +98,20 @@ def test_a_sentencepiece_vocab_cap_above_what_a_small_file_supports_still_trains
   assert 8 <= task.vocab_size < 4000
   batch = task.train_batch(0, process_index=0, process_count=1)
   assert batch["inputs"].shape == (2, 64) and np.all(batch["inputs"] < task.vocab_size)
+
+
+def test_a_text_packing_into_fewer_rows_than_a_batch_trains_on_repeated_rows_and_says_so(tmp_path, caplog):
+  """A 40-line file once stopped the run ("packs into only N rows; lower batch_size")."""
+  caplog.set_level(logging.WARNING)
+  train_file = tmp_path / "small.txt"
+  train_file.write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(40)), encoding="utf-8")
+  config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}", "--config.batch_size=32")
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  rows = task.train_data.num_rows
+  assert rows < 32
+  inputs = task.train_batch(0, process_index=0, process_count=1)["inputs"]
+  assert inputs.shape == (32, 64) and len({row.tobytes() for row in inputs}) == rows
+  assert any(f"packs into {rows} rows of 64, fewer than batch_size=32" in r.getMessage() for r in caplog.records)
 
 
 def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_path):

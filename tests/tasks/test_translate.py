@@ -1,5 +1,6 @@
 """The translation task: configs, validation, and launch.py train / infer runs in subprocesses."""
 import json
+import logging
 import re
 import os
 import shutil
@@ -326,18 +327,18 @@ def test_default_vocab_size_is_a_cap_that_a_small_corpus_trains_under(tmp_path):
   assert 40 < task.vocab_size < 4000
 
 
-def test_corpus_smaller_than_a_batch_is_one_line_naming_batch_size_and_file(tmp_path):
-  """It used to fail at the first training step with a traceback, leaving a workdir whose config
-  then refused the corrected rerun as 'another model'."""
-  train = tmp_path / "train.tsv"
-  train.write_text("hello\tbonjour\nthank you\tmerci\ngood night\tbonne nuit\n")
-  (tmp_path / "eval.tsv").write_text("good morning\tbonjour\n")
-  workdir = tmp_path / "work"
-  result = launch("configs/translate_tsv.py", workdir, {"data.train_file": train,
-                                                        "data.eval_file": tmp_path / "eval.tsv",
-                                                        "data.tokenizer": "bytes"})
-  _assert_one_line_exit_2_and_no_workdir(result, workdir, "config.batch_size=64", f"{train} gives only 3 training "
-                                         "examples")
+def test_a_corpus_smaller_than_a_batch_trains_on_repeated_pairs_and_says_so(tmp_path, caplog):
+  """Three pairs at the default batch_size of 64 once stopped the run ("lower batch_size"): a user's small
+  corpus now trains at default settings, each batch repeating every pair, with one warning saying so."""
+  caplog.set_level(logging.WARNING)
+  task = _tsv_task(tmp_path, ["hello\tbonjour", "thank you\tmerci", "good night\tbonne nuit"],
+                   ["good morning\tbonjour"], **{"data.packing": False,
+                                                  "batch_size": translate_tsv.get_config().batch_size})
+  inputs = task.train_batch(5, process_index=0, process_count=1)["inputs"]
+  assert inputs.shape[0] == task.config.batch_size == 64
+  assert len({row.tobytes() for row in inputs}) == 3
+  assert any("gives 3 training examples, fewer than batch_size=64: every batch holds each of them 21 or 22 times"
+             in record.getMessage() for record in caplog.records)
 
 
 def test_an_unknown_date_format_is_one_line_naming_the_field(tmp_path):

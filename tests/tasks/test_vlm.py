@@ -10,7 +10,7 @@ from PIL import Image
 from tests import helpers
 from xattn_jax.data import vlm_digits
 from xattn_jax.models import vit
-from xattn_jax.tasks.vlm import probe
+from xattn_jax.tasks.vlm import probe, task as vlm_task
 from xattn_jax.training import validation
 
 TINY_CHAIN = {
@@ -126,3 +126,21 @@ def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns():
   final = helpers.metric_rows(chain / "vlm")[-1]
   assert {"eval/exact_match", "eval/chrf", "eval/exact_match_count"} <= set(final)
   assert (chain / "vlm" / "frozen.json").is_file()
+
+
+def test_training_examples_come_shuffled_every_epoch_each_once():
+  """The examples were cycled in file order, so a user's file sorted by subject made one-subject batches."""
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.num_train_examples": 40}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,kinds=count",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  task._rows = lambda examples, layouts, indices: np.asarray(indices)  # the example indices of each row
+  def epoch(e):  # 40 examples at batch 16: 2 steps an epoch, 8 examples left out (a different 8 each epoch)
+    return np.concatenate([task.train_batch(step, process_index=0, process_count=1) for step in (2 * e, 2 * e + 1)])
+  first, second = epoch(0), epoch(1)
+  assert len(set(first)) == len(first) == 32 and len(set(second)) == 32
+  assert not np.array_equal(first, np.arange(32)) and not np.array_equal(first, second)
+  halves = [task.train_batch(3, process_index=p, process_count=2) for p in (0, 1)]
+  np.testing.assert_array_equal(np.concatenate(halves), task.train_batch(3, process_index=0, process_count=1))

@@ -17,7 +17,8 @@ examples and four more arrays say which (as in flax's examples/wmt):
 ``train_batch`` is a pure function of (seed, step, process_index, process_count): epoch e uses the
 permutation seeded by (seed, e) and the step picks a slice of it, so the step IS the position in the
 data stream and a resumed run sees exactly the batches it would have seen. Each epoch drops the
-remainder of ``num_units // batch_size`` (a different remainder each epoch). Every process takes its
+remainder of ``num_units // batch_size`` (a different remainder each epoch); data smaller than one batch
+fill it by repeating (``epoch_order``), so a small corpus trains at any batch size. Every process takes its
 contiguous slice of the global batch; shapes are decided on the global batch, so all processes agree.
 
 Examples longer than ``max_source_length`` / ``max_target_length`` are TRUNCATED (not dropped), with
@@ -32,6 +33,32 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from xattn_jax.data import tokenizers
+
+
+def steps_per_epoch(num_units: int, batch_size: int) -> int:
+  """Global batches per epoch of ``num_units`` examples or rows: ``num_units // batch_size``, at least 1."""
+  if num_units < 1:
+    raise ValueError(f"no training examples to batch (num_units={num_units})")
+  return max(1, num_units // batch_size)
+
+
+def epoch_order(rng: np.random.Generator, num_units: int, batch_size: int) -> np.ndarray:
+  """One epoch's units in batch order, [steps_per_epoch(num_units, batch_size) * batch_size] indices.
+
+  A permutation of the units, cut to whole batches (the remainder dropped). Units fewer than one batch
+  make a one-batch epoch of consecutive permutations cut at ``batch_size``: every unit appears
+  ``batch_size // num_units`` or one more times, which units get the extra copy changing every epoch.
+  """
+  steps = steps_per_epoch(num_units, batch_size)
+  if num_units >= batch_size:
+    return rng.permutation(num_units)[:steps * batch_size]
+  return np.concatenate([rng.permutation(num_units) for _ in range(-(-batch_size // num_units))])[:batch_size]
+
+
+def repeats_per_batch(num_units: int, batch_size: int) -> str:
+  """How often a batch holds each unit when there are fewer than batch_size: "3 times", "1 or 2 times"."""
+  low, high = batch_size // num_units, -(-batch_size // num_units)
+  return f"{low} times" if low == high else f"{low} or {high} times"
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -232,13 +259,9 @@ class TranslationBatches:
   # ---------------------------------------------------------------- training
 
   def steps_per_epoch(self, batch_size: int) -> int:
-    """Global batches per epoch: ``num_units // batch_size`` (the remainder is dropped)."""
+    """Global batches per epoch: ``num_units // batch_size``, at least 1 (see ``epoch_order``)."""
     _check_positive_int("batch_size", batch_size)
-    steps = self.num_units // batch_size
-    if steps == 0:
-      raise ValueError(f"batch_size={batch_size} is larger than the {self.num_units} training "
-                       f"{'packed rows' if self.packing else 'examples'}")
-    return steps
+    return steps_per_epoch(self.num_units, batch_size)
 
   def _epoch_batches(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
     """Unit indices of every global batch of one epoch: [steps_per_epoch, batch_size].
@@ -255,7 +278,7 @@ class TranslationBatches:
   def _compute_epoch_batches(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
     steps = self.steps_per_epoch(batch_size)
     rng = np.random.default_rng([seed, epoch])
-    units = rng.permutation(self.num_units)[:steps * batch_size]
+    units = epoch_order(rng, self.num_units, batch_size)
     if self.length_bucketing:
       source_bucket = (self.source_lengths[units] + self.pad_multiple - 1) // self.pad_multiple
       target_bucket = (self.target_lengths[units] + self.pad_multiple - 1) // self.pad_multiple

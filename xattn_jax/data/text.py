@@ -25,7 +25,8 @@ are a pure function of (documents, length, seed).
 
 ``TextBatches`` serves the rows as batching.py serves examples: ``train_batch`` is a pure function of
 (seed, step, process_index, process_count), epoch e taking the rows in the permutation seeded by
-(seed, e) and dropping the remainder; ``eval_batches`` yields every row once.
+(seed, e) and dropping the remainder (rows fewer than one batch repeat to fill it,
+``batching.epoch_order``); ``eval_batches`` yields every row once.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from xattn_jax.data import files, tokenizers
+from xattn_jax.data import batching, files, tokenizers
 
 
 class TextFormatError(files.LineFileError):
@@ -191,20 +192,15 @@ class TextBatches:
     return self.packed.num_rows
 
   def steps_per_epoch(self, batch_size: int) -> int:
-    """Global batches per epoch: ``num_rows // batch_size`` (the remainder is dropped)."""
-    batch_size = _check_int("batch_size", batch_size, 1)
-    steps = self.num_rows // batch_size
-    if steps == 0:
-      raise ValueError(f"batch_size={batch_size} is larger than the {self.num_rows} packed rows of length {self.length}")
-    return steps
+    """Global batches per epoch: ``num_rows // batch_size``, at least 1 (``batching.epoch_order``)."""
+    return batching.steps_per_epoch(self.num_rows, _check_int("batch_size", batch_size, 1))
 
   def _epoch_rows(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
     """Row indices of every global batch of one epoch [steps_per_epoch, batch_size], cached per epoch."""
     key = (seed, epoch, batch_size)
     if self._epoch_cache[0] != key:
-      steps = self.steps_per_epoch(batch_size)
-      rows = np.random.default_rng([seed, epoch]).permutation(self.num_rows)[:steps * batch_size]
-      self._epoch_cache = (key, rows.reshape(steps, batch_size))
+      rows = batching.epoch_order(np.random.default_rng([seed, epoch]), self.num_rows, batch_size)
+      self._epoch_cache = (key, rows.reshape(self.steps_per_epoch(batch_size), batch_size))
     return self._epoch_cache[1]
 
   def train_batch(self, step: int, *, seed: int, batch_size: int, process_index: int = 0,

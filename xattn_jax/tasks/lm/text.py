@@ -45,7 +45,7 @@ from absl import logging
 from flax import nnx
 
 from xattn_jax import decoding
-from xattn_jax.data import corpus, splits, text, tokenizers, vlm_digits
+from xattn_jax.data import batching, corpus, splits, text, tokenizers, vlm_digits
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.tasks import decoding_config
@@ -167,9 +167,10 @@ class LanguageModelTask(task_lib.Task):
     if mode == "train":
       self.train_data = text.TextBatches.from_texts(self.train_texts, self.tokenizer, length=length,
                                                     pack_seed=config.seed)
-      if self.train_data.num_rows < config.batch_size:
-        raise validation.ConfigError("batch_size", config.batch_size, f"the training text packs into only "
-                                     f"{self.train_data.num_rows} rows of {length}; lower batch_size")
+      rows = self.train_data.num_rows
+      if rows < config.batch_size:  # batches repeat the rows (batching.epoch_order); said once
+        logging.warning("the training text packs into %d rows of %d, fewer than batch_size=%d: every batch holds "
+                        "each row %s", rows, length, config.batch_size, batching.repeats_per_batch(rows, config.batch_size))
     if mode != "infer":
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",

@@ -252,7 +252,7 @@ class TranslateTask(task_lib.Task):
     if mode != "infer":
       self._check_eval_lengths()
     if mode == "train":
-      self._check_batch_size()
+      self._note_small_corpus()
     if mode != "infer":
       self._log_bleu_choice()
     self.vocab_size = self.tokenizer.vocab_size
@@ -408,14 +408,14 @@ class TranslateTask(task_lib.Task):
         "model.max_length", limit, f"{where}: an eval example of {s} source / {t} target tokens does not "
         f"fit{more}; raise model.max_length or shorten the eval examples")
 
-  def _check_batch_size(self):
-    """A corpus with fewer training examples (or packed rows) than batch_size cannot fill one batch:
-    refused before the model is built, naming the field and the corpus."""
+  def _note_small_corpus(self):
+    """A corpus with fewer training examples (or packed rows) than batch_size fills each batch by repeating
+    them (batching.epoch_order); said once, so a duplicated example is never a surprise."""
     units, size = self.train_batches.num_units, self.config.batch_size
     if units < size:
       what = "packed rows" if self.config.data.packing else "examples"
-      raise validation.ConfigError("batch_size", size, f"{self._corpus} gives only {units} training {what}; lower "
-                                   f"batch_size to at most {units} or add training data")
+      logging.warning("%s gives %d training %s, fewer than batch_size=%d: every batch holds each of them %s",
+                      self._corpus, units, what, size, batching.repeats_per_batch(units, size))
 
   @functools.cached_property
   def train_batches(self) -> batching.TranslationBatches:

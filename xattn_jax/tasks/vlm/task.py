@@ -10,7 +10,7 @@ there: eval and infer read only this workdir (its checkpoints hold the frozen we
 
 Data (`data.source`, SOURCES):
   digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
-          data.num_train_examples "train" examples cycled in order, data.num_eval_examples "test" ones
+          data.num_train_examples "train" examples, shuffled every epoch, data.num_eval_examples "test" ones
   tsv     a user's `image_path<TAB>text` files data.train_file / data.eval_file (data.image_text); every
           bad line stops the run before anything is written, naming file and line
 Images sit top-left on the encoder's canvas (vlm_digits.canvas_for(data.max_digits, data.scale)), up to
@@ -48,7 +48,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
-from xattn_jax.data import files, image_text, tokenizers, vlm_digits
+from xattn_jax.data import batching, files, image_text, tokenizers, vlm_digits
 from xattn_jax.models import lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
@@ -223,6 +223,7 @@ class VLMTask(task_lib.Task):
     self.train_examples = self._examples("train") if mode == "train" else []
     self.eval_examples = self._examples("eval") if mode != "infer" else []
     self.train_layouts = [self.layout(e) for e in self.train_examples]
+    self._epoch_order = (None, None)  # (epoch, its example order): consecutive steps share an epoch
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
@@ -335,9 +336,15 @@ class VLMTask(task_lib.Task):
   # --- batches ----------------------------------------------------------------------------------
 
   def train_batch(self, step, *, process_index, process_count):
-    local = self.config.batch_size // process_count
-    rows = step * self.config.batch_size + process_index * local + np.arange(local)
-    return self._rows(self.train_examples, self.train_layouts, rows % len(self.train_examples))
+    # Epoch e takes the examples in the permutation seeded by (config.seed, e), as the text tasks do
+    # (batching.epoch_order): a user's file sorted by subject never makes a batch of one subject.
+    size, count = self.config.batch_size, len(self.train_examples)
+    local = size // process_count
+    epoch, step_in_epoch = divmod(step, batching.steps_per_epoch(count, size))
+    if self._epoch_order[0] != epoch:
+      self._epoch_order = (epoch, batching.epoch_order(np.random.default_rng([self.config.seed, epoch]), count, size))
+    rows = self._epoch_order[1][step_in_epoch * size + process_index * local:][:local]
+    return self._rows(self.train_examples, self.train_layouts, rows)
 
   def eval_batches(self, *, process_index, process_count):
     size = self.config.eval_batch_size
