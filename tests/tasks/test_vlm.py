@@ -128,16 +128,19 @@ def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns():
   assert (chain / "vlm" / "frozen.json").is_file()
 
 
-def test_training_examples_come_shuffled_every_epoch_each_once():
-  """The examples were cycled in file order, so a user's file sorted by subject made one-subject batches."""
+def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
+  """The pairs were cycled in file order, so a file sorted by subject made one-subject batches."""
   chain = tiny_chain()
+  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
+  (tmp_path / "train.tsv").write_text("".join(f"ok.png\t{vlm_digits.number_words(n)}\n" for n in range(40)))
+  (tmp_path / "eval.tsv").write_text("ok.png\tseven\n")
   overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
-               "data.num_train_examples": 40}
-  config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,kinds=count",
+               "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv"}
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
                                *(f"--config.{field}={value}" for field, value in overrides.items()))
   task = vlm_task.VLMTask(config, None, "train")
-  task._rows = lambda examples, layouts, indices: np.asarray(indices)  # the example indices of each row
-  def epoch(e):  # 40 examples at batch 16: 2 steps an epoch, 8 examples left out (a different 8 each epoch)
+  task._rows = lambda examples, layouts, indices: np.asarray(indices)  # the pair (file line - 1) of each row
+  def epoch(e):  # 40 pairs at batch 16: 2 steps an epoch, 8 pairs left out (a different 8 each epoch)
     return np.concatenate([task.train_batch(step, process_index=0, process_count=1) for step in (2 * e, 2 * e + 1)])
   first, second = epoch(0), epoch(1)
   assert len(set(first)) == len(first) == 32 and len(set(second)) == 32

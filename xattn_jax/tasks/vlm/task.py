@@ -10,9 +10,10 @@ there: eval and infer read only this workdir (its checkpoints hold the frozen we
 
 Data (`data.source`, SOURCES):
   digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
-          data.num_train_examples "train" examples, shuffled every epoch, data.num_eval_examples "test" ones
+          data.num_train_examples "train" examples cycled as drawn, data.num_eval_examples "test" ones
   tsv     a user's `image_path<TAB>text` files data.train_file / data.eval_file (data.image_text); every
-          bad line stops the run before anything is written, naming file and line
+          bad line stops the run before anything is written, naming file and line; the training pairs are
+          shuffled every epoch
 Images sit top-left on the encoder's canvas (vlm_digits.canvas_for(data.max_digits, data.scale)), up to
 MAX_IMAGES per example.
 
@@ -336,10 +337,13 @@ class VLMTask(task_lib.Task):
   # --- batches ----------------------------------------------------------------------------------
 
   def train_batch(self, step, *, process_index, process_count):
-    # Epoch e takes the examples in the permutation seeded by (config.seed, e), as the text tasks do
-    # (batching.epoch_order): a user's file sorted by subject never makes a batch of one subject.
     size, count = self.config.batch_size, len(self.train_examples)
     local = size // process_count
+    if self.config.data.source != "tsv":  # the bundled strips are drawn at random per index: cycled as drawn
+      return self._rows(self.train_examples, self.train_layouts,
+                        (step * size + process_index * local + np.arange(local)) % count)
+    # A user's file may be sorted (by subject, by source): epoch e takes its pairs in the permutation seeded
+    # by (config.seed, e), as the text tasks do (batching.epoch_order).
     epoch, step_in_epoch = divmod(step, batching.steps_per_epoch(count, size))
     if self._epoch_order[0] != epoch:
       self._epoch_order = (epoch, batching.epoch_order(np.random.default_rng([self.config.seed, epoch]), count, size))
