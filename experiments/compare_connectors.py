@@ -4,6 +4,7 @@
     python experiments/compare_connectors.py --seeds 0 --steps 300  # a shorter sweep (default: the config's steps)
     python experiments/compare_connectors.py --quick              # smoke run: tiny chain, a temporary directory
     python experiments/compare_connectors.py --connectors llava,llava/merge=2 --seeds 0   # variants of a connector
+    python experiments/compare_connectors.py --cost_only --scales 1,2,3  # only the cost rows: minutes, no training
 
 Every run is configs/vlm_digits.py:connector=C (seed S) trained in this process (`loop.run`) on the SAME
 frozen parts (--encoder / --lm workdirs, trained first by their configs when empty). Per connector and seed:
@@ -17,6 +18,13 @@ to read each strip's digits, scored on the same test targets by the answers its 
 probe, trained alike with a head that predicts the sum directly, answers the sum question as the connectors
 must (learned, not added up). The frozen encoder's own strip accuracy is listed beside them. Results:
 experiments/results/compare_connectors.{md,json}.
+
+Cost as the image grows, per connector (once, on its first seed's config; `--scales`): for k = 1..4 digits at
+each image scale s (digits of 8s x 8s pixels, so M = 1 + 16 k s^2 with 2 x 2 patches), the tokens an image
+hands the LM, the trainable parameters and the median ms of a forward and of a training step's forward +
+backward on a batch of k-digit captions. The frozen parts there are at random weights shaped for the s-times
+canvas, since the times depend on the shapes only (no encoder is trained per scale; the accuracy columns are
+scale 1's). `--cost_only` measures these rows alone: experiments/results/vlm_cost_by_scale.{md,json}.
 """
 from __future__ import annotations
 
@@ -83,6 +91,63 @@ def _measure(config, workdir: str) -> dict:
           "by_size": by_size}
 
 
+def _cost_by_scale(task, scales, digits: int) -> list[dict]:
+  """Per image scale s and digit count k: M, the tokens an image hands the LM, trainable parameters, and the median
+  ms of a forward and of a training step's forward + backward (the connector's gradients) on a batch of k-digit
+  captions at batch_size. The frozen parts are at random weights, sized for the s-times canvas (the encoder's
+  position table stretched to it): the times depend on the shapes only, so no encoder is trained per scale."""
+  import copy
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from ml_collections import ConfigDict
+  from xattn_jax.data import vlm_digits
+  from xattn_jax.models import vlm
+  data, rows = task.config.data, []
+  for scale in scales:
+    twin = copy.copy(task)
+    twin.encoder_model = ConfigDict(task.encoder_model.to_dict())
+    height, width = (int(n) // data.scale for n in task.encoder_model.grid.split("x"))  # the grid at scale 1
+    twin.encoder_model.grid = f"{height * scale}x{width * scale}"
+    twin.canvas, twin.weights = vlm_digits.canvas_for(data.max_digits, scale), None
+    model = twin.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+    examples = vlm_digits.make_examples("test", 16 * digits, data.eval_seed, max_digits=digits, kinds=("caption",),
+                                        scale=scale)
+    layouts = [twin.layout(e) for e in examples]
+    twin.length = max(len(layout.ids) for layout in layouts)
+    forward = nnx.jit(lambda m, b: twin._logits(m, b))
+    gradients = nnx.jit(lambda m, b: nnx.grad(lambda m: twin.loss(m, b, rngs=None)[0])(m))
+    for k in range(1, digits + 1):
+      index = next(i for i, e in enumerate(examples) if e.num_digits == k)
+      batch = twin._rows(examples, layouts, np.full(task.config.batch_size, index))
+      length = int(batch["valid"].sum(axis=1).max())
+      for key in ("tokens", "labels", "weights", "valid"):
+        batch[key] = batch[key][:, :length]
+      timed = {}
+      for name, fn in (("forward_ms", forward), ("train_step_ms", gradients)):
+        times = []
+        for _ in range(4):  # the first compiles
+          begin = time.perf_counter()
+          jax.block_until_ready(fn(model, batch))
+          times.append(time.perf_counter() - begin)
+        timed[name] = 1000 * statistics.median(times[1:])
+      image = examples[index].images[0]
+      rows.append({"scale": scale, "digits": k, "M": 1 + (image.shape[0] // task.patch_size) *
+                   (image.shape[1] // task.patch_size), "tokens_to_lm": twin.slots(image) + 1,
+                   "trainable_parameters": vlm.trainable_parameters(model), **timed})
+  return rows
+
+
+def _cost(config, scales, digits: int | None = None) -> list[dict]:
+  """_cost_by_scale for config's connector (up to `digits`, default all), its task built on the finished frozen
+  parts."""
+  from xattn_jax.tasks.vlm import task as vlm_task
+  config = config.copy_and_resolve_references()
+  config.data.num_train_examples = config.batch_size  # the task is built for its shapes only
+  return _cost_by_scale(vlm_task.VLMTask(config, None, "train"), scales, digits or config.data.max_digits)
+
+
 def _probe(config, args, steps: int) -> dict:
   """The probe's exact match on the connectors' test examples (see the module docstring)."""
   from xattn_jax.data import vlm_digits
@@ -113,6 +178,10 @@ def main(argv=None):
   parser.add_argument("--workdirs", default="workdirs/compare_connectors")
   parser.add_argument("--probe_steps", type=int, default=None,
                       help="steps of each probe (default: the connectors' steps; the learned sum needs them)")
+  parser.add_argument("--scales", default="1,2",
+                      help="image scales of the cost rows (each connector once, on the first seed's config)")
+  parser.add_argument("--cost_only", action="store_true",
+                      help="only the cost rows, at random weights (no training, no probe): vlm_cost_by_scale.{md,json}")
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "compare_connectors", argv)
   record = {"provenance": bench_common.provenance(argv), "runs": []}
@@ -139,9 +208,17 @@ def main(argv=None):
     return config
 
   connectors, seeds = args.connectors.split(","), [int(s) for s in args.seeds.split(",")]
+  scales = [int(s) for s in args.scales.split(",")]
   workdir_of = lambda connector, seed: str(workdirs / f"{connector.replace('/', '_')}_seed{seed}")
   first = run_config(connectors[0], seeds[0])
   dependencies.resolve(first, workdir_of(connectors[0], seeds[0]), "train")  # the frozen parts
+  record["cost"] = {}
+  if args.cost_only:
+    for connector in connectors:
+      record["cost"][connector] = _cost(run_config(connector, seeds[0]), scales)
+      print(json.dumps({connector: record["cost"][connector]}), flush=True)
+      _write(record, args, stem="vlm_cost_by_scale")
+    return
   workdirs.mkdir(parents=True, exist_ok=True)
   probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
   probe_steps = 30 if args.quick else args.probe_steps or first.total_steps  # the connectors' budget by default
@@ -172,14 +249,16 @@ def main(argv=None):
              **_measure(config, workdir)}
       record["runs"].append(run)
       print(json.dumps(run), flush=True)
+      if connector not in record["cost"]:
+        record["cost"][connector] = _cost(config, scales)
       _write(record, args)
 
 
-def _write(record: dict, args):
-  """experiments/results/compare_connectors.{json,md} (or under --out) of the runs so far."""
+def _write(record: dict, args, stem: str = "compare_connectors"):
+  """experiments/results/<stem>.{json,md} (or under --out) of the runs so far."""
   record["encoder_strip_accuracy"] = _final_metrics(args.encoder).get("eval/strip_accuracy")
   record["load_average_after"] = os.getloadavg()[0]
-  stem = os.path.join(args.out, "compare_connectors")
+  stem = os.path.join(args.out, stem)
   with open(stem + ".json", "w") as f:
     json.dump(record, f, indent=1, default=float)
   text = render(record)
@@ -188,15 +267,33 @@ def _write(record: dict, args):
   print(text, flush=True)
 
 
+def render_cost(cost: dict) -> list[str]:
+  """The cost rows of every connector: how tokens and time grow with the digits and the image's scale."""
+  lines = ["Cost as the image grows: k digits at scale s (each digit 8s x 8s pixels), on the frozen parts' shapes at "
+           "random weights (times depend on shapes only); a batch of batch_size k-digit captions. M: features the "
+           "encoder hands on; tokens: what one image takes in the LM's sequence; step: forward + backward of the "
+           "connector's gradients.", "",
+           "| connector | scale | k | M | tokens to the LM | trainable params | forward ms | step ms |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for connector, rows in cost.items():
+    for r in rows:
+      lines.append(f"| {connector} | {r['scale']} | {r['digits']} | {r['M']} | {r['tokens_to_lm']} | "
+                   f"{r['trainable_parameters']:,} | {r['forward_ms']:.1f} | {r['train_step_ms']:.1f} |")
+  return lines
+
+
 def render(record: dict) -> str:
   runs, p = record["runs"], record["provenance"]
   def mean(values):
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else float("nan")
-  lines = ["# Three connectors into one frozen LM (digit strips)", "",
-           f"Commit {p['commit'][:10]}{' (local changes)' if p['dirty'] else ''}, {p['date']}, {p['cpu_cores']} CPU "
-           f"cores shared with other jobs (1-minute load {p['load_average_before']:.1f} before, "
-           f"{record['load_average_after']:.1f} after). Command: `{p['command']}`.", "",
+  header = [f"Commit {p['commit'][:10]}{' (local changes)' if p['dirty'] else ''}, {p['date']}, {p['cpu_cores']} CPU "
+            f"cores shared with other jobs (1-minute load {p['load_average_before']:.1f} before, "
+            f"{record['load_average_after']:.1f} after). Command: `{p['command']}`.", ""]
+  if not runs:  # --cost_only
+    return "\n".join(["# Three connectors into one frozen LM: cost as the image grows", "", *header,
+                      *render_cost(record.get("cost", {}))]) + "\n"
+  lines = ["# Three connectors into one frozen LM (digit strips)", "", *header,
            f"Ceiling: a probe trained {record['probe']['steps']} steps ({record['probe']['train_seconds']:.0f} s) on "
            f"the same frozen features reads each test image's digits, and the encoder's own position head reads "
            f"them too; each is scored on the connectors' test targets by the answers its reading implies "
@@ -253,6 +350,8 @@ def render(record: dict) -> str:
             "(1 + 64 with 2 x 2 patches on the 8 x 32 canvas) whatever k. Q-Former: N soft tokens + marker; "
             "LLaVA: one soft token per real patch (16 k) + marker, or with merge=2 one per 2 x 2 block of patches "
             "(4 k) + marker."]
+  if record.get("cost"):
+    lines += ["", *render_cost(record["cost"])]
   return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,22 @@
+"""compare_connectors' cost rows: what a connector hands the LM, and what it costs, as the image grows."""
+import pytest
+
+from experiments import compare_connectors
+from tests import helpers
+from tests.tasks.test_vlm import TINY_CHAIN, tiny_chain
+
+
+@pytest.mark.slow
+def test_cost_rows_count_what_an_image_hands_the_lm_at_each_scale():
+  chain = tiny_chain()  # its encoder: 4 x 4 patches, strips of up to 2 digits
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm"}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  rows = compare_connectors._cost(config, scales=(1, 2), digits=1)
+  assert [(r["scale"], r["digits"]) for r in rows] == [(1, 1), (2, 1)]
+  for r in rows:
+    patches = 4 * r["digits"] * r["scale"] ** 2  # (8 s / 4)^2 patches a digit
+    assert r["M"] == patches + 1 and r["tokens_to_lm"] == patches + 1  # llava: a token a patch, then the marker
+    assert r["forward_ms"] > 0 and r["train_step_ms"] > 0
+  # the connector's own 2D position table is sized to the grid; nothing else in it grows with the image
+  assert rows[1]["trainable_parameters"] > rows[0]["trainable_parameters"]
