@@ -93,8 +93,8 @@ def _measure(config, workdir: str) -> dict:
 
 def _cost_by_scale(task, scales, digits: int) -> list[dict]:
   """Per image scale s and digit count k: M, the tokens an image hands the LM, trainable parameters, and the median
-  ms of a forward and of a training step's forward + backward (the connector's gradients) on a batch of k-digit
-  captions at batch_size. The frozen parts are at random weights, sized for the s-times canvas (the encoder's
+  ms (5 rounds interleaved over k, after compiling) of a forward and of a training step's forward + backward (the
+  connector's gradients) on a batch of k-digit captions at batch_size. The frozen parts are at random weights, sized for the s-times canvas (the encoder's
   position table stretched to it): the times depend on the shapes only, so no encoder is trained per scale."""
   import copy
   import jax
@@ -118,24 +118,30 @@ def _cost_by_scale(task, scales, digits: int) -> list[dict]:
     twin.length = max(len(layout.ids) for layout in layouts)
     forward = nnx.jit(lambda m, b: twin._logits(m, b))
     gradients = nnx.jit(lambda m, b: nnx.grad(lambda m: twin.loss(m, b, rngs=None)[0])(m))
+    batches = {}
     for k in range(1, digits + 1):
       index = next(i for i, e in enumerate(examples) if e.num_digits == k)
       batch = twin._rows(examples, layouts, np.full(task.config.batch_size, index))
       length = int(batch["valid"].sum(axis=1).max())
       for key in ("tokens", "labels", "weights", "valid"):
         batch[key] = batch[key][:, :length]
-      timed = {}
-      for name, fn in (("forward_ms", forward), ("train_step_ms", gradients)):
-        times = []
-        for _ in range(4):  # the first compiles
+      batches[k] = (examples[index].images[0], batch)
+    functions = (("forward_ms", forward), ("train_step_ms", gradients))
+    for _, batch in batches.values():  # compile every shape first
+      for _, fn in functions:
+        jax.block_until_ready(fn(model, batch))
+    times = {(k, name): [] for k in batches for name, _ in functions}
+    for _ in range(5):  # interleaved rounds: a slow moment of the host spreads over every size
+      for k, (_, batch) in batches.items():
+        for name, fn in functions:
           begin = time.perf_counter()
           jax.block_until_ready(fn(model, batch))
-          times.append(time.perf_counter() - begin)
-        timed[name] = 1000 * statistics.median(times[1:])
-      image = examples[index].images[0]
+          times[k, name].append(time.perf_counter() - begin)
+    for k, (image, _) in batches.items():
       rows.append({"scale": scale, "digits": k, "M": 1 + (image.shape[0] // task.patch_size) *
                    (image.shape[1] // task.patch_size), "tokens_to_lm": twin.slots(image) + 1,
-                   "trainable_parameters": vlm.trainable_parameters(model), **timed})
+                   "trainable_parameters": vlm.trainable_parameters(model),
+                   **{name: 1000 * statistics.median(times[k, name]) for name, _ in functions}})
   return rows
 
 
@@ -270,7 +276,8 @@ def _write(record: dict, args, stem: str = "compare_connectors"):
 def render_cost(cost: dict) -> list[str]:
   """The cost rows of every connector: how tokens and time grow with the digits and the image's scale."""
   lines = ["Cost as the image grows: k digits at scale s (each digit 8s x 8s pixels), on the frozen parts' shapes at "
-           "random weights (times depend on shapes only); a batch of batch_size k-digit captions. M: features the "
+           "random weights (times depend on shapes only); a batch of batch_size k-digit captions, medians of 5 rounds "
+           "interleaved over k. M: features the "
            "encoder hands on; tokens: what one image takes in the LM's sequence; step: forward + backward of the "
            "connector's gradients.", "",
            "| connector | scale | k | M | tokens to the LM | trainable params | forward ms | step ms |",
