@@ -94,8 +94,9 @@ def _measure(config, workdir: str) -> dict:
 def _cost_by_scale(task, scales, digits: int) -> list[dict]:
   """Per image scale s and digit count k: M, the tokens an image hands the LM, trainable parameters, and the median
   ms (5 rounds interleaved over k, after compiling) of a forward and of a training step's forward + backward (the
-  connector's gradients) on a batch of k-digit captions at batch_size. The frozen parts are at random weights, sized for the s-times canvas (the encoder's
-  position table stretched to it): the times depend on the shapes only, so no encoder is trained per scale."""
+  connector's gradients) on a batch of k-digit captions at batch_size. The frozen parts are at random weights, the
+  encoder's position table sized for the s-times canvas: the times depend on the shapes only, so no encoder is
+  trained per scale."""
   import copy
   import jax
   import jax.numpy as jnp
@@ -277,9 +278,8 @@ def render_cost(cost: dict) -> list[str]:
   """The cost rows of every connector: how tokens and time grow with the digits and the image's scale."""
   lines = ["Cost as the image grows: k digits at scale s (each digit 8s x 8s pixels), on the frozen parts' shapes at "
            "random weights (times depend on shapes only); a batch of batch_size k-digit captions, medians of 5 rounds "
-           "interleaved over k. M: features the "
-           "encoder hands on; tokens: what one image takes in the LM's sequence; step: forward + backward of the "
-           "connector's gradients.", "",
+           "interleaved over k. M: features the encoder hands on; tokens: what one image takes in the LM's "
+           "sequence; step: forward + backward of the connector's gradients.", "",
            "| connector | scale | k | M | tokens to the LM | trainable params | forward ms | step ms |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for connector, rows in cost.items():

@@ -170,7 +170,8 @@ class LanguageModelTask(task_lib.Task):
       rows = self.train_data.num_rows
       if rows < config.batch_size:  # batches repeat the rows (batching.epoch_order); said once
         logging.warning("the training text packs into %d rows of %d, fewer than batch_size=%d: every batch holds "
-                        "each row %s", rows, length, config.batch_size, batching.repeats_per_batch(rows, config.batch_size))
+                        "each row %s", rows, length, config.batch_size,
+                        batching.repeats_per_batch(rows, config.batch_size))
     if mode != "infer":
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
