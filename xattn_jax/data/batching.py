@@ -55,6 +55,26 @@ def epoch_order(rng: np.random.Generator, num_units: int, batch_size: int) -> np
   return np.concatenate([rng.permutation(num_units) for _ in range(-(-batch_size // num_units))])[:batch_size]
 
 
+class EpochOrder:
+  """The units of global batch ``step`` when epoch e takes them in ``epoch_order`` under the rng seeded by
+  (seed, e): a pure function of (seed, step, batch_size), the latest epoch's order cached (consecutive steps
+  share an epoch)."""
+
+  def __init__(self, num_units: int):
+    self.num_units = num_units
+    self._cache: tuple = (None, None)
+
+  def batch(self, step: int, seed: int, batch_size: int) -> np.ndarray:
+    """Unit indices of global batch ``step``: [batch_size]."""
+    steps = steps_per_epoch(self.num_units, batch_size)
+    epoch, step_in_epoch = divmod(step, steps)
+    key = (seed, epoch, batch_size)
+    if self._cache[0] != key:
+      order = epoch_order(np.random.default_rng([seed, epoch]), self.num_units, batch_size)
+      self._cache = (key, order.reshape(steps, batch_size))
+    return self._cache[1][step_in_epoch]
+
+
 def repeats_per_batch(num_units: int, batch_size: int) -> str:
   """How often a batch holds each unit when there are fewer than batch_size: "3 times", "1 or 2 times"."""
   low, high = batch_size // num_units, -(-batch_size // num_units)

@@ -180,7 +180,7 @@ class TextBatches:
                eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0):
     self.packed = pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed)
     self.length = self.packed.inputs.shape[1]
-    self._epoch_cache: tuple = (None, None)
+    self._order = batching.EpochOrder(self.num_rows)
 
   @classmethod
   def from_texts(cls, texts: Sequence[str], tokenizer: tokenizers.Tokenizer, **kwargs) -> "TextBatches":
@@ -195,14 +195,6 @@ class TextBatches:
     """Global batches per epoch: ``num_rows // batch_size``, at least 1 (``batching.epoch_order``)."""
     return batching.steps_per_epoch(self.num_rows, _check_int("batch_size", batch_size, 1))
 
-  def _epoch_rows(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
-    """Row indices of every global batch of one epoch [steps_per_epoch, batch_size], cached per epoch."""
-    key = (seed, epoch, batch_size)
-    if self._epoch_cache[0] != key:
-      rows = batching.epoch_order(np.random.default_rng([seed, epoch]), self.num_rows, batch_size)
-      self._epoch_cache = (key, rows.reshape(self.steps_per_epoch(batch_size), batch_size))
-    return self._epoch_cache[1]
-
   def train_batch(self, step: int, *, seed: int, batch_size: int, process_index: int = 0,
                   process_count: int = 1) -> dict[str, np.ndarray]:
     """This process's share of global batch ``step``: arrays [batch_size // process_count, length].
@@ -212,8 +204,7 @@ class TextBatches:
     step, seed = _check_int("step", step, 0), _check_int("seed", seed, 0)
     batch_size = _check_int("batch_size", batch_size, 1)
     local = self._local_size(batch_size, process_index, process_count)
-    epoch, step_in_epoch = divmod(step, self.steps_per_epoch(batch_size))
-    rows = self._epoch_rows(seed, epoch, batch_size)[step_in_epoch]
+    rows = self._order.batch(step, seed, batch_size)
     return self.packed.arrays(rows[process_index * local:(process_index + 1) * local])
 
   def num_eval_batches(self, batch_size: int) -> int:

@@ -224,7 +224,7 @@ class VLMTask(task_lib.Task):
     self.train_examples = self._examples("train") if mode == "train" else []
     self.eval_examples = self._examples("eval") if mode != "infer" else []
     self.train_layouts = [self.layout(e) for e in self.train_examples]
-    self._epoch_order = (None, None)  # (epoch, its example order): consecutive steps share an epoch
+    self._train_order = batching.EpochOrder(len(self.train_examples))  # a user's pairs: shuffled every epoch
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
@@ -344,10 +344,7 @@ class VLMTask(task_lib.Task):
                         (step * size + process_index * local + np.arange(local)) % count)
     # A user's file may be sorted (by subject, by source): epoch e takes its pairs in the permutation seeded
     # by (config.seed, e), as the text tasks do (batching.epoch_order).
-    epoch, step_in_epoch = divmod(step, batching.steps_per_epoch(count, size))
-    if self._epoch_order[0] != epoch:
-      self._epoch_order = (epoch, batching.epoch_order(np.random.default_rng([self.config.seed, epoch]), count, size))
-    rows = self._epoch_order[1][step_in_epoch * size + process_index * local:][:local]
+    rows = self._train_order.batch(step, self.config.seed, size)[process_index * local:][:local]
     return self._rows(self.train_examples, self.train_layouts, rows)
 
   def eval_batches(self, *, process_index, process_count):
