@@ -95,6 +95,38 @@ def test_lm_texts_mark_images_with_the_image_token():
   assert text == f"{vlm_digits.IMAGE_TOKEN} how many digits ? {vlm_digits.number_words(example.num_digits)}"
 
 
+def test_described_texts_put_each_images_digits_before_its_marker(examples):
+  for example in examples["train"][:100]:
+    described = vlm_digits.described_text_of(example)
+    expected = vlm_digits.text_of(example)
+    for sequence in example.digits:  # each marker in turn gains its own image's words
+      expected = expected.replace(f"{vlm_digits.IMAGE_TOKEN}", f"{vlm_digits.digit_words(sequence)} \0", 1)
+    assert described == expected.replace("\0", vlm_digits.IMAGE_TOKEN)
+  larger = next(e for e in examples["test"] if e.kind == "larger")
+  first, second = (vlm_digits.digit_words(s) for s in larger.digits)
+  assert vlm_digits.described_text_of(larger).startswith(
+      f"{first} {vlm_digits.IMAGE_TOKEN} {first} {second} {vlm_digits.IMAGE_TOKEN} {second} which is larger ?")
+
+
+def test_lm_corpus_with_described_images_pairs_each_text_with_its_description():
+  plain_train, plain_eval = vlm_digits.lm_corpus(num_train=15, num_eval=5, seed=2)
+  train, eval_ = vlm_digits.lm_corpus(num_train=30, num_eval=9, seed=2, describe_images=True)
+  assert (len(train), len(eval_)) == (30, 9)  # documents, from half as many examples
+  assert train[0::2] == plain_train and eval_[0::2] == plain_eval
+  examples = vlm_digits.make_examples("train", 15, seed=2)
+  assert train[1::2] == [vlm_digits.described_text_of(e) for e in examples]
+  sums = [e for e in examples if e.kind == "sum"]
+  assert sums and all(vlm_digits.described_text_of(e).endswith(vlm_digits.number_words(sum(e.digits[0])))
+                      for e in sums)
+
+
+def test_a_users_pair_has_no_description():
+  example = vlm_digits.VLMExample(images=(np.zeros((8, 8), np.float32),), segments=(("image", 0), ("target", "a")),
+                                  kind="user", num_digits=0)
+  with pytest.raises(ValueError, match="1 images but 0 digit sequences"):
+    vlm_digits.described_text_of(example)
+
+
 def test_scale_upscales_by_repetition():
   small, large = (vlm_digits.make_examples("train", 3, seed=0, scale=s) for s in (1, 2))
   for a, b in zip(small, large):

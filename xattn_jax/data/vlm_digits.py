@@ -275,12 +275,34 @@ def texts(examples: Sequence[VLMExample]) -> list[str]:
   return [text_of(example) for example in examples]
 
 
-def lm_corpus(*, num_train: int, num_eval: int, seed: int, max_digits: int = 4,
-              kinds=KINDS) -> tuple[list[str], list[str]]:
+def described_text_of(example: VLMExample) -> str:
+  """The example's text with each image described in words before its marker: "seven two <image> what is
+  their sum ? nine". A language model trained on it learns to answer from the description."""
+  if len(example.digits) != len(example.images):
+    raise ValueError(f"described_text_of: example has {len(example.images)} images but {len(example.digits)} "
+                     "digit sequences (a user's pairs have no description)")
+  return " ".join(f"{digit_words(example.digits[value])} {IMAGE_TOKEN}" if role == "image" else str(value)
+                  for role, value in example.segments)
+
+
+def lm_corpus(*, num_train: int, num_eval: int, seed: int, max_digits: int = 4, kinds=KINDS,
+              describe_images: bool = False) -> tuple[list[str], list[str]]:
   """(train texts, eval texts) for pretraining the VLM's language model on text alone: the texts of the
-  first num_train "train" and num_eval "test" examples (`make_examples` with scale 1)."""
-  return (texts(make_examples("train", num_train, seed, max_digits=max_digits, kinds=kinds)),
-          texts(make_examples("test", num_eval, seed, max_digits=max_digits, kinds=kinds)))
+  first num_train "train" and num_eval "test" examples (`make_examples` with scale 1).
+
+  describe_images: each example gives two documents in a row, its text (`text_of`: the LM learns the language
+  but cannot know the answers) and its text with every image described in words (`described_text_of`: the LM
+  learns to answer from a description, a skill a connector can use by making the image read like one); the
+  num_train and num_eval documents then come from half as many examples.
+  """
+  def documents(split, count):
+    examples = make_examples(split, (count + 1) // 2 if describe_images else count, seed, max_digits=max_digits,
+                             kinds=kinds)
+    if not describe_images:
+      return texts(examples)
+    return [doc for example in examples for doc in (text_of(example), described_text_of(example))][:count]
+
+  return documents("train", num_train), documents("test", num_eval)
 
 
 # --- batches of images ----------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Config (see configs/lm_text.py):
   data.source         (optional) a name in GENERATED_CORPORA instead of either: a generated corpus, e.g.
                       "vlm_digits" (data.vlm_digits.lm_corpus: the texts of data.num_train_documents
                       "train" and data.num_eval_documents "test" examples with up to data.max_digits
-                      digits, the VLM's text alone; configs/vlm_lm.py)
+                      digits, the VLM's text alone; with data.describe_images each also with its
+                      images described in words; configs/vlm_lm.py)
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
                       the text; the bundled corpus has its own held-out side); data.num_eval_documents
                       keeps the first that many of them (0 = all)
@@ -56,7 +57,8 @@ TOKENIZERS = ("bytes", "sentencepiece")
 GENERATED_CORPORA = {
     "vlm_digits": lambda data: vlm_digits.lm_corpus(num_train=data.num_train_documents,
                                                     num_eval=data.num_eval_documents, seed=data.corpus_seed,
-                                                    max_digits=data.max_digits),
+                                                    max_digits=data.max_digits,
+                                                    describe_images=data.get("describe_images", False)),
 }
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
 
