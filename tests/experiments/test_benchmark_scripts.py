@@ -15,7 +15,7 @@ def _run(script, *args):
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_latent_reader.py", "bench_translator.py",
                                     "bench_matmul_shapes.py", "bench_lm.py", "bench_segment.py",
-                                    "compare_connectors.py"])
+                                    "compare_connectors.py", "vlm_lm_skills.py"])
 def test_an_output_directory_that_cannot_be_made_fails_before_measuring(script, tmp_path):
   """It was made after the measurements: minutes of a full run lost to a typo in --out."""
   (tmp_path / "a_file").write_text("")

@@ -1,0 +1,111 @@
+"""What the VLM's frozen LM can lend a connector: its answers from text alone, with and without the image's words.
+
+    python experiments/vlm_lm_skills.py --lm workdirs/vlm_lm
+
+For the first --examples "test" examples of data.vlm_digits (the connectors' eval set at the defaults of
+configs/vlm_digits.py), the LM continues each text up to its last target, greedily, in two forms:
+  marker only  the text as a connector's LM sees it ("<image> what is their sum ?"): the answers the LM
+               can give without the image, the floor a connector starts from;
+  described    each image's digits as words before its marker ("seven two <image> what is their sum ?"):
+               the answers the LM gives when the image is read for it, which a connector can use by making
+               the image read like its description.
+Earlier targets stay in the prompt as references (the "larger" question follows both captions). A caption
+has no question, so from text alone the LM cannot tell that one is asked: it may start a question instead.
+Writes vlm_lm_skills.{md,json} (exact match per kind and per digit count, the LM run's path and steps, commit,
+date, load and command) under --out (default experiments/results).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+FORMS = ("marker only", "described")
+
+
+def prompts_and_answers(example, form: str) -> tuple[str, str]:
+  """(the example's text in form up to its last target, that target)."""
+  from xattn_jax.data import vlm_digits
+  text = vlm_digits.described_text_of(example) if form == "described" else vlm_digits.text_of(example)
+  answer = example.targets()[-1]
+  if not text.endswith(f" {answer}"):
+    raise ValueError(f"prompts_and_answers: the text {text!r} does not end with its last target {answer!r}")
+  return text[:-len(answer) - 1], answer
+
+
+def score(lm_workdir: str, examples, batch_size: int = 64) -> dict:
+  """form -> {"kind": {name: exact match}, "digits": {k: exact match}, "overall": exact match}."""
+  from xattn_jax.training import inference
+  model, task = inference.load_model(lm_workdir, mode="infer")
+  result = {}
+  for form in FORMS:
+    pairs = [prompts_and_answers(e, form) for e in examples]
+    outputs = []
+    for start in range(0, len(pairs), batch_size):
+      outputs += task.infer(model, [prompt for prompt, _ in pairs[start:start + batch_size]])
+    hits = [output[len(prompt):].strip() == answer for (prompt, answer), output in zip(pairs, outputs)]
+    by_kind, by_digits = collections.defaultdict(list), collections.defaultdict(list)
+    for example, hit in zip(examples, hits):
+      by_kind[example.kind].append(hit)
+      by_digits[example.num_digits].append(hit)
+    mean = lambda values: sum(values) / len(values)
+    result[form] = {"overall": mean(hits), "kind": {k: mean(v) for k, v in sorted(by_kind.items())},
+                    "digits": {str(k): mean(v) for k, v in sorted(by_digits.items())}}
+  return result
+
+
+def render(record: dict) -> str:
+  prov, scores = record["provenance"], record["scores"]
+  kinds = list(scores[FORMS[0]]["kind"])
+  digits = list(scores[FORMS[0]]["digits"])
+  lines = ["# What the VLM's frozen LM answers from text alone", "",
+           f"Commit {prov['commit'][:10]}, {prov['date']}, 1-minute load {prov['load_average_before']:.1f} before the "
+           f"start. Command: `{prov['command']}`.", "",
+           f"LM: `{record['lm']}` ({record['lm_steps']} steps). {record['examples']} \"test\" examples of "
+           f"data.vlm_digits (seed {record['eval_seed']}, up to {record['max_digits']} digits); greedy, the last "
+           "target of each text, earlier targets given.", "",
+           "| prompt | exact match | " + " | ".join(kinds) + " | " + " | ".join(f"k={d}" for d in digits) + " |",
+           "| --- | --- | " + " | ".join("---" for _ in kinds + digits) + " |"]
+  for form in FORMS:
+    s = scores[form]
+    lines.append(f"| {form} | {s['overall']:.3f} | " + " | ".join(f"{s['kind'][k]:.2f}" for k in kinds) + " | "
+                 + " | ".join(f"{s['digits'][d]:.2f}" for d in digits) + " |")
+  lines += ["", "marker only: the text as a connector's LM sees it, no image; described: each image's digits as "
+            "words before its marker. A caption has no question, so the LM may start one instead."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--lm", default="workdirs/vlm_lm", help="a finished configs/vlm_lm.py run")
+  parser.add_argument("--examples", type=int, default=256, help="test examples (configs/vlm_digits.py's eval count)")
+  parser.add_argument("--eval_seed", type=int, default=0)
+  from experiments import bench_common
+  bench_common.add_output_flags(parser)
+  args = bench_common.parse_output_args(parser, "vlm_lm_skills", argv)
+  if args.quick:
+    args.examples = min(args.examples, 16)
+  if not os.path.isfile(os.path.join(args.lm, "config.py")):
+    parser.error(f"--lm {args.lm}: holds no finished run (train it: python launch.py --config=configs/vlm_lm.py "
+                 f"--workdir={args.lm})")
+  from xattn_jax.data import vlm_digits
+  from xattn_jax.training import validation
+  lm_config = validation.load_config_file(os.path.join(args.lm, "config.py"))
+  max_digits = lm_config.data.max_digits
+  examples = vlm_digits.make_examples("test", args.examples, args.eval_seed, max_digits=max_digits)
+  record = {"provenance": bench_common.provenance(argv), "lm": os.path.abspath(args.lm),
+            "lm_steps": lm_config.total_steps, "examples": args.examples, "eval_seed": args.eval_seed,
+            "max_digits": max_digits, "scores": score(args.lm, examples)}
+  out = pathlib.Path(args.out)
+  (out / "vlm_lm_skills.json").write_text(json.dumps(record, indent=1))
+  (out / "vlm_lm_skills.md").write_text(render(record))
+  print(render(record))
+
+
+if __name__ == "__main__":
+  main()

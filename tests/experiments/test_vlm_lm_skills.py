@@ -1,0 +1,36 @@
+"""vlm_lm_skills: the frozen LM's answers from text alone, as the connectors' LM sees the text and described."""
+import json
+
+import pytest
+
+from experiments import vlm_lm_skills
+from tests.tasks.test_vlm import tiny_chain
+from xattn_jax.data import vlm_digits
+
+
+def test_prompts_end_before_the_last_target_in_both_forms():
+  examples = vlm_digits.make_examples("test", 60, seed=0)
+  for example in examples:
+    for form, text in (("marker only", vlm_digits.text_of(example)),
+                       ("described", vlm_digits.described_text_of(example))):
+      prompt, answer = vlm_lm_skills.prompts_and_answers(example, form)
+      assert f"{prompt} {answer}" == text and answer == example.targets()[-1]
+  larger = next(e for e in examples if e.kind == "larger")
+  prompt, _ = vlm_lm_skills.prompts_and_answers(larger, "described")
+  assert prompt.endswith(f"{vlm_digits.digit_words(larger.digits[1])} which is larger ?")
+
+
+@pytest.mark.slow
+def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
+  lm = tiny_chain() / "lm"
+  vlm_lm_skills.main(["--lm", str(lm), "--examples", "40", "--out", str(tmp_path)])
+  record = json.loads((tmp_path / "vlm_lm_skills.json").read_text())
+  examples = vlm_digits.make_examples("test", 40, seed=0)
+  for form in vlm_lm_skills.FORMS:
+    scores = record["scores"][form]
+    assert set(scores["kind"]) == {e.kind for e in examples}
+    assert set(scores["digits"]) == {str(e.num_digits) for e in examples}
+    weights = {k: sum(e.kind == k for e in examples) for k in scores["kind"]}
+    overall = sum(scores["kind"][k] * n for k, n in weights.items()) / len(examples)
+    assert scores["overall"] == pytest.approx(overall)
+  assert "| described |" in (tmp_path / "vlm_lm_skills.md").read_text()
