@@ -6,7 +6,7 @@ Its documents are the texts of the "train" examples of data.vlm_digits (data.sou
 with "<image>" where an image sits and no image, so the LM learns the language (the questions, digits as words,
 number words) but cannot know the answers; and with each image described in words before its marker
 (data.describe_images), so the LM learns to answer from a description: copy, count, index, add, compare. A
-connector can then lend itself that skill by making the image read like its description, as the LM inside a
+connector can then use that skill by making the image read like its description, as the LM inside a
 real vision-language model brings what it learned from text. Eval: the texts of "test" examples (held-out
 digit sequences), in the same two forms.
 SentencePiece keeps "<image>" one piece (data.single_piece_words), so the VLM task can encode each text
@@ -18,18 +18,19 @@ from configs import common, lm_text
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=2000, size="tiny", posenc="rope")
+  # describe=false, steps=600: the LM on marker-only texts that the connectors read before (no skills to lend)
+  args = common.parse_arg(arg, steps=2000, size="tiny", posenc="rope", describe=True)
   config = lm_text.get_config(f"size={args.size},posenc={args.posenc},tokenizer=sentencepiece")
   config.total_steps = args.steps
   config.optimizer.warmup_steps = 50
   config.eval_every_steps = 300
   config.checkpoint.every_steps = 300
   config.data.source = "vlm_digits"     # data.vlm_digits.lm_corpus
-  config.data.num_train_documents = 40000  # 20,000 examples, each as the VLM shows it and described
+  config.data.num_train_documents = 40000 if args.describe else 20000  # 20,000 examples (each twice, described)
   config.data.num_eval_documents = 1000
   config.data.max_digits = 4
   config.data.corpus_seed = 0
-  config.data.describe_images = True  # each text also with its images described in words (lm_corpus)
+  config.data.describe_images = args.describe  # each text also with its images described in words (lm_corpus)
   config.data.vocab_size = 128          # a cap: every one of the texts' 39 words is one piece
   config.data.single_piece_words = ("<image>",)
   config.data.sequence_length = 64

@@ -9,7 +9,8 @@ configs/vlm_digits.py), the LM continues each text up to its last target, greedi
   described    each image's digits as words before its marker ("seven two <image> what is their sum ?"):
                the answers the LM gives when the image is read for it, which a connector can use by making
                the image read like its description.
-Earlier targets stay in the prompt as references (the "larger" question follows both captions). A caption
+Earlier targets stay in the prompt as references (the "larger" question follows both captions, so text alone
+answers it in either form). A caption
 has no question, so from text alone the LM cannot tell that one is asked: it may start a question instead.
 Writes vlm_lm_skills.{md,json} (exact match per kind and per digit count, the LM run's path and steps, commit,
 date, load and command) under --out (default experiments/results).
@@ -76,7 +77,8 @@ def render(record: dict) -> str:
     lines.append(f"| {form} | {s['overall']:.3f} | " + " | ".join(f"{s['kind'][k]:.2f}" for k in kinds) + " | "
                  + " | ".join(f"{s['digits'][d]:.2f}" for d in digits) + " |")
   lines += ["", "marker only: the text as a connector's LM sees it, no image; described: each image's digits as "
-            "words before its marker. A caption has no question, so the LM may start one instead."]
+            "words before its marker. A caption has no question, so the LM may start one instead. The \"larger\" "
+            "question follows both reference captions, so text alone answers it in either form."]
   return "\n".join(lines) + "\n"
 
 
