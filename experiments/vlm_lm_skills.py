@@ -1,6 +1,6 @@
 """What the VLM's frozen LM can lend a connector: its answers from text alone, with and without the image's words.
 
-    python experiments/vlm_lm_skills.py --lm workdirs/vlm_lm
+    python experiments/vlm_lm_skills.py --lm workdirs/vlm_lm [--lm another_lm_run ...]
 
 For the first --examples "test" examples of data.vlm_digits (the connectors' eval set at the defaults of
 configs/vlm_digits.py), the LM continues each text up to its last target, greedily, in two forms:
@@ -12,7 +12,7 @@ configs/vlm_digits.py), the LM continues each text up to its last target, greedi
 Earlier targets stay in the prompt as references (the "larger" question follows both captions, so text alone
 answers it in either form). A caption
 has no question, so from text alone the LM cannot tell that one is asked: it may start a question instead.
-Writes vlm_lm_skills.{md,json} (exact match per kind and per digit count, the LM run's path and steps, commit,
+Writes vlm_lm_skills.{md,json} (per LM run, its path and steps, exact match per kind and per digit count; commit,
 date, load and command) under --out (default experiments/results).
 """
 from __future__ import annotations
@@ -61,21 +61,23 @@ def score(lm_workdir: str, examples, batch_size: int = 64) -> dict:
 
 
 def render(record: dict) -> str:
-  prov, scores = record["provenance"], record["scores"]
-  kinds = list(scores[FORMS[0]]["kind"])
-  digits = list(scores[FORMS[0]]["digits"])
+  prov, runs = record["provenance"], record["runs"]
+  kinds = list(runs[0]["scores"][FORMS[0]]["kind"])
+  digits = list(runs[0]["scores"][FORMS[0]]["digits"])
   lines = ["# What the VLM's frozen LM answers from text alone", "",
            f"Commit {prov['commit'][:10]}, {prov['date']}, 1-minute load {prov['load_average_before']:.1f} before the "
            f"start. Command: `{prov['command']}`.", "",
-           f"LM: `{record['lm']}` ({record['lm_steps']} steps). {record['examples']} \"test\" examples of "
-           f"data.vlm_digits (seed {record['eval_seed']}, up to {record['max_digits']} digits); greedy, the last "
-           "target of each text, earlier targets given.", "",
-           "| prompt | exact match | " + " | ".join(kinds) + " | " + " | ".join(f"k={d}" for d in digits) + " |",
-           "| --- | --- | " + " | ".join("---" for _ in kinds + digits) + " |"]
-  for form in FORMS:
-    s = scores[form]
-    lines.append(f"| {form} | {s['overall']:.3f} | " + " | ".join(f"{s['kind'][k]:.2f}" for k in kinds) + " | "
-                 + " | ".join(f"{s['digits'][d]:.2f}" for d in digits) + " |")
+           f"{record['examples']} \"test\" examples of data.vlm_digits (seed {record['eval_seed']}, up to "
+           f"{record['max_digits']} digits); greedy, the last target of each text, earlier targets given.", "",
+           "| LM run | its data.describe_images | prompt | exact match | " + " | ".join(kinds) + " | "
+           + " | ".join(f"k={d}" for d in digits) + " |",
+           "| --- | --- | --- | --- | " + " | ".join("---" for _ in kinds + digits) + " |"]
+  for run in runs:
+    for form in FORMS:
+      s = run["scores"][form]
+      lines.append(f"| `{run['lm']}` ({run['lm_steps']} steps) | {run['describe_images']} | {form} | "
+                   f"{s['overall']:.3f} | " + " | ".join(f"{s['kind'][k]:.2f}" for k in kinds) + " | "
+                   + " | ".join(f"{s['digits'][d]:.2f}" for d in digits) + " |")
   lines += ["", "marker only: the text as a connector's LM sees it, no image; described: each image's digits as "
             "words before its marker. A caption has no question, so the LM may start one instead. The \"larger\" "
             "question follows both reference captions, so text alone answers it in either form."]
@@ -84,7 +86,8 @@ def render(record: dict) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--lm", default="workdirs/vlm_lm", help="a finished configs/vlm_lm.py run")
+  parser.add_argument("--lm", action="append", help="a finished configs/vlm_lm.py run (repeatable; default "
+                      "workdirs/vlm_lm)")
   parser.add_argument("--examples", type=int, default=256, help="test examples (configs/vlm_digits.py's eval count)")
   parser.add_argument("--eval_seed", type=int, default=0)
   from experiments import bench_common
@@ -92,17 +95,21 @@ def main(argv=None):
   args = bench_common.parse_output_args(parser, "vlm_lm_skills", argv)
   if args.quick:
     args.examples = min(args.examples, 16)
-  if not os.path.isfile(os.path.join(args.lm, "config.py")):
-    parser.error(f"--lm {args.lm}: holds no finished run (train it: python launch.py --config=configs/vlm_lm.py "
-                 f"--workdir={args.lm})")
+  args.lm = args.lm or ["workdirs/vlm_lm"]
+  for lm in args.lm:
+    if not os.path.isfile(os.path.join(lm, "config.py")):
+      parser.error(f"--lm {lm}: holds no finished run (train it: python launch.py --config=configs/vlm_lm.py "
+                   f"--workdir={lm})")
   from xattn_jax.data import vlm_digits
   from xattn_jax.training import validation
-  lm_config = validation.load_config_file(os.path.join(args.lm, "config.py"))
-  max_digits = lm_config.data.max_digits
+  configs = [validation.load_config_file(os.path.join(lm, "config.py")) for lm in args.lm]
+  max_digits = min(config.data.max_digits for config in configs)
   examples = vlm_digits.make_examples("test", args.examples, args.eval_seed, max_digits=max_digits)
-  record = {"provenance": bench_common.provenance(argv), "lm": os.path.abspath(args.lm),
-            "lm_steps": lm_config.total_steps, "examples": args.examples, "eval_seed": args.eval_seed,
-            "max_digits": max_digits, "scores": score(args.lm, examples)}
+  record = {"provenance": bench_common.provenance(argv), "examples": args.examples, "eval_seed": args.eval_seed,
+            "max_digits": max_digits,
+            "runs": [{"lm": os.path.abspath(lm), "lm_steps": config.total_steps,
+                      "describe_images": bool(config.data.get("describe_images", False)),
+                      "scores": score(lm, examples)} for lm, config in zip(args.lm, configs)]}
   out = pathlib.Path(args.out)
   (out / "vlm_lm_skills.json").write_text(json.dumps(record, indent=1))
   (out / "vlm_lm_skills.md").write_text(render(record))

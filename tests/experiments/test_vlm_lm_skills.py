@@ -26,8 +26,10 @@ def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
   vlm_lm_skills.main(["--lm", str(lm), "--examples", "40", "--out", str(tmp_path)])
   record = json.loads((tmp_path / "vlm_lm_skills.json").read_text())
   examples = vlm_digits.make_examples("test", 40, seed=0)
+  [run] = record["runs"]
+  assert run["describe_images"] is True and run["lm"] == str(lm)
   for form in vlm_lm_skills.FORMS:
-    scores = record["scores"][form]
+    scores = run["scores"][form]
     assert set(scores["kind"]) == {e.kind for e in examples}
     assert set(scores["digits"]) == {str(e.num_digits) for e in examples}
     weights = {k: sum(e.kind == k for e in examples) for k in scores["kind"]}
