@@ -287,8 +287,9 @@ def described_text_of(example: VLMExample) -> str:
 
 def lm_corpus(*, num_train: int, num_eval: int, seed: int, max_digits: int = 4, kinds=KINDS,
               describe_images: bool = False) -> tuple[list[str], list[str]]:
-  """(train texts, eval texts) for pretraining the VLM's language model on text alone: the texts of the
-  first num_train "train" and num_eval "test" examples (`make_examples` with scale 1).
+  """(train texts, eval texts) for pretraining the VLM's language model on text alone: num_train documents
+  from the first "train" examples and num_eval from the first "test" ones (`make_examples` with scale 1), one
+  document an example (its text, `text_of`).
 
   describe_images: each example gives two documents in a row, its text (`text_of`: the LM learns the language
   but cannot know the answers) and its text with every image described in words (`described_text_of`: the LM

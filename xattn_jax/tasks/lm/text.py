@@ -4,10 +4,10 @@ Config (see configs/lm_text.py):
   data.train_file     "" = the bundled corpus (data.corpus.default_corpus: CLDR text and number words),
                       else a UTF-8 file, one document per line (errors name file:line)
   data.source         (optional) a name in GENERATED_CORPORA instead of either: a generated corpus, e.g.
-                      "vlm_digits" (data.vlm_digits.lm_corpus: the texts of data.num_train_documents
-                      "train" and data.num_eval_documents "test" examples with up to data.max_digits
-                      digits, the VLM's text alone; with data.describe_images each also with its
-                      images described in words; configs/vlm_lm.py)
+                      "vlm_digits" (data.vlm_digits.lm_corpus: data.num_train_documents texts of
+                      "train" and data.num_eval_documents of "test" examples with up to data.max_digits
+                      digits, the VLM's text alone; with data.describe_images each example gives two,
+                      the second with its images described in words; configs/vlm_lm.py)
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
                       the text; the bundled corpus has its own held-out side); data.num_eval_documents
                       keeps the first that many of them (0 = all)
