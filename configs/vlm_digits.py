@@ -5,11 +5,13 @@
     python launch.py --config=configs/vlm_digits.py:connector=llava --workdir=workdirs/vlm_llava
     python launch.py --config=configs/vlm_digits.py:connector=llava,positions=mrope --workdir=workdirs/vlm_llava_mrope
     python launch.py --config=configs/vlm_digits.py:connector=llava,merge=2 --workdir=workdirs/vlm_llava_merge2
+    python launch.py --config=configs/vlm_digits.py:connector=qformer,scale=2 --workdir=workdirs/vlm_qformer_x2
     printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
         --workdir=workdirs/vlm_llava --mode=infer
 
 The frozen parts are trained first when their workdirs hold no finished run (task dependencies): the image
-encoder by configs/vlm_encoder.py in workdirs/vlm_encoder and the LM by configs/vlm_lm.py in workdirs/vlm_lm,
+encoder by configs/vlm_encoder.py in workdirs/vlm_encoder (at `scale=s`, digits of 8s x 8s pixels, by
+configs/vlm_encoder.py:scale=s in workdirs/vlm_encoder_xs) and the LM by configs/vlm_lm.py in workdirs/vlm_lm,
 shared by all three connectors (see xattn_jax/tasks/vlm/task.py).
 """
 from __future__ import annotations
@@ -40,8 +42,9 @@ def vlm_config(args) -> ConfigDict:
   config.optimizer.weight_decay = 0.01
   config.model.name = "vlm"
   config.model.connector = args.connector     # flamingo | qformer | llava (models.vlm.CONNECTORS)
-  config.model.encoder_workdir = args.encoder
-  config.model.encoder_config = "configs/vlm_encoder.py"  # trained first when its workdir is empty
+  # the encoder at the images' scale, trained first when its workdir is empty (workdirs/vlm_encoder_xS by default)
+  config.model.encoder_workdir = args.encoder or "workdirs/vlm_encoder" + (f"_x{args.scale}" if args.scale != 1 else "")
+  config.model.encoder_config = "configs/vlm_encoder.py" + (f":scale={args.scale}" if args.scale != 1 else "")
   config.model.lm_workdir = args.lm
   config.model.lm_config = "configs/vlm_lm.py"
   config.model.hide_padding = False           # the encoder was trained on the padded canvas: padding reads "empty"
@@ -61,7 +64,7 @@ def vlm_config(args) -> ConfigDict:
   config.data = ConfigDict({
       "source": "digits",                     # digits | tsv (tasks.vlm.task.SOURCES)
       "max_digits": 4,                        # the canvas: 8 x (8 * max_digits), times scale (the encoder's)
-      "scale": 1,
+      "scale": args.scale,                    # digits of 8s x 8s pixels: M = 1 + 16 k s^2 features with 2 x 2 patches
       "kinds": ",".join(args.kinds.split("+")),
       "num_train_examples": 20000,
       "num_eval_examples": 256,
@@ -76,6 +79,6 @@ def vlm_config(args) -> ConfigDict:
 def get_config(arg=None):
   # steps: a budget of about 10 minutes a connector on 2 CPU cores (experiments/results/vlm_steps_sweep.md)
   args = common.parse_arg(arg, steps=3500, lr=3e-3, connector="flamingo", positions="sequence", merge=1, queries=32,
-                          latents=0, kinds="caption+count+nth+sum+larger", encoder="workdirs/vlm_encoder",
+                          latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm")
   return vlm_config(args)

@@ -15,7 +15,7 @@ from configs.vlm_digits import vlm_config
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1000, lr=3e-3, connector="llava", positions="sequence", merge=1, queries=32,
-                          latents=0, kinds="caption", encoder="workdirs/vlm_encoder", lm="workdirs/vlm_lm")
+                          latents=0, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_lm")
   config = vlm_config(args)
   config.data.source = "tsv"
   config.data.train_file = ""   # required: --config.data.train_file=pairs.tsv

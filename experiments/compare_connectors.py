@@ -5,6 +5,7 @@
     python experiments/compare_connectors.py --quick              # smoke run: tiny chain, a temporary directory
     python experiments/compare_connectors.py --connectors llava,llava/merge=2 --seeds 0   # variants of a connector
     python experiments/compare_connectors.py --cost_only --scales 1,2,3  # only the cost rows: minutes, no training
+    python experiments/compare_connectors.py --scale 2 --workdirs workdirs/compare_connectors_x2  # resized images
 
 Every run is configs/vlm_digits.py:connector=C (seed S) trained in this process (`loop.run`) on the SAME
 frozen parts (--encoder / --lm workdirs, trained first by their configs when empty). Per connector and seed:
@@ -23,8 +24,12 @@ Cost as the image grows, per connector (once, on its first seed's config; `--sca
 each image scale s (digits of 8s x 8s pixels, so M = 1 + 16 k s^2 with 2 x 2 patches), the tokens an image
 hands the LM, the trainable parameters and the median ms of a forward and of a training step's forward +
 backward on a batch of k-digit captions. The frozen parts there are at random weights shaped for the s-times
-canvas, since the times depend on the shapes only (no encoder is trained per scale; the accuracy columns are
-scale 1's). `--cost_only` measures these rows alone: experiments/results/vlm_cost_by_scale.{md,json}.
+canvas, since the times depend on the shapes only. `--cost_only` measures these rows alone:
+experiments/results/vlm_cost_by_scale.{md,json}.
+
+Accuracy as the image is resized: `--scale s` runs every connector, and the probe, on digits of 8s x 8s pixels
+(M = 1 + 16 k s^2 features), read by an encoder trained at that scale (configs/vlm_encoder.py:scale=s, in
+workdirs/vlm_encoder_xs unless --encoder names another), the same frozen LM.
 """
 from __future__ import annotations
 
@@ -180,7 +185,10 @@ def main(argv=None):
                            "(llava/merge=2/positions=mrope)")
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--steps", type=int, default=None, help="connector steps (default: configs/vlm_digits.py's)")
-  parser.add_argument("--encoder", default="workdirs/vlm_encoder")
+  parser.add_argument("--scale", type=int, default=1,
+                      help="every run's image scale (digits of 8s x 8s pixels) and so its frozen encoder's")
+  parser.add_argument("--encoder", default="",
+                      help="the frozen encoder's workdir (default: the config's, workdirs/vlm_encoder[_xS])")
   parser.add_argument("--lm", default="workdirs/vlm_lm")
   parser.add_argument("--workdirs", default="workdirs/compare_connectors")
   parser.add_argument("--probe_steps", type=int, default=None,
@@ -192,20 +200,23 @@ def main(argv=None):
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "compare_connectors", argv)
   record = {"provenance": bench_common.provenance(argv), "runs": []}
+  if any(option.startswith("scale=") for connector in args.connectors.split(",") for option in connector.split("/")):
+    parser.error("--connectors: set the image scale with --scale (one frozen encoder and probe a comparison)")
   from configs import vlm_digits  # after argument parsing: --help stays fast
   from xattn_jax.training import dependencies, loop
   workdirs = pathlib.Path(args.workdirs if not args.quick else os.path.join(args.out, "workdirs"))
   extra = {}
   if args.quick:
     args.steps, args.seeds = 40, "0"
-    extra = {"encoder_config": "configs/vlm_encoder.py:steps=30,width=32,blocks=1",
+    extra = {"encoder_config": "configs/vlm_encoder.py:steps=30,width=32,blocks=1" + (
+                 f",scale={args.scale}" if args.scale != 1 else ""),
              "lm_config": "configs/vlm_lm.py:steps=30,size=micro"}
     args.encoder, args.lm = str(workdirs / "encoder"), str(workdirs / "lm")
   def run_config(connector: str, seed: int):
     steps = "" if args.steps is None else f",steps={args.steps}"
     name, *options = connector.split("/")
-    config = vlm_digits.get_config(",".join([f"connector={name}{steps}", *options, f"encoder={args.encoder}",
-                                             f"lm={args.lm}"]))
+    config = vlm_digits.get_config(",".join([f"connector={name}{steps}", *options, f"scale={args.scale}",
+                                             f"encoder={args.encoder}", f"lm={args.lm}"]))
     config.seed = seed
     for key, value in extra.items():
       config.model[key] = value
@@ -218,6 +229,9 @@ def main(argv=None):
   scales = [int(s) for s in args.scales.split(",")]
   workdir_of = lambda connector, seed: str(workdirs / f"{connector.replace('/', '_')}_seed{seed}")
   first = run_config(connectors[0], seeds[0])
+  args.encoder = first.model.encoder_workdir
+  patch = dependencies.load_config(first.model.encoder_config, "model.encoder_config").model.patch_size
+  record["scale"], record["patches_per_digit"] = args.scale, (8 * args.scale // patch) ** 2
   dependencies.resolve(first, workdir_of(connectors[0], seeds[0]), "train")  # the frozen parts
   record["cost"] = {}
   if args.cost_only:
@@ -300,7 +314,9 @@ def render(record: dict) -> str:
   if not runs:  # --cost_only
     return "\n".join(["# Three connectors into one frozen LM: cost as the image grows", "", *header,
                       *render_cost(record.get("cost", {}))]) + "\n"
-  lines = ["# Three connectors into one frozen LM (digit strips)", "", *header,
+  scale = record.get("scale", 1)
+  title = "digit strips" + (f", each digit {8 * scale} x {8 * scale} pixels" if scale != 1 else "")
+  lines = [f"# Three connectors into one frozen LM ({title})", "", *header,
            f"Ceiling: a probe trained {record['probe']['steps']} steps ({record['probe']['train_seconds']:.0f} s) on "
            f"the same frozen features reads each test image's digits, and the encoder's own position head reads "
            f"them too; each is scored on the connectors' test targets by the answers its reading implies "
@@ -353,10 +369,11 @@ def render(record: dict) -> str:
     lines.append(f"| {connector} | " + " | ".join(f"{mean([r.get(key) for r in rs]):.3f}" for key in keys) + " |")
   for name, entry, _ in references:
     lines.append(f"| {name} | " + " | ".join(f"{mean([entry.get(key)]):.3f}" for key in keys) + " |")
-  lines += ["", "Flamingo hands the LM one marker per image; its gated layers read every canvas feature "
-            "(1 + 64 with 2 x 2 patches on the 8 x 32 canvas) whatever k. Q-Former: N soft tokens + marker; "
-            "LLaVA: one soft token per real patch (16 k) + marker, or with merge=2 one per 2 x 2 block of patches "
-            "(4 k) + marker."]
+  scale, per_digit = record.get("scale", 1), record.get("patches_per_digit", 16)
+  lines += ["", f"Flamingo hands the LM one marker per image; its gated layers read every canvas feature "
+            f"(1 + {4 * per_digit} on the {8 * scale} x {32 * scale} canvas) whatever k. Q-Former: N soft tokens + "
+            f"marker; LLaVA: one soft token per real patch ({per_digit} k) + marker, or with merge=m one per m x m "
+            f"block of patches ({per_digit} k / m^2) + marker."]
   if record.get("cost"):
     lines += ["", *render_cost(record["cost"])]
   return "\n".join(lines) + "\n"

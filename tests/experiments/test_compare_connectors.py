@@ -20,3 +20,10 @@ def test_cost_rows_count_what_an_image_hands_the_lm_at_each_scale():
     assert r["forward_ms"] > 0 and r["train_step_ms"] > 0
   # the connector's own 2D position table is sized to the grid; nothing else in it grows with the image
   assert rows[1]["trainable_parameters"] > rows[0]["trainable_parameters"]
+
+
+def test_a_scale_inside_a_connector_is_refused_for_one_encoder_and_probe_a_comparison(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    compare_connectors.main(["--connectors", "qformer,llava/scale=2", "--out", str(tmp_path)])
+  assert exit_info.value.code == 2 and "--scale" in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())  # nothing measured, nothing written

@@ -53,6 +53,8 @@ def config_error_field(*argv):
     ("--config.model.spatial_merge=0", "config.model.spatial_merge"),
     ("--config.data.kinds=caption,colour", "config.data.kinds"),
     ("--config.data.max_digits=3", "config.data.max_digits"),  # not the frozen encoder's canvas
+    ("--config.data.scale=2", "config.data.scale"),  # the frozen encoder reads digits at scale 1
+    ("--config.data.scale=0", "config.data.scale"),
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
 ])
 def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
@@ -61,6 +63,17 @@ def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
 
 def test_llava_takes_mrope_positions_and_merged_patches():
   assert config_error_field("--config=configs/vlm_digits.py:connector=llava,positions=mrope,merge=2") is None
+
+
+@pytest.mark.parametrize("config,missing", [("configs/vlm_digits.py", None),
+                                            ("configs/vlm_tsv.py", "config.data.train_file")])  # all it lacks
+def test_a_scale_argument_names_the_encoder_trained_at_that_scale(config, missing):
+  loaded = helpers.load_config(f"--config={config}:scale=2")
+  assert (loaded.data.scale, loaded.model.encoder_config, loaded.model.encoder_workdir) == (
+      2, "configs/vlm_encoder.py:scale=2", "workdirs/vlm_encoder_x2")
+  assert vlm_task.canvas(loaded) == (16, 64)
+  assert config_error_field(f"--config={config}:scale=2") == missing
+  assert helpers.load_config(f"--config={config}").model.encoder_workdir == "workdirs/vlm_encoder"
 
 
 def test_the_probe_answers_what_its_reading_implies():
