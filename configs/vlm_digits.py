@@ -43,8 +43,9 @@ def vlm_config(args) -> ConfigDict:
   config.model.name = "vlm"
   config.model.connector = args.connector     # flamingo | qformer | llava (models.vlm.CONNECTORS)
   # the encoder at the images' scale, trained first when its workdir is empty (workdirs/vlm_encoder_xS by default)
-  config.model.encoder_workdir = args.encoder or "workdirs/vlm_encoder" + (f"_x{args.scale}" if args.scale != 1 else "")
-  config.model.encoder_config = "configs/vlm_encoder.py" + (f":scale={args.scale}" if args.scale != 1 else "")
+  scaled = args.scale != 1
+  config.model.encoder_workdir = args.encoder or "workdirs/vlm_encoder" + (f"_x{args.scale}" if scaled else "")
+  config.model.encoder_config = "configs/vlm_encoder.py" + (f":scale={args.scale}" if scaled else "")
   config.model.lm_workdir = args.lm
   config.model.lm_config = "configs/vlm_lm.py"
   config.model.hide_padding = False           # the encoder was trained on the padded canvas: padding reads "empty"

@@ -3,7 +3,7 @@
     python experiments/compare_connectors.py                      # 3 connectors x 3 seeds (about an hour on 2 idle cores)
     python experiments/compare_connectors.py --seeds 0 --steps 300  # a shorter sweep (default: the config's steps)
     python experiments/compare_connectors.py --quick              # smoke run: tiny chain, a temporary directory
-    python experiments/compare_connectors.py --connectors llava,llava/merge=2 --seeds 0   # variants of a connector
+    python experiments/compare_connectors.py --connectors llava,llava/merge=2 --seeds 0  # variants of a connector
     python experiments/compare_connectors.py --cost_only --scales 1,2,3  # only the cost rows: minutes, no training
     python experiments/compare_connectors.py --scale 2 --workdirs workdirs/compare_connectors_x2  # resized images
 
@@ -208,9 +208,7 @@ def main(argv=None):
   extra = {}
   if args.quick:
     args.steps, args.seeds = 40, "0"
-    extra = {"encoder_config": "configs/vlm_encoder.py:steps=30,width=32,blocks=1" + (
-                 f",scale={args.scale}" if args.scale != 1 else ""),
-             "lm_config": "configs/vlm_lm.py:steps=30,size=micro"}
+    extra = {"encoder_config": "steps=30,width=32,blocks=1", "lm_config": "steps=30,size=micro"}  # added arguments
     args.encoder, args.lm = str(workdirs / "encoder"), str(workdirs / "lm")
   def run_config(connector: str, seed: int):
     steps = "" if args.steps is None else f",steps={args.steps}"
@@ -218,8 +216,9 @@ def main(argv=None):
     config = vlm_digits.get_config(",".join([f"connector={name}{steps}", *options, f"scale={args.scale}",
                                              f"encoder={args.encoder}", f"lm={args.lm}"]))
     config.seed = seed
-    for key, value in extra.items():
-      config.model[key] = value
+    for key, arguments in extra.items():  # the config's own frozen parts (at its scale), smaller
+      spec = config.model[key]
+      config.model[key] = spec + ("," if ":" in spec else ":") + arguments
     if args.quick:
       config.data.num_train_examples, config.data.num_eval_examples = 200, 32
       config.batch_size, config.eval_batch_size = 16, 32

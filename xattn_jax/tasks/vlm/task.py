@@ -163,8 +163,9 @@ class VLMTask(task_lib.Task):
     encoder_canvas = encoder_task.canvas(encoder)
     if encoder.data.scale != config.data.scale:
       raise validation.ConfigError("data.scale", config.data.scale,
-                                   f"must be the frozen encoder's, {encoder.data.scale} ({config.model.encoder_config}; "
-                                   f"configs/vlm_digits.py:scale=S names the encoder trained at S)")
+                                   f"must be the frozen encoder's, {encoder.data.scale} "
+                                   f"({config.model.encoder_config}; configs/vlm_digits.py:scale=S names the encoder "
+                                   f"trained at S)")
     if encoder_canvas != canvas(config):
       raise validation.ConfigError("data.max_digits", config.data.max_digits,
                                    f"the canvas {canvas(config)} (data.max_digits, data.scale) must be the frozen "
