@@ -77,9 +77,16 @@ def vlm_config(args) -> ConfigDict:
   return config
 
 
+# Each connector's steps when the config names none: about 10 minutes of training on 2 CPU cores. llava hands
+# the LM 16 soft tokens a digit, so its steps cost about twice the others'.
+DEFAULT_STEPS = {"flamingo": 7000, "qformer": 7000, "llava": 3500}
+
+
 def get_config(arg=None):
-  # steps: a budget of about 10 minutes a connector on 2 CPU cores (experiments/results/vlm_steps_sweep.md)
-  args = common.parse_arg(arg, steps=3500, lr=3e-3, connector="flamingo", positions="sequence", merge=1, queries=32,
+  # steps=0: the connector's DEFAULT_STEPS (at scale 1; larger images cost more a step)
+  args = common.parse_arg(arg, steps=0, lr=3e-3, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm")
+  if not args.steps:  # an unknown connector gets the smallest budget, and validation names model.connector
+    args.steps = DEFAULT_STEPS.get(args.connector, min(DEFAULT_STEPS.values()))
   return vlm_config(args)

@@ -14,8 +14,8 @@ per second (the loop's own figure), generation tokens / s (greedy over the eval 
 pass) and, per image size k = 1..4 digits (M = 1 + 16 k features with 2 x 2 patches), the tokens an image
 hands the LM and the median forward time of a batch of k-digit examples, and the wall time of the run
 (training and its final eval). The ceiling is a probe (`xattn_jax.tasks.vlm.probe`) trained on the same
-frozen features (--probe_steps batches of 64 fresh train strips; by default as many as the connectors' steps)
-to read each strip's digits, scored on the same test targets by the answers its reading implies. A second
+frozen features (--probe_steps batches of 64 fresh train strips; by default the most steps of a connector) to
+read each strip's digits, scored on the same test targets by the answers its reading implies. A second
 probe, trained alike with a head that predicts the sum directly, answers the sum question as the connectors
 must (learned, not added up). The frozen encoder's own strip accuracy is listed beside them. Results:
 experiments/results/compare_connectors.{md,json}.
@@ -184,7 +184,8 @@ def main(argv=None):
                       help="connectors, each optionally with configs/vlm_digits.py arguments after slashes "
                            "(llava/merge=2/positions=mrope)")
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--steps", type=int, default=None, help="connector steps (default: configs/vlm_digits.py's)")
+  parser.add_argument("--steps", type=int, default=None, help="connector steps (default: each connector's, configs/vlm_digits.py's "
+                      "DEFAULT_STEPS)")
   parser.add_argument("--scale", type=int, default=1,
                       help="every run's image scale (digits of 8s x 8s pixels) and so its frozen encoder's")
   parser.add_argument("--encoder", default="",
@@ -192,7 +193,7 @@ def main(argv=None):
   parser.add_argument("--lm", default="workdirs/vlm_lm")
   parser.add_argument("--workdirs", default="workdirs/compare_connectors")
   parser.add_argument("--probe_steps", type=int, default=None,
-                      help="steps of each probe (default: the connectors' steps; the learned sum needs them)")
+                      help="steps of each probe (default: the most steps of a connector; the learned sum needs them)")
   parser.add_argument("--scales", default="1,2",
                       help="image scales of the cost rows (each connector once, on the first seed's config)")
   parser.add_argument("--cost_only", action="store_true",
@@ -241,7 +242,8 @@ def main(argv=None):
     return
   workdirs.mkdir(parents=True, exist_ok=True)
   probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
-  probe_steps = 30 if args.quick else args.probe_steps or first.total_steps  # the connectors' budget by default
+  # by default the largest of the connectors' budgets
+  probe_steps = 30 if args.quick else args.probe_steps or max(run_config(c, seeds[0]).total_steps for c in connectors)
   stored = json.loads(probe_file.read_text()) if probe_file.is_file() else {}
   if stored.get("encoder") == os.path.abspath(args.encoder) and stored.get("steps") == probe_steps:
     record["probe"] = stored

@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 from PIL import Image
 
+from configs import vlm_digits as vlm_digits_config
 from tests import helpers
 from xattn_jax.data import vlm_digits
-from xattn_jax.models import vit
+from xattn_jax.models import vit, vlm
 from xattn_jax.tasks.vlm import probe, task as vlm_task
 from xattn_jax.training import validation
 
@@ -59,6 +60,14 @@ def config_error_field(*argv):
 ])
 def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field
+
+
+def test_each_connector_trains_its_own_default_steps_unless_the_config_names_them():
+  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm.CONNECTORS)
+  for connector, steps in vlm_digits_config.DEFAULT_STEPS.items():
+    loaded = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}")
+    assert (loaded.total_steps, loaded.eval_every_steps, loaded.checkpoint.every_steps) == (steps,) * 3
+  assert helpers.load_config("--config=configs/vlm_digits.py:connector=qformer,steps=50").total_steps == 50
 
 
 def test_llava_takes_mrope_positions_and_merged_patches():
