@@ -19,9 +19,13 @@ from configs import common, lm_text
 
 def get_config(arg=None):
   # describe=false, steps=600: the LM on marker-only texts that the connectors read before (no skills to lend)
-  args = common.parse_arg(arg, steps=2000, size="tiny", posenc="rope", describe=True)
+  # layers=L: L blocks instead of the size's (0); layers=4,steps=4000 answers better from words but is much
+  # harder for a connector to steer (experiments/results/amd_epyc_avx512/vlm_connector_levers.md)
+  args = common.parse_arg(arg, steps=2000, size="tiny", posenc="rope", describe=True, layers=0)
   config = lm_text.get_config(f"size={args.size},posenc={args.posenc},tokenizer=sentencepiece")
   config.total_steps = args.steps
+  if args.layers:
+    config.model.num_layers = args.layers
   config.optimizer.warmup_steps = 50
   config.eval_every_steps = 300
   config.checkpoint.every_steps = 300

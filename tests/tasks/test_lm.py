@@ -247,6 +247,13 @@ def test_the_vlm_lm_trains_on_the_vlm_texts_and_keeps_the_image_token_one_piece(
     assert tokenizer.encode(vlm_digits.text_of(example)) == [i for ids in pieces for i in ids]
 
 
+def test_the_vlm_lm_takes_a_depth_other_than_its_sizes():
+  from configs import lm_text
+  assert helpers.load_config("--config=configs/vlm_lm.py").model.num_layers == lm_text.SIZES["tiny"][2]
+  deeper = helpers.load_config("--config=configs/vlm_lm.py:layers=4,steps=4000")
+  assert (deeper.model.num_layers, deeper.total_steps, deeper.model.d_model) == (4, 4000, lm_text.SIZES["tiny"][0])
+
+
 def test_a_generated_corpus_with_a_training_file_is_a_config_error(tmp_path):
   config = helpers.load_config("--config=configs/vlm_lm.py", f"--config.data.train_file={tmp_path}/x.txt")
   with pytest.raises(validation.ConfigError) as error:
