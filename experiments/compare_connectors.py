@@ -184,8 +184,8 @@ def main(argv=None):
                       help="connectors, each optionally with configs/vlm_digits.py arguments after slashes "
                            "(llava/merge=2/positions=mrope)")
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--steps", type=int, default=None, help="connector steps (default: each connector's, configs/vlm_digits.py's "
-                      "DEFAULT_STEPS)")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="connector steps (default: each connector's, configs/vlm_digits.py's DEFAULT_STEPS)")
   parser.add_argument("--scale", type=int, default=1,
                       help="every run's image scale (digits of 8s x 8s pixels) and so its frozen encoder's")
   parser.add_argument("--encoder", default="",
