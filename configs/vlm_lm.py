@@ -11,17 +11,28 @@ real vision-language model brings what it learned from text. Eval: the texts of 
 digit sequences), in the same two forms.
 SentencePiece keeps "<image>" one piece (data.single_piece_words), so the VLM task can encode each text
 segment alone and splice image tokens in between.
+
+`text=pairs` (configs/vlm_tsv.py's LM): the text of a user's `image_path<TAB>text` pairs instead, each line
+"<image> text" (data.file_format="image_text"), so the LM can write the user's words; the VLM task names its
+own data.train_file and data.eval_file here (only their text is read: the LM never sees the eval captions in
+training), and the tokenizer takes as many pieces as the captions support, up to lm_text's cap.
 """
 from __future__ import annotations
 
 from configs import common, lm_text
 
+TEXTS = ("digits", "pairs")  # what the LM pretrains on: the bundled strips' texts, or a user's captions
+
 
 def get_config(arg=None):
   # describe=false, steps=600: the LM on marker-only texts that the connectors read before (no skills to lend)
   # layers=L: L blocks instead of the size's (0); layers=4,steps=4000 answers better from words but is much
-  # harder for a connector to steer (experiments/results/amd_epyc_avx512/vlm_connector_levers.md)
-  args = common.parse_arg(arg, steps=2000, size="tiny", posenc="rope", describe=True, layers=0)
+  # harder for a connector to steer (experiments/results/amd_epyc_avx512/vlm_connector_levers.md); so is the
+  # LM trained on examples=80000 (4x the texts), although it sums better from words
+  args = common.parse_arg(arg, steps=2000, size="tiny", posenc="rope", describe=True, layers=0, examples=20000,
+                          text="digits")
+  if args.text not in TEXTS:
+    raise ValueError(f"text must be one of {TEXTS}, got {args.text!r}")
   config = lm_text.get_config(f"size={args.size},posenc={args.posenc},tokenizer=sentencepiece")
   config.total_steps = args.steps
   if args.layers:
@@ -29,15 +40,19 @@ def get_config(arg=None):
   config.optimizer.warmup_steps = 50
   config.eval_every_steps = 300
   config.checkpoint.every_steps = 300
+  config.data.single_piece_words = ("<image>",)
+  config.task.decoding.method = "greedy"
+  config.task.decoding.max_new_tokens = 16
+  if args.text == "pairs":
+    config.data.file_format = "image_text"  # "<image> text" of each pair; the VLM task sets the files
+    config.data.sequence_length = 128
+    return config
   config.data.source = "vlm_digits"     # data.vlm_digits.lm_corpus
-  config.data.num_train_documents = 40000 if args.describe else 20000  # 20,000 examples (each twice, described)
+  config.data.num_train_documents = args.examples * (2 if args.describe else 1)  # described: each example twice
   config.data.num_eval_documents = 1000
   config.data.max_digits = 4
   config.data.corpus_seed = 0
   config.data.describe_images = args.describe  # each text also with its images described in words (lm_corpus)
   config.data.vocab_size = 128          # a cap: every one of the texts' 39 words is one piece
-  config.data.single_piece_words = ("<image>",)
   config.data.sequence_length = 64
-  config.task.decoding.method = "greedy"
-  config.task.decoding.max_new_tokens = 16
   return config

@@ -5,7 +5,10 @@
 
 Image paths are relative to the file's folder; PNG / JPEG are read grey and fitted into the frozen encoder's
 canvas (data.image_text). A missing or unreadable image, a line without a tab or an empty side stops the run
-before anything is written, naming file and line. The frozen encoder and LM are those of configs/vlm_digits.py.
+before anything is written, naming file and line. The frozen LM is pretrained first on the text of the
+training pairs (configs/vlm_lm.py:text=pairs, in model.lm_workdir, workdirs/vlm_pairs_lm by default; another
+pairs file needs another LM workdir), so it writes your captions' words; the frozen image encoder is the
+digits' one of configs/vlm_digits.py (trained on digit strips: your images are read in its grey canvas).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from configs.vlm_digits import vlm_config
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1000, lr=3e-3, connector="llava", positions="sequence", merge=1, queries=32,
-                          latents=0, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_lm")
+                          latents=0, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm")
   config = vlm_config(args)
+  config.model.lm_config = "configs/vlm_lm.py:text=pairs"  # the VLM task names the pairs files there
   config.data.source = "tsv"
   config.data.train_file = ""   # required: --config.data.train_file=pairs.tsv
   config.data.eval_file = ""    # required: --config.data.eval_file=...

@@ -4,7 +4,8 @@ import pytest
 from PIL import Image
 
 from xattn_jax.data import files
-from xattn_jax.data.image_text import ImageTextFormatError, fit_size, read_image_text_pairs, read_images
+from xattn_jax.data.image_text import (ImageTextFormatError, fit_size, read_image_text_pairs, read_images,
+                                       read_pair_texts)
 
 CANVAS = (8, 32)
 
@@ -98,3 +99,11 @@ def test_read_images_names_the_bad_path(folder):
                                           ((1, 100), (1, 32))])
 def test_fit_size_keeps_aspect_inside_the_canvas(size, fitted):
   assert fit_size(size, CANVAS) == fitted
+
+
+def test_the_text_side_is_read_without_opening_the_images_and_bad_lines_name_file_and_line(folder):
+  assert read_pair_texts(write(folder, b"missing.png\ta cat\nbroken.png\t on a mat \n\n")) == ["a cat", " on a mat "]
+  path = write(folder, b"x.png\tfine\nno tab\nx.png\t \n")
+  with pytest.raises(ImageTextFormatError) as caught:
+    read_pair_texts(path)
+  assert [n for n, _ in caught.value.problems] == [2, 3] and f"{path}:2: " in str(caught.value)

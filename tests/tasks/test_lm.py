@@ -254,6 +254,27 @@ def test_the_vlm_lm_takes_a_depth_other_than_its_sizes():
   assert (deeper.model.num_layers, deeper.total_steps, deeper.model.d_model) == (4, 4000, lm_text.SIZES["tiny"][0])
 
 
+def test_the_lm_of_a_users_pairs_learns_the_text_after_each_image_marker(tmp_path):
+  """configs/vlm_tsv.py pretrains its frozen LM this way: the digits' LM could not write a user's words."""
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("".join(f"img{n}.png\ta {shape} drawn in black\n" for n, shape in
+                           enumerate(["circle", "square", "cross"] * 10)))
+  config = helpers.load_config("--config=configs/vlm_lm.py:text=pairs", f"--config.data.train_file={pairs}",
+                               f"--config.data.eval_file={pairs}")
+  validation.validate_config(config, mode="train")
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  assert task.train_texts[:2] == ("<image> a circle drawn in black", "<image> a square drawn in black")
+  assert task.tokenizer.encode("<image>") == [task.tokenizer.encode("<image> a")[0]]  # one marker piece
+  for caption in ("a cross drawn in black", "a circle"):
+    assert task.tokenizer.decode(task.tokenizer.encode(caption)) == caption
+  for argument, field in (("--config.data.file_format=csv", "data.file_format"),
+                          ("--config.data.train_file=", "data.train_file")):  # the pairs format reads a file
+    bad = helpers.load_config("--config=configs/vlm_lm.py:text=pairs", f"--config.data.train_file={pairs}", argument)
+    with pytest.raises(validation.ConfigError) as error:
+      validation.validate_config(bad, mode="train")
+    assert error.value.field == field
+
+
 def test_a_generated_corpus_with_a_training_file_is_a_config_error(tmp_path):
   config = helpers.load_config("--config=configs/vlm_lm.py", f"--config.data.train_file={tmp_path}/x.txt")
   with pytest.raises(validation.ConfigError) as error:

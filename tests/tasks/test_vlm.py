@@ -1,5 +1,6 @@
 """The VLM task: config errors before anything compiles, a user's bad pairs file refused by file:line, and a
 tiny chain (encoder, LM, connector) that learns."""
+import json
 import pathlib
 
 import numpy as np
@@ -9,10 +10,10 @@ from PIL import Image
 
 from configs import vlm_digits as vlm_digits_config
 from tests import helpers
-from xattn_jax.data import vlm_digits
+from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import vit, vlm
 from xattn_jax.tasks.vlm import probe, task as vlm_task
-from xattn_jax.training import validation
+from xattn_jax.training import dependencies, validation
 
 TINY_CHAIN = {
     # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
@@ -148,6 +149,48 @@ def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns():
   final = helpers.metric_rows(chain / "vlm")[-1]
   assert {"eval/exact_match", "eval/chrf", "eval/exact_match_count"} <= set(final)
   assert (chain / "vlm" / "frozen.json").is_file()
+
+
+def _shape_pairs(folder, name: str, count: int) -> pathlib.Path:
+  """A pairs file of `count` drawings (a filled square, a bar, a cross) with captions in words that no digits
+  text holds."""
+  drawings = {"square": np.pad(np.full((6, 6), 255, np.uint8), 1), "bar": np.pad(np.full((2, 14), 255, np.uint8), 3),
+              "cross": np.maximum(np.eye(8, dtype=np.uint8), np.eye(8, dtype=np.uint8)[::-1]) * 255}
+  for shape, pixels in drawings.items():
+    Image.fromarray(pixels).save(folder / f"{shape}.png")
+  shapes = list(drawings) * count
+  path = folder / name
+  path.write_text("".join(f"{shape}.png\ta black {shape}\n" for shape in shapes[:count]))
+  return path
+
+
+@pytest.mark.slow
+def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tmp_path):
+  """configs/vlm_tsv.py read a user's pairs with the digits' LM, whose pieces cannot spell "black" or "cross":
+  exact match was 0 whatever the connector learned."""
+  chain = tiny_chain()
+  train, evaluation = _shape_pairs(tmp_path, "train.tsv", 48), _shape_pairs(tmp_path, "eval.tsv", 6)
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": tmp_path / "lm",
+               "model.lm_config": "configs/vlm_lm.py:text=pairs,steps=40,size=micro",
+               "data.train_file": train, "data.eval_file": evaluation}
+  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4", tmp_path / "vlm",
+                          overrides=overrides)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lm_data = json.loads((tmp_path / "lm" / "config.json").read_text())["data"]  # trained first, on the pairs' text
+  assert (lm_data["train_file"], lm_data["eval_file"]) == (str(train), str(evaluation))
+  tokenizer = tokenizers.SentencePieceTokenizer(tmp_path / "vlm" / vlm_task.TOKENIZER_FILE)
+  assert tokenizer.decode(tokenizer.encode("a black cross")) == "a black cross"
+  rows = helpers.metric_rows(tmp_path / "vlm")
+  losses = [row["train/loss"] for row in rows if "train/loss" in row]
+  assert losses[-1] < 0.6 * losses[0], losses
+  # without reading the image one caption fits all, 2 of the 6 eval pairs: the connector reads the shape
+  assert rows[-1]["eval/exact_match"] > 0.6, rows[-1]
+  # another pairs file with the same LM workdir: named before anything trains
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer", *(
+      f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))
+  with pytest.raises(validation.ConfigError, match="data.train_file") as error:
+    dependencies.resolve(config, str(tmp_path / "vlm2"), "train")
+  assert error.value.field == "model.lm_workdir" and not (tmp_path / "vlm2").exists()
 
 
 def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):

@@ -95,6 +95,18 @@ def _line_problem(raw: bytes, folder: str) -> tuple[str | None, tuple[str, str] 
   return None, (os.path.join(folder, image_path.strip()), text)
 
 
+def _pair_lines(path) -> list[tuple[int, str | None, tuple[str, str] | None]]:
+  """(1-based line number, what is wrong or None, (image path, text) or None) of each line of a pairs file,
+  the trailing blank lines left out; a missing, unreadable or empty file raises ImageTextFormatError."""
+  lines = files.read_line_bytes(path, ImageTextFormatError, "an image-caption file")
+  while lines and not lines[-1].strip():
+    lines.pop()
+  if not lines:
+    raise ImageTextFormatError(path, [(None, "the file is empty (no 'image_path<TAB>text' lines)")])
+  folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+  return [(number, *_line_problem(raw, folder)) for number, raw in enumerate(lines, start=1)]
+
+
 def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -> list[VLMExample]:
   """Reads ``image_path<TAB>text`` lines into examples of kind "user", in file order.
 
@@ -106,15 +118,8 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -
       unreadable image); the message names the file and the 1-based line numbers.
   """
   canvas = _check_canvas(canvas, "read_image_text_pairs")
-  lines = files.read_line_bytes(path, ImageTextFormatError, "an image-caption file")
-  while lines and not lines[-1].strip():
-    lines.pop()
-  if not lines:
-    raise ImageTextFormatError(path, [(None, "the file is empty (no 'image_path<TAB>text' lines)")])
-  folder = os.path.dirname(os.path.abspath(os.fspath(path)))
   examples, problems = [], []
-  for line_number, raw in enumerate(lines, start=1):
-    problem, pair = _line_problem(raw, folder)
+  for line_number, problem, pair in _pair_lines(path):
     if problem is None:
       image_path, text = pair
       try:
@@ -129,3 +134,21 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -
   if problems:
     raise ImageTextFormatError(path, problems)
   return examples
+
+
+def read_pair_texts(path) -> list[str]:
+  """The text side of each ``image_path<TAB>text`` line, in file order, the images not opened: what a
+  language model pretrains on before it reads the images (the VLM task's LM for a user's pairs).
+
+  Raises ImageTextFormatError for the file and line problems `read_image_text_pairs` names, except a
+  missing or unreadable image.
+  """
+  texts, problems = [], []
+  for line_number, problem, pair in _pair_lines(path):
+    if problem is None:
+      texts.append(pair[1])
+    else:
+      problems.append((line_number, problem))
+  if problems:
+    raise ImageTextFormatError(path, problems)
+  return texts

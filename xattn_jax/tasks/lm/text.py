@@ -3,6 +3,10 @@
 Config (see configs/lm_text.py):
   data.train_file     "" = the bundled corpus (data.corpus.default_corpus: CLDR text and number words),
                       else a UTF-8 file, one document per line (errors name file:line)
+  data.file_format    (optional) how those files become documents (FILE_FORMATS): "lines" (the default), or
+                      "image_text": the text of each `image_path<TAB>text` line after the image's marker,
+                      "<image> text" (data.image_text; images not opened), the LM a VLM reads a user's
+                      pairs with (configs/vlm_lm.py:text=pairs)
   data.source         (optional) a name in GENERATED_CORPORA instead of either: a generated corpus, e.g.
                       "vlm_digits" (data.vlm_digits.lm_corpus: data.num_train_documents texts of
                       "train" and data.num_eval_documents of "test" examples with up to data.max_digits
@@ -46,7 +50,7 @@ from absl import logging
 from flax import nnx
 
 from xattn_jax import decoding
-from xattn_jax.data import batching, corpus, splits, text, tokenizers, vlm_digits
+from xattn_jax.data import batching, corpus, files, image_text, splits, text, tokenizers, vlm_digits
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.tasks import decoding_config
@@ -60,21 +64,30 @@ GENERATED_CORPORA = {
                                                     max_digits=data.max_digits,
                                                     describe_images=data.get("describe_images", False)),
 }
+# data.file_format -> the documents of a data.train_file / data.eval_file (errors: files.LineFileError).
+FILE_FORMATS = {
+    "lines": text.read_documents,
+    "image_text": lambda path: [f"{vlm_digits.IMAGE_TOKEN} {line}" for line in image_text.read_pair_texts(path)],
+}
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
 
 
-def _read(field: str, path: str) -> list[str]:
+def _file_format(data) -> str:
+  return data.get("file_format", "lines")
+
+
+def _read(field: str, path: str, file_format: str) -> list[str]:
   validation.require_file(field, path)
   try:
-    return _read_cached(path, os.stat(path).st_mtime_ns)
-  except text.TextFormatError as error:
+    return _read_cached(path, os.stat(path).st_mtime_ns, file_format)
+  except files.LineFileError as error:
     raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
 
 @functools.lru_cache(maxsize=2)
-def _read_cached(path: str, mtime_ns: int) -> list[str]:
+def _read_cached(path: str, mtime_ns: int, file_format: str) -> list[str]:
   del mtime_ns  # part of the cache key only
-  return text.read_documents(path)
+  return FILE_FORMATS[file_format](path)
 
 
 def validate_model(config) -> None:
@@ -154,10 +167,15 @@ class LanguageModelTask(task_lib.Task):
       validation.require_positive(config, "data.num_train_documents", "data.num_eval_documents", "data.max_digits")
       if data.max_digits > vlm_digits.MAX_DIGITS:
         raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
+    if "file_format" in data:
+      validation.require_choice(config, "data.file_format", FILE_FORMATS)
+      if data.file_format != "lines" and mode == "train" and not data.train_file:
+        raise validation.ConfigError("data.train_file", data.train_file, f"data.file_format={data.file_format!r} "
+                                     "reads the documents from a file: name one")
     if mode == "train" and data.train_file:
-      _read("data.train_file", data.train_file)
+      _read("data.train_file", data.train_file, _file_format(data))
     if mode != "infer" and data.eval_file:
-      _read("data.eval_file", data.eval_file)
+      _read("data.eval_file", data.eval_file, _file_format(data))
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
@@ -191,13 +209,13 @@ class LanguageModelTask(task_lib.Task):
       bundled = corpus.default_corpus(seed=data.corpus_seed)
       train, evaluation = list(bundled.train), list(bundled.eval)
     else:
-      train = _read("data.train_file", data.train_file) if self.mode == "train" else []
+      train = _read("data.train_file", data.train_file, _file_format(data)) if self.mode == "train" else []
       evaluation = []
       if not data.eval_file and self.mode == "train":
         train, evaluation = splits.split_by_key(train, lambda line: line, seed=data.corpus_seed,
                                                 eval_fraction=data.eval_fraction)
     if data.eval_file:
-      evaluation = _read("data.eval_file", data.eval_file)
+      evaluation = _read("data.eval_file", data.eval_file, _file_format(data))
     if data.num_eval_documents:
       evaluation = evaluation[:data.num_eval_documents]
     if not evaluation:

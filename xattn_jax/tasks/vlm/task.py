@@ -8,6 +8,10 @@ e.g. configs/vlm_lm.py, in `model.lm_workdir`; SentencePiece with IMAGE_TOKEN on
 in this run's workdir where they are and their model configs (FROZEN_RECORD) and copies the LM's tokenizer
 there: eval and infer read only this workdir (its checkpoints hold the frozen weights too).
 
+A user's pairs (data.source="tsv") come with their own LM: configs/vlm_tsv.py's model.lm_config
+(configs/vlm_lm.py:text=pairs) pretrains it on the text of data.train_file, so it can write the captions'
+words (`lm_config`); the digits' LM knows only the digits' 39 words.
+
 Data (`data.source`, SOURCES):
   digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
           data.num_train_examples "train" examples cycled as drawn, data.num_eval_examples "test" ones
@@ -188,17 +192,32 @@ class VLMTask(task_lib.Task):
     except files.LineFileError as error:
       raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
+  @staticmethod
+  def lm_config(config):
+    """The frozen LM's declared config: model.lm_config (a file spec), or, for a user's pairs and an LM
+    config that reads pairs but names no files (configs/vlm_lm.py:text=pairs), that config loaded with this
+    run's data.train_file / data.eval_file (absolute): the LM learns the words of the user's captions."""
+    if config.data.source != "tsv":
+      return config.model.lm_config
+    lm = dependencies_lib.load_config(config.model.lm_config, "model.lm_config")
+    if lm.data.get("file_format") != "image_text" or lm.data.train_file or lm.data.eval_file:
+      return config.model.lm_config
+    lm.data.train_file = os.path.abspath(config.data.train_file)
+    lm.data.eval_file = os.path.abspath(config.data.eval_file)
+    return lm
+
   @classmethod
   def dependencies(cls, config, workdir):
     """The frozen encoder and LM runs: those recorded in this run's workdir, else the configured ones."""
     record = _read_record(workdir)
+    lm_config = cls.lm_config(config)
     return [
         task_lib.Dependency(workdir=record["encoder_workdir"] if record else config.model.encoder_workdir,
                             config=config.model.encoder_config, workdir_field="model.encoder_workdir",
                             config_field="model.encoder_config"),
         task_lib.Dependency(workdir=record["lm_workdir"] if record else config.model.lm_workdir,
-                            config=config.model.lm_config, workdir_field="model.lm_workdir",
-                            config_field="model.lm_config"),
+                            config=lm_config, workdir_field="model.lm_workdir",
+                            config_field="model.lm_config" if isinstance(lm_config, str) else ""),
     ]
 
   # --- setup ------------------------------------------------------------------------------------
