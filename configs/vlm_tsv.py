@@ -21,6 +21,7 @@ def get_config(arg=None):
                           latents=0, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm")
   config = vlm_config(args)
   config.model.lm_config = "configs/vlm_lm.py:text=pairs"  # the VLM task names the pairs files there
+  config.task.decoding.max_new_tokens = 32  # infer's limit (eval generates as long as its longest caption)
   config.data.source = "tsv"
   config.data.train_file = ""   # required: --config.data.train_file=pairs.tsv
   config.data.eval_file = ""    # required: --config.data.eval_file=...

@@ -193,6 +193,25 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   assert error.value.field == "model.lm_workdir" and not (tmp_path / "vlm2").exists()
 
 
+def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_path):
+  """Eval generated at most task.decoding.max_new_tokens (8): a user's 12-word caption could never match."""
+  chain = tiny_chain()
+  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
+  long_caption = " ".join(["seven", "two"] * 6)
+  (tmp_path / "train.tsv").write_text("ok.png\tseven\n")
+  (tmp_path / "eval.tsv").write_text(f"ok.png\tseven\nok.png\t{long_caption}\n")
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
+               "task.decoding.max_new_tokens": 8}
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  limits = []
+  task.generate = lambda model, requests, max_new_tokens=None: limits.append(max_new_tokens) or [""] * len(requests)
+  task.extra_eval(None)
+  assert limits == [len(task.tokenizer.encode(long_caption)) + 1] and limits[0] > 8
+
+
 def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
   """The pairs were cycled in file order, so a file sorted by subject made one-subject batches."""
   chain = tiny_chain()

@@ -26,8 +26,9 @@ SentencePiece ids (segments encoded one by one give the ids of the LM's pretrain
 `slots_per_image` SOFT_TOKEN slots (the connector's soft tokens; none for flamingo) and then the IMAGE_TOKEN
 marker. The loss is on the target segments only: each target token, and after a target the token that ends
 it (EOS, the next image's marker, or the next text's first token). Eval generates every target in turn from
-the prefix before it (earlier targets given), up to task.decoding.max_new_tokens, cut at the token that ends
-it (or EOS, or a marker).
+the prefix before it (earlier targets given), cut at the token that ends it (or EOS, or a marker), up to
+`eval_new_tokens`: the longest eval target's tokens + 1, at least task.decoding.max_new_tokens, so no reference
+is cut short by the limit. Infer generates up to task.decoding.max_new_tokens.
 
 Metrics, logged as eval/<name>:
   loss, token_accuracy    cross-entropy / argmax accuracy per target token (the end token included)
@@ -253,6 +254,9 @@ class VLMTask(task_lib.Task):
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
     prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
+    longest = max((len(self.tokenizer.encode(reference)) for layout in self.eval_layouts
+                   for _, _, reference in layout.targets), default=0)
+    self.eval_new_tokens = max(self.max_new_tokens, longest + 1)  # a reference's tokens and the one that ends it
     self.prompt_length = -(-max(prompts, default=8) // 8) * 8
     logging.info("VLM %s: %d train / %d eval examples, rows of %d tokens", config.model.connector,
                  len(self.train_examples), len(self.eval_examples), self.length)
@@ -421,10 +425,10 @@ class VLMTask(task_lib.Task):
 
   @functools.cached_property
   def _generate(self):
-    options, max_new = self.options, self.max_new_tokens
-    return nnx.jit(lambda model, images, pixel_valid, image_valid, prompt, valid, keys: model.generate(
+    options = self.options
+    return nnx.jit(lambda model, images, pixel_valid, image_valid, prompt, valid, keys, max_new: model.generate(
         images, pixel_valid, image_valid, prompt, valid, max_length=max_new, eos_id=tokenizers.EOS_ID,
-        options=options, rng=keys)[0])
+        options=options, rng=keys)[0], static_argnames="max_new")
 
   def _cut(self, row, stop: int) -> str:
     """The generated ids up to the token that ends a target (or EOS, a marker, an invalid id), as text."""
@@ -435,8 +439,9 @@ class VLMTask(task_lib.Task):
       kept.append(token)
     return _normalise(self.tokenizer.decode(kept))
 
-  def generate(self, model, requests) -> list[str]:
-    """requests: (images, prompt ids, end token id) each -> the generated text of each, in order."""
+  def generate(self, model, requests, max_new_tokens: int | None = None) -> list[str]:
+    """requests: (images, prompt ids, end token id) each -> the generated text of each, in order, at most
+    max_new_tokens tokens (default task.decoding.max_new_tokens) before the end token."""
     size = self.config.eval_batch_size
     outputs = []
     for start in range(0, len(requests), size):
@@ -447,7 +452,7 @@ class VLMTask(task_lib.Task):
       images = vlm_digits.collate_images([im for im, _, _ in padded], canvas=self.canvas, max_images=MAX_IMAGES)
       keys = decoding_config.row_keys(self.config, size, offset=start)
       generated = np.asarray(self._generate(model, images["images"], images["pixel_valid"], images["image_valid"],
-                                            tokens, valid, keys))
+                                            tokens, valid, keys, max_new=max_new_tokens or self.max_new_tokens))
       outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(generated, chunk)]
     return outputs
 
@@ -460,7 +465,7 @@ class VLMTask(task_lib.Task):
         groups.append((example.kind, example.num_digits))
     if not requests:
       return {}
-    hypotheses = self.generate(model, requests)
+    hypotheses = self.generate(model, requests, self.eval_new_tokens)
     correct = np.array([h == r for h, r in zip(hypotheses, references)], float)
     import sacrebleu  # imported here: only evaluation needs it
     metrics = {"exact_match": float(correct.mean()),
