@@ -80,13 +80,24 @@ def vlm_config(args) -> ConfigDict:
 # Each connector's steps when the config names none: about 10 minutes of training on 2 CPU cores. llava hands
 # the LM 16 soft tokens a digit and the Q-Former 33 an image, so their steps cost about 3x and 2x flamingo's.
 DEFAULT_STEPS = {"flamingo": 7000, "qformer": 6000, "llava": 3500}
+# Each connector's peak learning rate when the config names none. llava's projector is a per-patch MLP of
+# ~29k parameters and learns fastest at the highest of these (experiments/results/amd_epyc_avx512/llava_lr.md).
+DEFAULT_LR = {"flamingo": 3e-3, "qformer": 3e-3, "llava": 1e-2}
+
+
+def connector_defaults(args) -> None:
+  """args.steps / args.lr of 0: the connector's DEFAULT_STEPS / DEFAULT_LR (at scale 1; larger images cost
+  more a step). An unknown connector gets the smallest, and validation names model.connector."""
+  if not args.steps:
+    args.steps = DEFAULT_STEPS.get(args.connector, min(DEFAULT_STEPS.values()))
+  if not args.lr:
+    args.lr = DEFAULT_LR.get(args.connector, min(DEFAULT_LR.values()))
 
 
 def get_config(arg=None):
-  # steps=0: the connector's DEFAULT_STEPS (at scale 1; larger images cost more a step)
-  args = common.parse_arg(arg, steps=0, lr=3e-3, connector="flamingo", positions="sequence", merge=1, queries=32,
+  # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR
+  args = common.parse_arg(arg, steps=0, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm")
-  if not args.steps:  # an unknown connector gets the smallest budget, and validation names model.connector
-    args.steps = DEFAULT_STEPS.get(args.connector, min(DEFAULT_STEPS.values()))
+  connector_defaults(args)
   return vlm_config(args)

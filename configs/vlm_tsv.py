@@ -13,12 +13,13 @@ digits' one of configs/vlm_digits.py (trained on digit strips: your images are r
 from __future__ import annotations
 
 from configs import common
-from configs.vlm_digits import vlm_config
+from configs.vlm_digits import connector_defaults, vlm_config
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1000, lr=3e-3, connector="llava", positions="sequence", merge=1, queries=32,
+  args = common.parse_arg(arg, steps=1000, lr=0.0, connector="llava", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm")
+  connector_defaults(args)  # lr=0: the connector's DEFAULT_LR
   config = vlm_config(args)
   config.model.lm_config = "configs/vlm_lm.py:text=pairs"  # the VLM task names the pairs files there
   config.task.decoding.max_new_tokens = 32  # infer's limit (eval generates as long as its longest caption)

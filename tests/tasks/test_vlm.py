@@ -63,12 +63,16 @@ def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field
 
 
-def test_each_connector_trains_its_own_default_steps_unless_the_config_names_them():
-  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm.CONNECTORS)
+def test_each_connector_trains_its_own_default_steps_and_learning_rate_unless_the_config_names_them():
+  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS)
   for connector, steps in vlm_digits_config.DEFAULT_STEPS.items():
     loaded = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}")
     assert (loaded.total_steps, loaded.eval_every_steps, loaded.checkpoint.every_steps) == (steps,) * 3
-  assert helpers.load_config("--config=configs/vlm_digits.py:connector=qformer,steps=50").total_steps == 50
+    assert loaded.optimizer.learning_rate == vlm_digits_config.DEFAULT_LR[connector]
+    pairs = helpers.load_config(f"--config=configs/vlm_tsv.py:connector={connector}")
+    assert pairs.optimizer.learning_rate == vlm_digits_config.DEFAULT_LR[connector]
+  named = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,steps=50,lr=0.002")
+  assert (named.total_steps, named.optimizer.learning_rate) == (50, 0.002)
 
 
 def test_llava_takes_mrope_positions_and_merged_patches():
