@@ -78,3 +78,21 @@ def test_an_eval_result_row_records_the_fields_the_eval_changed(tmp_path):
   rows = [json.loads(line) for line in (tmp_path / "eval_results.jsonl").read_text().splitlines()]
   assert rows == [{"step": 8, "eval/loss": 1.5, "changed": {}},
                   {"step": 8, "eval/loss": 1.25, "changed": {"eval_batch_size": 4}}]
+
+
+@pytest.mark.parametrize("config_file", ["qformer_digits", "vlm_digits"])
+def test_eval_and_infer_may_name_other_dependency_workdirs_training_may_not(tmp_path, config_file):
+  # eval / infer read the frozen parts from the run's checkpoint and record, never from these fields
+  module = __import__(f"configs.{config_file}", fromlist=["get_config"])
+  workdir.write_config(module.get_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  moved = module.get_config()
+  fields = ["model.encoder_workdir"] + (["model.lm_workdir"] if config_file == "vlm_digits" else [])
+  moved.update_from_flattened_dict({field: f"/elsewhere/{field}" for field in fields})
+  for mode in ("eval", "infer"):
+    workdir.check_same_model(moved, str(tmp_path), mode=mode)
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.encoder_workdir='/elsewhere"):
+    workdir.check_same_model(moved, str(tmp_path))
+  moved.model.num_heads += 1  # the model itself still may not change
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.num_heads"):
+    workdir.check_same_model(moved, str(tmp_path), mode="infer")

@@ -10,6 +10,7 @@ import json
 import os
 
 from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import task as task_lib
 from xattn_jax.training import validation
 
 
@@ -53,14 +54,19 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
   model, task and data sections (resuming on other data or another tokenizer is another experiment);
   eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
-  task.decoding, and evaluate other files)."""
+  task.decoding, and evaluate other files). Eval and infer take a dependency's frozen parameters from the
+  run's own checkpoint and record, so the fields naming where training found them (the task's
+  `Dependency.workdir_field`s) may differ."""
   if not checkpoints_lib.step_numbers(workdir):
     return  # no checkpoint yet (a run that failed before its first save): nothing to protect
+  unread = () if mode == "train" else {
+      dependency.workdir_field
+      for dependency in task_lib.get_task_class(config.task.name).dependencies(config, workdir)}
 
   def watched(field):
     if mode == "train":
       return True
-    return field.startswith("model.") or field in ("data.tokenizer", "data.vocab_size")
+    return (field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
 
   differences = config_differences(config, workdir)
   # The first difference reported: another task or model by name (a whole other kind of run: its
