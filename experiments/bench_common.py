@@ -6,6 +6,7 @@ writes to a fresh temporary directory instead, so a smoke run never replaces rec
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import statistics
@@ -39,6 +40,14 @@ def output_dir(args: argparse.Namespace, name: str) -> pathlib.Path:
   out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix=f"{name}_quick_") if args.quick else RESULTS))
   out.mkdir(parents=True, exist_ok=True)
   return out
+
+
+def write_results(out, stem: str, record, markdown: str) -> None:
+  """Writes out/<stem>.json (the record) and out/<stem>.md (the markdown), and says where."""
+  out = pathlib.Path(out)
+  (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+  (out / f"{stem}.md").write_text(markdown)
+  print(f"wrote {out / stem}.md and .json")
 
 
 def multi_step_call(step, state, batches, steps_per_call: int):

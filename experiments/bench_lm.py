@@ -30,7 +30,6 @@ Results: experiments/results/lm_benchmark.{md,json}.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
@@ -432,10 +431,7 @@ def main():
   meta["contention"] = contention.summary()
   markdown = render(results)
   print(markdown)
-  out = pathlib.Path(args.out)
-  (out / "lm_benchmark.md").write_text(markdown)
-  (out / "lm_benchmark.json").write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {out}/lm_benchmark.md")
+  bench_common.write_results(args.out, "lm_benchmark", results, markdown)
 
 
 def render(r) -> str:

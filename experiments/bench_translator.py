@@ -779,9 +779,7 @@ def main():
     results = keep_other_sections(out / "translator_benchmark.json", results, sections)
   markdown = render(results)
   print(markdown)
-  (out / "translator_benchmark.md").write_text(markdown)
-  (out / "translator_benchmark.json").write_text(json.dumps(results, indent=2) + "\n")
-  print(f"wrote {out}/translator_benchmark.md")
+  bench_common.write_results(out, "translator_benchmark", results, markdown)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import pathlib
 import sys
@@ -88,10 +87,8 @@ def main(argv=None):
     wrong = [row for row in rows if row[2] != row[3]]
     record["runs"].append({"workdir": os.path.abspath(workdir), "connector": connector, "table": table(rows),
                            "wrong": wrong[:args.wrong]})
-  out = pathlib.Path(args.out)
-  (out / "vlm_errors.json").write_text(json.dumps(record, indent=1))
-  (out / "vlm_errors.md").write_text(render(record))
   print(render(record))
+  bench_common.write_results(args.out, "vlm_errors", record, render(record))
 
 
 if __name__ == "__main__":

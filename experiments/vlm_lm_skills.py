@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import pathlib
 import sys
@@ -110,10 +109,8 @@ def main(argv=None):
             "runs": [{"lm": os.path.abspath(lm), "lm_steps": config.total_steps,
                       "describe_images": bool(config.data.get("describe_images", False)),
                       "scores": score(lm, examples)} for lm, config in zip(args.lm, configs)]}
-  out = pathlib.Path(args.out)
-  (out / "vlm_lm_skills.json").write_text(json.dumps(record, indent=1))
-  (out / "vlm_lm_skills.md").write_text(render(record))
   print(render(record))
+  bench_common.write_results(args.out, "vlm_lm_skills", record, render(record))
 
 
 if __name__ == "__main__":
