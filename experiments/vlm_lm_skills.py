@@ -13,7 +13,7 @@ Earlier targets stay in the prompt as references (the "larger" question follows 
 answers it in either form). A caption
 has no question, so from text alone the LM cannot tell that one is asked: it may start a question instead.
 Writes vlm_lm_skills.{md,json} (per LM run, its path and steps, exact match per kind and per digit count; commit,
-date, load and command) under --out (default experiments/results).
+date, load and command; and, described, each kind at each digit count) under --out (default experiments/results).
 """
 from __future__ import annotations
 
@@ -49,13 +49,15 @@ def score(lm_workdir: str, examples, batch_size: int = 64) -> dict:
     for start in range(0, len(pairs), batch_size):
       outputs += task.infer(model, [prompt for prompt, _ in pairs[start:start + batch_size]])
     hits = [output[len(prompt):].strip() == answer for (prompt, answer), output in zip(pairs, outputs)]
-    by_kind, by_digits = collections.defaultdict(list), collections.defaultdict(list)
+    by_kind, by_digits, by_both = (collections.defaultdict(list) for _ in range(3))
     for example, hit in zip(examples, hits):
       by_kind[example.kind].append(hit)
       by_digits[example.num_digits].append(hit)
+      by_both[f"{example.kind}/{example.num_digits}"].append(hit)
     mean = lambda values: sum(values) / len(values)
     result[form] = {"overall": mean(hits), "kind": {k: mean(v) for k, v in sorted(by_kind.items())},
-                    "digits": {str(k): mean(v) for k, v in sorted(by_digits.items())}}
+                    "digits": {str(k): mean(v) for k, v in sorted(by_digits.items())},
+                    "kind_digits": {k: [sum(v), len(v)] for k, v in sorted(by_both.items())}}
   return result
 
 
@@ -77,6 +79,14 @@ def render(record: dict) -> str:
       lines.append(f"| `{run['lm']}` ({run['lm_steps']} steps) | {run['describe_images']} | {form} | "
                    f"{s['overall']:.3f} | " + " | ".join(f"{s['kind'][k]:.2f}" for k in kinds) + " | "
                    + " | ".join(f"{s['digits'][d]:.2f}" for d in digits) + " |")
+  lines += ["", "Each kind at each digit count, image described (right / examples):", "",
+            "| LM run | " + " | ".join(f"k={d}" for d in digits) + " |",
+            "| --- | " + " | ".join("---" for _ in digits) + " |"]
+  for run in runs:
+    cells = run["scores"]["described"]["kind_digits"]
+    for kind in kinds:
+      lines.append(f"| `{run['lm']}` {kind} | " + " | ".join(
+          "{} / {}".format(*cells[f"{kind}/{d}"]) if f"{kind}/{d}" in cells else "" for d in digits) + " |")
   lines += ["", "marker only: the text as a connector's LM sees it, no image; described: each image's digits as "
             "words before its marker. A caption has no question, so the LM may start one instead. The \"larger\" "
             "question follows both reference captions, so text alone answers it in either form."]

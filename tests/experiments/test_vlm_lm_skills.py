@@ -36,3 +36,10 @@ def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
     overall = sum(scores["kind"][k] * n for k, n in weights.items()) / len(examples)
     assert scores["overall"] == pytest.approx(overall)
   assert "| described |" in (tmp_path / "vlm_lm_skills.md").read_text()
+  for form in vlm_lm_skills.FORMS:  # each kind at each digit count: the examples, each counted once
+    cells = run["scores"][form]["kind_digits"]
+    assert sum(total for _, total in cells.values()) == len(examples)
+    assert {cell: total for cell, (_, total) in cells.items()} == {
+        f"{k}/{n}": sum(e.kind == k and e.num_digits == n for e in examples) for k, n in
+        {(e.kind, e.num_digits) for e in examples}}
+    assert sum(right for right, _ in cells.values()) == pytest.approx(run["scores"][form]["overall"] * len(examples))
