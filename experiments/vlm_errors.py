@@ -8,7 +8,8 @@ does (`VLMTask.extra_eval`: greedy, earlier targets given as references), and ea
 kind and the digit count of its largest image, so a run's "2 digits" can be read as which questions it misses
 there (the two-image "larger" questions are counted at their larger image). Writes vlm_errors.{md,json} under
 --out (default experiments/results): the kind x digits table of every run, each cell "right / targets", and up
-to --wrong wrong answers per run.
+to --wrong wrong answers per run. --eval_examples N answers N bundled test examples instead of the run's eval
+set (its first examples are the same), for cells large enough to compare.
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
-def answers(workdir: str):
-  """(connector, [(kind, digits, reference, answer)]) of the run's eval targets, in eval order."""
+def answers(workdir: str, eval_examples: int = 0):
+  """(connector, [(kind, digits, reference, answer)]) of the run's eval targets, in eval order; with
+  eval_examples, that many bundled test examples instead of the run's data.num_eval_examples."""
   from xattn_jax.tasks.vlm import task as vlm_task
   from xattn_jax.training import inference
-  model, task = inference.load_model(workdir, mode="eval")
+  overrides = {"data.num_eval_examples": eval_examples} if eval_examples else None
+  model, task = inference.load_model(workdir, mode="eval", overrides=overrides)
   requests, rows = [], []
   for example, layout in zip(task.eval_examples, task.eval_layouts):
     for prefix, stop, reference in layout.targets:
@@ -75,6 +78,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", action="append", required=True, help="a finished configs/vlm_digits.py run")
   parser.add_argument("--wrong", type=int, default=20, help="wrong answers listed per run")
+  parser.add_argument("--eval_examples", type=int, default=0, help="bundled test examples to answer (0: the "
+                      "run's data.num_eval_examples; its first N are the same examples)")
   from experiments import bench_common
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "vlm_errors", argv)
@@ -83,7 +88,7 @@ def main(argv=None):
       parser.error(f"--workdir {workdir}: holds no finished VLM run")
   record = {"provenance": bench_common.provenance(argv), "runs": []}
   for workdir in args.workdir:
-    connector, rows = answers(workdir)
+    connector, rows = answers(workdir, args.eval_examples)
     wrong = [row for row in rows if row[2] != row[3]]
     record["runs"].append({"workdir": os.path.abspath(workdir), "connector": connector, "table": table(rows),
                            "wrong": wrong[:args.wrong]})

@@ -27,3 +27,11 @@ def test_a_trained_runs_cells_add_up_to_its_own_eval_exact_match(tmp_path):
   assert len(record["wrong"]) == min(3, targets - right)
   assert all(reference != answer for _, _, reference, answer in record["wrong"])
   assert "| count |" in (tmp_path / "vlm_errors.md").read_text()
+
+
+@pytest.mark.slow
+def test_more_eval_examples_than_the_run_evaluated_are_answered_on_request(tmp_path):
+  run = tiny_chain() / "vlm"  # evaluated on 16 count questions, one target each
+  vlm_errors.main(["--workdir", str(run), "--out", str(tmp_path), "--eval_examples", "40"])
+  [record] = json.loads((tmp_path / "vlm_errors.json").read_text())["runs"]
+  assert sum(cell[1] for by in record["table"].values() for cell in by.values()) == 40

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from xattn_jax.training import inference, task as task_lib
+from xattn_jax.training import inference, task as task_lib, validation
 from xattn_jax.training.errors import DataError, RunError
 
 
@@ -58,3 +58,14 @@ def test_load_model_of_a_directory_that_is_no_run_says_so(tmp_path):
 def test_load_model_names_a_mode_it_cannot_load_in(tmp_path):
   with pytest.raises(ValueError, match="mode must be 'infer' or 'eval', got mode='train'"):
     inference.load_model(str(tmp_path), mode="train")
+
+
+def test_load_model_takes_eval_overrides_and_refuses_a_model_change_or_an_unknown_field(trained_translator):
+  model, task = inference.load_model(str(trained_translator), mode="eval",
+                                     overrides={"task.decoding.method": "beam", "data.eval_fraction": 0.5})
+  assert task.config.task.decoding.method == "beam" and task.config.data.eval_fraction == 0.5
+  with pytest.raises(validation.ConfigError,
+                     match=r"^config\.model\.decoder\.d_model=1024: the run in .* was made with"):
+    inference.load_model(str(trained_translator), mode="eval", overrides={"model.decoder.d_model": 1024})
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.no_such_field=3: is not a field of the run"):
+    inference.load_model(str(trained_translator), overrides={"data.no_such_field": 3})

@@ -14,7 +14,7 @@ import sys
 import jax
 
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import task as task_lib, validation
+from xattn_jax.training import task as task_lib, validation, workdir as workdir_lib
 from xattn_jax.training.errors import DataError, RunError
 from xattn_jax.training.trainer import Trainer
 
@@ -68,7 +68,7 @@ def infer(trainer: Trainer, state, input_file: str, output=None) -> list[str]:
   return outputs
 
 
-def load_model(workdir: str, mode: str = "infer"):
+def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None):
   """(model, task) of the newest checkpoint of a run, for notebooks and scripts:
 
       model, task = loop.load_model("workdirs/dates")
@@ -76,7 +76,9 @@ def load_model(workdir: str, mode: str = "infer"):
 
   The run's resolved config (`<workdir>/config.py`) rebuilds the task in `mode`: "infer" reads the
   workdir's tokenizer, not the training data; "eval" reads the eval data too (the task's eval examples).
-  The model is `task.config`'s, restored in place.
+  `overrides` ({dotted field: value}) changes that config first, as `--config.a.b=V` does for
+  `launch.py --mode=eval`, e.g. {"data.num_eval_examples": 2000}; a change to the model is refused
+  (ConfigError naming the field). The model is `task.config`'s, restored in place.
   """
   if mode not in ("infer", "eval"):
     raise ValueError(f"load_model: mode must be 'infer' or 'eval', got mode={mode!r}")
@@ -84,6 +86,14 @@ def load_model(workdir: str, mode: str = "infer"):
   if not os.path.isfile(path):
     raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")
   config = validation.load_config_file(path)
+  if overrides:
+    for field, value in overrides.items():
+      try:
+        validation._get(config, field)
+      except (KeyError, TypeError):
+        raise validation.ConfigError(field, value, f"is not a field of the run's config ({path})") from None
+    config.update_from_flattened_dict(dict(overrides))
+    workdir_lib.check_same_model(config, workdir, mode)
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count())
   trainer = Trainer(config, workdir, mode)
