@@ -107,6 +107,57 @@ def interleaved_median_seconds(fns: dict, repeats: int, warmup: int = 3) -> dict
   return blocked_median_seconds(fns, blocks=repeats, per_block=1, warmup=warmup, drop_first=False)
 
 
+# --- the machine's limit for a piece of work (a roofline: FLOPs at the matmul rate, bytes at the copy bandwidth)
+
+MATMUL_FLOPS, COPY_MEGABYTES = 2 * 2048 ** 3, 256
+
+
+def _matmul_2048():
+  """A function running one float32 2048^3 matmul (MATMUL_FLOPS) to completion."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  return lambda: matmul(a, a).block_until_ready()
+
+
+def machine_rate_probes(runs: int = 1) -> dict:
+  """{name: fn} timing this machine's rates, each fn `runs` times over: the 2048^3 matmul and copies of a
+  COPY_MEGABYTES float32 array by numpy and by a jitted JAX op; `machine_rates` turns their times into rates.
+  Time them in the same interleaved rounds as the work they bound: the machine's speed drifts."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  n = COPY_MEGABYTES * 2 ** 20 // 4
+  source, target, x = np.ones(n, np.float32), np.empty(n, np.float32), jnp.ones(n, jnp.float32)
+  copy = jax.jit(lambda x: x + 1.0)
+  probes = {"rate_matmul_2048": _matmul_2048(),
+            "rate_copy_numpy": lambda: np.copyto(target, source),
+            "rate_copy_jax": lambda: copy(x).block_until_ready()}
+  return {name: (lambda f=f: [f() for _ in range(runs)]) for name, f in probes.items()}
+
+
+def machine_rates(seconds: dict, runs: int = 1) -> tuple[float, float]:
+  """(matmul FLOP/s, copy bandwidth in bytes read + written per second: the faster copy) from the median
+  seconds of `machine_rate_probes(runs)`."""
+  copy_bytes = 2 * COPY_MEGABYTES * 2 ** 20
+  return (MATMUL_FLOPS * runs / seconds["rate_matmul_2048"],
+          copy_bytes * runs / min(seconds["rate_copy_numpy"], seconds["rate_copy_jax"]))
+
+
+def machine_limit_seconds(work, matmul_rate, bandwidth):
+  """The least time for `work` = (FLOPs run once, [(FLOPs, bytes) per step]) on this machine: each step takes
+  the larger of its FLOPs at the matmul rate and its bytes at the copy bandwidth (a roofline, perfect overlap
+  within a step)."""
+  once, steps = work
+  return once / matmul_rate + sum(max(flops / matmul_rate, moved / bandwidth) for flops, moved in steps)
+
+
+def matmul_flops_per_second(repeats):
+  return MATMUL_FLOPS / median_seconds(_matmul_2048(), max(repeats, 5))
+
+
 def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
   """(args, sizes, cores) for a script comparing JAX with torch: --quick / --out parsed, the sizes it
   picks, and torch given as many threads as XLA's CPU backend uses (every core this process may use)."""

@@ -22,6 +22,8 @@ into the torch one (the script checks their logits agree before it times anythin
       values written per token into preallocated [batch, heads, capacity, head_dim] buffers,
       F.scaled_dot_product_attention over the filled rows, logits for the last position), eager, and
       under torch.compile (dynamic shapes) where that works on this machine (a failure is recorded).
+      Beside them, this machine's limit for the decode's work (decode_work: FLOPs at the 2048^3 matmul
+      rate, bytes at the copy bandwidth, both timed in the same rounds) and the share of it each reaches.
 
 Results: experiments/results/lm_benchmark.{md,json}.
 
@@ -130,6 +132,22 @@ def jax_decoders(model, s):
 
 
 # --- torch side ---------------------------------------------------------------------------------
+
+def decode_work(s):
+  """FLOPs and bytes the greedy decode after the prefill must move at the least: (0, [(FLOPs, bytes) per
+  step]). Each step runs batch rows through every layer (the q / k / v / out projections and the MLP, and
+  attention over the cached keys up to and including this token's) and the tied vocabulary projection; its
+  bytes are every weight read once, the filled cache read and this token's keys / values written, and the
+  logits written and read once (float32). Norms, biases and RoPE are left out (a few percent)."""
+  d, f, n, v, b = s["d_model"], s["mlp_dim"], s["num_layers"], s["vocab"], s["batch"]
+  layer_weights, steps = 4 * d * d + 2 * d * f, []
+  for t in range(s["new_tokens"]):
+    keys = s["prompt"] + t + 1
+    flops = 2 * b * (n * (layer_weights + 2 * keys * d) + d * v)
+    floats = n * layer_weights + v * d + b * n * (2 * keys * d + 2 * d) + 2 * b * v
+    steps.append((flops, 4 * floats))
+  return 0, steps
+
 
 def rope_tables(head_dim, positions):
   """cos, sin [len(positions), head_dim / 2] of RoPE base 10000, as ops.positions.rope_angles."""
@@ -399,8 +417,14 @@ def main():
       decodes[f"{name}_1thread"] = on_threads(1, decodes[name])
   print(compile_note, flush=True)
   timed = {**{f"prefill_{k}": f for k, f in prefills.items()}, **{f"decode_{k}": f for k, f in decodes.items()}}
-  infer_seconds = blocked_median_seconds(timed, blocks=s["decode_rounds"], per_block=1, warmup=1, drop_first=False)
-  print(f"inference seconds: {infer_seconds}", flush=True)
+  # The machine's matmul rate and copy bandwidth (the decode limit's denominators) timed in the same rounds.
+  probe_runs = 5
+  probes = bench_common.machine_rate_probes(probe_runs)
+  infer_seconds = blocked_median_seconds({**timed, **probes}, blocks=s["decode_rounds"], per_block=1, warmup=1,
+                                         drop_first=False)
+  matmul_rate, bandwidth = bench_common.machine_rates({name: infer_seconds.pop(name) for name in probes}, probe_runs)
+  limit = bench_common.machine_limit_seconds(decode_work(s), matmul_rate, bandwidth)
+  print(f"inference seconds: {infer_seconds}; decode limit {limit:.3f} s", flush=True)
   same_tokens = {name: float((tokens_out[name] == tokens_out["jax"]).mean()) for name in tokens_out}
 
   train_tokens = s["batch"] * s["length"]
@@ -417,6 +441,11 @@ def main():
       "decode": {name[7:]: {"seconds": t, "new_tokens_per_s": s["batch"] * s["new_tokens"] / t}
                  for name, t in infer_seconds.items() if name.startswith("decode_")},
       "decode_tokens_equal_to_jax": same_tokens, "torch_compile_note": compile_note,
+      "decode_limit": {"step_flops": sum(f for f, _ in decode_work(s)[1]),
+                       "step_bytes": sum(b for _, b in decode_work(s)[1]), "matmul_2048_flops_per_s": matmul_rate,
+                       "copy_bytes_per_s": bandwidth, "limit_s": limit,
+                       "fraction_of_limit": {name[7:]: limit / t for name, t in infer_seconds.items()
+                                             if name.startswith("decode_")}},
   }
   results["summary"] = {
       "training_vs_torch_fused_at_default_steps_per_call": best_fused / step_seconds["jax_multi"],
@@ -492,6 +521,17 @@ def render(r) -> str:
                      f"{d[name]['new_tokens_per_s']:.0f}", f"{sm['torch_eager_decode_best_s'] / d[name]['seconds']:.2f}x",
                      f"{sm['torch_eager_prefill_best_s'] / p[name]['seconds']:.2f}x",
                      f"{r['decode_tokens_equal_to_jax'].get(name.replace('_1thread', ''), float('nan')):.3f}"))
+  if "decode_limit" in r:
+    lim = r["decode_limit"]
+    fractions = lim["fraction_of_limit"]
+    lines += ["", f"This machine's limit for the decode: {lim['limit_s']:.3f} s ({lim['step_flops'] / 1e9:.0f} GFLOP at "
+              f"the 2048^3 matmul's {lim['matmul_2048_flops_per_s'] / 1e9:.0f} GFLOP/s, {lim['step_bytes'] / 1e9:.1f} GB "
+              f"at the copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s, each step the larger; both rates timed "
+              "in the same rounds). Share of it reached: " + ", ".join(
+                  f"{short} {fractions[name]:.2f}" for name, short in (
+                      ("jax", "JAX"), ("torch_eager", f"torch eager {m['torch_threads']} threads"),
+                      ("torch_eager_1thread", "torch eager 1 thread"), ("torch_compile", "torch.compile"))
+                  if name in fractions) + "."]
   compile_ratio = r["summary"]["decode_vs_torch_compile"]
   lines += ["", f"Target: decode >= 1.5x torch eager's cached decoder: **{r['summary']['decode_vs_torch_eager']:.2f}x**"
             + (f"; vs torch.compile {compile_ratio:.2f}x." if compile_ratio else "."),

@@ -45,8 +45,9 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from configs import common  # noqa: E402
-from bench_common import (HostContention, interleaved_median_seconds, median_seconds,  # noqa: E402
-                          multi_step_call, parse_jax_vs_torch_args_with, run_record)
+from bench_common import (HostContention, interleaved_median_seconds, machine_limit_seconds,  # noqa: E402
+                          machine_rate_probes, machine_rates, matmul_flops_per_second,
+                          multi_step_call, parse_jax_vs_torch_args_with, run_record, write_results)
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 from xattn_jax.training import trainer as trainer_lib  # noqa: E402
@@ -163,39 +164,6 @@ def decode_functions(model, s):
           for name, f in (("greedy", greedy), ("greedy_reprojecting", greedy_reprojecting), ("beam", beam))}
 
 
-MATMUL_FLOPS, COPY_MEGABYTES = 2 * 2048 ** 3, 256
-
-
-def _matmul_2048():
-  """A function running one float32 2048^3 matmul (MATMUL_FLOPS) to completion."""
-  a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048)), jnp.float32)
-  matmul = jax.jit(lambda x, y: x @ y)
-  return lambda: matmul(a, a).block_until_ready()
-
-
-def machine_rate_probes() -> dict:
-  """{name: fn} timing this machine's rates: the 2048^3 matmul and copies of a COPY_MEGABYTES float32
-  array by numpy and by a jitted JAX op; `machine_rates` turns their times into rates."""
-  n = COPY_MEGABYTES * 2 ** 20 // 4
-  source, target, x = np.ones(n, np.float32), np.empty(n, np.float32), jnp.ones(n, jnp.float32)
-  copy = jax.jit(lambda x: x + 1.0)
-  return {"rate_matmul_2048": _matmul_2048(),
-          "rate_copy_numpy": lambda: np.copyto(target, source),
-          "rate_copy_jax": lambda: copy(x).block_until_ready()}
-
-
-def machine_rates(seconds: dict) -> tuple[float, float]:
-  """(matmul FLOP/s, copy bandwidth in bytes read + written per second: the faster copy) from the median
-  seconds of `machine_rate_probes`."""
-  copy_bytes = 2 * COPY_MEGABYTES * 2 ** 20
-  return (MATMUL_FLOPS / seconds["rate_matmul_2048"],
-          copy_bytes / min(seconds["rate_copy_numpy"], seconds["rate_copy_jax"]))
-
-
-def matmul_flops_per_second(repeats):
-  return MATMUL_FLOPS / median_seconds(_matmul_2048(), max(repeats, 5))
-
-
 def greedy_work(s):
   """FLOPs and bytes greedy decoding must move at the least: (encode FLOPs, [(FLOPs, bytes) per step]).
 
@@ -214,13 +182,6 @@ def greedy_work(s):
     floats = n * layer_weights + v * d + b * n * (2 * keys * d + 2 * src * d + 2 * d) + 2 * b * v
     steps.append((flops, 4 * floats))
   return encode, steps
-
-
-def machine_limit_seconds(work, matmul_rate, bandwidth):
-  """The least time for `work` on this machine: each step takes the larger of its FLOPs at the matmul
-  rate and its bytes at the copy bandwidth (a roofline, perfect overlap within a step)."""
-  encode, steps = work
-  return encode / matmul_rate + sum(max(flops / matmul_rate, moved / bandwidth) for flops, moved in steps)
 
 
 def training_flops(s):
@@ -537,9 +498,9 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
   # Interleaved: the machine's speed drifts by several percent over the minutes this takes, so its matmul
   # rate and copy bandwidth (the limit's denominators) are timed in the same rounds, several runs a round.
   runs = 5
-  probes = {name: (lambda f=f: [f() for _ in range(runs)]) for name, f in machine_rate_probes().items()}
+  probes = machine_rate_probes(runs)
   seconds = interleaved_median_seconds({**decoders, **probes}, repeats, warmup=1)
-  rates = machine_rates({name: seconds.pop(name) / runs for name in probes})
+  rates = machine_rates({name: seconds.pop(name) for name in probes}, runs)
   return dict(seconds, torch_greedy_rerun=rerun_seconds), compile_failure, rates
 
 
@@ -779,7 +740,7 @@ def main():
     results = keep_other_sections(out / "translator_benchmark.json", results, sections)
   markdown = render(results)
   print(markdown)
-  bench_common.write_results(out, "translator_benchmark", results, markdown)
+  write_results(out, "translator_benchmark", results, markdown)
 
 
 if __name__ == "__main__":

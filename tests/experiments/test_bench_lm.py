@@ -10,6 +10,7 @@ import torch
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPOSITORY / "experiments"))
 
+import bench_common  # noqa: E402
 import bench_lm  # noqa: E402
 
 SIZES = dict(bench_lm.QUICK, num_layers=2, new_tokens=6)
@@ -49,3 +50,15 @@ def test_jax_and_torch_cached_greedy_decodes_pick_the_same_tokens(models):
   torch_tokens = torch_decode(cache, last.argmax(-1)).numpy()
   assert jax_tokens.shape == (SIZES["batch"], SIZES["new_tokens"])
   np.testing.assert_array_equal(jax_tokens, torch_tokens)
+
+
+def test_the_decode_work_counts_weights_once_a_step_and_the_cache_as_it_fills():
+  s = dict(d_model=4, mlp_dim=8, num_layers=2, vocab=10, batch=3, prompt=5, new_tokens=2)
+  once, steps = bench_lm.decode_work(s)
+  layer = 4 * 4 * 4 + 2 * 4 * 8  # q, k, v, out and the MLP's two matrices
+  assert once == 0 and len(steps) == 2
+  for t, (flops, moved) in enumerate(steps):
+    keys = 5 + t + 1  # the prompt, the tokens decoded so far and this one
+    assert flops == 2 * 3 * (2 * (layer + 2 * keys * 4) + 4 * 10)
+    assert moved == 4 * (2 * layer + 10 * 4 + 3 * 2 * (2 * keys * 4 + 2 * 4) + 2 * 3 * 10)
+  assert bench_common.machine_limit_seconds((0, steps), 1.0, 1.0) == sum(max(f, b) for f, b in steps)
