@@ -48,6 +48,18 @@ from experiments import bench_common  # noqa: E402
 CONNECTORS = ("flamingo", "qformer", "llava")
 
 
+def other_test_set(workdir: str, eval_examples: int) -> str:
+  """Why a finished run in workdir cannot join a comparison on eval_examples test examples ("" if it can):
+  its final metrics were measured on another number of them."""
+  if not pathlib.Path(workdir, "wall_seconds.json").is_file():
+    return ""  # not finished: it trains with this comparison's config
+  evaluated = json.loads(pathlib.Path(workdir, "config.json").read_text())["data"]["num_eval_examples"]
+  if evaluated == eval_examples:
+    return ""
+  return (f"the finished run in {workdir} answered {evaluated} test examples, not {eval_examples}; use another "
+          "--workdirs")
+
+
 def _final_metrics(workdir: str) -> dict:
   rows = [json.loads(line) for line in pathlib.Path(workdir, "metrics.jsonl").read_text().splitlines()]
   merged = {}
@@ -194,6 +206,9 @@ def main(argv=None):
   parser.add_argument("--workdirs", default="workdirs/compare_connectors")
   parser.add_argument("--probe_steps", type=int, default=None,
                       help="steps of each probe (default: the most steps of a connector; the learned sum needs them)")
+  parser.add_argument("--eval_examples", type=int, default=0,
+                      help="test examples every run and the probes answer (0: configs/vlm_digits.py's 256; more make "
+                           "a gap of 0.03 larger than the sampling error)")
   parser.add_argument("--scales", default="1,2",
                       help="image scales of the cost rows (each connector once, on the first seed's config)")
   parser.add_argument("--cost_only", action="store_true",
@@ -220,6 +235,8 @@ def main(argv=None):
     for key, arguments in extra.items():  # the config's own frozen parts (at its scale), smaller
       spec = config.model[key]
       config.model[key] = spec + ("," if ":" in spec else ":") + arguments
+    if args.eval_examples:
+      config.data.num_eval_examples = args.eval_examples
     if args.quick:
       config.data.num_train_examples, config.data.num_eval_examples = 200, 32
       config.batch_size, config.eval_batch_size = 16, 32
@@ -245,10 +262,13 @@ def main(argv=None):
   # by default the largest of the connectors' budgets
   probe_steps = 30 if args.quick else args.probe_steps or max(run_config(c, seeds[0]).total_steps for c in connectors)
   stored = json.loads(probe_file.read_text()) if probe_file.is_file() else {}
-  if stored.get("encoder") == os.path.abspath(args.encoder) and stored.get("steps") == probe_steps:
+  eval_examples = first.data.num_eval_examples
+  if stored.get("encoder") == os.path.abspath(args.encoder) and stored.get("steps") == probe_steps and \
+      stored.get("eval_examples", 256) == eval_examples:
     record["probe"] = stored
   else:
-    record["probe"] = {"encoder": os.path.abspath(args.encoder), **_probe(first, args, probe_steps)}
+    record["probe"] = {"encoder": os.path.abspath(args.encoder), "eval_examples": eval_examples,
+                       **_probe(first, args, probe_steps)}
     probe_file.write_text(json.dumps(record["probe"]))
   print(json.dumps({"probe": record["probe"]}), flush=True)
   # Seed-major: every connector's first seed runs first, and the results files are rewritten after each run,
@@ -259,6 +279,9 @@ def main(argv=None):
       config = run_config(connector, seed)
       workdir = workdir_of(connector, seed)
       wall_file = pathlib.Path(workdir, "wall_seconds.json")
+      mismatch = other_test_set(workdir, eval_examples)
+      if mismatch:
+        parser.error(f"--eval_examples: {mismatch}")
       if not wall_file.is_file():
         start = time.perf_counter()
         dependencies.resolve(config, workdir, "train")
@@ -320,7 +343,8 @@ def render(record: dict) -> str:
   lines = [f"# Three connectors into one frozen LM ({title})", "", *header,
            f"Ceiling: a probe trained {record['probe']['steps']} steps ({record['probe']['train_seconds']:.0f} s) on "
            f"the same frozen features reads each test image's digits, and the encoder's own position head reads "
-           f"them too; each is scored on the connectors' test targets by the answers its reading implies "
+           f"them too; each is scored on the connectors' test targets (those of "
+           f"{record['probe'].get('eval_examples', 256)} test examples) by the answers its reading implies "
            f"(`xattn_jax/tasks/vlm/probe.py`; the \"larger\" question follows from the reference captions its "
            f"prompt holds). The ceiling is the higher of the two. A second probe, trained alike with a head that "
            f"predicts the sum of the digits directly from the positions' states, answers the sum question as the "

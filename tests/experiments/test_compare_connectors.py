@@ -1,4 +1,6 @@
 """compare_connectors' cost rows: what a connector hands the LM, and what it costs, as the image grows."""
+import json
+
 import pytest
 
 from experiments import compare_connectors
@@ -27,3 +29,13 @@ def test_a_scale_inside_a_connector_is_refused_for_one_encoder_and_probe_a_compa
     compare_connectors.main(["--connectors", "qformer,llava/scale=2", "--out", str(tmp_path)])
   assert exit_info.value.code == 2 and "--scale" in capsys.readouterr().err
   assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_a_finished_run_evaluated_on_another_number_of_test_examples_cannot_join(tmp_path):
+  run = tmp_path / "qformer_seed0"
+  assert compare_connectors.other_test_set(str(run), 2000) == ""  # not trained yet: it trains with this config
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"data": {"num_eval_examples": 256}}))
+  (run / "wall_seconds.json").write_text("12.5")
+  assert compare_connectors.other_test_set(str(run), 256) == ""
+  assert "answered 256 test examples, not 2000" in compare_connectors.other_test_set(str(run), 2000)
