@@ -65,7 +65,7 @@ def test_load_model_takes_eval_overrides_and_refuses_a_model_change_or_an_unknow
                                      overrides={"task.decoding.method": "beam", "data.eval_fraction": 0.5})
   assert task.config.task.decoding.method == "beam" and task.config.data.eval_fraction == 0.5
   with pytest.raises(validation.ConfigError,
-                     match=r"^config\.model\.decoder\.d_model=1024: the run in .* was made with"):
-    inference.load_model(str(trained_translator), mode="eval", overrides={"model.decoder.d_model": 1024})
+                     match=r"^config\.model\.decoder\.mlp_dim=96: the run in .* was made with"):
+    inference.load_model(str(trained_translator), mode="eval", overrides={"model.decoder.mlp_dim": 96})
   with pytest.raises(validation.ConfigError, match=r"^config\.data\.no_such_field=3: is not a field of the run"):
     inference.load_model(str(trained_translator), overrides={"data.no_such_field": 3})

@@ -93,9 +93,10 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
       except (KeyError, TypeError):
         raise validation.ConfigError(field, value, f"is not a field of the run's config ({path})") from None
     config.update_from_flattened_dict(dict(overrides))
-    workdir_lib.check_same_model(config, workdir, mode)
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count())
+  if overrides:
+    workdir_lib.check_same_model(config, workdir, mode)
   trainer = Trainer(config, workdir, mode)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
   try:
