@@ -423,7 +423,8 @@ def main():
   infer_seconds = blocked_median_seconds({**timed, **probes}, blocks=s["decode_rounds"], per_block=1, warmup=1,
                                          drop_first=False)
   matmul_rate, bandwidth = bench_common.machine_rates({name: infer_seconds.pop(name) for name in probes}, probe_runs)
-  limit = bench_common.machine_limit_seconds(decode_work(s), matmul_rate, bandwidth)
+  work = decode_work(s)
+  limit = bench_common.machine_limit_seconds(work, matmul_rate, bandwidth)
   print(f"inference seconds: {infer_seconds}; decode limit {limit:.3f} s", flush=True)
   same_tokens = {name: float((tokens_out[name] == tokens_out["jax"]).mean()) for name in tokens_out}
 
@@ -441,8 +442,8 @@ def main():
       "decode": {name[7:]: {"seconds": t, "new_tokens_per_s": s["batch"] * s["new_tokens"] / t}
                  for name, t in infer_seconds.items() if name.startswith("decode_")},
       "decode_tokens_equal_to_jax": same_tokens, "torch_compile_note": compile_note,
-      "decode_limit": {"step_flops": sum(f for f, _ in decode_work(s)[1]),
-                       "step_bytes": sum(b for _, b in decode_work(s)[1]), "matmul_2048_flops_per_s": matmul_rate,
+      "decode_limit": {"step_flops": sum(f for f, _ in work[1]),
+                       "step_bytes": sum(b for _, b in work[1]), "matmul_2048_flops_per_s": matmul_rate,
                        "copy_bytes_per_s": bandwidth, "limit_s": limit,
                        "fraction_of_limit": {name[7:]: limit / t for name, t in infer_seconds.items()
                                              if name.startswith("decode_")}},

@@ -4,9 +4,9 @@
         --workdir workdirs/compare_connectors/llava_seed0
 
 For each workdir (a finished configs/vlm_digits.py run) the latest checkpoint answers its eval set as its own eval
-does (`VLMTask.extra_eval`: greedy, earlier targets given as references), and each target is counted under its
-kind and the digit count of its largest image, so a run's "2 digits" can be read as which questions it misses
-there (the two-image "larger" questions are counted at their larger image). Writes vlm_errors.{md,json} under
+does (`VLMTask.eval_answers`, what `extra_eval` scores: greedy, earlier targets given as references), and each
+target is counted under its kind and the digit count of its largest image, so a run's "2 digits" can be read as
+which questions it misses there (the two-image "larger" questions are counted at their larger image). Writes vlm_errors.{md,json} under
 --out (default experiments/results): the kind x digits table of every run, each cell "right / targets", and up
 to --wrong wrong answers per run. --eval_examples N answers N bundled test examples instead of the run's eval
 set (its first examples are the same), for cells large enough to compare.
@@ -25,17 +25,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 def answers(workdir: str, eval_examples: int = 0):
   """(connector, [(kind, digits, reference, answer)]) of the run's eval targets, in eval order; with
   eval_examples, that many bundled test examples instead of the run's data.num_eval_examples."""
-  from xattn_jax.tasks.vlm import task as vlm_task
   from xattn_jax.training import inference
   overrides = {"data.num_eval_examples": eval_examples} if eval_examples else None
   model, task = inference.load_model(workdir, mode="eval", overrides=overrides)
-  requests, rows = [], []
-  for example, layout in zip(task.eval_examples, task.eval_layouts):
-    for prefix, stop, reference in layout.targets:
-      requests.append((example.images, layout.ids[:prefix].tolist(), stop))
-      rows.append((example.kind, example.num_digits, vlm_task._normalise(reference)))
-  generated = task.generate(model, requests, task.eval_new_tokens)
-  return task.config.model.connector, [row + (answer,) for row, answer in zip(rows, generated)]
+  return task.config.model.connector, task.eval_answers(model)
 
 
 def table(rows) -> dict:

@@ -456,22 +456,28 @@ class VLMTask(task_lib.Task):
       outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(generated, chunk)]
     return outputs
 
-  def extra_eval(self, model):
-    requests, references, groups = [], [], []
+  def eval_answers(self, model) -> list[tuple[str, int, str, str]]:
+    """(kind, digits in the largest image, reference, generated answer) of every eval target, in eval order:
+    each generated from the prefix before it (earlier targets given), both sides whitespace-normalised."""
+    requests, rows = [], []
     for example, layout in zip(self.eval_examples, self.eval_layouts):
       for prefix, stop, reference in layout.targets:
         requests.append((example.images, layout.ids[:prefix].tolist(), stop))
-        references.append(_normalise(reference))
-        groups.append((example.kind, example.num_digits))
+        rows.append((example.kind, example.num_digits, _normalise(reference)))
     if not requests:
+      return []
+    return [row + (answer,) for row, answer in zip(rows, self.generate(model, requests, self.eval_new_tokens))]
+
+  def extra_eval(self, model):
+    answers = self.eval_answers(model)
+    if not answers:
       return {}
-    hypotheses = self.generate(model, requests, self.eval_new_tokens)
+    kinds, digits, references, hypotheses = (list(column) for column in zip(*answers))
     correct = np.array([h == r for h, r in zip(hypotheses, references)], float)
     import sacrebleu  # imported here: only evaluation needs it
     metrics = {"exact_match": float(correct.mean()),
                "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score / 100.0}
-    kinds = np.array([kind for kind, _ in groups])
-    digits = np.array([n for _, n in groups])
+    kinds, digits = np.array(kinds), np.array(digits)
     for kind in sorted(set(kinds)):
       metrics[f"exact_match_{kind}"] = float(correct[kinds == kind].mean())
     for n in sorted(set(digits) - {0}):
