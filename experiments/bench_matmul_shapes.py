@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import blocked_median_seconds, output_dir, parse_jax_vs_torch_args  # noqa: E402
+from bench_common import blocked_median_seconds, output_dir, parse_jax_vs_torch_args, provenance  # noqa: E402
 
 FULL = dict(tokens=2048, d_model=512, mlp=2048, vocab=8000, batch=32, heads=8, length=64, head_dim=64,
             layers=3, repeats=15)
@@ -87,6 +87,7 @@ def torch_product(form):
 
 def main():
   args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK)
+  run = provenance()  # before measuring: its load average is the one before the start
   rng = np.random.default_rng(0)
   rows = []
   for name, form, lhs_shape, rhs_shape, count in cases(s):
@@ -113,11 +114,12 @@ def main():
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
   lines = ["# Matmuls of the translator's training step: XLA:CPU vs torch", "",
-           f"{cores} CPU cores ({platform.machine()}), jax {jax.__version__}, torch {torch.__version__} "
+           f"Commit {run['commit'][:7]}{' (with local changes)' if run['dirty'] else ''}, {run['date']}, "
+           f"`{run['command']}`; 1-minute load average {run['load_average_before']:.1f} before the start, "
+           f"{os.getloadavg()[0]:.1f} when writing.", "",
+           f"{cores} CPU cores ({run['cpu']}, {platform.machine()}), jax {jax.__version__}, torch {torch.__version__} "
            f"({torch.get_num_threads()} threads), float32. Each shape timed alone, JAX and torch in one process in "
-           f"3 alternating blocks of {s['repeats']} back-to-back calls, medians after warm-up; 1-minute load "
-           "average when writing: "
-           f"{os.getloadavg()[0]:.1f}.", "",
+           f"3 alternating blocks of {s['repeats']} back-to-back calls, medians after warm-up.", "",
            row("product", "form", "operands", "per step", "jax ms", "torch ms", "jax GFLOP/s",
                "torch GFLOP/s", "jax / torch time"),
            row(*["---"] * 9)]
@@ -132,7 +134,7 @@ def main():
   out = output_dir(args, "bench_matmul_shapes")
   (out / "matmul_shapes.md").write_text(markdown)
   (out / "matmul_shapes.json").write_text(json.dumps(
-      {"cores": cores, "jax": jax.__version__, "torch": torch.__version__, "sizes": s, "rows": rows,
+      {"provenance": run, "cores": cores, "jax": jax.__version__, "torch": torch.__version__, "sizes": s, "rows": rows,
        "weighted_ms": {"jax": total_jax, "torch": total_torch}}, indent=2) + "\n")
   print(f"wrote {out}/matmul_shapes.md")
 

@@ -1,4 +1,7 @@
-"""The benchmark scripts' arguments: a bad one stops the script before it measures anything."""
+"""The benchmark scripts: a bad argument stops a script before it measures anything, and a run reaches its
+results files (a broken writer costs a full run's minutes, found only at its end)."""
+import importlib
+import json
 import pathlib
 import sys
 
@@ -81,3 +84,31 @@ def test_a_partial_translator_run_keeps_the_other_sections_of_the_file_it_rewrit
   assert merged["training"] == {"jax": 1.0} and merged["compile_s"] == {"c": 3}
   assert [r["commit"] for r in merged["machine"]["runs"]] == ["old", "new"]
   assert bench.keep_other_sections(tmp_path / "translator_benchmark.json", new, bench.SECTIONS) is new
+
+
+@pytest.mark.parametrize("script, stem", [("bench_matmul_shapes.py", "matmul_shapes"),
+                                          ("bench_segment.py", "segment_benchmark")])
+def test_a_quick_run_writes_its_tables_and_provenance(script, stem, tmp_path):
+  """The two benchmarks quick enough to run whole here (seconds at --quick); the others' writers are below."""
+  result = _run(script, "--quick", f"--out={tmp_path}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  record = json.loads((tmp_path / f"{stem}.json").read_text())
+  markdown = (tmp_path / f"{stem}.md").read_text()
+  assert record["rows"] and "| --- |" in markdown
+  run = record["provenance"]
+  assert script in run["command"] and "--quick" in run["command"] and run["commit"][:7] in markdown
+
+
+@pytest.mark.parametrize("script, results", [("bench_lm", "intel_xeon_amx/lm_benchmark"),
+                                             ("bench_translator", "intel_xeon_amx/translator_benchmark")])
+def test_the_renderer_rewrites_the_table_of_a_full_run_from_its_record(script, results):
+  """A full run takes minutes, its --quick run most of a minute: the renderer is checked on a real record
+  instead, the newest this code wrote, against the table the run printed."""
+  sys.path.insert(0, str(EXPERIMENTS))
+  try:
+    bench = importlib.import_module(script)
+  finally:
+    sys.path.remove(str(EXPERIMENTS))
+  path = EXPERIMENTS / "results" / results
+  markdown = bench.render(json.loads(path.with_suffix(".json").read_text()))
+  assert markdown == path.with_suffix(".md").read_text()
