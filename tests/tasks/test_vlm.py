@@ -235,3 +235,38 @@ def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
   assert not np.array_equal(first, np.arange(32)) and not np.array_equal(first, second)
   halves = [task.train_batch(3, process_index=p, process_count=2) for p in (0, 1)]
   np.testing.assert_array_equal(np.concatenate(halves), task.train_batch(3, process_index=0, process_count=1))
+
+
+def test_length_bucketing_pads_each_batch_to_its_own_examples_and_leaves_the_loss_unchanged():
+  """Rows padded to the longest example and two image slots each: in the bundled batches half the LM's token
+  slots and a third of the image slots were padding."""
+  import jax.numpy as jnp
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.length_bucketing": True, "steps_per_call": 2}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=qformer,queries=4",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  steps = len(task.train_examples) // config.batch_size
+  seen, shapes = [], set()
+  for step in range(steps):  # one epoch
+    rows = task._train_order.batch(step, config.data.seed, config.batch_size)
+    batch = task.train_batch(step, process_index=0, process_count=1)
+    images = max(len(task.train_examples[i].images) for i in rows)
+    length = max(len(task.train_layouts[i].ids) for i in rows)
+    assert batch["images"].shape[1] == images and length <= batch["tokens"].shape[1] == -(-length // 8) * 8
+    seen += rows.tolist()
+    shapes.add(batch["tokens"].shape + batch["images"].shape[1:2])
+  assert len(set(seen)) == len(seen) == steps * config.batch_size
+  assert min(shape[1] for shape in shapes) < task.length and min(shape[2] for shape in shapes) == 1
+  # A bucketed batch's loss is the loss of the same rows padded to the longest example and two image slots.
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  short = next(step for step in range(steps) if task.train_batch(step, process_index=0, process_count=1)
+               ["images"].shape[1] == 1)
+  rows = task._train_order.batch(short, config.data.seed, config.batch_size)
+  bucketed = task.train_batch(short, process_index=0, process_count=1)
+  padded = task._rows(task.train_examples, task.train_layouts, rows)
+  assert padded["tokens"].shape[1] > bucketed["tokens"].shape[1] and padded["images"].shape[1] == 2
+  losses = [float(task.loss(model, {k: jnp.asarray(v) for k, v in b.items()}, rngs=None)[0])
+            for b in (bucketed, padded)]
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)

@@ -58,10 +58,22 @@ def epoch_order(rng: np.random.Generator, num_units: int, batch_size: int) -> np
 class EpochOrder:
   """The units of global batch ``step`` when epoch e takes them in ``epoch_order`` under the rng seeded by
   (seed, e): a pure function of (seed, step, batch_size), the latest epoch's order cached (consecutive steps
-  share an epoch)."""
+  share an epoch).
 
-  def __init__(self, num_units: int):
+  With ``sort_keys`` (one integer per unit, e.g. its padded shape) the epoch's permutation is stably sorted
+  by key before it is cut into batches, so a batch holds units of one key wherever the counts allow (length
+  bucketing: a batch pads only to its own longest unit); then runs of ``chunk`` consecutive batches come in
+  a random order, so that the loop's calls of ``chunk`` steps (which end where a batch's shape changes) stay
+  whole.
+  """
+
+  def __init__(self, num_units: int, sort_keys: np.ndarray | None = None, chunk: int = 1):
+    if sort_keys is not None and np.shape(sort_keys) != (num_units,):
+      raise ValueError(f"EpochOrder: sort_keys must be [num_units={num_units}], got {list(np.shape(sort_keys))}")
+    _check_positive_int("chunk", chunk)
     self.num_units = num_units
+    self.sort_keys = None if sort_keys is None else np.asarray(sort_keys)
+    self.chunk = chunk
     self._cache: tuple = (None, None)
 
   def batch(self, step: int, seed: int, batch_size: int) -> np.ndarray:
@@ -70,8 +82,15 @@ class EpochOrder:
     epoch, step_in_epoch = divmod(step, steps)
     key = (seed, epoch, batch_size)
     if self._cache[0] != key:
-      order = epoch_order(np.random.default_rng([seed, epoch]), self.num_units, batch_size)
-      self._cache = (key, order.reshape(steps, batch_size))
+      rng = np.random.default_rng([seed, epoch])
+      order = epoch_order(rng, self.num_units, batch_size)
+      if self.sort_keys is not None:
+        order = order[np.argsort(self.sort_keys[order], kind="stable")]
+      batches = order.reshape(steps, batch_size)
+      if self.sort_keys is not None:
+        starts = rng.permutation(np.arange(0, steps, self.chunk))
+        batches = np.concatenate([batches[start:start + self.chunk] for start in starts])
+      self._cache = (key, batches)
     return self._cache[1][step_in_epoch]
 
 

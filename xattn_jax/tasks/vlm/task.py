@@ -19,7 +19,11 @@ Data (`data.source`, SOURCES):
           bad line stops the run before anything is written, naming file and line; the training pairs are
           shuffled every epoch
 Images sit top-left on the encoder's canvas (vlm_digits.canvas_for(data.max_digits, data.scale)), up to
-MAX_IMAGES per example.
+MAX_IMAGES per example. A training batch has MAX_IMAGES image slots and rows of the longest example's tokens,
+or with data.length_bucketing (either source) only as many slots and tokens (rounded up to 8) as its own
+examples need: each epoch's examples (a permutation of them, under data.seed for the bundled strips and
+config.seed for a user's pairs) are sorted by (images, padded length) before they are cut into batches, and
+runs of steps_per_call batches come in a random order, so most batches hold examples of one shape.
 
 Token layout of an example: BOS, then its segments in order, then EOS. A text or target segment is its
 SentencePiece ids (segments encoded one by one give the ids of the LM's pretraining text); an image is
@@ -61,7 +65,7 @@ from xattn_jax.tasks.lm import text as lm_task
 from xattn_jax.tasks.vlm import encoder as encoder_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
-from xattn_jax.training import optim, task as task_lib, validation
+from xattn_jax.training import optim, schedule, task as task_lib, validation
 
 FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_model", "lm_workdir", "lm_model", "vocab_size"}
 TOKENIZER_FILE = lm_task.SPM_FILE
@@ -143,6 +147,8 @@ class VLMTask(task_lib.Task):
                                    f"merges the patches that become soft tokens: connector=llava only (or 1), got "
                                    f"model.connector={model.connector!r}")
     validation.require_choice(config, "data.source", SOURCES)
+    if "length_bucketing" in data:  # absent from configs written before it existed: False
+      validation.require_choice(config, "data.length_bucketing", (True, False))
     if data.max_digits > vlm_digits.MAX_DIGITS:
       raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
     if data.source == "digits":
@@ -249,7 +255,13 @@ class VLMTask(task_lib.Task):
     self.train_examples = self._examples("train") if mode == "train" else []
     self.eval_examples = self._examples("eval") if mode != "infer" else []
     self.train_layouts = [self.layout(e) for e in self.train_examples]
-    self._train_order = batching.EpochOrder(len(self.train_examples))  # a user's pairs: shuffled every epoch
+    self.length_bucketing = bool(config.data.get("length_bucketing", False))  # absent from older runs' configs
+    sort_keys = None
+    if self.length_bucketing:
+      sort_keys = np.asarray([len(e.images) * 1_000_000 + batching.round_up(len(layout.ids), 8)
+                              for e, layout in zip(self.train_examples, self.train_layouts)], np.int64)
+    self._train_order = batching.EpochOrder(len(self.train_examples), sort_keys,  # a user's pairs: shuffled
+                                            chunk=schedule.steps_per_call(config))  # every epoch
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
@@ -343,12 +355,13 @@ class VLMTask(task_lib.Task):
     labels = np.where(labels == vlm.SOFT_TOKEN, lm_lib.PAD_ID, labels)
     return Layout(ids=ids, labels=labels, weights=weights, targets=tuple(targets))
 
-  def _rows(self, examples, layouts, indices):
-    """Right-padded token arrays and collated images of the given examples (index -1: a weight-0 row)."""
-    n = len(indices)
-    tokens = np.zeros((n, self.length), np.int32)
-    labels = np.zeros((n, self.length), np.int32)
-    weights = np.zeros((n, self.length), np.float32)
+  def _rows(self, examples, layouts, indices, *, length: int | None = None, max_images: int = MAX_IMAGES):
+    """Right-padded token arrays [n, length] (self.length by default) and `max_images` collated image slots
+    of the given examples (index -1: a weight-0 row)."""
+    n, length = len(indices), length or self.length
+    tokens = np.zeros((n, length), np.int32)
+    labels = np.zeros((n, length), np.int32)
+    weights = np.zeros((n, length), np.float32)
     images = []
     for row, index in enumerate(indices):
       if index < 0:
@@ -358,7 +371,7 @@ class VLMTask(task_lib.Task):
       size = len(layout.ids)
       tokens[row, :size], labels[row, :size], weights[row, :size] = layout.ids, layout.labels, layout.weights
       images.append(examples[index].images)
-    batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=MAX_IMAGES)
+    batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=max_images)
     batch.update(tokens=tokens, labels=labels, weights=weights, valid=tokens != lm_lib.PAD_ID)
     return batch
 
@@ -367,6 +380,13 @@ class VLMTask(task_lib.Task):
   def train_batch(self, step, *, process_index, process_count):
     size, count = self.config.batch_size, len(self.train_examples)
     local = size // process_count
+    if self.length_bucketing:
+      seed = self.config.seed if self.config.data.source == "tsv" else self.config.data.seed
+      rows = self._train_order.batch(step, seed, size)  # the global batch: every process sizes it alike
+      length = batching.round_up(max(len(self.train_layouts[i].ids) for i in rows), 8)
+      max_images = max(len(self.train_examples[i].images) for i in rows)
+      return self._rows(self.train_examples, self.train_layouts, rows[process_index * local:][:local],
+                        length=length, max_images=max_images)
     if self.config.data.source != "tsv":  # the bundled strips are drawn at random per index: cycled as drawn
       return self._rows(self.train_examples, self.train_layouts,
                         (step * size + process_index * local + np.arange(local)) % count)
