@@ -6,6 +6,7 @@
     python launch.py --config=configs/vlm_digits.py:connector=llava,positions=mrope --workdir=workdirs/vlm_llava_mrope
     python launch.py --config=configs/vlm_digits.py:connector=llava,merge=2 --workdir=workdirs/vlm_llava_merge2
     python launch.py --config=configs/vlm_digits.py:connector=qformer,scale=2 --workdir=workdirs/vlm_qformer_x2
+    python launch.py --config=configs/vlm_digits.py:connector=qformer,bucketing=true --workdir=workdirs/vlm_qformer_b
     printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
         --workdir=workdirs/vlm_llava --mode=infer
 

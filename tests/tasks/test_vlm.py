@@ -243,7 +243,7 @@ def test_length_bucketing_pads_each_batch_to_its_own_examples_and_leaves_the_los
   import jax.numpy as jnp
   chain = tiny_chain()
   overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
-               "data.length_bucketing": True, "steps_per_call": 2}
+               "data.length_bucketing": True}
   config = helpers.load_config("--config=configs/vlm_digits.py:connector=qformer,queries=4",
                                *(f"--config.{field}={value}" for field, value in overrides.items()))
   task = vlm_task.VLMTask(config, None, "train")
