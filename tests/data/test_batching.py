@@ -268,19 +268,19 @@ def test_an_epoch_order_without_sort_keys_is_the_plain_permutation_cut_into_batc
     np.testing.assert_array_equal(order.batch(step, 5, 8), expected)
 
 
-def test_sorted_epochs_make_batches_of_one_key_and_keep_runs_of_chunk_batches_together():
-  """Length bucketing: a batch pads to its own units' shape, and the loop's calls (cut where the shape
-  changes) stay whole when runs of `chunk` batches of one shape come together."""
+def test_sorted_epochs_make_batches_of_one_key_in_a_random_order():
+  """Bucketing: a batch pads to its own units' shape."""
   keys = np.random.default_rng(0).permutation(np.repeat([3, 1, 2], [40, 24, 32]))  # 96 units, 12 batches of 8
-  order = batching.EpochOrder(96, keys, chunk=2)
+  order = batching.EpochOrder(96, keys)
   epoch = [order.batch(step, 5, 8) for step in range(12)]
   assert sorted(np.concatenate(epoch).tolist()) == list(range(96))  # each unit once
   assert all(len(set(keys[batch])) == 1 for batch in epoch)  # the counts are whole batches: none mixed
-  # The epoch's permutation sorted by key and cut into batches: its runs of two come whole, in some order.
+  # The epoch's permutation sorted by key and cut into batches, in another order.
   permutation = batching.epoch_order(np.random.default_rng([5, 0]), 96, 8)
-  runs = permutation[np.argsort(keys[permutation], kind="stable")].reshape(6, 16)
-  assert sorted(map(tuple, runs)) == sorted(tuple(np.concatenate(epoch[s:s + 2])) for s in range(0, 12, 2))
-  again = batching.EpochOrder(96, keys, chunk=2)
+  batches = permutation[np.argsort(keys[permutation], kind="stable")].reshape(12, 8)
+  assert sorted(map(tuple, batches)) == sorted(map(tuple, epoch))
+  assert [keys[batch[0]] for batch in epoch] != sorted(keys[batch[0]] for batch in epoch)
+  again = batching.EpochOrder(96, keys)
   np.testing.assert_array_equal(again.batch(7, 5, 8), order.batch(7, 5, 8))  # a pure function of the step
   assert not all(np.array_equal(order.batch(s, 5, 8), order.batch(12 + s, 5, 8)) for s in range(12))
   with pytest.raises(ValueError, match=r"sort_keys must be \[num_units=96\], got \[95\]"):

@@ -60,20 +60,16 @@ class EpochOrder:
   (seed, e): a pure function of (seed, step, batch_size), the latest epoch's order cached (consecutive steps
   share an epoch).
 
-  With ``sort_keys`` (one integer per unit, e.g. its padded shape) the epoch's permutation is stably sorted
-  by key before it is cut into batches, so a batch holds units of one key wherever the counts allow (length
-  bucketing: a batch pads only to its own longest unit); then runs of ``chunk`` consecutive batches come in
-  a random order, so that the loop's calls of ``chunk`` steps (which end where a batch's shape changes) stay
-  whole.
+  With ``sort_keys`` (one integer per unit, e.g. its image count) the epoch's permutation is stably sorted
+  by key before it is cut into batches, so a batch holds units of one key wherever the counts allow (bucketing:
+  a batch pads only to its own units' shape); the batches then come in a random order.
   """
 
-  def __init__(self, num_units: int, sort_keys: np.ndarray | None = None, chunk: int = 1):
+  def __init__(self, num_units: int, sort_keys: np.ndarray | None = None):
     if sort_keys is not None and np.shape(sort_keys) != (num_units,):
       raise ValueError(f"EpochOrder: sort_keys must be [num_units={num_units}], got {list(np.shape(sort_keys))}")
-    _check_positive_int("chunk", chunk)
     self.num_units = num_units
     self.sort_keys = None if sort_keys is None else np.asarray(sort_keys)
-    self.chunk = chunk
     self._cache: tuple = (None, None)
 
   def batch(self, step: int, seed: int, batch_size: int) -> np.ndarray:
@@ -88,8 +84,7 @@ class EpochOrder:
         order = order[np.argsort(self.sort_keys[order], kind="stable")]
       batches = order.reshape(steps, batch_size)
       if self.sort_keys is not None:
-        starts = rng.permutation(np.arange(0, steps, self.chunk))
-        batches = np.concatenate([batches[start:start + self.chunk] for start in starts])
+        batches = batches[rng.permutation(steps)]
       self._cache = (key, batches)
     return self._cache[1][step_in_epoch]
 
