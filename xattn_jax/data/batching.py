@@ -80,10 +80,9 @@ class EpochOrder:
     if self._cache[0] != key:
       rng = np.random.default_rng([seed, epoch])
       order = epoch_order(rng, self.num_units, batch_size)
-      if self.sort_keys is not None:
-        order = order[np.argsort(self.sort_keys[order], kind="stable")]
       batches = order.reshape(steps, batch_size)
       if self.sort_keys is not None:
+        batches = order[np.argsort(self.sort_keys[order], kind="stable")].reshape(steps, batch_size)
         batches = batches[rng.permutation(steps)]
       self._cache = (key, batches)
     return self._cache[1][step_in_epoch]
