@@ -76,6 +76,8 @@ def vlm_config(args) -> ConfigDict:
       "eval_file": "",
       # batches padded to their own examples' images and tokens (tasks/vlm/task.py); False: to the longest example
       "length_bucketing": args.bucketing,
+      # the training images' frozen features computed once, not in every step (tasks/vlm/task.py)
+      "cache_features": args.cache,
   })
   return config
 
@@ -101,6 +103,6 @@ def get_config(arg=None):
   # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR
   args = common.parse_arg(arg, steps=0, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
-                          lm="workdirs/vlm_lm", bucketing=False)
+                          lm="workdirs/vlm_lm", bucketing=False, cache=True)
   connector_defaults(args)
   return vlm_config(args)

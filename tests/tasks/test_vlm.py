@@ -227,7 +227,7 @@ def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
   config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
                                *(f"--config.{field}={value}" for field, value in overrides.items()))
   task = vlm_task.VLMTask(config, None, "train")
-  task._rows = lambda examples, layouts, indices: np.asarray(indices)  # the pair (file line - 1) of each row
+  task._rows = lambda examples, layouts, indices, **_: np.asarray(indices)  # the pair (file line - 1) of each row
   def epoch(e):  # 40 pairs at batch 16: 2 steps an epoch, 8 pairs left out (a different 8 each epoch)
     return np.concatenate([task.train_batch(step, process_index=0, process_count=1) for step in (2 * e, 2 * e + 1)])
   first, second = epoch(0), epoch(1)
@@ -254,19 +254,63 @@ def test_length_bucketing_pads_each_batch_to_its_own_examples_and_leaves_the_los
     batch = task.train_batch(step, process_index=0, process_count=1)
     images = max(len(task.train_examples[i].images) for i in rows)
     length = max(len(task.train_layouts[i].ids) for i in rows)
-    assert batch["images"].shape[1] == images and length <= batch["tokens"].shape[1] == -(-length // 8) * 8
+    assert batch["features"].shape[1] == batch["pixel_valid"].shape[1] == images
+    assert length <= batch["tokens"].shape[1] == -(-length // 8) * 8
     seen += rows.tolist()
-    shapes.add(batch["tokens"].shape + batch["images"].shape[1:2])
+    shapes.add(batch["tokens"].shape + batch["pixel_valid"].shape[1:2])
   assert len(set(seen)) == len(seen) == steps * config.batch_size
   assert min(shape[1] for shape in shapes) < task.length and min(shape[2] for shape in shapes) == 1
   # A bucketed batch's loss is the loss of the same rows padded to the longest example and two image slots.
   model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
   short = next(step for step in range(steps) if task.train_batch(step, process_index=0, process_count=1)
-               ["images"].shape[1] == 1)
+               ["pixel_valid"].shape[1] == 1)
   rows = task._train_order.batch(short, config.data.seed, config.batch_size)
   bucketed = task.train_batch(short, process_index=0, process_count=1)
-  padded = task._rows(task.train_examples, task.train_layouts, rows)
+  padded = task._rows(task.train_examples, task.train_layouts, rows)  # pixels: the encoder runs in the step
   assert padded["tokens"].shape[1] > bucketed["tokens"].shape[1] and padded["images"].shape[1] == 2
   losses = [float(task.loss(model, {k: jnp.asarray(v) for k, v in b.items()}, rngs=None)[0])
             for b in (bucketed, padded)]
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("connector", ["flamingo", "qformer,queries=4", "llava,positions=mrope"])
+def test_cached_frozen_features_give_the_loss_and_gradients_of_the_pixels(connector):
+  """data.cache_features: the encoder reads every training image once; a step's batch then carries the
+  features, not pixels, and trains the connector exactly as the pixels do."""
+  import jax
+  import jax.numpy as jnp
+  chain = tiny_chain()
+  # unbucketed: the cycled rows mix one- and two-image examples, so a batch has empty slots
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.length_bucketing": False}
+  config = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  assert config.data.cache_features  # the default
+  task = vlm_task.VLMTask(config, None, "train")
+  cached = task.train_batch(3, process_index=0, process_count=1)
+  assert "images" not in cached and cached["features"].shape[:2] == cached["pixel_valid"].shape[:2]
+  rows = (3 * config.batch_size + np.arange(config.batch_size)) % len(task.train_examples)
+  pixels = task._rows(task.train_examples, task.train_layouts, rows)
+  assert "features" not in pixels and (pixels["image_valid"].sum(1) == 2).any()  # an empty slot and a second image
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+  def loss(params, batch):
+    return task.loss(nnx.merge(graph, params, rest), {k: jnp.asarray(v) for k, v in batch.items()}, rngs=None)[0]
+  (loss_cached, grads_cached), (loss_pixels, grads_pixels) = (jax.value_and_grad(loss)(params, b)
+                                                              for b in (cached, pixels))
+  np.testing.assert_allclose(float(loss_cached), float(loss_pixels), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads_cached), jax.tree.leaves(grads_pixels)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="features"):  # features of another encoder width
+    model(None, cached["pixel_valid"], cached["image_valid"], cached["tokens"], cached["valid"],
+          features=cached["features"][..., :-1])
+
+
+def test_training_features_are_read_by_the_encoder_only_while_they_fit_in_memory(monkeypatch):
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm"}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  monkeypatch.setattr(vlm_task, "FEATURE_CACHE_MAX_BYTES", 1000)
+  batch = vlm_task.VLMTask(config, None, "train").train_batch(0, process_index=0, process_count=1)
+  assert "images" in batch and "features" not in batch

@@ -375,12 +375,18 @@ class VisionLanguageModel(nnx.Module):
 
   # --- images -------------------------------------------------------------------------------------
 
-  def encode_images(self, images, pixel_valid, image_valid, *, deterministic: bool = True) -> ImageContext:
-    """The connector's reading of images [b, n, H, W, C] (pixel_valid [b, n, H, W], image_valid [b, n])."""
-    self._check_images(images, pixel_valid, image_valid)
-    b, n, height, width, _ = images.shape
+  def encode_images(self, images, pixel_valid, image_valid, *, features=None,
+                    deterministic: bool = True) -> ImageContext:
+    """The connector's reading of images [b, n, H, W, C] (pixel_valid [b, n, H, W], image_valid [b, n]).
+
+    features: the frozen encoder's features of these images, [b, n, 1 + P, width] as `frozen_features`
+    gives them (computed once for a fixed training set, so a step skips the encoder), or None to compute
+    them here; with features, images may be None.
+    """
+    self._check_images(images, pixel_valid, image_valid, features)
+    b, n, height, width = pixel_valid.shape
     grid = (height // self.patch_size, width // self.patch_size)
-    features, feature_valid, patch_valid = self._features(images, pixel_valid, image_valid)
+    features, feature_valid, patch_valid = self._features(images, pixel_valid, image_valid, features)
     on_grid = patch_valid.reshape(b, n, *grid)
     grid_height = jnp.sum(on_grid[..., 0], axis=-1, dtype=jnp.int32)  # [b, n]
     grid_width = jnp.sum(on_grid[:, :, 0, :], axis=-1, dtype=jnp.int32)
@@ -402,29 +408,40 @@ class VisionLanguageModel(nnx.Module):
                            memory_valid=memory_valid.reshape(b, n * size),
                            memory_image=jnp.repeat(jnp.arange(n, dtype=jnp.int32), size))
 
-  @staticmethod
-  def _check_images(images, pixel_valid, image_valid) -> None:
-    if images.ndim != 5:
-      raise ValueError(f"VisionLanguageModel: images must be [batch, n, H, W, C], got images{list(images.shape)}")
-    b, n, height, width, _ = images.shape
+  def _check_images(self, images, pixel_valid, image_valid, features=None) -> None:
+    if features is None and getattr(images, "ndim", None) != 5:
+      raise ValueError(f"VisionLanguageModel: images must be [batch, n, H, W, C], got images"
+                       f"{list(getattr(images, 'shape', ()))}")
+    if getattr(pixel_valid, "ndim", None) != 4:
+      raise ValueError(f"VisionLanguageModel: pixel_valid must be bool [batch, n, H, W], got "
+                       f"{list(getattr(pixel_valid, 'shape', ()))}")
+    b, n, height, width = pixel_valid.shape if images is None else images.shape[:4]
     for name, array, shape in (("pixel_valid", pixel_valid, (b, n, height, width)), ("image_valid", image_valid, (b, n))):
       if getattr(array, "shape", None) != shape or array.dtype != jnp.bool_:
         raise ValueError(f"VisionLanguageModel: {name} must be bool {list(shape)}, got "
                          f"{getattr(array, 'dtype', type(array))}{list(getattr(array, 'shape', ()))}")
+    if features is not None:
+      patches = (height // self.patch_size) * (width // self.patch_size)
+      shape = (b, n, 1 + patches, self.encoder.width)
+      if getattr(features, "shape", None) != shape:
+        raise ValueError(f"VisionLanguageModel: features must be [batch, n, 1 + patches, encoder width] = "
+                         f"{list(shape)}, got features{list(getattr(features, 'shape', ()))}")
 
-  def _features(self, images, pixel_valid, image_valid):
-    """The frozen encoder's features of every image slot with the connector's positions -> (features
-    [B, 1 + P, w], feature_valid [B, 1 + P]: what the connector reads, patch_valid [B, P]: the real
-    patches), B = b * n."""
-    b, n, height, width, channels = images.shape
+  def _features(self, images, pixel_valid, image_valid, features=None):
+    """The frozen encoder's features of every image slot (or the given `features` [b, n, 1 + P, w], see
+    `frozen_features`) with the connector's positions -> (features [B, 1 + P, w], feature_valid [B, 1 + P]:
+    what the connector reads, patch_valid [B, P]: the real patches), B = b * n."""
+    b, n, height, width = pixel_valid.shape
     p = self.patch_size
-    patch_valid = vit_lib.patch_valid(pixel_valid.reshape(b * n, height, width), p)
-    present = image_valid.reshape(b * n, 1)
-    patch_valid = patch_valid & present
-    features = self.encoder.features(images.reshape(b * n, height, width, channels).astype(self.dtype),
-                                     valid=patch_valid if self.hide_padding else None, deterministic=True)
-    features = jax.lax.stop_gradient(features)  # [B, 1 + P, w]
+    if features is None:
+      features, patch_valid = frozen_features(self.encoder, images, pixel_valid, image_valid,
+                                              hide_padding=self.hide_padding, dtype=self.dtype)
+    else:
+      patch_valid = _patch_valid(pixel_valid, image_valid, p)
+    patch_valid = patch_valid.reshape(b * n, -1)
+    features = features.reshape(b * n, *features.shape[2:]).astype(self.dtype)
     features = self.connector.positioned(features, (height // p, width // p))
+    present = image_valid.reshape(b * n, 1)
     read = patch_valid if self.hide_padding else jnp.broadcast_to(present, patch_valid.shape)
     return features, jnp.concatenate([present, read], axis=1), patch_valid
 
@@ -516,10 +533,11 @@ class VisionLanguageModel(nnx.Module):
 
   # --- training pass ------------------------------------------------------------------------------
 
-  def __call__(self, images, pixel_valid, image_valid, tokens, valid=None, *, deterministic: bool = True):
-    """-> logits [b, T, vocab] (float32); arrays as in the module docstring."""
+  def __call__(self, images, pixel_valid, image_valid, tokens, valid=None, *, features=None,
+               deterministic: bool = True):
+    """-> logits [b, T, vocab] (float32); arrays as in the module docstring, features as in `encode_images`."""
     valid = self._check_text(tokens, valid)
-    context = self.encode_images(images, pixel_valid, image_valid, deterministic=deterministic)
+    context = self.encode_images(images, pixel_valid, image_valid, features=features, deterministic=deterministic)
     return self.forward(context, tokens, valid, deterministic=deterministic)
 
   def forward(self, context: ImageContext, tokens, valid=None, *, deterministic: bool = True):
@@ -614,6 +632,24 @@ class VisionLanguageModel(nnx.Module):
     out = decoding.search(self.loop_step(), cache, options, batch_size=prompt.shape[0], max_length=max_length,
                           bos_id=0, eos_id=eos_id, pad_id=pad_id, rng=rng, first_tokens=first)
     return out.tokens, out.scores
+
+
+def _patch_valid(pixel_valid, image_valid, patch_size: int):
+  """[b, n, P]: the real patches of the images present."""
+  b, n, height, width = pixel_valid.shape
+  patch_valid = vit_lib.patch_valid(pixel_valid.reshape(b * n, height, width), patch_size)
+  return (patch_valid & image_valid.reshape(b * n, 1)).reshape(b, n, -1)
+
+
+def frozen_features(encoder: nnx.Module, images, pixel_valid, image_valid, *, hide_padding: bool, dtype=None):
+  """The frozen encoder's reading of every image slot, as the VLM computes it -> (features [b, n, 1 + P,
+  width], patch_valid [b, n, P]). An empty slot is read too (the connectors mask it); with hide_padding,
+  the padded patches are hidden from the encoder's attention. No gradient flows into the features."""
+  b, n, height, width, channels = images.shape
+  patch_valid = _patch_valid(pixel_valid, image_valid, encoder.patch_size)
+  features = encoder.features(images.reshape(b * n, height, width, channels).astype(dtype or images.dtype),
+                              valid=patch_valid.reshape(b * n, -1) if hide_padding else None, deterministic=True)
+  return jax.lax.stop_gradient(features).reshape(b, n, *features.shape[1:]), patch_valid
 
 
 def trainable_parameters(model: nnx.Module) -> int:

@@ -23,7 +23,10 @@ MAX_IMAGES per example. A training batch has MAX_IMAGES image slots and rows of 
 or with data.length_bucketing (either source) only as many slots and tokens (rounded up to 8) as its own
 examples need: each epoch's examples (a permutation of them, under data.seed for the bundled strips and
 config.seed for a user's pairs) are sorted by image count before they are cut into batches, which then come
-in a random order, so nearly every batch holds examples of one image count.
+in a random order, so nearly every batch holds examples of one image count. With data.cache_features the
+frozen encoder reads every training image once, before the first step (`vlm.frozen_features`, as a step
+would), and training batches carry those features in place of pixels: a step skips the encoder. Eval and
+infer read pixels.
 
 Token layout of an example: BOS, then its segments in order, then EOS. A text or target segment is its
 SentencePiece ids (segments encoded one by one give the ids of the LM's pretraining text); an image is
@@ -72,6 +75,9 @@ TOKENIZER_FILE = lm_task.SPM_FILE
 SOURCES = ("digits", "tsv")
 MAX_IMAGES = 2  # image slots per example: the two-image "larger" kind
 EVAL_METRICS = ("eval/loss", "eval/token_accuracy", "eval/exact_match", "eval/chrf")
+# data.cache_features holds the training images' frozen features in host memory up to this size; a larger
+# training set runs the encoder in every step instead (logged).
+FEATURE_CACHE_MAX_BYTES = 2 << 30
 
 
 def canvas(config) -> tuple[int, int]:
@@ -147,8 +153,9 @@ class VLMTask(task_lib.Task):
                                    f"merges the patches that become soft tokens: connector=llava only (or 1), got "
                                    f"model.connector={model.connector!r}")
     validation.require_choice(config, "data.source", SOURCES)
-    if "length_bucketing" in data:  # absent from configs written before it existed: False
-      validation.require_choice(config, "data.length_bucketing", (True, False))
+    for field in ("length_bucketing", "cache_features"):  # absent from configs written before them: False
+      if field in data:
+        validation.require_choice(config, f"data.{field}", (True, False))
     if data.max_digits > vlm_digits.MAX_DIGITS:
       raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
     if data.source == "digits":
@@ -261,6 +268,9 @@ class VLMTask(task_lib.Task):
     sort_keys = np.asarray([len(e.images) for e in self.train_examples]) if self.length_bucketing else None
     self._train_order = batching.EpochOrder(len(self.train_examples), sort_keys)  # a user's pairs: shuffled
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
+    self._train_features = None  # (table [images, 1 + P, width], per example its rows in the table)
+    if mode == "train" and config.data.get("cache_features", False):
+      self._train_features = self._cache_features()
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
     prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
@@ -318,6 +328,47 @@ class VLMTask(task_lib.Task):
                                                   nnx.to_pure_dict(nnx.state(abstract)))
     return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
+  def _frozen_encoder(self, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None):
+    """The image encoder of the frozen record, with the frozen weights when this task loaded them."""
+    encoder = encoder_task.make_encoder(self.encoder_model, dtype=dtype, param_dtype=param_dtype,
+                                        rngs=rngs or nnx.Rngs(params=0, dropout=0))
+    if self.weights is not None:
+      state = nnx.state(encoder, nnx.Param)
+      nnx.replace_by_pure_dict(state, self.weights["encoder"])
+      nnx.update(encoder, state)
+    return encoder
+
+  def _cache_features(self, chunk: int = 256):
+    """The frozen encoder's features of every training image (data.cache_features), computed once as each
+    step would compute them (`vlm.frozen_features`, in the compute dtype) -> (table [images, 1 + P, width],
+    per example the table rows of its images), or None when the table would pass FEATURE_CACHE_MAX_BYTES."""
+    images = [image for example in self.train_examples for image in example.images]
+    encoder_model = self.encoder_model
+    patches = (self.canvas[0] // encoder_model.patch_size) * (self.canvas[1] // encoder_model.patch_size)
+    dtype = jnp.dtype(self.config.precision.compute_dtype)
+    size = len(images) * (1 + patches) * encoder_model.d_model * dtype.itemsize
+    if size > FEATURE_CACHE_MAX_BYTES:
+      logging.warning("data.cache_features: the %d training images' features would take %.1f GiB (more than "
+                      "%.1f): the encoder runs in every step", len(images), size / 2**30,
+                      FEATURE_CACHE_MAX_BYTES / 2**30)
+      return None
+    encoder = self._frozen_encoder(dtype=dtype)
+    hide_padding = self.config.model.hide_padding
+    read = nnx.jit(lambda encoder, images, pixel_valid, image_valid: vlm.frozen_features(
+        encoder, images, pixel_valid, image_valid, hide_padding=hide_padding, dtype=dtype)[0])
+    table = np.zeros((len(images), 1 + patches, encoder_model.d_model), dtype)
+    for start in range(0, len(images), chunk):
+      part = [[image] for image in images[start:start + chunk]]
+      part += [part[-1]] * (chunk - len(part))  # one shape: one compiled program
+      batch = vlm_digits.collate_images(part, canvas=self.canvas, max_images=1)
+      features = read(encoder, batch["images"], batch["pixel_valid"], batch["image_valid"])
+      table[start:start + chunk] = np.asarray(features)[:len(images) - start, 0]
+    offsets = np.cumsum([0] + [len(example.images) for example in self.train_examples])
+    rows = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(self.train_examples))]
+    logging.info("data.cache_features: %d training images' frozen features cached (%.0f MiB)", len(images),
+                 table.nbytes / 2**20)
+    return table, rows
+
   # --- token layout -----------------------------------------------------------------------------
 
   def slots(self, image: np.ndarray) -> int:
@@ -353,9 +404,11 @@ class VLMTask(task_lib.Task):
     labels = np.where(labels == vlm.SOFT_TOKEN, lm_lib.PAD_ID, labels)
     return Layout(ids=ids, labels=labels, weights=weights, targets=tuple(targets))
 
-  def _rows(self, examples, layouts, indices, *, length: int | None = None, max_images: int = MAX_IMAGES):
+  def _rows(self, examples, layouts, indices, *, length: int | None = None, max_images: int = MAX_IMAGES,
+            features=None):
     """Right-padded token arrays [n, length] (self.length by default) and `max_images` collated image slots
-    of the given examples (index -1: a weight-0 row)."""
+    of the given examples (index -1: a weight-0 row); with `features` (`_cache_features` of these examples)
+    the slots' frozen features [n, max_images, 1 + P, width] instead of their pixels."""
     n, length = len(indices), length or self.length
     tokens = np.zeros((n, length), np.int32)
     labels = np.zeros((n, length), np.int32)
@@ -371,6 +424,14 @@ class VLMTask(task_lib.Task):
       images.append(examples[index].images)
     batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=max_images)
     batch.update(tokens=tokens, labels=labels, weights=weights, valid=tokens != lm_lib.PAD_ID)
+    if features is not None:  # the cached frozen features replace the images (empty slots: zeros)
+      table, table_rows = features
+      gathered = np.zeros((n, max_images) + table.shape[1:], table.dtype)
+      for row, index in enumerate(indices):
+        if index >= 0:
+          gathered[row, :len(table_rows[index])] = table[table_rows[index]]
+      batch["features"] = gathered
+      del batch["images"]
     return batch
 
   # --- batches ----------------------------------------------------------------------------------
@@ -384,14 +445,15 @@ class VLMTask(task_lib.Task):
       length = batching.round_up(max(len(self.train_layouts[i].ids) for i in rows), 8)
       max_images = max(len(self.train_examples[i].images) for i in rows)
       return self._rows(self.train_examples, self.train_layouts, rows[process_index * local:][:local],
-                        length=length, max_images=max_images)
+                        length=length, max_images=max_images, features=self._train_features)
     if self.config.data.source != "tsv":  # the bundled strips are drawn at random per index: cycled as drawn
       return self._rows(self.train_examples, self.train_layouts,
-                        (step * size + process_index * local + np.arange(local)) % count)
+                        (step * size + process_index * local + np.arange(local)) % count,
+                        features=self._train_features)
     # A user's file may be sorted (by subject, by source): epoch e takes its pairs in the permutation seeded
     # by (config.seed, e), as the text tasks do (batching.epoch_order).
     rows = self._train_order.batch(step, self.config.seed, size)[process_index * local:][:local]
-    return self._rows(self.train_examples, self.train_layouts, rows)
+    return self._rows(self.train_examples, self.train_layouts, rows, features=self._train_features)
 
   def eval_batches(self, *, process_index, process_count):
     size = self.config.eval_batch_size
@@ -405,14 +467,13 @@ class VLMTask(task_lib.Task):
   def make_model(self, rngs, *, dtype, param_dtype):
     model = self.config.model
     rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())  # the layers' Dropout wants a stream
-    encoder = encoder_task.make_encoder(self.encoder_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    encoder = self._frozen_encoder(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     if self.weights is not None:  # None in eval / infer: the checkpoint restore sets them
-      for module, weights in ((encoder, self.weights["encoder"]), (lm, self.weights["lm"])):
-        state = nnx.state(module, nnx.Param)
-        nnx.replace_by_pure_dict(state, weights)
-        nnx.update(module, state)
+      state = nnx.state(lm, nnx.Param)
+      nnx.replace_by_pure_dict(state, self.weights["lm"])
+      nnx.update(lm, state)
     return vlm.VisionLanguageModel(
         encoder, lm, connector=model.connector, image_token_id=self.marker, num_heads=model.num_heads,
         mlp_ratio=model.mlp_ratio, cross_attention_every=model.cross_attention_every,
@@ -424,8 +485,8 @@ class VLMTask(task_lib.Task):
 
   @staticmethod
   def _logits(model, batch, deterministic=True):
-    return model(batch["images"], batch["pixel_valid"], batch["image_valid"], batch["tokens"], batch["valid"],
-                 deterministic=deterministic)
+    return model(batch.get("images"), batch["pixel_valid"], batch["image_valid"], batch["tokens"], batch["valid"],
+                 features=batch.get("features"), deterministic=deterministic)
 
   def loss(self, model, batch, *, rngs):
     del rngs
