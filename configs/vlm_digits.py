@@ -6,7 +6,7 @@
     python launch.py --config=configs/vlm_digits.py:connector=llava,positions=mrope --workdir=workdirs/vlm_llava_mrope
     python launch.py --config=configs/vlm_digits.py:connector=llava,merge=2 --workdir=workdirs/vlm_llava_merge2
     python launch.py --config=configs/vlm_digits.py:connector=qformer,scale=2 --workdir=workdirs/vlm_qformer_x2
-    python launch.py --config=configs/vlm_digits.py:connector=qformer,bucketing=true --workdir=workdirs/vlm_qformer_b
+    python launch.py --config=configs/vlm_digits.py:connector=qformer,bucketing=false --workdir=workdirs/vlm_qformer_p
     printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
         --workdir=workdirs/vlm_llava --mode=infer
 
@@ -75,6 +75,7 @@ def vlm_config(args) -> ConfigDict:
       "train_file": "",
       "eval_file": "",
       # batches padded to their own examples' images and tokens (tasks/vlm/task.py); False: to the longest example
+      # and two image slots, the bundled strips cycled in their drawn order
       "length_bucketing": args.bucketing,
       # the training images' frozen features computed once, not in every step (tasks/vlm/task.py)
       "cache_features": args.cache,
@@ -82,9 +83,10 @@ def vlm_config(args) -> ConfigDict:
   return config
 
 
-# Each connector's steps when the config names none: about 10 minutes of training on 2 CPU cores. llava hands
-# the LM 16 soft tokens a digit and the Q-Former 33 an image, so their steps cost about 3x and 2x flamingo's.
-DEFAULT_STEPS = {"flamingo": 7000, "qformer": 6000, "llava": 3500}
+# Each connector's steps when the config names none: about 10 minutes of training on 2 CPU cores (bucketed
+# batches, cached features). llava hands the LM 16 soft tokens a digit and the Q-Former 33 an image, so their
+# steps cost about 2.3x and 1.9x flamingo's.
+DEFAULT_STEPS = {"flamingo": 14000, "qformer": 8000, "llava": 6000}
 # Each connector's peak learning rate when the config names none. llava's projector is a per-patch MLP of
 # ~29k parameters and learns fastest at the highest of these (experiments/results/amd_epyc_avx512/llava_lr.md).
 DEFAULT_LR = {"flamingo": 3e-3, "qformer": 3e-3, "llava": 1e-2}
@@ -103,6 +105,6 @@ def get_config(arg=None):
   # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR
   args = common.parse_arg(arg, steps=0, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
-                          lm="workdirs/vlm_lm", bucketing=False, cache=True)
+                          lm="workdirs/vlm_lm", bucketing=True, cache=True)
   connector_defaults(args)
   return vlm_config(args)
