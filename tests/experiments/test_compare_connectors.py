@@ -19,7 +19,7 @@ def test_cost_rows_count_what_an_image_hands_the_lm_at_each_scale():
   for r in rows:
     patches = 4 * r["digits"] * r["scale"] ** 2  # (8 s / 4)^2 patches a digit
     assert r["M"] == patches + 1 and r["tokens_to_lm"] == patches + 1  # llava: a token a patch, then the marker
-    assert r["forward_ms"] > 0 and r["train_step_ms"] > 0
+    assert r["forward_ms"] > 0 and r["train_step_ms"] > 0 and r["cached_step_ms"] > 0
   # the connector's own 2D position table is sized to the grid; nothing else in it grows with the image
   assert rows[1]["trainable_parameters"] > rows[0]["trainable_parameters"]
 
