@@ -147,20 +147,20 @@ def _cost_by_scale(task, scales, digits: int) -> list[dict]:
       batches[k] = (examples[index].images[0], batch)
     read = nnx.jit(lambda m, b: vlm.frozen_features(m.encoder, b["images"], b["pixel_valid"], b["image_valid"],
                                                     hide_padding=m.hide_padding, dtype=jnp.float32)[0])
+    pixels = {k: batch for k, (_, batch) in batches.items()}
     cached = {k: {**{key: v for key, v in batch.items() if key != "images"}, "features": read(model, batch)}
-              for k, (_, batch) in batches.items()}
-    functions = (("forward_ms", forward, batches), ("train_step_ms", gradients, batches),
+              for k, batch in pixels.items()}
+    functions = (("forward_ms", forward, pixels), ("train_step_ms", gradients, pixels),
                  ("cached_step_ms", gradients, cached))
     for k in batches:  # compile every shape first
       for _, fn, inputs in functions:
-        jax.block_until_ready(fn(model, inputs[k][1] if inputs is batches else inputs[k]))
+        jax.block_until_ready(fn(model, inputs[k]))
     times = {(k, name): [] for k in batches for name, _, _ in functions}
     for _ in range(5):  # interleaved rounds: a slow moment of the host spreads over every size
       for k in batches:
         for name, fn, inputs in functions:
-          batch = inputs[k][1] if inputs is batches else inputs[k]
           begin = time.perf_counter()
-          jax.block_until_ready(fn(model, batch))
+          jax.block_until_ready(fn(model, inputs[k]))
           times[k, name].append(time.perf_counter() - begin)
     for k, (image, _) in batches.items():
       rows.append({"scale": scale, "digits": k, "M": 1 + (image.shape[0] // task.patch_size) *

@@ -103,6 +103,13 @@ def _select(tree: dict, template: dict) -> dict:
           for key, sub in template.items()}
 
 
+def _set_params(module: nnx.Module, weights: dict) -> None:
+  """Loads nested dict `weights` (as `_select` returns them) into the module's `nnx.Param`s."""
+  state = nnx.state(module, nnx.Param)
+  nnx.replace_by_pure_dict(state, weights)
+  nnx.update(module, state)
+
+
 def _normalise(text: str) -> str:
   return " ".join(text.split())
 
@@ -268,7 +275,7 @@ class VLMTask(task_lib.Task):
     sort_keys = np.asarray([len(e.images) for e in self.train_examples]) if self.length_bucketing else None
     self._train_order = batching.EpochOrder(len(self.train_examples), sort_keys)  # a user's pairs: shuffled
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
-    self._train_features = None  # (table [images, 1 + P, width], per example its rows in the table)
+    self._train_features = None  # (table [images, 1 + P, width], example i's images at offsets[i]:offsets[i + 1])
     if mode == "train" and config.data.get("cache_features", False):
       self._train_features = self._cache_features()
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
@@ -333,15 +340,14 @@ class VLMTask(task_lib.Task):
     encoder = encoder_task.make_encoder(self.encoder_model, dtype=dtype, param_dtype=param_dtype,
                                         rngs=rngs or nnx.Rngs(params=0, dropout=0))
     if self.weights is not None:
-      state = nnx.state(encoder, nnx.Param)
-      nnx.replace_by_pure_dict(state, self.weights["encoder"])
-      nnx.update(encoder, state)
+      _set_params(encoder, self.weights["encoder"])
     return encoder
 
   def _cache_features(self, chunk: int = 256):
     """The frozen encoder's features of every training image (data.cache_features), computed once as each
     step would compute them (`vlm.frozen_features`, in the compute dtype) -> (table [images, 1 + P, width],
-    per example the table rows of its images), or None when the table would pass FEATURE_CACHE_MAX_BYTES."""
+    offsets: example i's images are table rows offsets[i]:offsets[i + 1]), or None when the table would pass
+    FEATURE_CACHE_MAX_BYTES."""
     images = [image for example in self.train_examples for image in example.images]
     encoder_model = self.encoder_model
     patches = (self.canvas[0] // encoder_model.patch_size) * (self.canvas[1] // encoder_model.patch_size)
@@ -364,10 +370,9 @@ class VLMTask(task_lib.Task):
       features = read(encoder, batch["images"], batch["pixel_valid"], batch["image_valid"])
       table[start:start + chunk] = np.asarray(features)[:len(images) - start, 0]
     offsets = np.cumsum([0] + [len(example.images) for example in self.train_examples])
-    rows = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(self.train_examples))]
     logging.info("data.cache_features: %d training images' frozen features cached (%.0f MiB)", len(images),
                  table.nbytes / 2**20)
-    return table, rows
+    return table, offsets
 
   # --- token layout -----------------------------------------------------------------------------
 
@@ -425,11 +430,11 @@ class VLMTask(task_lib.Task):
     batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=max_images)
     batch.update(tokens=tokens, labels=labels, weights=weights, valid=tokens != lm_lib.PAD_ID)
     if features is not None:  # the cached frozen features replace the images (empty slots: zeros)
-      table, table_rows = features
+      table, offsets = features
       gathered = np.zeros((n, max_images) + table.shape[1:], table.dtype)
       for row, index in enumerate(indices):
         if index >= 0:
-          gathered[row, :len(table_rows[index])] = table[table_rows[index]]
+          gathered[row, :offsets[index + 1] - offsets[index]] = table[offsets[index]:offsets[index + 1]]
       batch["features"] = gathered
       del batch["images"]
     return batch
@@ -471,9 +476,7 @@ class VLMTask(task_lib.Task):
     lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     if self.weights is not None:  # None in eval / infer: the checkpoint restore sets them
-      state = nnx.state(lm, nnx.Param)
-      nnx.replace_by_pure_dict(state, self.weights["lm"])
-      nnx.update(lm, state)
+      _set_params(lm, self.weights["lm"])
     return vlm.VisionLanguageModel(
         encoder, lm, connector=model.connector, image_token_id=self.marker, num_heads=model.num_heads,
         mlp_ratio=model.mlp_ratio, cross_attention_every=model.cross_attention_every,
