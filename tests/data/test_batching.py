@@ -283,5 +283,19 @@ def test_sorted_epochs_make_batches_of_one_key_in_a_random_order():
   again = batching.EpochOrder(96, keys)
   np.testing.assert_array_equal(again.batch(7, 5, 8), order.batch(7, 5, 8))  # a pure function of the step
   assert not all(np.array_equal(order.batch(s, 5, 8), order.batch(12 + s, 5, 8)) for s in range(12))
-  with pytest.raises(ValueError, match=r"sort_keys must be \[num_units=96\], got \[95\]"):
+  with pytest.raises(ValueError, match=r"sort_keys must be \[num_units=96\] or .*, got \[95\]"):
     batching.EpochOrder(96, keys[:95])
+
+
+def test_rows_of_sort_keys_sort_by_their_first_column_then_the_next():
+  """A translator's buckets: (padded source length, padded target length)."""
+  keys = np.random.default_rng(2).permutation(np.repeat([[2, 1], [1, 3], [1, 2]], [24, 16, 24], axis=0))
+  order = batching.EpochOrder(64, keys)
+  epoch = [order.batch(step, 0, 8) for step in range(8)]
+  assert all(len({tuple(k) for k in keys[batch]}) == 1 for batch in epoch)
+  permutation = batching.epoch_order(np.random.default_rng([0, 0]), 64, 8)
+  ranked = permutation[np.lexsort((keys[permutation, 1], keys[permutation, 0]))].reshape(8, 8)
+  assert sorted(map(tuple, ranked)) == sorted(map(tuple, epoch))
+  assert [tuple(keys[b[0]]) for b in ranked] == sorted(tuple(keys[b[0]]) for b in ranked)  # (1, 2) < (1, 3) < (2, 1)
+  with pytest.raises(ValueError, match=r"got \[64, 2, 1\]"):
+    batching.EpochOrder(64, keys[..., None])

@@ -60,16 +60,20 @@ class EpochOrder:
   (seed, e): a pure function of (seed, step, batch_size), the latest epoch's order cached (consecutive steps
   share an epoch).
 
-  With ``sort_keys`` (one integer per unit, e.g. its image count) the epoch's permutation is stably sorted
-  by key before it is cut into batches, so a batch holds units of one key wherever the counts allow (bucketing:
-  a batch pads only to its own units' shape); the batches then come in a random order.
+  With ``sort_keys`` (per unit an integer, e.g. its image count, or a row of integers compared in order, e.g.
+  padded source and target lengths) the epoch's permutation is stably sorted by key before it is cut into
+  batches, so a batch holds units of one key wherever the counts allow (bucketing: a batch pads only to its
+  own units' shape); the batches then come in a random order.
   """
 
   def __init__(self, num_units: int, sort_keys: np.ndarray | None = None):
-    if sort_keys is not None and np.shape(sort_keys) != (num_units,):
-      raise ValueError(f"EpochOrder: sort_keys must be [num_units={num_units}], got {list(np.shape(sort_keys))}")
+    if sort_keys is not None and (np.shape(sort_keys)[:1] != (num_units,) or not 1 <= np.ndim(sort_keys) <= 2):
+      raise ValueError(f"EpochOrder: sort_keys must be [num_units={num_units}] or [num_units={num_units}, keys], "
+                       f"got {list(np.shape(sort_keys))}")
     self.num_units = num_units
-    self.sort_keys = None if sort_keys is None else np.asarray(sort_keys)
+    self.sort_keys = None
+    if sort_keys is not None:
+      self.sort_keys = np.asarray(sort_keys)[:, None] if np.ndim(sort_keys) == 1 else np.asarray(sort_keys)
     self._cache: tuple = (None, None)
 
   def batch(self, step: int, seed: int, batch_size: int) -> np.ndarray:
@@ -81,8 +85,8 @@ class EpochOrder:
       rng = np.random.default_rng([seed, epoch])
       order = epoch_order(rng, self.num_units, batch_size)
       batches = order.reshape(steps, batch_size)
-      if self.sort_keys is not None:
-        batches = order[np.argsort(self.sort_keys[order], kind="stable")].reshape(steps, batch_size)
+      if self.sort_keys is not None:  # lexsort: the last key it is given sorts first, and it is stable
+        batches = order[np.lexsort(self.sort_keys[order].T[::-1])].reshape(steps, batch_size)
         batches = batches[rng.permutation(steps)]
       self._cache = (key, batches)
     return self._cache[1][step_in_epoch]
@@ -141,10 +145,10 @@ class TranslationBatches:
     max_source_length, max_target_length: S and T, the row lengths (T counts the EOS). None: the
       longest example, rounded up to ``pad_multiple``, but at most ``length_limit`` (e.g. the model's
       positions). Longer examples are truncated, with a warning.
-    length_bucketing: each epoch is sorted by padded length before being cut into batches (the
-      batch order is then shuffled), and a batch is padded only to its own longest example rounded
-      up to ``pad_multiple``; shapes come from the bounded set {pad_multiple, 2 * pad_multiple, ...,
-      S} x {..., T}, so jit compiles a bounded number of times.
+    length_bucketing: each epoch is sorted by padded (source, target) length before being cut into
+      batches (the batch order is then shuffled: ``EpochOrder``), and a batch is padded only to its own
+      longest example rounded up to ``pad_multiple``; shapes come from the bounded set {pad_multiple,
+      2 * pad_multiple, ..., S} x {..., T}, so jit compiles a bounded number of times.
     packing: examples are packed once, next-fit in a fixed shuffled order, into rows of length S and
       T, and training samples rows instead of examples. Packing is fixed across epochs (only the row
       order changes) so that a step maps to its batch in O(1). Eval batches are never packed.
@@ -196,7 +200,10 @@ class TranslationBatches:
     self.source_lengths = np.minimum(source.lengths, self.max_source_length)           # [num_examples]
     self.target_lengths = np.minimum(target.lengths + 1, self.max_target_length)       # [num_examples], EOS included
     self._rows = self._pack() if packing else None  # list of example-index arrays, one per packed row
-    self._epoch_cache: tuple = (None, None)
+    buckets = None
+    if self.length_bucketing:  # padded (source, target) lengths: a batch of one key pads to one shape
+      buckets = np.stack([-(-self.source_lengths // self.pad_multiple), -(-self.target_lengths // self.pad_multiple)], 1)
+    self._order = EpochOrder(self.num_units, buckets)
 
   @classmethod
   def from_pairs(cls, pairs: Sequence[tuple[str, str]], tokenizer: tokenizers.Tokenizer,
@@ -296,30 +303,6 @@ class TranslationBatches:
     _check_positive_int("batch_size", batch_size)
     return steps_per_epoch(self.num_units, batch_size)
 
-  def _epoch_batches(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
-    """Unit indices of every global batch of one epoch: [steps_per_epoch, batch_size].
-
-    Cached for the latest (seed, epoch, batch_size): consecutive steps share an epoch.
-    """
-    key = (seed, epoch, batch_size)
-    if self._epoch_cache[0] == key:
-      return self._epoch_cache[1]
-    batches = self._compute_epoch_batches(seed, epoch, batch_size)
-    self._epoch_cache = (key, batches)
-    return batches
-
-  def _compute_epoch_batches(self, seed: int, epoch: int, batch_size: int) -> np.ndarray:
-    steps = self.steps_per_epoch(batch_size)
-    rng = np.random.default_rng([seed, epoch])
-    units = epoch_order(rng, self.num_units, batch_size)
-    if self.length_bucketing:
-      source_bucket = (self.source_lengths[units] + self.pad_multiple - 1) // self.pad_multiple
-      target_bucket = (self.target_lengths[units] + self.pad_multiple - 1) // self.pad_multiple
-      # Stable sort keeps the random order inside a bucket; then shuffle which batch comes when.
-      units = units[np.lexsort((target_bucket, source_bucket))]
-      return units.reshape(steps, batch_size)[rng.permutation(steps)]
-    return units.reshape(steps, batch_size)
-
   def train_batch(self, step: int, *, seed: int, batch_size: int, process_index: int = 0,
                   process_count: int = 1) -> dict[str, np.ndarray]:
     """This process's share of global training batch ``step``: arrays [batch_size // process_count, ...].
@@ -334,8 +317,7 @@ class TranslationBatches:
     _check_process(process_index, process_count)
     if batch_size % process_count:
       raise ValueError(f"batch_size={batch_size} (global) must be divisible by process_count={process_count}")
-    epoch, step_in_epoch = divmod(step, self.steps_per_epoch(batch_size))
-    units = self._epoch_batches(int(seed), int(epoch), int(batch_size))[step_in_epoch]  # [batch_size]
+    units = self._order.batch(int(step), int(seed), int(batch_size))  # [batch_size]
     local = batch_size // process_count
     local_units = units[process_index * local:(process_index + 1) * local]
     if self.packing:
