@@ -67,13 +67,12 @@ class EpochOrder:
   """
 
   def __init__(self, num_units: int, sort_keys: np.ndarray | None = None):
-    if sort_keys is not None and (np.shape(sort_keys)[:1] != (num_units,) or not 1 <= np.ndim(sort_keys) <= 2):
+    keys = None if sort_keys is None else np.asarray(sort_keys)
+    if keys is not None and (keys.shape[:1] != (num_units,) or not 1 <= keys.ndim <= 2):
       raise ValueError(f"EpochOrder: sort_keys must be [num_units={num_units}] or [num_units={num_units}, keys], "
-                       f"got {list(np.shape(sort_keys))}")
+                       f"got {list(keys.shape)}")
     self.num_units = num_units
-    self.sort_keys = None
-    if sort_keys is not None:
-      self.sort_keys = np.asarray(sort_keys)[:, None] if np.ndim(sort_keys) == 1 else np.asarray(sort_keys)
+    self.sort_keys = None if keys is None else keys[:, None] if keys.ndim == 1 else keys  # [num_units, keys]
     self._cache: tuple = (None, None)
 
   def batch(self, step: int, seed: int, batch_size: int) -> np.ndarray:
@@ -200,10 +199,9 @@ class TranslationBatches:
     self.source_lengths = np.minimum(source.lengths, self.max_source_length)           # [num_examples]
     self.target_lengths = np.minimum(target.lengths + 1, self.max_target_length)       # [num_examples], EOS included
     self._rows = self._pack() if packing else None  # list of example-index arrays, one per packed row
-    buckets = None
-    if self.length_bucketing:  # padded (source, target) lengths: a batch of one key pads to one shape
-      buckets = np.stack([-(-self.source_lengths // self.pad_multiple), -(-self.target_lengths // self.pad_multiple)], 1)
-    self._order = EpochOrder(self.num_units, buckets)
+    # Bucketing sorts by padded (source, target) length: a batch of one key pads to one shape.
+    buckets = -(-np.stack([self.source_lengths, self.target_lengths], 1) // self.pad_multiple)
+    self._order = EpochOrder(self.num_units, buckets if self.length_bucketing else None)
 
   @classmethod
   def from_pairs(cls, pairs: Sequence[tuple[str, str]], tokenizer: tokenizers.Tokenizer,
