@@ -126,6 +126,11 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
 
   config.infer = ConfigDict({"input_file": "-"})  # "-" reads stdin; one input per line
 
+  # num_steps > 0: trace the calls that run steps first_step + 1 ... first_step + num_steps (whole
+  # calls) with jax.profiler into workdir/profile, with a table of where their time went
+  # (xattn_jax/training/profiling.py). Skip the first call, which compiles: first_step >= steps_per_call.
+  config.profile = ConfigDict({"first_step": 0, "num_steps": 0})
+
   # Test-only knobs: fault injection and slowing the loop down (a sleep after each call) so a signal
   # can land mid-run.
   config.debug = ConfigDict({"nan_at_step": -1, "step_delay_s": 0.0})

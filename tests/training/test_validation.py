@@ -91,6 +91,8 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "total_steps", True, "must be a positive integer"),
     ("size=tiny", "optimizer.learning_rate", float("inf"), "must be > 0 and finite"),  # was NaN at step 2
     ("size=tiny", "optimizer.weight_decay", float("inf"), "must be >= 0 and finite"),
+    ("size=tiny", "profile.num_steps", -1, "must be a non-negative integer"),
+    ("size=tiny", "profile.first_step", True, "must be a non-negative integer"),
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""

@@ -3,9 +3,9 @@
 The engine's pieces, each in its module: `trainer` (the task, mesh, state layout and jitted steps
 of a config; the resume order), `schedule` (which steps each jitted call runs), `progress` (the
 metrics of dispatched calls), `guards` (divergence, SIGTERM / Ctrl-C), `rng` (per-step keys),
-`workdir` (the config record), `inference` (input lines in, answers out; `load_model`). This module
-keeps the entry point and the training loop that strings them together; it also re-exports the
-names scripts use (`loop.load_model`, `loop.multi_step`, `loop.TrainingDiverged` ...).
+`workdir` (the config record), `inference` (input lines in, answers out; `load_model`), `profiling`
+(a trace of a few steps: config.profile). This module keeps the entry point and the training loop
+that strings them together; it also re-exports the names scripts use (`loop.load_model`, `loop.multi_step`, `loop.TrainingDiverged` ...).
 
 Steps count completed updates: update number s (1-based) reads the task's train batch s - 1, and
 checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` rows with "step": s.
@@ -24,7 +24,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import guards, inference, metrics as metrics_lib, progress, schedule, validation
+from xattn_jax.training import guards, inference, metrics as metrics_lib, profiling, progress, schedule, validation
 from xattn_jax.training import workdir as workdir_lib
 from xattn_jax.training.errors import DataError, RunError  # noqa: F401 - re-exported
 from xattn_jax.training.guards import TrainingDiverged  # noqa: F401 - re-exported
@@ -54,10 +54,13 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   feed = schedule.CallFeed(trainer.read_train_batch, config)
   step_log = progress.StepLog(config, writer, checkpoints.steps)
   vote = guards.stop_vote(trainer.mesh) if trainer.process_count > 1 else None
+  profiler = profiling.StepProfiler(config, trainer.workdir, is_writer=trainer.process_index == 0)
   last_eval, stopped = {}, False
-  with guards.stop_flag() as flag, contextlib.closing(writer):
+  with guards.stop_flag() as flag, contextlib.closing(writer), contextlib.ExitStack() as cleanup:
+    cleanup.callback(lambda: profiler.close(step, state))  # a run that ends inside the window
     stop_requests = guards.StopRequests(flag, vote)
     while step < config.total_steps and not stopped:
+      profiler.before_call(step, state)
       local_batches, count = feed.next_call(step)
       batches = trainer.batch(local_batches, config.batch_size, stacked=True)
       state, call_metrics = train_step(state, batches, jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32),
@@ -69,6 +72,8 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
       stopped = stop_requests.after_call(step)
       end = schedule.call_end(step, count, config)
       save = end.checkpoint or stopped
+      if profiler.after_call(step, state, window_ends=end.evaluate or save):  # traces training calls only
+        step_log.restart_timer(step)  # steps/s leaves out the traced calls and the summary
       if end.log or end.evaluate or save:
         train_row = step_log.flush(hold_step=step if end.evaluate else None)  # raises if diverged
       if end.evaluate:

@@ -235,6 +235,11 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if "steps_per_call" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "steps_per_call")
   require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
+  if "profile" in config:  # a run's config.py written before the field existed has none
+    require_positive(config, "profile.first_step", "profile.num_steps", allow_zero=True)
+    if config.profile.num_steps and config.profile.first_step >= config.total_steps:
+      raise ConfigError("profile.first_step", config.profile.first_step,
+                        f"must be below total_steps ({config.total_steps}) to trace any step")
   require_choice(config, "optimizer.name", optim.OPTIMIZERS)
   require_choice(config, "optimizer.schedule", optim.SCHEDULES)
   _check_optimizer_numbers(config.optimizer)

@@ -1,0 +1,72 @@
+"""config.profile: a trace of the steps asked for, and a table of where their time went."""
+import gzip
+import json
+import re
+
+import pytest
+
+from configs import template
+from xattn_jax.training import loop, profiling, validation
+
+# A 2-step call at a time; no checkpoint or eval inside the runs below but the last step's.
+OVERRIDES = {"batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 8, "log_every_steps": 2,
+             "steps_per_call": 2, "logging.tensorboard": False, "logging.plot": False}
+
+
+def _run(tmp_path, total_steps, first_step, num_steps):
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({**OVERRIDES, "total_steps": total_steps, "eval_every_steps": total_steps,
+                                     "checkpoint.every_steps": total_steps, "profile.first_step": first_step,
+                                     "profile.num_steps": num_steps})
+  workdir = tmp_path / "run"
+  loop.run(config, str(workdir))
+  return workdir / "profile"
+
+
+def _op_rows(summary: str) -> dict[str, float]:
+  return {m[1]: float(m[2]) for m in re.finditer(r"^\| `(\w+)` \| ([\d.]+) \| [\d.]+ \| [\d.]+%", summary, re.M)}
+
+
+def test_the_steps_asked_for_are_traced_and_their_ops_tabled(tmp_path):
+  directory = _run(tmp_path, total_steps=8, first_step=2, num_steps=4)
+  summary = (directory / profiling.SUMMARY_FILE).read_text()
+  assert summary.startswith("# Profile of steps 3-6 (4 steps)")  # calls of 2 steps: 3-4, 5-6
+  assert profiling.newest_trace(str(directory)).endswith(".trace.json.gz")
+  rows = _op_rows(summary)
+  assert rows and all(ms >= 0 for ms in rows.values())
+  assert any("dot" in kind or "fusion" in kind for kind in rows)  # the step's matmuls are XLA ops
+
+
+def test_the_window_ends_where_the_run_evaluates(tmp_path):
+  directory = _run(tmp_path, total_steps=4, first_step=2, num_steps=100)
+  assert (directory / profiling.SUMMARY_FILE).read_text().startswith("# Profile of steps 3-4 (2 steps)")
+
+
+def test_no_profile_is_written_by_default(tmp_path):
+  assert not _run(tmp_path, total_steps=2, first_step=0, num_steps=0).exists()
+
+
+def test_summary_adds_up_the_xla_ops_per_step_and_leaves_host_events_out(tmp_path):
+  events = [
+      {"ph": "X", "ts": 0.0, "dur": 5.0, "name": "$api.py:1 block_until_ready"},  # host: not an op
+      {"ph": "X", "ts": 10.0, "dur": 3000.0, "name": "ynn_fusion.1", "args": {"hlo_op": "ynn_fusion.1"}},
+      {"ph": "X", "ts": 20.0, "dur": 1000.0, "name": "ynn_fusion.2", "args": {"hlo_op": "ynn_fusion.2"}},
+      {"ph": "X", "ts": 3000.0, "dur": 1000.0, "name": "copy.7", "args": {"hlo_op": "copy.7"}},
+      {"ph": "M", "name": "thread_name", "args": {"name": "main"}},
+  ]
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  with gzip.open(run / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  summary = profiling.summarize(str(tmp_path), steps=2, first_step=5)
+  assert summary.startswith("# Profile of steps 5-6 (2 steps)")
+  assert "Traced wall time 2.00 ms a step; XLA ops 2.50 ms a step" in summary  # 0 .. 4000 us; 5000 us of ops
+  assert _op_rows(summary) == {"ynn_fusion": 2.0, "copy": 0.5}
+  assert "| `ynn_fusion.1` | 1.50 | 0.5 |" in summary
+
+
+def test_a_window_past_the_last_step_is_a_config_error():
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"total_steps": 10, "profile.first_step": 10, "profile.num_steps": 5})
+  with pytest.raises(validation.ConfigError, match=r"^config\.profile\.first_step=10: must be below total_steps"):
+    validation.validate_config(config)

@@ -1,0 +1,159 @@
+"""A trace of a few training steps (`config.profile`) and a table of where their time went.
+
+    python launch.py --config=... --workdir=RUN --config.profile.first_step=100 --config.profile.num_steps=8
+
+traces the jitted calls that run steps 101 ... 108 with `jax.profiler` into RUN/profile/ (open it with
+TensorBoard's profile plugin or xprof, or load the `*.trace.json.gz` in ui.perfetto.dev) and writes
+RUN/profile/summary.md: the traced calls' wall time per step, and the time per step of each kind of XLA
+op (HLO instruction names without their numbers: `ynn_fusion`, `dot`, `copy_bitcast_fusion` ...) and of
+the costliest single ops. Whole calls are traced (a call runs `steps_per_call` steps), so the window
+grows to call boundaries; the table divides by the steps the traced calls ran. Pending calls are waited
+for before the trace starts, and the traced ones before it stops, so no other step's work is in it. An eval or a checkpoint ends the
+window early (the summary names the steps it holds).
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+import jax
+from absl import logging
+
+SUMMARY_FILE = "summary.md"
+
+
+def trace_dir(workdir: str) -> str:
+  return os.path.join(workdir, "profile")
+
+
+def window(config) -> tuple[int, int]:
+  """(first_step, num_steps) of config.profile; (0, 0) (off) in a config written before the field existed."""
+  profile = config.get("profile", None)
+  if profile is None:
+    return 0, 0
+  return profile.first_step, profile.num_steps
+
+
+class StepProfiler:
+  """Starts the trace before the first call that begins at or after `first_step` (completed steps)
+  and stops it after the call that completes `num_steps` more; then writes the summary.
+
+  The loop calls `before_call(step, state)` before each train call, `after_call(step, outputs, ...)`
+  after it (step: completed steps at that moment) and `close()` at the end (a run that stops inside
+  the window, by a signal or an error, still gets its trace and summary). Every process traces (its own host's ops); process 0 writes the
+  summary.
+  """
+
+  def __init__(self, config, workdir: str, *, is_writer: bool):
+    self.first_step, self.num_steps = window(config)
+    self.directory = trace_dir(workdir)
+    self.is_writer = is_writer
+    self.started_at: int | None = None
+    self.done = self.num_steps == 0
+
+  def before_call(self, step: int, state) -> None:
+    if self.done or self.started_at is not None or step < self.first_step:
+      return
+    jax.block_until_ready(state)  # calls dispatched earlier must not run inside the trace
+    os.makedirs(self.directory, exist_ok=True)
+    jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+    self.started_at = step
+    logging.info("Profiling from step %d (%s)", step + 1, self.directory)
+
+  def after_call(self, step: int, outputs, *, window_ends: bool = False) -> bool:
+    """Stops the trace once the window's steps have run, or where the loop evaluates or saves next
+    (`window_ends`: the trace holds training calls only); True if it stopped (the summary is written)."""
+    if self.started_at is not None and (window_ends or step - self.started_at >= self.num_steps):
+      self._stop(step, outputs)
+      return True
+    return False
+
+  def close(self, step: int, outputs=None) -> None:
+    """Stops a trace still running (the run ended or failed inside the window) and summarises it."""
+    if self.started_at is None:
+      return
+    try:
+      self._stop(step, outputs)
+    except Exception as error:  # noqa: BLE001 - never hide what ended the run
+      logging.warning("profile of the steps from %d not summarised: %s", self.started_at + 1, error)
+
+  def _stop(self, step: int, outputs) -> None:
+    try:
+      jax.block_until_ready(outputs)
+    finally:
+      jax.profiler.stop_trace()
+    first, self.started_at, self.done = self.started_at, None, True
+    if not self.is_writer:
+      return
+    text = summarize(self.directory, steps=step - first, first_step=first + 1)
+    with open(os.path.join(self.directory, SUMMARY_FILE), "w") as f:
+      f.write(text)
+    logging.info("Profile of steps %d-%d written to %s:\n%s", first + 1, step, self.directory,
+                 "\n".join(text.splitlines()[:16]))
+
+
+def newest_trace(directory: str) -> str:
+  """The newest perfetto trace (`*.trace.json.gz`) jax.profiler wrote under `directory`."""
+  traces = glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True)
+  if not traces:
+    raise FileNotFoundError(f"no *.trace.json.gz under {directory}")
+  return max(traces, key=os.path.getmtime)
+
+
+def op_times(trace_path: str) -> tuple[dict[str, float], dict[str, int], float]:
+  """({HLO op name: total microseconds}, {name: count}, microseconds from the first event to the last
+  op's end) of the XLA ops in one perfetto trace. Ops are the events that carry an `hlo_op`
+  argument; host-side events (Python, dispatch, waits) are not."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  totals, counts = collections.Counter(), collections.Counter()
+  start, end = float("inf"), 0.0
+  for event in events:
+    if event.get("ph") != "X" or "dur" not in event:
+      continue
+    start = min(start, event["ts"])
+    if "hlo_op" in event.get("args", {}):
+      totals[event["name"]] += event["dur"]
+      counts[event["name"]] += 1
+      end = max(end, event["ts"] + event["dur"])
+  return dict(totals), dict(counts), max(end - start, 0.0)
+
+
+def op_kind(name: str) -> str:
+  """An HLO instruction's kind: its name without the number XLA appends (`ynn_fusion.116` -> `ynn_fusion`)."""
+  return re.sub(r"\.\d+$", "", name)
+
+
+def summarize(directory: str, *, steps: int, first_step: int, top: int = 15) -> str:
+  """The markdown table of the newest trace under `directory`, per training step (`steps` traced)."""
+  if steps < 1:
+    raise ValueError(f"steps={steps}: the traced calls ran no step")
+  totals, counts, span = op_times(newest_trace(directory))
+  kinds, kind_counts = collections.Counter(), collections.Counter()
+  for name, micros in totals.items():
+    kinds[op_kind(name)] += micros
+    kind_counts[op_kind(name)] += counts[name]
+  op_total = sum(totals.values())
+  per_step = lambda micros: micros / 1000 / steps  # noqa: E731 - ms a step
+  lines = [
+      f"# Profile of steps {first_step}-{first_step + steps - 1} ({steps} steps)",
+      "",
+      f"Traced wall time {per_step(span):.2f} ms a step; XLA ops {per_step(op_total):.2f} ms a step summed over "
+      "threads (more than the wall time where ops ran side by side). Trace: "
+      f"`{os.path.relpath(newest_trace(directory), directory)}`.",
+      "",
+      "| op kind | ms a step | ops a step | share of op time |",
+      "| --- | --- | --- | --- |",
+  ]
+  for kind, micros in kinds.most_common(top):
+    lines.append(f"| `{kind}` | {per_step(micros):.2f} | {kind_counts[kind] / steps:.1f} | "
+                 f"{micros / max(op_total, 1e-9):.1%} |")
+  lines += ["", "| costliest ops | ms a step | runs a step |", "| --- | --- | --- |"]
+  for name, micros in sorted(totals.items(), key=lambda item: -item[1])[:top]:
+    lines.append(f"| `{name}` | {per_step(micros):.2f} | {counts[name] / steps:.1f} |")
+  return "\n".join(lines) + "\n"
