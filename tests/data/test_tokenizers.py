@@ -170,3 +170,16 @@ def test_exact_vocab_size_too_large_still_fails_naming_the_size_and_the_cap_opti
 def test_a_cap_below_the_alphabet_still_fails(date_text, tmp_path):
   with pytest.raises(ValueError, match="vocab_size=40 cannot hold every character.*at least 64"):
     tokenizers.train_sentencepiece(date_text[0], tmp_path / "tiny.model", vocab_size=40, exact=False)
+
+
+def test_a_continuation_keeps_the_space_its_first_word_opens_with(sentencepiece_model):
+  """decode(new ids) alone drops SentencePiece's word-boundary space: 'dimanche' + '29 ...' read
+  'dimanche29 ...' in the LM's infer output."""
+  prompt, new = sentencepiece_model.encode("dimanche"), sentencepiece_model.encode("29 novembre")
+  assert sentencepiece_model.decode(new) == "29 novembre"  # what the old infer appended
+  assert sentencepiece_model.continuation(prompt, new) == " 29 novembre"
+  next_word = sentencepiece_model.encode("novembre")
+  assert sentencepiece_model.continuation(sentencepiece_model.encode("29"), next_word) == " novembre"
+  byte = tokenizers.ByteTokenizer()
+  assert byte.continuation(byte.encode("caf"), byte.encode("é au lait")) == "é au lait"
+  assert byte.continuation(byte.encode("x"), [byte.eos_id, *byte.encode("never")]) == ""

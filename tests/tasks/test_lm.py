@@ -15,6 +15,7 @@ from tests import helpers
 from xattn_jax.data import corpus, lm_algorithmic, tokenizers
 from xattn_jax.layers import blocks
 from xattn_jax.tasks import lm as lm_task
+from xattn_jax.tasks.lm import text as lm_text_task
 from xattn_jax.training import loop, validation
 
 # Bytes, a 2-layer d64 model, 120 steps of 16 rows of 64 tokens; 256 eval documents.
@@ -67,6 +68,12 @@ def test_infer_continues_every_prompt_on_one_line(trained, method):
   assert len(answers) == len(prompts)
   for prompt, answer in zip(prompts, answers):
     assert answer.startswith(prompt) and "\n" not in answer
+
+
+@pytest.mark.parametrize("line, added, expected", [
+    ("my", " friend", "my friend"), ("my ", " friend", "my friend"), ("caf", "é", "café"), ("x", "", "x")])
+def test_an_infer_line_is_the_prompt_as_given_then_what_the_model_added(line, added, expected):
+  assert lm_text_task._continue(line, added) == expected
 
 
 def test_greedy_continuation_of_a_prompt_does_not_depend_on_the_other_prompts(trained):

@@ -60,6 +60,17 @@ class Tokenizer(abc.ABC):
       kept.append(token_id)
     return self._decode_ids(kept)
 
+  def continuation(self, prompt_ids: Sequence[int], new_ids: Iterable[int]) -> str:
+    """The text that `new_ids` add after the prompt's: decode(prompt + new) less decode(prompt).
+
+    Decoding the new ids alone would lose what depends on what precedes them: SentencePiece drops the
+    word-boundary space of a text's first piece ("my" + "friend ..." would read "myfriend ..."), and
+    the bytes of one character may straddle the prompt's end.
+    """
+    prompt_ids = list(prompt_ids)
+    prompt_text, full = self.decode(prompt_ids), self.decode(prompt_ids + list(new_ids))
+    return full[len(prompt_text):] if full.startswith(prompt_text) else self.decode(new_ids)
+
   def _check_text(self, text) -> None:
     if not isinstance(text, str):
       raise ValueError(f"encode: text must be a str, got {type(text).__name__} {text!r:.80}")

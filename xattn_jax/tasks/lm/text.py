@@ -304,4 +304,13 @@ class LanguageModelTask(task_lib.Task):
     rng = decoding_config.row_keys(self.config, len(lines))
     continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
                                               capacity=width - 1 + new, max_new_tokens=new, options=self.options))
-    return [line + self.tokenizer.decode([i for i in row if i >= 0]) for line, row in zip(lines, continuations)]
+    return [_continue(line, self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0]))
+            for line, prompt, row in zip(lines, prompts, continuations)]
+
+
+def _continue(line: str, added: str) -> str:
+  """The input line followed by the text the model added: the tokenizer drops the line's trailing
+  whitespace, so a continuation that opens with a space does not add a second one."""
+  if line[-1:].isspace() and added[:1].isspace():
+    added = added[1:]
+  return line + added
