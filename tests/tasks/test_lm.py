@@ -121,6 +121,18 @@ def test_a_text_packing_into_fewer_rows_than_a_batch_trains_on_repeated_rows_and
   assert any(f"packs into {rows} rows of 64, fewer than batch_size=32" in r.getMessage() for r in caplog.records)
 
 
+def test_eval_without_an_eval_file_scores_the_documents_training_held_out(tmp_path):
+  """--mode=eval once read no training file there: the held-out side was empty ('no eval documents')."""
+  train_file = tmp_path / "mine.txt"
+  train_file.write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(400)), encoding="utf-8")
+  config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}")
+  trained = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  validation.validate_config(config, mode="eval")
+  evaluated = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "eval")
+  assert evaluated.eval_texts == trained.eval_texts and 0 < len(trained.eval_texts) < 400
+  assert not set(evaluated.eval_texts) & set(trained.train_texts)
+
+
 def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_path):
   train_file = tmp_path / "bad.txt"
   train_file.write_bytes(b"fine\nbad \xff byte\n")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from configs import template
+from configs import lm_text, template
 from xattn_jax.training import validation, workdir
 
 
@@ -66,6 +66,22 @@ def test_eval_may_change_the_task_but_not_the_model(tmp_path):
     workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path), mode="infer")
 
 
+def test_an_eval_naming_no_file_of_a_run_trained_on_one_is_refused(tmp_path):
+  """With data.train_file "" the LM scores the bundled corpus: an eval of a run trained on the user's
+  text once recorded a perplexity of ~4,000 on it as the run's result."""
+  trained = lm_text.get_config()
+  trained.data.train_file = "/data/mine.txt"
+  workdir.write_config(trained, str(tmp_path))
+  _with_checkpoint(tmp_path)
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.train_file='': the run in .* was trained on "
+                     r"'/data/mine.txt' and this eval names no file"):
+    workdir.check_same_model(lm_text.get_config(), str(tmp_path), mode="eval")
+  other = lm_text.get_config()
+  other.data.eval_file = "/data/other.txt"  # another file to score is an eval's to choose
+  workdir.check_same_model(other, str(tmp_path), mode="eval")
+  workdir.check_same_model(lm_text.get_config(), str(tmp_path), mode="infer")  # infer reads no data file
+
+
 def test_a_workdir_without_checkpoints_protects_nothing(tmp_path):
   workdir.write_config(_config(), str(tmp_path))
   workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path))
@@ -83,15 +99,17 @@ def test_an_eval_result_row_records_the_fields_the_eval_changed(tmp_path):
 @pytest.mark.parametrize("config_file", ["qformer_digits", "vlm_digits"])
 def test_eval_and_infer_may_name_other_dependency_workdirs_training_may_not(tmp_path, config_file):
   # eval / infer read the frozen parts from the run's checkpoint and record, never from these fields
+  # (the workdirs, and the configs those parts were trained with)
   module = __import__(f"configs.{config_file}", fromlist=["get_config"])
   workdir.write_config(module.get_config(), str(tmp_path))
   _with_checkpoint(tmp_path)
   moved = module.get_config()
-  fields = ["model.encoder_workdir"] + (["model.lm_workdir"] if config_file == "vlm_digits" else [])
+  fields = ["model.encoder_workdir", "model.encoder_config"] + (
+      ["model.lm_workdir", "model.lm_config"] if config_file == "vlm_digits" else [])
   moved.update_from_flattened_dict({field: f"/elsewhere/{field}" for field in fields})
   for mode in ("eval", "infer"):
     workdir.check_same_model(moved, str(tmp_path), mode=mode)
-  with pytest.raises(validation.ConfigError, match=r"^config\.model\.encoder_workdir='/elsewhere"):
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.encoder_config='/elsewhere"):
     workdir.check_same_model(moved, str(tmp_path))
   moved.model.num_heads += 1  # the model itself still may not change
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.num_heads"):

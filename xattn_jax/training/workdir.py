@@ -55,13 +55,14 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   model, task and data sections (resuming on other data or another tokenizer is another experiment);
   eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
   task.decoding, and evaluate other files). Eval and infer take a dependency's frozen parameters from the
-  run's own checkpoint and record, so the fields naming where training found them (the task's
-  `Dependency.workdir_field`s) may differ."""
+  run's own checkpoint and record, so the fields naming where training found them and how (the task's
+  `Dependency.workdir_field`s and `config_field`s) may differ. An eval that names no data file where
+  the run was trained on one is refused: it would score the bundled data instead."""
   if not checkpoints_lib.step_numbers(workdir):
     return  # no checkpoint yet (a run that failed before its first save): nothing to protect
   unread = () if mode == "train" else {
-      dependency.workdir_field
-      for dependency in task_lib.get_task_class(config.task.name).dependencies(config, workdir)}
+      field for dependency in task_lib.get_task_class(config.task.name).dependencies(config, workdir)
+      for field in (dependency.workdir_field, dependency.config_field) if field}
 
   def watched(field):
     if mode == "train":
@@ -69,6 +70,13 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
     return (field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
 
   differences = config_differences(config, workdir)
+  trained_on = differences.get("data.train_file", (None, None))[0]
+  if mode == "eval" and trained_on and not config.data.get("train_file") and not config.data.get("eval_file"):
+    # "" names the bundled data where a task has some: scoring it instead of the run's held-out text
+    # would look like a result.
+    raise validation.ConfigError("data.train_file", "", f"the run in {workdir} was trained on {trained_on!r} and "
+                                 "this eval names no file; name it (its held-out part is scored) or "
+                                 f"data.eval_file, or use --config={os.path.join(workdir, 'config.py')}")
   # The first difference reported: another task or model by name (a whole other kind of run: its
   # other fields differ too, and the alphabetically first of them would hide why), then by section.
   reported = [field for field in ("task.name", "model.name") if field in differences] + [

@@ -13,7 +13,8 @@ Config (see configs/lm_text.py):
                       digits, the VLM's text alone; with data.describe_images each example gives two,
                       the second with its images described in words; configs/vlm_lm.py)
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
-                      the text; the bundled corpus has its own held-out side); data.num_eval_documents
+                      the text; the bundled corpus has its own held-out side; --mode=eval reads the
+                      training file again and scores the same held-out documents); data.num_eval_documents
                       keeps the first that many of them (0 = all)
   data.tokenizer      "bytes" or "sentencepiece" (trained into <workdir>/tokenizer/, reused on resume,
                       eval and infer); data.vocab_size is a cap unless data.vocab_size_exact;
@@ -172,7 +173,7 @@ class LanguageModelTask(task_lib.Task):
       if data.file_format != "lines" and mode == "train" and not data.train_file:
         raise validation.ConfigError("data.train_file", data.train_file, f"data.file_format={data.file_format!r} "
                                      "reads the documents from a file: name one")
-    if mode == "train" and data.train_file:
+    if data.train_file and (mode == "train" or (mode == "eval" and not data.eval_file)):
       _read("data.train_file", data.train_file, _file_format(data))
     if mode != "infer" and data.eval_file:
       _read("data.eval_file", data.eval_file, _file_format(data))
@@ -209,9 +210,12 @@ class LanguageModelTask(task_lib.Task):
       bundled = corpus.default_corpus(seed=data.corpus_seed)
       train, evaluation = list(bundled.train), list(bundled.eval)
     else:
-      train = _read("data.train_file", data.train_file, _file_format(data)) if self.mode == "train" else []
+      # Eval without an eval file scores the held-out side of the same split that training held out.
+      held_out = not data.eval_file
+      read = self.mode == "train" or held_out
+      train = _read("data.train_file", data.train_file, _file_format(data)) if read else []
       evaluation = []
-      if not data.eval_file and self.mode == "train":
+      if held_out:
         train, evaluation = splits.split_by_key(train, lambda line: line, seed=data.corpus_seed,
                                                 eval_fraction=data.eval_fraction)
     if data.eval_file:
