@@ -46,6 +46,22 @@ def test_images_are_grey_ink_high_and_fit_the_canvas_keeping_aspect(folder):
   assert image[3:5, 3:5].min() > 0.9 and image[:, 8:].max() < 0.1  # the dark square became ink
 
 
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_ink_on_a_transparent_background_is_ink(tmp_path, mode):
+  """Transparent pixels are black in most icons: alpha was ignored and the image read as empty."""
+  rgba = np.zeros((16, 32, 4), np.uint8)  # transparent black everywhere ...
+  rgba[4:12, 4:12] = (0, 0, 0, 255)  # ... but an opaque black square
+  image = Image.fromarray(rgba, "RGBA")
+  if mode == "P":
+    image = image.convert("P")
+    image.info["transparency"] = image.getpixel((0, 0))
+  else:
+    image = image.convert(mode)
+  image.save(tmp_path / "icon.png")
+  [pixels] = read_images([tmp_path / "icon.png"], CANVAS)
+  assert pixels[3:5, 3:5].min() > 0.9 and pixels[:, 8:].max() < 0.1
+
+
 def test_rgb_images_keep_three_channels(folder):
   [example] = read_image_text_pairs(write(folder, b"sub/one.jpg\tb\n"), canvas=CANVAS, grey=False)
   assert example.images[0].shape == (8, 8, 3)

@@ -48,6 +48,8 @@ def fit_size(size: tuple[int, int], canvas: tuple[int, int]) -> tuple[int, int]:
 def load_image(path: str, canvas: tuple[int, int], *, grey: bool = True) -> np.ndarray:
   """One image file -> float32 [h, w] (grey) or [h, w, 3] in [0, 1], ink high, fitted inside canvas.
 
+  A transparent image is laid on white first; a mostly light image is inverted (ink high).
+
   Raises OSError (missing or not a file) or ValueError (not an image Pillow can read), saying which.
   """
   from PIL import Image, UnidentifiedImageError  # Pillow only where a user's images are read
@@ -60,7 +62,13 @@ def load_image(path: str, canvas: tuple[int, int], *, grey: bool = True) -> np.n
   try:
     with Image.open(path) as opened:
       opened.load()
-      image = opened.convert("L" if grey else "RGB")
+      image = opened
+      if opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info:
+        # Transparent pixels carry arbitrary colour (often black, as the ink is): lay the image on
+        # white first, or ink on a transparent background reads as an empty image.
+        white = Image.new("RGBA", opened.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, opened.convert("RGBA"))
+      image = image.convert("L" if grey else "RGB")
   except (UnidentifiedImageError, OSError, ValueError) as error:
     raise ValueError(f"image {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
   height, width = fit_size((image.height, image.width), canvas)
