@@ -50,6 +50,29 @@ def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
     inference.answer_lines(infer, ["abc", "", "ab1"], "inputs.txt")  # index 1 of the non-blank lines
 
 
+def test_paths_in_an_input_file_are_read_relative_to_its_folder(tmp_path, monkeypatch):
+  """As the paths of a pairs file are: feeding a file of image names next to the images failed from
+  any other current directory."""
+
+  class Paths(task_lib.Task):
+    def infer(self, model, lines):
+      return [self.input_path(line) for line in lines]
+
+  trainer = type("FakeTrainer", (), {"task": Paths(None), "model": lambda self, state: None})()
+  (tmp_path / "inputs").mkdir()
+  path = tmp_path / "inputs" / "lines.txt"
+  path.write_text("img/a.png\n/abs/b.png\n")
+  monkeypatch.chdir("/")
+  answers = inference.infer(trainer, None, str(path), output=io.StringIO())
+  assert answers == [str(tmp_path / "inputs" / "img" / "a.png"), "/abs/b.png"]
+  sys_stdin = sys.stdin
+  sys.stdin = io.TextIOWrapper(io.BytesIO(b"img/a.png\n"))
+  try:  # stdin: the current directory
+    assert inference.infer(trainer, None, "-", output=io.StringIO()) == ["img/a.png"]
+  finally:
+    sys.stdin = sys_stdin
+
+
 def test_load_model_of_a_directory_that_is_no_run_says_so(tmp_path):
   with pytest.raises(RunError, match="holds no config.py"):
     inference.load_model(str(tmp_path))

@@ -58,6 +58,7 @@ def infer(trainer: Trainer, state, input_file: str, output=None) -> list[str]:
   """Answers every line of `input_file` with the task's inference on `state`'s model; process 0
   writes the answers to `output` (default stdout), one line each. Returns the answers."""
   name, lines = read_input_lines(input_file)
+  trainer.task.input_directory = "" if input_file == "-" else os.path.dirname(os.path.abspath(input_file))
   model = trainer.model(state)
   outputs = answer_lines(lambda batch: trainer.task.infer(model, batch), lines, name)
   if jax.process_index() == 0:

@@ -58,7 +58,9 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   of generated text); logged as `eval/<name>`. Default: none.
 - `infer(model, lines: list[str]) -> list[str]`: one output line per input line (never blank: the
   loop answers blank input lines itself); a line the task cannot take raises `InputLineError` with
-  its index, which the loop reports as the file name and line number.
+  its index, which the loop reports as the file name and line number. A file path in a line is read
+  through `self.input_path(path)`: relative to the input file's folder, as the paths in a pairs file
+  are relative to that file (stdin: the current directory).
 """
 from __future__ import annotations
 
@@ -136,6 +138,8 @@ class Task:
     # Set by the loop once its mesh exists: the sharding of a batch's rows over the data axes. A task
     # that runs its own batched computations (decoding in extra_eval / infer) may split rows with it.
     self.rows_sharding = None
+    # Set by the engine's infer: the folder of the input file ("" for stdin: the current directory).
+    self.input_directory = ""
 
   @classmethod
   def validate(cls, config, mode: str = "train") -> None:
@@ -166,6 +170,10 @@ class Task:
 
   def infer(self, model, lines: list[str]) -> list[str]:
     raise NotImplementedError
+
+  def input_path(self, path: str) -> str:
+    """A file named in an infer line: relative to the input file's folder (see the module docstring)."""
+    return os.path.join(self.input_directory, os.path.expanduser(path))
 
 
 def register(name: str):

@@ -210,10 +210,10 @@ class DigitsBase(task_lib.Task):
         raise ValueError(f"{line!r}: the test set has images 0..{len(self.split.test_labels) - 1}")
       return self.split.test_images[index][None]
     if line.endswith(".npy"):
-      array = np.load(line).astype(np.float32)
+      array = np.load(self.input_path(line)).astype(np.float32)
       if array.ndim == 3:  # a stack of images, each read like a single one
         return digits.to_unit_range(array)
-    return digits.read_image_file(line)[None]
+    return digits.read_image_file(self.input_path(line))[None]
 
   def infer(self, model, lines):
     """One line per input: the input name, a tab, the predicted digit (several for a stack)."""

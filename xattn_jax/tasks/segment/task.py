@@ -264,7 +264,7 @@ class SegmentTask(task_lib.Task):
       if not prompt:
         return name, image, self.eval_set["points"][index], self.eval_set["point_labels"][index]
     else:
-      image = digits.read_image_file(name)
+      image = digits.read_image_file(self.input_path(name))
       if not np.isfinite(image).all():
         raise ValueError(f"{name!r} holds NaN or infinite pixel values")
     height, width = image.shape

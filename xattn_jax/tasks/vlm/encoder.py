@@ -202,7 +202,7 @@ class StripEncoderTask(task_lib.Task):
             raise ValueError(f"{name!r}: the eval strips are 0..{len(strips) - 1}")
           images.append(strips[k, ..., 0])
         else:
-          images.append(image_text.load_image(name, self.canvas))
+          images.append(image_text.load_image(self.input_path(name), self.canvas))
       except (ValueError, OSError) as error:
         raise task_lib.InputLineError(index, str(error)) from None
     return [f"{line.strip()}\t{' '.join(map(str, digits)) or '(none)'}"

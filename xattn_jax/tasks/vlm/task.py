@@ -571,7 +571,7 @@ class VLMTask(task_lib.Task):
     for index, line in enumerate(lines):
       path, _, question = line.rstrip("\n").partition("\t")
       try:
-        image = image_text.load_image(path.strip(), self.canvas)
+        image = image_text.load_image(self.input_path(path.strip()), self.canvas)
       except (OSError, ValueError) as error:
         raise task_lib.InputLineError(index, str(error)) from None
       ids = [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
