@@ -50,6 +50,23 @@ def parse_flags(argv):
     fail(" ".join(text.split()))
 
 
+def workdir_problem(workdir: str, mode: str) -> str | None:
+  """Why `workdir` cannot hold a run (a file; a folder training cannot create or write), or None."""
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    return "is a file, not a directory"
+  if mode != "train":
+    return None  # eval / infer read a run there and say so when there is none
+  existing = path
+  while not os.path.exists(existing):  # the folder training would create it in
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return f"cannot be created: {existing} is a file"
+  if not os.access(existing, os.W_OK | os.X_OK):
+    return f"cannot be written: {existing} is not writable"
+  return None
+
+
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; usage: {USAGE}")
@@ -62,6 +79,9 @@ def main(argv):
     fail(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]} cannot be loaded: {reason}")
   if not _WORKDIR.value:
     fail(f"--workdir is required; usage: {USAGE}")
+  problem = workdir_problem(_WORKDIR.value, _MODE.value)
+  if problem:
+    fail(f"--workdir={_WORKDIR.value}: {problem}")
   from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation
   try:
     distributed.check_flags(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

@@ -161,6 +161,21 @@ def test_missing_or_unloadable_config_is_a_one_line_usage_error(tmp_path, argv, 
   assert not workdir.exists()
 
 
+@pytest.mark.parametrize("workdir,expected", [
+    ("a_file", "--workdir=PATH: is a file, not a directory"),
+    ("a_file/run", "--workdir=PATH: cannot be created: TMP/a_file is a file"),
+])
+def test_a_workdir_that_cannot_hold_a_run_is_a_one_line_error(tmp_path, workdir, expected):
+  """Swapping --workdir and a data file once ended in a FileExistsError traceback from os.makedirs."""
+  (tmp_path / "a_file").write_text("my data\n")
+  path = tmp_path / workdir
+  result = subprocess.run([sys.executable, "launch.py", "--config=configs/template.py", f"--workdir={path}"],
+                          cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip() == "launch.py: " + expected.replace("PATH", str(path)).replace("TMP", str(tmp_path))
+  assert (tmp_path / "a_file").read_text() == "my data\n"
+
+
 # --- one reference run, and what it leaves in the workdir ---------------------------------------
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,10 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   resumed = mode == "train" and has_checkpoints
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
   if is_writer:
-    os.makedirs(workdir, exist_ok=True)
+    try:
+      os.makedirs(workdir, exist_ok=True)
+    except OSError as error:  # launch.py checks what it can first; a file system may still refuse
+      raise RunError(f"cannot create the workdir {workdir}: {error.strerror or error}") from None
     if mode == "train" and not resumed:
       workdir_lib.write_config(config, workdir)
   _barrier("workdir ready")
