@@ -86,12 +86,14 @@ def test_greedy_continuation_of_a_prompt_does_not_depend_on_the_other_prompts(tr
   assert together == [task.infer(model, [prompt])[0] for prompt in ("12 is twelve", "Allemagne", "1,000,000 is")]
 
 
-@pytest.mark.parametrize("field, value", [("temperature", 0.0), ("top_p", 1.5), ("top_k", -1), ("method", "nucleus")])
+@pytest.mark.parametrize("field, value", [("temperature", 0.0), ("top_p", 1.5), ("top_k", -1), ("method", "nucleus"),
+                                          ("max_new_tokens", 127)])  # past model.max_length=128 with BOS and a token
 def test_a_bad_decoding_option_is_one_config_error_line_naming_it(field, value):
   config = helpers.load_config(*TINY, f"--config.task.decoding.{field}={value}")
-  with pytest.raises(validation.ConfigError) as error:
-    validation.validate_config(config, mode="infer")
-  assert error.value.field == f"task.decoding.{field}"
+  for mode in ("train", "infer"):  # refused before training, not at the first infer line
+    with pytest.raises(validation.ConfigError) as error:
+      validation.validate_config(config, mode=mode)
+    assert error.value.field == f"task.decoding.{field}"
   assert len(str(error.value).splitlines()) == 1
 
 

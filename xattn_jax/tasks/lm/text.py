@@ -150,6 +150,10 @@ class LanguageModelTask(task_lib.Task):
     validate_model(config)
     validation.require_positive(config, "data.sequence_length", "task.decoding.max_new_tokens")
     validation.require_positive(config, "data.num_eval_documents", allow_zero=True)
+    if task.decoding.max_new_tokens > model.max_length - 2:  # BOS and one prompt token at least
+      raise validation.ConfigError("task.decoding.max_new_tokens", task.decoding.max_new_tokens,
+                                   f"must be <= model.max_length - 2 = {model.max_length - 2}: a prompt's BOS, its "
+                                   "tokens and the new ones share the model's positions")
     if data.sequence_length > model.max_length:
       raise validation.ConfigError("data.sequence_length", data.sequence_length,
                                    f"must be <= model.max_length={model.max_length}")
