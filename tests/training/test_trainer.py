@@ -1,4 +1,6 @@
 """The Trainer: multi-step calls, the train step's update, the resume order, checkpoint round trips."""
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +66,20 @@ def test_multi_step_takes_a_different_count_without_retracing():
 
 def _float_leaves(model_dict):
   return [np.asarray(x) for x in jax.tree.leaves(model_dict) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def test_a_warmup_as_long_as_the_run_is_said_once(tmp_path, caplog):
+  """A smoke run of 3 steps under the default 100 warm-up steps trains at ~1% of the peak rate."""
+  caplog.set_level(logging.WARNING)
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"total_steps": 3, "eval_every_steps": 3, "checkpoint.every_steps": 3})
+  Trainer(config, str(tmp_path))
+  said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith("optimizer.warmup_steps=100 >= total_steps=3: the learning rate never")
+  caplog.clear()
+  config.optimizer.warmup_steps = 2
+  Trainer(config, str(tmp_path))
+  assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
 
 
 def test_a_train_call_updates_every_parameter_and_reports_its_steps(tmp_path):

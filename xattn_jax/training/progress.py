@@ -73,8 +73,10 @@ class StepLog:
         held = row
       else:
         self.writer.write(step, row)
-      left = (self.config.total_steps - step) / rate if rate == rate and rate > 0 else float("nan")
-      logging.info("step %d/%d: loss %.4f, grad norm %.3g, %.1f steps/s, %s left", step,
-                   self.config.total_steps, row["train/loss"], row["train/grad_norm"], rate,
-                   format_duration(left) if left == left else "?")
+      if rate == rate and rate > 0:
+        speed = f"{rate:.1f} steps/s, {format_duration((self.config.total_steps - step) / rate)} left"
+      else:
+        speed = "steps/s not measured yet (the first call compiles)"
+      logging.info("step %d/%d: loss %.4f, grad norm %.3g, %s", step, self.config.total_steps, row["train/loss"],
+                   row["train/grad_norm"], speed)
     return held

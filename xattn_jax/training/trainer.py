@@ -84,6 +84,10 @@ class Trainer:
     self.rules = config.sharding_rules
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     self.learning_rate = optim.make_schedule(config.optimizer, config.total_steps)
+    if mode == "train" and config.optimizer.warmup_steps >= config.total_steps:
+      logging.warning("optimizer.warmup_steps=%d >= total_steps=%d: the learning rate never reaches its peak "
+                      "%g (the last step's is %.3g)", config.optimizer.warmup_steps, config.total_steps,
+                      config.optimizer.learning_rate, float(self.learning_rate(config.total_steps - 1)))
     tx = optim.make_optimizer(config.optimizer, config.total_steps)
     dtype = jnp.dtype(config.precision.compute_dtype)
     param_dtype = jnp.dtype(config.precision.param_dtype)
