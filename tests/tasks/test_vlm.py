@@ -13,7 +13,7 @@ from tests import helpers
 from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import vit, vlm
 from xattn_jax.tasks.vlm import probe, task as vlm_task
-from xattn_jax.training import dependencies, validation
+from xattn_jax.training import checkpoints, dependencies, validation
 
 TINY_CHAIN = {
     # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
@@ -195,6 +195,12 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   with pytest.raises(validation.ConfigError, match="data.train_file") as error:
     dependencies.resolve(config, str(tmp_path / "vlm2"), "train")
   assert error.value.field == "model.lm_workdir" and not (tmp_path / "vlm2").exists()
+  # another eval file only: the same LM (it never trains on the eval captions), loaded as it is
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer", *(
+      f"--config.{field}={value}" for field, value in {**overrides, "data.eval_file": train}.items()))
+  lm_steps = checkpoints.step_numbers(str(tmp_path / "lm"))
+  dependencies.resolve(config, str(tmp_path / "vlm3"), "train")
+  assert checkpoints.step_numbers(str(tmp_path / "lm")) == lm_steps
 
 
 def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_path):

@@ -1,6 +1,7 @@
 """The dependency engine (`xattn_jax.training.dependencies`): a task's declared runs are trained when
 missing, loaded when finished, refused when made with another config, and never touched by eval / infer.
 The dependent task here is the template task declaring one template run (`task.dependency`)."""
+import dataclasses
 import os
 import signal
 import types
@@ -81,6 +82,16 @@ def test_a_finished_dependency_run_with_other_optimizer_settings_is_loaded(tmp_p
   """Only the model, task and data sections define a run (as for resuming one); the rest may differ."""
   fake_run(str(tmp_path / "dependency"), dependency_config(**{"optimizer.learning_rate": 0.1}), steps=[2])
   dependencies.resolve(dependent_config(tmp_path / "dependency"), str(tmp_path / "run"))
+
+
+def test_a_finished_dependency_differing_only_in_its_unchecked_fields_is_loaded(tmp_path, no_training):
+  """The VLM's pairs LM only evaluates on the VLM's eval file: another eval file retrained it (4 minutes)."""
+  fake_run(str(tmp_path / "dependency"), dependency_config(**{"task.num_eval_examples": 16}), steps=[2])
+  declared = task_lib.Dependency(workdir=str(tmp_path / "dependency"), config=dependency_config(),
+                                 workdir_field="task.dependency_workdir")
+  with pytest.raises(validation.ConfigError, match=r"its task\.num_eval_examples=8"):
+    dependencies.check(declared)
+  dependencies.check(dataclasses.replace(declared, unchecked_fields=("task.num_eval_examples",)))
 
 
 @pytest.mark.parametrize("mode", ["eval", "infer"])

@@ -79,7 +79,7 @@ def _flat(tree, prefix=""):
 def check(dependency: task_lib.Dependency) -> None:
   """Raises ConfigError when the dependency's workdir holds a run (a checkpoint) made with another model,
   task or data config than the declared one, naming the first field that differs (task.name, model.name,
-  then by section)."""
+  then by section; the dependency's unchecked_fields aside)."""
   stored = os.path.join(dependency.workdir, "config.json")
   if not checkpoints_lib.step_numbers(dependency.workdir) or not os.path.isfile(stored):
     return  # no run there yet (or one that failed before its first save): nothing to protect
@@ -88,7 +88,7 @@ def check(dependency: task_lib.Dependency) -> None:
   config = config_of(dependency)
   new = _flat(json.loads(config.to_json_best_effort()))
   differing = [key for key in sorted(set(old) | set(new)) if key.split(".")[0] in RUN_SECTIONS
-               and old.get(key) != new.get(key)]
+               and key not in dependency.unchecked_fields and old.get(key) != new.get(key)]
   differing = [key for key in ("task.name", "model.name") if key in differing] + differing
   if differing:
     key = differing[0]

@@ -112,12 +112,15 @@ class Dependency:
     workdir_field: the field of the dependent task's config that names `workdir`, for messages.
     config_field: the field that names `config` when it is a file, for messages ("" when it is not).
     finished: (config, workdir) -> whether the run there is finished; `config` is the loaded one.
+    unchecked_fields: fields of `config` that do not change what the run trains (a file it only evaluates
+      on): a run there that differs only in them is the run declared.
   """
   workdir: str
   config: Any
   workdir_field: str
   config_field: str = ""
   finished: Callable[[Any, str], bool] = reached_total_steps
+  unchecked_fields: tuple[str, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "workdir", os.path.abspath(self.workdir))

@@ -238,7 +238,9 @@ class VLMTask(task_lib.Task):
                             config_field="model.encoder_config"),
         task_lib.Dependency(workdir=record["lm_workdir"] if record else config.model.lm_workdir,
                             config=lm_config, workdir_field="model.lm_workdir",
-                            config_field="model.lm_config" if isinstance(lm_config, str) else ""),
+                            config_field="model.lm_config" if isinstance(lm_config, str) else "",
+                            # the pairs LM only evaluates on the VLM's eval file: another one is the same LM
+                            unchecked_fields=() if isinstance(lm_config, str) else ("data.eval_file",)),
     ]
 
   # --- setup ------------------------------------------------------------------------------------
