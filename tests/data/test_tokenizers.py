@@ -183,3 +183,10 @@ def test_a_continuation_keeps_the_space_its_first_word_opens_with(sentencepiece_
   byte = tokenizers.ByteTokenizer()
   assert byte.continuation(byte.encode("caf"), byte.encode("é au lait")) == "é au lait"
   assert byte.continuation(byte.encode("x"), [byte.eos_id, *byte.encode("never")]) == ""
+
+
+def test_unknown_characters_are_those_without_a_piece(sentencepiece_model):
+  """The VLM warns with them: a user's question or eval caption holding them read as '⁇'."""
+  assert sentencepiece_model.unknown_characters(["dimanche 29", "novembre"]) == ""
+  assert sentencepiece_model.unknown_characters(["dimanche ☃", "€ novembre ☃"]) == "€☃"
+  assert sentencepiece_model.unk_id in sentencepiece_model.encode("☃")

@@ -133,6 +133,11 @@ class SentencePieceTokenizer(Tokenizer):
     """The id of text the model has no piece for (a character absent from its training text)."""
     return self._processor.unk_id()
 
+  def unknown_characters(self, texts: Iterable[str]) -> str:
+    """The characters of `texts` this model has no piece for (each encodes as unk_id), sorted."""
+    characters = {c for text in texts for c in text if not c.isspace()}
+    return "".join(sorted(c for c in characters if self.unk_id in self._processor.encode(c)))
+
   def encode(self, text: str) -> list[int]:
     self._check_text(text)
     return self._processor.encode(text)

@@ -277,6 +277,8 @@ class VLMTask(task_lib.Task):
     sort_keys = np.asarray([len(e.images) for e in self.train_examples]) if self.length_bucketing else None
     self._train_order = batching.EpochOrder(len(self.train_examples), sort_keys)  # a user's pairs: shuffled
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
+    self._warn_unknown_characters([str(v) for e in self.eval_examples for role, v in e.segments if role != "image"],
+                                  "the eval texts")
     self._train_features = None  # (table [images, 1 + P, width], example i's images at offsets[i]:offsets[i + 1])
     if mode == "train" and config.data.get("cache_features", False):
       self._train_features = self._cache_features()
@@ -289,6 +291,14 @@ class VLMTask(task_lib.Task):
     self.prompt_length = -(-max(prompts, default=8) // 8) * 8
     logging.info("VLM %s: %d train / %d eval examples, rows of %d tokens", config.model.connector,
                  len(self.train_examples), len(self.eval_examples), self.length)
+
+  def _warn_unknown_characters(self, texts, where: str) -> None:
+    """The LM's pieces come from its training text: a character it never saw reads and writes as the
+    unknown piece, so such a text can be neither read nor generated (exact match 0, answers of '⁇')."""
+    unknown = self.tokenizer.unknown_characters(texts)
+    if unknown:
+      logging.warning("%s hold characters the LM's tokenizer has no piece for: %r; they read as the unknown "
+                      "piece, and a reference holding them cannot be generated", where, unknown)
 
   def _examples(self, side: str) -> list[vlm_digits.VLMExample]:
     data = self.config.data
@@ -579,6 +589,7 @@ class VLMTask(task_lib.Task):
       ids = [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
       ids += self.tokenizer.encode(question.strip()) if question.strip() else []
       requests.append(((image,), ids, tokenizers.EOS_ID))
+    self._warn_unknown_characters([line.partition("\t")[2] for line in lines], "the questions")
     return [text or "(nothing)" for text in self.generate(model, requests)]
 
 
