@@ -341,6 +341,22 @@ def test_a_corpus_smaller_than_a_batch_trains_on_repeated_pairs_and_says_so(tmp_
              in record.getMessage() for record in caplog.records)
 
 
+@pytest.mark.parametrize("bucketing", [False, True])
+def test_one_long_pair_that_makes_most_slots_padding_is_said_with_the_remedies(tmp_path, caplog, bucketing):
+  """A 400-word pair padded every row to 256 tokens: 50x slower steps, with only a truncation warning."""
+  caplog.set_level(logging.WARNING)
+  pairs = [f"{n} cats\t{n} chats" for n in range(40)]
+  _tsv_task(tmp_path, pairs + [" ".join(["word"] * 60) + "\tmot"], ["1 cat\t1 chat"],
+            **{"data.length_bucketing": bucketing, "model.max_length": 128})
+  said = [r.getMessage() for r in caplog.records if "the token slots of each example" in r.getMessage()]
+  assert len(said) == (0 if bucketing else 1)
+  assert bucketing or "data.length_bucketing=True" in said[0]
+  caplog.clear()
+  (tmp_path / "short").mkdir()
+  _tsv_task(tmp_path / "short", pairs, ["1 cat\t1 chat"], **{"model.max_length": 128})  # rows at the minimal length: nothing to say
+  assert not [r for r in caplog.records if "the token slots of each example" in r.getMessage()]
+
+
 def test_an_unknown_date_format_is_one_line_naming_the_field(tmp_path):
   workdir = tmp_path / "work"
   result = launch("configs/translate_dates.py", workdir, {"data.formats": "full,bogus"})
