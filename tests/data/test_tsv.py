@@ -76,6 +76,21 @@ def test_split_by_key_keeps_equal_keys_together_and_is_deterministic():
                                                                    eval_fraction=0.2)
 
 
+def test_a_minimum_of_eval_keys_takes_the_lowest_hash_train_keys_and_leaves_one_to_train():
+  """A 40-line file at eval_fraction 0.05 held out no line, and the LM run stopped asking for an eval file."""
+  items = [f"line {i}" for i in range(40)] + ["line 0"]  # a repeated line keeps its side
+  plain = splits.split_by_key(items, str, seed=0, eval_fraction=0.01)
+  assert plain[1] == []  # the split this case is about
+  train, evaluation = splits.split_by_key(items, str, seed=0, eval_fraction=0.01, min_eval_keys=2)
+  assert len(set(evaluation)) == 2 and not set(train) & set(evaluation) and sorted(train + evaluation) == sorted(items)
+  lowest = sorted(set(items), key=lambda key: splits.stable_unit_interval(key, 0))[:2]
+  assert set(evaluation) == set(lowest) and train == [item for item in items if item not in lowest]
+  wide = splits.split_by_key(items, str, seed=0, eval_fraction=0.5, min_eval_keys=2)
+  assert wide == splits.split_by_key(items, str, seed=0, eval_fraction=0.5)  # enough already: the hash split
+  assert splits.split_by_key(["a", "b"], str, min_eval_keys=5) in ((["a"], ["b"]), (["b"], ["a"]))  # one trains
+  assert splits.split_by_key(["a", "a"], str, eval_fraction=0.01, min_eval_keys=1) == (["a", "a"], [])
+
+
 @pytest.mark.parametrize("content, message", [
     ("a\tb\n".encode("utf-16"), "UTF-16"),
     (b"a\tb\rc\td\r", "carriage return"),

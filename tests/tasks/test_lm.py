@@ -135,6 +135,16 @@ def test_eval_without_an_eval_file_scores_the_documents_training_held_out(tmp_pa
   assert not set(evaluated.eval_texts) & set(trained.train_texts)
 
 
+def test_a_small_file_holds_out_one_document_where_its_fraction_rounds_to_none(tmp_path):
+  """5 or 40 lines at eval_fraction 0.05 held out nothing and the run stopped asking for an eval file."""
+  train_file = tmp_path / "five.txt"
+  train_file.write_text("one\ntwo three\nfour five six\nseven\neight nine ten\n", encoding="utf-8")
+  task = lm_task.LanguageModelTask(helpers.load_config(*TINY, f"--config.data.train_file={train_file}"),
+                                   str(tmp_path / "work"), "train")
+  assert len(task.eval_texts) == 1 and len(task.train_texts) == 4
+  assert not set(task.eval_texts) & set(task.train_texts)
+
+
 def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_path):
   train_file = tmp_path / "bad.txt"
   train_file.write_bytes(b"fine\nbad \xff byte\n")

@@ -30,14 +30,21 @@ def is_eval_key(key: str, *, seed: int, eval_fraction: float) -> bool:
   return stable_unit_interval(key, seed) < eval_fraction
 
 
-def split_by_key(items, key_fn, *, seed: int = 0, eval_fraction: float = 0.05):
+def split_by_key(items, key_fn, *, seed: int = 0, eval_fraction: float = 0.05, min_eval_keys: int = 0):
   """Splits ``items`` into (train, eval) lists, keeping the input order within each side.
 
   Every item with the same ``key_fn(item)`` goes to the same side, so an eval key is never seen
-  in training.
+  in training. With ``min_eval_keys``, a split whose eval side holds fewer distinct keys (a small
+  corpus, where about ``eval_fraction`` of the keys can round to none) takes the train keys of
+  lowest hash until it holds that many, as long as a train key stays; those keys' sides then depend
+  on the other keys too.
   """
   check_eval_fraction(eval_fraction)
-  train, evaluation = [], []
-  for item in items:
-    (evaluation if is_eval_key(key_fn(item), seed=seed, eval_fraction=eval_fraction) else train).append(item)
+  items = list(items)
+  keys = [key_fn(item) for item in items]
+  chosen = {key for key in keys if is_eval_key(key, seed=seed, eval_fraction=eval_fraction)}
+  others = sorted(set(keys) - chosen, key=lambda key: stable_unit_interval(key, seed))
+  chosen.update(others[:max(0, min(min_eval_keys - len(chosen), len(others) - 1))])
+  train = [item for item, key in zip(items, keys) if key not in chosen]
+  evaluation = [item for item, key in zip(items, keys) if key in chosen]
   return train, evaluation

@@ -220,15 +220,16 @@ class LanguageModelTask(task_lib.Task):
       train = _read("data.train_file", data.train_file, _file_format(data)) if read else []
       evaluation = []
       if held_out:
+        # At least one held-out document where the file has two: a small file's eval_fraction can round to none.
         train, evaluation = splits.split_by_key(train, lambda line: line, seed=data.corpus_seed,
-                                                eval_fraction=data.eval_fraction)
+                                                eval_fraction=data.eval_fraction, min_eval_keys=1)
     if data.eval_file:
       evaluation = _read("data.eval_file", data.eval_file, _file_format(data))
     if data.num_eval_documents:
       evaluation = evaluation[:data.num_eval_documents]
     if not evaluation:
       raise validation.ConfigError("data.eval_file", data.eval_file, "no eval documents: name an eval file, or "
-                                   "give data.train_file enough lines for data.eval_fraction to hold some out")
+                                   "give data.train_file two distinct lines at least (one is held out)")
     return tuple(train), tuple(evaluation)
 
   def _tokenizer(self, train_texts):
