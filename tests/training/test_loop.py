@@ -1,4 +1,6 @@
 """The training loop in process: what it keeps when an eval fails, and the names callers import from it."""
+import logging
+
 import pytest
 
 from configs import template
@@ -29,3 +31,15 @@ def test_an_eval_that_fails_saves_the_trained_state_first(tmp_path, monkeypatch)
 def test_the_names_scripts_use_stay_importable_from_the_loop(name):
   """launch.py, the tasks, experiments/ and the README reach these as loop.<name>."""
   assert hasattr(loop, name)
+
+
+@pytest.mark.parametrize("path, level, message, kept", [
+    ("/site-packages/orbax/checkpoint/checkpoint_manager.py", logging.WARNING,
+     "Requested `tracked_metric`; did not provide metrics.", False),  # at every checkpoint without an eval
+    ("/site-packages/orbax/checkpoint/checkpoint_manager.py", logging.INFO, "Saving checkpoint", False),
+    ("/site-packages/orbax/checkpoint/checkpoint_manager.py", logging.WARNING, "disk full", True),
+    ("/work/xattn_jax/training/progress.py", logging.INFO, "step 8/16: loss 1.0", True),
+])
+def test_the_run_log_keeps_warnings_and_its_own_lines_but_not_library_chatter(path, level, message, kept):
+  record = logging.LogRecord("x", level, path, 1, message, None, None)
+  assert loop.keep_library_record(record) is kept

@@ -114,15 +114,20 @@ def _barrier(name: str):
     multihost_utils.sync_global_devices(name)
 
 
-def _quiet_library_logs():
-  """Keeps orbax's and jax's INFO chatter (several lines per checkpoint) out of the run's log."""
-  def keep(record):
-    return record.levelno >= py_logging.WARNING or not any(
-        part in record.pathname for part in ("/orbax/", "/jax/", "/jaxlib/"))
+def keep_library_record(record) -> bool:
+  """The run's log filter: orbax's and jax's INFO chatter (several lines per checkpoint) is left out,
+  and orbax's warning at every checkpoint saved without an eval (by design: no candidate for "best")."""
+  if "/orbax/" in record.pathname and "did not provide metrics" in record.getMessage():
+    return False
+  return record.levelno >= py_logging.WARNING or not any(
+      part in record.pathname for part in ("/orbax/", "/jax/", "/jaxlib/"))
 
+
+def _quiet_library_logs():
   # Library records reach the absl handler both through the absl logger and by propagation from
-  # their own Python loggers; the handler that finally writes them is the python_handler.
-  logging.get_absl_handler().python_handler.addFilter(keep)
+  # their own Python loggers; the handler that finally writes them is the python_handler (one filter,
+  # however many runs a process makes).
+  logging.get_absl_handler().python_handler.addFilter(keep_library_record)
 
 
 def run(config, workdir: str, mode: str = "train", *, output=None):
