@@ -70,3 +70,14 @@ def test_a_window_past_the_last_step_is_a_config_error():
   config.update_from_flattened_dict({"total_steps": 10, "profile.first_step": 10, "profile.num_steps": 5})
   with pytest.raises(validation.ConfigError, match=r"^config\.profile\.first_step=10: must be below total_steps"):
     validation.validate_config(config)
+
+
+def test_each_process_of_a_multi_process_run_traces_into_its_own_folder(tmp_path):
+  """jax.profiler names trace files by host and second: two processes of one host wrote the same files."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"profile.first_step": 8, "profile.num_steps": 8})
+  alone = profiling.StepProfiler(config, str(tmp_path))
+  assert (alone.traces, alone.is_writer) == (str(tmp_path / "profile"), True)
+  second = profiling.StepProfiler(config, str(tmp_path), process_index=1, process_count=2)
+  assert (second.traces, second.directory, second.is_writer) == (
+      str(tmp_path / "profile" / "process_1"), str(tmp_path / "profile"), False)

@@ -54,7 +54,8 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   feed = schedule.CallFeed(trainer.read_train_batch, config)
   step_log = progress.StepLog(config, writer, checkpoints.steps)
   vote = guards.stop_vote(trainer.mesh) if trainer.process_count > 1 else None
-  profiler = profiling.StepProfiler(config, trainer.workdir, is_writer=trainer.process_index == 0)
+  profiler = profiling.StepProfiler(config, trainer.workdir, process_index=trainer.process_index,
+                                    process_count=trainer.process_count)
   last_eval, stopped = {}, False
   with guards.stop_flag() as flag, contextlib.closing(writer), contextlib.ExitStack() as cleanup:
     cleanup.callback(lambda: profiler.close(step, state))  # a run that ends inside the window

@@ -44,14 +44,16 @@ class StepProfiler:
 
   The loop calls `before_call(step, state)` before each train call, `after_call(step, outputs, ...)`
   after it (step: completed steps at that moment) and `close()` at the end (a run that stops inside
-  the window, by a signal or an error, still gets its trace and summary). Every process traces (its own host's ops); process 0 writes the
-  summary.
+  the window, by a signal or an error, still gets its trace and summary). Every process traces its
+  own ops (into profile/process_<i> when there are several); process 0 writes the summary of its trace.
   """
 
-  def __init__(self, config, workdir: str, *, is_writer: bool):
+  def __init__(self, config, workdir: str, *, process_index: int = 0, process_count: int = 1):
     self.first_step, self.num_steps = window(config)
-    self.directory = trace_dir(workdir)
-    self.is_writer = is_writer
+    self.directory = trace_dir(workdir)  # the summary's
+    # jax.profiler names a trace by host and second: processes of one host would write the same files
+    self.traces = self.directory if process_count == 1 else os.path.join(self.directory, f"process_{process_index}")
+    self.is_writer = process_index == 0
     self.started_at: int | None = None
     self.done = self.num_steps == 0
 
@@ -59,10 +61,10 @@ class StepProfiler:
     if self.done or self.started_at is not None or step < self.first_step:
       return
     jax.block_until_ready(state)  # calls dispatched earlier must not run inside the trace
-    os.makedirs(self.directory, exist_ok=True)
-    jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+    os.makedirs(self.traces, exist_ok=True)
+    jax.profiler.start_trace(self.traces, create_perfetto_trace=True)
     self.started_at = step
-    logging.info("Profiling from step %d (%s)", step + 1, self.directory)
+    logging.info("Profiling from step %d (%s)", step + 1, self.traces)
 
   def after_call(self, step: int, outputs, *, window_ends: bool = False) -> bool:
     """Stops the trace once the window's steps have run, or where the loop evaluates or saves next
@@ -89,7 +91,7 @@ class StepProfiler:
     first, self.started_at, self.done = self.started_at, None, True
     if not self.is_writer:
       return
-    text = summarize(self.directory, steps=step - first, first_step=first + 1)
+    text = summarize(self.traces, steps=step - first, first_step=first + 1, relative_to=self.directory)
     with open(os.path.join(self.directory, SUMMARY_FILE), "w") as f:
       f.write(text)
     logging.info("Profile of steps %d-%d written to %s:\n%s", first + 1, step, self.directory,
@@ -129,8 +131,9 @@ def op_kind(name: str) -> str:
   return re.sub(r"\.\d+$", "", name)
 
 
-def summarize(directory: str, *, steps: int, first_step: int, top: int = 15) -> str:
-  """The markdown table of the newest trace under `directory`, per training step (`steps` traced)."""
+def summarize(directory: str, *, steps: int, first_step: int, top: int = 15, relative_to: str | None = None) -> str:
+  """The markdown table of the newest trace under `directory`, per training step (`steps` traced); the
+  trace is named relative to `relative_to` (default `directory`: where the table is written)."""
   if steps < 1:
     raise ValueError(f"steps={steps}: the traced calls ran no step")
   totals, counts, span = op_times(newest_trace(directory))
@@ -145,7 +148,7 @@ def summarize(directory: str, *, steps: int, first_step: int, top: int = 15) -> 
       "",
       f"Traced wall time {per_step(span):.2f} ms a step; XLA ops {per_step(op_total):.2f} ms a step summed over "
       "threads (more than the wall time where ops ran side by side). Trace: "
-      f"`{os.path.relpath(newest_trace(directory), directory)}`.",
+      f"`{os.path.relpath(newest_trace(directory), relative_to or directory)}`.",
       "",
       "| op kind | ms a step | ops a step | share of op time |",
       "| --- | --- | --- | --- |",
