@@ -5,7 +5,8 @@ of a config; the resume order), `schedule` (which steps each jitted call runs), 
 metrics of dispatched calls), `guards` (divergence, SIGTERM / Ctrl-C), `rng` (per-step keys),
 `workdir` (the config record), `inference` (input lines in, answers out; `load_model`), `profiling`
 (a trace of a few steps: config.profile). This module keeps the entry point and the training loop
-that strings them together; it also re-exports the names scripts use (`loop.load_model`, `loop.multi_step`, `loop.TrainingDiverged` ...).
+that strings them together; it also re-exports the names scripts use (`loop.load_model`,
+`loop.multi_step`, `loop.TrainingDiverged` ...).
 
 Steps count completed updates: update number s (1-based) reads the task's train batch s - 1, and
 checkpoint s holds the state after it. Metrics of step s are `metrics.jsonl` rows with "step": s.

@@ -8,8 +8,8 @@ RUN/profile/summary.md: the traced calls' wall time per step, and the time per s
 op (HLO instruction names without their numbers: `ynn_fusion`, `dot`, `copy_bitcast_fusion` ...) and of
 the costliest single ops. Whole calls are traced (a call runs `steps_per_call` steps), so the window
 grows to call boundaries; the table divides by the steps the traced calls ran. Pending calls are waited
-for before the trace starts, and the traced ones before it stops, so no other step's work is in it. An eval or a checkpoint ends the
-window early (the summary names the steps it holds).
+for before the trace starts, and the traced ones before it stops, so no other step's work is in it. An
+eval or a checkpoint ends the window early (the summary names the steps it holds).
 """
 from __future__ import annotations
 

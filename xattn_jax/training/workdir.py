@@ -71,7 +71,8 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
 
   differences = config_differences(config, workdir)
   trained_on = differences.get("data.train_file", (None, None))[0]
-  if mode == "eval" and trained_on and not config.data.get("train_file") and not config.data.get("eval_file"):
+  data = config.get("data") or {}
+  if mode == "eval" and trained_on and not data.get("train_file") and not data.get("eval_file"):
     # "" names the bundled data where a task has some: scoring it instead of the run's held-out text
     # would look like a result.
     raise validation.ConfigError("data.train_file", "", f"the run in {workdir} was trained on {trained_on!r} and "
