@@ -65,6 +65,19 @@ def test_summary_adds_up_the_xla_ops_per_step_and_leaves_host_events_out(tmp_pat
   assert "| `ynn_fusion.1` | 1.50 | 0.5 |" in summary
 
 
+def test_ops_of_several_programs_are_named_by_program_and_kinds_add_up_over_them(tmp_path):
+  """Each program numbers its ops from 1: ynn_fusion.1 of two programs was one row."""
+  events = [{"ph": "X", "ts": 0.0, "dur": 1000.0, "name": "ynn_fusion.1",
+             "args": {"hlo_op": "ynn_fusion.1", "hlo_module": module}} for module in ("jit_a", "jit_b")]
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  with gzip.open(run / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  summary = profiling.summarize(str(tmp_path), steps=1, first_step=1)
+  assert "| `jit_a/ynn_fusion.1` | 1.00 | 1.0 |" in summary and "| `jit_b/ynn_fusion.1` | 1.00 | 1.0 |" in summary
+  assert "| `ynn_fusion` | 2.00 | 2.0 | 100.0% |" in summary
+
+
 def test_a_window_past_the_last_step_is_a_config_error():
   config = template.get_config("size=tiny")
   config.update_from_flattened_dict({"total_steps": 10, "profile.first_step": 10, "profile.num_steps": 5})

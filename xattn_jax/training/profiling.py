@@ -109,7 +109,9 @@ def newest_trace(directory: str) -> str:
 def op_times(trace_path: str) -> tuple[dict[str, float], dict[str, int], float]:
   """({HLO op name: total microseconds}, {name: count}, microseconds from the first event to the last
   op's end) of the XLA ops in one perfetto trace. Ops are the events that carry an `hlo_op`
-  argument; host-side events (Python, dispatch, waits) are not."""
+  argument; host-side events (Python, dispatch, waits) are not. Where the trace holds programs of
+  several names, an op is `program/op` (each program numbers its ops from 1). The programs of one
+  jitted function at several shapes (length bucketing) share its name: their like-named ops add up."""
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
@@ -120,15 +122,20 @@ def op_times(trace_path: str) -> tuple[dict[str, float], dict[str, int], float]:
       continue
     start = min(start, event["ts"])
     if "hlo_op" in event.get("args", {}):
-      totals[event["name"]] += event["dur"]
-      counts[event["name"]] += 1
+      key = (event["args"].get("hlo_module", ""), event["name"])
+      totals[key] += event["dur"]
+      counts[key] += 1
       end = max(end, event["ts"] + event["dur"])
-  return dict(totals), dict(counts), max(end - start, 0.0)
+  several = len({module for module, _ in totals}) > 1
+  name = lambda key: f"{key[0]}/{key[1]}" if several else key[1]  # noqa: E731
+  return ({name(k): v for k, v in totals.items()}, {name(k): v for k, v in counts.items()},
+          max(end - start, 0.0))
 
 
 def op_kind(name: str) -> str:
-  """An HLO instruction's kind: its name without the number XLA appends (`ynn_fusion.116` -> `ynn_fusion`)."""
-  return re.sub(r"\.\d+$", "", name)
+  """An HLO instruction's kind: its name without its program and the number XLA appends
+  (`jit_steps/ynn_fusion.116` -> `ynn_fusion`)."""
+  return re.sub(r"\.\d+$", "", name.rsplit("/", 1)[-1])
 
 
 def summarize(directory: str, *, steps: int, first_step: int, top: int = 15, relative_to: str | None = None) -> str:
