@@ -74,7 +74,7 @@ def test_an_eval_naming_no_file_of_a_run_trained_on_one_is_refused(tmp_path):
   workdir.write_config(trained, str(tmp_path))
   _with_checkpoint(tmp_path)
   with pytest.raises(validation.ConfigError, match=r"^config\.data\.train_file='': the run in .* was trained on "
-                     r"'/data/mine.txt' and this eval names no file"):
+                     r"'/data/mine.txt' and this eval names no data file"):
     workdir.check_same_model(lm_text.get_config(), str(tmp_path), mode="eval")
   other = lm_text.get_config()
   other.data.eval_file = "/data/other.txt"  # another file to score is an eval's to choose

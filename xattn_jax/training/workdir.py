@@ -76,8 +76,9 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
     # "" names the bundled data where a task has some: scoring it instead of the run's held-out text
     # would look like a result.
     raise validation.ConfigError("data.train_file", "", f"the run in {workdir} was trained on {trained_on!r} and "
-                                 "this eval names no file; name it (its held-out part is scored) or "
-                                 f"data.eval_file, or use --config={os.path.join(workdir, 'config.py')}")
+                                 "this eval names no data file; name data.eval_file (or data.train_file, where the "
+                                 "task scores the part it held out), or use "
+                                 f"--config={os.path.join(workdir, 'config.py')}")
   # The first difference reported: another task or model by name (a whole other kind of run: its
   # other fields differ too, and the alphabetically first of them would hide why), then by section.
   reported = [field for field in ("task.name", "model.name") if field in differences] + [
