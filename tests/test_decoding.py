@@ -485,3 +485,27 @@ def test_generate_refuses_beam_arguments_next_to_options():
   with pytest.raises(ValueError, match="beam_size=4 / alpha=0.6 were given with options"):
     decoding.generate(model, inputs, max_length=3, bos_id=BOS, eos_id=EOS, beam_size=4,
                       options=decoding.DecodingOptions(method="sample"), rng=jax.random.key(0))
+
+
+@pytest.mark.parametrize("method", decoding.DECODING_METHODS)
+def test_suppressed_ids_are_never_emitted_whatever_the_search(method):
+  """A VLM asked about characters its LM never saw wrote 32 unknown pieces ('⁇ ⁇ ...')."""
+  logits = jnp.log(jnp.asarray([0.01, 0.01, 1e-9, 0.9, 0.05, 0.03]))  # id 3 (an unknown piece) dominates; no EOS
+  options = decoding.DecodingOptions(method=method, beam_size=2)
+  run = jax.jit(lambda keys, suppress: decoding.search(
+      _constant_step(logits), jnp.zeros(()), options, batch_size=64, max_length=4, bos_id=BOS, eos_id=EOS,
+      rng=keys, suppress_ids=suppress), static_argnums=1)
+  keys = jax.random.split(jax.random.key(0), 64)
+  assert 3 in np.asarray(run(keys, ()).tokens)  # the case the suppression is about
+  tokens = np.asarray(run(keys, (PAD, BOS, 3)).tokens)
+  assert not np.isin(tokens, [PAD, BOS, 3]).any()  # (no EOS is drawn, so nothing pads)
+  if method != "sample":
+    assert (tokens == 4).all()  # the best of the rest
+
+
+def test_suppress_ids_are_checked():
+  with pytest.raises(ValueError, match="suppress_ids must be non-negative ints"):
+    decoding.suppressing(_constant_step([0.0, 1.0]), (-1,))
+  step = decoding.suppressing(_constant_step([0.0, 1.0]), (5,))
+  with pytest.raises(ValueError, match=r"suppress_ids \(5,\) reach past the vocabulary of 2"):
+    step(jnp.zeros((1, 1), jnp.int32), None)

@@ -28,7 +28,9 @@ filling the cache with all of it but its last token, which is then fed first (`f
 
 `DecodingOptions` names one of `DECODING_METHODS` and its options, validated once (a bad field is a
 `DecodingOptionError` naming it); `options_from_mapping` reads them from a plain mapping (a config
-section); `search` and `generate` run them.
+section); `search` and `generate` run them. `suppress_ids` (of `search` and `generate`) are ids no
+search may emit: a task passes its tokenizer's padding, BOS and unknown piece
+(`Tokenizer.never_generated_ids`), which a model that has seen little text may otherwise rank first.
 """
 from __future__ import annotations
 
@@ -446,15 +448,36 @@ _SEARCHES = {"greedy": _run_greedy, "beam": _run_beam, "sample": _run_sample}
 DECODING_METHODS = tuple(_SEARCHES)
 
 
+def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
+  """decode_step whose logits at `suppress_ids` are -inf: no search picks them, and the others'
+  probabilities are renormalized without them."""
+  ids = tuple(suppress_ids)
+  if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+    raise ValueError(f"decoding: suppress_ids must be non-negative ints, got {ids!r}")
+  if not ids:
+    return decode_step
+  banned = sorted(set(ids))
+
+  def step(tokens, cache):
+    logits, cache = decode_step(tokens, cache)  # -> [batch, 1, vocab]
+    if banned[-1] >= logits.shape[-1]:
+      raise ValueError(f"decoding: suppress_ids {ids!r} reach past the vocabulary of {logits.shape[-1]}")
+    return logits.at[..., jnp.asarray(banned, jnp.int32)].set(-jnp.inf), cache
+
+  return step
+
+
 def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_size: int, max_length: int,
            bos_id: int, eos_id: int, pad_id: int = 0, rng=None, first_tokens=None,
-           cache_batch_axis: int = 0) -> GreedyOutput:
+           cache_batch_axis: int = 0, suppress_ids: tuple[int, ...] = ()) -> GreedyOutput:
   """Runs options.method: tokens [batch, max_length] and scores [batch] (beam: its best beam's).
 
-  rng (one key, or one per row) is needed by method "sample" only; cache_batch_axis is beam's.
+  rng (one key, or one per row) is needed by method "sample" only; cache_batch_axis is beam's;
+  suppress_ids are never emitted (`suppressing`).
   """
   if not isinstance(options, DecodingOptions):
     raise ValueError(f"decoding: options must be a DecodingOptions, got {type(options).__name__}")
+  decode_step = suppressing(decode_step, suppress_ids)
   common = dict(batch_size=batch_size, max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
                 first_tokens=first_tokens)
   if options.method == "beam":
@@ -463,7 +486,8 @@ def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_si
 
 
 def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id: int = 0, beam_size: int = 1,
-             alpha: float = 0.6, options: DecodingOptions | None = None, rng=None):
+             alpha: float = 0.6, options: DecodingOptions | None = None, rng=None,
+             suppress_ids: tuple[int, ...] = ()):
   """Encoder-decoder generation: inputs int[b, s] -> tokens [b, max_length] (EOS then padding).
 
   `model` is any encoder-decoder with `encode(inputs) -> memory`, `init_cache(memory, memory_valid,
@@ -471,7 +495,8 @@ def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id
   cross-attention keys / values projected once; the search then runs as one `lax.while_loop` over the
   step. `options` chooses the method (greedy, beam: its best beam, sample: needs `rng`, one key or one
   per row); without it, greedy when beam_size = 1 and beam search with beam_size and alpha otherwise.
-  Wrap in `nnx.jit` with max_length, the ids, beam_size, alpha and options static.
+  suppress_ids are never emitted. Wrap in `nnx.jit` with max_length, the ids, beam_size, alpha, options
+  and suppress_ids static.
   """
   if options is None:
     options = DecodingOptions(method="greedy" if beam_size == 1 else "beam", beam_size=beam_size, alpha=alpha)
@@ -484,4 +509,4 @@ def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id
   memory = model.encode(inputs)  # -> [b, s, encoder.d_model]
   cache = model.init_cache(memory, inputs != pad_id, max_length)
   return search(model.loop_step(), cache, options, batch_size=inputs.shape[0], max_length=max_length,
-                bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, rng=rng).tokens
+                bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, rng=rng, suppress_ids=suppress_ids).tokens

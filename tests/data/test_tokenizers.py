@@ -190,3 +190,8 @@ def test_unknown_characters_are_those_without_a_piece(sentencepiece_model):
   assert sentencepiece_model.unknown_characters(["dimanche 29", "novembre"]) == ""
   assert sentencepiece_model.unknown_characters(["dimanche ☃", "€ novembre ☃"]) == "€☃"
   assert sentencepiece_model.unk_id in sentencepiece_model.encode("☃")
+
+
+def test_the_ids_a_text_never_holds_are_padding_bos_and_the_unknown_piece(sentencepiece_model):
+  assert sentencepiece_model.never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID, sentencepiece_model.unk_id)
+  assert tokenizers.ByteTokenizer().never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID)

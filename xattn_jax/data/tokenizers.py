@@ -60,6 +60,11 @@ class Tokenizer(abc.ABC):
       kept.append(token_id)
     return self._decode_ids(kept)
 
+  @property
+  def never_generated_ids(self) -> tuple[int, ...]:
+    """Ids a generated text never holds (`decoding.search`'s suppress_ids): padding and BOS."""
+    return (self.pad_id, self.bos_id)
+
   def continuation(self, prompt_ids: Sequence[int], new_ids: Iterable[int]) -> str:
     """The text that `new_ids` add after the prompt's: decode(prompt + new) less decode(prompt).
 
@@ -132,6 +137,11 @@ class SentencePieceTokenizer(Tokenizer):
   def unk_id(self) -> int:
     """The id of text the model has no piece for (a character absent from its training text)."""
     return self._processor.unk_id()
+
+  @property
+  def never_generated_ids(self) -> tuple[int, ...]:
+    """Padding, BOS and the unknown piece: written out, it reads '⁇'."""
+    return (self.pad_id, self.bos_id, self.unk_id)
 
   def unknown_characters(self, texts: Iterable[str]) -> str:
     """The characters of `texts` this model has no piece for (each encodes as unk_id), sorted."""

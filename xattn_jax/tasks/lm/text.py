@@ -127,16 +127,17 @@ def make_language_model(model_config, vocab_size: int, *, max_length: int, dtype
       implementation=m.get("implementation") or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options):
+def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options, suppress_ids=()):
   """Left-padded prompts tokens [b, t] (t >= 2) -> continuations [b, max_new_tokens] (EOS, then padding).
 
-  The prompt but its last token fills the cache; the last token is fed first (decoding.search).
+  The prompt but its last token fills the cache; the last token is fed first (decoding.search, which
+  never emits suppress_ids).
   """
   cache = model.init_cache(tokens.shape[0], capacity)
   _, cache = model.prefill(tokens[:, :-1], cache, valid=valid[:, :-1])
   return decoding.search(model.loop_step(), cache, options, batch_size=tokens.shape[0],
                          max_length=max_new_tokens, bos_id=tokenizers.BOS_ID, eos_id=tokenizers.EOS_ID,
-                         rng=rng, first_tokens=tokens[:, -1]).tokens
+                         rng=rng, first_tokens=tokens[:, -1], suppress_ids=suppress_ids).tokens
 
 
 @task_lib.register("lm")
@@ -202,7 +203,7 @@ class LanguageModelTask(task_lib.Task):
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
                    len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
     self._eval_sums = nnx.jit(self._sums)
-    self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
+    self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options", "suppress_ids"))
 
   # --- data -------------------------------------------------------------------------------------
 
@@ -312,7 +313,8 @@ class LanguageModelTask(task_lib.Task):
     tokens, valid = lm_lib.left_pad(prompts, width)
     rng = decoding_config.row_keys(self.config, len(lines))
     continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
-                                              capacity=width - 1 + new, max_new_tokens=new, options=self.options))
+                                              capacity=width - 1 + new, max_new_tokens=new, options=self.options,
+                                              suppress_ids=self.tokenizer.never_generated_ids))
     return [_continue(line, self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0]))
             for line, prompt, row in zip(lines, prompts, continuations)]
 

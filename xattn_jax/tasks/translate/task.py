@@ -258,7 +258,8 @@ class TranslateTask(task_lib.Task):
       self._log_bleu_choice()
     self.vocab_size = self.tokenizer.vocab_size
     self.options = decoding_config.decoding_options(config)
-    self._generate = nnx.jit(decoding.generate, static_argnames=("max_length", "bos_id", "eos_id", "options"))
+    self._generate = nnx.jit(decoding.generate,
+                             static_argnames=("max_length", "bos_id", "eos_id", "options", "suppress_ids"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
         inputs, decoder_inputs))
 
@@ -506,7 +507,7 @@ class TranslateTask(task_lib.Task):
       rng = decoding_config.row_keys(self.config, size, offset=start)
       ids = self._generate(model, sharding.rows_on_mesh(padded, self.rows_sharding), max_length=max_length,
                            bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, options=self.options,
-                           rng=rng)
+                           rng=rng, suppress_ids=self.tokenizer.never_generated_ids)
       outputs += [self.tokenizer.decode(row) for row in sharding.rows_to_host(ids)[:len(chunk)]]
     return outputs
 
@@ -537,7 +538,8 @@ class TranslateTask(task_lib.Task):
   def _plot_attention(self, model, inputs):
     """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each."""
     generated = np.asarray(self._generate(model, jnp.asarray(inputs), max_length=self._max_decode_length(),
-                                          bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id))
+                                          bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id,
+                                          suppress_ids=self.tokenizer.never_generated_ids))
     decoder_inputs = np.concatenate([np.full((len(inputs), 1), self.tokenizer.bos_id, np.int32),
                                      generated[:, :-1]], axis=1)
     weights = np.asarray(self._attention(model, jnp.asarray(inputs), jnp.asarray(decoder_inputs)))

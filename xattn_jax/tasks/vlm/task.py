@@ -519,10 +519,10 @@ class VLMTask(task_lib.Task):
 
   @functools.cached_property
   def _generate(self):
-    options = self.options
+    options, suppress = self.options, self.tokenizer.never_generated_ids
     return nnx.jit(lambda model, images, pixel_valid, image_valid, prompt, valid, keys, max_new: model.generate(
         images, pixel_valid, image_valid, prompt, valid, max_length=max_new, eos_id=tokenizers.EOS_ID,
-        options=options, rng=keys)[0], static_argnames="max_new")
+        options=options, rng=keys, suppress_ids=suppress)[0], static_argnames="max_new")
 
   def _cut(self, row, stop: int) -> str:
     """The generated ids up to the token that ends a target (or EOS, a marker, an invalid id), as text."""
