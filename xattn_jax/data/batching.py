@@ -199,9 +199,10 @@ class TranslationBatches:
     self.source_lengths = np.minimum(source.lengths, self.max_source_length)           # [num_examples]
     self.target_lengths = np.minimum(target.lengths + 1, self.max_target_length)       # [num_examples], EOS included
     self._rows = self._pack() if packing else None  # list of example-index arrays, one per packed row
-    # Bucketing sorts by padded (source, target) length: a batch of one key pads to one shape.
-    buckets = -(-np.stack([self.source_lengths, self.target_lengths], 1) // self.pad_multiple)
-    self._order = EpochOrder(self.num_units, buckets if self.length_bucketing else None)
+    # [num_examples, 2]: (source, target) lengths in units of pad_multiple, rounded up. Bucketing sorts by
+    # them: a batch of one key pads to one shape.
+    self.length_buckets = -(-np.stack([self.source_lengths, self.target_lengths], 1) // self.pad_multiple)
+    self._order = EpochOrder(self.num_units, self.length_buckets if self.length_bucketing else None)
 
   @classmethod
   def from_pairs(cls, pairs: Sequence[tuple[str, str]], tokenizer: tokenizers.Tokenizer,

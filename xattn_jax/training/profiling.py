@@ -143,7 +143,8 @@ def summarize(directory: str, *, steps: int, first_step: int, top: int = 15, rel
   trace is named relative to `relative_to` (default `directory`: where the table is written)."""
   if steps < 1:
     raise ValueError(f"steps={steps}: the traced calls ran no step")
-  totals, counts, span = op_times(newest_trace(directory))
+  trace = newest_trace(directory)
+  totals, counts, span = op_times(trace)
   kinds, kind_counts = collections.Counter(), collections.Counter()
   for name, micros in totals.items():
     kinds[op_kind(name)] += micros
@@ -155,7 +156,7 @@ def summarize(directory: str, *, steps: int, first_step: int, top: int = 15, rel
       "",
       f"Traced wall time {per_step(span):.2f} ms a step; XLA ops {per_step(op_total):.2f} ms a step summed over "
       "threads (more than the wall time where ops ran side by side). Trace: "
-      f"`{os.path.relpath(newest_trace(directory), relative_to or directory)}`.",
+      f"`{os.path.relpath(trace, relative_to or directory)}`.",
       "",
       "| op kind | ms a step | ops a step | share of op time |",
       "| --- | --- | --- | --- |",

@@ -417,8 +417,7 @@ class TranslateTask(task_lib.Task):
     data, batches = self.config.data, self.train_batches
     if data.length_bucketing or data.packing:
       return
-    lengths = np.maximum(np.concatenate([batches.source_lengths, batches.target_lengths]), 1)
-    own = float(np.sum(-(-lengths // batches.pad_multiple) * batches.pad_multiple))
+    own = float(batches.length_buckets.sum() * batches.pad_multiple)
     slots = batches.num_units * (batches.max_source_length + batches.max_target_length)
     if own and slots > 2 * own:
       logging.warning("%s: rows are padded to %d source / %d target tokens (the longest example), %.1fx the token "
