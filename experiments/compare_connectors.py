@@ -130,6 +130,9 @@ def _cost_by_scale(task, scales, digits: int) -> list[dict]:
     height, width = (int(n) // data.scale for n in task.encoder_model.grid.split("x"))  # the grid at scale 1
     twin.encoder_model.grid = f"{height * scale}x{width * scale}"
     twin.canvas, twin.weights = vlm_digits.canvas_for(data.max_digits, scale), None
+    # the cross-entropy step: task.distill_weight adds a squared error over states the pass computes anyway,
+    # read from states cached before training (its steps/s is in the trained runs' rows)
+    twin.distill_weight = 0.0
     model = twin.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
     examples = vlm_digits.make_examples("test", 16 * digits, data.eval_seed, max_digits=digits, kinds=("caption",),
                                         scale=scale)
@@ -325,7 +328,8 @@ def render_cost(cost: dict) -> list[str]:
            "random weights (times depend on shapes only); a batch of batch_size k-digit captions, medians of 5 rounds "
            "interleaved over k. M: features the encoder hands on; tokens: what one image takes in the LM's "
            "sequence; step: forward + backward of the connector's gradients, from pixels (the frozen encoder inside) "
-           "and from cached features (what training runs, data.cache_features).", "",
+           "and from cached features (what training runs, data.cache_features); the cross-entropy alone (a "
+           "connector trained with task.distill_weight adds a squared error over states the pass computes).", "",
            "| connector | scale | k | M | tokens to the LM | trainable params | forward ms | step ms | cached step ms |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for connector, rows in cost.items():

@@ -286,3 +286,36 @@ def test_unknown_connector_raises_naming_it():
   encoder, lm = make_parts()
   with pytest.raises(ValueError, match="connector must be one of"):
     vlm.VisionLanguageModel(encoder, lm, connector="mlp", image_token_id=IMAGE, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("connector", sorted(vlm.CONNECTORS))
+def test_forward_records_the_residual_after_each_lm_block_without_changing_the_logits(connector):
+  model = make_vlm(connector, gates=0.5 if connector == "flamingo" else None)
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  hidden = []
+  logits = model(*make_images(), tokens, valid, hidden=hidden)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(*make_images(), tokens, valid)))
+  assert [h.shape for h in hidden] == [(2, tokens.shape[1], 32)] * model.lm.num_layers
+  assert not np.allclose(np.asarray(hidden[0]), np.asarray(hidden[1]))
+
+
+def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
+  """At initialisation flamingo is the frozen LM: its states on a text equal `text_hidden_states` of that text,
+  so the description distillation of a text against itself is 0."""
+  from xattn_jax.tasks.vlm import task as vlm_task
+  model = make_vlm("flamingo")
+  rows = [[1, 5, IMAGE, 6, 7, 8, EOS], [1, IMAGE, 9, 10, EOS, 0, 0]]
+  tokens = jnp.asarray(rows)
+  hidden = []
+  model(*make_images(), tokens, tokens != 0, hidden=hidden)
+  text = model.text_hidden_states(tokens)
+  valid = np.asarray(tokens != 0)
+  for h, t in zip(hidden, text, strict=True):
+    np.testing.assert_allclose(np.asarray(h)[valid], np.asarray(t)[valid], rtol=1e-5, atol=1e-5)
+  target = jnp.stack(text, axis=2)
+  assert float(vlm_task.description_distillation(hidden, target, tokens != 0)) < 1e-9
+  assert float(vlm_task.description_distillation(hidden, target + 1.0, tokens != 0)) > 0.1
+  with pytest.raises(ValueError, match="target must be"):
+    vlm_task.description_distillation(hidden, target[:, :, :1], tokens != 0)
+  with pytest.raises(ValueError, match="tokens must be int"):
+    model.text_hidden_states(tokens.astype(jnp.float32))

@@ -58,19 +58,31 @@ def config_error_field(*argv):
     ("--config.data.scale=2", "config.data.scale"),  # the frozen encoder reads digits at scale 1
     ("--config.data.scale=0", "config.data.scale"),
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
+    ("--config.task.distill_weight=-1.0", "config.task.distill_weight"),
 ])
 def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field
 
 
+def test_description_distillation_needs_the_bundled_strips_descriptions():
+  assert config_error_field("--config=configs/vlm_tsv.py", "--config.task.distill_weight=1.0") == \
+      "config.task.distill_weight"
+  assert config_error_field("--config=configs/vlm_digits.py:distill=0.5") is None
+
+
 def test_each_connector_trains_its_own_default_steps_and_learning_rate_unless_the_config_names_them():
-  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS)
+  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS) == \
+      set(vlm_digits_config.DEFAULT_DISTILL)
   for connector, steps in vlm_digits_config.DEFAULT_STEPS.items():
     loaded = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}")
     assert (loaded.total_steps, loaded.eval_every_steps, loaded.checkpoint.every_steps) == (steps,) * 3
     assert loaded.optimizer.learning_rate == vlm_digits_config.DEFAULT_LR[connector]
     pairs = helpers.load_config(f"--config=configs/vlm_tsv.py:connector={connector}")
     assert pairs.optimizer.learning_rate == vlm_digits_config.DEFAULT_LR[connector]
+    assert loaded.task.distill_weight == vlm_digits_config.DEFAULT_DISTILL[connector]
+    assert pairs.task.distill_weight == 0.0  # a user's pairs have no descriptions
+    off = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector},distill=0")
+    assert off.task.distill_weight == 0.0
   named = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,steps=50,lr=0.002")
   assert (named.total_steps, named.optimizer.learning_rate) == (50, 0.002)
 
@@ -320,3 +332,84 @@ def test_training_features_are_read_by_the_encoder_only_while_they_fit_in_memory
   monkeypatch.setattr(vlm_task, "FEATURE_CACHE_MAX_BYTES", 1000)
   batch = vlm_task.VLMTask(config, None, "train").train_batch(0, process_index=0, process_count=1)
   assert "images" in batch and "features" not in batch
+
+
+@pytest.mark.parametrize("connector", ["flamingo", "qformer,queries=4", "llava"])
+def test_distillation_pairs_each_token_after_an_image_with_its_place_in_the_described_text(connector):
+  """task.distill_weight: a training row also carries its text with each image described in words, and where
+  each of its tokens sits there: the marker of every image and all text after the first; soft tokens and the
+  text before the first image are not compared."""
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.cache_features": False}
+  config = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector},distill=1.0",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  for example, layout in zip(task.train_examples, task.train_layouts):
+    described = task.tokenizer.decode(layout.teacher_ids[1:-1].tolist())
+    assert described.split() == vlm_digits.described_text_of(example).split()
+    compared = layout.teacher_index >= 0
+    np.testing.assert_array_equal(layout.teacher_ids[layout.teacher_index[compared]], layout.ids[compared])
+    first_marker = int(np.argmax(layout.ids == task.marker))
+    assert not compared[:first_marker].any()
+    np.testing.assert_array_equal(compared[first_marker:], layout.ids[first_marker:] != vlm.SOFT_TOKEN)
+  assert {len(example.images) for example in task.train_examples} == {1, 2}
+  # the frozen LM's states on the described texts, computed once: those of its own pass over each text
+  import jax.numpy as jnp
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  batch = task.train_batch(0, process_index=0, process_count=1)
+  rows = task._train_order.batch(0, config.data.seed, config.batch_size)  # bucketed, the default
+  lm = task.lm_model
+  assert batch["distill_target"].shape == batch["tokens"].shape + (lm.num_layers, lm.d_model)
+  for row, index in enumerate(rows[:4]):
+    layout = task.train_layouts[index]
+    states = np.stack(model.text_hidden_states(jnp.asarray(layout.teacher_ids[None])), axis=2)[0]
+    compared = np.flatnonzero(layout.teacher_index >= 0)
+    np.testing.assert_array_equal(np.flatnonzero(batch["distill_mask"][row]), compared)
+    np.testing.assert_allclose(batch["distill_target"][row, compared], states[layout.teacher_index[compared]],
+                               rtol=1e-4, atol=1e-5)
+  eval_batch = next(task.eval_batches(process_index=0, process_count=1))
+  assert "distill_target" not in eval_batch
+
+
+def test_distillation_is_learned_and_trains_only_the_connector():
+  """Steps on the distillation term alone bring the LM's states reading a batch's images toward its states
+  reading their descriptions; its gradients reach the connector only."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm"}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=qformer,queries=4,distill=1.0",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  batch = {k: jnp.asarray(v) for k, v in task.train_batch(0, process_index=0, process_count=1).items()}
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  frozen = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, vlm.latent_reader.FrozenParam)))
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    def distill(model):
+      return task.loss(model, batch, rngs=None)[1]["distill"]
+    value, grads = nnx.value_and_grad(distill)(model)
+    optimizer.update(model, grads)
+    return value
+  losses = [float(step(model, optimizer)) for _ in range(40)]
+  assert losses[-1] < 0.6 * losses[0], losses
+  after = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, vlm.latent_reader.FrozenParam)))
+  jax.tree.map(np.testing.assert_array_equal, frozen, after)
+
+
+def test_distillation_refuses_more_blocks_than_the_lm_has_and_states_that_do_not_fit(monkeypatch):
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.cache_features": False}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=qformer,distill=1.0,distill_blocks=9",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  with pytest.raises(validation.ConfigError, match="task.distill_blocks"):
+    vlm_task.VLMTask(config, None, "train")
+  config.task.distill_blocks = 0
+  monkeypatch.setattr(vlm_task, "DESCRIBED_STATES_MAX_BYTES", 1000)
+  with pytest.raises(validation.ConfigError, match="task.distill_weight.*GiB"):
+    vlm_task.VLMTask(config, None, "train")

@@ -289,6 +289,31 @@ def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int =
 
 # --- the model ----------------------------------------------------------------------------------
 
+def _recording(insert: dict, hidden: list | None, num_layers: int) -> dict | None:
+  """LM insert hooks that also append the residual stream after each block (hook keys 1..num_layers) to
+  `hidden`, before the hook's own function at that layer runs; `hidden` None: `insert` as it is."""
+  if hidden is None:
+    return insert or None
+
+  def at(layer):
+    inner = insert.get(layer)
+
+    def apply(x):
+      hidden.append(x)
+      return x if inner is None else inner(x)
+    return apply
+  return {**insert, **{layer: at(layer) for layer in range(1, num_layers + 1)}}
+
+
+def lm_hidden_states(lm: lm_lib.LanguageModel, tokens) -> list[jax.Array]:
+  """A language model on a text, tokens int [b, t] (right-padded, positions 0..) -> its residual stream after
+  each of its L blocks, [b, t, d_model] each. No gradient flows through them."""
+  lm_lib._check_tokens("lm_hidden_states", tokens)
+  hidden = []
+  lm(tokens, insert=_recording({}, hidden, lm.num_layers))
+  return [jax.lax.stop_gradient(h) for h in hidden]
+
+
 class VisionLanguageModel(nnx.Module):
   """A frozen image encoder and a frozen LM joined by a trainable connector; see the module docstring.
 
@@ -534,23 +559,32 @@ class VisionLanguageModel(nnx.Module):
   # --- training pass ------------------------------------------------------------------------------
 
   def __call__(self, images, pixel_valid, image_valid, tokens, valid=None, *, features=None,
-               deterministic: bool = True):
-    """-> logits [b, T, vocab] (float32); arrays as in the module docstring, features as in `encode_images`."""
+               deterministic: bool = True, hidden: list | None = None):
+    """-> logits [b, T, vocab] (float32); arrays as in the module docstring, features as in `encode_images`,
+    hidden as in `forward`."""
     valid = self._check_text(tokens, valid)
     context = self.encode_images(images, pixel_valid, image_valid, features=features, deterministic=deterministic)
-    return self.forward(context, tokens, valid, deterministic=deterministic)
+    return self.forward(context, tokens, valid, deterministic=deterministic, hidden=hidden)
 
-  def forward(self, context: ImageContext, tokens, valid=None, *, deterministic: bool = True):
-    """The LM pass over tokens [b, T] given an image context -> logits [b, T, vocab]."""
+  def forward(self, context: ImageContext, tokens, valid=None, *, deterministic: bool = True,
+              hidden: list | None = None):
+    """The LM pass over tokens [b, T] given an image context -> logits [b, T, vocab]. A list `hidden` receives
+    the LM's residual stream after each of its L blocks ([b, T, d_lm] each, before any gated block that
+    follows), as `text_hidden_states` gives a text's."""
     valid = self._check_text(tokens, valid)
     positions = self.positions(tokens, valid, context)
     segment_ids = valid.astype(jnp.int32)  # padding (0) is hidden from every real token
     if self.connector.prefix_tokens:
       return self.lm(tokens[:, :0], prefix=self._embed(tokens, valid, context), positions=positions,
-                     segment_ids=segment_ids)
+                     segment_ids=segment_ids, insert=_recording({}, hidden, self.lm.num_layers))
     mask = self._memory_mask(self._media(tokens, valid), context.memory_image, context.memory_valid)
     insert = self._insert(self._project_memories(context), mask, deterministic)
-    return self.lm(tokens, positions=positions, segment_ids=segment_ids, insert=insert)
+    return self.lm(tokens, positions=positions, segment_ids=segment_ids,
+                   insert=_recording(insert, hidden, self.lm.num_layers))
+
+  def text_hidden_states(self, tokens) -> list[jax.Array]:
+    """The frozen LM alone on a text (`lm_hidden_states`), as `forward(hidden=)` records it with images."""
+    return lm_hidden_states(self.lm, tokens)
 
   def attention_maps(self, images, pixel_valid, image_valid, tokens, valid=None) -> jax.Array:
     """Where the connector looks in the images (float32 probabilities, deterministic; arrays as in __call__).

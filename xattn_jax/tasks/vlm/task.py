@@ -78,6 +78,9 @@ EVAL_METRICS = ("eval/loss", "eval/token_accuracy", "eval/exact_match", "eval/ch
 # data.cache_features holds the training images' frozen features in host memory up to this size; a larger
 # training set runs the encoder in every step instead (logged).
 FEATURE_CACHE_MAX_BYTES = 2 << 30
+# task.distill_weight holds the frozen LM's states on the described training texts in host memory, up to this
+# size; a larger training set is refused before training (those states are what the distillation reads).
+DESCRIBED_STATES_MAX_BYTES = 2 << 30
 
 
 def canvas(config) -> tuple[int, int]:
@@ -130,6 +133,10 @@ class Layout:
   labels: np.ndarray
   weights: np.ndarray
   targets: tuple[tuple[int, int, str], ...]
+  # task.distill_weight > 0 (training examples): the text with each image described in words instead of its
+  # soft tokens, and for each position of ids the position of the same token there (-1: not distilled)
+  teacher_ids: np.ndarray | None = None
+  teacher_index: np.ndarray | None = None
 
 
 @task_lib.register("vlm")
@@ -155,6 +162,15 @@ class VLMTask(task_lib.Task):
                                 "model.qformer_blocks", "model.qformer_cross_attention_every",
                                 "model.spatial_merge", "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
     validation.require_positive(config, "model.num_latents", allow_zero=True)
+    distill = config.task.get("distill_weight", 0.0)
+    if isinstance(distill, bool) or not isinstance(distill, (int, float)) or not 0 <= distill < float("inf"):
+      raise validation.ConfigError("task.distill_weight", distill, "must be a finite number >= 0 (0: off)")
+    if distill and data.source != "digits":
+      raise validation.ConfigError("task.distill_weight", distill,
+                                   f"distils from the images' descriptions in words, which only the bundled "
+                                   f"strips have: data.source='digits' only (or 0), got data.source={data.source!r}")
+    if "distill_blocks" in config.task:
+      validation.require_positive(config, "task.distill_blocks", allow_zero=True)
     if model.spatial_merge > 1 and not vlm.CONNECTORS[model.connector].spatial:
       raise validation.ConfigError("model.spatial_merge", model.spatial_merge,
                                    f"merges the patches that become soft tokens: connector=llava only (or 1), got "
@@ -268,9 +284,11 @@ class VLMTask(task_lib.Task):
                                    f"its tokenizer splits {vlm_digits.IMAGE_TOKEN!r} into {len(marker)} pieces")
     self.marker = marker[0]
     self.patch_size = self.encoder_model.patch_size
+    self.distill_weight = float(config.task.get("distill_weight", 0.0)) if mode == "train" else 0.0
+    self.distill_blocks = config.task.get("distill_blocks", 0) or None  # 0: every block's output
     self.train_examples = self._examples("train") if mode == "train" else []
     self.eval_examples = self._examples("eval") if mode != "infer" else []
-    self.train_layouts = [self.layout(e) for e in self.train_examples]
+    self.train_layouts = [self.layout(e, teacher=bool(self.distill_weight)) for e in self.train_examples]
     self.length_bucketing = bool(config.data.get("length_bucketing", False))  # absent from older runs' configs
     # Bucketed, each epoch is sorted by image count only: sorted by length too, the bundled batches held one
     # kind of question each, and the Q-Former fell from 0.920 to 0.779 exact match.
@@ -282,6 +300,7 @@ class VLMTask(task_lib.Task):
     self._train_features = None  # (table [images, 1 + P, width], example i's images at offsets[i]:offsets[i + 1])
     if mode == "train" and config.data.get("cache_features", False):
       self._train_features = self._cache_features()
+    self._teacher_states = self._describe_states() if self.distill_weight else None
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
     prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
@@ -386,6 +405,39 @@ class VLMTask(task_lib.Task):
                  table.nbytes / 2**20)
     return table, offsets
 
+  def _describe_states(self, chunk: int = 256) -> list[np.ndarray]:
+    """task.distill_weight: the frozen LM's residual stream on each training example's described text (Layout
+    teacher_ids), after its first task.distill_blocks blocks (0: all), computed once (the LM is frozen) ->
+    per example float32 [positions compared, blocks, d_lm], the positions where its teacher_index >= 0."""
+    blocks = self.distill_blocks or self.lm_model.num_layers
+    if blocks > self.lm_model.num_layers:
+      raise validation.ConfigError("task.distill_blocks", blocks,
+                                   f"must be at most the frozen LM's {self.lm_model.num_layers} blocks (0: all)")
+    compared = sum(int(np.sum(layout.teacher_index >= 0)) for layout in self.train_layouts)
+    size = compared * blocks * self.lm_model.d_model * 4
+    if size > DESCRIBED_STATES_MAX_BYTES:
+      raise validation.ConfigError("task.distill_weight", self.distill_weight,
+                                   f"the frozen LM's states on the {len(self.train_layouts)} described training "
+                                   f"texts would take {size / 2**30:.1f} GiB (at most "
+                                   f"{DESCRIBED_STATES_MAX_BYTES / 2**30:.1f}): fewer data.num_train_examples, fewer "
+                                   f"task.distill_blocks, or 0")
+    lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
+                                     dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))
+    _set_params(lm, self.weights["lm"])
+    read = nnx.jit(lambda lm, tokens: jnp.stack(vlm.lm_hidden_states(lm, tokens)[:blocks], axis=2))
+    width = batching.round_up(max(len(layout.teacher_ids) for layout in self.train_layouts), 8)
+    states = []
+    for start in range(0, len(self.train_layouts), chunk):
+      part = self.train_layouts[start:start + chunk]
+      tokens = np.zeros((chunk, width), np.int32)  # one shape: one compiled program
+      for row, layout in enumerate(part):
+        tokens[row, :len(layout.teacher_ids)] = layout.teacher_ids
+      hidden = np.asarray(read(lm, tokens))  # [chunk, width, blocks, d]
+      states += [hidden[row, layout.teacher_index[layout.teacher_index >= 0]] for row, layout in enumerate(part)]
+    logging.info("task.distill_weight: the frozen LM's states on %d described texts cached (%.0f MiB)",
+                 len(states), size / 2**20)
+    return states
+
   # --- token layout -----------------------------------------------------------------------------
 
   def slots(self, image: np.ndarray) -> int:
@@ -394,20 +446,31 @@ class VLMTask(task_lib.Task):
     model = self.config.model
     return vlm.slots_per_image(model.connector, grid, num_queries=model.num_queries, spatial_merge=model.spatial_merge)
 
-  def layout(self, example: vlm_digits.VLMExample) -> Layout:
-    """The example's token layout (see the module docstring)."""
-    pieces = []
+  def layout(self, example: vlm_digits.VLMExample, *, teacher: bool = False) -> Layout:
+    """The example's token layout (see the module docstring); teacher: with its described text (Layout)."""
+    pieces, described = [], []
     for role, value in example.segments:
       if role == "image":
         pieces.append((role, [vlm.SOFT_TOKEN] * self.slots(example.images[value]) + [self.marker]))
+        if teacher:
+          described.append(self.tokenizer.encode(vlm_digits.digit_words(example.digits[value])) + [self.marker])
       else:
         pieces.append((role, self.tokenizer.encode(str(value))))
+        described.append(pieces[-1][1])
     ids = [self.tokenizer.bos_id]
+    teacher_ids, teacher_index = [self.tokenizer.bos_id], [-1]  # before the first image the texts agree
+    seen = False
     spans = []
-    for role, piece in pieces:
+    for (role, piece), words in zip(pieces, described if teacher else [None] * len(pieces)):
       if role == "target":
         spans.append((len(ids), len(ids) + len(piece)))
       ids += piece
+      if teacher:  # an image: its soft tokens are not matched, its marker and all text after it are
+        seen = seen or role == "image"
+        shared = [i for i, token in enumerate(piece) if token != vlm.SOFT_TOKEN]
+        start = len(teacher_ids) + len(words) - len(shared)
+        teacher_index += [-1] * (len(piece) - len(shared)) + [start + j if seen else -1 for j in range(len(shared))]
+        teacher_ids += words
     ids.append(self.tokenizer.eos_id)
     ids = np.asarray(ids, np.int32)
     labels = np.append(ids[1:], self.tokenizer.eos_id).astype(np.int32)
@@ -419,7 +482,12 @@ class VLMTask(task_lib.Task):
       weights[start - 1:end] = 1.0
       targets.append((start, int(labels[end - 1]), reference))
     labels = np.where(labels == vlm.SOFT_TOKEN, lm_lib.PAD_ID, labels)
-    return Layout(ids=ids, labels=labels, weights=weights, targets=tuple(targets))
+    if not teacher:
+      return Layout(ids=ids, labels=labels, weights=weights, targets=tuple(targets))
+    teacher_index.append(len(teacher_ids) if seen else -1)
+    teacher_ids.append(self.tokenizer.eos_id)
+    return Layout(ids=ids, labels=labels, weights=weights, targets=tuple(targets),
+                  teacher_ids=np.asarray(teacher_ids, np.int32), teacher_index=np.asarray(teacher_index, np.int32))
 
   def _rows(self, examples, layouts, indices, *, length: int | None = None, max_images: int = MAX_IMAGES,
             features=None):
@@ -441,6 +509,15 @@ class VLMTask(task_lib.Task):
       images.append(examples[index].images)
     batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=max_images)
     batch.update(tokens=tokens, labels=labels, weights=weights, valid=tokens != lm_lib.PAD_ID)
+    if layouts is self.train_layouts and self._teacher_states is not None:  # task.distill_weight
+      blocks, width = self._teacher_states[0].shape[1:]
+      target = np.zeros((n, length, blocks, width), np.float32)
+      mask = np.zeros((n, length), bool)
+      for row, index in enumerate(indices):
+        if index >= 0:
+          compared = np.flatnonzero(layouts[index].teacher_index >= 0)
+          target[row, compared], mask[row, compared] = self._teacher_states[index], True
+      batch.update(distill_target=target, distill_mask=mask)
     if features is not None:  # the cached frozen features replace the images (empty slots: zeros)
       table, offsets = features
       gathered = np.zeros((n, max_images) + table.shape[1:], table.dtype)
@@ -499,15 +576,21 @@ class VLMTask(task_lib.Task):
         dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   @staticmethod
-  def _logits(model, batch, deterministic=True):
+  def _logits(model, batch, deterministic=True, hidden=None):
     return model(batch.get("images"), batch["pixel_valid"], batch["image_valid"], batch["tokens"], batch["valid"],
-                 features=batch.get("features"), deterministic=deterministic)
+                 features=batch.get("features"), deterministic=deterministic, hidden=hidden)
 
   def loss(self, model, batch, *, rngs):
     del rngs
-    logits = self._logits(model, batch, deterministic=False)
+    hidden = [] if self.distill_weight else None
+    logits = self._logits(model, batch, deterministic=False, hidden=hidden)
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], batch["weights"])
-    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+    loss = loss_sum / jnp.maximum(weight_sum, 1.0)
+    if not self.distill_weight:
+      return loss, {}
+    target = batch["distill_target"]
+    distill = description_distillation(hidden[:target.shape[2]], target, batch["distill_mask"])
+    return loss + self.distill_weight * distill, {"cross_entropy": loss, "distill": distill}
 
   def eval_metrics(self, model, batch):
     logits = self._logits(model, batch)
@@ -597,3 +680,26 @@ class VLMTask(task_lib.Task):
 def _read_pairs_cached(path: str, mtime_ns: int, canvas_size: tuple[int, int]):
   del mtime_ns  # part of the cache key: an edited file is read again
   return image_text.read_image_text_pairs(path, canvas=canvas_size)
+
+
+def description_distillation(student, target, mask) -> jax.Array:
+  """How far the LM's residual stream reading the images is from the same LM's reading their descriptions.
+
+  student: the residual after each of the LM's first n blocks with the images, [b, T, d] each
+  (`VisionLanguageModel.forward`'s hidden); target [b, T, n, d]: the same LM's states on the described texts
+  (`vlm.lm_hidden_states`), each at the position of the same token; mask bool [b, T]: the positions compared
+  (an image's marker and the text after it). -> the mean over blocks of the squared error relative to the
+  target's squared norm, both summed over the compared positions (0 when none).
+  """
+  if not student or target.ndim != 4 or target.shape[2] != len(student) or \
+      target.shape[:2] + target.shape[3:] != student[0].shape or mask.shape != target.shape[:2]:
+    raise ValueError(f"description_distillation: target must be [b, T, blocks, d] = "
+                     f"{list(student[0].shape[:2]) + [len(student)] + list(student[0].shape[2:]) if student else '?'} "
+                     f"and mask [b, T], got target{list(target.shape)}, mask{list(mask.shape)}")
+  weight = mask.astype(jnp.float32)[..., None]
+  errors = []
+  for block, states in enumerate(student):
+    reference = target[:, :, block].astype(jnp.float32)
+    error = jnp.sum(weight * jnp.square(states.astype(jnp.float32) - reference))
+    errors.append(error / jnp.maximum(jnp.sum(weight * jnp.square(reference)), 1e-6))
+  return sum(errors) / len(errors)
