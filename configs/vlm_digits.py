@@ -7,13 +7,15 @@
     python launch.py --config=configs/vlm_digits.py:connector=llava,merge=2 --workdir=workdirs/vlm_llava_merge2
     python launch.py --config=configs/vlm_digits.py:connector=qformer,scale=2 --workdir=workdirs/vlm_qformer_x2
     python launch.py --config=configs/vlm_digits.py:connector=qformer,bucketing=false --workdir=workdirs/vlm_qformer_p
+    python launch.py --config=configs/vlm_digits.py:connector=qformer,distill=1 --workdir=workdirs/vlm_qformer_d
     printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
         --workdir=workdirs/vlm_llava --mode=infer
 
 The frozen parts are trained first when their workdirs hold no finished run (task dependencies): the image
 encoder by configs/vlm_encoder.py in workdirs/vlm_encoder (at `scale=s`, digits of 8s x 8s pixels, by
 configs/vlm_encoder.py:scale=s in workdirs/vlm_encoder_xs) and the LM by configs/vlm_lm.py in workdirs/vlm_lm,
-shared by all three connectors (see xattn_jax/tasks/vlm/task.py).
+shared by all three connectors (see xattn_jax/tasks/vlm/task.py). `distill=W` adds description distillation
+(task.distill_weight; experiments/results/intel_xeon_amx/vlm_description_distillation.md).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def vlm_config(args) -> ConfigDict:
   })
   # > 0: the LM's states reading the image are also pulled toward its states reading the image's description
   # in words (digits only; tasks.vlm.task.description_distillation), with this weight beside the cross-entropy
-  config.task.distill_weight = max(getattr(args, "distill", 0.0), 0.0)  # configs/vlm_tsv.py: no descriptions
+  config.task.distill_weight = getattr(args, "distill", 0.0)  # configs/vlm_tsv.py: no descriptions
   config.task.distill_blocks = getattr(args, "distill_blocks", 0)  # the first n LM blocks' outputs (0: all)
   config.checkpoint.best_metric = "eval/exact_match"
   config.checkpoint.best_mode = "max"
@@ -94,29 +96,22 @@ DEFAULT_STEPS = {"flamingo": 14000, "qformer": 8000, "llava": 6000}
 # Each connector's peak learning rate when the config names none. llava's projector is a per-patch MLP of
 # ~29k parameters and learns fastest at the highest of these (experiments/results/amd_epyc_avx512/llava_lr.md).
 DEFAULT_LR = {"flamingo": 3e-3, "qformer": 3e-3, "llava": 1e-2}
-# Each connector's task.distill_weight when the config names none (distill=-1): the soft-token connectors learn
-# faster when the LM's states reading their tokens are pulled toward its states reading the digits in words;
-# flamingo's gated layers learn slower so (experiments/results/intel_xeon_amx/vlm_description_distillation.md).
-DEFAULT_DISTILL = {"flamingo": 0.0, "qformer": 1.0, "llava": 1.0}
 
 
 def connector_defaults(args) -> None:
-  """args.steps / args.lr of 0 and args.distill < 0 (where the config has it): the connector's DEFAULT_STEPS /
-  DEFAULT_LR / DEFAULT_DISTILL (at scale 1; larger images cost more a step). An unknown connector gets the
-  smallest, and validation names model.connector."""
+  """args.steps / args.lr of 0: the connector's DEFAULT_STEPS / DEFAULT_LR (at scale 1; larger images cost
+  more a step). An unknown connector gets the smallest, and validation names model.connector."""
   if not args.steps:
     args.steps = DEFAULT_STEPS.get(args.connector, min(DEFAULT_STEPS.values()))
   if not args.lr:
     args.lr = DEFAULT_LR.get(args.connector, min(DEFAULT_LR.values()))
-  if getattr(args, "distill", 0.0) < 0:
-    args.distill = DEFAULT_DISTILL.get(args.connector, 0.0)
 
 
 def get_config(arg=None):
-  # steps=0, lr=0, distill=-1: the connector's DEFAULT_STEPS, DEFAULT_LR, DEFAULT_DISTILL (distill=0: off)
+  # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR; distill=W: task.distill_weight (0: off)
   args = common.parse_arg(arg, steps=0, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
-                          lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=-1.0,
+                          lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=0.0,
                           distill_blocks=0)
   connector_defaults(args)
   return vlm_config(args)

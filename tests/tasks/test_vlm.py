@@ -71,18 +71,14 @@ def test_description_distillation_needs_the_bundled_strips_descriptions():
 
 
 def test_each_connector_trains_its_own_default_steps_and_learning_rate_unless_the_config_names_them():
-  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS) == \
-      set(vlm_digits_config.DEFAULT_DISTILL)
+  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS)
   for connector, steps in vlm_digits_config.DEFAULT_STEPS.items():
     loaded = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}")
     assert (loaded.total_steps, loaded.eval_every_steps, loaded.checkpoint.every_steps) == (steps,) * 3
     assert loaded.optimizer.learning_rate == vlm_digits_config.DEFAULT_LR[connector]
     pairs = helpers.load_config(f"--config=configs/vlm_tsv.py:connector={connector}")
     assert pairs.optimizer.learning_rate == vlm_digits_config.DEFAULT_LR[connector]
-    assert loaded.task.distill_weight == vlm_digits_config.DEFAULT_DISTILL[connector]
-    assert pairs.task.distill_weight == 0.0  # a user's pairs have no descriptions
-    off = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector},distill=0")
-    assert off.task.distill_weight == 0.0
+    assert loaded.task.distill_weight == pairs.task.distill_weight == 0.0
   named = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,steps=50,lr=0.002")
   assert (named.total_steps, named.optimizer.learning_rate) == (50, 0.002)
 

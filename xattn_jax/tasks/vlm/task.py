@@ -32,7 +32,11 @@ Token layout of an example: BOS, then its segments in order, then EOS. A text or
 SentencePiece ids (segments encoded one by one give the ids of the LM's pretraining text); an image is
 `slots_per_image` SOFT_TOKEN slots (the connector's soft tokens; none for flamingo) and then the IMAGE_TOKEN
 marker. The loss is on the target segments only: each target token, and after a target the token that ends
-it (EOS, the next image's marker, or the next text's first token). Eval generates every target in turn from
+it (EOS, the next image's marker, or the next text's first token). With task.distill_weight W > 0 (the bundled
+strips only) the loss adds W times `description_distillation`: the LM's residual stream after each block (the
+first task.distill_blocks; 0: all) at every image marker and every text token after the first image, against
+the same LM's on the example's text with each image described in words (`vlm_digits.described_text_of`),
+computed once before training. Eval generates every target in turn from
 the prefix before it (earlier targets given), cut at the token that ends it (or EOS, or a marker), up to
 `eval_new_tokens`: the longest eval target's tokens + 1, at least task.decoding.max_new_tokens, so no reference
 is cut short by the limit. Infer generates up to task.decoding.max_new_tokens.
@@ -300,7 +304,7 @@ class VLMTask(task_lib.Task):
     self._train_features = None  # (table [images, 1 + P, width], example i's images at offsets[i]:offsets[i + 1])
     if mode == "train" and config.data.get("cache_features", False):
       self._train_features = self._cache_features()
-    self._teacher_states = self._describe_states() if self.distill_weight else None
+    self._described_states = self._described_states_of_training_texts() if self.distill_weight else None
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
     prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
@@ -405,7 +409,7 @@ class VLMTask(task_lib.Task):
                  table.nbytes / 2**20)
     return table, offsets
 
-  def _describe_states(self, chunk: int = 256) -> list[np.ndarray]:
+  def _described_states_of_training_texts(self, chunk: int = 256) -> list[np.ndarray]:
     """task.distill_weight: the frozen LM's residual stream on each training example's described text (Layout
     teacher_ids), after its first task.distill_blocks blocks (0: all), computed once (the LM is frozen) ->
     per example float32 [positions compared, blocks, d_lm], the positions where its teacher_index >= 0."""
@@ -509,14 +513,14 @@ class VLMTask(task_lib.Task):
       images.append(examples[index].images)
     batch = vlm_digits.collate_images(images, canvas=self.canvas, max_images=max_images)
     batch.update(tokens=tokens, labels=labels, weights=weights, valid=tokens != lm_lib.PAD_ID)
-    if layouts is self.train_layouts and self._teacher_states is not None:  # task.distill_weight
-      blocks, width = self._teacher_states[0].shape[1:]
+    if layouts is self.train_layouts and self._described_states is not None:  # task.distill_weight
+      blocks, width = self._described_states[0].shape[1:]
       target = np.zeros((n, length, blocks, width), np.float32)
       mask = np.zeros((n, length), bool)
       for row, index in enumerate(indices):
         if index >= 0:
           compared = np.flatnonzero(layouts[index].teacher_index >= 0)
-          target[row, compared], mask[row, compared] = self._teacher_states[index], True
+          target[row, compared], mask[row, compared] = self._described_states[index], True
       batch.update(distill_target=target, distill_mask=mask)
     if features is not None:  # the cached frozen features replace the images (empty slots: zeros)
       table, offsets = features
