@@ -47,3 +47,30 @@ def test_llava_has_no_attention_maps_and_says_why():
   tokens, valid = batch_of([interleaved(model)] * 2)
   with pytest.raises(ValueError, match="llava.*self-attention"):
     model.attention_maps(*make_images(), tokens, valid)
+
+
+def test_flamingo_maps_through_a_resampler_are_over_the_image_features():
+  """With a resampler the gated layers read latents; the maps compose a token's weights over the latents with
+  the latents' weights over the features, so they stay over the image (each row's mass <= its reading of it)."""
+  model = make_vlm("flamingo", gates=0.5, hide_padding=True, num_latents=3)
+  images, pixel_valid, image_valid = make_images()
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  maps = np.asarray(maps_of(model, images, pixel_valid, image_valid, tokens, valid))
+  rows = 1 + GRID_PATCHES
+  assert maps.shape == (2, len(model.connector.layers), 2, tokens.shape[1], 2 * rows)
+  media = np.cumsum(np.asarray(tokens) == model.image_token_id, axis=1) - 1
+  mass = maps.reshape(*maps.shape[:-1], 2, rows).sum(-1)  # [b, L, heads, T, image]
+  for image in (0, 1):
+    reads = (media == image)[:, None, None, :]
+    assert (mass[..., image][~np.broadcast_to(reads, mass[..., image].shape)] == 0).all()
+    assert (mass[..., image][np.broadcast_to(reads, mass[..., image].shape)] > 0.05).all()
+  assert (mass <= 1 + 1e-5).all()
+  # one resampler block: a latent's reach is its attention over the features (the rest went to the latents)
+  features, feature_valid, _ = model._features(images, pixel_valid, image_valid)
+  reach = np.asarray(model.connector.feature_weights(features, feature_valid))
+  block = model.connector.resampler[0]
+  latents = model.connector.latents(features.shape[0], features.dtype)
+  keys = jnp.concatenate([features, latents], axis=1)
+  key_valid = jnp.concatenate([feature_valid, jnp.ones(latents.shape[:2], bool)], axis=1)
+  direct = np.asarray(block.cross_attention_weights(latents, keys, input_mask=key_valid[:, None, None, :]))
+  np.testing.assert_allclose(reach, direct.mean(1)[..., :rows], rtol=1e-5, atol=1e-6)

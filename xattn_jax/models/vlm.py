@@ -184,6 +184,27 @@ class FlamingoConnector(_Connector):
     latents = self.resampler_norm(latents)
     return latents, jnp.ones(latents.shape[:2], bool)
 
+  def feature_weights(self, features, valid):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> float32 [B, S, 1 + P]: how much of each memory row's attention
+    reaches each feature, as `memory` reads them. Without a resampler the identity (row s is feature s); with one,
+    composed through its blocks (mean over heads): R = F + L @ R_before, F and L a block's weights over the
+    features and over the latents it starts from (R_before = 0 for the learned initial latents, which hold no
+    image); the residual paths are not counted, so a row's mass is the share of its reading that came from the
+    image."""
+    if self.latents is None:
+      return jnp.broadcast_to(jnp.eye(features.shape[1], dtype=jnp.float32), (features.shape[0],) + (features.shape[1],) * 2)
+    m = features.shape[1]
+    latents = self.latents(features.shape[0], features.dtype)
+    reach = jnp.zeros((features.shape[0], latents.shape[1], m), jnp.float32)
+    for block in self.resampler:
+      keys = jnp.concatenate([features, latents], axis=1)
+      key_valid = jnp.concatenate([valid, jnp.ones(latents.shape[:2], bool)], axis=1)
+      mask = masks_lib.padding_mask(key_valid)
+      weights = jnp.mean(block.cross_attention_weights(latents, keys, input_mask=mask), axis=1)  # [B, S, M + S]
+      reach = weights[..., :m] + jnp.einsum("bst,btm->bsm", weights[..., m:], reach)
+      latents = block(latents, keys, input_mask=mask, deterministic=True)
+    return reach
+
 
 class QFormerConnector(_Connector):
   """BLIP-2: N learned queries read the features in ReaderBlocks, then a linear to the LM width."""
@@ -591,10 +612,11 @@ class VisionLanguageModel(nnx.Module):
 
     qformer: [b, n, C, heads, N, 1 + P], each of the N queries' attention over image j's features (the class
       token first, then the canvas patches row-major) in each of the C Q-Former blocks that cross-attend.
-    flamingo: [b, L, heads, T, n * S], each text token's attention in each of the L gated layers over the
-      memory rows (image j's rows are j * S .. (j + 1) * S - 1; without a resampler the features as above).
-      A token reads only its latest image, so its weights over every other image are 0 (all 0 before the
-      first image's marker).
+    flamingo: [b, L, heads, T, n * (1 + P)], each text token's attention in each of the L gated layers over
+      image j's features at j * (1 + P) .. (j + 1) * (1 + P) - 1 (as for qformer); with a resampler, its
+      attention over the latents composed with the latents' over the features (`feature_weights`), so a row
+      sums to the share that reached the image. A token reads only its latest image, so its weights over every
+      other image are 0 (all 0 before the first image's marker).
     llava has no cross-attention (the LM's self-attention reads its soft tokens): a ValueError.
     """
     if self.connector_name == "llava":
@@ -611,7 +633,15 @@ class VisionLanguageModel(nnx.Module):
     record = []
     self.lm(tokens, positions=self.positions(tokens, valid, context), segment_ids=valid.astype(jnp.int32),
             insert=self._insert(self._project_memories(context), mask, True, record=record))
-    return jnp.stack(record, axis=1)
+    weights = jnp.stack(record, axis=1)  # [b, L, heads, T, n * S] over the memory rows
+    if self.connector.latents is None:
+      return weights
+    features, feature_valid, _ = self._features(images, pixel_valid, image_valid)
+    reach = self.connector.feature_weights(features, feature_valid)  # [b * n, S, 1 + P]
+    b, n = image_valid.shape
+    reach = reach.reshape(b, n, *reach.shape[1:])
+    weights = weights.reshape(*weights.shape[:-1], n, reach.shape[2])
+    return jnp.einsum("blhtjs,bjsm->blhtjm", weights, reach).reshape(*weights.shape[:-2], n * reach.shape[-1])
 
   # --- generation ---------------------------------------------------------------------------------
 
