@@ -60,7 +60,8 @@ def vlm_config(args) -> ConfigDict:
   config.model.mlp_ratio = 2
   config.model.dropout_rate = 0.0
   config.model.cross_attention_every = 1      # flamingo: a gated block before every k-th LM layer
-  config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features)
+  config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features; 32
+  #                                             lift it by 0.047: experiments/results/intel_xeon_amx/flamingo_resampler.md)
   config.model.resampler_blocks = 1
   config.model.num_queries = args.queries     # qformer: N soft tokens per image (BLIP-2: 32)
   config.model.qformer_width = 64
@@ -110,7 +111,7 @@ def connector_defaults(args) -> None:
 def get_config(arg=None):
   # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR; distill=W: task.distill_weight (0: off)
   args = common.parse_arg(arg, steps=0, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
-                          latents=0, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
+                          latents=32, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=0.0,
                           distill_blocks=0)
   connector_defaults(args)

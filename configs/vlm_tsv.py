@@ -18,7 +18,7 @@ from configs.vlm_digits import connector_defaults, vlm_config
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1000, lr=0.0, connector="llava", positions="sequence", merge=1, queries=32,
-                          latents=0, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm",
+                          latents=32, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm",
                           bucketing=True, cache=True)
   connector_defaults(args)  # lr=0: the connector's DEFAULT_LR
   config = vlm_config(args)
