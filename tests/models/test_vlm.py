@@ -300,7 +300,7 @@ def test_forward_records_the_residual_after_each_lm_block_without_changing_the_l
 
 
 def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
-  """At initialisation flamingo is the frozen LM: its states on a text equal `text_hidden_states` of that text,
+  """At initialisation flamingo is the frozen LM: its states on a text equal `lm_hidden_states` of that text,
   so the description distillation of a text against itself is 0."""
   from xattn_jax.tasks.vlm import task as vlm_task
   model = make_vlm("flamingo")
@@ -308,7 +308,7 @@ def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
   tokens = jnp.asarray(rows)
   hidden = []
   model(*make_images(), tokens, tokens != 0, hidden=hidden)
-  text = model.text_hidden_states(tokens)
+  text = vlm.lm_hidden_states(model.lm, tokens)
   valid = np.asarray(tokens != 0)
   for h, t in zip(hidden, text, strict=True):
     np.testing.assert_allclose(np.asarray(h)[valid], np.asarray(t)[valid], rtol=1e-5, atol=1e-5)
@@ -318,4 +318,4 @@ def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
   with pytest.raises(ValueError, match="target must be"):
     vlm_task.description_distillation(hidden, target[:, :, :1], tokens != 0)
   with pytest.raises(ValueError, match="tokens must be int"):
-    model.text_hidden_states(tokens.astype(jnp.float32))
+    vlm.lm_hidden_states(model.lm, tokens.astype(jnp.float32))

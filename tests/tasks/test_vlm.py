@@ -359,7 +359,7 @@ def test_distillation_pairs_each_token_after_an_image_with_its_place_in_the_desc
   assert batch["distill_target"].shape == batch["tokens"].shape + (lm.num_layers, lm.d_model)
   for row, index in enumerate(rows[:4]):
     layout = task.train_layouts[index]
-    states = np.stack(model.text_hidden_states(jnp.asarray(layout.teacher_ids[None])), axis=2)[0]
+    states = np.stack(vlm.lm_hidden_states(model.lm, jnp.asarray(layout.teacher_ids[None])), axis=2)[0]
     compared = np.flatnonzero(layout.teacher_index >= 0)
     np.testing.assert_array_equal(np.flatnonzero(batch["distill_mask"][row]), compared)
     np.testing.assert_allclose(batch["distill_target"][row, compared], states[layout.teacher_index[compared]],

@@ -140,6 +140,13 @@ class _Connector(nnx.Module):
     return self.feature_positions.add_to_inputs(features, grid=tuple(grid))
 
 
+def _resampler_keys(features, valid, latents):
+  """What a resampler block's latents attend to: the features [B, M, w] then themselves [B, S, w] -> (keys
+  [B, M + S, w], padding mask over them)."""
+  key_valid = jnp.concatenate([valid, jnp.ones(latents.shape[:2], bool)], axis=1)
+  return jnp.concatenate([features, latents], axis=1), masks_lib.padding_mask(key_valid)
+
+
 class FlamingoConnector(_Connector):
   """Gated cross-attention dense blocks before LM layers 0, k, 2k, ... and an optional resampler."""
   prefix_tokens = False  # reads the image through inserted layers, not soft tokens
@@ -178,28 +185,25 @@ class FlamingoConnector(_Connector):
       return features, valid
     latents = self.latents(features.shape[0], features.dtype)  # [B, N, w]
     for block in self.resampler:  # Flamingo: the latents read the features and themselves
-      keys = jnp.concatenate([features, latents], axis=1)
-      key_valid = jnp.concatenate([valid, jnp.ones(latents.shape[:2], bool)], axis=1)
-      latents = block(latents, keys, input_mask=masks_lib.padding_mask(key_valid), deterministic=deterministic)
+      keys, mask = _resampler_keys(features, valid, latents)
+      latents = block(latents, keys, input_mask=mask, deterministic=deterministic)
     latents = self.resampler_norm(latents)
     return latents, jnp.ones(latents.shape[:2], bool)
 
   def feature_weights(self, features, valid):
     """features [B, 1 + P, w], valid [B, 1 + P] -> float32 [B, S, 1 + P]: how much of each memory row's attention
-    reaches each feature, as `memory` reads them. Without a resampler the identity (row s is feature s); with one,
-    composed through its blocks (mean over heads): R = F + L @ R_before, F and L a block's weights over the
-    features and over the latents it starts from (R_before = 0 for the learned initial latents, which hold no
-    image); the residual paths are not counted, so a row's mass is the share of its reading that came from the
-    image."""
+    reaches each feature through the resampler (needs num_latents > 0), composed through its blocks (mean over
+    heads): R = F + L @ R_before, F and L a block's weights over the features and over the latents it starts from
+    (R_before = 0 for the learned initial latents, which hold no image); the residual paths are not counted, so a
+    row's mass is the share of its reading that came from the image."""
     if self.latents is None:
-      return jnp.broadcast_to(jnp.eye(features.shape[1], dtype=jnp.float32), (features.shape[0],) + (features.shape[1],) * 2)
+      raise ValueError("FlamingoConnector.feature_weights: without a resampler (num_latents=0) the memory rows are "
+                       "the features themselves")
     m = features.shape[1]
     latents = self.latents(features.shape[0], features.dtype)
     reach = jnp.zeros((features.shape[0], latents.shape[1], m), jnp.float32)
     for block in self.resampler:
-      keys = jnp.concatenate([features, latents], axis=1)
-      key_valid = jnp.concatenate([valid, jnp.ones(latents.shape[:2], bool)], axis=1)
-      mask = masks_lib.padding_mask(key_valid)
+      keys, mask = _resampler_keys(features, valid, latents)
       weights = jnp.mean(block.cross_attention_weights(latents, keys, input_mask=mask), axis=1)  # [B, S, M + S]
       reach = weights[..., :m] + jnp.einsum("bst,btm->bsm", weights[..., m:], reach)
       latents = block(latents, keys, input_mask=mask, deterministic=True)
@@ -591,7 +595,7 @@ class VisionLanguageModel(nnx.Module):
               hidden: list | None = None):
     """The LM pass over tokens [b, T] given an image context -> logits [b, T, vocab]. A list `hidden` receives
     the LM's residual stream after each of its L blocks ([b, T, d_lm] each, before any gated block that
-    follows), as `text_hidden_states` gives a text's."""
+    follows), as `lm_hidden_states(self.lm, ...)` gives a text's."""
     valid = self._check_text(tokens, valid)
     positions = self.positions(tokens, valid, context)
     segment_ids = valid.astype(jnp.int32)  # padding (0) is hidden from every real token
@@ -602,10 +606,6 @@ class VisionLanguageModel(nnx.Module):
     insert = self._insert(self._project_memories(context), mask, deterministic)
     return self.lm(tokens, positions=positions, segment_ids=segment_ids,
                    insert=_recording(insert, hidden, self.lm.num_layers))
-
-  def text_hidden_states(self, tokens) -> list[jax.Array]:
-    """The frozen LM alone on a text (`lm_hidden_states`), as `forward(hidden=)` records it with images."""
-    return lm_hidden_states(self.lm, tokens)
 
   def attention_maps(self, images, pixel_valid, image_valid, tokens, valid=None) -> jax.Array:
     """Where the connector looks in the images (float32 probabilities, deterministic; arrays as in __call__).

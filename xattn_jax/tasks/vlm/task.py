@@ -289,7 +289,7 @@ class VLMTask(task_lib.Task):
     self.marker = marker[0]
     self.patch_size = self.encoder_model.patch_size
     self.distill_weight = float(config.task.get("distill_weight", 0.0)) if mode == "train" else 0.0
-    self.distill_blocks = config.task.get("distill_blocks", 0) or None  # 0: every block's output
+    self.distill_blocks = config.task.get("distill_blocks", 0)  # 0: every block's output
     self.train_examples = self._examples("train") if mode == "train" else []
     self.eval_examples = self._examples("eval") if mode != "infer" else []
     self.train_layouts = [self.layout(e, teacher=bool(self.distill_weight)) for e in self.train_examples]
@@ -370,6 +370,14 @@ class VLMTask(task_lib.Task):
                                                   nnx.to_pure_dict(nnx.state(abstract)))
     return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
+  def _frozen_lm(self, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None):
+    """The language model of the frozen record, with the frozen weights when this task loaded them."""
+    lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
+                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs or nnx.Rngs(params=0, dropout=0))
+    if self.weights is not None:  # None in eval / infer: the checkpoint restore sets them
+      _set_params(lm, self.weights["lm"])
+    return lm
+
   def _frozen_encoder(self, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None):
     """The image encoder of the frozen record, with the frozen weights when this task loaded them."""
     encoder = encoder_task.make_encoder(self.encoder_model, dtype=dtype, param_dtype=param_dtype,
@@ -425,9 +433,7 @@ class VLMTask(task_lib.Task):
                                    f"texts would take {size / 2**30:.1f} GiB (at most "
                                    f"{DESCRIBED_STATES_MAX_BYTES / 2**30:.1f}): fewer data.num_train_examples, fewer "
                                    f"task.distill_blocks, or 0")
-    lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
-                                     dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))
-    _set_params(lm, self.weights["lm"])
+    lm = self._frozen_lm()
     read = nnx.jit(lambda lm, tokens: jnp.stack(vlm.lm_hidden_states(lm, tokens)[:blocks], axis=2))
     width = batching.round_up(max(len(layout.teacher_ids) for layout in self.train_layouts), 8)
     states = []
@@ -566,10 +572,7 @@ class VLMTask(task_lib.Task):
     model = self.config.model
     rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())  # the layers' Dropout wants a stream
     encoder = self._frozen_encoder(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
-                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    if self.weights is not None:  # None in eval / infer: the checkpoint restore sets them
-      _set_params(lm, self.weights["lm"])
+    lm = self._frozen_lm(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     return vlm.VisionLanguageModel(
         encoder, lm, connector=model.connector, image_token_id=self.marker, num_heads=model.num_heads,
         mlp_ratio=model.mlp_ratio, cross_attention_every=model.cross_attention_every,
