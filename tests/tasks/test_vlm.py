@@ -230,6 +230,27 @@ def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_pat
   assert limits == [len(task.tokenizer.encode(long_caption)) + 1] and limits[0] > 8
 
 
+def test_eval_chrf_is_on_the_translators_0_to_100_scale(tmp_path):
+  """The VLM logged chrF on [0, 1] and the translator on sacrebleu's 0-100: one scale for eval/chrf."""
+  import sacrebleu
+  chain = tiny_chain()
+  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
+  (tmp_path / "train.tsv").write_text("ok.png\tseven\n")
+  (tmp_path / "eval.tsv").write_text("ok.png\tseven two\nok.png\tnine\n")
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv"}
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  task.generate = lambda model, requests, max_new_tokens=None: ["seven two", "nine"]
+  assert task.extra_eval(None)["chrf"] == pytest.approx(100.0)
+  task.generate = lambda model, requests, max_new_tokens=None: ["seven", "nine"]
+  metrics = task.extra_eval(None)
+  expected = sacrebleu.corpus_chrf(["seven", "nine"], [["seven two", "nine"]]).score
+  assert metrics["chrf"] == pytest.approx(expected) and 1.0 < metrics["chrf"] < 100.0
+  assert metrics["exact_match"] == 0.5
+
+
 def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
   """The pairs were cycled in file order, so a file sorted by subject made one-subject batches."""
   chain = tiny_chain()

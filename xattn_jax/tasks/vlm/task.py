@@ -43,8 +43,8 @@ is cut short by the limit. Infer generates up to task.decoding.max_new_tokens.
 
 Metrics, logged as eval/<name>:
   loss, token_accuracy    cross-entropy / argmax accuracy per target token (the end token included)
-  exact_match, chrf       generated target == reference (whitespace-normalised) / sacrebleu chrF in [0, 1],
-                          over every target of every eval example
+  exact_match, chrf       generated target == reference (whitespace-normalised) / sacrebleu corpus chrF,
+                          0-100 as the translator logs it, over every target of every eval example
   exact_match_<k>digits   exact match over the examples whose largest image has k digits (digits only)
   exact_match_<kind>      per kind of example (data.vlm_digits.KINDS, or "user")
 Infer: each line is `image_path` (generate its caption) or `image_path<TAB>question`; the output is the text
@@ -660,7 +660,7 @@ class VLMTask(task_lib.Task):
     correct = np.array([h == r for h, r in zip(hypotheses, references)], float)
     import sacrebleu  # imported here: only evaluation needs it
     metrics = {"exact_match": float(correct.mean()),
-               "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score / 100.0}
+               "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score}
     kinds, digits = np.array(kinds), np.array(digits)
     for kind in sorted(set(kinds)):
       metrics[f"exact_match_{kind}"] = float(correct[kinds == kind].mean())
