@@ -364,7 +364,7 @@ def render(record: dict) -> str:
            f"connectors must (learned, not added up from the digits read); its other answers are its reading's. "
            f"The frozen encoder's strip accuracy (every position of its own test strips right): "
            f"{record['encoder_strip_accuracy']:.3f}.", "",
-           "| model | seeds | steps | wall s | exact match | chrF | 1-2 digits | trainable params | steps/s | "
+           "| model | seeds | steps | wall s | exact match | chrF (0-100) | 1-2 digits | trainable params | steps/s | "
            "generation tok/s |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   probe = record["probe"]
@@ -373,7 +373,7 @@ def render(record: dict) -> str:
     small = mean([mean([r.get("eval/exact_match_1digits"), r.get("eval/exact_match_2digits")]) for r in rs])
     lines.append(f"| {connector} | {len(rs)} | {rs[0]['steps']} | {mean([r['wall_seconds'] for r in rs]):.0f} | "
                  f"{mean([r['eval/exact_match'] for r in rs]):.3f} | "
-                 f"{mean([r['eval/chrf'] for r in rs]):.3f} | {small:.3f} | {rs[0]['trainable_parameters']:,} | "
+                 f"{mean([r['eval/chrf'] for r in rs]):.1f} | {small:.3f} | {rs[0]['trainable_parameters']:,} | "
                  f"{mean([r['train/steps_per_second'] for r in rs]):.1f} | "
                  f"{mean([r['generation_tokens_per_second'] for r in rs]):.0f} |")
   direct, head = probe.get("direct_sum"), probe["encoder_head"]
@@ -408,8 +408,9 @@ def render(record: dict) -> str:
   for name, entry, _ in references:
     lines.append(f"| {name} | " + " | ".join(f"{mean([entry.get(key)]):.3f}" for key in keys) + " |")
   scale, per_digit = record.get("scale", 1), record.get("patches_per_digit", 16)
-  lines += ["", f"Flamingo hands the LM one marker per image; its gated layers read every canvas feature "
-            f"(1 + {4 * per_digit} on the {8 * scale} x {32 * scale} canvas) whatever k. Q-Former: N soft tokens + "
+  lines += ["", f"Flamingo hands the LM one marker per image; its gated layers read the latents of its Perceiver "
+            f"resampler (configs/vlm_digits.py's latents; latents=0: every canvas feature, 1 + {4 * per_digit} on the "
+            f"{8 * scale} x {32 * scale} canvas) whatever k. Q-Former: N soft tokens + "
             f"marker; LLaVA: one soft token per real patch ({per_digit} k) + marker, or with merge=m one per m x m "
             f"block of patches ({per_digit} k / m^2) + marker."]
   if record.get("cost"):
