@@ -211,19 +211,25 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   assert checkpoints.step_numbers(str(tmp_path / "lm")) == lm_steps
 
 
-def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_path):
-  """Eval generated at most task.decoding.max_new_tokens (8): a user's 12-word caption could never match."""
+def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_task.VLMTask:
+  """The VLM task of a user's pairs (configs/vlm_tsv.py, llava) on the tiny chain's frozen parts: train_text and
+  eval_text are the pairs files' contents, each line's image ok.png, a flat grey 8 x 8."""
   chain = tiny_chain()
-  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
-  long_caption = " ".join(["seven", "two"] * 6)
-  (tmp_path / "train.tsv").write_text("ok.png\tseven\n")
-  (tmp_path / "eval.tsv").write_text(f"ok.png\tseven\nok.png\t{long_caption}\n")
+  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(folder / "ok.png")
+  (folder / "train.tsv").write_text(train_text)
+  (folder / "eval.tsv").write_text(eval_text)
   overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
-               "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
-               "task.decoding.max_new_tokens": 8}
+               "data.train_file": folder / "train.tsv", "data.eval_file": folder / "eval.tsv", **overrides}
   config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
                                *(f"--config.{field}={value}" for field, value in overrides.items()))
-  task = vlm_task.VLMTask(config, None, "train")
+  return vlm_task.VLMTask(config, None, "train")
+
+
+def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_path):
+  """Eval generated at most task.decoding.max_new_tokens (8): a user's 12-word caption could never match."""
+  long_caption = " ".join(["seven", "two"] * 6)
+  task = _pairs_task(tmp_path, "ok.png\tseven\n", f"ok.png\tseven\nok.png\t{long_caption}\n",
+                     **{"task.decoding.max_new_tokens": 8})
   limits = []
   task.generate = lambda model, requests, max_new_tokens=None: limits.append(max_new_tokens) or [""] * len(requests)
   task.extra_eval(None)
@@ -233,15 +239,7 @@ def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_pat
 def test_eval_chrf_is_on_the_translators_0_to_100_scale(tmp_path):
   """The VLM logged chrF on [0, 1] and the translator on sacrebleu's 0-100: one scale for eval/chrf."""
   import sacrebleu
-  chain = tiny_chain()
-  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
-  (tmp_path / "train.tsv").write_text("ok.png\tseven\n")
-  (tmp_path / "eval.tsv").write_text("ok.png\tseven two\nok.png\tnine\n")
-  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
-               "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv"}
-  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
-                               *(f"--config.{field}={value}" for field, value in overrides.items()))
-  task = vlm_task.VLMTask(config, None, "train")
+  task = _pairs_task(tmp_path, "ok.png\tseven\n", "ok.png\tseven two\nok.png\tnine\n")
   task.generate = lambda model, requests, max_new_tokens=None: ["seven two", "nine"]
   assert task.extra_eval(None)["chrf"] == pytest.approx(100.0)
   task.generate = lambda model, requests, max_new_tokens=None: ["seven", "nine"]
@@ -253,15 +251,8 @@ def test_eval_chrf_is_on_the_translators_0_to_100_scale(tmp_path):
 
 def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
   """The pairs were cycled in file order, so a file sorted by subject made one-subject batches."""
-  chain = tiny_chain()
-  Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "ok.png")
-  (tmp_path / "train.tsv").write_text("".join(f"ok.png\t{vlm_digits.number_words(n)}\n" for n in range(40)))
-  (tmp_path / "eval.tsv").write_text("ok.png\tseven\n")
-  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
-               "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv"}
-  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
-                               *(f"--config.{field}={value}" for field, value in overrides.items()))
-  task = vlm_task.VLMTask(config, None, "train")
+  task = _pairs_task(tmp_path, "".join(f"ok.png\t{vlm_digits.number_words(n)}\n" for n in range(40)),
+                     "ok.png\tseven\n")
   task._rows = lambda examples, layouts, indices, **_: np.asarray(indices)  # the pair (file line - 1) of each row
   def epoch(e):  # 40 pairs at batch 16: 2 steps an epoch, 8 pairs left out (a different 8 each epoch)
     return np.concatenate([task.train_batch(step, process_index=0, process_count=1) for step in (2 * e, 2 * e + 1)])
