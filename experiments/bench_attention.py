@@ -21,6 +21,8 @@ as the device's peak bytes in use; they go to attention_benchmark_gpu.{md,json}.
   python experiments/bench_attention.py           # full run, several minutes
   python experiments/bench_attention.py --quick   # seconds: tiny sizes, into a new temporary directory
   python experiments/bench_attention.py --long_keys_only   # the long-key rows alone: attention_long_keys.{md,json}
+  python experiments/bench_attention.py --case plain --case "GQA 8/2"   # some speed cases only (CASES)
+Results are written after every row: a run stopped partway keeps what it measured (marked incomplete).
 """
 from __future__ import annotations
 
@@ -199,15 +201,21 @@ def small(case: Case) -> bool:
   return case.batch * case.heads * case.q_len * case.kv_len <= 8 * 8 * 512 * 512
 
 
-def speed_rows(cases, threads, repeats_at, dtype="float32"):
-  rows = []
+def speed_rows(cases, threads, repeats_at, dtype="float32", rows=None, on_row=lambda: None):
+  """Appends a row per case to `rows` (returned), calling `on_row()` after each."""
+  rows = [] if rows is None else rows
   rng = np.random.default_rng(0)
   for case in cases:
     *arrays, mask = case_arrays(case, dtype, rng)
     repeats = repeats_at(case)
     runners = dict(zip((("torch SDPA", 0), ("torch SDPA", 1)), torch_runners(arrays, mask, case, threads)))
+    failed = {}
     for name in names_for(dtype, case):
-      fwd, bwd = forward_and_backward(jax_attention_fn(name, case, mask))
+      try:  # an implementation this backend or library version cannot run is a row that says so, not a lost run
+        fwd, bwd = (fn.lower(*arrays).compile() for fn in forward_and_backward(jax_attention_fn(name, case, mask)))
+      except Exception as error:  # noqa: BLE001  (any compile or lowering error is reported the same way)
+        failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        continue
       runners[name, 0] = lambda fwd=fwd: jax.block_until_ready(fwd(*arrays))
       runners[name, 1] = lambda bwd=bwd: jax.block_until_ready(bwd(*arrays))
     # Every row interleaved in rounds, so load changes hit them alike. In a round each row first runs
@@ -219,16 +227,18 @@ def speed_rows(cases, threads, repeats_at, dtype="float32"):
     seconds = blocked_median_seconds(runners, blocks=repeats, per_block=2 if few else 1, warmup=1, drop_first=few)
     row = {"case": case.name, "shape": dataclasses.asdict(case), "dtype": dtype,
            "default": default_implementation(case, dtype),
-           "ms": {name: [seconds[name, 0] * 1e3, seconds[name, 1] * 1e3] for name, mode in runners if mode == 0}}
+           "ms": {name: [seconds[name, 0] * 1e3, seconds[name, 1] * 1e3] for name, mode in runners if mode == 0},
+           **({"failed": failed} if failed else {})}
     print(json.dumps(row), flush=True)
     rows.append(row)
+    on_row()
   return rows
 
 
-def long_rows(cases, threads, repeats):
+def long_rows(cases, threads, repeats, rows=None, on_row=lambda: None):
   """xla and chunked (and torch SDPA) at long key lengths: ms forward / forward+backward and XLA's
   temp bytes for each program, interleaved round by round."""
-  rows = []
+  rows = [] if rows is None else rows
   rng = np.random.default_rng(0)
   for case in cases:
     *arrays, mask = case_arrays(case, "float32", rng)
@@ -244,6 +254,7 @@ def long_rows(cases, threads, repeats):
            "xla_temp_mb": {name: [temp_mb[name, 0], temp_mb[name, 1]] for name, mode in temp_mb if mode == 0}}
     print(json.dumps(row), flush=True)
     rows.append(row)
+    on_row()
   return rows
 
 
@@ -272,8 +283,8 @@ def memory_worker(name, mode, length, heads, head_dim, repeats):
   print(json.dumps({"peak_rss_growth_mb": rss("VmHWM:") - baseline, "ms": ms, "xla_temp_mb": temp_mb}))
 
 
-def memory_rows(names, length, heads, head_dim, repeats):
-  rows = []
+def memory_rows(names, length, heads, head_dim, repeats, rows=None, on_row=lambda: None):
+  rows = [] if rows is None else rows
   for mode in ("forward", "forward+backward"):
     for name in names:
       # The dense forward+backward keeps several [heads, q, kv] float32 arrays: skip it when the
@@ -295,6 +306,7 @@ def memory_rows(names, length, heads, head_dim, repeats):
           row.update(json.loads(result.stdout.strip().splitlines()[-1]))
       print(json.dumps(row), flush=True)
       rows.append(row)
+      on_row()
   return rows
 
 
@@ -318,6 +330,9 @@ def to_markdown(meta, speed, long, memory):
               "| case | shape | default | fwd / torch | fwd+bwd / torch | fwd / jax.nn | fwd+bwd / jax.nn |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
+      if f"ours {row['default']}" not in row["ms"] or "jax.nn" not in row["ms"]:
+        lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {row['default']} | failed: see below | | | |")
+        continue
       ours, torch_ms, jax_ms = row["ms"][f"ours {row['default']}"], row["ms"]["torch SDPA"], row["ms"]["jax.nn"]
       lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {row['default']} | "
                    f"{ours[0] / torch_ms[0]:.2f} | **{ours[1] / torch_ms[1]:.2f}** | {ours[0] / jax_ms[0]:.2f} | "
@@ -326,7 +341,9 @@ def to_markdown(meta, speed, long, memory):
               "| case | shape | implementation | forward | fwd+bwd | fwd / torch | fwd+bwd / torch | fwd / jax.nn | "
               "fwd+bwd / jax.nn |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-      torch_ms, jax_ms = row["ms"]["torch SDPA"], row["ms"]["jax.nn"]
+      torch_ms, jax_ms = row["ms"]["torch SDPA"], row["ms"].get("jax.nn", (float("nan"),) * 2)
+      for name, error in row.get("failed", {}).items():
+        lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {name} | failed: {error} | | | | | |")
       for name, (fwd, bwd) in row["ms"].items():
         shown = name + (" = default" if name == f"ours {row['default']}" else "")
         lines.append(f"| {row['case']} | {Case(**row['shape']).label()} | {shown} | {fwd:.{digits}f} | "
@@ -371,6 +388,8 @@ def main():
                       help="skip the fresh-process memory rows at length 16384 (minutes on a loaded machine)")
   parser.add_argument("--long_keys_only", action="store_true",
                       help="only the long-key rows (xla against chunked), into attention_long_keys.{md,json}")
+  parser.add_argument("--case", action="append", choices=list(CASES), default=None,
+                      help="a speed case to run (repeat the flag for several); default: every case")
   args = parser.parse_args()
   if args.memory_worker:
     name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
@@ -387,7 +406,7 @@ def main():
   # minutes on this shared 2-core machine at batch 8).
   bases = {"plain": ((32, 8), (64, 8))} if args.quick else {"plain": ((128, 8), (512, 8), (2048, 2))}
   default_bases = ((32, 8), (64, 8)) if args.quick else ((512, 8), (2048, 2))
-  cases = [CASES[name](*base) for name in CASES for base in bases.get(name, default_bases)]
+  cases = [CASES[name](*base) for name in args.case or CASES for base in bases.get(name, default_bases)]
   long = ((Case("self", 1, 256, 256), Case("short query", 1, 16, 512)) if args.quick else LONG_CASES)
   memory_length = 256 if args.quick else 16384
   # Short calls get more rounds: at 512 one round of every row takes ~6 s, and on a shared machine
@@ -402,31 +421,41 @@ def main():
           "torch_threads": cores, "load_average": load_before, **run_record(),
           "float32_precision": PRECISION_NOTE if ON_GPU else "float32 matmuls at full float32 on both sides (CPU)",
           "heads": heads, "head_dim": head_dim,
-          "repeats": ("10 rounds of 3; 3 for memory" if ON_GPU else
+          "repeats": ("10 rounds of 2 timed runs (after one untimed); long keys 2 rounds of 1; 3 for memory"
+                      if ON_GPU else
                       "3 rounds of 2 timed runs (after one untimed) up to 8 x 8 x 512 x 512 scores, 2 rounds of 1 "
                       "beyond; long keys 2 rounds of 1; 1 for memory")
                      if not args.quick else 2}
-  speed = []
+  speed, long_measured, memory = [], [], []
   if args.long_keys_only:
     cases = []
     meta["repeats"] = "2 rounds of 1 (after a warm-up)" if not args.quick else 2
-  for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
-    speed += speed_rows(cases, cores, repeats_at, dtype)
-  long = long_rows(long, cores, 2)
-  memory = [] if args.no_memory or args.long_keys_only else memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads,
-                                                 head_dim, repeats=(3 if ON_GPU else 1) if not args.quick else 2)
-  meta["contention"] = contention.summary()
-  out_dir = args.out
-  markdown = to_markdown(meta, speed, long, memory)
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"
   if args.long_keys_only:
     stem = stem.replace("benchmark", "long_keys")
-  with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
-    f.write(markdown)
-  with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-    json.dump({"meta": meta, "speed": speed, "long": long, "memory": memory}, f, indent=1)
-  print(markdown)
-  print(f"wrote {os.path.join(out_dir, stem)}.md")
+  path = os.path.join(args.out, stem)
+
+  def write(complete: bool):
+    """Writes what is measured so far, after every row: a run stopped partway keeps its rows."""
+    meta["complete"] = complete
+    meta["contention"] = contention.summary()
+    markdown = to_markdown(meta, speed, long_measured, memory)
+    if not complete:
+      markdown += "\nIncomplete: the run stopped before its last row.\n"
+    with open(f"{path}.md", "w") as f:
+      f.write(markdown)
+    with open(f"{path}.json", "w") as f:
+      json.dump({"meta": meta, "speed": speed, "long": long_measured, "memory": memory}, f, indent=1)
+    return markdown
+
+  for dtype in ("float32", "bfloat16") if ON_GPU else ("float32",):
+    speed_rows(cases, cores, repeats_at, dtype, rows=speed, on_row=lambda: write(False))
+  long_rows(long, cores, 2, rows=long_measured, on_row=lambda: write(False))
+  if not (args.no_memory or args.long_keys_only):
+    memory_rows(("jax.nn", "ours xla", "ours chunked"), memory_length, heads, head_dim,
+                repeats=(3 if ON_GPU else 1) if not args.quick else 2, rows=memory, on_row=lambda: write(False))
+  print(write(True))
+  print(f"wrote {path}.md")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ else:
 # compiled in one piece rather than split across a thread pool the busy cores cannot serve. Numerics are the
 # same programs' up to float rounding; the launch tests that must see XLA's default level or emitters ask for
 # them (helpers.subprocess_env(optimize=True) or fusion_emitters=True). Set here before JAX starts.
-from tests.xla_flags import COMPILE_FAST_XLA_FLAGS  # noqa: E402  (no imports of its own)
+from tests.xla_flags import COMPILE_FAST_XLA_FLAGS  # noqa: E402  (imports no JAX)
 
 for _flag in COMPILE_FAST_XLA_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):

@@ -64,7 +64,7 @@ def subprocess_env(device_count: int = 1, *, optimize: bool = False, fusion_emit
   flags_ = [f"--xla_force_host_platform_device_count={device_count}", xla_flags.ONE_CODEGEN_PIECE]
   if not optimize:
     flags_.append(xla_flags.OPTIMIZATION_LEVEL_0)
-    if not fusion_emitters:
+    if not fusion_emitters and xla_flags.OLDER_FUSION_EMITTERS:
       flags_.append(xla_flags.OLDER_FUSION_EMITTERS)
   env["XLA_FLAGS"] = " ".join(flags_)
   return env

@@ -52,3 +52,30 @@ def test_gpu_check_runs_test_files_and_benchmark_flags_that_exist():
   assert test_files and all((REPOSITORY / f).is_file() for f in test_files), test_files
   flags = re.findall(r"bench_attention\.py (--\w+)", script)
   assert flags == ["--out"], flags
+
+
+def test_an_implementation_that_cannot_compile_is_a_failed_row_and_every_row_is_written_as_it_lands(monkeypatch):
+  """One implementation a backend cannot run (cuDNN on a shape it refuses, say) stopped the whole run and lost
+  every measured row; and rows were written only at the end, so a run stopped by a time limit left nothing."""
+  cases = [bench_attention.Case("plain", 1, 8, 8, heads=2, kv_heads=2, head_dim=4),
+           bench_attention.Case("GQA 8/2", 1, 8, 8, heads=2, kv_heads=1, head_dim=4)]
+  real = bench_attention.jax_attention_fn
+
+  def chunked_refuses(name, case, mask):
+    if name == "ours chunked":
+      def refuse(q, k, v):
+        raise NotImplementedError("no chunked path here\nsecond line")
+      return refuse
+    return real(name, case, mask)
+
+  monkeypatch.setattr(bench_attention, "jax_attention_fn", chunked_refuses)
+  rows, written = [], []
+  bench_attention.speed_rows(cases, 1, lambda case: 1, rows=rows, on_row=lambda: written.append(len(rows)))
+  assert written == [1, 2]
+  for row in rows:
+    assert row["failed"] == {"ours chunked": "NotImplementedError: no chunked path here"}
+    assert set(row["ms"]) == {"torch SDPA", "jax.nn", "ours xla"}
+  meta = {"date": "d", "machine": "m", "jax": "j", "jax_devices": 1, "cores": 1, "torch": "t", "torch_threads": 1,
+          "load_average": "0", "commit": "c", "command": "x", "repeats": 1}
+  markdown = bench_attention.to_markdown(meta, rows, [], [])
+  assert markdown.count("| ours chunked | failed: NotImplementedError: no chunked path here |") == 2
