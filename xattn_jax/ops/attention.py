@@ -29,8 +29,8 @@ Implementations:
              clipped at a quarter of the dtype's range (half precision would overflow to -inf and
              NaN), so a row hidden by a -inf bias alone averages its values there: hide keys with
              `mask`.
-  None:      cuDNN when allowed, otherwise "xla", or "chunked" from 4096 keys on (32768 on CPU)
-             (`select_implementation`).
+  None:      cuDNN when allowed, otherwise "xla", or "chunked" from 4096 x 4096 scores per (batch,
+             head) (on CPU from 32768 keys) (`select_implementation`, `takes_chunked`).
 """
 from __future__ import annotations
 
@@ -50,14 +50,15 @@ IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
 # blocked kernel's loop costs more than the cache locality it buys (CPU), and cuDNN's fixed costs
 # more than its fusion saves (GPU): experiments/results/attention_benchmark.md and _gpu.md.
 _FUSED_UP_TO_SCORES = 256 * 256
-# From this many keys on, the default path beyond the fused size is online softmax ("chunked")
-# instead of one pass ("xla"). Off CPU "xla" is one fused program holding every score, so long keys
-# go to "chunked" early. On CPU both are blocked with bounded temporaries; chunked's 256 x 512 score
-# blocks stay in a core's L2 cache at any key count, while xla's query blocks span all keys and lean
-# on the shared L3, which costs only from about 32768 keys: from 4096 to 16384 chunked ran 0.90-1.08x
-# xla's time on two AMD machines and 1.18-1.36x on an Intel one, at 32768 0.84-0.93x on all three
-# (the "Long keys" tables of experiments/results/*attention_benchmark*.md).
-_CHUNKED_FROM_KV_LEN = 4096
+# Where the default path beyond the fused size takes online softmax ("chunked") instead of one pass
+# ("xla"). Off CPU "xla" is one fused program holding every score of a (batch, head), so "chunked" comes
+# once those scores reach 4096 x 4096 (64 MiB a head in float32): self-attention from 4096 keys keeps
+# bounded memory, while a short query over long keys stays in the faster fused program
+# (experiments/results/nvidia_h200/). On CPU both are blocked with bounded temporaries; chunked's
+# 256 x 512 score blocks stay in a core's L2 cache at any key count, while xla's query blocks span all
+# keys and lean on the shared L3, which costs only from about 32768 keys (the "Long keys" tables of
+# experiments/results/*attention_benchmark*.md).
+_CHUNKED_FROM_SCORES = 4096 * 4096
 _CHUNKED_FROM_KV_LEN_CPU = 32768
 
 
@@ -146,14 +147,17 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
       backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, has_mask=has_mask,
       has_bias=has_bias, is_causal=is_causal) is None:
     return "cudnn"
-  if q_len * kv_len > _FUSED_UP_TO_SCORES and kv_len >= chunked_from_kv_len(backend):
+  if q_len * kv_len > _FUSED_UP_TO_SCORES and takes_chunked(backend, q_len, kv_len):
     return "chunked"
   return "xla"
 
 
-def chunked_from_kv_len(backend: str) -> int:
-  """The key count from which the default path takes "chunked" on this backend (above the fused size)."""
-  return _CHUNKED_FROM_KV_LEN_CPU if backend == "cpu" else _CHUNKED_FROM_KV_LEN
+def takes_chunked(backend: str, q_len: int, kv_len: int) -> bool:
+  """Whether the default path takes "chunked" over "xla" on this backend (above the fused size): on CPU
+  from 32768 keys, elsewhere from 4096 x 4096 scores per (batch, head)."""
+  if backend == "cpu":
+    return kv_len >= _CHUNKED_FROM_KV_LEN_CPU
+  return q_len * kv_len >= _CHUNKED_FROM_SCORES
 
 
 def _runs_fused(implementation: str, backend: str, q_len: int, kv_len: int) -> bool:
