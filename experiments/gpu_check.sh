@@ -2,7 +2,11 @@
 # The checks that need a GPU, as one script: the attention, layer and model tests on the GPU (cuDNN
 # included; they skip it elsewhere) and the attention benchmark's GPU tables. Run from the repo root:
 #   bash experiments/gpu_check.sh [out_dir]      # default out_dir: /tmp/gpu_check
-# Logs and the benchmark's tables land in out_dir (copy them to experiments/results/ to record them).
+# Logs and the benchmark's tables land in out_dir (copy them to experiments/results/ to record them); the
+# benchmark writes its tables after every row, so a run its time limit stops keeps what it measured.
+# On an H200 the tests take over 150 s on 12 workers and the benchmark about 35 s a shape (nearly all
+# compiling), so its full run (float32 and bfloat16, long keys, memory) needs about 20 minutes: within a
+# shorter lease, set BENCH_TIMEOUT and run the remaining shapes with bench_attention.py --case.
 # Python: $PYTHON, else the README's .venv, else python3. Tests run in parallel when pytest-xdist is
 # installed (pip install pytest-xdist), one after another otherwise.
 set -uo pipefail
