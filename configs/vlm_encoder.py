@@ -6,6 +6,13 @@
 
 Strips of 1 to max_digits bundled digits on the canvas 8 x (8 * max_digits), times scale (see
 xattn_jax/tasks/vlm/encoder.py); with 2x2 patches a strip hands on 16 to 64 patch features.
+
+`data=pairs` trains it instead on a user's `image_path<TAB>text` pairs to name the words of each image's
+caption (task "vlm_pairs_encoder", xattn_jax/tasks/vlm/pairs_encoder.py), on the canvas `canvas=HxW`
+(default 32x32, 4x4 patches: 64 features); configs/vlm_tsv.py trains it first on the VLM's own pairs:
+
+    python launch.py --config=configs/vlm_encoder.py:data=pairs --workdir=workdirs/my_encoder \
+        --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
 """
 from __future__ import annotations
 
@@ -13,9 +20,17 @@ from ml_collections import ConfigDict
 
 from configs import common
 
+SOURCES = ("digits", "pairs")  # data=...: the bundled strips, or a user's image-caption pairs
+
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1, warmup=100)
+  args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1, warmup=100,
+                          data="digits", canvas="32x32", vocab=256)
+  if args.data not in SOURCES:
+    raise ValueError(f"config argument data={args.data!r}: allowed are {list(SOURCES)}")
+  if args.data == "pairs":
+    given = {item.partition("=")[0].strip() for item in (arg or "").split(",")}
+    return pairs_config(args, patch=args.patch if "patch" in given else 4)
   config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
                               eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
                               warmup_steps=args.warmup)
@@ -38,6 +53,11 @@ def get_config(arg=None):
   height, width = 8 * args.scale, 8 * args.max_digits * args.scale
   patch = max(args.patch, 1)                # (a patch below 1 is left to validation, which names the field)
   config.model.grid = f"{height // patch}x{width // patch}"  # the learned position table: the canvas in patches
+  return vit_model(config, args)
+
+
+def vit_model(config, args) -> ConfigDict:
+  """The ViT's size, shared by both encoders."""
   config.model.d_model = args.width
   config.model.num_heads = 4
   config.model.num_blocks = args.blocks
@@ -45,3 +65,30 @@ def get_config(arg=None):
   config.model.scan_layers = False
   config.model.remat = "none"
   return config
+
+
+def pairs_config(args, patch: int) -> ConfigDict:
+  """The encoder of a user's pairs: names each caption's words (data.vocab_size of them) from its image. Patches
+  of 4 x 4 unless patch=P is given: a 32 x 32 canvas hands on 64 features, as a 4-digit strip does."""
+  config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
+                              eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
+                              warmup_steps=args.warmup)
+  config.task.name = "vlm_pairs_encoder"
+  config.data = ConfigDict({
+      "canvas": args.canvas,      # "HxW": images fitted top-left into it, grey (data.image_text)
+      "vocab_size": args.vocab,   # the commonest caption words, one logit each
+      "train_file": "",           # required: --config.data.train_file=pairs.tsv
+      "eval_file": "",            # required: --config.data.eval_file=...
+  })
+  config.checkpoint.best_metric = "eval/word_f1"
+  config.checkpoint.best_mode = "max"
+  config.optimizer.b2 = 0.99
+  config.optimizer.weight_decay = 0.1
+  config.model.name = "vit"
+  config.model.patch_size = patch
+  parts = args.canvas.lower().split("x")
+  height, width = (int(p) if p.strip().isdigit() else 0 for p in parts) if len(parts) == 2 else (0, 0)
+  patch = max(config.model.patch_size, 1)   # (a bad canvas or patch is left to validation, which names the field)
+  config.model.grid = f"{height // patch}x{width // patch}"
+  config.model.num_classes = args.vocab
+  return vit_model(config, args)

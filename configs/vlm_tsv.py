@@ -5,23 +5,38 @@
 
 Image paths are relative to the file's folder; PNG / JPEG are read grey and fitted into the frozen encoder's
 canvas (data.image_text). A missing or unreadable image, a line without a tab or an empty side stops the run
-before anything is written, naming file and line. The frozen LM is pretrained first on the text of the
-training pairs (configs/vlm_lm.py:text=pairs, in model.lm_workdir, workdirs/vlm_pairs_lm by default; another
-pairs file needs another LM workdir), so it writes your captions' words; the frozen image encoder is the
-digits' one of configs/vlm_digits.py (trained on digit strips: your images are read in its grey canvas).
+before anything is written, naming file and line. Both frozen parts are trained first on the training pairs
+when their workdirs hold no finished run (another pairs file needs other workdirs; the launcher names the
+field that differs):
+  * the LM on their text (configs/vlm_lm.py:text=pairs, in model.lm_workdir, workdirs/vlm_pairs_lm by
+    default), so it writes your captions' words;
+  * the image encoder on their images, naming each caption's words (configs/vlm_encoder.py:data=pairs, in
+    model.encoder_workdir, workdirs/vlm_pairs_encoder by default), on the canvas `canvas=HxW` (32x32).
+    `image_encoder=digits` reads your images with the digits' encoder instead (configs/vlm_digits.py's,
+    trained on digit strips; its grey 8 x 32 canvas, `scale=s` for 8s x 32s).
 """
 from __future__ import annotations
 
 from configs import common
 from configs.vlm_digits import connector_defaults, vlm_config
 
+# image_encoder=...: one trained on the user's own pairs first (configs/vlm_encoder.py:data=pairs), or the
+# bundled digits' strip reader.
+IMAGE_ENCODERS = ("pairs", "digits")
+
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1000, lr=0.0, connector="llava", positions="sequence", merge=1, queries=32,
                           latents=32, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm",
-                          bucketing=True, cache=True)
+                          bucketing=True, cache=True, image_encoder="pairs", canvas="32x32")
+  if args.image_encoder not in IMAGE_ENCODERS:
+    raise ValueError(f"config argument image_encoder={args.image_encoder!r}: allowed are {list(IMAGE_ENCODERS)}")
   connector_defaults(args)  # lr=0: the connector's DEFAULT_LR
   config = vlm_config(args)
+  if args.image_encoder == "pairs":
+    config.model.encoder_config = f"configs/vlm_encoder.py:data=pairs,canvas={args.canvas}"  # files named there
+    config.model.encoder_workdir = args.encoder or "workdirs/vlm_pairs_encoder"
+    config.data.canvas = args.canvas  # the encoder's: images fitted into it
   config.model.lm_config = "configs/vlm_lm.py:text=pairs"  # the VLM task names the pairs files there
   config.task.decoding.max_new_tokens = 32  # infer's limit (eval generates as long as its longest caption)
   config.data.source = "tsv"

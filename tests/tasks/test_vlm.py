@@ -87,15 +87,15 @@ def test_llava_takes_mrope_positions_and_merged_patches():
   assert config_error_field("--config=configs/vlm_digits.py:connector=llava,positions=mrope,merge=2") is None
 
 
-@pytest.mark.parametrize("config,missing", [("configs/vlm_digits.py", None),
-                                            ("configs/vlm_tsv.py", "config.data.train_file")])  # all it lacks
-def test_a_scale_argument_names_the_encoder_trained_at_that_scale(config, missing):
-  loaded = helpers.load_config(f"--config={config}:scale=2")
+@pytest.mark.parametrize("config,missing", [("configs/vlm_digits.py:", None),
+                                            ("configs/vlm_tsv.py:image_encoder=digits,", "config.data.train_file")])
+def test_a_scale_argument_names_the_encoder_trained_at_that_scale(config, missing):  # (train_file: all tsv lacks)
+  loaded = helpers.load_config(f"--config={config}scale=2")
   assert (loaded.data.scale, loaded.model.encoder_config, loaded.model.encoder_workdir) == (
       2, "configs/vlm_encoder.py:scale=2", "workdirs/vlm_encoder_x2")
   assert vlm_task.canvas(loaded) == (16, 64)
-  assert config_error_field(f"--config={config}:scale=2") == missing
-  assert helpers.load_config(f"--config={config}").model.encoder_workdir == "workdirs/vlm_encoder"
+  assert config_error_field(f"--config={config}scale=2") == missing
+  assert helpers.load_config(f"--config={config.rstrip(':,')}").model.encoder_workdir == "workdirs/vlm_encoder"
 
 
 def test_the_probe_answers_what_its_reading_implies():
@@ -185,7 +185,8 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": tmp_path / "lm",
                "model.lm_config": "configs/vlm_lm.py:text=pairs,steps=40,size=micro",
                "data.train_file": train, "data.eval_file": evaluation}
-  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4", tmp_path / "vlm",
+  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,image_encoder=digits",
+                          tmp_path / "vlm",
                           overrides=overrides)
   assert result.returncode == 0, result.stderr[-3000:]
   lm_data = json.loads((tmp_path / "lm" / "config.json").read_text())["data"]  # trained first, on the pairs' text
@@ -198,17 +199,54 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   # without reading the image one caption fits all, 2 of the 6 eval pairs: the connector reads the shape
   assert rows[-1]["eval/exact_match"] > 0.6, rows[-1]
   # another pairs file with the same LM workdir: named before anything trains
-  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer", *(
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,image_encoder=digits", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))
   with pytest.raises(validation.ConfigError, match="data.train_file") as error:
     dependencies.resolve(config, str(tmp_path / "vlm2"), "train")
   assert error.value.field == "model.lm_workdir" and not (tmp_path / "vlm2").exists()
   # another eval file only: the same LM (it never trains on the eval captions), loaded as it is
-  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer", *(
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,image_encoder=digits", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.eval_file": train}.items()))
   lm_steps = checkpoints.step_numbers(str(tmp_path / "lm"))
   dependencies.resolve(config, str(tmp_path / "vlm3"), "train")
   assert checkpoints.step_numbers(str(tmp_path / "lm")) == lm_steps
+
+
+@pytest.mark.slow
+def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
+  """configs/vlm_tsv.py read every user's pictures with the digits' strip reader, fitted into its grey 8 x 32
+  canvas: now its default encoder is trained first on the pairs' own images (configs/vlm_encoder.py:data=pairs),
+  at the VLM's canvas, to name each caption's words; then the LM on their text, then the connector."""
+  train, evaluation = _shape_pairs(tmp_path, "train.tsv", 48), _shape_pairs(tmp_path, "eval.tsv", 6)
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": tmp_path / "lm",
+               "model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=16x16,steps=80,width=32,blocks=1,"
+                                       "warmup=10",
+               "model.lm_config": "configs/vlm_lm.py:text=pairs,steps=40,size=micro",
+               "data.train_file": train, "data.eval_file": evaluation}
+  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16", tmp_path / "vlm",
+                          overrides=overrides)
+  assert result.returncode == 0, result.stderr[-3000:]
+  encoder_run = json.loads((tmp_path / "encoder" / "config.json").read_text())
+  assert encoder_run["task"]["name"] == "vlm_pairs_encoder" and encoder_run["data"]["canvas"] == "16x16"
+  assert (encoder_run["data"]["train_file"], encoder_run["data"]["eval_file"]) == (str(train), str(evaluation))
+  # every caption is "a black <shape>": naming "a" and "black" alone is F1 0.8, the shapes make it 1
+  encoder_eval = [row for row in helpers.metric_rows(tmp_path / "encoder") if "eval/word_f1" in row][-1]
+  assert encoder_eval["eval/word_f1"] > 0.9, encoder_eval
+  frozen = json.loads((tmp_path / "vlm" / vlm_task.FROZEN_RECORD).read_text())
+  assert frozen["encoder_workdir"] == str(tmp_path / "encoder")
+  rows = helpers.metric_rows(tmp_path / "vlm")
+  assert rows[-1]["eval/exact_match"] > 0.6, rows[-1]  # one caption for all is 2 of the 6
+  # the encoder names the words of a picture it reads
+  inferred = helpers.launch(f"{tmp_path / 'encoder'}/config.py", tmp_path / "encoder", "--mode=infer",
+                            stdin=f"{tmp_path / 'cross.png'}\n")
+  assert inferred.returncode == 0, inferred.stderr[-2000:]
+  assert "cross" in inferred.stdout.strip().split("\t")[-1].split(), inferred.stdout
+  # another pairs file with the same encoder workdir: named before anything trains
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,canvas=16x16", *(
+      f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))
+  with pytest.raises(validation.ConfigError, match="data.train_file") as error:
+    dependencies.resolve(config, str(tmp_path / "vlm2"), "train")
+  assert error.value.field == "model.encoder_workdir" and not (tmp_path / "vlm2").exists()
 
 
 def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_task.VLMTask:
@@ -220,7 +258,7 @@ def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_tas
   (folder / "eval.tsv").write_text(eval_text)
   overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
                "data.train_file": folder / "train.tsv", "data.eval_file": folder / "eval.tsv", **overrides}
-  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava",
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=llava,image_encoder=digits",
                                *(f"--config.{field}={value}" for field, value in overrides.items()))
   return vlm_task.VLMTask(config, None, "train")
 

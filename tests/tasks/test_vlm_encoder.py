@@ -107,3 +107,74 @@ def test_infer_answers_each_line_with_the_digits_read(trained_encoder):
   lines = task.infer(model, ["test:0", "test:1"])
   assert [line.split("\t")[0] for line in lines] == ["test:0", "test:1"]
   assert all(1 <= len(line.split("\t")[1].split()) <= 2 for line in lines)
+
+
+# --- the encoder of a user's pairs (task vlm_pairs_encoder) ------------------------------------------------
+
+
+def test_caption_words_vocabulary_and_targets():
+  from xattn_jax.tasks.vlm import pairs_encoder
+  texts = ["A big circle, on the left.", "a small square", "a circle left of a square"]
+  assert pairs_encoder.caption_words(texts[0]) == ["a", "big", "circle", "on", "the", "left"]
+  # counted once per caption ("a" twice in the third), commonest first, ties alphabetical, cut at size
+  assert pairs_encoder.vocabulary(texts, 4) == ("a", "circle", "left", "square")
+  targets = pairs_encoder.word_targets(texts, ("a", "circle", "left", "square"), 6)
+  assert targets.shape == (3, 6) and targets[:, 4:].sum() == 0
+  np.testing.assert_array_equal(targets[:, :4], [[1, 1, 1, 0], [1, 0, 0, 1], [1, 1, 1, 1]])
+
+
+def _pairs_config(tmp_path, arg="data=pairs,canvas=16x16", **overrides):
+  from PIL import Image
+  Image.fromarray(np.full((12, 20), 40, np.uint8)).save(tmp_path / "a.png")
+  (tmp_path / "pairs.tsv").write_text("a.png\ta dark box\n")
+  return helpers.load_config(f"--config=configs/vlm_encoder.py:{arg}", *(
+      f"--config.{k}={v}" for k, v in {"data.train_file": tmp_path / "pairs.tsv",
+                                       "data.eval_file": tmp_path / "pairs.tsv", **overrides}.items()))
+
+
+def test_the_pairs_encoder_config_validates_and_names_each_bad_field(tmp_path):
+  from xattn_jax.tasks.vlm import pairs_encoder
+  task_class = task_lib.get_task_class("vlm_pairs_encoder")
+  assert task_class is pairs_encoder.CaptionWordsEncoderTask
+  cfg = _pairs_config(tmp_path)
+  validation.validate_config(cfg, mode="train", device_count=1)
+  task_class.validate(cfg)
+  assert encoder.canvas(cfg) == (16, 16) and cfg.model.grid == "4x4" and cfg.model.num_classes == 256
+  assert _pairs_config(tmp_path, "data=pairs,canvas=32x24,patch=8").model.grid == "4x3"
+  (tmp_path / "bad.tsv").write_text("a.png\ta dark box\nmissing.png\tnothing\n")
+  for arg, overrides, field in [("data=pairs,canvas=16", {}, "data.canvas"),
+                                ("data=pairs,canvas=16x0", {}, "data.canvas"),
+                                ("data=pairs,canvas=18x18", {}, "model.patch_size"),
+                                ("data=pairs", {"model.grid": "2x2"}, "model.grid"),
+                                ("data=pairs", {"model.num_classes": 10}, "model.num_classes"),
+                                ("data=pairs", {"data.train_file": ""}, "data.train_file"),
+                                ("data=pairs", {"data.eval_file": tmp_path / "bad.tsv"}, "data.eval_file")]:
+    with pytest.raises(validation.ConfigError) as caught:
+      task_class.validate(_pairs_config(tmp_path, arg, **overrides))
+    assert caught.value.field == field, (arg, overrides)
+    if field == "data.eval_file":
+      assert f"{tmp_path / 'bad.tsv'}:2" in str(caught.value)
+  from configs import vlm_encoder as encoder_config
+  with pytest.raises(ValueError, match="data='photos': allowed are \\['digits', 'pairs'\\]"):
+    encoder_config.get_config("data=photos")
+
+
+def test_the_pairs_encoder_shuffles_its_pairs_every_epoch_each_once(tmp_path):
+  from PIL import Image
+  from xattn_jax.tasks.vlm import pairs_encoder
+  for n in range(10):  # image n is a flat grey of 12 (n + 1): its row of the batch says which pair it is
+    Image.fromarray(np.full((16, 16), 12 * (n + 1), np.uint8)).save(tmp_path / f"{n}.png")
+  (tmp_path / "ten.tsv").write_text("".join(f"{n}.png\tword{n}\n" for n in range(10)))
+  cfg = _pairs_config(tmp_path, **{"data.train_file": tmp_path / "ten.tsv", "batch_size": 4})
+  task = pairs_encoder.CaptionWordsEncoderTask(cfg, None, "train")
+  def pair_of(image):
+    return int(round(image.mean() * 255 / 12)) - 1
+
+  def pairs(step):
+    return [pair_of(image) for image in task.train_batch(step, process_index=0, process_count=1)["images"]]
+  first_epoch = pairs(0) + pairs(1) + pairs(2)[:2]
+  assert sorted(first_epoch) == list(range(10)) and first_epoch != list(range(10))
+  assert sorted(pairs(2)[2:] + pairs(3) + pairs(4)) == list(range(10))
+  batch = task.train_batch(0, process_index=0, process_count=1)
+  for image, targets in zip(batch["images"], batch["targets"]):  # each row's targets are its own caption's word
+    assert task.words[int(np.argmax(targets))] == f"word{pair_of(image)}" and targets.sum() == 1

@@ -91,6 +91,7 @@ TASK_MODULES = {
     "template": "xattn_jax.tasks.template",
     "translate": "xattn_jax.tasks.translate.task",
     "vlm_encoder": "xattn_jax.tasks.vlm.encoder",
+    "vlm_pairs_encoder": "xattn_jax.tasks.vlm.pairs_encoder",
     "vlm": "xattn_jax.tasks.vlm.task",
 }
 

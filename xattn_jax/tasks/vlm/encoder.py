@@ -36,19 +36,49 @@ _EVAL_STREAM = 1  # the eval strips' seed stream never meets a training row's
 
 
 def canvas(config) -> tuple[int, int]:
-  """The (height, width) canvas of the run's images."""
-  return vlm_digits.canvas_for(config.data.max_digits, config.data.scale)
+  """The (height, width) canvas of the run's images: data.canvas ("HxW") where a config sets it (a user's
+  pairs), else the digit strips' canvas of data.max_digits and data.scale. Raises ConfigError naming
+  data.canvas when it is not two positive integers."""
+  spec = config.data.get("canvas", "")
+  if not spec:
+    return vlm_digits.canvas_for(config.data.max_digits, config.data.scale)
+  parts = str(spec).lower().split("x")
+  if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+    raise validation.ConfigError("data.canvas", spec, "must be 'HxW', two positive integers (e.g. '32x32')")
+  return int(parts[0]), int(parts[1])
 
 
 def make_encoder(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs) -> vit.ViT:
   """The ViT of a vlm_encoder `model` config section (this task's, or the frozen encoder's)."""
   height, width = (int(part) for part in model_config.grid.split("x"))
   rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())  # the blocks' Dropout wants a stream
-  return vit.ViT(num_classes=vlm_digits.NUM_POSITION_CLASSES, patch_size=model_config.patch_size,
+  num_classes = model_config.get("num_classes", vlm_digits.NUM_POSITION_CLASSES)  # the head's outputs
+  return vit.ViT(num_classes=num_classes, patch_size=model_config.patch_size,
                  grid=(height, width), width=model_config.d_model, num_heads=model_config.num_heads,
                  num_blocks=model_config.num_blocks, mlp_ratio=model_config.mlp_ratio, pool="gap",
                  scan_layers=model_config.scan_layers, remat=model_config.remat, dtype=dtype,
                  param_dtype=param_dtype, rngs=rngs)
+
+
+def check_grid(config) -> None:
+  """model.grid must be the run's canvas in patches of model.patch_size (which divides it)."""
+  (height, width), patch = canvas(config), config.model.patch_size
+  expected = f"{height // patch}x{width // patch}"
+  if config.model.grid != expected:
+    raise validation.ConfigError("model.grid", config.model.grid, f"must be the canvas {height}x{width} in "
+                                 f"patches of {patch}: {expected!r}")
+
+
+def padded_eval_batches(images, targets: dict, size: int, process_index: int, process_count: int):
+  """This process's rows of each eval batch of `size` images [n, H, W, 1] and their `targets` ({name: [n, ...]}):
+  the last batch padded with blank images of weight 0 ("weights" [rows], 1 for a real image)."""
+  count, local = len(images), size // process_count
+  for start in range(0, count, size):
+    rows = start + process_index * local + np.arange(local)
+    valid = rows < count
+    safe = np.where(valid, rows, 0)
+    yield {"images": np.where(valid[:, None, None, None], images[safe], 0.0).astype(np.float32),
+           **{name: values[safe] for name, values in targets.items()}, "weights": valid.astype(np.float32)}
 
 
 def position_logits(encoder: vit.ViT, images, *, position_width: int):
@@ -86,11 +116,7 @@ class StripEncoderTask(task_lib.Task):
     if config.data.max_shift >= position_width:
       raise validation.ConfigError("data.max_shift", config.data.max_shift,
                                    f"must be below a digit's side {position_width}")
-    height, width = canvas(config)
-    expected = f"{height // patch}x{width // patch}"
-    if config.model.grid != expected:
-      raise validation.ConfigError("model.grid", config.model.grid, f"must be the canvas {height}x{width} in "
-                                   f"patches of {patch}: {expected!r}")
+    check_grid(config)
     smoothing = config.task.label_smoothing
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
       raise validation.ConfigError("task.label_smoothing", smoothing, "must be a number in [0, 1)")
@@ -135,14 +161,8 @@ class StripEncoderTask(task_lib.Task):
 
   def eval_batches(self, *, process_index, process_count):
     images, labels = self.eval_set()
-    size = self.config.eval_batch_size
-    local = size // process_count
-    for start in range(0, len(labels), size):
-      rows = start + process_index * local + np.arange(local)
-      valid = rows < len(labels)
-      safe = np.where(valid, rows, 0)
-      yield {"images": np.where(valid[:, None, None, None], images[safe], 0.0).astype(np.float32),
-             "labels": labels[safe], "weights": valid.astype(np.float32)}
+    return padded_eval_batches(images, {"labels": labels}, self.config.eval_batch_size, process_index,
+                               process_count)
 
   # --- model, loss, metrics ---------------------------------------------------------------------
 

@@ -74,6 +74,8 @@ from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
 from xattn_jax.training import optim, task as task_lib, validation
 
+# The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
+ENCODER_TASKS = ("vlm_encoder", "vlm_pairs_encoder")
 FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_model", "lm_workdir", "lm_model", "vocab_size"}
 TOKENIZER_FILE = lm_task.SPM_FILE
 SOURCES = ("digits", "tsv")
@@ -88,7 +90,9 @@ DESCRIBED_STATES_MAX_BYTES = 2 << 30
 
 
 def canvas(config) -> tuple[int, int]:
-  return vlm_digits.canvas_for(config.data.max_digits, config.data.scale)
+  """The images' canvas: data.canvas ("HxW", a user's pairs read by an encoder trained on them), else the
+  digit strips' of data.max_digits and data.scale; the frozen encoder's either way."""
+  return encoder_task.canvas(config)
 
 
 def _stored_config(workdir: str) -> ConfigDict:
@@ -202,16 +206,30 @@ class VLMTask(task_lib.Task):
   def _check_frozen(cls, config):
     encoder = dependencies_lib.load_config(config.model.encoder_config, "model.encoder_config")
     lm = dependencies_lib.load_config(config.model.lm_config, "model.lm_config")
-    if encoder.task.name != "vlm_encoder":
+    if encoder.task.name not in ENCODER_TASKS:
       raise validation.ConfigError("model.encoder_config", config.model.encoder_config,
-                                   f"must train a vlm_encoder run, got task.name={encoder.task.name!r}")
+                                   f"must train a run of task {' or '.join(ENCODER_TASKS)}, got "
+                                   f"task.name={encoder.task.name!r}")
+    if encoder.task.name == "vlm_pairs_encoder" and config.data.source != "tsv":
+      raise validation.ConfigError("model.encoder_config", config.model.encoder_config,
+                                   "an encoder trained on a user's pairs reads a user's pairs: data.source='tsv' "
+                                   f"only, got data.source={config.data.source!r}")
     encoder_canvas = encoder_task.canvas(encoder)
-    if encoder.data.scale != config.data.scale:
+    if encoder.data.get("canvas"):  # a user's pairs: the VLM's canvas is the encoder's
+      if encoder_canvas != canvas(config):
+        raise validation.ConfigError("data.canvas", config.data.get("canvas", ""),
+                                     f"must be the frozen encoder's canvas, {encoder.data.canvas!r} "
+                                     f"({config.model.encoder_config})")
+    elif config.data.get("canvas"):
+      raise validation.ConfigError("data.canvas", config.data.canvas,
+                                   f"the digits' encoder reads its strips' canvas {encoder_canvas}: must be empty "
+                                   f"with {config.model.encoder_config} (configs/vlm_tsv.py:image_encoder=digits)")
+    elif encoder.data.scale != config.data.scale:
       raise validation.ConfigError("data.scale", config.data.scale,
                                    f"must be the frozen encoder's, {encoder.data.scale} "
                                    f"({config.model.encoder_config}; configs/vlm_digits.py:scale=S names the encoder "
                                    f"trained at S)")
-    if encoder_canvas != canvas(config):
+    elif encoder_canvas != canvas(config):
       raise validation.ConfigError("data.max_digits", config.data.max_digits,
                                    f"the canvas {canvas(config)} (data.max_digits, data.scale) must be the frozen "
                                    f"encoder's {encoder_canvas} ({config.model.encoder_config})")
@@ -234,28 +252,43 @@ class VLMTask(task_lib.Task):
       raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
   @staticmethod
-  def lm_config(config):
-    """The frozen LM's declared config: model.lm_config (a file spec), or, for a user's pairs and an LM
-    config that reads pairs but names no files (configs/vlm_lm.py:text=pairs), that config loaded with this
-    run's data.train_file / data.eval_file (absolute): the LM learns the words of the user's captions."""
+  def _on_the_pairs(config, field: str, reads_pairs):
+    """The frozen part's declared config `field` (a file spec), or, for a user's pairs and a config that
+    trains on pairs (`reads_pairs(loaded)`) but names no files, that config loaded with this run's
+    data.train_file / data.eval_file (absolute)."""
+    spec = validation._get(config, field)
     if config.data.source != "tsv":
-      return config.model.lm_config
-    lm = dependencies_lib.load_config(config.model.lm_config, "model.lm_config")
-    if lm.data.get("file_format") != "image_text" or lm.data.train_file or lm.data.eval_file:
-      return config.model.lm_config
-    lm.data.train_file = os.path.abspath(config.data.train_file)
-    lm.data.eval_file = os.path.abspath(config.data.eval_file)
-    return lm
+      return spec
+    loaded = dependencies_lib.load_config(spec, field)
+    if not reads_pairs(loaded) or loaded.data.train_file or loaded.data.eval_file:
+      return spec
+    loaded.data.train_file = os.path.abspath(config.data.train_file)
+    loaded.data.eval_file = os.path.abspath(config.data.eval_file)
+    return loaded
+
+  @classmethod
+  def lm_config(cls, config):
+    """The frozen LM's declared config (`_on_the_pairs`): configs/vlm_lm.py:text=pairs learns the words of the
+    user's captions."""
+    return cls._on_the_pairs(config, "model.lm_config", lambda lm: lm.data.get("file_format") == "image_text")
+
+  @classmethod
+  def encoder_config(cls, config):
+    """The frozen encoder's declared config (`_on_the_pairs`): configs/vlm_encoder.py:data=pairs learns the
+    user's images."""
+    return cls._on_the_pairs(config, "model.encoder_config", lambda encoder: encoder.task.name == "vlm_pairs_encoder")
 
   @classmethod
   def dependencies(cls, config, workdir):
     """The frozen encoder and LM runs: those recorded in this run's workdir, else the configured ones."""
     record = _read_record(workdir)
-    lm_config = cls.lm_config(config)
+    lm_config, encoder_config = cls.lm_config(config), cls.encoder_config(config)
     return [
         task_lib.Dependency(workdir=record["encoder_workdir"] if record else config.model.encoder_workdir,
-                            config=config.model.encoder_config, workdir_field="model.encoder_workdir",
-                            config_field="model.encoder_config"),
+                            config=encoder_config, workdir_field="model.encoder_workdir",
+                            config_field="model.encoder_config" if isinstance(encoder_config, str) else "",
+                            # the pairs encoder only evaluates on the VLM's eval file: another one is the same
+                            unchecked_fields=() if isinstance(encoder_config, str) else ("data.eval_file",)),
         task_lib.Dependency(workdir=record["lm_workdir"] if record else config.model.lm_workdir,
                             config=lm_config, workdir_field="model.lm_workdir",
                             config_field="model.lm_config" if isinstance(lm_config, str) else "",

@@ -1,0 +1,198 @@
+"""An image encoder for a user's image-caption pairs: a ViT trained on the pairs' own images to name the words
+of each image's caption (`configs/vlm_encoder.py:data=pairs`, task "vlm_pairs_encoder").
+
+The digits' encoder (`encoder.py`) reads digit strips on an 8 x 32 grey canvas; a user's pictures need an
+encoder that has seen them, at a canvas that keeps them legible. This one learns from the pairs alone, as
+weakly supervised pretraining from captions does (predict the caption's words from the image; Joulin et al.,
+2016): the ViT's mean patch token goes through its head to one logit per word of the vocabulary (the
+data.vocab_size commonest words of the training captions, each caption counted once per word; words are
+runs of letters and digits, lower-cased), trained with a sigmoid cross-entropy per word against whether the
+caption holds it; the head's bias starts at each word's log-odds in the training captions
+(`prior_logits`). A VLM that freezes it (configs/vlm_tsv.py, the default there) reads its patch features.
+
+Images come from data.train_file / data.eval_file (`image_path<TAB>text`, data.image_text: grey, ink high,
+fitted top-left into the canvas data.canvas "HxW"); every bad line stops the run before anything is written,
+naming file and line. Training pairs are shuffled every epoch (under config.seed), each once an epoch.
+Metrics, logged as eval/<name> on the eval pairs:
+  loss             the sigmoid cross-entropy summed over the vocabulary, per image
+  word_f1          micro F1 of the words predicted (probability > 0.5) against the caption's
+  word_precision   share of the predicted words that the caption holds
+  word_recall      share of the caption's vocabulary words that are predicted
+Inference (`--mode=infer`): each line names an image file; the output is the name, a tab and the predicted
+words, most probable first.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from xattn_jax.data import files, image_text, vlm_digits
+from xattn_jax.tasks.vlm import encoder as encoder_lib
+from xattn_jax.training import task as task_lib, validation
+
+EVAL_METRICS = ("eval/loss", "eval/word_f1", "eval/word_precision", "eval/word_recall")
+_WORD = re.compile(r"\w+")
+
+
+def caption_words(text: str) -> list[str]:
+  """The words of a caption: runs of letters and digits, lower-cased, in order."""
+  return _WORD.findall(text.lower())
+
+
+def vocabulary(texts, size: int) -> tuple[str, ...]:
+  """The `size` words in the most captions (ties alphabetical)."""
+  counts = collections.Counter(word for text in texts for word in set(caption_words(text)))
+  return tuple(sorted(counts, key=lambda word: (-counts[word], word))[:size])
+
+
+def word_targets(texts, words: tuple[str, ...], size: int) -> np.ndarray:
+  """[n, size] float32: 1 where the caption holds the vocabulary word (columns past len(words) stay 0)."""
+  index = {word: i for i, word in enumerate(words)}
+  targets = np.zeros((len(texts), size), np.float32)
+  for row, text in enumerate(texts):
+    for word in caption_words(text):
+      if word in index:
+        targets[row, index[word]] = 1.0
+  return targets
+
+
+def prior_logits(texts, words: tuple[str, ...], size: int) -> np.ndarray:
+  """[size] float32: each word's log-odds of appearing in a training caption (the head's initial bias), so
+  training starts at the words' frequencies instead of one half each: with a vocabulary much larger than a
+  caption, the loss is otherwise spent first on pushing every absent word down (RetinaNet's prior init).
+  Columns past len(words), never a target, start at a probability of 1e-4."""
+  frequency = word_targets(texts, words, size).mean(axis=0)
+  probability = np.where(np.arange(size) < len(words), np.clip(frequency, 1e-4, 1 - 1e-4), 1e-4)
+  return np.log(probability / (1 - probability)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_pairs_cached(path: str, mtime_ns: int, canvas: tuple[int, int]):
+  del mtime_ns  # part of the key: an edited file is read again
+  return image_text.read_image_text_pairs(path, canvas=canvas)
+
+
+@task_lib.register("vlm_pairs_encoder")
+class CaptionWordsEncoderTask(task_lib.Task):
+  """Name the words of each image's caption (see the module docstring)."""
+  eval_metric_names = EVAL_METRICS
+
+  @classmethod
+  def validate(cls, config, mode="train"):
+    validation.require_choice(config, "model.name", ("vit",))
+    validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio",
+                                "model.patch_size", "data.vocab_size")
+    height, width = encoder_lib.canvas(config)  # a malformed data.canvas is named there
+    patch = config.model.patch_size
+    if height % patch or width % patch:
+      raise validation.ConfigError("model.patch_size", patch, f"must divide both sides of data.canvas "
+                                   f"{config.data.canvas!r}")
+    encoder_lib.check_grid(config)
+    if config.model.num_classes != config.data.vocab_size:
+      raise validation.ConfigError("model.num_classes", config.model.num_classes,
+                                   f"must be data.vocab_size, {config.data.vocab_size} (one logit per word)")
+    for field in ("data.train_file",) + (("data.eval_file",) if mode != "infer" else ()):
+      cls._read_pairs(config, field)
+
+  @classmethod
+  def _read_pairs(cls, config, field: str):
+    path = validation._get(config, field)
+    validation.require_file(field, path)
+    try:
+      return _read_pairs_cached(os.path.abspath(path), os.stat(path).st_mtime_ns, encoder_lib.canvas(config))
+    except files.LineFileError as error:
+      raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+
+  def __init__(self, config, workdir=None, mode="train"):
+    super().__init__(config, workdir, mode)
+    self.canvas = encoder_lib.canvas(config)
+    self.size = config.data.vocab_size
+    train = self._read_pairs(config, "data.train_file")  # the vocabulary is the training captions' words
+    self.words = vocabulary([example.targets()[0] for example in train], self.size)
+    self._train = train if mode == "train" else None
+    self._eval = None
+
+  # --- data -------------------------------------------------------------------------------------
+
+  def _arrays(self, examples):
+    images = vlm_digits.collate_images([example.images for example in examples], canvas=self.canvas,
+                                       max_images=1)["images"][:, 0]
+    return images, word_targets([example.targets()[0] for example in examples], self.words, self.size)
+
+  def train_batch(self, step, *, process_index, process_count):
+    count = len(self._train)
+    local = self.config.batch_size // process_count
+    positions = step * self.config.batch_size + process_index * local + np.arange(local)  # across epochs
+    epochs, offsets = np.divmod(positions, count)
+    orders = {int(e): np.random.default_rng([self.config.seed, int(e)]).permutation(count) for e in set(epochs)}
+    images, targets = self._arrays([self._train[orders[int(e)][o]] for e, o in zip(epochs, offsets)])
+    return {"images": images, "targets": targets}
+
+  def eval_set(self):
+    if self._eval is None:
+      self._eval = self._arrays(self._read_pairs(self.config, "data.eval_file"))
+    return self._eval
+
+  def eval_batches(self, *, process_index, process_count):
+    images, targets = self.eval_set()
+    return encoder_lib.padded_eval_batches(images, {"targets": targets}, self.config.eval_batch_size,
+                                           process_index, process_count)
+
+  # --- model, loss, metrics ---------------------------------------------------------------------
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    model = encoder_lib.make_encoder(self.config.model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if self._train is not None:  # (eval and infer restore the trained bias)
+      bias = prior_logits([example.targets()[0] for example in self._train], self.words, self.size)
+      model.head.bias.value = jnp.asarray(bias, model.head.bias.value.dtype)
+    return model
+
+  @staticmethod
+  def _logits(model, images):
+    return model(images)  # [b, vocab]: the head on the mean patch token (pool="gap"), float32
+
+  def loss(self, model, batch, *, rngs):
+    del rngs  # no dropout
+    per_image = optax.sigmoid_binary_cross_entropy(self._logits(model, batch["images"]), batch["targets"]).sum(-1)
+    return per_image.mean(), {}
+
+  def eval_metrics(self, model, batch):
+    """Sums over the eval pairs (see the module docstring)."""
+    logits, targets, weights = self._logits(model, batch["images"]), batch["targets"], batch["weights"]
+    per_image = optax.sigmoid_binary_cross_entropy(logits, targets).sum(-1)
+    predicted = (logits > 0).astype(jnp.float32) * weights[:, None]
+    truth = targets * weights[:, None]
+    hits = jnp.sum(predicted * truth)
+    return {"loss": (jnp.sum(per_image * weights), jnp.sum(weights)),
+            "word_f1": (2 * hits, jnp.sum(predicted) + jnp.sum(truth)),
+            "word_precision": (hits, jnp.sum(predicted)),
+            "word_recall": (hits, jnp.sum(truth))}
+
+  # --- inference --------------------------------------------------------------------------------
+
+  @functools.cached_property
+  def _probabilities(self):
+    return nnx.jit(lambda model, images: jax.nn.sigmoid(self._logits(model, images)))
+
+  def infer(self, model, lines):
+    images = []
+    for index, line in enumerate(lines):
+      try:
+        images.append(image_text.load_image(self.input_path(line.strip()), self.canvas))
+      except (ValueError, OSError) as error:
+        raise task_lib.InputLineError(index, str(error)) from None
+    batch = vlm_digits.collate_images([(image,) for image in images], canvas=self.canvas, max_images=1)
+    probabilities = np.asarray(self._probabilities(model, batch["images"][:, 0]))[:, :len(self.words)]
+    outputs = []
+    for line, row in zip(lines, probabilities):
+      order = [i for i in np.argsort(-row, kind="stable") if row[i] > 0.5]
+      outputs.append(f"{line.strip()}\t{' '.join(self.words[i] for i in order) or '(none)'}")
+    return outputs
