@@ -25,7 +25,7 @@ SOURCES = ("digits", "pairs")  # data=...: the bundled strips, or a user's image
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1, warmup=100,
-                          data="digits", canvas="32x32", vocab=256)
+                          data="digits", canvas="32x32", vocab=512, ngrams=2)
   if args.data not in SOURCES:
     raise ValueError(f"config argument data={args.data!r}: allowed are {list(SOURCES)}")
   if args.data == "pairs":
@@ -68,7 +68,7 @@ def vit_model(config, args) -> ConfigDict:
 
 
 def pairs_config(args, patch: int) -> ConfigDict:
-  """The encoder of a user's pairs: names each caption's words (data.vocab_size of them) from its image. Patches
+  """The encoder of a user's pairs: names each caption's terms (data.vocab_size of them) from its image. Patches
   of 4 x 4 unless patch=P is given: a 32 x 32 canvas hands on 64 features, as a 4-digit strip does."""
   config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
                               eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
@@ -76,7 +76,8 @@ def pairs_config(args, patch: int) -> ConfigDict:
   config.task.name = "vlm_pairs_encoder"
   config.data = ConfigDict({
       "canvas": args.canvas,      # "HxW": images fitted top-left into it, grey (data.image_text)
-      "vocab_size": args.vocab,   # the commonest caption words, one logit each
+      "vocab_size": args.vocab,   # the commonest caption terms, one logit each
+      "ngrams": args.ngrams,      # terms: words and runs of up to this many adjacent words (their order)
       "train_file": "",           # required: --config.data.train_file=pairs.tsv
       "eval_file": "",            # required: --config.data.eval_file=...
   })

@@ -1,6 +1,6 @@
 """A frozen language model captions a user's images: `image_path<TAB>text` pairs (task "vlm", data.source=tsv).
 
-    python launch.py --config=configs/vlm_tsv.py:connector=llava --workdir=workdirs/vlm_pairs \
+    python launch.py --config=configs/vlm_tsv.py --workdir=workdirs/vlm_pairs \
         --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
 
 Image paths are relative to the file's folder; PNG / JPEG are read grey and fitted into the frozen encoder's
@@ -10,8 +10,9 @@ when their workdirs hold no finished run (another pairs file needs other workdir
 field that differs):
   * the LM on their text (configs/vlm_lm.py:text=pairs, in model.lm_workdir, workdirs/vlm_pairs_lm by
     default), so it writes your captions' words;
-  * the image encoder on their images, naming each caption's words (configs/vlm_encoder.py:data=pairs, in
-    model.encoder_workdir, workdirs/vlm_pairs_encoder by default), on the canvas `canvas=HxW` (32x32).
+  * the image encoder on their images, naming each caption's words and word pairs
+    (configs/vlm_encoder.py:data=pairs, in model.encoder_workdir, workdirs/vlm_pairs_encoder by default), on
+    the canvas `canvas=HxW` (32x32).
     `image_encoder=digits` reads your images with the digits' encoder instead (configs/vlm_digits.py's,
     trained on digit strips; its grey 8 x 32 canvas, `scale=s` for 8s x 32s).
 """
@@ -26,7 +27,9 @@ IMAGE_ENCODERS = ("pairs", "digits")
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, steps=1000, lr=0.0, connector="llava", positions="sequence", merge=1, queries=32,
+  # flamingo by default: of the three it read a user's pairs best at these steps, and steps fastest
+  # (experiments/results/intel_xeon_amx/vlm_pairs_encoder.md)
+  args = common.parse_arg(arg, steps=1000, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=32, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm",
                           bucketing=True, cache=True, image_encoder="pairs", canvas="32x32")
   if args.image_encoder not in IMAGE_ENCODERS:

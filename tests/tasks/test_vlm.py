@@ -240,7 +240,7 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
   inferred = helpers.launch(f"{tmp_path / 'encoder'}/config.py", tmp_path / "encoder", "--mode=infer",
                             stdin=f"{tmp_path / 'cross.png'}\n")
   assert inferred.returncode == 0, inferred.stderr[-2000:]
-  assert "cross" in inferred.stdout.strip().split("\t")[-1].split(), inferred.stdout
+  assert "cross" in inferred.stdout.strip().split("\t")[-1].split(" | "), inferred.stdout
   # another pairs file with the same encoder workdir: named before anything trains
   config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,canvas=16x16", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))

@@ -121,6 +121,11 @@ def test_caption_words_vocabulary_and_targets():
   targets = pairs_encoder.word_targets(texts, ("a", "circle", "left", "square"), 6)
   assert targets.shape == (3, 6) and targets[:, 4:].sum() == 0
   np.testing.assert_array_equal(targets[:, :4], [[1, 1, 1, 0], [1, 0, 0, 1], [1, 1, 1, 1]])
+  # runs of adjacent words tell the order that the words alone cannot
+  one, other = "a square left of a cross", "a cross left of a square"
+  assert pairs_encoder.caption_terms(one, 1) == pairs_encoder.caption_terms(other, 1)
+  assert pairs_encoder.caption_terms(one, 2) - pairs_encoder.caption_terms(other, 2) == {"square left"}
+  assert pairs_encoder.vocabulary([one, other], 3, ngrams=2) == ("a", "a cross", "a square")
 
 
 def _pairs_config(tmp_path, arg="data=pairs,canvas=16x16", **overrides):
@@ -139,7 +144,7 @@ def test_the_pairs_encoder_config_validates_and_names_each_bad_field(tmp_path):
   cfg = _pairs_config(tmp_path)
   validation.validate_config(cfg, mode="train", device_count=1)
   task_class.validate(cfg)
-  assert encoder.canvas(cfg) == (16, 16) and cfg.model.grid == "4x4" and cfg.model.num_classes == 256
+  assert encoder.canvas(cfg) == (16, 16) and cfg.model.grid == "4x4" and cfg.model.num_classes == 512
   assert _pairs_config(tmp_path, "data=pairs,canvas=32x24,patch=8").model.grid == "4x3"
   (tmp_path / "bad.tsv").write_text("a.png\ta dark box\nmissing.png\tnothing\n")
   for arg, overrides, field in [("data=pairs,canvas=16", {}, "data.canvas"),

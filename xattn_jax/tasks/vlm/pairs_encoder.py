@@ -4,10 +4,12 @@ of each image's caption (`configs/vlm_encoder.py:data=pairs`, task "vlm_pairs_en
 The digits' encoder (`encoder.py`) reads digit strips on an 8 x 32 grey canvas; a user's pictures need an
 encoder that has seen them, at a canvas that keeps them legible. This one learns from the pairs alone, as
 weakly supervised pretraining from captions does (predict the caption's words from the image; Joulin et al.,
-2016): the ViT's mean patch token goes through its head to one logit per word of the vocabulary (the
-data.vocab_size commonest words of the training captions, each caption counted once per word; words are
-runs of letters and digits, lower-cased), trained with a sigmoid cross-entropy per word against whether the
-caption holds it; the head's bias starts at each word's log-odds in the training captions
+2016; with runs of adjacent words, Li et al., 2017): the ViT's mean patch token goes through its head to one
+logit per term of the vocabulary, trained with a sigmoid cross-entropy per term against whether the caption
+holds it. Terms are the captions' words (runs of letters and digits, lower-cased) and their runs of 2 to
+data.ngrams adjacent words, which keep what a bag of words loses, the order ("a square left of a cross"
+against "a cross left of a square"); the vocabulary is the data.vocab_size terms in the most training
+captions; the head's bias starts at each word's log-odds in the training captions
 (`prior_logits`). A VLM that freezes it (configs/vlm_tsv.py, the default there) reads its patch features.
 
 Images come from data.train_file / data.eval_file (`image_path<TAB>text`, data.image_text: grey, ink high,
@@ -15,11 +17,11 @@ fitted top-left into the canvas data.canvas "HxW"); every bad line stops the run
 naming file and line. Training pairs are shuffled every epoch (under config.seed), each once an epoch.
 Metrics, logged as eval/<name> on the eval pairs:
   loss             the sigmoid cross-entropy summed over the vocabulary, per image
-  word_f1          micro F1 of the words predicted (probability > 0.5) against the caption's
-  word_precision   share of the predicted words that the caption holds
-  word_recall      share of the caption's vocabulary words that are predicted
+  word_f1          micro F1 of the terms predicted (probability > 0.5) against the caption's
+  word_precision   share of the predicted terms that the caption holds
+  word_recall      share of the caption's vocabulary terms that are predicted
 Inference (`--mode=infer`): each line names an image file; the output is the name, a tab and the predicted
-words, most probable first.
+terms, most probable first, separated by " | ".
 """
 from __future__ import annotations
 
@@ -47,29 +49,36 @@ def caption_words(text: str) -> list[str]:
   return _WORD.findall(text.lower())
 
 
-def vocabulary(texts, size: int) -> tuple[str, ...]:
-  """The `size` words in the most captions (ties alphabetical)."""
-  counts = collections.Counter(word for text in texts for word in set(caption_words(text)))
-  return tuple(sorted(counts, key=lambda word: (-counts[word], word))[:size])
+def caption_terms(text: str, ngrams: int) -> set[str]:
+  """The caption's words and its runs of 2..ngrams adjacent words ("square left"): the runs carry the
+  order that a bag of words loses ("a square left of a cross" against "a cross left of a square")."""
+  words = caption_words(text)
+  return {" ".join(words[i:i + n]) for n in range(1, ngrams + 1) for i in range(len(words) - n + 1)}
 
 
-def word_targets(texts, words: tuple[str, ...], size: int) -> np.ndarray:
-  """[n, size] float32: 1 where the caption holds the vocabulary word (columns past len(words) stay 0)."""
+def vocabulary(texts, size: int, ngrams: int = 1) -> tuple[str, ...]:
+  """The `size` terms (`caption_terms`) in the most captions (ties alphabetical)."""
+  counts = collections.Counter(term for text in texts for term in caption_terms(text, ngrams))
+  return tuple(sorted(counts, key=lambda term: (-counts[term], term))[:size])
+
+
+def word_targets(texts, words: tuple[str, ...], size: int, ngrams: int = 1) -> np.ndarray:
+  """[n, size] float32: 1 where the caption holds the vocabulary term (columns past len(words) stay 0)."""
   index = {word: i for i, word in enumerate(words)}
   targets = np.zeros((len(texts), size), np.float32)
   for row, text in enumerate(texts):
-    for word in caption_words(text):
-      if word in index:
-        targets[row, index[word]] = 1.0
+    for term in caption_terms(text, ngrams):
+      if term in index:
+        targets[row, index[term]] = 1.0
   return targets
 
 
-def prior_logits(texts, words: tuple[str, ...], size: int) -> np.ndarray:
+def prior_logits(texts, words: tuple[str, ...], size: int, ngrams: int = 1) -> np.ndarray:
   """[size] float32: each word's log-odds of appearing in a training caption (the head's initial bias), so
   training starts at the words' frequencies instead of one half each: with a vocabulary much larger than a
   caption, the loss is otherwise spent first on pushing every absent word down (RetinaNet's prior init).
   Columns past len(words), never a target, start at a probability of 1e-4."""
-  frequency = word_targets(texts, words, size).mean(axis=0)
+  frequency = word_targets(texts, words, size, ngrams).mean(axis=0)
   probability = np.where(np.arange(size) < len(words), np.clip(frequency, 1e-4, 1 - 1e-4), 1e-4)
   return np.log(probability / (1 - probability)).astype(np.float32)
 
@@ -89,7 +98,7 @@ class CaptionWordsEncoderTask(task_lib.Task):
   def validate(cls, config, mode="train"):
     validation.require_choice(config, "model.name", ("vit",))
     validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio",
-                                "model.patch_size", "data.vocab_size")
+                                "model.patch_size", "data.vocab_size", "data.ngrams")
     height, width = encoder_lib.canvas(config)  # a malformed data.canvas is named there
     patch = config.model.patch_size
     if height % patch or width % patch:
@@ -116,7 +125,8 @@ class CaptionWordsEncoderTask(task_lib.Task):
     self.canvas = encoder_lib.canvas(config)
     self.size = config.data.vocab_size
     train = self._read_pairs(config, "data.train_file")  # the vocabulary is the training captions' words
-    self.words = vocabulary([example.targets()[0] for example in train], self.size)
+    self.ngrams = config.data.ngrams
+    self.words = vocabulary([example.targets()[0] for example in train], self.size, self.ngrams)
     self._train = train if mode == "train" else None
     self._eval = None
 
@@ -125,7 +135,7 @@ class CaptionWordsEncoderTask(task_lib.Task):
   def _arrays(self, examples):
     images = vlm_digits.collate_images([example.images for example in examples], canvas=self.canvas,
                                        max_images=1)["images"][:, 0]
-    return images, word_targets([example.targets()[0] for example in examples], self.words, self.size)
+    return images, word_targets([example.targets()[0] for example in examples], self.words, self.size, self.ngrams)
 
   def train_batch(self, step, *, process_index, process_count):
     count = len(self._train)
@@ -151,7 +161,7 @@ class CaptionWordsEncoderTask(task_lib.Task):
   def make_model(self, rngs, *, dtype, param_dtype):
     model = encoder_lib.make_encoder(self.config.model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     if self._train is not None:  # (eval and infer restore the trained bias)
-      bias = prior_logits([example.targets()[0] for example in self._train], self.words, self.size)
+      bias = prior_logits([example.targets()[0] for example in self._train], self.words, self.size, self.ngrams)
       model.head.bias.value = jnp.asarray(bias, model.head.bias.value.dtype)
     return model
 
@@ -194,5 +204,5 @@ class CaptionWordsEncoderTask(task_lib.Task):
     outputs = []
     for line, row in zip(lines, probabilities):
       order = [i for i in np.argsort(-row, kind="stable") if row[i] > 0.5]
-      outputs.append(f"{line.strip()}\t{' '.join(self.words[i] for i in order) or '(none)'}")
+      outputs.append(f"{line.strip()}\t{' | '.join(self.words[i] for i in order) or '(none)'}")
     return outputs
