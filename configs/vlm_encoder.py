@@ -9,7 +9,8 @@ xattn_jax/tasks/vlm/encoder.py); with 2x2 patches a strip hands on 16 to 64 patc
 
 `data=pairs` trains it instead on a user's `image_path<TAB>text` pairs to name the words of each image's
 caption (task "vlm_pairs_encoder", xattn_jax/tasks/vlm/pairs_encoder.py), on the canvas `canvas=HxW`
-(default 32x32, 4x4 patches: 64 features); configs/vlm_tsv.py trains it first on the VLM's own pairs:
+(default 32x32, 4x4 patches: 64 features), grey or with `color=true` RGB; configs/vlm_tsv.py trains it first on
+the VLM's own pairs:
 
     python launch.py --config=configs/vlm_encoder.py:data=pairs --workdir=workdirs/my_encoder \
         --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
@@ -25,7 +26,7 @@ SOURCES = ("digits", "pairs")  # data=...: the bundled strips, or a user's image
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1, warmup=100,
-                          data="digits", canvas="32x32", vocab=512, ngrams=2)
+                          data="digits", canvas="32x32", vocab=512, ngrams=2, color=False)
   if args.data not in SOURCES:
     raise ValueError(f"config argument data={args.data!r}: allowed are {list(SOURCES)}")
   if args.data == "pairs":
@@ -75,7 +76,8 @@ def pairs_config(args, patch: int) -> ConfigDict:
                               warmup_steps=args.warmup)
   config.task.name = "vlm_pairs_encoder"
   config.data = ConfigDict({
-      "canvas": args.canvas,      # "HxW": images fitted top-left into it, grey (data.image_text)
+      "canvas": args.canvas,      # "HxW": images fitted top-left into it (data.image_text)
+      "color": args.color,        # RGB images (3 channels) instead of grey
       "vocab_size": args.vocab,   # the commonest caption terms, one logit each
       "ngrams": args.ngrams,      # terms: words and runs of up to this many adjacent words (their order)
       "train_file": "",           # required: --config.data.train_file=pairs.tsv
@@ -92,4 +94,5 @@ def pairs_config(args, patch: int) -> ConfigDict:
   patch = max(config.model.patch_size, 1)   # (a bad canvas or patch is left to validation, which names the field)
   config.model.grid = f"{height // patch}x{width // patch}"
   config.model.num_classes = args.vocab
+  config.model.channels = 3 if args.color else 1
   return vit_model(config, args)

@@ -12,7 +12,7 @@ field that differs):
     default), so it writes your captions' words;
   * the image encoder on their images, naming each caption's words and word pairs
     (configs/vlm_encoder.py:data=pairs, in model.encoder_workdir, workdirs/vlm_pairs_encoder by default), on
-    the canvas `canvas=HxW` (32x32).
+    the canvas `canvas=HxW` (32x32), grey, or RGB with `color=true`.
     `image_encoder=digits` reads your images with the digits' encoder instead (configs/vlm_digits.py's,
     trained on digit strips; its grey 8 x 32 canvas, `scale=s` for 8s x 32s).
 """
@@ -31,15 +31,19 @@ def get_config(arg=None):
   # (experiments/results/intel_xeon_amx/vlm_pairs_encoder.md)
   args = common.parse_arg(arg, steps=1000, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
                           latents=32, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm",
-                          bucketing=True, cache=True, image_encoder="pairs", canvas="32x32")
+                          bucketing=True, cache=True, image_encoder="pairs", canvas="32x32", color=False)
   if args.image_encoder not in IMAGE_ENCODERS:
     raise ValueError(f"config argument image_encoder={args.image_encoder!r}: allowed are {list(IMAGE_ENCODERS)}")
   connector_defaults(args)  # lr=0: the connector's DEFAULT_LR
   config = vlm_config(args)
   if args.image_encoder == "pairs":
-    config.model.encoder_config = f"configs/vlm_encoder.py:data=pairs,canvas={args.canvas}"  # files named there
+    config.model.encoder_config = (f"configs/vlm_encoder.py:data=pairs,canvas={args.canvas}"  # files named there
+                                   + (",color=true" if args.color else ""))
     config.model.encoder_workdir = args.encoder or "workdirs/vlm_pairs_encoder"
     config.data.canvas = args.canvas  # the encoder's: images fitted into it
+    config.data.color = args.color    # RGB images (the encoder's too)
+  elif args.color:
+    raise ValueError("config argument color=true: the digits' encoder reads grey images (image_encoder=pairs)")
   config.model.lm_config = "configs/vlm_lm.py:text=pairs"  # the VLM task names the pairs files there
   config.task.decoding.max_new_tokens = 32  # infer's limit (eval generates as long as its longest caption)
   config.data.source = "tsv"

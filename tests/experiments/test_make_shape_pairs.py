@@ -31,3 +31,17 @@ def test_the_pairs_are_readable_and_each_caption_says_where_its_ink_is(tmp_path)
   assert (rerun / "train.tsv").read_text() == (tmp_path / "train.tsv").read_text()
   np.testing.assert_array_equal(image_text.read_image_text_pairs(rerun / "train.tsv", canvas=(64, 64))[7].images[0],
                                 train[7].images[0])
+
+
+def test_colour_pairs_name_the_colour_each_shape_is_painted(tmp_path):
+  result = helpers.run([sys.executable, str(SCRIPT), f"--out={tmp_path}", "--train=30", "--eval=2", "--color"],
+                       timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  for example in image_text.read_image_text_pairs(tmp_path / "train.tsv", canvas=(64, 64), grey=False):
+    image, words = example.images[0], example.targets()[0].split()
+    named = {word for word in words if word in ("red", "green", "blue")}
+    assert named, words
+    # ink high: a painted pixel has its own channel low after the inversion of the white paper, the others high
+    painted = {name for name, channel in (("red", 0), ("green", 1), ("blue", 2))
+               if np.any((image[..., channel] < 0.5) & (image.max(axis=-1) > 0.4))}
+    assert painted == named, (words, painted)

@@ -213,21 +213,23 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
 
 
 @pytest.mark.slow
-def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
+@pytest.mark.parametrize("colour", ["false", "true"])
+def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colour):
   """configs/vlm_tsv.py read every user's pictures with the digits' strip reader, fitted into its grey 8 x 32
   canvas: now its default encoder is trained first on the pairs' own images (configs/vlm_encoder.py:data=pairs),
   at the VLM's canvas, to name each caption's words; then the LM on their text, then the connector."""
   train, evaluation = _shape_pairs(tmp_path, "train.tsv", 48), _shape_pairs(tmp_path, "eval.tsv", 6)
   overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": tmp_path / "lm",
                "model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=16x16,steps=80,width=32,blocks=1,"
-                                       "warmup=10",
+                                       f"warmup=10,color={colour}",
                "model.lm_config": "configs/vlm_lm.py:text=pairs,steps=40,size=micro",
                "data.train_file": train, "data.eval_file": evaluation}
-  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16", tmp_path / "vlm",
-                          overrides=overrides)
+  result = helpers.launch(f"configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16,color={colour}",
+                          tmp_path / "vlm", overrides=overrides)
   assert result.returncode == 0, result.stderr[-3000:]
   encoder_run = json.loads((tmp_path / "encoder" / "config.json").read_text())
   assert encoder_run["task"]["name"] == "vlm_pairs_encoder" and encoder_run["data"]["canvas"] == "16x16"
+  assert encoder_run["model"]["channels"] == (3 if colour == "true" else 1)
   assert (encoder_run["data"]["train_file"], encoder_run["data"]["eval_file"]) == (str(train), str(evaluation))
   # every caption is "a black <shape>": naming "a" and "black" alone is F1 0.8, the shapes make it 1
   encoder_eval = [row for row in helpers.metric_rows(tmp_path / "encoder") if "eval/word_f1" in row][-1]
@@ -242,11 +244,23 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
   assert inferred.returncode == 0, inferred.stderr[-2000:]
   assert "cross" in inferred.stdout.strip().split("\t")[-1].split(" | "), inferred.stdout
   # another pairs file with the same encoder workdir: named before anything trains
-  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,canvas=16x16", *(
+  config = helpers.load_config(f"--config=configs/vlm_tsv.py:connector=qformer,canvas=16x16,color={colour}", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))
   with pytest.raises(validation.ConfigError, match="data.train_file") as error:
     dependencies.resolve(config, str(tmp_path / "vlm2"), "train")
   assert error.value.field == "model.encoder_workdir" and not (tmp_path / "vlm2").exists()
+
+
+def test_colour_is_one_setting_of_the_vlm_and_its_encoder(tmp_path):
+  """color=true asks both for RGB; a grey encoder under an RGB VLM is named before anything trains."""
+  from configs import vlm_tsv as vlm_tsv_config
+  loaded = helpers.load_config("--config=configs/vlm_tsv.py:color=true")
+  assert loaded.data.color and loaded.model.encoder_config.endswith(",color=true")
+  grey_encoder = {"model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=32x32"}
+  assert config_error_field("--config=configs/vlm_tsv.py:color=true",
+                            *(f"--config.{k}={v}" for k, v in grey_encoder.items())) == "config.data.color"
+  with pytest.raises(ValueError, match="color=true"):
+    vlm_tsv_config.get_config("image_encoder=digits,color=true")
 
 
 def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_task.VLMTask:

@@ -15,6 +15,7 @@ Decisions (those of data.tsv, plus the image):
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -142,6 +143,20 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -
   if problems:
     raise ImageTextFormatError(path, problems)
   return examples
+
+
+def read_image_text_pairs_cached(path, *, canvas: tuple[int, int], grey: bool = True) -> list[VLMExample]:
+  """`read_image_text_pairs`, read once per (file, modification time, canvas, grey): a task's validation and
+  the task itself read the same file. Raises what it raises."""
+  path = os.path.abspath(os.fspath(path))
+  mtime_ns = os.stat(path).st_mtime_ns if os.path.exists(path) else None
+  return _read_cached(path, mtime_ns, _check_canvas(canvas, "read_image_text_pairs_cached"), grey)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_cached(path: str, mtime_ns, canvas: tuple[int, int], grey: bool) -> list[VLMExample]:
+  del mtime_ns  # part of the cache key: an edited file is read again
+  return read_image_text_pairs(path, canvas=canvas, grey=grey)
 
 
 def read_pair_texts(path) -> list[str]:

@@ -53,11 +53,16 @@ def make_encoder(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rn
   height, width = (int(part) for part in model_config.grid.split("x"))
   rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())  # the blocks' Dropout wants a stream
   num_classes = model_config.get("num_classes", vlm_digits.NUM_POSITION_CLASSES)  # the head's outputs
-  return vit.ViT(num_classes=num_classes, patch_size=model_config.patch_size,
+  return vit.ViT(num_classes=num_classes, channels=model_config.get("channels", 1), patch_size=model_config.patch_size,
                  grid=(height, width), width=model_config.d_model, num_heads=model_config.num_heads,
                  num_blocks=model_config.num_blocks, mlp_ratio=model_config.mlp_ratio, pool="gap",
                  scan_layers=model_config.scan_layers, remat=model_config.remat, dtype=dtype,
                  param_dtype=param_dtype, rngs=rngs)
+
+
+def grey(config) -> bool:
+  """Whether the run reads its images grey (1 channel), else RGB (data.color, a user's pairs only)."""
+  return not config.data.get("color", False)
 
 
 def check_grid(config) -> None:

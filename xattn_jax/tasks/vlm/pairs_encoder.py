@@ -12,8 +12,8 @@ against "a cross left of a square"); the vocabulary is the data.vocab_size terms
 captions; the head's bias starts at each word's log-odds in the training captions
 (`prior_logits`). A VLM that freezes it (configs/vlm_tsv.py, the default there) reads its patch features.
 
-Images come from data.train_file / data.eval_file (`image_path<TAB>text`, data.image_text: grey, ink high,
-fitted top-left into the canvas data.canvas "HxW"); every bad line stops the run before anything is written,
+Images come from data.train_file / data.eval_file (`image_path<TAB>text`, data.image_text: grey, or RGB with
+data.color, ink high, fitted top-left into the canvas data.canvas "HxW"); every bad line stops the run before anything is written,
 naming file and line. Training pairs are shuffled every epoch (under config.seed), each once an epoch.
 Metrics, logged as eval/<name> on the eval pairs:
   loss             the sigmoid cross-entropy summed over the vocabulary, per image
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import re
 
 import jax
@@ -83,12 +82,6 @@ def prior_logits(texts, words: tuple[str, ...], size: int, ngrams: int = 1) -> n
   return np.log(probability / (1 - probability)).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_pairs_cached(path: str, mtime_ns: int, canvas: tuple[int, int]):
-  del mtime_ns  # part of the key: an edited file is read again
-  return image_text.read_image_text_pairs(path, canvas=canvas)
-
-
 @task_lib.register("vlm_pairs_encoder")
 class CaptionWordsEncoderTask(task_lib.Task):
   """Name the words of each image's caption (see the module docstring)."""
@@ -105,6 +98,11 @@ class CaptionWordsEncoderTask(task_lib.Task):
       raise validation.ConfigError("model.patch_size", patch, f"must divide both sides of data.canvas "
                                    f"{config.data.canvas!r}")
     encoder_lib.check_grid(config)
+    validation.require_choice(config, "data.color", (True, False))
+    channels = 1 if encoder_lib.grey(config) else 3
+    if config.model.channels != channels:
+      raise validation.ConfigError("model.channels", config.model.channels,
+                                   f"must be {channels} with data.color={config.data.color}")
     if config.model.num_classes != config.data.vocab_size:
       raise validation.ConfigError("model.num_classes", config.model.num_classes,
                                    f"must be data.vocab_size, {config.data.vocab_size} (one logit per word)")
@@ -116,7 +114,8 @@ class CaptionWordsEncoderTask(task_lib.Task):
     path = validation._get(config, field)
     validation.require_file(field, path)
     try:
-      return _read_pairs_cached(os.path.abspath(path), os.stat(path).st_mtime_ns, encoder_lib.canvas(config))
+      return image_text.read_image_text_pairs_cached(path, canvas=encoder_lib.canvas(config),
+                                                     grey=encoder_lib.grey(config))
     except files.LineFileError as error:
       raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
@@ -196,7 +195,8 @@ class CaptionWordsEncoderTask(task_lib.Task):
     images = []
     for index, line in enumerate(lines):
       try:
-        images.append(image_text.load_image(self.input_path(line.strip()), self.canvas))
+        images.append(image_text.load_image(self.input_path(line.strip()), self.canvas,
+                                            grey=encoder_lib.grey(self.config)))
       except (ValueError, OSError) as error:
         raise task_lib.InputLineError(index, str(error)) from None
     batch = vlm_digits.collate_images([(image,) for image in images], canvas=self.canvas, max_images=1)

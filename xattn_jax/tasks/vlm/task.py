@@ -184,7 +184,7 @@ class VLMTask(task_lib.Task):
                                    f"merges the patches that become soft tokens: connector=llava only (or 1), got "
                                    f"model.connector={model.connector!r}")
     validation.require_choice(config, "data.source", SOURCES)
-    for field in ("length_bucketing", "cache_features"):  # absent from configs written before them: False
+    for field in ("length_bucketing", "cache_features", "color"):  # absent from configs written before them: False
       if field in data:
         validation.require_choice(config, f"data.{field}", (True, False))
     if data.max_digits > vlm_digits.MAX_DIGITS:
@@ -215,6 +215,10 @@ class VLMTask(task_lib.Task):
                                    "an encoder trained on a user's pairs reads a user's pairs: data.source='tsv' "
                                    f"only, got data.source={config.data.source!r}")
     encoder_canvas = encoder_task.canvas(encoder)
+    if encoder_task.grey(encoder) != encoder_task.grey(config):
+      raise validation.ConfigError("data.color", config.data.get("color", False),
+                                   f"must be the frozen encoder's data.color, {not encoder_task.grey(encoder)} "
+                                   f"({config.model.encoder_config})")
     if encoder.data.get("canvas"):  # a user's pairs: the VLM's canvas is the encoder's
       if encoder_canvas != canvas(config):
         raise validation.ConfigError("data.canvas", config.data.get("canvas", ""),
@@ -247,7 +251,7 @@ class VLMTask(task_lib.Task):
     path = validation._get(config, field)
     validation.require_file(field, path)
     try:
-      return _read_pairs_cached(os.path.abspath(path), os.stat(path).st_mtime_ns, canvas(config))
+      return image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=encoder_task.grey(config))
     except files.LineFileError as error:
       raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
@@ -706,7 +710,7 @@ class VLMTask(task_lib.Task):
     for index, line in enumerate(lines):
       path, _, question = line.rstrip("\n").partition("\t")
       try:
-        image = image_text.load_image(self.input_path(path.strip()), self.canvas)
+        image = image_text.load_image(self.input_path(path.strip()), self.canvas, grey=encoder_task.grey(self.config))
       except (OSError, ValueError) as error:
         raise task_lib.InputLineError(index, str(error)) from None
       ids = [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
@@ -714,12 +718,6 @@ class VLMTask(task_lib.Task):
       requests.append(((image,), ids, tokenizers.EOS_ID))
     self._warn_unknown_characters([line.partition("\t")[2] for line in lines], "the questions")
     return [text or "(nothing)" for text in self.generate(model, requests)]
-
-
-@functools.lru_cache(maxsize=4)
-def _read_pairs_cached(path: str, mtime_ns: int, canvas_size: tuple[int, int]):
-  del mtime_ns  # part of the cache key: an edited file is read again
-  return image_text.read_image_text_pairs(path, canvas=canvas_size)
 
 
 def description_distillation(student, target, mask) -> jax.Array:
