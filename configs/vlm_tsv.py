@@ -3,8 +3,8 @@
     python launch.py --config=configs/vlm_tsv.py --workdir=workdirs/vlm_pairs \
         --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
 
-Image paths are relative to the file's folder; PNG / JPEG are read grey and fitted into the frozen encoder's
-canvas (data.image_text). A missing or unreadable image, a line without a tab or an empty side stops the run
+Image paths are relative to the file's folder; PNG / JPEG are read grey (RGB with `color=true`) and fitted into
+the frozen encoder's canvas (data.image_text). A missing or unreadable image, a line without a tab or an empty side stops the run
 before anything is written, naming file and line. Both frozen parts are trained first on the training pairs
 when their workdirs hold no finished run (another pairs file needs other workdirs; the launcher names the
 field that differs):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xattn_jax.data import image_text, vlm_digits
+from xattn_jax.data import files, image_text, vlm_digits
 from xattn_jax.models import vit
 from xattn_jax.training import optim, task as task_lib, validation
 
@@ -63,6 +63,17 @@ def make_encoder(model_config, *, dtype=jnp.float32, param_dtype=jnp.float32, rn
 def grey(config) -> bool:
   """Whether the run reads its images grey (1 channel), else RGB (data.color, a user's pairs only)."""
   return not config.data.get("color", False)
+
+
+def read_pairs_field(config, field: str):
+  """The pairs of the file that config `field` names (data.image_text, at the run's canvas and colour, read once
+  per file version); a missing file or any bad line raises a ConfigError naming the field, file and lines."""
+  path = validation._get(config, field)
+  validation.require_file(field, path)
+  try:
+    return image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config))
+  except files.LineFileError as error:
+    raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
 
 def check_grid(config) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xattn_jax.data import files, image_text, vlm_digits
+from xattn_jax.data import image_text, vlm_digits
 from xattn_jax.tasks.vlm import encoder as encoder_lib
 from xattn_jax.training import task as task_lib, validation
 
@@ -107,23 +107,13 @@ class CaptionWordsEncoderTask(task_lib.Task):
       raise validation.ConfigError("model.num_classes", config.model.num_classes,
                                    f"must be data.vocab_size, {config.data.vocab_size} (one logit per word)")
     for field in ("data.train_file",) + (("data.eval_file",) if mode != "infer" else ()):
-      cls._read_pairs(config, field)
-
-  @classmethod
-  def _read_pairs(cls, config, field: str):
-    path = validation._get(config, field)
-    validation.require_file(field, path)
-    try:
-      return image_text.read_image_text_pairs_cached(path, canvas=encoder_lib.canvas(config),
-                                                     grey=encoder_lib.grey(config))
-    except files.LineFileError as error:
-      raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+      encoder_lib.read_pairs_field(config, field)
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
     self.canvas = encoder_lib.canvas(config)
     self.size = config.data.vocab_size
-    train = self._read_pairs(config, "data.train_file")  # the vocabulary is the training captions' words
+    train = encoder_lib.read_pairs_field(config, "data.train_file")  # the vocabulary is the training captions' words
     self.ngrams = config.data.ngrams
     self.words = vocabulary([example.targets()[0] for example in train], self.size, self.ngrams)
     self._train = train if mode == "train" else None
@@ -147,7 +137,7 @@ class CaptionWordsEncoderTask(task_lib.Task):
 
   def eval_set(self):
     if self._eval is None:
-      self._eval = self._arrays(self._read_pairs(self.config, "data.eval_file"))
+      self._eval = self._arrays(encoder_lib.read_pairs_field(self.config, "data.eval_file"))
     return self._eval
 
   def eval_batches(self, *, process_index, process_count):

@@ -8,9 +8,11 @@ e.g. configs/vlm_lm.py, in `model.lm_workdir`; SentencePiece with IMAGE_TOKEN on
 in this run's workdir where they are and their model configs (FROZEN_RECORD) and copies the LM's tokenizer
 there: eval and infer read only this workdir (its checkpoints hold the frozen weights too).
 
-A user's pairs (data.source="tsv") come with their own LM: configs/vlm_tsv.py's model.lm_config
-(configs/vlm_lm.py:text=pairs) pretrains it on the text of data.train_file, so it can write the captions'
-words (`lm_config`); the digits' LM knows only the digits' 39 words.
+A user's pairs (data.source="tsv") come with their own LM and image encoder: configs/vlm_tsv.py's
+model.lm_config (configs/vlm_lm.py:text=pairs) pretrains the LM on the text of data.train_file, so it can write
+the captions' words (`lm_config`; the digits' LM knows only the digits' 39 words), and its
+model.encoder_config (configs/vlm_encoder.py:data=pairs, task vlm_pairs_encoder) trains the encoder on its
+images (`encoder_config`), at the canvas data.canvas, grey or RGB (data.color).
 
 Data (`data.source`, SOURCES):
   digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
@@ -18,7 +20,8 @@ Data (`data.source`, SOURCES):
   tsv     a user's `image_path<TAB>text` files data.train_file / data.eval_file (data.image_text); every
           bad line stops the run before anything is written, naming file and line; the training pairs are
           shuffled every epoch
-Images sit top-left on the encoder's canvas (vlm_digits.canvas_for(data.max_digits, data.scale)), up to
+Images sit top-left on the encoder's canvas (`canvas`: data.canvas, else the strips' of data.max_digits and
+data.scale), up to
 MAX_IMAGES per example. A training batch has MAX_IMAGES image slots and rows of the longest example's tokens,
 or with data.length_bucketing (either source) only as many slots and tokens (rounded up to 8) as its own
 examples need: each epoch's examples (a permutation of them, under data.seed for the bundled strips and
@@ -65,7 +68,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
-from xattn_jax.data import batching, files, image_text, tokenizers, vlm_digits
+from xattn_jax.data import batching, image_text, tokenizers, vlm_digits
 from xattn_jax.models import lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
@@ -200,7 +203,7 @@ class VLMTask(task_lib.Task):
     if data.source == "tsv":
       fields = (("data.train_file",) if mode == "train" else ()) + (("data.eval_file",) if mode != "infer" else ())
       for field in fields:
-        cls._read_pairs(config, field)
+        encoder_task.read_pairs_field(config, field)
 
   @classmethod
   def _check_frozen(cls, config):
@@ -245,15 +248,6 @@ class VLMTask(task_lib.Task):
     if config.model.image_positions == "mrope" and lm.model.position_encoding not in ("rope", "mrope"):
       raise validation.ConfigError("model.image_positions", "mrope", f"needs a rope or mrope LM, got "
                                    f"position_encoding={lm.model.position_encoding!r} ({config.model.lm_config})")
-
-  @classmethod
-  def _read_pairs(cls, config, field: str):
-    path = validation._get(config, field)
-    validation.require_file(field, path)
-    try:
-      return image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=encoder_task.grey(config))
-    except files.LineFileError as error:
-      raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
 
   @staticmethod
   def _on_the_pairs(config, field: str, reads_pairs):
@@ -363,7 +357,7 @@ class VLMTask(task_lib.Task):
   def _examples(self, side: str) -> list[vlm_digits.VLMExample]:
     data = self.config.data
     if data.source == "tsv":
-      return self._read_pairs(self.config, "data.train_file" if side == "train" else "data.eval_file")
+      return encoder_task.read_pairs_field(self.config, "data.train_file" if side == "train" else "data.eval_file")
     kinds = tuple(k.strip() for k in data.kinds.split(",") if k.strip())
     split, count = ("train", data.num_train_examples) if side == "train" else ("test", data.num_eval_examples)
     return vlm_digits.make_examples(split, count, data.seed if side == "train" else data.eval_seed,
