@@ -217,3 +217,15 @@ def test_a_colour_encoder_tells_red_from_green_where_grey_cannot(tmp_path):
   # 5 terms a caption ("a", "square", the colour and its two word pairs), 3 of them the colour's. The two pictures
   # are one grey picture, so the best a grey encoder can do is name every term of both captions (F1 10/13, 0.77)
   assert f1["true"] > 0.95 and f1["false"] < 0.8, f1
+
+
+def test_a_pairs_encoder_run_made_before_colour_and_word_runs_still_loads(tmp_path):
+  """Runs written before data.color, data.ngrams and model.channels read as grey, words alone, one channel."""
+  from xattn_jax.tasks.vlm import pairs_encoder
+  cfg = _pairs_config(tmp_path)
+  with cfg.unlocked():
+    del cfg.data["color"], cfg.data["ngrams"], cfg.model["channels"]
+  task_lib.get_task_class("vlm_pairs_encoder").validate(cfg, mode="eval")
+  task = pairs_encoder.CaptionWordsEncoderTask(cfg, None, "eval")
+  assert task.ngrams == 1 and encoder.grey(cfg) and task.words == ("a", "box", "dark")
+  assert encoder.make_encoder(cfg.model, rngs=nnx.Rngs(0)).embed.in_features == 16  # 4 x 4 patches, 1 channel

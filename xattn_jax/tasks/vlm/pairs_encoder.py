@@ -91,18 +91,21 @@ class CaptionWordsEncoderTask(task_lib.Task):
   def validate(cls, config, mode="train"):
     validation.require_choice(config, "model.name", ("vit",))
     validation.require_positive(config, "model.d_model", "model.num_heads", "model.num_blocks", "model.mlp_ratio",
-                                "model.patch_size", "data.vocab_size", "data.ngrams")
+                                "model.patch_size", "data.vocab_size")
+    if "ngrams" in config.data:  # absent from runs made before it: words alone
+      validation.require_positive(config, "data.ngrams")
+    if "color" in config.data:  # absent from runs made before it: grey
+      validation.require_choice(config, "data.color", (True, False))
     height, width = encoder_lib.canvas(config)  # a malformed data.canvas is named there
     patch = config.model.patch_size
     if height % patch or width % patch:
       raise validation.ConfigError("model.patch_size", patch, f"must divide both sides of data.canvas "
                                    f"{config.data.canvas!r}")
     encoder_lib.check_grid(config)
-    validation.require_choice(config, "data.color", (True, False))
     channels = 1 if encoder_lib.grey(config) else 3
-    if config.model.channels != channels:
-      raise validation.ConfigError("model.channels", config.model.channels,
-                                   f"must be {channels} with data.color={config.data.color}")
+    if config.model.get("channels", 1) != channels:
+      raise validation.ConfigError("model.channels", config.model.get("channels", 1),
+                                   f"must be {channels} with data.color={not encoder_lib.grey(config)}")
     if config.model.num_classes != config.data.vocab_size:
       raise validation.ConfigError("model.num_classes", config.model.num_classes,
                                    f"must be data.vocab_size, {config.data.vocab_size} (one logit per word)")
@@ -114,7 +117,7 @@ class CaptionWordsEncoderTask(task_lib.Task):
     self.canvas = encoder_lib.canvas(config)
     self.size = config.data.vocab_size
     train = encoder_lib.read_pairs_field(config, "data.train_file")  # the vocabulary is the training captions' words
-    self.ngrams = config.data.ngrams
+    self.ngrams = config.data.get("ngrams", 1)
     self.words = vocabulary([example.targets()[0] for example in train], self.size, self.ngrams)
     self._train = train if mode == "train" else None
     self._eval = None
