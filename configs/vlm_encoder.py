@@ -32,9 +32,7 @@ def get_config(arg=None):
   if args.data == "pairs":
     given = {item.partition("=")[0].strip() for item in (arg or "").split(",")}
     return pairs_config(args, patch=args.patch if "patch" in given else 4)
-  config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
-                              eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
-                              warmup_steps=args.warmup)
+  config = vit_config(args, height=8 * args.scale, width=8 * args.max_digits * args.scale, patch=args.patch)
   config.task.name = "vlm_encoder"
   config.task.label_smoothing = 0.1
   config.data = ConfigDict({
@@ -46,19 +44,22 @@ def get_config(arg=None):
   })
   config.checkpoint.best_metric = "eval/position_accuracy"
   config.checkpoint.best_mode = "max"
-  config.optimizer.b2 = 0.99
   config.optimizer.eps = 1e-8
+  return config
+
+
+def vit_config(args, *, height: int, width: int, patch: int) -> ConfigDict:
+  """What both encoders share: the loop, AdamW's b2 and weight decay, and the ViT reading an height x width
+  canvas in patches of `patch` (model.grid, its learned position table: the canvas in patches)."""
+  config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
+                              eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
+                              warmup_steps=args.warmup)
+  config.optimizer.b2 = 0.99
   config.optimizer.weight_decay = 0.1
   config.model.name = "vit"
-  config.model.patch_size = args.patch
-  height, width = 8 * args.scale, 8 * args.max_digits * args.scale
-  patch = max(args.patch, 1)                # (a patch below 1 is left to validation, which names the field)
-  config.model.grid = f"{height // patch}x{width // patch}"  # the learned position table: the canvas in patches
-  return vit_model(config, args)
-
-
-def vit_model(config, args) -> ConfigDict:
-  """The ViT's size, shared by both encoders."""
+  config.model.patch_size = patch
+  cell = max(patch, 1)  # (a patch below 1 or a bad canvas is left to validation, which names the field)
+  config.model.grid = f"{height // cell}x{width // cell}"
   config.model.d_model = args.width
   config.model.num_heads = 4
   config.model.num_blocks = args.blocks
@@ -71,9 +72,9 @@ def vit_model(config, args) -> ConfigDict:
 def pairs_config(args, patch: int) -> ConfigDict:
   """The encoder of a user's pairs: names each caption's terms (data.vocab_size of them) from its image. Patches
   of 4 x 4 unless patch=P is given: a 32 x 32 canvas hands on 64 features, as a 4-digit strip does."""
-  config = common.base_config(total_steps=args.steps, batch_size=64, eval_batch_size=128, log_every_steps=100,
-                              eval_every_steps=500, checkpoint_every_steps=500, learning_rate=2e-3,
-                              warmup_steps=args.warmup)
+  parts = args.canvas.lower().split("x")
+  height, width = (int(p) if p.strip().isdigit() else 0 for p in parts) if len(parts) == 2 else (0, 0)
+  config = vit_config(args, height=height, width=width, patch=patch)
   config.task.name = "vlm_pairs_encoder"
   config.data = ConfigDict({
       "canvas": args.canvas,      # "HxW": images fitted top-left into it (data.image_text)
@@ -85,14 +86,6 @@ def pairs_config(args, patch: int) -> ConfigDict:
   })
   config.checkpoint.best_metric = "eval/word_f1"
   config.checkpoint.best_mode = "max"
-  config.optimizer.b2 = 0.99
-  config.optimizer.weight_decay = 0.1
-  config.model.name = "vit"
-  config.model.patch_size = patch
-  parts = args.canvas.lower().split("x")
-  height, width = (int(p) if p.strip().isdigit() else 0 for p in parts) if len(parts) == 2 else (0, 0)
-  patch = max(config.model.patch_size, 1)   # (a bad canvas or patch is left to validation, which names the field)
-  config.model.grid = f"{height // patch}x{width // patch}"
   config.model.num_classes = args.vocab
   config.model.channels = 3 if args.color else 1
-  return vit_model(config, args)
+  return config

@@ -9,7 +9,7 @@ logit per term of the vocabulary, trained with a sigmoid cross-entropy per term 
 holds it. Terms are the captions' words (runs of letters and digits, lower-cased) and their runs of 2 to
 data.ngrams adjacent words, which keep what a bag of words loses, the order ("a square left of a cross"
 against "a cross left of a square"); the vocabulary is the data.vocab_size terms in the most training
-captions; the head's bias starts at each word's log-odds in the training captions
+captions; the head's bias starts at each term's log-odds in the training captions
 (`prior_logits`). A VLM that freezes it (configs/vlm_tsv.py, the default there) reads its patch features.
 
 Images come from data.train_file / data.eval_file (`image_path<TAB>text`, data.image_text: grey, or RGB with
@@ -73,7 +73,7 @@ def word_targets(texts, words: tuple[str, ...], size: int, ngrams: int = 1) -> n
 
 
 def prior_logits(texts, words: tuple[str, ...], size: int, ngrams: int = 1) -> np.ndarray:
-  """[size] float32: each word's log-odds of appearing in a training caption (the head's initial bias), so
+  """[size] float32: each term's log-odds of appearing in a training caption (the head's initial bias), so
   training starts at the words' frequencies instead of one half each: with a vocabulary much larger than a
   caption, the loss is otherwise spent first on pushing every absent word down (RetinaNet's prior init).
   Columns past len(words), never a target, start at a probability of 1e-4."""
