@@ -218,19 +218,33 @@ class HostContention:
             f"hypervisor stole {100 * summary['steal_fraction']:.0f}% of the cores' time")
 
 
-def cpu_description() -> str:
-  """The processor, as /proc/cpuinfo names it, with its widest vector ISA: "AMD EPYC (AVX2)". Timings from
-  different processors do not compare, and this project's 2-core machines have changed between runs."""
-  try:
-    text = pathlib.Path("/proc/cpuinfo").read_text()
-  except OSError:
-    import platform
-    return platform.processor() or "unknown processor"
-  fields = {key.strip(): value for key, value in (line.split(":", 1) for line in text.splitlines() if ":" in line)}
+def cpu_description(cpuinfo: str | None = None) -> str:
+  """The processor, as /proc/cpuinfo (or the text ``cpuinfo``) names it, with its widest vector ISA and its
+  family / model numbers: "AMD EPYC (AVX2; family 23 model 1)". Timings from different processors do not
+  compare, this project's 2-core machines have changed between runs, and a hypervisor may name two
+  generations alike ("AMD EPYC"): the numbers tell them apart."""
+  if cpuinfo is None:
+    try:
+      cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+      import platform
+      return platform.processor() or "unknown processor"
+  fields = {}
+  for line in cpuinfo.splitlines():  # the first processor's block: every core of a machine reads alike
+    key, sep, value = line.partition(":")
+    if sep:
+      fields.setdefault(key.strip(), value.strip())
   model = " ".join(fields.get("model name", "unknown").split())
   flags = set(fields.get("flags", "").split())
   isa = [name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags]
-  return f"{model} ({', '.join(isa[:2]) or 'no AVX2'})"
+  numbers = " ".join(f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"))
+                     if fields.get(key))
+  return f"{model} ({'; '.join(part for part in (', '.join(isa[:2]) or 'no AVX2', numbers) if part)})"
+
+
+# `git status` of the tracked files that differ from the commit, results files aside: a run writes those, and
+# they change no code, so a run after another is still of its commit
+DIRTY_STATUS = ("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)experiments/results")
 
 
 def provenance(argv=None) -> dict:
@@ -245,7 +259,7 @@ def provenance(argv=None) -> dict:
       return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
       return ""
-  return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+  return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git(*DIRTY_STATUS)),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "load_average_before": os.getloadavg()[0], "cpu_cores": os.cpu_count(), "cpu": cpu_description(),
           "command": " ".join(shlex.quote(a) for a in ["python", *(sys.argv if argv is None else argv)])}
