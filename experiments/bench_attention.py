@@ -21,7 +21,7 @@ as the device's peak bytes in use; they go to attention_benchmark_gpu.{md,json}.
   python experiments/bench_attention.py           # full run, several minutes
   python experiments/bench_attention.py --quick   # seconds: tiny sizes, into a new temporary directory
   python experiments/bench_attention.py --long_keys_only   # the long-key rows alone: attention_long_keys.{md,json}
-  python experiments/bench_attention.py --case plain --case "GQA 8/2"   # some speed cases only (CASES)
+  python experiments/bench_attention.py --case plain --case "GQA 8/2" --no_long_keys --no_memory   # those rows only
 Results are written after every row: a run stopped partway keeps what it measured (marked incomplete).
 """
 from __future__ import annotations
@@ -380,6 +380,18 @@ def to_markdown(meta, speed, long, memory):
   return "\n".join(lines) + "\n"
 
 
+def planned_cases(args) -> tuple[list[Case], tuple[Case, ...]]:
+  """(speed cases, long-key cases) that the flags ask for: --case picks speed cases, --long_keys_only drops them,
+  --no_long_keys drops the long-key rows, --quick shrinks both."""
+  # Base lengths and batches: batch 8 up to length 512, 2 at 2048 (a round of every case there takes
+  # minutes on this shared 2-core machine at batch 8).
+  bases = {"plain": ((32, 8), (64, 8))} if args.quick else {"plain": ((128, 8), (512, 8), (2048, 2))}
+  default_bases = ((32, 8), (64, 8)) if args.quick else ((512, 8), (2048, 2))
+  cases = [CASES[name](*base) for name in args.case or CASES for base in bases.get(name, default_bases)]
+  long = ((Case("self", 1, 256, 256), Case("short query", 1, 16, 512)) if args.quick else LONG_CASES)
+  return ([] if args.long_keys_only else cases), (() if args.no_long_keys else long)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_output_flags(parser)
@@ -390,7 +402,11 @@ def main():
                       help="only the long-key rows (xla against chunked), into attention_long_keys.{md,json}")
   parser.add_argument("--case", action="append", choices=list(CASES), default=None,
                       help="a speed case to run (repeat the flag for several); default: every case")
+  parser.add_argument("--no_long_keys", action="store_true",
+                      help="skip the long-key rows (xla against chunked up to 32768 keys: minutes on a CPU)")
   args = parser.parse_args()
+  if args.long_keys_only and args.no_long_keys:
+    parser.error("--long_keys_only and --no_long_keys together leave nothing to measure")
   if args.memory_worker:
     name, mode, length, heads, head_dim, repeats = args.memory_worker.split("|")
     memory_worker(name, mode, int(length), int(heads), int(head_dim), int(repeats))
@@ -402,12 +418,7 @@ def main():
   import torch
   cores = len(os.sched_getaffinity(0))
   heads, head_dim = (2, 16) if args.quick else (8, 64)
-  # Base lengths and batches: batch 8 up to length 512, 2 at 2048 (a round of every case there takes
-  # minutes on this shared 2-core machine at batch 8).
-  bases = {"plain": ((32, 8), (64, 8))} if args.quick else {"plain": ((128, 8), (512, 8), (2048, 2))}
-  default_bases = ((32, 8), (64, 8)) if args.quick else ((512, 8), (2048, 2))
-  cases = [CASES[name](*base) for name in args.case or CASES for base in bases.get(name, default_bases)]
-  long = ((Case("self", 1, 256, 256), Case("short query", 1, 16, 512)) if args.quick else LONG_CASES)
+  cases, long = planned_cases(args)
   memory_length = 256 if args.quick else 16384
   # Short calls get more rounds: at 512 one round of every row takes ~6 s, and on a shared machine
   # 5 rounds left the same program 10% apart in two rows of one run.
@@ -428,7 +439,6 @@ def main():
                      if not args.quick else 2}
   speed, long_measured, memory = [], [], []
   if args.long_keys_only:
-    cases = []
     meta["repeats"] = "2 rounds of 1 (after a warm-up)" if not args.quick else 2
   stem = "attention_benchmark_gpu" if ON_GPU else "attention_benchmark"
   if args.long_keys_only:

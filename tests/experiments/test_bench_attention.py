@@ -1,5 +1,6 @@
 """The attention benchmark's GPU float32 rows run at full float32 on both sides (experiments/bench_attention.py),
 and experiments/gpu_check.sh names test files and flags that exist."""
+import argparse
 import pathlib
 import re
 import sys
@@ -81,3 +82,19 @@ def test_an_implementation_that_cannot_compile_is_a_failed_row_and_every_row_is_
           "load_average": "0", "commit": "c", "command": "x", "repeats": 1}
   markdown = bench_attention.to_markdown(meta, rows, [], [])
   assert markdown.count("| ours chunked | failed: NotImplementedError: no chunked path here |") == 2
+
+
+@pytest.mark.parametrize("flags, speed, long", [
+    (dict(), 15, 7),                                       # every speed case at its lengths, every long-key row
+    (dict(case=["GQA 8/2", "head_dim 128"], no_long_keys=True), 4, 0),
+    (dict(case=["plain"]), 3, 7),
+    (dict(long_keys_only=True), 0, 7),
+])
+def test_the_flags_pick_the_rows_to_measure(flags, speed, long):
+  """--case picks speed cases; the long-key rows (minutes on a CPU) ran after every --case run until
+  --no_long_keys could leave them out."""
+  args = argparse.Namespace(**{"quick": False, "case": None, "long_keys_only": False, "no_long_keys": False, **flags})
+  cases, long_cases = bench_attention.planned_cases(args)
+  assert (len(cases), len(long_cases)) == (speed, long)
+  assert {case.name for case in cases} <= set(flags.get("case") or bench_attention.CASES)
+
