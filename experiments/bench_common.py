@@ -237,9 +237,10 @@ def cpu_description(cpuinfo: str | None = None) -> str:
   model = " ".join(fields.get("model name", "unknown").split())
   flags = set(fields.get("flags", "").split())
   isa = [name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags]
+  described = ", ".join(isa[:2]) or "no AVX2"
   numbers = " ".join(f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"))
                      if fields.get(key))
-  return f"{model} ({'; '.join(part for part in (', '.join(isa[:2]) or 'no AVX2', numbers) if part)})"
+  return f"{model} ({described}; {numbers})" if numbers else f"{model} ({described})"
 
 
 # `git status` of the tracked files that differ from the commit, results files aside: a run writes those, and
