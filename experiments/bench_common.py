@@ -265,12 +265,18 @@ def provenance(argv=None) -> dict:
           "load_average_before": os.getloadavg()[0], "cpu_cores": os.cpu_count(), "cpu": cpu_description(),
           "command": " ".join(shlex.quote(a) for a in ["python", *(sys.argv if argv is None else argv)])}
 
+
+def commit_label(record: dict, length: int | None = 7) -> str:
+  """The commit of a provenance() record as every results file prints it: the hash's first `length` characters
+  (None: all), then "+changes" when the work tree had local changes; "unknown" outside a git checkout."""
+  return (record["commit"][:length] or "unknown") + ("+changes" if record["dirty"] else "")
+
+
 def run_record() -> dict:
-  """{"commit": the short HEAD hash (with "+changes" when the work tree differs from it), "command": the
+  """{"commit": commit_label (the short hash, "+changes" when the work tree differs from it), "command": the
   exact command line, "cpu": the processor}: provenance() in the compact form the speed tables print."""
   record = provenance()
-  return {"commit": record["commit"][:7] + ("+changes" if record["dirty"] else ""), "command": record["command"],
-          "cpu": record["cpu"]}
+  return {"commit": commit_label(record), "command": record["command"], "cpu": record["cpu"]}
 
 
 def parse_jax_vs_torch_args_with(doc: str, full: dict, quick: dict, add_arguments):

@@ -327,10 +327,10 @@ def torch_decoders(model: TorchLM, s, compiled: bool):
 # --- provenance and checks ----------------------------------------------------------------------
 
 def provenance(load_before: float) -> dict:
-  """bench_common.provenance with the commit marked `+dirty`, the date as `date_utc` and the load measured
-  before the models were built."""
+  """bench_common.provenance with the commit as `commit_label` prints it (the whole hash), the date as `date_utc`
+  and the load measured before the models were built."""
   record = bench_common.provenance()
-  return {**record, "commit": record["commit"] + ("+dirty" if record["dirty"] else ""),
+  return {**record, "commit": bench_common.commit_label(record, None),
           "date_utc": record["date"].removesuffix(" UTC"), "load_average_before": load_before}
 
 

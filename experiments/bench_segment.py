@@ -21,25 +21,17 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from bench_common import add_output_flags, blocked_median_seconds, parse_output_args  # noqa: E402
+from bench_common import (add_output_flags, blocked_median_seconds, commit_label, parse_output_args,  # noqa: E402
+                          provenance as run_provenance)
 
 FULL = {"sides": (32, 64, 128), "blocks": 10, "per_block": 10}
 QUICK = {"sides": (32,), "blocks": 2, "per_block": 3}
-
-
-def _commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def time_side(side: int, sizes: dict) -> dict:
@@ -89,13 +81,14 @@ def main(argv=None):
   args = parse_output_args(parser, "bench_segment", argv)
   sizes = QUICK if args.quick else FULL
   load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+  run = run_provenance()  # before measuring: the tree as it ran
   rows = []
   for side in sizes["sides"]:
     rows.append(time_side(side, sizes))
     print(json.dumps(rows[-1]), flush=True)
   command = "python experiments/bench_segment.py" + (" --quick" if args.quick else "")
   import jax
-  provenance = {"commit": _commit(), "date": started, "load_average_1min_before": load_before,
+  provenance = {"commit": commit_label(run, None), "date": started, "load_average_1min_before": load_before,
                 "load_average_1min_after": os.getloadavg()[0], "command": command,
                 "cores": len(os.sched_getaffinity(0)), "platform": platform.platform(), "jax": jax.__version__,
                 "blocks": sizes["blocks"], "per_block": sizes["per_block"]}
@@ -107,7 +100,7 @@ def main(argv=None):
   table += [f"| {r['side']}x{r['side']} | {r['M']} | {r['encode_ms']:.2f} | {r['decode_ms']:.2f} | "
             f"{r['full_ms']:.2f} | {r['full_over_decode']:.1f}x |" for r in rows]
   text = ["# Segmenter: a click decoded from cached features vs the image re-encoded per click", "",
-          f"Commit `{provenance['commit'][:12]}`, {started}, `{command}`. Machine: {provenance['cores']} CPU cores, "
+          f"Commit `{commit_label(run, 12)}`, {started}, `{command}`. Machine: {provenance['cores']} CPU cores, "
           f"shared with other jobs (1-minute load average {load_before:.1f} before, "
           f"{provenance['load_average_1min_after']:.1f} after). Model: configs/segment_digits.py (ViT 3 blocks "
           f"width 64, 4x4 patches; 2 two-way blocks width 64; 3 masks), batch 1, one positive click, float32; "

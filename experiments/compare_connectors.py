@@ -345,7 +345,7 @@ def render(record: dict) -> str:
   def mean(values):
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else float("nan")
-  header = [f"Commit {p['commit'][:10]}{' (local changes)' if p['dirty'] else ''}, {p['date']}, {p['cpu_cores']} CPU "
+  header = [f"Commit {bench_common.commit_label(p, 10)}, {p['date']}, {p['cpu_cores']} CPU "
             f"cores shared with other jobs (1-minute load {p['load_average_before']:.1f} before, "
             f"{record['load_average_after']:.1f} after). Command: `{p['command']}`.", ""]
   if not runs:  # --cost_only

@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
-import shlex
 import statistics
 import subprocess
 import sys
@@ -41,6 +39,8 @@ import time
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY))
+
+from experiments import bench_common  # noqa: E402
 
 CONFIG = "configs/lm_algorithmic.py"
 TASKS = ("copy", "reverse", "sort", "duplicate")
@@ -275,18 +275,12 @@ def write_outputs(summary: dict, meta: dict, out: pathlib.Path, notes: list[str]
 
 
 def run_metadata(argv: list[str]) -> dict:
-  """Commit (with -dirty when the tree has changes), UTC date, load average now, the exact command."""
-  def git(*args):
-    try:
-      return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPOSITORY, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-      return ""
-  commit = git("rev-parse", "HEAD") or "unknown"
-  if git("status", "--porcelain", "--untracked-files=no"):
-    commit += "-dirty"
-  return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          "load_average": [round(x, 2) for x in os.getloadavg()],
-          "command": shlex.join(["python", os.path.relpath(__file__, REPOSITORY), *argv])}
+  """bench_common.provenance as the results print it (the commit by `commit_label`, whose local changes leave
+  results files aside, so a resumed run that wrote its tables is still of its commit; the UTC date; the exact
+  command), with the 1, 5 and 15-minute load averages now."""
+  record = bench_common.provenance([os.path.relpath(__file__, REPOSITORY), *argv])
+  return {"commit": bench_common.commit_label(record, None), "date": record["date"],
+          "load_average": [round(x, 2) for x in os.getloadavg()], "command": record["command"]}
 
 
 NOTES = [

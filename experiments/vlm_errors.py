@@ -20,6 +20,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from experiments import bench_common  # noqa: E402
 
 
 def answers(workdir: str, eval_examples: int = 0):
@@ -43,7 +44,7 @@ def table(rows) -> dict:
 def render(record: dict) -> str:
   prov = record["provenance"]
   lines = ["# Where the VLM runs go wrong (exact match by question kind and digit count)", "",
-           f"Commit {prov['commit'][:10]}, {prov['date']}, 1-minute load {prov['load_average_before']:.1f} before the "
+           f"Commit {bench_common.commit_label(prov, 10)}, {prov['date']}, 1-minute load {prov['load_average_before']:.1f} before the "
            f"start. Command: `{prov['command']}`.", "",
            "Each cell: targets answered exactly / targets, counted at the digit count of the largest image "
            "(the two-image \"larger\" questions at their larger image).", ""]
@@ -73,7 +74,6 @@ def main(argv=None):
   parser.add_argument("--wrong", type=int, default=20, help="wrong answers listed per run")
   parser.add_argument("--eval_examples", type=int, default=0, help="bundled test examples to answer (0: the "
                       "run's data.num_eval_examples; its first N are the same examples)")
-  from experiments import bench_common
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "vlm_errors", argv)
   for workdir in args.workdir:

@@ -24,6 +24,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from experiments import bench_common  # noqa: E402
 
 FORMS = ("marker only", "described")
 
@@ -66,7 +67,7 @@ def render(record: dict) -> str:
   kinds = list(runs[0]["scores"][FORMS[0]]["kind"])
   digits = list(runs[0]["scores"][FORMS[0]]["digits"])
   lines = ["# What the VLM's frozen LM answers from text alone", "",
-           f"Commit {prov['commit'][:10]}, {prov['date']}, 1-minute load {prov['load_average_before']:.1f} before the "
+           f"Commit {bench_common.commit_label(prov, 10)}, {prov['date']}, 1-minute load {prov['load_average_before']:.1f} before the "
            f"start. Command: `{prov['command']}`.", "",
            f"{record['examples']} \"test\" examples of data.vlm_digits (seed {record['eval_seed']}, up to "
            f"{record['max_digits']} digits); greedy, the last target of each text, earlier targets given.", "",
@@ -99,7 +100,6 @@ def main(argv=None):
                       "workdirs/vlm_lm)")
   parser.add_argument("--examples", type=int, default=256, help="test examples (configs/vlm_digits.py's eval count)")
   parser.add_argument("--eval_seed", type=int, default=0)
-  from experiments import bench_common
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "vlm_lm_skills", argv)
   if args.quick:

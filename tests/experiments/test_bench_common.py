@@ -83,3 +83,14 @@ def test_results_files_written_by_a_run_do_not_make_the_next_run_dirty(tmp_path)
   assert git(*bench_common.DIRTY_STATUS) == ""
   (tmp_path / "experiments" / "bench.py").write_text("x = 2\n")
   assert "bench.py" in git(*bench_common.DIRTY_STATUS)
+
+
+@pytest.mark.parametrize("record,length,label", [
+    ({"commit": "0123456789abcdef", "dirty": False}, 7, "0123456"),
+    ({"commit": "0123456789abcdef", "dirty": True}, 10, "0123456789+changes"),
+    ({"commit": "0123456789abcdef", "dirty": True}, None, "0123456789abcdef+changes"),
+    ({"commit": "", "dirty": False}, 7, "unknown"),
+])
+def test_every_results_file_prints_its_commit_one_way(record, length, label):
+  # the scripts printed "+dirty", "-dirty", "(local changes)" or nothing at all for a tree with local changes
+  assert bench_common.commit_label(record, length) == label

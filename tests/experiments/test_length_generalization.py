@@ -142,3 +142,13 @@ def test_quick_run_trains_its_cells_and_writes_table_json_and_plot(tmp_path, mon
   assert "eval/exact_match_41_80" in document["summary"]["copy"]["rope"]
   assert (tmp_path / "work" / "quick" / "copy" / "rope" / "seed0" / "result.json").exists()
   assert (tmp_path / "results" / "length_generalization.png").stat().st_size > 1000
+
+
+def test_run_metadata_marks_local_changes_as_every_results_file_does(monkeypatch):
+  # it ran its own `git status`, which counted the tables a resumed run had just written as local changes
+  record = {"commit": "0123456789abcdef", "dirty": True, "date": "2026-12-04 19:00 UTC", "command": "python x"}
+  seen = []
+  monkeypatch.setattr(lg.bench_common, "provenance", lambda argv: seen.append(argv) or record)
+  meta = lg.run_metadata(["--quick"])
+  assert meta["commit"] == "0123456789abcdef+changes" and meta["date"] == record["date"]
+  assert seen == [["experiments/length_generalization.py", "--quick"]] and len(meta["load_average"]) == 3
