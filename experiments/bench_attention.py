@@ -315,7 +315,8 @@ def to_markdown(meta, speed, long, memory):
            f"JAX {meta['jax']} on {meta['jax_devices']} CPU device(s) using {meta['cores']} cores; "
            f"torch {meta['torch']} with {meta['torch_threads']} threads")
   lines = [f"# Attention benchmark ({meta['date']})", "",
-           f"Machine: {meta['machine']}" + (f" ({meta['cpu']})" if meta.get("cpu") else "") + f"; {where}. Load average before the start: {meta['load_average']}"
+           f"Machine: {meta['machine']}" + (f" ({meta['cpu']})" if meta.get("cpu") else "")
+           + f"; {where}. Load average before the start: {meta['load_average']}"
            + (f"; {HostContention.describe(meta['contention'])}. " if "contention" in meta else ". ") +
            f"Commit {meta['commit']}. Command: `{meta['command']}`. "
            f"Medians over {meta['repeats']} after a warm-up; within a case every row is timed round by "

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -80,8 +79,8 @@ def main(argv=None):
   add_output_flags(parser)
   args = parse_output_args(parser, "bench_segment", argv)
   sizes = QUICK if args.quick else FULL
-  load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-  run = run_provenance()  # before measuring: the tree as it ran
+  run = run_provenance()  # before measuring: the tree, the date and the load as the run starts
+  load_before, started = run["load_average_before"], run["date"]
   rows = []
   for side in sizes["sides"]:
     rows.append(time_side(side, sizes))

@@ -56,8 +56,8 @@ def main(argv=None):
   from experiments import bench_common
   record = bench_common.provenance(argv)
   text = ["# Where the connectors look (attention maps of trained runs)", "",
-          f"Commit {bench_common.commit_label(record, 10)}, {record['date']}, 1-minute load {record['load_average_before']:.1f} before "
-          f"the start. Command: `{record['command']}`.", ""]
+          f"Commit {bench_common.commit_label(record, 10)}, {record['date']}, 1-minute load "
+          f"{record['load_average_before']:.1f} before the start. Command: `{record['command']}`.", ""]
   for workdir in args.workdir:
     path, lines = draw(workdir, args.out, args.examples)
     print(path)

@@ -100,4 +100,3 @@ def test_the_flags_pick_the_rows_to_measure(flags, speed, long):
   cases, long_cases = bench_attention.planned_cases(args)
   assert (len(cases), len(long_cases)) == (speed, long)
   assert {case.name for case in cases} <= set(flags.get("case") or bench_attention.CASES)
-
