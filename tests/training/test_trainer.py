@@ -1,12 +1,15 @@
 """The Trainer: multi-step calls, the train step's update, the resume order, checkpoint round trips."""
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import template
+from xattn_jax.tasks import template as template_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import schedule, task as task_lib
 from xattn_jax.training.errors import DataError, RunError
@@ -187,3 +190,38 @@ def test_a_task_that_cannot_build_its_data_is_a_one_line_data_error(tmp_path):
   config.task.name = f"{__name__}:UnreadableDataTask"
   with pytest.raises(DataError, match=r"cannot build its data: corpus.txt holds 3 lines, fewer than the vocabulary$"):
     Trainer(config, str(tmp_path))
+
+
+
+class LoadedEmbeddingTask(template_task.TemplateTask):
+  """The template task whose embedding table comes from "another run" (a fixed array): loaded_params."""
+  TABLE = np.random.default_rng(0).standard_normal((template_task.VOCAB_SIZE, 16)).astype(np.float32)
+
+  def make_model(self, rngs, *, dtype, param_dtype):
+    model = super().make_model(rngs, dtype=dtype, param_dtype=param_dtype)
+    model.embed.embedding[...] = self.TABLE
+    return model
+
+  def loaded_params(self):
+    return {"embed": {"embedding": self.TABLE}}
+
+
+def _constant_bytes(lowered) -> int:
+  """Bytes of the non-splat constants of a lowered program."""
+  return sum(len(blob) // 2 for blob in re.findall(r'dense<"0x([0-9A-F]+)">', lowered.as_text()))
+
+
+def test_loaded_parameters_reach_the_init_program_as_arguments_not_constants(tmp_path):
+  """Closed over, the table was compiled into the init program as a constant: compile time and memory that grow
+  with a frozen model."""
+  config = template.get_config("size=tiny")
+  config.task.name = f"{__name__}:LoadedEmbeddingTask"
+  config.model.d_model = 16
+  trainer = Trainer(config, str(tmp_path))
+  table = LoadedEmbeddingTask.TABLE
+  assert _constant_bytes(trainer.init_program.lower(trainer.task.loaded_params())) < table.nbytes // 10
+  closed_over = jax.jit(lambda: nnx.state(trainer.task.make_model(nnx.Rngs(0), dtype=jnp.float32,
+                                                                  param_dtype=jnp.float32)))
+  assert _constant_bytes(closed_over.lower()) >= table.nbytes  # what the check above would see
+  model_dict, _ = trainer.split_pure(trainer.init_state())
+  np.testing.assert_array_equal(model_dict["embed"]["embedding"], table)

@@ -40,6 +40,9 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   config.seed) and a `dropout` stream: pass it to `nnx.Dropout` layers as is. Before each train step
   the loop reseeds every `dropout` stream of the model from (seed, step), so dropout needs no
   handling in the task and resume stays exact.
+- `loaded_params() -> dict | None`: the parameters make_model sets from other runs (frozen parts), as
+  a pure dict of those paths of the model's state; the trainer passes them to its jitted init as
+  arguments rather than compiling them in as constants. Default: None.
 - `train_batch(step, *, process_index, process_count) -> dict[str, np.ndarray]`: rows
   `[p * B/P, (p+1) * B/P)` of the global batch number `step` (0-based), a pure function of
   (config.seed, step, process_index, process_count). The step IS the data position: resume is exact.
@@ -156,6 +159,13 @@ class Task:
 
   def make_model(self, rngs, *, dtype, param_dtype):
     raise NotImplementedError
+
+  def loaded_params(self) -> dict | None:
+    """The parameters make_model takes from other runs (a frozen encoder, a frozen LM), as a pure dict nested
+    like `nnx.to_pure_dict(nnx.state(model))` and holding only those paths; None (the default) when it takes
+    none. The trainer hands them to its jitted init as arguments: closed over, they would be compiled into
+    the program as constants, which costs compile time and memory that grow with the frozen model."""
+    return None
 
   def train_batch(self, step: int, *, process_index: int, process_count: int) -> dict[str, np.ndarray]:
     raise NotImplementedError

@@ -92,14 +92,21 @@ class Trainer:
     dtype = jnp.dtype(config.precision.compute_dtype)
     param_dtype = jnp.dtype(config.precision.param_dtype)
 
-    def init():
+    loaded = self.task.loaded_params()
+
+    def init(loaded=None):
       with nnx.use_eager_sharding(False):  # placement comes from our rules, below
         model = self.task.make_model(rng.model_rngs(config.seed), dtype=dtype, param_dtype=param_dtype)
+        if loaded is not None:  # the values make_model set, as the program's arguments instead of its constants
+          state = nnx.state(model)
+          nnx.replace_by_pure_dict(state, loaded)
+          nnx.update(model, state)
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(init))
     self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
-    self.init_state = jax.jit(lambda: nnx.state(init()), out_shardings=self.shardings)
+    self.init_program = jax.jit(lambda loaded: nnx.state(init(loaded)), out_shardings=self.shardings)
+    self.init_state = lambda: self.init_program(loaded)
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self.task.rows_sharding = self.batch_sharding
     self.stacked_batch_sharding = sharding.batch_sharding(self.mesh, self.rules, stacked=True)

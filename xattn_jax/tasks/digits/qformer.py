@@ -181,6 +181,9 @@ class QFormerTask(common.DigitsBase):
         cross_attention_every=model.cross_attention_every, num_consumer_blocks=model.num_consumer_blocks,
         mlp_ratio=model.mlp_ratio, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+  def loaded_params(self):
+    return None if self.encoder_weights is None else {"encoder": self.encoder_weights}
+
   def tokens_handed_on(self, model, images):
     return self.connector.tokens_handed_on(model, images)
 

@@ -613,6 +613,9 @@ class VLMTask(task_lib.Task):
         spatial_merge=model.spatial_merge, feature_positions=model.feature_positions, hide_padding=model.hide_padding,
         dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+  def loaded_params(self):
+    return None if self.weights is None else {"encoder": self.weights["encoder"], "lm": self.weights["lm"]}
+
   @staticmethod
   def _logits(model, batch, deterministic=True, hidden=None):
     return model(batch.get("images"), batch["pixel_valid"], batch["image_valid"], batch["tokens"], batch["valid"],
