@@ -27,12 +27,13 @@ import sys
 import types
 
 # What launch.py and the experiment runners import before their first line of work. Importing here is what
-# the children then skip (the engine, the tasks the tests launch, matplotlib for their plots, scikit-learn for
-# the digits data); nothing here may start a JAX backend, or a thread other than an OpenBLAS pool (numpy's and
-# scipy's, which stop before a fork and restart after it).
+# the children then skip (the engine, the tasks the tests launch, matplotlib for their plots, tensorboardX and
+# the torch it imports for their event files, scikit-learn for the digits data); nothing here may start a JAX
+# backend, or a thread other than an OpenBLAS pool (numpy's and scipy's, which stop before a fork and restart
+# after it). pyplot starts on Agg, the backend metrics.plot_losses selects.
 PRELOAD = ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "numpy", "ml_collections",
            "ml_collections.config_flags", "absl.app", "absl.flags", "matplotlib", "matplotlib.figure",
-           "matplotlib.backends.backend_agg", "xattn_jax.training.loop", "xattn_jax.training.checkpoints",
+           "matplotlib.backends.backend_agg", "matplotlib.pyplot", "tensorboardX", "xattn_jax.training.loop", "xattn_jax.training.checkpoints",
            "xattn_jax.training.dependencies", "xattn_jax.training.distributed", "xattn_jax.training.validation",
            "xattn_jax.training.trainer", "xattn_jax.tasks.template", "xattn_jax.tasks.algorithmic",
            "xattn_jax.tasks.translate.task", "xattn_jax.tasks.digits.task", "sklearn.datasets",
@@ -120,6 +121,7 @@ def run(request: dict):
 def main():
   for signal_number in (signal.SIGINT, signal.SIGTERM):  # a stray signal to the server ends it cleanly
     signal.signal(signal_number, signal.SIG_DFL)
+  importlib.import_module("matplotlib").use("Agg")  # before pyplot, which then starts on it
   for module in PRELOAD:
     importlib.import_module(module)
   # The preloaded objects move to a generation the collector never scans: a child then neither spends time

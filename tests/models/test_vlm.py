@@ -61,6 +61,13 @@ def logits_of(model, images, pixel_valid, image_valid, tokens, valid):
   return model(images, pixel_valid, image_valid, tokens, valid)
 
 
+@nnx.jit
+def recorded(model, images, pixel_valid, image_valid, tokens, valid):
+  """The logits and the residual stream after each LM block the forward records."""
+  hidden = []
+  return model(images, pixel_valid, image_valid, tokens, valid, hidden=hidden), hidden
+
+
 def batch_of(rows):
   tokens, valid = lm_lib.left_pad(rows)
   return jnp.asarray(tokens), jnp.asarray(valid)
@@ -292,9 +299,8 @@ def test_unknown_connector_raises_naming_it():
 def test_forward_records_the_residual_after_each_lm_block_without_changing_the_logits(connector):
   model = make_vlm(connector, gates=0.5 if connector == "flamingo" else None)
   tokens, valid = batch_of([interleaved(model)] * 2)
-  hidden = []
-  logits = model(*make_images(), tokens, valid, hidden=hidden)
-  np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(*make_images(), tokens, valid)))
+  logits, hidden = recorded(model, *make_images(), tokens, valid)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits_of(model, *make_images(), tokens, valid)))
   assert [h.shape for h in hidden] == [(2, tokens.shape[1], 32)] * model.lm.num_layers
   assert not np.allclose(np.asarray(hidden[0]), np.asarray(hidden[1]))
 
@@ -306,9 +312,8 @@ def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
   model = make_vlm("flamingo")
   rows = [[1, 5, IMAGE, 6, 7, 8, EOS], [1, IMAGE, 9, 10, EOS, 0, 0]]
   tokens = jnp.asarray(rows)
-  hidden = []
-  model(*make_images(), tokens, tokens != 0, hidden=hidden)
-  text = vlm.lm_hidden_states(model.lm, tokens)
+  _, hidden = recorded(model, *make_images(), tokens, tokens != 0)
+  text = nnx.jit(vlm.lm_hidden_states)(model.lm, tokens)
   valid = np.asarray(tokens != 0)
   for h, t in zip(hidden, text, strict=True):
     np.testing.assert_allclose(np.asarray(h)[valid], np.asarray(t)[valid], rtol=1e-5, atol=1e-5)

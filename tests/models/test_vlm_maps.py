@@ -66,11 +66,14 @@ def test_flamingo_maps_through_a_resampler_are_over_the_image_features():
     assert (mass[..., image][np.broadcast_to(reads, mass[..., image].shape)] > 0.05).all()
   assert (mass <= 1 + 1e-5).all()
   # one resampler block: a latent's reach is its attention over the features (the rest went to the latents)
-  features, feature_valid, _ = model._features(images, pixel_valid, image_valid)
-  reach = np.asarray(model.connector.feature_weights(features, feature_valid))
-  block = model.connector.resampler[0]
-  latents = model.connector.latents(features.shape[0], features.dtype)
-  keys = jnp.concatenate([features, latents], axis=1)
-  key_valid = jnp.concatenate([feature_valid, jnp.ones(latents.shape[:2], bool)], axis=1)
-  direct = np.asarray(block.cross_attention_weights(latents, keys, input_mask=key_valid[:, None, None, :]))
+  @nnx.jit
+  def reach_and_direct(model, images, pixel_valid, image_valid):
+    features, feature_valid, _ = model._features(images, pixel_valid, image_valid)
+    reach = model.connector.feature_weights(features, feature_valid)
+    block = model.connector.resampler[0]
+    latents = model.connector.latents(features.shape[0], features.dtype)
+    keys = jnp.concatenate([features, latents], axis=1)
+    key_valid = jnp.concatenate([feature_valid, jnp.ones(latents.shape[:2], bool)], axis=1)
+    return reach, block.cross_attention_weights(latents, keys, input_mask=key_valid[:, None, None, :])
+  reach, direct = map(np.asarray, reach_and_direct(model, images, pixel_valid, image_valid))
   np.testing.assert_allclose(reach, direct.mean(1)[..., :rows], rtol=1e-5, atol=1e-6)

@@ -4,6 +4,7 @@ import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import algorithmic as algorithmic_config
 from xattn_jax.data import algorithmic
@@ -92,7 +93,7 @@ def test_every_band_gets_its_own_exact_match_and_token_accuracy():
   task = algorithmic_task.AlgorithmicTask(config)
   model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   batch = next(iter(task.eval_batches(process_index=0, process_count=1)))
-  metrics = task.eval_metrics(model, batch)
+  metrics = nnx.jit(task.eval_metrics)(model, batch)
   assert {"exact_match_1_3", "exact_match_4_6", "token_accuracy_1_3", "token_accuracy_4_6", "loss",
           "token_accuracy"} == set(metrics)
   assert float(metrics["exact_match_4_6"][1]) == 0.0 and float(metrics["exact_match_1_3"][1]) == 2.0

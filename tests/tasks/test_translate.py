@@ -64,11 +64,11 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
   model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   batch = task.train_batch(0, process_index=0, process_count=1)
   assert batch["inputs_segmentation"][0].max() >= 2  # row 0 holds several examples
-  packed = np.asarray(task._logits(model, batch))
+  packed = np.asarray(nnx.jit(task._logits)(model, {k: jnp.asarray(v) for k, v in batch.items()}))
   for segment in (1, 2):  # the first two examples of row 0, each run alone
     source = batch["inputs"][0][batch["inputs_segmentation"][0] == segment]
     in_target = batch["targets_segmentation"][0] == segment
-    alone = model(jnp.asarray(source[None]), jnp.asarray(batch["decoder_inputs"][0][in_target][None]))
+    alone = helpers.Jitted(model)(jnp.asarray(source[None]), jnp.asarray(batch["decoder_inputs"][0][in_target][None]))
     np.testing.assert_allclose(packed[0][in_target], np.asarray(alone[0]), atol=2e-4)
 
 

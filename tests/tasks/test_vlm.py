@@ -176,29 +176,50 @@ def _shape_pairs(folder, name: str, count: int) -> pathlib.Path:
   return path
 
 
+PAIRS_LM_CONFIG = "configs/vlm_lm.py:text=pairs,steps=40,size=micro"
+
+
+def shape_pairs() -> pathlib.Path:
+  """A folder with train.tsv (48 pairs) and eval.tsv (6) of shape drawings; built once per session."""
+  def build(directory):
+    _shape_pairs(directory, "train.tsv", 48), _shape_pairs(directory, "eval.tsv", 6)
+  return helpers.build_once("vlm_shape_pairs", build)
+
+
+def pairs_chain() -> pathlib.Path:
+  """A folder with lm/ and vlm/: one launch of configs/vlm_tsv.py (a qformer, 60 steps) on shape_pairs() with
+  the tiny chain's encoder, whose LM workdir held no run, so the launcher trained the LM on the pairs' text
+  first. Built once per session; the encoder tests below read its LM."""
+  pairs, chain = shape_pairs(), tiny_chain()
+  def build(directory):
+    overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": directory / "lm",
+                 "model.lm_config": PAIRS_LM_CONFIG,
+                 "data.train_file": pairs / "train.tsv", "data.eval_file": pairs / "eval.tsv"}
+    result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,image_encoder=digits",
+                            directory / "vlm", overrides=overrides)
+    if result.returncode:
+      raise RuntimeError(f"the pairs chain failed (exit {result.returncode}): {result.stderr[-3000:]}")
+  return helpers.build_once("vlm_pairs_chain", build)
+
+
 @pytest.mark.slow
 def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tmp_path):
   """configs/vlm_tsv.py read a user's pairs with the digits' LM, whose pieces cannot spell "black" or "cross":
   exact match was 0 whatever the connector learned."""
-  chain = tiny_chain()
-  train, evaluation = _shape_pairs(tmp_path, "train.tsv", 48), _shape_pairs(tmp_path, "eval.tsv", 6)
-  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": tmp_path / "lm",
-               "model.lm_config": "configs/vlm_lm.py:text=pairs,steps=40,size=micro",
-               "data.train_file": train, "data.eval_file": evaluation}
-  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,image_encoder=digits",
-                          tmp_path / "vlm",
-                          overrides=overrides)
-  assert result.returncode == 0, result.stderr[-3000:]
-  lm_data = json.loads((tmp_path / "lm" / "config.json").read_text())["data"]  # trained first, on the pairs' text
+  pairs, chain, run = shape_pairs(), tiny_chain(), pairs_chain()
+  train, evaluation = pairs / "train.tsv", pairs / "eval.tsv"
+  lm_data = json.loads((run / "lm" / "config.json").read_text())["data"]  # trained first, on the pairs' text
   assert (lm_data["train_file"], lm_data["eval_file"]) == (str(train), str(evaluation))
-  tokenizer = tokenizers.SentencePieceTokenizer(tmp_path / "vlm" / vlm_task.TOKENIZER_FILE)
+  tokenizer = tokenizers.SentencePieceTokenizer(run / "vlm" / vlm_task.TOKENIZER_FILE)
   assert tokenizer.decode(tokenizer.encode("a black cross")) == "a black cross"
-  rows = helpers.metric_rows(tmp_path / "vlm")
+  rows = helpers.metric_rows(run / "vlm")
   losses = [row["train/loss"] for row in rows if "train/loss" in row]
   assert losses[-1] < 0.6 * losses[0], losses
   # without reading the image one caption fits all, 2 of the 6 eval pairs: the connector reads the shape
   assert rows[-1]["eval/exact_match"] > 0.6, rows[-1]
   # another pairs file with the same LM workdir: named before anything trains
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": run / "lm",
+               "model.lm_config": PAIRS_LM_CONFIG, "data.train_file": train, "data.eval_file": evaluation}
   config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,image_encoder=digits", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))
   with pytest.raises(validation.ConfigError, match="data.train_file") as error:
@@ -207,9 +228,9 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   # another eval file only: the same LM (it never trains on the eval captions), loaded as it is
   config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,image_encoder=digits", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.eval_file": train}.items()))
-  lm_steps = checkpoints.step_numbers(str(tmp_path / "lm"))
+  lm_steps = checkpoints.step_numbers(str(run / "lm"))
   dependencies.resolve(config, str(tmp_path / "vlm3"), "train")
-  assert checkpoints.step_numbers(str(tmp_path / "lm")) == lm_steps
+  assert checkpoints.step_numbers(str(run / "lm")) == lm_steps
 
 
 @pytest.mark.slow
@@ -217,13 +238,14 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
 def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colour):
   """configs/vlm_tsv.py read every user's pictures with the digits' strip reader, fitted into its grey 8 x 32
   canvas: now its default encoder is trained first on the pairs' own images (configs/vlm_encoder.py:data=pairs),
-  at the VLM's canvas, to name each caption's words; then the LM on their text, then the connector."""
-  train, evaluation = _shape_pairs(tmp_path, "train.tsv", 48), _shape_pairs(tmp_path, "eval.tsv", 6)
-  overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": tmp_path / "lm",
+  at the VLM's canvas, to name each caption's words; then the connector (on the LM that pairs_chain() trained
+  on their text)."""
+  pairs = shape_pairs()
+  train, evaluation = pairs / "train.tsv", pairs / "eval.tsv"
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": pairs_chain() / "lm",
                "model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=16x16,steps=80,width=32,blocks=1,"
                                        f"warmup=10,color={colour}",
-               "model.lm_config": "configs/vlm_lm.py:text=pairs,steps=40,size=micro",
-               "data.train_file": train, "data.eval_file": evaluation}
+               "model.lm_config": PAIRS_LM_CONFIG, "data.train_file": train, "data.eval_file": evaluation}
   result = helpers.launch(f"configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16,color={colour}",
                           tmp_path / "vlm", overrides=overrides)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -240,7 +262,7 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colou
   assert rows[-1]["eval/exact_match"] > 0.6, rows[-1]  # one caption for all is 2 of the 6
   # the encoder names the words of a picture it reads
   inferred = helpers.launch(f"{tmp_path / 'encoder'}/config.py", tmp_path / "encoder", "--mode=infer",
-                            stdin=f"{tmp_path / 'cross.png'}\n")
+                            stdin=f"{pairs / 'cross.png'}\n")
   assert inferred.returncode == 0, inferred.stderr[-2000:]
   assert "cross" in inferred.stdout.strip().split("\t")[-1].split(" | "), inferred.stdout
   # another pairs file with the same encoder workdir: named before anything trains
@@ -346,8 +368,8 @@ def test_length_bucketing_pads_each_batch_to_its_own_examples_and_leaves_the_los
   bucketed = task.train_batch(short, process_index=0, process_count=1)
   padded = task._rows(task.train_examples, task.train_layouts, rows)  # pixels: the encoder runs in the step
   assert padded["tokens"].shape[1] > bucketed["tokens"].shape[1] and padded["images"].shape[1] == 2
-  losses = [float(task.loss(model, {k: jnp.asarray(v) for k, v in b.items()}, rngs=None)[0])
-            for b in (bucketed, padded)]
+  loss = nnx.jit(lambda model, batch: task.loss(model, batch, rngs=None)[0])
+  losses = [float(loss(model, {k: jnp.asarray(v) for k, v in b.items()})) for b in (bucketed, padded)]
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
 
 
@@ -374,7 +396,7 @@ def test_cached_frozen_features_give_the_loss_and_gradients_of_the_pixels(connec
   graph, params, rest = nnx.split(model, nnx.Param, ...)
   def loss(params, batch):
     return task.loss(nnx.merge(graph, params, rest), {k: jnp.asarray(v) for k, v in batch.items()}, rngs=None)[0]
-  (loss_cached, grads_cached), (loss_pixels, grads_pixels) = (jax.value_and_grad(loss)(params, b)
+  (loss_cached, grads_cached), (loss_pixels, grads_pixels) = (jax.jit(jax.value_and_grad(loss))(params, b)
                                                               for b in (cached, pixels))
   np.testing.assert_allclose(float(loss_cached), float(loss_pixels), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads_cached), jax.tree.leaves(grads_pixels)):
@@ -421,9 +443,10 @@ def test_distillation_pairs_each_token_after_an_image_with_its_place_in_the_desc
   rows = task._train_order.batch(0, config.data.seed, config.batch_size)  # bucketed, the default
   lm = task.lm_model
   assert batch["distill_target"].shape == batch["tokens"].shape + (lm.num_layers, lm.d_model)
+  hidden_states = nnx.jit(vlm.lm_hidden_states)
   for row, index in enumerate(rows[:4]):
     layout = task.train_layouts[index]
-    states = np.stack(vlm.lm_hidden_states(model.lm, jnp.asarray(layout.teacher_ids[None])), axis=2)[0]
+    states = np.stack(hidden_states(model.lm, jnp.asarray(layout.teacher_ids[None])), axis=2)[0]
     compared = np.flatnonzero(layout.teacher_index >= 0)
     np.testing.assert_array_equal(np.flatnonzero(batch["distill_mask"][row]), compared)
     np.testing.assert_allclose(batch["distill_target"][row, compared], states[layout.teacher_index[compared]],
