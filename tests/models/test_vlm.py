@@ -300,7 +300,9 @@ def test_forward_records_the_residual_after_each_lm_block_without_changing_the_l
   model = make_vlm(connector, gates=0.5 if connector == "flamingo" else None)
   tokens, valid = batch_of([interleaved(model)] * 2)
   logits, hidden = recorded(model, *make_images(), tokens, valid)
-  np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits_of(model, *make_images(), tokens, valid)))
+  # two compiled programs (one with the states as outputs too) may fuse, and so round, differently
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_of(model, *make_images(), tokens, valid)),
+                             rtol=1e-6, atol=1e-6)
   assert [h.shape for h in hidden] == [(2, tokens.shape[1], 32)] * model.lm.num_layers
   assert not np.allclose(np.asarray(hidden[0]), np.asarray(hidden[1]))
 
