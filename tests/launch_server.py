@@ -33,11 +33,11 @@ import types
 # after it). pyplot starts on Agg, the backend metrics.plot_losses selects.
 PRELOAD = ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "numpy", "ml_collections",
            "ml_collections.config_flags", "absl.app", "absl.flags", "matplotlib", "matplotlib.figure",
-           "matplotlib.backends.backend_agg", "matplotlib.pyplot", "tensorboardX", "xattn_jax.training.loop", "xattn_jax.training.checkpoints",
-           "xattn_jax.training.dependencies", "xattn_jax.training.distributed", "xattn_jax.training.validation",
-           "xattn_jax.training.trainer", "xattn_jax.tasks.template", "xattn_jax.tasks.algorithmic",
-           "xattn_jax.tasks.translate.task", "xattn_jax.tasks.digits.task", "sklearn.datasets",
-           "sklearn.model_selection")
+           "matplotlib.backends.backend_agg", "matplotlib.pyplot", "tensorboardX", "xattn_jax.training.loop",
+           "xattn_jax.training.checkpoints", "xattn_jax.training.dependencies", "xattn_jax.training.distributed",
+           "xattn_jax.training.validation", "xattn_jax.training.trainer", "xattn_jax.tasks.template",
+           "xattn_jax.tasks.algorithmic", "xattn_jax.tasks.translate.task", "xattn_jax.tasks.digits.task",
+           "sklearn.datasets", "sklearn.model_selection")
 
 
 def serve(path: str) -> dict:

@@ -192,7 +192,6 @@ def test_a_task_that_cannot_build_its_data_is_a_one_line_data_error(tmp_path):
     Trainer(config, str(tmp_path))
 
 
-
 class LoadedEmbeddingTask(template_task.TemplateTask):
   """The template task whose embedding table comes from "another run" (a fixed array): loaded_params."""
   TABLE = np.random.default_rng(0).standard_normal((template_task.VOCAB_SIZE, 16)).astype(np.float32)
