@@ -182,7 +182,8 @@ PAIRS_LM_CONFIG = "configs/vlm_lm.py:text=pairs,steps=40,size=micro"
 def shape_pairs() -> pathlib.Path:
   """A folder with train.tsv (48 pairs) and eval.tsv (6) of shape drawings; built once per session."""
   def build(directory):
-    _shape_pairs(directory, "train.tsv", 48), _shape_pairs(directory, "eval.tsv", 6)
+    _shape_pairs(directory, "train.tsv", 48)
+    _shape_pairs(directory, "eval.tsv", 6)
   return helpers.build_once("vlm_shape_pairs", build)
 
 
@@ -396,8 +397,8 @@ def test_cached_frozen_features_give_the_loss_and_gradients_of_the_pixels(connec
   graph, params, rest = nnx.split(model, nnx.Param, ...)
   def loss(params, batch):
     return task.loss(nnx.merge(graph, params, rest), {k: jnp.asarray(v) for k, v in batch.items()}, rngs=None)[0]
-  (loss_cached, grads_cached), (loss_pixels, grads_pixels) = (jax.jit(jax.value_and_grad(loss))(params, b)
-                                                              for b in (cached, pixels))
+  value_and_grad = jax.jit(jax.value_and_grad(loss))
+  (loss_cached, grads_cached), (loss_pixels, grads_pixels) = (value_and_grad(params, b) for b in (cached, pixels))
   np.testing.assert_allclose(float(loss_cached), float(loss_pixels), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads_cached), jax.tree.leaves(grads_pixels)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

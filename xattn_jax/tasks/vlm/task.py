@@ -614,7 +614,7 @@ class VLMTask(task_lib.Task):
         dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def loaded_params(self):
-    return None if self.weights is None else {"encoder": self.weights["encoder"], "lm": self.weights["lm"]}
+    return self.weights  # {"encoder": ..., "lm": ...}: the model's own paths; None outside training
 
   @staticmethod
   def _logits(model, batch, deterministic=True, hidden=None):
