@@ -75,6 +75,11 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   config = ConfigDict()
   config.seed = 0
   config.total_steps = total_steps
+  # A budget sized by the data: with max_epochs > 0 training ends after that many passes over the training
+  # data (a task that counts them: Task.steps_per_epoch) when that comes before total_steps, but not before
+  # min_steps. For data the user brings, whose size no default can know (an LM on the user's captions).
+  config.max_epochs = 0.0
+  config.min_steps = 0
   config.batch_size = batch_size            # global: summed over every process and device
   config.eval_batch_size = eval_batch_size  # global; eval examples are padded up with weight-0 rows
   # Optimizer steps per jitted call: a loop over that many batches inside one program, with the same

@@ -13,7 +13,7 @@ from tests import helpers
 from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import vit, vlm
 from xattn_jax.tasks.vlm import probe, task as vlm_task
-from xattn_jax.training import checkpoints, dependencies, validation
+from xattn_jax.training import checkpoints, dependencies, task as task_lib, validation
 
 TINY_CHAIN = {
     # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
@@ -176,7 +176,9 @@ def _shape_pairs(folder, name: str, count: int) -> pathlib.Path:
   return path
 
 
-PAIRS_LM_CONFIG = "configs/vlm_lm.py:text=pairs,steps=40,size=micro"
+# Sized by its captions as the default is (configs/vlm_lm.py: epochs passes, at least min_steps, at most steps):
+# the 48 pairs' text packs into fewer rows than a batch, one step an epoch, so 40 epochs end it at step 40.
+PAIRS_LM_CONFIG = "configs/vlm_lm.py:text=pairs,steps=400,size=micro,epochs=40,min_steps=10"
 
 
 def shape_pairs() -> pathlib.Path:
@@ -209,8 +211,13 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   exact match was 0 whatever the connector learned."""
   pairs, chain, run = shape_pairs(), tiny_chain(), pairs_chain()
   train, evaluation = pairs / "train.tsv", pairs / "eval.tsv"
-  lm_data = json.loads((run / "lm" / "config.json").read_text())["data"]  # trained first, on the pairs' text
-  assert (lm_data["train_file"], lm_data["eval_file"]) == (str(train), str(evaluation))
+  lm_config = json.loads((run / "lm" / "config.json").read_text())  # trained first, on the pairs' text
+  assert (lm_config["data"]["train_file"], lm_config["data"]["eval_file"]) == (str(train), str(evaluation))
+  # its length followed the captions (40 passes of one step), and the VLM launch took it as finished there; the
+  # workdir keeps the budget as written
+  assert (lm_config["total_steps"], lm_config["max_epochs"], lm_config["min_steps"]) == (400, 40.0, 10)
+  assert json.loads((run / "lm" / task_lib.END_STEP_FILE).read_text())["end_step"] == 40
+  assert checkpoints.step_numbers(str(run / "lm"))[-1] == 40
   tokenizer = tokenizers.SentencePieceTokenizer(run / "vlm" / vlm_task.TOKENIZER_FILE)
   assert tokenizer.decode(tokenizer.encode("a black cross")) == "a black cross"
   rows = helpers.metric_rows(run / "vlm")

@@ -97,3 +97,27 @@ def test_a_batch_of_another_shape_ends_the_call_and_opens_the_next():
   assert count == 4 and stacked["x"].shape == (4, 2, 5)
   np.testing.assert_array_equal(stacked["x"][:, 0, 0], [2, 3, 4, 5])
   assert reads == [0, 1, 2, 3, 4, 5]  # batch 2 was read once, held over for the second call
+
+
+@pytest.mark.parametrize("epochs, per_epoch, min_steps, end", [
+    (0.0, None, 0, 20),   # off: total_steps alone, whatever the task counts
+    (3.0, 4, 0, 12),      # three passes of 4 steps
+    (2.5, 3, 0, 8),       # a part pass rounds up to a whole step
+    (3.0, 4, 15, 15),     # not before min_steps
+    (10.0, 4, 0, 20),     # never past total_steps
+    (0.5, 1, 0, 1),       # data smaller than a batch: an epoch is one step
+])
+def test_max_epochs_ends_the_run_after_that_many_passes_between_min_steps_and_total_steps(epochs, per_epoch,
+                                                                                            min_steps, end):
+  config = _config(total=20)
+  config.max_epochs, config.min_steps = epochs, min_steps
+  assert schedule.end_step(config, per_epoch) == end
+
+
+def test_max_epochs_needs_the_tasks_count_and_older_configs_end_at_total_steps():
+  config = _config(total=20)
+  config.max_epochs = 2.0
+  with pytest.raises(ValueError, match="steps_per_epoch=None: max_epochs=2.0"):
+    schedule.end_step(config, None)
+  older = ConfigDict({"total_steps": 10, "eval_every_steps": 5, "checkpoint": {"every_steps": 5}})
+  assert schedule.end_step(older, 3) == 10

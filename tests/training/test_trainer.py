@@ -11,7 +11,7 @@ from flax import nnx
 from configs import template
 from xattn_jax.tasks import template as template_task
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import schedule, task as task_lib
+from xattn_jax.training import schedule, task as task_lib, validation
 from xattn_jax.training.errors import DataError, RunError
 from xattn_jax.training.trainer import Trainer, multi_step
 
@@ -224,3 +224,11 @@ def test_loaded_parameters_reach_the_init_program_as_arguments_not_constants(tmp
   assert _constant_bytes(closed_over.lower()) >= table.nbytes  # what the check above would see
   model_dict, _ = trainer.split_pure(trainer.init_state())
   np.testing.assert_array_equal(model_dict["embed"]["embedding"], table)
+
+
+def test_max_epochs_on_a_task_that_does_not_count_its_epochs_is_refused_before_anything_is_built(tmp_path):
+  """The template task declares no steps_per_epoch: a data-sized budget cannot be honoured there."""
+  config = template.get_config("size=tiny")
+  config.max_epochs = 3.0
+  with pytest.raises(validation.ConfigError, match=r"^config\.max_epochs=3\.0: task 'template' does not count"):
+    Trainer(config, str(tmp_path))

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import guards, inference, metrics as metrics_lib, profiling, progress, schedule, validation
-from xattn_jax.training import workdir as workdir_lib
+from xattn_jax.training import task as task_lib, workdir as workdir_lib
 from xattn_jax.training.errors import DataError, RunError  # noqa: F401 - re-exported
 from xattn_jax.training.guards import TrainingDiverged  # noqa: F401 - re-exported
 from xattn_jax.training.inference import load_model  # noqa: F401 - re-exported
@@ -165,6 +165,8 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
     if new_workdir:  # it holds only this run's config so far: leave nothing half-made behind
       shutil.rmtree(workdir, ignore_errors=True)
     raise
+  if is_writer and mode == "train" and config.get("max_epochs", 0.0):  # where the data-sized budget ends
+    task_lib.write_end_step(config, workdir, trainer.config.total_steps)
   checkpoints = checkpoints_lib.Checkpoints(
       workdir, keep=config.checkpoint.keep, best_metric=config.checkpoint.best_metric,
       best_mode=config.checkpoint.best_mode)

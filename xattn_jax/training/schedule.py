@@ -19,6 +19,20 @@ def steps_per_call(config) -> int:
   return config.get("steps_per_call", 1)
 
 
+def end_step(config, steps_per_epoch: int | None) -> int:
+  """Where training ends: config.total_steps, or with config.max_epochs > 0 the step that completes that
+  many passes over the training data (`steps_per_epoch` steps each, the task's count) when it comes first,
+  but never before config.min_steps. Older run configs have neither field: total_steps."""
+  epochs = config.get("max_epochs", 0.0)
+  if not epochs:
+    return config.total_steps
+  if steps_per_epoch is None or steps_per_epoch < 1:
+    raise ValueError(f"steps_per_epoch={steps_per_epoch}: max_epochs={epochs} needs the task's count of steps "
+                     "in one pass over its training data")
+  by_epochs = int(np.ceil(epochs * steps_per_epoch))
+  return min(config.total_steps, max(by_epochs, config.get("min_steps", 0)))
+
+
 def stack_depth(config) -> int:
   """The most steps any call can run (the stacked batches' leading size): steps_per_call, capped by
   the loop's lengths."""

@@ -43,6 +43,8 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 - `loaded_params() -> dict | None`: the parameters make_model sets from other runs (frozen parts), as
   a pure dict of those paths of the model's state; the trainer passes them to its jitted init as
   arguments rather than compiling them in as constants. Default: None.
+- `steps_per_epoch() -> int | None`: train mode, the steps of one pass over the training data; with it
+  `config.max_epochs` can end the run before total_steps (`schedule.end_step`). Default: None.
 - `train_batch(step, *, process_index, process_count) -> dict[str, np.ndarray]`: rows
   `[p * B/P, (p+1) * B/P)` of the global batch number `step` (0-based), a pure function of
   (config.seed, step, process_index, process_count). The step IS the data position: resume is exact.
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -99,10 +102,39 @@ TASK_MODULES = {
 }
 
 
+# Where a run sized by config.max_epochs ends, with the budget that set it (written when its training starts).
+END_STEP_FILE = "end_step.json"
+_BUDGET_FIELDS = ("total_steps", "max_epochs", "min_steps")
+
+
+def write_end_step(config, workdir: str, end_step: int) -> None:
+  """Records where this run's training ends (`schedule.end_step`) under its config's step budget."""
+  with open(os.path.join(workdir, END_STEP_FILE), "w") as f:
+    json.dump({"end_step": end_step, **{field: config.get(field) for field in _BUDGET_FIELDS}}, f)
+    f.write("\n")
+
+
+def read_end_step(config, workdir: str) -> int | None:
+  """The end recorded in workdir for config's budget (total_steps, max_epochs, min_steps); None when the
+  budget is total_steps alone, or when the run recorded none for this budget."""
+  if not config.get("max_epochs", 0.0):
+    return None
+  try:
+    with open(os.path.join(workdir, END_STEP_FILE)) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if any(record.get(field) != config.get(field) for field in _BUDGET_FIELDS):
+    return None
+  return record["end_step"]
+
+
 def reached_total_steps(config, workdir: str) -> bool:
-  """Whether the run in workdir saved a checkpoint at `config.total_steps` or later."""
+  """Whether the run in workdir saved a checkpoint at its last step: `config.total_steps`, or the earlier end
+  that `config.max_epochs` set (`read_end_step`)."""
   from xattn_jax.training import checkpoints  # orbax: imported only when a dependency is asked about
-  return max(checkpoints.step_numbers(workdir), default=-1) >= config.total_steps
+  end = read_end_step(config, workdir)
+  return max(checkpoints.step_numbers(workdir), default=-1) >= (config.total_steps if end is None else end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +197,12 @@ class Task:
     like `nnx.to_pure_dict(nnx.state(model))` and holding only those paths; None (the default) when it takes
     none. The trainer hands them to its jitted init as arguments: closed over, they would be compiled into
     the program as constants, which costs compile time and memory that grow with the frozen model."""
+    return None
+
+  def steps_per_epoch(self) -> int | None:
+    """Train mode: the steps of one pass over the training data at config.batch_size (1 when it is smaller
+    than one batch), so that config.max_epochs can size the run; None (the default): the task does not count
+    them, and max_epochs > 0 is refused."""
     return None
 
   def train_batch(self, step: int, *, process_index: int, process_count: int) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ from absl import logging
 from flax import nnx
 
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import optim, rng, sharding, task as task_lib, validation
+from xattn_jax.training import optim, rng, schedule, sharding, task as task_lib, validation
 from xattn_jax.training.errors import DataError, RunError
 
 
@@ -61,6 +61,26 @@ def multi_step(train_step):
   return steps
 
 
+def _sized_by_epochs(config, task):
+  """`config` ending where `schedule.end_step` says: as it is, or a copy whose total_steps is the step that
+  completes config.max_epochs passes over the task's training data, so that the schedule, the loop and the
+  learning rate all end there (the workdir keeps the config as written)."""
+  if not config.get("max_epochs", 0.0):
+    return config
+  per_epoch = task.steps_per_epoch()
+  if per_epoch is None:
+    raise validation.ConfigError("max_epochs", config.max_epochs, f"task {config.task.name!r} does not count "
+                                 "the steps of a pass over its training data: leave it 0 (total_steps alone)")
+  end = schedule.end_step(config, per_epoch)
+  logging.info("Training ends at step %d: max_epochs=%g passes of %d steps, at least min_steps=%d, at most "
+               "total_steps=%d", end, config.max_epochs, per_epoch, config.min_steps, config.total_steps)
+  if end == config.total_steps:
+    return config
+  sized = config.copy_and_resolve_references()
+  sized.total_steps = end
+  return sized
+
+
 class Trainer:
   """The task, mesh, state layout and jitted steps of one config (train, eval and infer all build one).
 
@@ -80,6 +100,8 @@ class Trainer:
       # wrong with them is theirs to fix, so it is reported in one line like a config error.
       raise DataError(f"task {config.task.name!r} cannot build its data: {' '.join(str(error).split())}") \
           from None
+    if mode == "train":
+      self.config = config = _sized_by_epochs(config, self.task)
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = config.sharding_rules
     self.process_index, self.process_count = jax.process_index(), jax.process_count()

@@ -258,6 +258,9 @@ class LanguageModelTask(task_lib.Task):
     return make_language_model(self.config.model, self.vocab_size, max_length=self.config.model.max_length,
                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+  def steps_per_epoch(self):
+    return batching.steps_per_epoch(self.train_data.num_rows, self.config.batch_size)
+
   def train_batch(self, step, *, process_index, process_count):
     return self.train_data.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
                                        process_index=process_index, process_count=process_count)
