@@ -199,14 +199,18 @@ def test_infer_may_decode_differently_but_training_may_not_change_the_data(dates
 
 @pytest.mark.slow
 def test_tsv_config_trains_on_a_user_corpus(tmp_path):
+  """... for as many passes over it as max_epochs asks (40 pairs, batches of 8: 5 steps a pass), before
+  total_steps."""
   corpus = "".join(f"{n} cats\t{n} chats\n" for n in range(40))
   (tmp_path / "train.tsv").write_text(corpus)
   (tmp_path / "eval.tsv").write_text("41 cats\t41 chats\n")
   overrides = {**TINY, "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
-               "data.tokenizer": "bytes"}
+               "data.tokenizer": "bytes", "total_steps": 20, "max_epochs": 1.0}
   result = launch("configs/translate_tsv.py", tmp_path / "work", overrides)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "eval/chrf" in (tmp_path / "work" / "metrics.jsonl").read_text()
+  rows = helpers.metric_rows(tmp_path / "work")
+  assert "eval/chrf" in rows[-1] and rows[-1]["step"] == 5, rows[-1]
+  assert json.loads((tmp_path / "work" / "config.json").read_text())["total_steps"] == 20  # as written
   # Evaluation needs the run's workdir and the eval file; inference only the workdir.
   (tmp_path / "train.tsv").unlink()
   evaluated = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=eval")

@@ -460,6 +460,9 @@ class TranslateTask(task_lib.Task):
         activation=model.activation, scan_layers=model.scan_layers, remat=model.remat,
         implementation=model.implementation or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+  def steps_per_epoch(self):
+    return self.train_batches.steps_per_epoch(self.config.batch_size)
+
   def train_batch(self, step, *, process_index, process_count):
     return self.train_batches.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
                                           process_index=process_index, process_count=process_count)
