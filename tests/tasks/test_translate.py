@@ -211,6 +211,9 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   rows = helpers.metric_rows(tmp_path / "work")
   assert "eval/chrf" in rows[-1] and rows[-1]["step"] == 5, rows[-1]
   assert json.loads((tmp_path / "work" / "config.json").read_text())["total_steps"] == 20  # as written
+  fewer = launch("configs/translate_tsv.py", tmp_path / "work", {**overrides, "max_epochs": 0.5})  # ends at 3
+  assert fewer.returncode == 2 and "config.max_epochs=0.5: its passes end at step 3, but the run in" in fewer.stderr, \
+      fewer.stderr[-3000:]
   # Evaluation needs the run's workdir and the eval file; inference only the workdir.
   (tmp_path / "train.tsv").unlink()
   evaluated = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=eval")

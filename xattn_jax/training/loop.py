@@ -47,7 +47,7 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   """
   config = trainer.config
   state, step, rng_key = trainer.restore(checkpoints)
-  _check_start_step(step, config, trainer.workdir)
+  _check_start_step(step, config, trainer.workdir, ended_by_epochs=trainer.ended_by_epochs)
   if after_restore is not None:
     after_restore()
   writer = make_writer(step)
@@ -89,8 +89,12 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   return last_eval
 
 
-def _check_start_step(step: int, config, workdir: str) -> None:
+def _check_start_step(step: int, config, workdir: str, ended_by_epochs: bool = False) -> None:
   if step > config.total_steps:
+    if ended_by_epochs:  # config.total_steps is the end that max_epochs set
+      raise validation.ConfigError("max_epochs", config.max_epochs, f"its passes end at step {config.total_steps}, "
+                                   f"but the run in {workdir} is already at step {step}; give more passes to train "
+                                   "on, or use --mode=eval")
     raise validation.ConfigError("total_steps", config.total_steps, f"the run in {workdir} is already at step "
                                  f"{step}; give more steps to train on, or use --mode=eval")
   if step == config.total_steps:

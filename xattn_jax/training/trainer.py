@@ -100,8 +100,9 @@ class Trainer:
       # wrong with them is theirs to fix, so it is reported in one line like a config error.
       raise DataError(f"task {config.task.name!r} cannot build its data: {' '.join(str(error).split())}") \
           from None
-    if mode == "train":
-      self.config = config = _sized_by_epochs(config, self.task)
+    sized = _sized_by_epochs(config, self.task) if mode == "train" else config
+    self.ended_by_epochs = sized is not config  # max_epochs ends the run before the total_steps written
+    self.config = config = sized
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = config.sharding_rules
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
