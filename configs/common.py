@@ -77,7 +77,7 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   config.total_steps = total_steps
   # A budget sized by the data: with max_epochs > 0 training ends after that many passes over the training
   # data (a task that counts them: Task.steps_per_epoch) when that comes before total_steps, but not before
-  # min_steps. For data the user brings, whose size no default can know (an LM on the user's captions).
+  # min_steps (nor after total_steps). For data the user brings, whose size no default can know.
   config.max_epochs = 0.0
   config.min_steps = 0
   config.batch_size = batch_size            # global: summed over every process and device

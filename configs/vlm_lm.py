@@ -15,9 +15,11 @@ segment alone and splice image tokens in between.
 `text=pairs` (configs/vlm_tsv.py's LM): the text of a user's `image_path<TAB>text` pairs instead, each line
 "<image> text" (data.file_format="image_text"), so the LM can write the user's words; the VLM task names its
 own data.train_file and data.eval_file here (only their text is read: the LM never sees the eval captions in
-training), and the tokenizer takes as many pieces as the captions support, up to lm_text's cap. Its length
-follows the captions: `epochs=50` passes over them (config.max_epochs), at least `min_steps=300`, at most
-`steps`.
+training), and the tokenizer takes as many pieces as the captions support, up to lm_text's cap.
+Either text is trained for at most `epochs=50` passes (config.max_epochs, as lm_text), at least `min_steps=300`
+steps, at most `steps`: a user's captions are sized by their count (on 2,000 shape captions, 125 rows, the eval
+loss levels off by step ~300, where 2,000 steps took 5 minutes:
+experiments/results/intel_xeon_amx/vlm_pairs_lm_budget.md); the bundled texts (194 steps a pass) run `steps`.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def get_config(arg=None):
                           text="digits", epochs=50.0, min_steps=300)
   if args.text not in TEXTS:
     raise ValueError(f"text must be one of {TEXTS}, got {args.text!r}")
-  config = lm_text.get_config(f"size={args.size},posenc={args.posenc},tokenizer=sentencepiece")
+  config = lm_text.get_config(f"size={args.size},posenc={args.posenc},tokenizer=sentencepiece,epochs={args.epochs},"
+                              f"min_steps={args.min_steps}")
   config.total_steps = args.steps
   if args.layers:
     config.model.num_layers = args.layers
@@ -48,12 +51,6 @@ def get_config(arg=None):
   if args.text == "pairs":
     config.data.file_format = "image_text"  # "<image> text" of each pair; the VLM task sets the files
     config.data.sequence_length = 128
-    # Sized by the captions: `epochs` passes over their packed rows, at least min_steps (an update count that
-    # small corpora need however few rows they fill), at most `steps`. On 2,000 shape captions (125 rows) the
-    # eval loss levels off by step ~300, where 2,000 steps took 5 minutes
-    # (experiments/results/intel_xeon_amx/vlm_pairs_lm_budget.md).
-    config.max_epochs = args.epochs
-    config.min_steps = min(args.min_steps, args.steps)
     return config
   config.data.source = "vlm_digits"     # data.vlm_digits.lm_corpus
   config.data.num_train_documents = args.examples * (2 if args.describe else 1)  # described: each example twice
