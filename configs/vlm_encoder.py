@@ -26,7 +26,7 @@ SOURCES = ("digits", "pairs")  # data=...: the bundled strips, or a user's image
 
 def get_config(arg=None):
   args = common.parse_arg(arg, steps=1500, width=64, blocks=3, patch=2, max_digits=4, scale=1, warmup=100,
-                          data="digits", canvas="32x32", vocab=512, ngrams=2, color=False)
+                          data="digits", canvas="32x32", vocab=512, ngrams=2, color=False, epochs=50.0, min_steps=500)
   if args.data not in SOURCES:
     raise ValueError(f"config argument data={args.data!r}: allowed are {list(SOURCES)}")
   if args.data == "pairs":
@@ -86,6 +86,11 @@ def pairs_config(args, patch: int) -> ConfigDict:
   })
   config.checkpoint.best_metric = "eval/word_f1"
   config.checkpoint.best_mode = "max"
+  # The user's images: at most `epochs` passes (at least min_steps, at most `steps`); 2,000 pairs (31 steps a
+  # pass at batch 64) keep their 1,500 steps, 48 stop at 500, where the word F1 is already flat
+  # (experiments/results/intel_xeon_amx/vlm_pairs_lm_budget.md).
+  config.max_epochs = args.epochs
+  config.min_steps = args.min_steps
   config.model.num_classes = args.vocab
   config.model.channels = 3 if args.color else 1
   return config

@@ -251,8 +251,9 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colou
   pairs = shape_pairs()
   train, evaluation = pairs / "train.tsv", pairs / "eval.tsv"
   overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": pairs_chain() / "lm",
-               "model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=16x16,steps=80,width=32,blocks=1,"
-                                       f"warmup=10,color={colour}",
+               # sized by its 48 images as the default is: fewer than a batch, one step a pass, 80 passes of 200 steps
+               "model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=16x16,steps=200,epochs=80,"
+                                       f"min_steps=10,width=32,blocks=1,warmup=10,color={colour}",
                "model.lm_config": PAIRS_LM_CONFIG, "data.train_file": train, "data.eval_file": evaluation}
   result = helpers.launch(f"configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16,color={colour}",
                           tmp_path / "vlm", overrides=overrides)
@@ -261,6 +262,7 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colou
   assert encoder_run["task"]["name"] == "vlm_pairs_encoder" and encoder_run["data"]["canvas"] == "16x16"
   assert encoder_run["model"]["channels"] == (3 if colour == "true" else 1)
   assert (encoder_run["data"]["train_file"], encoder_run["data"]["eval_file"]) == (str(train), str(evaluation))
+  assert checkpoints.step_numbers(str(tmp_path / "encoder"))[-1] == 80 and encoder_run["total_steps"] == 200
   # every caption is "a black <shape>": naming its shared terms alone ("a", "black", "a black") is F1 0.75
   encoder_eval = [row for row in helpers.metric_rows(tmp_path / "encoder") if "eval/word_f1" in row][-1]
   assert encoder_eval["eval/word_f1"] > 0.9, encoder_eval

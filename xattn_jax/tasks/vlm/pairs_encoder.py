@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from xattn_jax.data import image_text, vlm_digits
+from xattn_jax.data import batching, image_text, vlm_digits
 from xattn_jax.tasks.vlm import encoder as encoder_lib
 from xattn_jax.training import task as task_lib, validation
 
@@ -128,6 +128,9 @@ class CaptionWordsEncoderTask(task_lib.Task):
     images = vlm_digits.collate_images([example.images for example in examples], canvas=self.canvas,
                                        max_images=1)["images"][:, 0]
     return images, word_targets([example.targets()[0] for example in examples], self.words, self.size, self.ngrams)
+
+  def steps_per_epoch(self):
+    return batching.steps_per_epoch(len(self._train), self.config.batch_size)
 
   def train_batch(self, step, *, process_index, process_count):
     count = len(self._train)
