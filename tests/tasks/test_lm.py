@@ -109,6 +109,23 @@ def test_a_sentencepiece_vocab_cap_above_what_a_small_file_supports_still_trains
   assert batch["inputs"].shape == (2, 64) and np.all(batch["inputs"] < task.vocab_size)
 
 
+def test_a_file_drawn_from_the_bundled_corpus_training_side_is_told_its_eval_split_is_nearly_empty(tmp_path,
+                                                                                                 caplog):
+  """600 training lines of the bundled corpus hold out 1 line (the minimum) at the same corpus_seed, not ~30."""
+  caplog.set_level(logging.WARNING)
+  train_file = tmp_path / "drawn.txt"
+  train_file.write_text("".join(f"{line}\n" for line in corpus.default_corpus(seed=0).train[:600]), encoding="utf-8")
+  config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}")
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  assert len(task.eval_texts) == 1
+  said = [r.getMessage() for r in caplog.records if "held out for eval" in r.getMessage()]
+  assert len(said) == 1 and "data.corpus_seed=0" in said[0] and "about 30" in said[0], said
+  caplog.clear()
+  config.data.corpus_seed = 1
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work1"), "train")
+  assert len(task.eval_texts) > 15 and not [r for r in caplog.records if "held out for eval" in r.getMessage()]
+
+
 def test_a_text_packing_into_fewer_rows_than_a_batch_trains_on_repeated_rows_and_says_so(tmp_path, caplog):
   """A 40-line file once stopped the run ("packs into only N rows; lower batch_size")."""
   caplog.set_level(logging.WARNING)

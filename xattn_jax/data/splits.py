@@ -25,6 +25,15 @@ def check_eval_fraction(eval_fraction: float) -> None:
     raise ValueError(f"eval_fraction must be a number in [0, 1), got {eval_fraction!r}")
 
 
+def far_below_fraction(eval_keys: int, keys: int, eval_fraction: float) -> bool:
+  """Whether a hash split that holds out `eval_keys` of `keys` distinct keys is far below `eval_fraction`: under
+  a quarter of the expected count where at least 20 are expected (by chance under 2e-5 for any such size). Keys
+  drawn from one side of a split made with the same seed do that (none of a split's training keys hashes into
+  its eval side again)."""
+  expected = eval_fraction * keys
+  return expected >= 20 and eval_keys < expected / 4
+
+
 def is_eval_key(key: str, *, seed: int, eval_fraction: float) -> bool:
   """True if ``key`` belongs to the eval side of the split (about ``eval_fraction`` of all keys)."""
   return stable_unit_interval(key, seed) < eval_fraction
