@@ -107,8 +107,8 @@ def test_a_split_far_below_its_fraction_is_told_apart_from_chance():
   at 0.05 holds out fewer than 5 by chance about once in 80,000)."""
   keys = [f"line {n}" for n in range(4000)]
   train, _ = splits.split_by_key(keys, str, seed=0, eval_fraction=0.05)
-  again_train, again_eval = splits.split_by_key(train[:400], str, seed=0, eval_fraction=0.05)
+  _, again_eval = splits.split_by_key(train[:400], str, seed=0, eval_fraction=0.05)
   assert not again_eval and splits.far_below_fraction(len(again_eval), 400, 0.05)
-  other_train, other_eval = splits.split_by_key(train[:400], str, seed=1, eval_fraction=0.05)
+  _, other_eval = splits.split_by_key(train[:400], str, seed=1, eval_fraction=0.05)
   assert not splits.far_below_fraction(len(other_eval), 400, 0.05)
   assert not splits.far_below_fraction(0, 300, 0.05)  # 15 expected: too few to tell

@@ -226,7 +226,7 @@ def test_loaded_parameters_reach_the_init_program_as_arguments_not_constants(tmp
   np.testing.assert_array_equal(model_dict["embed"]["embedding"], table)
 
 
-def test_max_epochs_on_a_task_that_does_not_count_its_epochs_is_refused_before_anything_is_built(tmp_path):
+def test_max_epochs_on_a_task_that_does_not_count_its_epochs_is_refused_before_anything_compiles(tmp_path):
   """The template task declares no steps_per_epoch: a data-sized budget cannot be honoured there."""
   config = template.get_config("size=tiny")
   config.max_epochs = 3.0
