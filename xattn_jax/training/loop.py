@@ -98,7 +98,8 @@ def _check_start_step(step: int, config, workdir: str, ended_by_epochs: bool = F
     raise validation.ConfigError("total_steps", config.total_steps, f"the run in {workdir} is already at step "
                                  f"{step}; give more steps to train on, or use --mode=eval")
   if step == config.total_steps:
-    logging.info("The run is already at step %d = total_steps: nothing to train.", step)
+    logging.info("The run is already at step %d%s: nothing to train.", step,
+                 f", where its max_epochs={config.max_epochs:g} passes end" if ended_by_epochs else " = total_steps")
 
 
 def _evaluate(trainer: Trainer, checkpoints, state, step: int, rng_key) -> dict[str, float]:
