@@ -225,13 +225,13 @@ class LanguageModelTask(task_lib.Task):
         lines = len(set(train))
         train, evaluation = splits.split_by_key(train, lambda line: line, seed=data.corpus_seed,
                                                 eval_fraction=data.eval_fraction, min_eval_keys=1)
-        if splits.far_below_fraction(len(set(evaluation)), lines, data.eval_fraction):
+        held = len(set(evaluation))
+        if splits.far_below_fraction(held, lines, data.eval_fraction):
           logging.warning("data.train_file %s: %d of its %d distinct lines are held out for eval, where "
                           "data.eval_fraction=%g holds out about %d: its lines look drawn from the training side "
                           "of a split by the same hash and data.corpus_seed=%d (as the bundled corpus's are); set "
-                          "another data.corpus_seed or name data.eval_file", data.train_file,
-                          len(set(evaluation)), lines, data.eval_fraction, round(data.eval_fraction * lines),
-                          data.corpus_seed)
+                          "another data.corpus_seed or name data.eval_file", data.train_file, held, lines,
+                          data.eval_fraction, round(data.eval_fraction * lines), data.corpus_seed)
     if data.eval_file:
       evaluation = _read("data.eval_file", data.eval_file, _file_format(data))
     if data.num_eval_documents:
