@@ -1,5 +1,6 @@
 """Tokenizers: exact round trips, special ids, and a SentencePiece model that is reproducible and reused."""
 import logging
+import random
 import re
 
 import pytest
@@ -168,8 +169,43 @@ def test_exact_vocab_size_too_large_still_fails_naming_the_size_and_the_cap_opti
 
 
 def test_a_cap_below_the_alphabet_still_fails(date_text, tmp_path):
-  with pytest.raises(ValueError, match="vocab_size=40 cannot hold every character.*at least 64"):
+  with pytest.raises(ValueError, match="vocab_size=40 cannot hold every character.*at least 64, or 324 .*bytes"):
     tokenizers.train_sentencepiece(date_text[0], tmp_path / "tiny.model", vocab_size=40, exact=False)
+
+
+@pytest.fixture(scope="module")
+def many_characters():
+  """Texts over 1,500 CJK characters drawn by a Zipf law, as a Chinese or Japanese corpus has, plus spaces and
+  Latin words: more characters than the pieces of a 1,024 vocabulary."""
+  rng = random.Random(0)
+  characters = [chr(0x4E00 + i) for i in range(1500)]
+  weights = [1 / (rank + 1) for rank in range(1500)]
+  return [f"{''.join(rng.choices(characters, weights, k=24))} text {n}" for n in range(2000)]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_vocab_below_the_alphabet_spells_the_rarer_characters_in_utf8_bytes(many_characters, tmp_path, caplog,
+                                                                             exact):
+  """A user's CJK corpus at the default vocab_size stopped here; now the most frequent characters are pieces
+  and the others, even ones the training text never held, round-trip through byte pieces."""
+  distinct = len(set("".join(many_characters)))
+  assert distinct + 4 > 1024
+  with caplog.at_level(logging.INFO):
+    model = tokenizers.train_sentencepiece(many_characters, tmp_path / "m.model", vocab_size=1024, exact=exact)
+  assert model.vocab_size == 1024
+  assert all(model.decode(model.encode(text)) == text for text in many_characters)
+  unseen = "snow \u2603, ga\u00eft\u00e9 \U0001F600"
+  assert model.decode(model.encode(unseen)) == unseen and model.unknown_characters([unseen]) == ""
+  assert model.unk_id not in model.encode(unseen + many_characters[0])
+  frequent, rare = chr(0x4E00), chr(0x4E00 + 1499)  # ranks 1 and 1,500
+  assert len(model.encode(frequent)) <= 2 and model.id_to_piece(model.encode(rare)[-1]).startswith("<0x")
+  message = next(r.getMessage() for r in caplog.records if "byte fallback" in r.getMessage())
+  kept = int(re.search(r"its (\d+) most frequent", message).group(1))
+  assert f"cannot hold all {distinct} characters" in message and 32 <= kept <= (1024 - 260) // 2
+  pieces = [model.id_to_piece(i) for i in range(model.vocab_size)]
+  # Every kept character is one piece (the space as "\u2581"); half the pieces or more are merges.
+  assert sum(len(piece) == 1 for piece in pieces) == kept
+  assert sum(len(piece) > 1 and not piece.startswith("<") for piece in pieces) == 1024 - 260 - kept >= kept
 
 
 def test_a_continuation_keeps_the_space_its_first_word_opens_with(sentencepiece_model):
