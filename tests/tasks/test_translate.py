@@ -14,7 +14,8 @@ from flax import nnx
 
 from configs import translate_dates, translate_tsv
 from tests import helpers
-from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.data import batching
+from xattn_jax.training import loop, schedule, task as task_lib, validation
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.tasks.translate import task as translate_task
 
@@ -205,7 +206,7 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   (tmp_path / "train.tsv").write_text(corpus)
   (tmp_path / "eval.tsv").write_text("41 cats\t41 chats\n")
   overrides = {**TINY, "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
-               "data.tokenizer": "bytes", "total_steps": 20, "max_epochs": 1.0}
+               "data.tokenizer": "bytes", "total_steps": 20, "max_epochs": 1.0, "min_steps": 0}
   result = launch("configs/translate_tsv.py", tmp_path / "work", overrides)
   assert result.returncode == 0, result.stderr[-3000:]
   rows = helpers.metric_rows(tmp_path / "work")
@@ -221,6 +222,15 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   (tmp_path / "eval.tsv").unlink()
   answer = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=infer", stdin="7 cats\n")
   assert answer.returncode == 0 and len(answer.stdout.splitlines()) == 1, answer.stderr[-3000:]
+
+
+def test_the_tsv_default_budget_grows_with_the_corpus_from_the_dates_1200_steps():
+  """1,200 steps of 64 pairs were a fraction of a pass over a large corpus: now 20 passes, at least 1,200
+  steps (a small corpus trains as before), at most 10,000."""
+  config = translate_tsv.get_config()
+  small, large, huge = (batching.steps_per_epoch(pairs, config.batch_size) for pairs in (1_103, 20_000, 100_000))
+  assert [schedule.end_step(config, steps) for steps in (small, large, huge)] == [1200, 20 * 312, 10_000]
+  assert schedule.end_step(translate_tsv.get_config("epochs=0"), large) == 10_000
 
 
 def test_length_bucketed_batches_of_several_shapes_train_as_at_one_step_per_call(tmp_path):
