@@ -4,6 +4,8 @@ import logging
 import re
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import jax
@@ -222,6 +224,43 @@ def test_tsv_config_trains_on_a_user_corpus(tmp_path):
   (tmp_path / "eval.tsv").unlink()
   answer = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=infer", stdin="7 cats\n")
   assert answer.returncode == 0 and len(answer.stdout.splitlines()) == 1, answer.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_ended_by_its_passes_resumes_exactly_after_sigterm(tmp_path):
+  """The end that max_epochs sets (step 10 of total_steps 40: 2 passes of 5 steps) and the learning-rate decay
+  toward it hold across a SIGTERM and a restart: the same losses, the same end, the same final eval."""
+  (tmp_path / "train.tsv").write_text("".join(f"{n} cats\t{n} chats\n" for n in range(40)))
+  (tmp_path / "eval.tsv").write_text("41 cats\t41 chats\n")
+  overrides = {**TINY, "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
+               "data.tokenizer": "bytes", "total_steps": 40, "max_epochs": 2.0, "min_steps": 0,
+               "log_every_steps": 1, "eval_every_steps": 5, "checkpoint.every_steps": 5, "steps_per_call": 1}
+  reference = launch("configs/translate_tsv.py", tmp_path / "reference", overrides)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  workdir = tmp_path / "interrupted"
+  process = helpers.start(helpers.launch_command("configs/translate_tsv.py", workdir,
+                                                 overrides={**overrides, "debug.step_delay_s": 0.3}),
+                          env=helpers.subprocess_env())
+  deadline = time.time() + 240
+  while not ((workdir / "metrics.jsonl").exists() and len(helpers.metric_rows(workdir)) >= 3):
+    assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
+    time.sleep(0.05)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=240)
+  stopped_at = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert process.returncode == 0 and stopped_at < 10, stderr[-3000:]
+  resumed = launch("configs/translate_tsv.py", workdir, overrides)
+  assert resumed.returncode == 0 and f"Resuming from checkpoint step {stopped_at}" in resumed.stderr, \
+      resumed.stderr[-3000:]
+
+  def losses_and_last_eval(run):
+    rows = helpers.metric_rows(run)
+    last_eval = [r for r in rows if "eval/loss" in r][-1]
+    return ({r["step"]: r["train/loss"] for r in rows if "train/loss" in r},
+            {k: v for k, v in last_eval.items() if k == "step" or k.startswith("eval/")})
+  (losses, last_eval), (reference_losses, reference_eval) = map(losses_and_last_eval, (workdir, tmp_path / "reference"))
+  assert losses == reference_losses and sorted(losses) == list(range(1, 11))
+  assert last_eval == reference_eval and last_eval["step"] == 10
 
 
 def test_the_tsv_default_budget_grows_with_the_corpus_from_the_dates_1200_steps():
