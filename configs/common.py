@@ -122,6 +122,11 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
       "best_mode": "min",           # min | max
   })
 
+  # patience > 0: training ends at the eval where checkpoint.best_metric has not beaten its best by more than
+  # min_delta for `patience` evals in a row (a checkpoint is saved there and `early_stop.json` records it, so
+  # the same command finds nothing to train and a run that depends on this one counts it finished).
+  config.early_stopping = ConfigDict({"patience": 0, "min_delta": 0.0})
+
   # Mesh axis sizes; -1 takes the remaining devices (at most one axis may be -1).
   config.mesh = ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
   config.sharding_rules = ConfigDict(DEFAULT_SHARDING_RULES)

@@ -94,3 +94,41 @@ def test_off_the_main_thread_the_stop_flag_installs_no_handler():
   thread.start()
   thread.join()
   assert seen == [(False, before)]
+
+
+def _early_stopping(patience, mode="min", min_delta=0.0, rows=(), up_to_step=0):
+  config = ConfigDict({"early_stopping": {"patience": patience, "min_delta": min_delta},
+                       "checkpoint": {"best_metric": "eval/loss", "best_mode": mode}})
+  return guards.EarlyStopping(config, rows, up_to_step=up_to_step)
+
+
+def _stops(watcher, values, first_step=4, every=4):
+  return [watcher.after_eval(first_step + every * i, {} if v is None else {"eval/loss": v})
+          for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("mode, values, min_delta, stops", [
+    ("min", [3.0, 2.0, 2.5, 2.1, 1.9, 2.0, 2.0], 0.0, [False, False, False, True, False, False, True]),
+    ("min", [3.0, 2.95, 2.91, 2.5], 0.1, [False, False, True, False]),  # gains under min_delta do not count
+    ("max", [0.1, 0.5, 0.5, 0.4], 0.0, [False, False, False, True]),  # equal is no gain
+    ("min", [3.0, None, None], 0.0, [False, False, True]),  # an eval without the metric is no gain
+])
+def test_early_stopping_ends_after_patience_evals_without_beating_the_best(mode, values, min_delta, stops):
+  assert _stops(_early_stopping(2, mode, min_delta), values) == stops
+
+
+def test_early_stopping_off_never_stops():
+  assert not any(_stops(_early_stopping(0), [1.0, 2.0, 3.0, 4.0]))
+
+
+def test_a_resumed_run_replays_its_logged_evals_and_stops_where_the_whole_run_stops():
+  values = [3.0, 2.0, 2.5, 2.6, 2.7]
+  whole = _stops(_early_stopping(3), values)
+  assert whole == [False, False, False, False, True]
+  rows = [{"step": 4 * (i + 1), "eval/loss": v, "train/loss": 1.0} for i, v in enumerate(values)]
+  rows += [{"step": 13, "train/loss": 1.0}]  # train rows and rows past the checkpoint are not evals counted
+  resumed = _early_stopping(3, rows=rows, up_to_step=12)  # checkpoint 12: evals 4, 8, 12 replayed
+  assert (resumed.best, resumed.best_step, resumed.evals_since_best) == (2.0, 8, 1)
+  assert _stops(resumed, values[3:], first_step=16) == whole[3:]
+  assert "eval/loss has not beaten its best 2 at step 8" in resumed.reason()
+

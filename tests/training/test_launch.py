@@ -331,6 +331,32 @@ def test_changing_the_model_of_an_existing_run_is_refused(reference):
   assert "model.d_model" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
+def test_early_stopping_ends_the_run_at_the_eval_that_exhausts_its_patience_and_records_it(tmp_path):
+  """At a learning rate too small to move eval/loss by min_delta, evals at 4, 8 and 12 of 40: the best stays
+  step 4's, and patience 2 ends the run at 12 with a checkpoint and early_stop.json. The same command then
+  finds nothing to train (a dependency counts the run finished); a larger patience trains on to its own stop."""
+  from xattn_jax.training import task as task_lib, validation
+  workdir = tmp_path / "run"
+  overrides = {"total_steps": 40, "optimizer.learning_rate": 1e-9, "early_stopping.patience": 2,
+               "early_stopping.min_delta": 1e-3}
+  result = launch(workdir, overrides=overrides)
+  assert result.returncode == 0 and "Early stopping at step 12: eval/loss has not beaten its best" in result.stderr, \
+      result.stderr[-3000:]
+  assert checkpoint_steps(workdir)[-1] == 12 and max(r["step"] for r in metrics_rows(workdir)) == 12
+  assert json.loads((workdir / "early_stop.json").read_text())["step"] == 12
+  config = validation.load_config_file(str(workdir / "config.py"))
+  assert task_lib.reached_total_steps(config, str(workdir))
+  config.early_stopping.patience = 3  # other settings: the record is not theirs
+  assert not task_lib.reached_total_steps(config, str(workdir))
+  again = launch(workdir, overrides=overrides)
+  assert again.returncode == 0 and "The run stopped early at step 12" in again.stderr, again.stderr[-3000:]
+  assert max(r["step"] for r in metrics_rows(workdir)) == 12
+  more = launch(workdir, overrides={**overrides, "early_stopping.patience": 3})  # replays 4, 8, 12: one more eval
+  assert more.returncode == 0 and "Early stopping at step 16" in more.stderr, more.stderr[-3000:]
+  assert checkpoint_steps(workdir)[-1] == 16
+
+
 # --- interruption and exact resume --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -96,12 +96,21 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "max_epochs", -1.0, "must be a non-negative number (0: total_steps alone)"),
     ("size=tiny", "max_epochs", float("inf"), "must be a non-negative number (0: total_steps alone)"),
     ("size=tiny", "min_steps", -3, "must be a non-negative integer"),
+    ("size=tiny", "early_stopping.patience", -1, "must be a non-negative integer"),
+    ("size=tiny", "early_stopping.min_delta", -0.5, "must be a non-negative number"),
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
   module, _, arg = config_arg.rpartition(":") if config_arg.startswith("algorithmic") else ("", "", config_arg)
   config = (algorithmic if module else template).get_config(arg)
   _assert_refused(config, field, value, rf"^config\.{field}={value}: {re.escape(rule)}")
+
+
+def test_early_stopping_without_a_metric_to_watch_is_a_config_error():
+  config = template.get_config("size=tiny")
+  config.checkpoint.best_metric = ""
+  _assert_refused(config, "early_stopping.patience", 3, r"^config\.early_stopping\.patience=3: compares "
+                  r"checkpoint\.best_metric, which is ''")
 
 
 def test_mrope_sections_not_adding_up_is_a_config_error():

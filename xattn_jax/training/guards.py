@@ -1,4 +1,5 @@
-"""What stops training early: a non-finite loss (an error), and SIGTERM / Ctrl-C (a clean stop).
+"""What stops training early: a non-finite loss (an error), SIGTERM / Ctrl-C (a clean stop), and an eval
+metric that stopped improving (config.early_stopping, a clean stop).
 
 A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
 that step is saved. SIGTERM (or a first Ctrl-C) sets a flag; the loop lets the calls already
@@ -108,3 +109,43 @@ class StopRequests:
     if stop and not self.flag.requested:
       logging.warning("Another process received SIGTERM: saving a checkpoint after step %d.", step)
     return stop
+
+
+class EarlyStopping:
+  """Watches config.checkpoint.best_metric at each eval; `after_eval` says when it has not beaten its best
+  by more than early_stopping.min_delta for early_stopping.patience evals in a row.
+
+  A resumed run first replays the evals it logged up to its checkpoint (`rows`, metrics.jsonl's), so it
+  stops where the uninterrupted run stops.
+  """
+
+  def __init__(self, config, rows: Sequence[dict] = (), *, up_to_step: int = 0):
+    settings = config.get("early_stopping")
+    self.patience = settings.patience if settings else 0
+    self.min_delta = settings.min_delta if settings else 0.0
+    self.metric, self.mode = config.checkpoint.best_metric, config.checkpoint.best_mode
+    self.best, self.best_step, self.evals_since_best = None, None, 0
+    if self.patience:
+      logged = {row["step"]: row for row in rows if row.get("step", 0) <= up_to_step and self.metric in row}
+      for step in sorted(logged):
+        self.after_eval(step, logged[step])
+
+  def after_eval(self, step: int, values: dict) -> bool:
+    """Counts the eval of `step`; True when training should end here. An eval without the metric counts as
+    no gain (a BLEU the corpus cannot define, say)."""
+    if not self.patience:
+      return False
+    value = values.get(self.metric)
+    gain = value is not None and (self.best is None or (
+        value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
+    if gain:
+      self.best, self.best_step, self.evals_since_best = float(value), step, 0
+    else:
+      self.evals_since_best += 1
+    return self.evals_since_best >= self.patience
+
+  def reason(self) -> str:
+    best = "no value yet" if self.best is None else f"its best {self.best:.6g} at step {self.best_step}"
+    return (f"{self.metric} has not beaten {best} by more than early_stopping.min_delta={self.min_delta:g} for "
+            f"early_stopping.patience={self.patience} evals")
+

@@ -37,7 +37,9 @@ from xattn_jax.training.workdir import check_same_model  # noqa: F401 - re-expor
 
 
 def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dict[str, float]:
-  """Trains from where `trainer.restore` starts to config.total_steps; returns the last eval metrics.
+  """Trains from where `trainer.restore` starts to config.total_steps, or to the eval where
+  config.early_stopping ends it (`guards.EarlyStopping`, recorded in early_stop.json once its checkpoint is
+  saved); returns the last eval metrics.
 
   `make_writer(start_step)` returns the MetricsWriter (which drops rows past start_step);
   `after_restore()` runs once the checkpoint (if any) has been restored into this config's model.
@@ -47,9 +49,16 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   """
   config = trainer.config
   state, step, rng_key = trainer.restore(checkpoints)
-  _check_start_step(step, config, trainer.workdir, ended_by_epochs=trainer.ended_by_epochs)
+  stopped_early = task_lib.read_early_stop(config, trainer.workdir)
+  if stopped_early is None or step < stopped_early[0]:
+    _check_start_step(step, config, trainer.workdir, ended_by_epochs=trainer.ended_by_epochs)
   if after_restore is not None:
     after_restore()
+  if stopped_early is not None and step >= stopped_early[0]:
+    logging.info("The run stopped early at step %d (%s): nothing to train.", *stopped_early)
+    return {}
+  early_stopping = guards.EarlyStopping(
+      config, metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl")), up_to_step=step)
   writer = make_writer(step)
   train_step = trainer.make_train_step()
   feed = schedule.CallFeed(trainer.read_train_batch, config)
@@ -78,12 +87,19 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
         step_log.restart_timer(step)  # steps/s leaves out the traced calls and the summary
       if end.log or end.evaluate or save:
         train_row = step_log.flush(hold_step=step if end.evaluate else None)  # raises if diverged
+      stops_early = False
       if end.evaluate:
         last_eval = _evaluate(trainer, checkpoints, state, step, rng_key)
         writer.write(step, {**train_row, **last_eval})
-      if save:
+        stops_early = early_stopping.after_eval(step, last_eval)
+      if save or stops_early:
         trainer.save(checkpoints, step, state, rng_key, last_eval if end.evaluate else None)
-      if end.evaluate or save:  # steps/s measures training only
+      if stops_early:  # recorded once its checkpoint is saved
+        logging.info("Early stopping at step %d: %s.", step, early_stopping.reason())
+        if trainer.process_index == 0:
+          task_lib.write_early_stop(config, trainer.workdir, step, early_stopping.reason())
+        stopped = True
+      if end.evaluate or save or stops_early:  # steps/s measures training only
         step_log.restart_timer(step)
     step_log.flush()
   return last_eval

@@ -119,22 +119,57 @@ def read_end_step(config, workdir: str) -> int | None:
   budget is total_steps alone, or when the run recorded none for this budget."""
   if not config.get("max_epochs", 0.0):
     return None
-  try:
-    with open(os.path.join(workdir, END_STEP_FILE)) as f:
-      record = json.load(f)
-  except (OSError, ValueError):
-    return None
-  if any(record.get(field) != config.get(field) for field in _BUDGET_FIELDS):
+  record = _read_record(workdir, END_STEP_FILE)
+  if record is None or any(record.get(field) != config.get(field) for field in _BUDGET_FIELDS):
     return None
   return record["end_step"]
 
 
+def _read_record(workdir: str, name: str) -> dict | None:
+  """The JSON record `name` in workdir; None when it is missing or unreadable (cut off by a crash)."""
+  try:
+    with open(os.path.join(workdir, name)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+# Where a run with config.early_stopping stopped, and the settings that stopped it (written when it stops).
+EARLY_STOP_FILE = "early_stop.json"
+
+
+def early_stopping_settings(config) -> dict | None:
+  """What an early stop depends on: the watched metric, its direction, patience and min_delta; None when
+  early stopping is off (or the config predates it)."""
+  if not config.get("early_stopping") or not config.early_stopping.patience:
+    return None
+  return {"metric": config.checkpoint.best_metric, "mode": config.checkpoint.best_mode,
+          "patience": config.early_stopping.patience, "min_delta": config.early_stopping.min_delta}
+
+
+def write_early_stop(config, workdir: str, step: int, reason: str) -> None:
+  with open(os.path.join(workdir, EARLY_STOP_FILE), "w") as f:
+    json.dump({"step": step, "reason": reason, **early_stopping_settings(config)}, f)
+    f.write("\n")
+
+
+def read_early_stop(config, workdir: str) -> tuple[int, str] | None:
+  """(step, reason) of the early stop recorded in workdir under config's early-stopping settings; None when
+  early stopping is off, or the run recorded no stop under these settings (a larger patience trains on)."""
+  settings = early_stopping_settings(config)
+  record = None if settings is None else _read_record(workdir, EARLY_STOP_FILE)
+  if record is None or any(record.get(field) != value for field, value in settings.items()):
+    return None
+  return record["step"], record["reason"]
+
+
 def reached_total_steps(config, workdir: str) -> bool:
-  """Whether the run in workdir saved a checkpoint at its last step: `config.total_steps`, or the earlier end
-  that `config.max_epochs` set (`read_end_step`)."""
+  """Whether the run in workdir saved a checkpoint at its last step: `config.total_steps`, the earlier end
+  that `config.max_epochs` set (`read_end_step`), or where early stopping ended it (`read_early_stop`)."""
   from xattn_jax.training import checkpoints  # orbax: imported only when a dependency is asked about
-  end = read_end_step(config, workdir)
-  return max(checkpoints.step_numbers(workdir), default=-1) >= (config.total_steps if end is None else end)
+  end, stop = read_end_step(config, workdir), read_early_stop(config, workdir)
+  end = config.total_steps if end is None else end
+  return max(checkpoints.step_numbers(workdir), default=-1) >= (end if stop is None else min(end, stop[0]))
 
 
 @dataclasses.dataclass(frozen=True)

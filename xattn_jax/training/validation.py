@@ -255,6 +255,14 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                or (task_class.eval_metric_names and best not in task_class.eval_metric_names)):
     allowed = list(task_class.eval_metric_names) or "an eval/<name> metric the task logs"
     raise ConfigError("checkpoint.best_metric", best, f"allowed are '' (no best checkpoint) or {allowed}")
+  if "early_stopping" in config:  # a run's config.py written before the field existed has none
+    require_positive(config, "early_stopping.patience", allow_zero=True)
+    delta = config.early_stopping.min_delta
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < float("inf"):
+      raise ConfigError("early_stopping.min_delta", delta, "must be a non-negative number")
+    if config.early_stopping.patience and not best:
+      raise ConfigError("early_stopping.patience", config.early_stopping.patience,
+                        "compares checkpoint.best_metric, which is '': name the eval metric to watch there")
   if config.precision.param_dtype == "float16":
     # Adam's second moment (grad^2, kept in the parameters' dtype) underflows float16 to 0 and the
     # first update overflows: NaN at step 2. bfloat16 has float32's exponent range.
