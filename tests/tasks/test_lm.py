@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from tests import helpers
-from xattn_jax.data import corpus, lm_algorithmic, tokenizers
+from xattn_jax.data import corpus, lm_algorithmic, text as text_data, tokenizers
 from xattn_jax.layers import blocks
 from xattn_jax.tasks import lm as lm_task
 from xattn_jax.tasks.lm import text as lm_text_task
@@ -53,7 +53,18 @@ def test_tiny_lm_eval_loss_is_below_half_the_unigram_loss(trained):
   bundled = corpus.default_corpus()
   unigram = _unigram_loss(bundled.train, bundled.eval[:256])
   assert metrics["eval/loss"] < 0.5 * unigram
-  assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]), rel=1e-4)
+  assert metrics["eval/perplexity"] == math.exp(metrics["eval/loss"])
+
+
+def test_an_eval_reads_the_eval_rows_once_perplexity_included(trained, monkeypatch):
+  """Perplexity was a second pass over every eval row (extra_eval): half of each eval on a large text file.
+  It is exp(eval/loss) of the one pass now (Task.derived_eval)."""
+  workdir, metrics = trained
+  passes, rows = [], text_data.TextBatches.eval_batches
+  monkeypatch.setattr(text_data.TextBatches, "eval_batches", lambda *a, **k: passes.append(1) or rows(*a, **k))
+  values = loop.run(helpers.load_config(*TINY), str(workdir), "eval")
+  assert len(passes) == 1 and values["eval/perplexity"] == math.exp(values["eval/loss"])
+  assert values["eval/loss"] == pytest.approx(metrics["eval/loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])

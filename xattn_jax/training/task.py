@@ -59,6 +59,9 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   number of batches.
 - `eval_metrics(model, batch) -> dict[str, (sum, weight)]`: traced; the loop sums both parts over
   all batches and logs `eval/<name>` = total sum / total weight.
+- `derived_eval(metrics) -> dict[str, float]`: metrics that follow from the summed ones (`metrics`: name ->
+  total sum / total weight, without the `eval/` prefix), e.g. perplexity = exp(loss), with no second pass
+  over the eval data; logged as `eval/<name>`. Default: none.
 - `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
   of generated text); logged as `eval/<name>`. Default: none.
 - `infer(model, lines: list[str]) -> list[str]`: one output line per input line (never blank: the
@@ -251,6 +254,9 @@ class Task:
 
   def eval_metrics(self, model, batch) -> dict[str, tuple[Any, Any]]:
     raise NotImplementedError
+
+  def derived_eval(self, metrics: dict[str, float]) -> dict[str, float]:
+    return {}
 
   def extra_eval(self, model) -> dict[str, float]:
     return {}

@@ -207,8 +207,8 @@ class Trainer:
                    out_shardings=(self.shardings, None))
 
   def evaluate(self, state) -> dict[str, float]:
-    """{"eval/<name>": value}: the task's eval metrics summed over every eval batch (sum / weight),
-    and its host-side extra_eval."""
+    """{"eval/<name>": value}: the task's eval metrics summed over every eval batch (sum / weight), what
+    derived_eval makes of them, and its host-side extra_eval."""
     if self._eval_step is None:
       task, graphdef = self.task, self.graphdef
       self._eval_step = jax.jit(
@@ -220,7 +220,8 @@ class Trainer:
       sums = self._eval_step(state, self.batch(local, self.config.eval_batch_size))
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     totals = jax.device_get(totals) or {}
-    values = {f"eval/{k}": float(s) / max(float(w), 1e-12) for k, (s, w) in totals.items()}
+    summed = {k: float(s) / max(float(w), 1e-12) for k, (s, w) in totals.items()}
+    values = {f"eval/{k}": v for k, v in {**summed, **self.task.derived_eval(summed)}.items()}
     values.update({f"eval/{k}": float(v) for k, v in self.task.extra_eval(self.model(state)).items()})
     return values
 

@@ -33,7 +33,7 @@ Metrics, logged as eval/<name> (an "eval token" is one next-token pair of an eva
 included, every pair of every eval document counted once):
   eval/loss            mean cross-entropy (nats) per eval token
   eval/token_accuracy  share of eval tokens whose most likely id is the true next token
-  eval/perplexity      exp(eval/loss), computed in extra_eval over the same tokens
+  eval/perplexity      exp(eval/loss) (derived_eval: from the same sums, no second pass)
 How many eval tokens there are is logged when the task is built. A document longer than a row is
 scored in chunks of data.sequence_length pairs, each without the context before it (as it is trained).
 Infer: each input line is a prompt (BOS + its tokens); the output line is the prompt followed by the
@@ -202,7 +202,6 @@ class LanguageModelTask(task_lib.Task):
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
                    len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
-    self._eval_sums = nnx.jit(self._sums)
     self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options", "suppress_ids"))
 
   # --- data -------------------------------------------------------------------------------------
@@ -301,13 +300,9 @@ class LanguageModelTask(task_lib.Task):
     correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["targets"]) * batch["weights"])
     return loss_sum, correct, weight_sum
 
-  def extra_eval(self, model):
-    """perplexity = exp(mean eval loss per token), over every eval token."""
-    loss, weight = 0.0, 0.0
-    for batch in self.eval_data.eval_batches(self.config.eval_batch_size):
-      loss_sum, _, weight_sum = self._eval_sums(model, {k: jnp.asarray(v) for k, v in batch.items()})
-      loss, weight = loss + float(loss_sum), weight + float(weight_sum)
-    return {"perplexity": math.exp(loss / max(weight, 1.0))}
+  def derived_eval(self, metrics):
+    """perplexity = exp(mean eval loss per token), from the summed eval loss (no second pass)."""
+    return {"perplexity": math.exp(metrics["loss"])} if "loss" in metrics else {}
 
   # --- inference --------------------------------------------------------------------------------
 
