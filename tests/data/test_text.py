@@ -169,3 +169,16 @@ def test_eval_batches_yield_every_row_once_then_padding():
   np.testing.assert_array_equal(rows[:batches.num_rows], batches.packed.inputs)
   assert len(rows) == 4 * batches.num_eval_batches(4) and (weights[batches.num_rows:] == 0).all()
   assert (rows[batches.num_rows:] == 0).all()
+
+
+def test_the_first_rows_are_those_rows_of_the_packing_and_nothing_else():
+  batches = text.TextBatches.from_texts([f"document {n} " * (n % 5 + 1) for n in range(60)], tokenizers.ByteTokenizer(),
+                                        length=16)
+  assert batches.num_rows > 10
+  first = batches.first_rows(10)
+  assert first.num_rows == 10 and batches.first_rows(10_000) is batches
+  rows = np.concatenate([b["inputs"] for b in first.eval_batches(4)])
+  np.testing.assert_array_equal(rows[:10], batches.packed.inputs[:10])
+  assert (rows[10:] == 0).all() and (first.packed.segments[:, 0] < 10).all()
+  assert len(first.packed.segments) == (batches.packed.segments[:, 0] < 10).sum()
+

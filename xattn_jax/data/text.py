@@ -31,6 +31,7 @@ are a pure function of (documents, length, seed).
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 from collections.abc import Iterator, Sequence
 
@@ -178,8 +179,11 @@ class TextBatches:
 
   def __init__(self, documents: Sequence[Sequence[int]], *, length: int, bos_id: int = tokenizers.BOS_ID,
                eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0):
-    self.packed = pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed)
-    self.length = self.packed.inputs.shape[1]
+    self._hold(pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed))
+
+  def _hold(self, packed: PackedText) -> None:
+    self.packed = packed
+    self.length = packed.inputs.shape[1]
     self._order = batching.EpochOrder(self.num_rows)
 
   @classmethod
@@ -190,6 +194,20 @@ class TextBatches:
   @property
   def num_rows(self) -> int:
     return self.packed.num_rows
+
+  def first_rows(self, count: int) -> "TextBatches":
+    """The same batches over the first ``count`` packed rows only (all of them if there are fewer): a
+    fixed sample of the documents' chunks, in the seeded packing order."""
+    count = _check_int("count", count, 1)
+    if count >= self.num_rows:
+      return self
+    packed = self.packed
+    kept = dataclasses.replace(
+        packed, segments=packed.segments[packed.segments[:, 0] < count],
+        **{name: getattr(packed, name)[:count] for name in ("inputs", "targets", "weights", "segment_ids", "positions")})
+    subset = copy.copy(self)
+    subset._hold(kept)
+    return subset
 
   def steps_per_epoch(self, batch_size: int) -> int:
     """Global batches per epoch: ``num_rows // batch_size``, at least 1 (``batching.epoch_order``)."""

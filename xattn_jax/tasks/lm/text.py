@@ -15,7 +15,8 @@ Config (see configs/lm_text.py):
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
                       the text; the bundled corpus has its own held-out side; --mode=eval reads the
                       training file again and scores the same held-out documents); data.num_eval_documents
-                      keeps the first that many of them (0 = all)
+                      keeps the first that many of them (0 = all); data.max_eval_rows (optional) scores the
+                      first that many packed eval rows (0 = all)
   data.tokenizer      "bytes" or "sentencepiece" (trained into <workdir>/tokenizer/, reused on resume,
                       eval and infer); data.vocab_size is a cap unless data.vocab_size_exact;
                       data.single_piece_words (optional) words kept one piece each (e.g. "<image>")
@@ -151,6 +152,8 @@ class LanguageModelTask(task_lib.Task):
     validate_model(config)
     validation.require_positive(config, "data.sequence_length", "task.decoding.max_new_tokens")
     validation.require_positive(config, "data.num_eval_documents", allow_zero=True)
+    if "max_eval_rows" in data:  # a run's config.py written before the field existed has none
+      validation.require_positive(config, "data.max_eval_rows", allow_zero=True)
     if task.decoding.max_new_tokens > model.max_length - 2:  # BOS and one prompt token at least
       raise validation.ConfigError("task.decoding.max_new_tokens", task.decoding.max_new_tokens,
                                    f"must be <= model.max_length - 2 = {model.max_length - 2}: a prompt's BOS, its "
@@ -202,6 +205,11 @@ class LanguageModelTask(task_lib.Task):
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
                    len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
+      cap = config.data.get("max_eval_rows", 0)
+      if cap and self.eval_data.num_rows > cap:  # an eval of a large file's whole held-out side costs minutes
+        self.eval_data = self.eval_data.first_rows(cap)
+        logging.info("LM eval scores the first %d of those rows (%d tokens; data.max_eval_rows, 0 = all)", cap,
+                     int(self.eval_data.packed.weights.sum()))
     self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options", "suppress_ids"))
 
   # --- data -------------------------------------------------------------------------------------
