@@ -5,7 +5,8 @@
 
 Training ends after `epochs=20` passes over the pairs if that comes before total_steps (10,000), but not before
 `min_steps=1200` (the dates' budget): a corpus under ~3,800 pairs (60 steps a pass) trains 1,200 steps, a larger
-one up to 20 passes, 10,000 steps from ~32,000 pairs on; `epochs=0` trains total_steps whatever the corpus.
+one up to 20 passes, 10,000 steps from ~32,000 pairs on; `epochs=0` trains total_steps (10,000) whatever the
+corpus.
 
 A malformed line (no tab, several tabs, an empty side), a file that is not UTF-8, or a missing or
 empty file stops the run before training, naming the file and line (exit status 2).
@@ -19,8 +20,9 @@ def get_config(arg=None):
   args = common.parse_arg(arg, size="tiny", posenc="sinusoidal", tokenizer="sentencepiece", scan=False,
                           epochs=20.0, min_steps=1200)
   config = translate_dates.translator_config(args)
-  # A corpus's size is the user's: 1,200 steps of 64 pairs are a fraction of a pass over 100,000 (a 20,000-pair
-  # pairs: BLEU 72 after 1,200 steps, 94 after 20 passes; experiments/results/intel_xeon_amx/translator_tsv_budget.md).
+  # A corpus's size is the user's: 1,200 steps of 64 pairs are a fraction of a pass over 100,000 pairs (on a
+  # synthetic 20,000: BLEU 72 after 1,200 steps, 94 after 20 passes; experiments/results/intel_xeon_amx/
+  # translator_tsv_budget.md).
   config.total_steps = 10000
   config.max_epochs = args.epochs
   config.min_steps = args.min_steps

@@ -148,4 +148,3 @@ class EarlyStopping:
     best = "no value yet" if self.best is None else f"its best {self.best:.6g} at step {self.best_step}"
     return (f"{self.metric} has not beaten {best} by more than early_stopping.min_delta={self.min_delta:g} for "
             f"early_stopping.patience={self.patience} evals")
-
