@@ -88,6 +88,10 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   # d_model-512, 3+3-layer translator: ~6-10% a step). Evals, checkpoints, the last step and a change
   # of batch shape end a call; SIGTERM / Ctrl-C stop at the end of a call.
   config.steps_per_call = 8
+  # Gradient accumulation: each step's batch runs as this many equal microbatches in sequence (a lax.scan), their
+  # loss sums and gradients added, one update: the gradient of the whole batch at the memory of one microbatch.
+  # Needs a task that gives its loss as (sum, weight) (Task.loss_terms: the language model, the translator).
+  config.num_microbatches = 1
   # Resume order: a checkpoint in the workdir > `init_from` (parameters only) > from scratch.
   config.init_from = ""             # a checkpoint directory (workdir/checkpoints or one step in it)
 

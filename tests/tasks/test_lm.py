@@ -169,6 +169,22 @@ def test_a_large_held_out_side_is_scored_on_its_first_max_eval_rows(tmp_path, ca
     validation.validate_config(config, mode="eval")
 
 
+def test_microbatches_on_a_two_device_mesh_train_as_the_whole_batch(tmp_path):
+  """num_microbatches splits each device's rows of the batch (microbatch j: rows j, j + k, ...); the launcher's
+  runs with 2 microbatches and without log the same losses, steps 1-4 on a ("data": 2) mesh."""
+  losses = []
+  for microbatches in (1, 2):
+    workdir = tmp_path / f"k{microbatches}"
+    overrides = {"mesh.data": 2, "num_microbatches": microbatches, "total_steps": 4, "log_every_steps": 1,
+                 "eval_every_steps": 4, "checkpoint.every_steps": 4, "model.dropout_rate": 0.0}
+    result = helpers.launch(TINY[0].split("=", 1)[1], workdir, *TINY[1:],  # then these, which win
+                            *(f"--config.{key}={value}" for key, value in overrides.items()), device_count=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses.append([row["train/loss"] for row in helpers.metric_rows(workdir) if "train/loss" in row])
+  assert len(losses[0]) == 4
+  np.testing.assert_allclose(losses[1], losses[0], rtol=2e-5)
+
+
 def test_eval_without_an_eval_file_scores_the_documents_training_held_out(tmp_path):
   """--mode=eval once read no training file there: the held-out side was empty ('no eval documents')."""
   train_file = tmp_path / "mine.txt"

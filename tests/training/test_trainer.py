@@ -232,3 +232,79 @@ def test_max_epochs_on_a_task_that_does_not_count_its_epochs_is_refused_before_a
   config.max_epochs = 3.0
   with pytest.raises(validation.ConfigError, match=r"^config\.max_epochs=3\.0: task 'template' does not count"):
     Trainer(config, str(tmp_path))
+
+
+# --- gradient accumulation (config.num_microbatches) ----------------------------------------------
+
+_LM = ("--config=configs/lm_text.py:tokenizer=bytes", "--config.model.d_model=32", "--config.model.num_heads=2",
+       "--config.model.num_layers=1", "--config.model.mlp_dim=64", "--config.model.max_length=64",
+       "--config.data.sequence_length=32", "--config.batch_size=8", "--config.total_steps=4",
+       "--config.steps_per_call=1", "--config.logging.tensorboard=False")
+_TRANSLATOR = ("--config=configs/translate_dates.py:tokenizer=bytes", "--config.data.first_year=2000",
+               "--config.data.last_year=2000", "--config.batch_size=8", "--config.total_steps=4",
+               "--config.steps_per_call=1", "--config.model.dropout_rate=0.0", "--config.model.max_length=48",
+               "--config.logging.tensorboard=False")
+
+
+def _one_step(args, microbatches, tmp_path):
+  """(loss, grad norm, updated parameters) of step 1 of the config, its batch run as `microbatches`."""
+  from tests import helpers
+  config = helpers.load_config(*args, f"--config.num_microbatches={microbatches}")
+  validation.validate_config(config, mode="train", device_count=1)
+  trainer = Trainer(config, str(tmp_path / f"k{microbatches}"), "train")
+  batch = dict(trainer.read_train_batch(0))
+  if "weights" in batch:  # the LM's packed rows are nearly full: drop row 1's second half from the loss
+    batch["weights"] = batch["weights"].copy()
+    batch["weights"][1, batch["weights"].shape[1] // 2:] = 0
+  weights = np.asarray(batch["weights"] if "weights" in batch else batch["targets"] != 0, np.float32)
+  batch = trainer.batch(batch, config.batch_size, stacked=False)
+  state, metrics = trainer.make_train_step()(trainer.init_state(), jax.tree.map(lambda x: x[None], batch),
+                                             jnp.int32(0), jnp.int32(1), jax.random.key(config.seed))
+  params = [x for x in jax.tree.leaves(state[0]) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  return float(metrics["train/loss"][0]), float(metrics["train/grad_norm"][0]), params, weights
+
+
+@pytest.mark.parametrize("args", [_LM, _TRANSLATOR], ids=["lm", "translator"])
+def test_microbatches_give_the_whole_batchs_loss_and_update(args, tmp_path):
+  """Their loss sums and gradient sums add up, divided once by the whole batch's weight: the update of the
+  whole batch. The microbatches here hold different numbers of tokens, so averaging their means would not."""
+  loss, norm, params, weights = _one_step(args, 1, tmp_path)
+  counts = [weights[j::4].sum() for j in range(4)]
+  assert len(set(counts)) > 1, counts  # (rows j, j + 4, ... form microbatch j)
+  loss_k, norm_k, params_k, _ = _one_step(args, 4, tmp_path)
+  assert loss_k == pytest.approx(loss, rel=1e-5) and norm_k == pytest.approx(norm, rel=1e-5)
+  for a, b in zip(params_k, params, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, device_count, message", [
+    ({"num_microbatches": 2}, 1, "needs a task whose loss is a sum and a weight (Task.loss_terms); task 'template'"),
+    ({"num_microbatches": 5}, 1, "must divide batch_size=12"),
+    ({"num_microbatches": 0}, 1, "must be a positive integer"),
+    ({"num_microbatches": 4}, 2, "leaves microbatches of 3 rows, not divisible by mesh data x fsdp = 2"),
+])
+def test_microbatches_a_task_or_batch_cannot_take_are_refused_in_one_line(overrides, device_count, message):
+  from tests import helpers
+  if "template" in message:
+    config = template.get_config("size=tiny")
+  else:  # a task that sums its loss
+    config = helpers.load_config(*_LM, "--config.batch_size=12", "--config.eval_batch_size=12")
+  config.num_microbatches = overrides["num_microbatches"]
+  with pytest.raises(validation.ConfigError, match=rf"^config\.num_microbatches={config.num_microbatches}: "
+                                                   rf"{re.escape(message)}"):
+    validation.validate_config(config, mode="train", device_count=device_count)
+
+
+def test_microbatches_hold_a_fraction_of_the_whole_batchs_temporaries(tmp_path):
+  """What accumulation is for: XLA's temporaries of the step (activations, logits) at 4 microbatches are
+  under half those of the whole batch (compiled, not run)."""
+  from tests import helpers
+  temporaries = []
+  for microbatches in (1, 4):
+    config = helpers.load_config(*_LM, "--config.batch_size=32", f"--config.num_microbatches={microbatches}")
+    trainer = Trainer(config, str(tmp_path / f"k{microbatches}"), "train")
+    batch = trainer.batch(trainer.read_train_batch(0), config.batch_size, stacked=False)
+    compiled = trainer.make_train_step().lower(trainer.abstract_state, jax.tree.map(lambda x: x[None], batch),
+                                               jnp.int32(0), jnp.int32(1), jax.random.key(0)).compile()
+    temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+  assert temporaries[1] < 0.5 * temporaries[0], temporaries

@@ -29,6 +29,8 @@ def reseed_for_step(model, rng_key, step) -> None:
   nnx.reseed(model, dropout=step_key, policy="match_shape")
 
 
-def task_rngs(rng_key, step) -> nnx.Rngs:
-  """The `rngs` handed to Task.loss: any randomness a task draws itself (not the model's dropout)."""
-  return nnx.Rngs(jax.random.fold_in(jax.random.fold_in(rng_key, TASK_STREAM), step))
+def task_rngs(rng_key, step, microbatch=None) -> nnx.Rngs:
+  """The `rngs` handed to Task.loss: any randomness a task draws itself (not the model's dropout); with
+  config.num_microbatches > 1, one stream per microbatch of the step."""
+  key = jax.random.fold_in(jax.random.fold_in(rng_key, TASK_STREAM), step)
+  return nnx.Rngs(key if microbatch is None else jax.random.fold_in(key, microbatch))

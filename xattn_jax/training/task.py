@@ -53,6 +53,10 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   scalar (mean over the global batch), `aux` a dict of float32 scalars logged as `train/<name>`.
   `rngs` is an `nnx.Rngs` derived from (seed, step) for any randomness the task draws itself
   (`rngs.noise()`); the model's dropout streams are already reseeded for this step.
+- `loss_terms(model, batch, *, rngs) -> (loss_sum, weight_sum)`: optional; the loss as a float32 sum over
+  the batch and the weight it is divided by (`loss` = sum / max(weight, 1)), so that microbatches add up to
+  the whole batch's loss and gradient exactly (config.num_microbatches; averaging their means would weight a
+  microbatch of few tokens like one of many). A task that defines it says so with `sums_its_loss()`.
 - `eval_batches(*, process_index, process_count) -> Iterable[dict[str, np.ndarray]]`: this process's
   rows of each global eval batch (size config.eval_batch_size, same row split as train_batch); every
   eval example once, the last batch padded with rows whose weight is 0. Every process yields the same
@@ -254,6 +258,14 @@ class Task:
 
   def eval_metrics(self, model, batch) -> dict[str, tuple[Any, Any]]:
     raise NotImplementedError
+
+  def loss_terms(self, model, batch, *, rngs) -> tuple[Any, Any]:
+    raise NotImplementedError
+
+  @classmethod
+  def sums_its_loss(cls) -> bool:
+    """Whether the task defines `loss_terms` (config.num_microbatches > 1 needs it)."""
+    return cls.loss_terms is not Task.loss_terms
 
   def derived_eval(self, metrics: dict[str, float]) -> dict[str, float]:
     return {}

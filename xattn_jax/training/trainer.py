@@ -61,6 +61,39 @@ def multi_step(train_step):
   return steps
 
 
+def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
+  """(mean loss, its gradient wrt the model's nnx.Params) of the whole batch, computed over `microbatches`
+  equal microbatches in sequence: their loss sums, weights and gradient sums add up, one division at the end.
+
+  Microbatch j holds rows j, j + k, j + 2k, ... (k = microbatches), so each device's rows of the batch split
+  evenly among them. The model's other state (dropout streams) is carried from one microbatch to the next, and
+  the task's own randomness gets one stream per microbatch (`rng.task_rngs`).
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
+                                              0, 1), batch)  # [k, B / k, ...]
+
+  def one(carry, inputs):
+    params, rest, gradient_sum, loss_sum, weight_sum = carry  # params ride along unchanged: nnx wants the
+    rows, index = inputs                                      # model's Variables at the loop's trace level
+    model = nnx.merge(graphdef, params, rest)
+
+    def terms(model):
+      return task.loss_terms(model, rows, rngs=rng.task_rngs(rng_key, step, index))
+
+    (total, weight), gradient = nnx.value_and_grad(terms, has_aux=True)(model)
+    gradient_sum = jax.tree.map(jnp.add, gradient_sum, gradient)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return (params, rest, gradient_sum, loss_sum + total, weight_sum + weight), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  start = (params, rest, zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+  (_, rest, gradient_sum, loss_sum, weight_sum), _ = jax.lax.scan(one, start, (micro, jnp.arange(microbatches)))
+  nnx.update(model, rest)
+  weight = jnp.maximum(weight_sum, 1.0)
+  return loss_sum / weight, jax.tree.map(lambda g: g / weight, gradient_sum)
+
+
 def _sized_by_epochs(config, task):
   """`config` ending where `schedule.end_step` says: as it is, or a copy whose total_steps is the step that
   completes config.max_epochs passes over the task's training data, so that the schedule, the loop and the
@@ -183,6 +216,7 @@ class Trainer:
     """
     task, graphdef, learning_rate = self.task, self.graphdef, self.learning_rate
     nan_at_step = self.config.debug.nan_at_step
+    microbatches = self.config.get("num_microbatches", 1)
 
     def train_step(state, batch, step, rng_key):
       # copy=True: a model holding nnx.Rngs must not mutate the Variables of the traced input.
@@ -195,7 +229,12 @@ class Trainer:
           loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
         return loss, aux
 
-      (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+      if microbatches == 1:
+        (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+      else:
+        (loss, grads), aux = accumulated_gradients(task, model, batch, microbatches, rng_key, step), {}
+        if nan_at_step >= 0:
+          loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
       optimizer.update(model, grads)
       metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
                  "train/learning_rate": learning_rate(step)}

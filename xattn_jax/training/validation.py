@@ -283,6 +283,14 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if config.batch_size % process_count:
     raise ConfigError("batch_size", config.batch_size,
                       f"must be divisible by the number of processes ({process_count})")
+  microbatches = config.get("num_microbatches", 1)  # a run's config.py written before the field has none
+  if microbatches != 1:
+    require_positive(config, "num_microbatches")
+    if not task_class.sums_its_loss():
+      raise ConfigError("num_microbatches", microbatches, f"needs a task whose loss is a sum and a weight "
+                        f"(Task.loss_terms); task {config.task.name!r} gives only its mean: use 1")
+    if config.batch_size % microbatches:
+      raise ConfigError("num_microbatches", microbatches, f"must divide batch_size={config.batch_size}")
   if config.model.get("implementation") == "cudnn" and config.precision.compute_dtype not in ("bfloat16", "float16"):
     raise ConfigError("model.implementation", "cudnn",
                       f"needs precision.compute_dtype bfloat16 or float16, got {config.precision.compute_dtype!r}")
@@ -297,6 +305,9 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
       if config[field] % batch_shards:
         raise ConfigError(field, config[field],
                           f"must be divisible by mesh data x fsdp = {batch_shards}")
+    if microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
+      raise ConfigError("num_microbatches", microbatches, f"leaves microbatches of "
+                        f"{config.batch_size // microbatches} rows, not divisible by mesh data x fsdp = {batch_shards}")
   else:
     _check_mesh_sizes(config.mesh)
   check_attention_dims(config.model)

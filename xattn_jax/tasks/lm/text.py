@@ -285,12 +285,16 @@ class LanguageModelTask(task_lib.Task):
     return model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                  position_rng=position_rng, deterministic=deterministic)
 
-  def loss(self, model, batch, *, rngs):
-    """Mean cross-entropy per next-token pair; padding (weight 0) counts nothing."""
+  def loss_terms(self, model, batch, *, rngs):
+    """Summed cross-entropy of the next-token pairs and their count; padding (weight 0) counts nothing."""
     # The loop has reseeded the model's dropout streams; rngs draw the step's randomized positions (per
     # document of the packed rows), if the model has them.
     logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
-    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["weights"])
+    return optim.cross_entropy(logits, batch["targets"], batch["weights"])
+
+  def loss(self, model, batch, *, rngs):
+    """Mean cross-entropy per next-token pair."""
+    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):

@@ -472,12 +472,15 @@ class TranslateTask(task_lib.Task):
     return model(batch["inputs"], batch["decoder_inputs"], deterministic=deterministic, position_rng=position_rng,
                  **packing)
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
+    """Summed (label-smoothed) cross-entropy of the target tokens and their count."""
     # The loop has reseeded the model's dropout streams for this step; rngs draw its randomized
     # positions, if the model has them (a pure function of (seed, step)).
     logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
-    loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0,
-                                               self.config.task.label_smoothing)
+    return optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0, self.config.task.label_smoothing)
+
+  def loss(self, model, batch, *, rngs):
+    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):
