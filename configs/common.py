@@ -124,6 +124,9 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
       "keep": 2,                    # the last `keep` checkpoints ...
       "best_metric": "eval/loss",   # ... plus the best by this eval metric ("" = none)
       "best_mode": "min",           # min | max
+      # Which checkpoint --mode=eval / infer and loop.load_model read: latest | best (by best_metric; with
+      # early stopping the latest is `patience` evals past it).
+      "eval_from": "latest",
   })
 
   # patience > 0: training ends at the eval where checkpoint.best_metric has not beaten its best by more than

@@ -113,10 +113,17 @@ class Checkpoints:
         model=ocp.args.StandardSave(model_state), optimizer=ocp.args.StandardSave(optimizer_state),
         meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
 
-  def restore_latest(self, abstract_model, abstract_optimizer):
-    """(model_state, optimizer_state, meta) of the newest readable step, or None if there is none."""
+  def best_step(self) -> int | None:
+    """The step whose eval metrics rank best by best_metric (among those kept); None without any."""
+    if not self.best_metric or not self.manager.all_steps():
+      return None
+    return self.manager.best_step()
+
+  def restore_latest(self, abstract_model, abstract_optimizer, *, steps=None):
+    """(model_state, optimizer_state, meta) of the newest readable step (of `steps`, else of all), or None if
+    there is none."""
     failures = []
-    for step in reversed(self.steps()):
+    for step in reversed(self.steps() if steps is None else sorted(steps)):
       # Checked before restoring: orbax fails on another model's shapes only after starting its
       # reads, and leaves their threads printing tracebacks.
       mismatch = model_mismatch(os.path.join(self.directory, str(step), "model"), abstract_model)

@@ -70,7 +70,8 @@ def infer(trainer: Trainer, state, input_file: str, output=None) -> list[str]:
 
 
 def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None):
-  """(model, task) of the newest checkpoint of a run, for notebooks and scripts:
+  """(model, task) of a run's newest checkpoint (or its best: overrides={"checkpoint.eval_from": "best"}), for
+  notebooks and scripts:
 
       model, task = loop.load_model("workdirs/dates")
       task.infer(model, ["Sunday, November 29, 2026"])   # the task's own inference
@@ -99,7 +100,9 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
   if overrides:
     workdir_lib.check_same_model(config, workdir, mode)
   trainer = Trainer(config, workdir, mode)
-  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep,
+                                            best_metric=config.checkpoint.best_metric,
+                                            best_mode=config.checkpoint.best_mode)
   try:
     state, _ = trainer.latest_state(checkpoints, "load" if mode == "infer" else mode)
   finally:

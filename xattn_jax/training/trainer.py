@@ -281,8 +281,17 @@ class Trainer:
     return state, 0, jax.random.key(self.config.seed)
 
   def latest_state(self, checkpoints: checkpoints_lib.Checkpoints, purpose: str):
-    """(state, step) of the newest readable checkpoint; RunError naming `purpose` when there is none."""
-    restored = checkpoints.restore_latest(*self.abstract_pure())
+    """(state, step) of the checkpoint config.checkpoint.eval_from names: the newest readable one, or the
+    best by checkpoint.best_metric; RunError naming `purpose` when there is none."""
+    steps = None
+    if self.config.checkpoint.get("eval_from", "latest") == "best":
+      best = checkpoints.best_step()
+      if best is None:
+        raise RunError(f"checkpoint.eval_from='best': no checkpoint in {checkpoints.directory} was saved with "
+                       f"eval metrics ({checkpoints.best_metric}) to rank; read the 'latest'")
+      steps = [best]
+      logging.info("Reading the best checkpoint by %s: step %d", checkpoints.best_metric, best)
+    restored = checkpoints.restore_latest(*self.abstract_pure(), steps=steps)
     if restored is None:
       raise RunError(f"no checkpoint in {checkpoints.directory} to {purpose} with")
     return self.from_pure(restored[0], restored[1]), restored[2]["step"]

@@ -44,6 +44,10 @@ def _get(config, field: str):
   return node
 
 
+# Which checkpoint an eval / infer run reads (config.checkpoint.eval_from).
+EVAL_FROM = ("latest", "best")
+
+
 def require_positive(config, *fields: str, allow_zero: bool = False):
   for field in fields:
     value = _get(config, field)
@@ -250,6 +254,11 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   _check_optimizer_numbers(config.optimizer)
   _check_probabilities(config)
   require_choice(config, "checkpoint.best_mode", ("min", "max"))
+  if "eval_from" in config.checkpoint:  # a run's config.py written before the field existed has none
+    require_choice(config, "checkpoint.eval_from", EVAL_FROM)
+    if config.checkpoint.eval_from == "best" and not config.checkpoint.best_metric:
+      raise ConfigError("checkpoint.eval_from", "best", "needs checkpoint.best_metric, which is '': name the eval "
+                        "metric that ranks the checkpoints, or read the 'latest'")
   best = config.checkpoint.best_metric
   if best and (not best.startswith("eval/")
                or (task_class.eval_metric_names and best not in task_class.eval_metric_names)):
