@@ -253,10 +253,13 @@ def _one_step(args, microbatches, tmp_path):
   validation.validate_config(config, mode="train", device_count=1)
   trainer = Trainer(config, str(tmp_path / f"k{microbatches}"), "train")
   batch = dict(trainer.read_train_batch(0))
-  if "weights" in batch:  # the LM's packed rows are nearly full: drop row 1's second half from the loss
-    batch["weights"] = batch["weights"].copy()
+  if batch.get("weights", np.zeros(())).ndim == 2:  # the LM's packed rows are nearly full: drop row 1's second
+    batch["weights"] = batch["weights"].copy()       # half from the loss
     batch["weights"][1, batch["weights"].shape[1] // 2:] = 0
-  weights = np.asarray(batch["weights"] if "weights" in batch else batch["targets"] != 0, np.float32)
+    weights = batch["weights"]
+  else:  # padded targets: their tokens
+    weights = batch["targets"] != 0
+  weights = np.asarray(weights, np.float32)
   batch = trainer.batch(batch, config.batch_size, stacked=False)
   state, metrics = trainer.make_train_step()(trainer.init_state(), jax.tree.map(lambda x: x[None], batch),
                                              jnp.int32(0), jnp.int32(1), jax.random.key(config.seed))
@@ -264,7 +267,20 @@ def _one_step(args, microbatches, tmp_path):
   return float(metrics["train/loss"][0]), float(metrics["train/grad_norm"][0]), params, weights
 
 
-@pytest.mark.parametrize("args", [_LM, _TRANSLATOR], ids=["lm", "translator"])
+_TEMPLATE = ("--config=configs/template.py:size=tiny", "--config.batch_size=8", "--config.total_steps=4",
+             "--config.steps_per_call=1", "--config.model.dropout_rate=0.0", "--config.logging.tensorboard=False")
+
+
+_LM_ALGORITHMIC = ("--config=configs/lm_algorithmic.py:size=micro,operation=reverse", "--config.batch_size=8",
+                   "--config.total_steps=4", "--config.steps_per_call=1", "--config.logging.tensorboard=False")
+
+
+_ALGORITHMIC = ("--config=configs/algorithmic.py:size=micro,posenc=rope", "--config.batch_size=8",
+                "--config.total_steps=4", "--config.steps_per_call=1", "--config.logging.tensorboard=False")
+
+
+@pytest.mark.parametrize("args", [_LM, _TRANSLATOR, _TEMPLATE, _LM_ALGORITHMIC, _ALGORITHMIC],
+                         ids=["lm", "translator", "template", "lm_algorithmic", "algorithmic"])
 def test_microbatches_give_the_whole_batchs_loss_and_update(args, tmp_path):
   """Their loss sums and gradient sums add up, divided once by the whole batch's weight: the update of the
   whole batch. The microbatches here hold different numbers of tokens, so averaging their means would not."""
@@ -278,15 +294,16 @@ def test_microbatches_give_the_whole_batchs_loss_and_update(args, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, device_count, message", [
-    ({"num_microbatches": 2}, 1, "needs a task whose loss is a sum and a weight (Task.loss_terms); task 'template'"),
+    ({"num_microbatches": 2}, 1, "needs a task whose loss is a sum and a weight (Task.loss_terms); task 'digits'"),
     ({"num_microbatches": 5}, 1, "must divide batch_size=12"),
     ({"num_microbatches": 0}, 1, "must be a positive integer"),
     ({"num_microbatches": 4}, 2, "leaves microbatches of 3 rows, not divisible by mesh data x fsdp = 2"),
 ])
 def test_microbatches_a_task_or_batch_cannot_take_are_refused_in_one_line(overrides, device_count, message):
   from tests import helpers
-  if "template" in message:
-    config = template.get_config("size=tiny")
+  if "'digits'" in message:  # a classifier that logs its accuracy beside a mean loss
+    from configs import perceiver_digits
+    config = perceiver_digits.get_config()
   else:  # a task that sums its loss
     config = helpers.load_config(*_LM, "--config.batch_size=12", "--config.eval_batch_size=12")
   config.num_microbatches = overrides["num_microbatches"]

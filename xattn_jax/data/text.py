@@ -202,9 +202,9 @@ class TextBatches:
     if count >= self.num_rows:
       return self
     packed = self.packed
-    kept = dataclasses.replace(
-        packed, segments=packed.segments[packed.segments[:, 0] < count],
-        **{name: getattr(packed, name)[:count] for name in ("inputs", "targets", "weights", "segment_ids", "positions")})
+    names = ("inputs", "targets", "weights", "segment_ids", "positions")
+    rows = {name: getattr(packed, name)[:count] for name in names}
+    kept = dataclasses.replace(packed, segments=packed.segments[packed.segments[:, 0] < count], **rows)
     subset = copy.copy(self)
     subset._hold(kept)
     return subset

@@ -143,10 +143,14 @@ class AlgorithmicTask(task_lib.Task):
                                                self.config.task.label_smoothing)
     return logits, token_weights, loss_sum, weight_sum
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
     # The model has no dropout (the sweep compares encodings, not regularisers); the step's rngs
     # draw its randomized positions, if the model has them (a pure function of (seed, step)).
     _, _, loss_sum, weight_sum = self._token_losses(model, batch, position_rng=rngs.positions())
+    return loss_sum, weight_sum
+
+  def loss(self, model, batch, *, rngs):
+    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):

@@ -88,9 +88,13 @@ class LMAlgorithmicTask(task_lib.Task):
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["targets"], weights)
     return logits, weights, loss_sum, weight_sum
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
     # The step's rngs draw its randomized positions, if the model has them (a pure function of (seed, step)).
     _, _, loss_sum, weight_sum = self._sums(model, batch, position_rng=rngs.positions())
+    return loss_sum, weight_sum
+
+  def loss(self, model, batch, *, rngs):
+    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
     return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):
