@@ -111,15 +111,12 @@ class TemplateTask(task_lib.Task):
     return logits, token_weights, loss_sum, weight_sum
 
   def loss_terms(self, model, batch, *, rngs):
-    # Traced: the summed token loss and the token count (config.num_microbatches adds these up).
+    # Traced: the summed token loss and the token count; Task.loss logs their ratio as train/loss, and
+    # config.num_microbatches adds them up over microbatches. A task with other train/<name> metrics
+    # defines loss(...) -> (float32 scalar, {name: scalar}) instead.
     del rngs  # dropout draws from the model's own streams, reseeded by the loop each step
     _, _, loss_sum, weight_sum = self._token_losses(model, batch, deterministic=False)
     return loss_sum, weight_sum
-
-  def loss(self, model, batch, *, rngs):
-    # Traced: (float32 scalar loss, {name: scalar} logged as train/<name>).
-    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
-    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index, process_count):
     # Every eval example once, in batches of eval_batch_size; the last padded with weight-0 rows.

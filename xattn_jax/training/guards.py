@@ -21,6 +21,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xattn_jax.training import task as task_lib
+
 GUARDED_METRICS = ("train/loss", "train/grad_norm")
 
 
@@ -120,10 +122,9 @@ class EarlyStopping:
   """
 
   def __init__(self, config, rows: Sequence[dict] = (), *, up_to_step: int = 0):
-    settings = config.get("early_stopping")
-    self.patience = settings.patience if settings else 0
-    self.min_delta = settings.min_delta if settings else 0.0
-    self.metric, self.mode = config.checkpoint.best_metric, config.checkpoint.best_mode
+    settings = task_lib.early_stopping_settings(config) or {"patience": 0, "min_delta": 0.0, "metric": "", "mode": ""}
+    self.patience, self.min_delta = settings["patience"], settings["min_delta"]
+    self.metric, self.mode = settings["metric"], settings["mode"]
     self.best, self.best_step, self.evals_since_best = None, None, 0
     if self.patience:
       logged = {row["step"]: row for row in rows if row.get("step", 0) <= up_to_step and self.metric in row}

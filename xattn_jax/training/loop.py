@@ -50,11 +50,12 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   config = trainer.config
   state, step, rng_key = trainer.restore(checkpoints)
   stopped_early = task_lib.read_early_stop(config, trainer.workdir)
-  if stopped_early is None or step < stopped_early[0]:
+  ended = stopped_early is not None and step >= stopped_early[0]  # where early stopping ended it before
+  if not ended:
     _check_start_step(step, config, trainer.workdir, ended_by_epochs=trainer.ended_by_epochs)
   if after_restore is not None:
     after_restore()
-  if stopped_early is not None and step >= stopped_early[0]:
+  if ended:
     logging.info("The run stopped early at step %d (%s): nothing to train.", *stopped_early)
     return {}
   early_stopping = guards.EarlyStopping(

@@ -56,7 +56,8 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 - `loss_terms(model, batch, *, rngs) -> (loss_sum, weight_sum)`: optional; the loss as a float32 sum over
   the batch and the weight it is divided by (`loss` = sum / max(weight, 1)), so that microbatches add up to
   the whole batch's loss and gradient exactly (config.num_microbatches; averaging their means would weight a
-  microbatch of few tokens like one of many). A task that defines it says so with `sums_its_loss()`.
+  microbatch of few tokens like one of many). A task that defines it says so with `sums_its_loss()`, and
+  `loss` defaults to sum / max(weight, 1) of it.
 - `eval_batches(*, process_index, process_count) -> Iterable[dict[str, np.ndarray]]`: this process's
   rows of each global eval batch (size config.eval_batch_size, same row split as train_batch); every
   eval example once, the last batch padded with rows whose weight is 0. Every process yields the same
@@ -251,7 +252,10 @@ class Task:
     raise NotImplementedError
 
   def loss(self, model, batch, *, rngs) -> tuple[Any, dict[str, Any]]:
-    raise NotImplementedError
+    """`loss_terms`' sum / max(weight, 1), no auxiliary metrics: a task without loss_terms defines loss."""
+    import jax.numpy as jnp  # traced only: importing this module stays cheap
+    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
+    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
 
   def eval_batches(self, *, process_index: int, process_count: int) -> Iterable[dict[str, np.ndarray]]:
     raise NotImplementedError

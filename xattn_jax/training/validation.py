@@ -48,6 +48,12 @@ def _get(config, field: str):
 EVAL_FROM = ("latest", "best")
 
 
+def require_non_negative_number(config, field: str, rule: str = "must be a non-negative number"):
+  value = _get(config, field)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+    raise ConfigError(field, value, rule)
+
+
 def require_positive(config, *fields: str, allow_zero: bool = False):
   for field in fields:
     value = _get(config, field)
@@ -240,9 +246,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     require_positive(config, "steps_per_call")
   require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
   if "max_epochs" in config:  # a run's config.py written before the fields existed has neither
-    epochs = config.max_epochs
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 <= epochs < float("inf"):
-      raise ConfigError("max_epochs", epochs, "must be a non-negative number (0: total_steps alone)")
+    require_non_negative_number(config, "max_epochs", "must be a non-negative number (0: total_steps alone)")
     require_positive(config, "min_steps", allow_zero=True)  # capped by total_steps, as every end is
   if "profile" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "profile.first_step", "profile.num_steps", allow_zero=True)
@@ -266,9 +270,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     raise ConfigError("checkpoint.best_metric", best, f"allowed are '' (no best checkpoint) or {allowed}")
   if "early_stopping" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "early_stopping.patience", allow_zero=True)
-    delta = config.early_stopping.min_delta
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < float("inf"):
-      raise ConfigError("early_stopping.min_delta", delta, "must be a non-negative number")
+    require_non_negative_number(config, "early_stopping.min_delta")
     if config.early_stopping.patience and not best:
       raise ConfigError("early_stopping.patience", config.early_stopping.patience,
                         "compares checkpoint.best_metric, which is '': name the eval metric to watch there")

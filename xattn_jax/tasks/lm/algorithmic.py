@@ -93,10 +93,6 @@ class LMAlgorithmicTask(task_lib.Task):
     _, _, loss_sum, weight_sum = self._sums(model, batch, position_rng=rngs.positions())
     return loss_sum, weight_sum
 
-  def loss(self, model, batch, *, rngs):
-    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
-    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
-
   def eval_batches(self, *, process_index, process_count):
     """Each band's examples in batches of eval_batch_size at the band's width (weight-0 rows fill up)."""
     for index, (lo, hi) in enumerate(self.bands):

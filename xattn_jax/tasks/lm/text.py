@@ -292,11 +292,6 @@ class LanguageModelTask(task_lib.Task):
     logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
     return optim.cross_entropy(logits, batch["targets"], batch["weights"])
 
-  def loss(self, model, batch, *, rngs):
-    """Mean cross-entropy per next-token pair."""
-    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
-    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
-
   def eval_batches(self, *, process_index, process_count):
     return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,
                                        process_count=process_count)
