@@ -2,8 +2,11 @@
 tiny chain (encoder, LM, connector) that learns."""
 import json
 import pathlib
+import shutil
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from PIL import Image
@@ -161,6 +164,43 @@ def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns():
   final = helpers.metric_rows(chain / "vlm")[-1]
   assert {"eval/exact_match", "eval/chrf", "eval/exact_match_count"} <= set(final)
   assert (chain / "vlm" / "frozen.json").is_file()
+
+
+@pytest.mark.slow
+def test_each_frozen_part_is_read_at_the_checkpoint_its_run_names_as_its_result(tmp_path):
+  """The LM run gets a newer checkpoint of other weights and a worse eval loss: a VLM reads that newest one
+  while the LM's config reads its latest, its best (the original) once its checkpoint.eval_from is 'best', as
+  that run's --mode=eval would; frozen.json names the step."""
+  chain = tiny_chain()
+  lm = tmp_path / "lm"
+  shutil.copytree(chain / "lm", lm)
+  best = checkpoints.step_numbers(str(lm))[-1]
+  step_directory = lm / "checkpoints" / str(best)
+  with ocp.StandardCheckpointer() as checkpointer:
+    model, optimizer = (checkpointer.restore(step_directory / item) for item in ("model", "optimizer"))
+  meta = json.loads((step_directory / "meta" / "metadata").read_text())
+  shifted = jax.tree.map(lambda x: x + 1.0 if jax.dtypes.issubdtype(x.dtype, np.floating) else x, model)
+  stored = checkpoints.Checkpoints(str(lm), keep=5, best_metric="eval/loss", best_mode="min")
+  stored.save(best + 1, shifted, optimizer, {**meta, "step": best + 1}, {"eval/loss": 1e9})
+  stored.close()
+
+  def frozen_lm(eval_from):
+    run = json.loads((lm / "config.json").read_text())
+    run["checkpoint"]["eval_from"] = eval_from
+    (lm / "config.json").write_text(json.dumps(run))
+    overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": lm}
+    config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,kinds=count",
+                                 *(f"--config.{field}={value}" for field, value in overrides.items()))
+    workdir = tmp_path / f"vlm_{eval_from}"
+    task = vlm_task.VLMTask(config, str(workdir), "train")
+    return task.weights["lm"], json.loads((workdir / vlm_task.FROZEN_RECORD).read_text())
+
+  for eval_from, step, weights in (("latest", best + 1, shifted), ("best", best, model)):
+    read, record = frozen_lm(eval_from)
+    assert (record["lm_step"], record["encoder_step"]) == (step, checkpoints.step_numbers(str(chain / "encoder"))[-1])
+    flat = dict(jax.tree_util.tree_leaves_with_path(weights))
+    for path, value in jax.tree_util.tree_leaves_with_path(read):
+      np.testing.assert_array_equal(value, flat[path], err_msg=f"{eval_from}: {jax.tree_util.keystr(path)}")
 
 
 def _shape_pairs(folder, name: str, count: int) -> pathlib.Path:

@@ -1,6 +1,9 @@
-"""Checkpoint retention (last K plus the best) and the mismatch report, in process."""
+"""Checkpoint retention (last K plus the best), the step a run hands on, and the mismatch report, in process."""
+import json
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 
@@ -53,3 +56,32 @@ def test_a_mismatch_names_a_parameter_before_an_rng_counter(tmp_path):
                                               "kernel": jnp.zeros((1, 8))}})
   assert checkpoints_lib.model_mismatch(str(tmp_path / "model"), wanted) == \
       "parameter blocks.kernel is [2, 8] in the checkpoint, [1, 8] in this config"
+
+
+def _run_config(tmp_path, **checkpoint):
+  (tmp_path / "config.json").write_text(json.dumps({"checkpoint": checkpoint}))
+
+
+def test_a_runs_result_is_its_newest_step_or_its_best_as_its_eval_from_says(tmp_path):
+  """What a run hands on to a run that freezes it: the checkpoint its own --mode=eval reads."""
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=5, best_metric="eval/loss", best_mode="min")
+  for step, loss in {10: 2.0, 20: 0.5, 30: 1.0}.items():
+    checkpoints.save(step, *_tiny(step), {"step": step}, {"eval/loss": loss})
+  checkpoints.close()
+  _run_config(tmp_path, eval_from="latest", best_metric="eval/loss", best_mode="min")
+  assert checkpoints_lib.result_step(str(tmp_path)) == 30
+  _run_config(tmp_path, eval_from="best", best_metric="eval/loss", best_mode="min")
+  assert checkpoints_lib.result_step(str(tmp_path)) == 20
+  _run_config(tmp_path, eval_from="best", best_metric="eval/loss", best_mode="max")
+  assert checkpoints_lib.result_step(str(tmp_path)) == 10
+
+
+def test_a_best_result_without_ranked_checkpoints_is_refused(tmp_path):
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=5)
+  checkpoints.save(10, *_tiny(10), {"step": 10})
+  checkpoints.close()
+  _run_config(tmp_path, eval_from="best", best_metric="eval/loss", best_mode="min")
+  with pytest.raises(checkpoints_lib.RunError, match="eval_from='best'"):
+    checkpoints_lib.result_step(str(tmp_path))
+  _run_config(tmp_path, eval_from="latest", best_metric="eval/loss", best_mode="min")
+  assert checkpoints_lib.result_step(str(tmp_path)) == 10

@@ -12,6 +12,7 @@ the checkpoints stay where they are.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -22,6 +23,8 @@ from etils import epath
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
+
+from xattn_jax.training.errors import RunError
 
 ITEMS = ("model", "optimizer", "meta")
 
@@ -164,6 +167,32 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
+
+
+def result_step(workdir: str) -> int:
+  """The step a finished run names as its result, the one its `--mode=eval` reads: with
+  checkpoint.eval_from='best' in its config.json, its best checkpoint by checkpoint.best_metric; else its
+  newest. A run that froze into another (a VLM's encoder and LM, the Q-Former's ViT) hands on this step."""
+  steps = step_numbers(workdir)
+  if not steps:
+    raise FileNotFoundError(f"{os.path.join(workdir, 'checkpoints')} holds no checkpoint step")
+  path = os.path.join(workdir, "config.json")
+  checkpoint = {}
+  if os.path.isfile(path):
+    with open(path) as f:
+      checkpoint = json.load(f).get("checkpoint", {})
+  if checkpoint.get("eval_from", "latest") != "best":
+    return steps[-1]
+  checkpoints = Checkpoints(workdir, keep=max(len(steps), 1), best_metric=checkpoint["best_metric"],
+                            best_mode=checkpoint.get("best_mode", "min"))
+  try:
+    best = checkpoints.best_step()
+  finally:
+    checkpoints.close()
+  if best is None:
+    raise RunError(f"the run in {workdir} reads its best checkpoint (checkpoint.eval_from='best'), but none was "
+                   f"saved with eval metrics ({checkpoint['best_metric']}) to rank")
+  return best
 
 
 def restore_model_from(path: str, abstract_model):

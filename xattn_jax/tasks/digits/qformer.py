@@ -4,9 +4,10 @@
 The frozen encoder is the ViT run in `model.encoder_workdir`, trained with the config file
 `model.encoder_config` ("path.py[:arg]"): the task declares it as its dependency, so launch.py trains
 (or resumes) it there first when that workdir holds no finished run (`xattn_jax.training.dependencies`).
-This task only loads it: the run's resolved config gives the architecture and its newest checkpoint the
-weights. Training records in the Q-Former's workdir (`encoder.json`) where that run is (an absolute
-path) and the encoder's model config; a resumed training reads the encoder from there, and eval and
+This task only loads it: the run's resolved config gives the architecture, and the checkpoint that run names
+as its result the weights (its newest; its best by checkpoint.best_metric where its checkpoint.eval_from is
+"best", as its --mode=eval reads it). Training records in the Q-Former's workdir (`encoder.json`) where that
+run is (an absolute path), the step read and the encoder's model config; a resumed training reads the encoder from there, and eval and
 infer read only this record, since the Q-Former's checkpoints hold the frozen weights, so they never
 train, nor read the encoder run, whatever the current directory.
 """
@@ -29,7 +30,7 @@ from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
 from xattn_jax.training import task as task_lib, validation
 
-ENCODER_RECORD = "encoder.json"  # in a Q-Former workdir: {"encoder_workdir": absolute path, "model": {...}}
+ENCODER_RECORD = "encoder.json"  # in a Q-Former workdir: {"encoder_workdir": absolute path, "encoder_step", "model"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +122,9 @@ class QFormerTask(common.DigitsBase):
 
   # --- the frozen encoder -----------------------------------------------------------------------
 
-  def _write_record(self, encoder_workdir: str, encoder_config: ConfigDict):
-    """Records in this run's workdir where its encoder run is and the encoder's model config."""
-    record = {"encoder_workdir": encoder_workdir, "model": encoder_config.to_dict()}
+  def _write_record(self, encoder_workdir: str, encoder_config: ConfigDict, step: int):
+    """Records in this run's workdir where its encoder run is, the step read and the encoder's model config."""
+    record = {"encoder_workdir": encoder_workdir, "encoder_step": step, "model": encoder_config.to_dict()}
     if not self.workdir or jax.process_index() != 0 or _read_record(self.workdir) == record:
       return
     path = os.path.join(self.workdir, ENCODER_RECORD)
@@ -157,9 +158,10 @@ class QFormerTask(common.DigitsBase):
           "xattn_jax.training.dependencies.resolve(config, workdir) before loop.run)")
     encoder_config = _stored_config(dependency.workdir).model
     _check_encoder_patch(self.config, encoder_config, f"the run in {dependency.workdir}")
-    self._write_record(dependency.workdir, encoder_config)
+    step = checkpoints_lib.result_step(dependency.workdir)  # what its --mode=eval reads (checkpoint.eval_from)
+    self._write_record(dependency.workdir, encoder_config, step)
     abstract = nnx.eval_shape(lambda: vit_task.make_vit(encoder_config, rngs=nnx.Rngs(params=0, dropout=0)))
-    restored = checkpoints_lib.restore_model_from(os.path.join(dependency.workdir, "checkpoints"),
+    restored = checkpoints_lib.restore_model_from(os.path.join(dependency.workdir, "checkpoints", str(step)),
                                                   nnx.to_pure_dict(nnx.state(abstract)))
     # Only the parameters: the encoder's RNG state (dropout keys) plays no part in a frozen encoder.
     return encoder_config, _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))

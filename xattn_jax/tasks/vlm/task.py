@@ -4,8 +4,10 @@
 The frozen parts are two finished runs, declared as dependencies that launch.py trains first when their
 workdirs hold no finished run: the image encoder (`model.encoder_config`, e.g. configs/vlm_encoder.py, in
 `model.encoder_workdir`) and the language model pretrained on the task's text alone (`model.lm_config`,
-e.g. configs/vlm_lm.py, in `model.lm_workdir`; SentencePiece with IMAGE_TOKEN one piece). Training records
-in this run's workdir where they are and their model configs (FROZEN_RECORD) and copies the LM's tokenizer
+e.g. configs/vlm_lm.py, in `model.lm_workdir`; SentencePiece with IMAGE_TOKEN one piece), each read at the
+checkpoint its run names as its result (`checkpoints.result_step`: its newest, or its best where its
+checkpoint.eval_from is "best"). Training records in this run's workdir where they are, the steps read and
+their model configs (FROZEN_RECORD) and copies the LM's tokenizer
 there: eval and infer read only this workdir (its checkpoints hold the frozen weights too).
 
 A user's pairs (data.source="tsv") come with their own LM and image encoder: configs/vlm_tsv.py's
@@ -79,7 +81,8 @@ from xattn_jax.training import optim, task as task_lib, validation
 
 # The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
 ENCODER_TASKS = ("vlm_encoder", "vlm_pairs_encoder")
-FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_model", "lm_workdir", "lm_model", "vocab_size"}
+FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_step", "encoder_model", "lm_workdir", "lm_step",
+#                                  "lm_model", "vocab_size"}
 TOKENIZER_FILE = lm_task.SPM_FILE
 SOURCES = ("digits", "tsv")
 MAX_IMAGES = 2  # image slots per example: the two-image "larger" kind
@@ -375,12 +378,16 @@ class VLMTask(task_lib.Task):
     lm_config = _stored_config(lm_dep.workdir)
     tokenizer_path = os.path.join(lm_dep.workdir, TOKENIZER_FILE)
     vocab_size = tokenizers.SentencePieceTokenizer(tokenizer_path).vocab_size
-    record = {"encoder_workdir": encoder_dep.workdir, "encoder_model": encoder_model.to_dict(),
-              "lm_workdir": lm_dep.workdir, "lm_model": lm_config.model.to_dict(), "vocab_size": vocab_size}
+    # Each frozen part is read at the step its run names as its result (checkpoint.eval_from), as its
+    # --mode=eval reads it: an early-stopped LM with eval_from='best' hands on its best weights.
+    encoder_step, lm_step = (checkpoints_lib.result_step(d.workdir) for d in (encoder_dep, lm_dep))
+    record = {"encoder_workdir": encoder_dep.workdir, "encoder_step": encoder_step,
+              "encoder_model": encoder_model.to_dict(), "lm_workdir": lm_dep.workdir, "lm_step": lm_step,
+              "lm_model": lm_config.model.to_dict(), "vocab_size": vocab_size}
     weights = {
-        "encoder": self._restore(encoder_dep.workdir, lambda: encoder_task.make_encoder(
+        "encoder": self._restore(encoder_dep.workdir, encoder_step, lambda: encoder_task.make_encoder(
             encoder_model, rngs=nnx.Rngs(params=0, dropout=0))),
-        "lm": self._restore(lm_dep.workdir, lambda: lm_task.make_language_model(
+        "lm": self._restore(lm_dep.workdir, lm_step, lambda: lm_task.make_language_model(
             lm_config.model, vocab_size, max_length=lm_config.model.max_length, dtype=jnp.float32,
             param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))),
     }
@@ -395,9 +402,9 @@ class VLMTask(task_lib.Task):
     return record, tokenizer_path, weights
 
   @staticmethod
-  def _restore(workdir, build):
+  def _restore(workdir, step, build):
     abstract = nnx.eval_shape(build)
-    restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints"),
+    restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints", str(step)),
                                                   nnx.to_pure_dict(nnx.state(abstract)))
     return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
