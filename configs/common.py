@@ -89,9 +89,9 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   # of batch shape end a call; SIGTERM / Ctrl-C stop at the end of a call.
   config.steps_per_call = 8
   # Gradient accumulation: each step's batch runs as this many equal microbatches in sequence (a lax.scan), their
-  # loss sums and gradients added, one update: the gradient of the whole batch at the memory of one microbatch.
-  # Needs a task that gives its loss as (sum, weight) (Task.loss_terms: the language models, the translator, the
-  # algorithmic encoder-decoder, the template).
+  # loss sums, gradients and train metrics added, one update: the gradient of the whole batch at the memory of one
+  # microbatch. Needs a task that gives its loss as (sum, weight) (Task.loss_terms: every bundled task; the VLM
+  # without task.distill_weight).
   config.num_microbatches = 1
   # Resume order: a checkpoint in the workdir > `init_from` (parameters only) > from scratch.
   config.init_from = ""             # a checkpoint directory (workdir/checkpoints or one step in it)

@@ -73,6 +73,12 @@ def test_description_distillation_needs_the_bundled_strips_descriptions():
   assert config_error_field("--config=configs/vlm_digits.py:distill=0.5") is None
 
 
+def test_microbatches_are_refused_with_distillation_whose_term_is_a_mean_of_its_own():
+  assert config_error_field("--config=configs/vlm_digits.py:distill=0.5", "--config.num_microbatches=2") == \
+      "config.num_microbatches"
+  assert config_error_field("--config=configs/vlm_digits.py", "--config.num_microbatches=2") is None
+
+
 def test_each_connector_trains_its_own_default_steps_and_learning_rate_unless_the_config_names_them():
   assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS)
   for connector, steps in vlm_digits_config.DEFAULT_STEPS.items():

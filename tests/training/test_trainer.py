@@ -246,10 +246,16 @@ _TRANSLATOR = ("--config=configs/translate_dates.py:tokenizer=bytes", "--config.
                "--config.logging.tensorboard=False")
 
 
+# Step 1 moves the parameters by the learning rate times the gradient: with Adam's first step (about the sign of
+# each gradient) a gradient that is rounding noise (a key bias, which softmax ignores) would differ at random.
+_PLAIN_UPDATE = ("--config.optimizer.name=sgd", "--config.optimizer.momentum=0", "--config.optimizer.warmup_steps=0",
+                 "--config.optimizer.grad_clip_norm=0")
+
+
 def _one_step(args, microbatches, tmp_path):
   """(loss, grad norm, updated parameters) of step 1 of the config, its batch run as `microbatches`."""
   from tests import helpers
-  config = helpers.load_config(*args, f"--config.num_microbatches={microbatches}")
+  config = helpers.load_config(*args, f"--config.num_microbatches={microbatches}", *_PLAIN_UPDATE)
   validation.validate_config(config, mode="train", device_count=1)
   trainer = Trainer(config, str(tmp_path / f"k{microbatches}"), "train")
   batch = dict(trainer.read_train_batch(0))
@@ -293,17 +299,88 @@ def test_microbatches_give_the_whole_batchs_loss_and_update(args, tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+_QUICK_IMAGES = ("--config.batch_size=8", "--config.total_steps=4", "--config.steps_per_call=1",
+                 "--config.logging.tensorboard=False", "--config.logging.plot=False")
+# Beside train/loss, grad_norm and learning_rate: what each logs of its own
+_IMAGE_TRAIN_METRICS = {"digits": {"accuracy", "tokens_handed_on"}, "segment": {"iou", "oracle_iou"},
+                        "vlm_encoder": {"position_accuracy"}, "vlm_pairs_encoder": set(), "vlm": set()}
+
+
+def _image_configs(tmp_path):
+  """{name: launch arguments} of the tasks that log their own train/<name> metrics beside the loss."""
+  from PIL import Image
+  Image.fromarray(np.full((12, 20), 40, np.uint8)).save(tmp_path / "a.png")
+  Image.fromarray(np.eye(16, dtype=np.uint8) * 255).save(tmp_path / "b.png")
+  (tmp_path / "pairs.tsv").write_text("a.png\ta dark box\nb.png\ta white line\n" * 4)
+  pairs = (f"--config.data.train_file={tmp_path / 'pairs.tsv'}", f"--config.data.eval_file={tmp_path / 'pairs.tsv'}")
+  from tests.tasks import test_vlm
+  chain = test_vlm.tiny_chain()
+  frozen = {**test_vlm.TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm"}
+  return {
+      "vlm": ("--config=configs/vlm_digits.py:connector=qformer,queries=4",
+              *(f"--config.{field}={value}" for field, value in frozen.items()), *_QUICK_IMAGES),
+      "digits": ("--config=configs/perceiver_digits.py:steps=4,width=16,latents=4,blocks=1", *_QUICK_IMAGES),
+      "segment": ("--config=configs/segment_digits.py", "--config.data.canvas=16", "--config.data.digit_size=8",
+                  "--config.data.max_digits=2", "--config.model.d_model=16", "--config.model.num_heads=2",
+                  "--config.model.num_blocks=1", "--config.model.mlp_dim=32", "--config.model.mask_features=8",
+                  "--config.model.encoder.d_model=16", "--config.model.encoder.num_heads=2",
+                  "--config.model.encoder.num_blocks=1", *_QUICK_IMAGES),
+      "vlm_encoder": ("--config=configs/vlm_encoder.py:steps=4,width=16,blocks=1,patch=4,max_digits=2",
+                      *_QUICK_IMAGES),
+      "vlm_pairs_encoder": ("--config=configs/vlm_encoder.py:data=pairs,canvas=16x16,width=16,blocks=1", *pairs,
+                            *_QUICK_IMAGES),
+  }
+
+
+def _step_metrics(args, microbatches, workdir):
+  """(train metrics of step 1, updated parameters) of the config, its batch run as `microbatches`."""
+  from tests import helpers
+  config = helpers.load_config(*args, f"--config.num_microbatches={microbatches}", *_PLAIN_UPDATE)
+  validation.validate_config(config, mode="train", device_count=1)
+  trainer = Trainer(config, str(workdir / f"k{microbatches}"), "train")
+  batch = trainer.batch(trainer.read_train_batch(0), config.batch_size, stacked=False)
+  state, metrics = trainer.make_train_step()(trainer.init_state(), jax.tree.map(lambda x: x[None], batch),
+                                             jnp.int32(0), jnp.int32(1), jax.random.key(config.seed))
+  params = [x for x in jax.tree.leaves(state[0]) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  return {name: float(value[0]) for name, value in metrics.items()}, params
+
+
+@pytest.mark.parametrize("name", sorted(_IMAGE_TRAIN_METRICS))
+def test_microbatches_of_the_image_tasks_give_the_whole_batchs_loss_update_and_train_metrics(name, tmp_path):
+  """Their own train/<name> metrics (accuracy, IoU, ...) add up as (sum, weight) pairs as the loss does."""
+  args = _image_configs(tmp_path)[name]
+  whole, params = _step_metrics(args, 1, tmp_path)
+  parts, params_k = _step_metrics(args, 4, tmp_path)
+  own = {f"train/{metric}" for metric in _IMAGE_TRAIN_METRICS[name]}
+  assert set(parts) == set(whole) == {"train/loss", "train/grad_norm", "train/learning_rate", *own}, whole
+  assert whole["train/learning_rate"] > 0  # so that the parameters below moved
+  for metric, value in whole.items():
+    assert parts[metric] == pytest.approx(value, rel=1e-5, abs=1e-6), metric
+  for a, b in zip(params_k, params, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class MeanOnlyTask(template_task.TemplateTask):
+  """A task that gives its loss only as a mean (`loss`), as a user's task may."""
+  loss_terms = task_lib.Task.loss_terms
+
+  def loss(self, model, batch, *, rngs):
+    logits, token_weights, loss_sum, weight_sum = self._token_losses(model, batch)
+    return loss_sum / weight_sum, {}
+
+
 @pytest.mark.parametrize("overrides, device_count, message", [
-    ({"num_microbatches": 2}, 1, "needs a task whose loss is a sum and a weight (Task.loss_terms); task 'digits'"),
+    ({"num_microbatches": 2}, 1, "needs a task whose loss is a sum and a weight (Task.loss_terms); task "
+                                 "'tests.training.test_trainer:MeanOnlyTask'"),
     ({"num_microbatches": 5}, 1, "must divide batch_size=12"),
     ({"num_microbatches": 0}, 1, "must be a positive integer"),
     ({"num_microbatches": 4}, 2, "leaves microbatches of 3 rows, not divisible by mesh data x fsdp = 2"),
 ])
 def test_microbatches_a_task_or_batch_cannot_take_are_refused_in_one_line(overrides, device_count, message):
   from tests import helpers
-  if "'digits'" in message:  # a classifier that logs its accuracy beside a mean loss
-    from configs import perceiver_digits
-    config = perceiver_digits.get_config()
+  if "MeanOnlyTask" in message:
+    config = template.get_config()
+    config.task.name = "tests.training.test_trainer:MeanOnlyTask"
   else:  # a task that sums its loss
     config = helpers.load_config(*_LM, "--config.batch_size=12", "--config.eval_batch_size=12")
   config.num_microbatches = overrides["num_microbatches"]

@@ -147,7 +147,7 @@ class AlgorithmicTask(task_lib.Task):
     # The model has no dropout (the sweep compares encodings, not regularisers); the step's rngs
     # draw its randomized positions, if the model has them (a pure function of (seed, step)).
     _, _, loss_sum, weight_sum = self._token_losses(model, batch, position_rng=rngs.positions())
-    return loss_sum, weight_sum
+    return loss_sum, weight_sum, {}
 
   def eval_batches(self, *, process_index, process_count):
     """Each band's examples in batches of eval_batch_size padded to the band's width (weight-0 rows fill up)."""

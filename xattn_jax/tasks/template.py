@@ -111,12 +111,13 @@ class TemplateTask(task_lib.Task):
     return logits, token_weights, loss_sum, weight_sum
 
   def loss_terms(self, model, batch, *, rngs):
-    # Traced: the summed token loss and the token count; Task.loss logs their ratio as train/loss, and
-    # config.num_microbatches adds them up over microbatches. A task with other train/<name> metrics
-    # defines loss(...) -> (float32 scalar, {name: scalar}) instead.
+    # Traced: the summed token loss, the token count and other train/<name> metrics as {name: (sum,
+    # weight)}; Task.loss logs loss_sum / weight_sum as train/loss and each aux sum / weight, and
+    # config.num_microbatches adds them all up over microbatches first.
     del rngs  # dropout draws from the model's own streams, reseeded by the loop each step
-    _, _, loss_sum, weight_sum = self._token_losses(model, batch, deterministic=False)
-    return loss_sum, weight_sum
+    logits, token_weights, loss_sum, weight_sum = self._token_losses(model, batch, deterministic=False)
+    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["targets"]) * token_weights)
+    return loss_sum, weight_sum, {"token_accuracy": (correct, weight_sum)}
 
   def eval_batches(self, *, process_index, process_count):
     # Every eval example once, in batches of eval_batch_size; the last padded with weight-0 rows.

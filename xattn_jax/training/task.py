@@ -53,11 +53,12 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   scalar (mean over the global batch), `aux` a dict of float32 scalars logged as `train/<name>`.
   `rngs` is an `nnx.Rngs` derived from (seed, step) for any randomness the task draws itself
   (`rngs.noise()`); the model's dropout streams are already reseeded for this step.
-- `loss_terms(model, batch, *, rngs) -> (loss_sum, weight_sum)`: optional; the loss as a float32 sum over
-  the batch and the weight it is divided by (`loss` = sum / max(weight, 1)), so that microbatches add up to
-  the whole batch's loss and gradient exactly (config.num_microbatches; averaging their means would weight a
-  microbatch of few tokens like one of many). A task that defines it says so with `sums_its_loss()`, and
-  `loss` defaults to sum / max(weight, 1) of it.
+- `loss_terms(model, batch, *, rngs) -> (loss_sum, weight_sum, aux)`: optional; the loss as a float32 sum
+  over the batch and the weight it is divided by (`loss` = sum / max(weight, 1)), and aux {name: (sum,
+  weight)} as eval_metrics gives them, so that microbatches add up to the whole batch's loss, gradient and
+  train/<name> exactly (config.num_microbatches; averaging their means would weight a microbatch of few
+  tokens like one of many). A task that defines it says so with `sums_its_loss()`, and `loss` defaults to
+  those sums over their weights.
 - `eval_batches(*, process_index, process_count) -> Iterable[dict[str, np.ndarray]]`: this process's
   rows of each global eval batch (size config.eval_batch_size, same row split as train_batch); every
   eval example once, the last batch padded with rows whose weight is 0. Every process yields the same
@@ -252,10 +253,9 @@ class Task:
     raise NotImplementedError
 
   def loss(self, model, batch, *, rngs) -> tuple[Any, dict[str, Any]]:
-    """`loss_terms`' sum / max(weight, 1), no auxiliary metrics: a task without loss_terms defines loss."""
-    import jax.numpy as jnp  # traced only: importing this module stays cheap
-    loss_sum, weight_sum = self.loss_terms(model, batch, rngs=rngs)
-    return loss_sum / jnp.maximum(weight_sum, 1.0), {}
+    """`loss_terms`' sum / max(weight, 1) and each aux sum / weight: a task without loss_terms defines loss."""
+    loss_sum, weight_sum, aux = self.loss_terms(model, batch, rngs=rngs)
+    return mean_terms(loss_sum, weight_sum, aux)
 
   def eval_batches(self, *, process_index: int, process_count: int) -> Iterable[dict[str, np.ndarray]]:
     raise NotImplementedError
@@ -263,7 +263,7 @@ class Task:
   def eval_metrics(self, model, batch) -> dict[str, tuple[Any, Any]]:
     raise NotImplementedError
 
-  def loss_terms(self, model, batch, *, rngs) -> tuple[Any, Any]:
+  def loss_terms(self, model, batch, *, rngs) -> tuple[Any, Any, dict[str, tuple[Any, Any]]]:
     raise NotImplementedError
 
   @classmethod
@@ -283,6 +283,15 @@ class Task:
   def input_path(self, path: str) -> str:
     """A file named in an infer line: relative to the input file's folder (see the module docstring)."""
     return os.path.join(self.input_directory, os.path.expanduser(path))
+
+
+def mean_terms(loss_sum, weight_sum, aux: dict) -> tuple[Any, dict[str, Any]]:
+  """(loss, aux means) of `loss_terms`' sums: loss_sum / max(weight_sum, 1); each aux sum over its weight (0
+  where the weight is 0)."""
+  import jax.numpy as jnp  # traced only: importing this module stays cheap
+  means = {name: jnp.where(weight > 0, total / jnp.where(weight > 0, weight, 1.0), 0.0)
+           for name, (total, weight) in aux.items()}
+  return loss_sum / jnp.maximum(weight_sum, 1.0), means
 
 
 def register(name: str):

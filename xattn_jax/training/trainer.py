@@ -62,8 +62,9 @@ def multi_step(train_step):
 
 
 def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
-  """(mean loss, its gradient wrt the model's nnx.Params) of the whole batch, computed over `microbatches`
-  equal microbatches in sequence: their loss sums, weights and gradient sums add up, one division at the end.
+  """((mean loss, its gradient wrt the model's nnx.Params), aux means) of the whole batch, computed over
+  `microbatches` equal microbatches in sequence: their loss sums, weights, gradient sums and aux (sum, weight)
+  pairs add up, one division at the end.
 
   Microbatch j holds rows j, j + k, j + 2k, ... (k = microbatches), so each device's rows of the batch split
   evenly among them. The model's other state (dropout streams) is carried from one microbatch to the next, and
@@ -73,25 +74,31 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
   micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
                                               0, 1), batch)  # [k, B / k, ...]
 
+  def terms(model, rows, index):
+    total, weight, aux = task.loss_terms(model, rows, rngs=rng.task_rngs(rng_key, step, index))
+    as_float = lambda x: jnp.asarray(x, jnp.float32)
+    return total, (weight, jax.tree.map(as_float, aux))
+
   def one(carry, inputs):
-    params, rest, gradient_sum, loss_sum, weight_sum = carry  # params ride along unchanged: nnx wants the
-    rows, index = inputs                                      # model's Variables at the loop's trace level
+    params, rest, gradient_sum, sums = carry  # params ride along unchanged: nnx wants the model's
+    rows, index = inputs                      # Variables at the loop's trace level
     model = nnx.merge(graphdef, params, rest)
-
-    def terms(model):
-      return task.loss_terms(model, rows, rngs=rng.task_rngs(rng_key, step, index))
-
-    (total, weight), gradient = nnx.value_and_grad(terms, has_aux=True)(model)
+    (total, (weight, aux)), gradient = nnx.value_and_grad(terms, has_aux=True)(model, rows, index)
     gradient_sum = jax.tree.map(jnp.add, gradient_sum, gradient)
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    return (params, rest, gradient_sum, loss_sum + total, weight_sum + weight), None
+    return (params, rest, gradient_sum, jax.tree.map(jnp.add, sums, (total, weight, aux))), None
 
+  # The sums start as zeros of the terms' structure (the aux names are the task's).
+  _, (_, aux_shape) = jax.eval_shape(lambda params, rest, rows: terms(nnx.merge(graphdef, params, rest), rows, 0),
+                                     params, rest, jax.tree.map(lambda x: x[0], micro))
   zeros = jax.tree.map(jnp.zeros_like, params)
-  start = (params, rest, zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-  (_, rest, gradient_sum, loss_sum, weight_sum), _ = jax.lax.scan(one, start, (micro, jnp.arange(microbatches)))
+  start = (params, rest, zeros, jax.tree.map(lambda _: jnp.zeros((), jnp.float32), (0.0, 0.0, aux_shape)))
+  (_, rest, gradient_sum, (loss_sum, weight_sum, aux)), _ = jax.lax.scan(
+      one, start, (micro, jnp.arange(microbatches)))
   nnx.update(model, rest)
   weight = jnp.maximum(weight_sum, 1.0)
-  return loss_sum / weight, jax.tree.map(lambda g: g / weight, gradient_sum)
+  loss, aux_means = task_lib.mean_terms(loss_sum, weight_sum, aux)
+  return (loss, jax.tree.map(lambda g: g / weight, gradient_sum)), aux_means
 
 
 def _sized_by_epochs(config, task):
@@ -232,7 +239,7 @@ class Trainer:
       if microbatches == 1:
         (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
       else:
-        (loss, grads), aux = accumulated_gradients(task, model, batch, microbatches, rng_key, step), {}
+        (loss, grads), aux = accumulated_gradients(task, model, batch, microbatches, rng_key, step)
         if nan_at_step >= 0:
           loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
       optimizer.update(model, grads)

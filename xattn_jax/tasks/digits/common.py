@@ -135,13 +135,13 @@ class DigitsBase(task_lib.Task):
                               process_index=process_index, process_count=process_count, grid=self.grid,
                               max_shift=self.config.data.max_shift)
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
     del rngs  # no dropout: the digits models regularise through data.max_shift augmentation
     logits = model(batch["images"], deterministic=True)
     loss_sum, count = optim.cross_entropy(logits, batch["labels"], label_smoothing=self.config.task.label_smoothing)
-    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == batch["labels"])
-    return loss_sum / count, {"accuracy": accuracy,
-                              "tokens_handed_on": jnp.float32(self.tokens_handed_on(model, batch["images"]))}
+    correct = jnp.sum(jnp.argmax(logits, axis=-1) == batch["labels"])
+    return loss_sum, count, {"accuracy": (correct, count),
+                             "tokens_handed_on": (jnp.float32(self.tokens_handed_on(model, batch["images"])), 1.0)}
 
   def eval_batches(self, *, process_index, process_count):
     return digits.eval_batches(self.split, self.config.eval_batch_size, process_index=process_index,

@@ -91,7 +91,7 @@ class LMAlgorithmicTask(task_lib.Task):
   def loss_terms(self, model, batch, *, rngs):
     # The step's rngs draw its randomized positions, if the model has them (a pure function of (seed, step)).
     _, _, loss_sum, weight_sum = self._sums(model, batch, position_rng=rngs.positions())
-    return loss_sum, weight_sum
+    return loss_sum, weight_sum, {}
 
   def eval_batches(self, *, process_index, process_count):
     """Each band's examples in batches of eval_batch_size at the band's width (weight-0 rows fill up)."""

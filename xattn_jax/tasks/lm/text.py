@@ -290,7 +290,7 @@ class LanguageModelTask(task_lib.Task):
     # The loop has reseeded the model's dropout streams; rngs draw the step's randomized positions (per
     # document of the packed rows), if the model has them.
     logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
-    return optim.cross_entropy(logits, batch["targets"], batch["weights"])
+    return (*optim.cross_entropy(logits, batch["targets"], batch["weights"]), {})
 
   def eval_batches(self, *, process_index, process_count):
     return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,

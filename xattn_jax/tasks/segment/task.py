@@ -184,11 +184,13 @@ class SegmentTask(task_lib.Task):
               + task.iou_loss_weight * iou_error)
     return losses, logits, predicted, actual
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
     del rngs  # no randomness of its own: prompts and jitter come with the batch
     losses, _, predicted, actual = self._losses(model, batch)
     chosen = jnp.take_along_axis(actual, jnp.argmax(predicted, axis=-1)[:, None], axis=-1)[:, 0]
-    return jnp.mean(losses), {"iou": jnp.mean(chosen), "oracle_iou": jnp.mean(jnp.max(actual, axis=-1))}
+    count = jnp.float32(losses.shape[0])
+    return jnp.sum(losses), count, {"iou": (jnp.sum(chosen), count),
+                                    "oracle_iou": (jnp.sum(jnp.max(actual, axis=-1)), count)}
 
   # --- evaluation -------------------------------------------------------------------------------
 

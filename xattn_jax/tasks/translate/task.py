@@ -473,11 +473,12 @@ class TranslateTask(task_lib.Task):
                  **packing)
 
   def loss_terms(self, model, batch, *, rngs):
-    """Summed (label-smoothed) cross-entropy of the target tokens and their count."""
+    """Summed (label-smoothed) cross-entropy of the target tokens and their count; no aux."""
     # The loop has reseeded the model's dropout streams for this step; rngs draw its randomized
     # positions, if the model has them (a pure function of (seed, step)).
     logits = self._logits(model, batch, deterministic=False, position_rng=rngs.positions())  # -> [b, t, vocab]
-    return optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0, self.config.task.label_smoothing)
+    return (*optim.cross_entropy(logits, batch["targets"], batch["targets"] != 0, self.config.task.label_smoothing),
+            {})
 
   def eval_batches(self, *, process_index, process_count):
     return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,

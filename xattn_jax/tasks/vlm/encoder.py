@@ -188,13 +188,13 @@ class StripEncoderTask(task_lib.Task):
   def _logits(self, model, images):
     return position_logits(model, images, position_width=self.position_width)  # [b, max_digits, 11]
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
     del rngs  # no dropout; the strips are drawn fresh every step
     logits = self._logits(model, batch["images"])
     loss_sum, count = optim.cross_entropy(logits, batch["labels"], label_smoothing=self.config.task.label_smoothing)
     digit = batch["labels"] != vlm_digits.EMPTY
     correct = jnp.argmax(logits, axis=-1) == batch["labels"]
-    return loss_sum / count, {"position_accuracy": jnp.sum(correct * digit) / jnp.maximum(jnp.sum(digit), 1)}
+    return loss_sum, count, {"position_accuracy": (jnp.sum(correct * digit), jnp.sum(digit))}
 
   def eval_metrics(self, model, batch):
     """Sums over the eval strips (see the module docstring)."""

@@ -164,10 +164,10 @@ class CaptionWordsEncoderTask(task_lib.Task):
   def _logits(model, images):
     return model(images)  # [b, vocab]: the head on the mean patch token (pool="gap"), float32
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
     del rngs  # no dropout
     per_image = optax.sigmoid_binary_cross_entropy(self._logits(model, batch["images"]), batch["targets"]).sum(-1)
-    return per_image.mean(), {}
+    return jnp.sum(per_image), jnp.float32(per_image.shape[0]), {}
 
   def eval_metrics(self, model, batch):
     """Sums over the eval pairs (see the module docstring)."""

@@ -183,6 +183,10 @@ class VLMTask(task_lib.Task):
       raise validation.ConfigError("task.distill_weight", distill,
                                    f"distils from the images' descriptions in words, which only the bundled "
                                    f"strips have: data.source='digits' only (or 0), got data.source={data.source!r}")
+    if distill and config.get("num_microbatches", 1) > 1:
+      raise validation.ConfigError("num_microbatches", config.num_microbatches,
+                                   f"needs a loss that is one sum over one weight; task.distill_weight={distill} adds "
+                                   f"a mean over the compared states to the answers' mean: use 1 (or distill_weight 0)")
     if "distill_blocks" in config.task:
       validation.require_positive(config, "task.distill_blocks", allow_zero=True)
     if model.spatial_merge > 1 and not vlm.CONNECTORS[model.connector].spatial:
@@ -628,14 +632,20 @@ class VLMTask(task_lib.Task):
     return model(batch.get("images"), batch["pixel_valid"], batch["image_valid"], batch["tokens"], batch["valid"],
                  features=batch.get("features"), deterministic=deterministic, hidden=hidden)
 
-  def loss(self, model, batch, *, rngs):
+  def loss_terms(self, model, batch, *, rngs):
+    """The answers' summed cross-entropy and their token count (without distillation, which validation keeps
+    from microbatches: its term is a mean of its own)."""
     del rngs
-    hidden = [] if self.distill_weight else None
+    logits = self._logits(model, batch, deterministic=False)
+    return *optim.cross_entropy(logits, batch["labels"], batch["weights"]), {}
+
+  def loss(self, model, batch, *, rngs):
+    if not self.distill_weight:
+      return super().loss(model, batch, rngs=rngs)
+    hidden = []
     logits = self._logits(model, batch, deterministic=False, hidden=hidden)
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], batch["weights"])
     loss = loss_sum / jnp.maximum(weight_sum, 1.0)
-    if not self.distill_weight:
-      return loss, {}
     target = batch["distill_target"]
     distill = description_distillation(hidden[:target.shape[2]], target, batch["distill_mask"])
     return loss + self.distill_weight * distill, {"cross_entropy": loss, "distill": distill}
