@@ -272,6 +272,26 @@ def test_the_tsv_default_budget_grows_with_the_corpus_from_the_dates_1200_steps(
   assert schedule.end_step(translate_tsv.get_config("epochs=0"), large) == 10_000
 
 
+def test_each_eval_decodes_its_share_of_pairs_evenly_spaced_through_the_file_and_scores_them_aligned(tmp_path):
+  """A file sorted by date or length is sampled from end to end (the first N of the dates' chronological eval
+  pairs were all from their first years); the hypotheses are those of the pairs scored. The TSV default decodes
+  1,000 pairs an eval."""
+  (tmp_path / "train.tsv").write_text("".join(f"{n} cats\t{n} chats\n" for n in range(40)))
+  (tmp_path / "eval.tsv").write_text("".join(f"{n} dogs\t{n} dogs\n" for n in range(10)))
+  config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"), "task.num_decode_examples": 4,
+                                     "data.eval_file": str(tmp_path / "eval.tsv"), "data.tokenizer": "bytes",
+                                     "task.num_attention_plots": 0})
+  task = translate_task.TranslateTask(config, str(tmp_path))
+  assert [source for source, _ in task._decoded_pairs] == ["0 dogs", "3 dogs", "6 dogs", "9 dogs"]
+  decoded = []
+  task.translate_ids = lambda model, inputs, limit: decoded.append(inputs) or [  # echoes each source: its target
+      task.tokenizer.decode([int(i) for i in row if i]) for row in inputs]
+  assert task.extra_eval(None)["exact_match"] == 1.0 and len(decoded[0]) == 4
+  config.task.num_decode_examples = 0
+  assert len(translate_task.TranslateTask(config, str(tmp_path))._decoded_pairs) == 10
+  assert translate_tsv.get_config().task.num_decode_examples == 1000
+
+
 def test_length_bucketed_batches_of_several_shapes_train_as_at_one_step_per_call(tmp_path):
   """Bucketed batches change shape from step to step; a call stacks only batches of one shape (the
   stack of different shapes crashed), and the losses are those of one step per call."""

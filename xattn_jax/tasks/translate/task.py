@@ -13,8 +13,9 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
                        (tasks.decoding_config: beam_size, alpha, temperature, top_k, top_p, seed)
   task.*               label smoothing, how many eval sentences to decode, log and plot
 
-Metrics, logged as eval/<name> at every eval ("decoded pairs": the first task.num_decode_examples
-eval pairs, 0 = all of them, decoded by the model alone as task.decoding says, greedy by default):
+Metrics, logged as eval/<name> at every eval ("decoded pairs": task.num_decode_examples of the eval
+pairs, evenly spaced through them, the same at every eval; 0 = all of them; decoded by the model alone as
+task.decoding says, greedy by default):
   eval/loss         cross-entropy per target token (EOS included, no label smoothing), teacher-forced,
                     over every eval pair
   eval/accuracy     share of those target tokens whose most likely id is the reference's, teacher-forced,
@@ -256,6 +257,9 @@ class TranslateTask(task_lib.Task):
       self._note_padding()
     if mode != "infer":
       self._log_bleu_choice()
+      if len(self._decoded_indices) < len(self.eval_pairs):
+        logging.info("Each eval decodes %d of the %d eval pairs, evenly spaced (task.num_decode_examples; 0 = all); "
+                     "eval/loss and eval/accuracy read them all", len(self._decoded_indices), len(self.eval_pairs))
     self.vocab_size = self.tokenizer.vocab_size
     self.options = decoding_config.decoding_options(config)
     self._generate = nnx.jit(decoding.generate,
@@ -311,10 +315,18 @@ class TranslateTask(task_lib.Task):
     data = self.config.data
     return f"data.train_file={data.train_file}" if data.source == "tsv" else f"the {data.target_locale} dates"
 
+  @functools.cached_property
+  def _decoded_indices(self) -> np.ndarray:
+    """Which eval pairs extra_eval decodes and scores: task.num_decode_examples (0 = all) evenly spaced from the
+    first to the last, so that a file sorted by length, date or source samples all of it."""
+    total, wanted = len(self.eval_pairs), self.config.task.num_decode_examples
+    if not wanted or wanted >= total:
+      return np.arange(total)
+    return np.round(np.linspace(0, total - 1, wanted)).astype(np.int64)  # distinct: the spacing is >= 1
+
   @property
   def _decoded_pairs(self):
-    """The eval pairs extra_eval decodes and scores: the first task.num_decode_examples (0 = all)."""
-    return self.eval_pairs[:self.config.task.num_decode_examples or len(self.eval_pairs)]
+    return [self.eval_pairs[i] for i in self._decoded_indices]
 
   def _choose_bleu(self) -> BleuChoice:
     """eval/bleu's tokenizer for the decoded references (logged once by _log_bleu_choice). In training, a best
@@ -523,7 +535,8 @@ class TranslateTask(task_lib.Task):
     task = self.config.task
     pairs = self._decoded_pairs
     inputs = np.concatenate([batch["inputs"] for batch in self.eval_data.eval_batches(self.config.eval_batch_size)])
-    hypotheses = self.translate_ids(model, inputs[:len(pairs)], self._max_decode_length())
+    inputs = inputs[self._decoded_indices]
+    hypotheses = self.translate_ids(model, inputs, self._max_decode_length())
     references = [target for _, target in pairs]
     for (source, target), hypothesis in list(zip(pairs, hypotheses))[:task.num_samples_logged]:
       logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
