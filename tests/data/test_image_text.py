@@ -62,6 +62,32 @@ def test_ink_on_a_transparent_background_is_ink(tmp_path, mode):
   assert pixels[3:5, 3:5].min() > 0.9 and pixels[:, 8:].max() < 0.1
 
 
+@pytest.mark.parametrize("depth", ["uint16", "int32", "float32", "float32 counts"])
+def test_a_deep_image_is_scaled_from_its_own_range_not_clipped_to_8_bits(tmp_path, depth):
+  """Pillow's 8-bit conversion clips: a 16-bit scan of a bright stroke on a mid-grey ground became all white,
+  then all black once inverted; floats in [0, 1] became 0 or 1."""
+  ground, stroke = {"uint16": (20_000, 60_000), "int32": (20_000, 60_000), "float32": (0.3, 0.9),
+                    "float32 counts": (300.0, 900.0)}[depth]
+  pixels = np.full((16, 32), ground, depth.split()[0])
+  pixels[4:12, 4:12] = stroke
+  path = tmp_path / ("scan.png" if depth == "uint16" else "scan.tif")
+  Image.fromarray(pixels).save(path)
+  [read] = read_images([path], CANVAS)
+  assert read[3:5, 3:5].min() - read[:, 8:].max() > 0.5  # the stroke stands out from its ground
+
+
+def test_a_photos_exif_orientation_is_applied(tmp_path):
+  """A phone photo stored sideways with an EXIF 'rotate 90' tag reads as a viewer shows it."""
+  pixels = np.zeros((16, 32), np.uint8)
+  pixels[:, :4] = 255  # a bright band along the stored image's left edge
+  exif = Image.Exif()
+  exif[0x0112] = 6  # orientation: the stored image turns 90 degrees clockwise to be seen upright
+  Image.fromarray(pixels).save(tmp_path / "photo.jpg", exif=exif, quality=95)
+  [read] = read_images([tmp_path / "photo.jpg"], (32, 32))
+  assert read.shape == (32, 16)  # upright: taller than wide
+  assert read[:3].mean() > 0.8 and read[8:].mean() < 0.2  # the left edge is now the top
+
+
 def test_rgb_images_keep_three_channels(folder):
   [example] = read_image_text_pairs(write(folder, b"sub/one.jpg\tb\n"), canvas=CANVAS, grey=False)
   assert example.images[0].shape == (8, 8, 3)

@@ -46,14 +46,32 @@ def fit_size(size: tuple[int, int], canvas: tuple[int, int]) -> tuple[int, int]:
   return (min(height, max(1, round(h * factor))), min(width, max(1, round(w * factor))))
 
 
+def _eight_bit(image):
+  """A single-channel 16-bit, 32-bit integer or float image as 8-bit grey: 16-bit data over 0-65535, 32-bit
+  integers over the smallest of 0-255, 0-65535 and 0-2^31-1 that holds them, floats in [0, 1] as they are,
+  other floats stretched from their minimum to their maximum."""
+  from PIL import Image
+
+  pixels = np.asarray(image, np.float64)
+  if image.mode == "F":
+    low, high = (0.0, 1.0) if pixels.min() >= 0 and pixels.max() <= 1 else (pixels.min(), pixels.max())
+  else:
+    bits = 16 if image.mode.startswith("I;16") else next(b for b in (8, 16, 31) if pixels.max() < 2 ** b)
+    low, high = 0.0, 2.0 ** bits - 1
+  scaled = (pixels - low) / max(high - low, 1e-12)
+  return Image.fromarray(np.round(np.clip(scaled, 0.0, 1.0) * 255).astype(np.uint8), "L")
+
+
 def load_image(path: str, canvas: tuple[int, int], *, grey: bool = True) -> np.ndarray:
   """One image file -> float32 [h, w] (grey) or [h, w, 3] in [0, 1], ink high, fitted inside canvas.
 
-  A transparent image is laid on white first; a mostly light image is inverted (ink high).
+  A photo's EXIF orientation is applied (as a viewer shows it); a 16-bit, 32-bit or floating-point image is
+  scaled from its own range (Pillow's 8-bit conversion would clip it: a 16-bit scan came out 99.6% white); a
+  transparent image is laid on white first; a mostly light image is inverted (ink high).
 
   Raises OSError (missing or not a file) or ValueError (not an image Pillow can read), saying which.
   """
-  from PIL import Image, UnidentifiedImageError  # Pillow only where a user's images are read
+  from PIL import Image, ImageOps, UnidentifiedImageError  # Pillow only where a user's images are read
 
   canvas = _check_canvas(canvas, "load_image")
   if not os.path.exists(path):
@@ -63,12 +81,14 @@ def load_image(path: str, canvas: tuple[int, int], *, grey: bool = True) -> np.n
   try:
     with Image.open(path) as opened:
       opened.load()
-      image = opened
-      if opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info:
+      image = ImageOps.exif_transpose(opened)
+      if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        image = _eight_bit(image)
+      if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         # Transparent pixels carry arbitrary colour (often black, as the ink is): lay the image on
         # white first, or ink on a transparent background reads as an empty image.
-        white = Image.new("RGBA", opened.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(white, opened.convert("RGBA"))
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, image.convert("RGBA"))
       image = image.convert("L" if grey else "RGB")
   except (UnidentifiedImageError, OSError, ValueError) as error:
     raise ValueError(f"image {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
