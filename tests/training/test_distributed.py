@@ -1,6 +1,7 @@
 """Sharded and multi-process training give the single-device losses: 8 simulated CPU devices
 under three meshes, and two processes on 127.0.0.1 with two devices each."""
 import json
+import shutil
 import signal
 import socket
 import sys
@@ -71,6 +72,28 @@ def test_sharded_mesh_gives_the_single_device_losses(eight_devices, single_devic
   assert sorted(losses) == sorted(single_device)
   np.testing.assert_allclose([losses[s] for s in sorted(losses)],
                              [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_saved_on_a_sharded_mesh_evaluates_and_resumes_on_one_device(eight_devices, tmp_path):
+  """A run trained on a pod's mesh, read on a laptop: its checkpoint is restored onto the one-device mesh (orbax
+  reshards), scores its step-8 eval loss again and trains on; its own config.py, which names the 8-device mesh,
+  is refused naming the mesh and the fields that fit this machine."""
+  run = tmp_path / "run"
+  shutil.copytree(eight_devices / "data2_fsdp2_tensor2", run)
+  own = helpers.run([sys.executable, str(REPO / "launch.py"), f"--config={run / 'config.py'}", f"--workdir={run}",
+                     "--mode=eval"], cwd=REPO, env=subprocess_env(1), timeout=300)
+  assert own.returncode == 2 and "needs 8 devices, but 1 are available" in own.stderr, own.stderr[-2000:]
+  assert "--config.mesh.data=-1 --config.mesh.fsdp=1 --config.mesh.tensor=1" in own.stderr
+  result = launch(run, "--mode=eval")  # the template config: the default mesh, every device on "data"
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = json.loads((run / "eval_results.jsonl").read_text().splitlines()[-1])
+  logged = {row["step"]: row for row in metrics_rows(run)}[STEPS]
+  assert evaluated["step"] == STEPS
+  np.testing.assert_allclose(evaluated["eval/loss"], logged["eval/loss"], rtol=1e-5)
+  result = launch(run, overrides={"total_steps": STEPS + 4})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert checkpoint_steps(run)[-1] == STEPS + 4 and max(train_losses(run)) == STEPS + 4
 
 
 # An untrained translator (its greedy outputs are long and varied) decoding 32 eval sources on a

@@ -110,7 +110,9 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
                         f"the other axes ({fixed} devices) do not divide the {device_count} devices")
     sizes[free[0]] = device_count // fixed
   elif fixed != device_count:
-    raise ConfigError("mesh", dict(sizes), f"needs {fixed} devices, but {device_count} are available")
+    raise ConfigError("mesh", dict(sizes), f"needs {fixed} devices, but {device_count} are available (a "
+                      f"checkpoint restores onto any mesh: e.g. --config.mesh.data=-1 --config.mesh.fsdp=1 "
+                      f"--config.mesh.tensor=1 spreads the batch over the devices here)")
   return sizes
 
 
