@@ -360,6 +360,22 @@ def test_microbatches_of_the_image_tasks_give_the_whole_batchs_loss_update_and_t
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_summary_counts_trainable_parameters_and_the_frozen_values_beside_them(tmp_path):
+  """Logged when training starts: the connector's parameters against the frozen encoder's and LM's."""
+  from tests import helpers
+  args = _image_configs(tmp_path)["vlm"]
+  trainer = Trainer(helpers.load_config(*args), str(tmp_path / "vlm"), "train")
+  model = trainer.model(trainer.init_state())
+  sizes = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
+  trainable = sizes(nnx.state(model, nnx.Param))
+  frozen = sizes(nnx.state(model.encoder)) + sizes(nnx.state(model.lm))  # (RNG counters are integers: not counted)
+  assert trainable and frozen
+  summary = trainer.summary()
+  assert f"Model: {trainable:,} trainable parameters" in summary, summary
+  assert f"{frozen:,} other values not trained" in summary, summary
+  assert "mesh data=1 x fsdp=1 x tensor=1 over 1 cpu device(s) in 1 process(es); global batch 8" in summary
+
+
 class MeanOnlyTask(template_task.TemplateTask):
   """A task that gives its loss only as a mean (`loss`), as a user's task may."""
   loss_terms = task_lib.Task.loss_terms

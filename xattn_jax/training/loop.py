@@ -58,6 +58,7 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   if ended:
     logging.info("The run stopped early at step %d (%s): nothing to train.", *stopped_early)
     return {}
+  logging.info(trainer.summary())
   early_stopping = guards.EarlyStopping(
       config, metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl")), up_to_step=step)
   writer = make_writer(step)

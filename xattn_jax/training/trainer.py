@@ -176,6 +176,26 @@ class Trainer:
     self._eval_step = None
     self._check_process_rows()
 
+  def summary(self) -> str:
+    """One line on what a step trains, and where: the model's trainable parameters (nnx.Param) and its other
+    floating-point values (frozen parts, fixed tables), the mesh, and the global batch."""
+    counts = {"trainable": 0, "fixed": 0}
+    nbytes = dict(counts)
+    for variable in jax.tree.leaves(self.abstract_state[0], is_leaf=lambda x: isinstance(x, nnx.Variable)):
+      value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
+      if not jnp.issubdtype(value.dtype, jnp.floating):
+        continue  # RNG keys and counters
+      kind = "trainable" if isinstance(variable, nnx.Param) else "fixed"
+      counts[kind] += int(np.prod(value.shape))
+      nbytes[kind] += int(np.prod(value.shape)) * value.dtype.itemsize
+    mesh = " x ".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
+    devices = self.mesh.devices.flat[0].platform
+    size = lambda n: f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB"
+    return (f"Model: {counts['trainable']:,} trainable parameters ({size(nbytes['trainable'])}), "
+            f"{counts['fixed']:,} other values not trained ({size(nbytes['fixed'])}: frozen parts, fixed tables); "
+            f"mesh {mesh} over {self.mesh.devices.size} {devices} device(s) in {self.process_count} process(es); "
+            f"global batch {self.config.batch_size}")
+
   def _check_process_rows(self):
     for size in (self.config.batch_size, self.config.eval_batch_size):
       local = size // self.process_count
