@@ -252,25 +252,33 @@ _PLAIN_UPDATE = ("--config.optimizer.name=sgd", "--config.optimizer.momentum=0",
                  "--config.optimizer.grad_clip_norm=0")
 
 
-def _one_step(args, microbatches, tmp_path):
-  """(loss, grad norm, updated parameters) of step 1 of the config, its batch run as `microbatches`."""
-  from tests import helpers
-  config = helpers.load_config(*args, f"--config.num_microbatches={microbatches}", *_PLAIN_UPDATE)
-  validation.validate_config(config, mode="train", device_count=1)
-  trainer = Trainer(config, str(tmp_path / f"k{microbatches}"), "train")
-  batch = dict(trainer.read_train_batch(0))
+def _uneven_token_counts(batch):
+  """The batch with microbatches of unequal token counts, and those token weights [B, T]."""
+  batch = dict(batch)
   if batch.get("weights", np.zeros(())).ndim == 2:  # the LM's packed rows are nearly full: drop row 1's second
     batch["weights"] = batch["weights"].copy()       # half from the loss
     batch["weights"][1, batch["weights"].shape[1] // 2:] = 0
-    weights = batch["weights"]
-  else:  # padded targets: their tokens
-    weights = batch["targets"] != 0
-  weights = np.asarray(weights, np.float32)
-  batch = trainer.batch(batch, config.batch_size, stacked=False)
-  state, metrics = trainer.make_train_step()(trainer.init_state(), jax.tree.map(lambda x: x[None], batch),
-                                             jnp.int32(0), jnp.int32(1), jax.random.key(config.seed))
-  params = [x for x in jax.tree.leaves(state[0]) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
-  return float(metrics["train/loss"][0]), float(metrics["train/grad_norm"][0]), params, weights
+    return batch, np.asarray(batch["weights"], np.float32)
+  return batch, np.asarray(batch["targets"] != 0, np.float32)  # padded targets: their tokens
+
+
+def _step_metrics(args, workdir, microbatches=(1, 4), edit=lambda batch: batch):
+  """[(train metrics of step 1, updated parameters)] of the config, its first batch (`edit`ed) run as each of
+  `microbatches` (one Trainer: the task and its data are built once, each step program compiled for its K)."""
+  from tests import helpers
+  config = helpers.load_config(*args, *_PLAIN_UPDATE)
+  validation.validate_config(config, mode="train", device_count=1)
+  trainer = Trainer(config, str(workdir / "run"), "train")
+  batch = trainer.batch(edit(trainer.read_train_batch(0)), config.batch_size, stacked=False)
+  batch = jax.tree.map(lambda x: x[None], batch)
+  results = []
+  for count in microbatches:
+    config.num_microbatches = count  # read by make_train_step
+    state, metrics = trainer.make_train_step()(trainer.init_state(), batch, jnp.int32(0), jnp.int32(1),
+                                               jax.random.key(config.seed))
+    params = [x for x in jax.tree.leaves(state[0]) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    results.append(({name: float(value[0]) for name, value in metrics.items()}, params))
+  return results
 
 
 _TEMPLATE = ("--config=configs/template.py:size=tiny", "--config.batch_size=8", "--config.total_steps=4",
@@ -290,11 +298,17 @@ _ALGORITHMIC = ("--config=configs/algorithmic.py:size=micro,posenc=rope", "--con
 def test_microbatches_give_the_whole_batchs_loss_and_update(args, tmp_path):
   """Their loss sums and gradient sums add up, divided once by the whole batch's weight: the update of the
   whole batch. The microbatches here hold different numbers of tokens, so averaging their means would not."""
-  loss, norm, params, weights = _one_step(args, 1, tmp_path)
-  counts = [weights[j::4].sum() for j in range(4)]
+  tokens = {}
+
+  def uneven(batch):
+    batch, tokens["weights"] = _uneven_token_counts(batch)
+    return batch
+
+  (whole, params), (parts, params_k) = _step_metrics(args, tmp_path, edit=uneven)
+  counts = [tokens["weights"][j::4].sum() for j in range(4)]
   assert len(set(counts)) > 1, counts  # (rows j, j + 4, ... form microbatch j)
-  loss_k, norm_k, params_k, _ = _one_step(args, 4, tmp_path)
-  assert loss_k == pytest.approx(loss, rel=1e-5) and norm_k == pytest.approx(norm, rel=1e-5)
+  for metric in ("train/loss", "train/grad_norm"):
+    assert parts[metric] == pytest.approx(whole[metric], rel=1e-5), metric
   for a, b in zip(params_k, params, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -306,19 +320,20 @@ _IMAGE_TRAIN_METRICS = {"digits": {"accuracy", "tokens_handed_on"}, "segment": {
                         "vlm_encoder": {"position_accuracy"}, "vlm_pairs_encoder": set(), "vlm": set()}
 
 
-def _image_configs(tmp_path):
-  """{name: launch arguments} of the tasks that log their own train/<name> metrics beside the loss."""
+def _image_args(name, tmp_path):
+  """Launch arguments of a task that logs its own train/<name> metrics beside the loss."""
+  if name == "vlm":  # on the frozen parts of the session's tiny chain
+    from tests.tasks import test_vlm
+    chain = test_vlm.tiny_chain()
+    frozen = {**test_vlm.TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm"}
+    return ("--config=configs/vlm_digits.py:connector=qformer,queries=4",
+            *(f"--config.{field}={value}" for field, value in frozen.items()), *_QUICK_IMAGES)
   from PIL import Image
   Image.fromarray(np.full((12, 20), 40, np.uint8)).save(tmp_path / "a.png")
   Image.fromarray(np.eye(16, dtype=np.uint8) * 255).save(tmp_path / "b.png")
   (tmp_path / "pairs.tsv").write_text("a.png\ta dark box\nb.png\ta white line\n" * 4)
   pairs = (f"--config.data.train_file={tmp_path / 'pairs.tsv'}", f"--config.data.eval_file={tmp_path / 'pairs.tsv'}")
-  from tests.tasks import test_vlm
-  chain = test_vlm.tiny_chain()
-  frozen = {**test_vlm.TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm"}
   return {
-      "vlm": ("--config=configs/vlm_digits.py:connector=qformer,queries=4",
-              *(f"--config.{field}={value}" for field, value in frozen.items()), *_QUICK_IMAGES),
       "digits": ("--config=configs/perceiver_digits.py:steps=4,width=16,latents=4,blocks=1", *_QUICK_IMAGES),
       "segment": ("--config=configs/segment_digits.py", "--config.data.canvas=16", "--config.data.digit_size=8",
                   "--config.data.max_digits=2", "--config.model.d_model=16", "--config.model.num_heads=2",
@@ -329,28 +344,14 @@ def _image_configs(tmp_path):
                       *_QUICK_IMAGES),
       "vlm_pairs_encoder": ("--config=configs/vlm_encoder.py:data=pairs,canvas=16x16,width=16,blocks=1", *pairs,
                             *_QUICK_IMAGES),
-  }
-
-
-def _step_metrics(args, microbatches, workdir):
-  """(train metrics of step 1, updated parameters) of the config, its batch run as `microbatches`."""
-  from tests import helpers
-  config = helpers.load_config(*args, f"--config.num_microbatches={microbatches}", *_PLAIN_UPDATE)
-  validation.validate_config(config, mode="train", device_count=1)
-  trainer = Trainer(config, str(workdir / f"k{microbatches}"), "train")
-  batch = trainer.batch(trainer.read_train_batch(0), config.batch_size, stacked=False)
-  state, metrics = trainer.make_train_step()(trainer.init_state(), jax.tree.map(lambda x: x[None], batch),
-                                             jnp.int32(0), jnp.int32(1), jax.random.key(config.seed))
-  params = [x for x in jax.tree.leaves(state[0]) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
-  return {name: float(value[0]) for name, value in metrics.items()}, params
+  }[name]
 
 
 @pytest.mark.parametrize("name", sorted(_IMAGE_TRAIN_METRICS))
 def test_microbatches_of_the_image_tasks_give_the_whole_batchs_loss_update_and_train_metrics(name, tmp_path):
   """Their own train/<name> metrics (accuracy, IoU, ...) add up as (sum, weight) pairs as the loss does."""
-  args = _image_configs(tmp_path)[name]
-  whole, params = _step_metrics(args, 1, tmp_path)
-  parts, params_k = _step_metrics(args, 4, tmp_path)
+  args = _image_args(name, tmp_path)
+  (whole, params), (parts, params_k) = _step_metrics(args, tmp_path)
   own = {f"train/{metric}" for metric in _IMAGE_TRAIN_METRICS[name]}
   assert set(parts) == set(whole) == {"train/loss", "train/grad_norm", "train/learning_rate", *own}, whole
   assert whole["train/learning_rate"] > 0  # so that the parameters below moved
@@ -363,7 +364,7 @@ def test_microbatches_of_the_image_tasks_give_the_whole_batchs_loss_update_and_t
 def test_the_summary_counts_trainable_parameters_and_the_frozen_values_beside_them(tmp_path):
   """Logged when training starts: the connector's parameters against the frozen encoder's and LM's."""
   from tests import helpers
-  args = _image_configs(tmp_path)["vlm"]
+  args = _image_args("vlm", tmp_path)
   trainer = Trainer(helpers.load_config(*args), str(tmp_path / "vlm"), "train")
   model = trainer.model(trainer.init_state())
   sizes = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
