@@ -76,8 +76,8 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
 
   def terms(model, rows, index):
     total, weight, aux = task.loss_terms(model, rows, rngs=rng.task_rngs(rng_key, step, index))
-    as_float = lambda x: jnp.asarray(x, jnp.float32)
-    return total, (weight, jax.tree.map(as_float, aux))
+    as_float = lambda x: jnp.asarray(x, jnp.float32)  # the scan's carry keeps one dtype (a count may be an int)
+    return as_float(total), (as_float(weight), jax.tree.map(as_float, aux))
 
   def one(carry, inputs):
     params, rest, gradient_sum, sums = carry  # params ride along unchanged: nnx wants the model's
