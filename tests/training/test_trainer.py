@@ -367,7 +367,8 @@ def test_the_summary_counts_trainable_parameters_and_the_frozen_values_beside_th
   args = _image_args("vlm", tmp_path)
   trainer = Trainer(helpers.load_config(*args), str(tmp_path / "vlm"), "train")
   model = trainer.model(trainer.init_state())
-  sizes = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
+  sizes = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)
+                          if jnp.issubdtype(x.dtype, jnp.floating))
   trainable = sizes(nnx.state(model, nnx.Param))
   frozen = sizes(nnx.state(model.encoder)) + sizes(nnx.state(model.lm))  # (RNG counters are integers: not counted)
   assert trainable and frozen

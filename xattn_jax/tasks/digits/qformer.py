@@ -7,9 +7,9 @@ The frozen encoder is the ViT run in `model.encoder_workdir`, trained with the c
 This task only loads it: the run's resolved config gives the architecture, and the checkpoint that run names
 as its result the weights (its newest; its best by checkpoint.best_metric where its checkpoint.eval_from is
 "best", as its --mode=eval reads it). Training records in the Q-Former's workdir (`encoder.json`) where that
-run is (an absolute path), the step read and the encoder's model config; a resumed training reads the encoder from there, and eval and
-infer read only this record, since the Q-Former's checkpoints hold the frozen weights, so they never
-train, nor read the encoder run, whatever the current directory.
+run is (an absolute path), the step read and the encoder's model config; a resumed training reads the encoder
+from there, and eval and infer read only this record, since the Q-Former's checkpoints hold the frozen
+weights, so they never train, nor read the encoder run, whatever the current directory.
 """
 from __future__ import annotations
 
