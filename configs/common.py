@@ -125,8 +125,8 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
       "keep": 2,                    # the last `keep` checkpoints ...
       "best_metric": "eval/loss",   # ... plus the best by this eval metric ("" = none)
       "best_mode": "min",           # min | max
-      # Which checkpoint --mode=eval / infer and loop.load_model read: latest | best (by best_metric; with
-      # early stopping the latest is `patience` evals past it).
+      # Which checkpoint --mode=eval / infer and loop.load_model read, and a run that freezes this one: latest |
+      # best (by best_metric; with early stopping the latest is `patience` evals past it) | a kept step, e.g. "4000".
       "eval_from": "latest",
   })
 

@@ -76,6 +76,20 @@ def test_a_runs_result_is_its_newest_step_or_its_best_as_its_eval_from_says(tmp_
   assert checkpoints_lib.result_step(str(tmp_path)) == 10
 
 
+def test_a_step_named_by_its_number_is_read_if_kept_and_refused_naming_the_kept_ones_if_not(tmp_path):
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=5, best_metric="eval/loss")
+  for step in (10, 20, 30):
+    checkpoints.save(step, *_tiny(step), {"step": step}, {"eval/loss": 1.0})
+  assert checkpoints_lib.steps_to_read(checkpoints, "20") == [20]
+  assert checkpoints_lib.steps_to_read(checkpoints, "latest") is None
+  with pytest.raises(checkpoints_lib.RunError, match=r"eval_from='25': no checkpoint at step 25 .* keeps steps \[10, "
+                                                     r"20, 30\]"):
+    checkpoints_lib.steps_to_read(checkpoints, "25")
+  checkpoints.close()
+  _run_config(tmp_path, eval_from="10", best_metric="eval/loss", best_mode="min")
+  assert checkpoints_lib.result_step(str(tmp_path)) == 10
+
+
 def test_a_best_result_without_ranked_checkpoints_is_refused(tmp_path):
   checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=5)
   checkpoints.save(10, *_tiny(10), {"step": 10})

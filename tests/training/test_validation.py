@@ -106,6 +106,16 @@ def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, fie
   _assert_refused(config, field, value, rf"^config\.{field}={value}: {re.escape(rule)}")
 
 
+def test_eval_from_is_latest_best_or_a_step_number():
+  for good in ("latest", "best", "4000"):
+    config = template.get_config("size=tiny")
+    config.checkpoint.eval_from = good
+    validation.validate_config(config)
+  _assert_refused(template.get_config("size=tiny"), "checkpoint.eval_from", "newest",
+                  r"^config\.checkpoint\.eval_from='newest': allowed are \['latest', 'best'\] or a kept checkpoint's "
+                  r"step number")
+
+
 def test_early_stopping_without_a_metric_to_watch_is_a_config_error():
   config = template.get_config("size=tiny")
   config.checkpoint.best_metric = ""

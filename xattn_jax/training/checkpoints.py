@@ -169,10 +169,27 @@ class Checkpoints:
     self.manager.close()
 
 
+def steps_to_read(checkpoints: Checkpoints, eval_from: str) -> list[int] | None:
+  """The steps checkpoint.eval_from names: None for the newest readable, [best by best_metric] for 'best', [N]
+  for a step number; RunError naming the field when that checkpoint is not there."""
+  if eval_from == "latest":
+    return None
+  if eval_from == "best":
+    best = checkpoints.best_step()
+    if best is None:
+      raise RunError(f"checkpoint.eval_from='best': no checkpoint in {checkpoints.directory} was saved with eval "
+                     f"metrics ({checkpoints.best_metric}) to rank; read the 'latest'")
+    return [best]
+  if int(eval_from) not in checkpoints.steps():
+    raise RunError(f"checkpoint.eval_from={eval_from!r}: no checkpoint at step {eval_from} in "
+                   f"{checkpoints.directory}; it keeps steps {checkpoints.steps()}")
+  return [int(eval_from)]
+
+
 def result_step(workdir: str) -> int:
-  """The step a finished run names as its result, the one its `--mode=eval` reads: with
-  checkpoint.eval_from='best' in its config.json, its best checkpoint by checkpoint.best_metric; else its
-  newest. A run that froze into another (a VLM's encoder and LM, the Q-Former's ViT) hands on this step."""
+  """The step a finished run names as its result, the one its `--mode=eval` reads (`steps_to_read` of the
+  checkpoint.eval_from in its config.json): its newest, its best by checkpoint.best_metric, or the step named.
+  A run that froze into another (a VLM's encoder and LM, the Q-Former's ViT) hands on this step."""
   steps = step_numbers(workdir)
   if not steps:
     raise FileNotFoundError(f"{os.path.join(workdir, 'checkpoints')} holds no checkpoint step")
@@ -181,18 +198,15 @@ def result_step(workdir: str) -> int:
   if os.path.isfile(path):
     with open(path) as f:
       checkpoint = json.load(f).get("checkpoint", {})
-  if checkpoint.get("eval_from", "latest") != "best":
-    return steps[-1]
-  checkpoints = Checkpoints(workdir, keep=max(len(steps), 1), best_metric=checkpoint["best_metric"],
+  checkpoints = Checkpoints(workdir, keep=len(steps), best_metric=checkpoint.get("best_metric", ""),
                             best_mode=checkpoint.get("best_mode", "min"))
   try:
-    best = checkpoints.best_step()
+    chosen = steps_to_read(checkpoints, checkpoint.get("eval_from", "latest"))
+  except RunError as error:
+    raise RunError(f"the run in {workdir}: {error}") from None
   finally:
     checkpoints.close()
-  if best is None:
-    raise RunError(f"the run in {workdir} reads its best checkpoint (checkpoint.eval_from='best'), but none was "
-                   f"saved with eval metrics ({checkpoint['best_metric']}) to rank")
-  return best
+  return steps[-1] if chosen is None else chosen[0]
 
 
 def restore_model_from(path: str, abstract_model):

@@ -308,16 +308,13 @@ class Trainer:
     return state, 0, jax.random.key(self.config.seed)
 
   def latest_state(self, checkpoints: checkpoints_lib.Checkpoints, purpose: str):
-    """(state, step) of the checkpoint config.checkpoint.eval_from names: the newest readable one, or the
-    best by checkpoint.best_metric; RunError naming `purpose` when there is none."""
-    steps = None
-    if self.config.checkpoint.get("eval_from", "latest") == "best":
-      best = checkpoints.best_step()
-      if best is None:
-        raise RunError(f"checkpoint.eval_from='best': no checkpoint in {checkpoints.directory} was saved with "
-                       f"eval metrics ({checkpoints.best_metric}) to rank; read the 'latest'")
-      steps = [best]
-      logging.info("Reading the best checkpoint by %s: step %d", checkpoints.best_metric, best)
+    """(state, step) of the checkpoint config.checkpoint.eval_from names: the newest readable one, the best by
+    checkpoint.best_metric, or a step number; RunError naming `purpose` when there is none."""
+    eval_from = self.config.checkpoint.get("eval_from", "latest")
+    steps = checkpoints_lib.steps_to_read(checkpoints, eval_from)
+    if steps is not None:
+      logging.info("Reading checkpoint step %d (checkpoint.eval_from=%r%s)", steps[0], eval_from,
+                   f", the best by {checkpoints.best_metric}" if eval_from == "best" else "")
     restored = checkpoints.restore_latest(*self.abstract_pure(), steps=steps)
     if restored is None:
       raise RunError(f"no checkpoint in {checkpoints.directory} to {purpose} with")

@@ -44,7 +44,7 @@ def _get(config, field: str):
   return node
 
 
-# Which checkpoint an eval / infer run reads (config.checkpoint.eval_from).
+# Which checkpoint an eval / infer run reads (config.checkpoint.eval_from), or a step number as a string.
 EVAL_FROM = ("latest", "best")
 
 
@@ -261,7 +261,10 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   _check_probabilities(config)
   require_choice(config, "checkpoint.best_mode", ("min", "max"))
   if "eval_from" in config.checkpoint:  # a run's config.py written before the field existed has none
-    require_choice(config, "checkpoint.eval_from", EVAL_FROM)
+    eval_from = config.checkpoint.eval_from
+    if eval_from not in EVAL_FROM and not (isinstance(eval_from, str) and eval_from.isdigit()):
+      raise ConfigError("checkpoint.eval_from", eval_from, f"allowed are {list(EVAL_FROM)} or a kept checkpoint's "
+                        f"step number (e.g. '4000')")
     if config.checkpoint.eval_from == "best" and not config.checkpoint.best_metric:
       raise ConfigError("checkpoint.eval_from", "best", "needs checkpoint.best_metric, which is '': name the eval "
                         "metric that ranks the checkpoints, or read the 'latest'")
