@@ -207,6 +207,25 @@ def test_a_small_file_holds_out_one_document_where_its_fraction_rounds_to_none(t
   assert not set(task.eval_texts) & set(task.train_texts)
 
 
+def test_a_file_of_one_document_holds_out_its_tail(tmp_path):
+  """A single stream (a book on one line, text8) was refused for want of a second line to hold out."""
+  words = [corpus.english_number(n) for n in range(600)]
+  document = " ".join(words)
+  train_file = tmp_path / "stream.txt"
+  train_file.write_text(document + "\n", encoding="utf-8")
+  config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}")
+  trained = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  (head,), (tail,) = trained.train_texts, trained.eval_texts
+  assert f"{head} {tail}" == document  # cut at a space
+  assert 0.04 < len(tail) / len(document) < 0.06  # data.eval_fraction 0.05
+  validation.validate_config(config, mode="eval")
+  assert lm_task.LanguageModelTask(config, str(tmp_path / "work"), "eval").eval_texts == (tail,)
+  (tmp_path / "word.txt").write_text("a\n", encoding="utf-8")  # one character: nothing to split
+  with pytest.raises(validation.ConfigError, match="no eval documents"):
+    lm_task.LanguageModelTask(helpers.load_config(*TINY, f"--config.data.train_file={tmp_path / 'word.txt'}"),
+                              str(tmp_path / "work2"), "train")
+
+
 def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_path):
   train_file = tmp_path / "bad.txt"
   train_file.write_bytes(b"fine\nbad \xff byte\n")

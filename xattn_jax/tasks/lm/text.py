@@ -13,8 +13,9 @@ Config (see configs/lm_text.py):
                       digits, the VLM's text alone; with data.describe_images each example gives two,
                       the second with its images described in words; configs/vlm_lm.py)
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of
-                      the text; the bundled corpus has its own held-out side; --mode=eval reads the
-                      training file again and scores the same held-out documents); data.num_eval_documents
+                      the text; a file of one document: its last eval_fraction of characters; the bundled
+                      corpus has its own held-out side; --mode=eval reads the training file again and
+                      scores the same held-out documents); data.num_eval_documents
                       keeps the first that many of them (0 = all); data.max_eval_rows (optional) scores the
                       first that many packed eval rows (0 = all)
   data.tokenizer      "bytes" or "sentencepiece" (trained into <workdir>/tokenizer/, reused on resume,
@@ -227,7 +228,9 @@ class LanguageModelTask(task_lib.Task):
       read = self.mode == "train" or held_out
       train = _read("data.train_file", data.train_file, _file_format(data)) if read else []
       evaluation = []
-      if held_out:
+      if held_out and len(set(train)) == 1:  # one document (a book, text8): its tail is the held-out side
+        train, evaluation = _split_tail(train[0], data.eval_fraction, data.train_file)
+      elif held_out:
         # At least one held-out document where the file has two: a small file's eval_fraction can round to none.
         lines = len(set(train))
         train, evaluation = splits.split_by_key(train, lambda line: line, seed=data.corpus_seed,
@@ -245,7 +248,7 @@ class LanguageModelTask(task_lib.Task):
       evaluation = evaluation[:data.num_eval_documents]
     if not evaluation:
       raise validation.ConfigError("data.eval_file", data.eval_file, "no eval documents: name an eval file, or "
-                                   "give data.train_file two distinct lines at least (one is held out)")
+                                   "give data.train_file two distinct lines, or one long enough to hold out its tail")
     return tuple(train), tuple(evaluation)
 
   def _tokenizer(self, train_texts):
@@ -330,6 +333,21 @@ class LanguageModelTask(task_lib.Task):
                                               suppress_ids=self.tokenizer.never_generated_ids))
     return [_continue(line, self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0]))
             for line, prompt, row in zip(lines, prompts, continuations)]
+
+
+def _split_tail(document: str, eval_fraction: float, path: str) -> tuple[list[str], list[str]]:
+  """([head], [tail]) of a file's only document: the tail is its last eval_fraction of characters, cut at the
+  first space from there (anywhere, for text without spaces), as a single stream is split for eval (text8,
+  enwik8)."""
+  start = int(len(document) * (1 - eval_fraction))
+  space = document.find(" ", start)
+  cut = space if 0 < space < len(document) - 1 else start
+  head, tail = document[:cut].strip(), document[cut:].strip()
+  if not head or not tail:
+    return [document], []  # too short to split: refused below, naming the fix
+  logging.info("data.train_file %s holds one document: its last %d of %d characters (data.eval_fraction=%g) are "
+               "held out for eval", path, len(document) - cut, len(document), eval_fraction)
+  return [head], [tail]
 
 
 def _continue(line: str, added: str) -> str:
