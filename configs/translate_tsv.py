@@ -1,7 +1,10 @@
 """The translator on a user's parallel corpus: UTF-8 lines of "source<TAB>target".
 
     python launch.py --config=configs/translate_tsv.py --workdir=workdirs/my_corpus \
-        --config.data.train_file=train.tsv --config.data.eval_file=eval.tsv
+        --config.data.train_file=train.tsv [--config.data.eval_file=eval.tsv]
+
+Without an eval file, 5% of the training file's sources (data.eval_fraction; every pair of a held-out source)
+are held out for eval by a stable hash of the source; --mode=eval holds out the same ones.
 
 Training ends after `epochs=20` passes over the pairs if that comes before total_steps (10,000), but not before
 `min_steps=1200` (the dates' budget): a corpus under ~3,800 pairs (60 steps a pass) trains 1,200 steps, a larger
@@ -30,6 +33,7 @@ def get_config(arg=None):
   config.max_epochs = args.epochs
   config.min_steps = args.min_steps
   config.data.source = "tsv"
+  config.data.eval_fraction = 0.05  # of the sources, held out when there is no data.eval_file
   config.data.vocab_size = 4000  # a real corpus wants more pieces than dates do; a smaller one gets what it
   #                                supports (data.vocab_size_exact=False)
   config.model.max_length = 256

@@ -292,6 +292,34 @@ def test_each_eval_decodes_its_share_of_pairs_evenly_spaced_through_the_file_and
   assert translate_tsv.get_config().task.num_decode_examples == 1000
 
 
+def test_a_tsv_corpus_without_an_eval_file_holds_out_a_share_of_its_sources(tmp_path):
+  """A user's one parallel file was refused ('data.eval_file is required'): now 5% of its sources are held out,
+  every pair of such a source with them; --mode=eval holds out the same pairs; an eval pair too long for the
+  model is named by its line in the training file."""
+  lines = [f"{n % 300} cats\t{n % 300} chats" + " !" * (n >= 300) for n in range(600)]  # each source twice
+  (tmp_path / "train.tsv").write_text("".join(line + "\n" for line in lines))
+  config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"), "data.eval_file": "",
+                                     "data.tokenizer": "bytes", "task.num_attention_plots": 0})
+  validation.validate_config(config)
+  trained = translate_task.TranslateTask(config, str(tmp_path))
+  held = {source for source, _ in trained.eval_pairs}
+  assert not held & {source for source, _ in trained.train_pairs}
+  assert len(trained.eval_pairs) == 2 * len(held) and 0.02 < len(held) / 300 < 0.1
+  assert len(trained.train_pairs) + len(trained.eval_pairs) == 600
+  validation.validate_config(config, mode="eval")
+  assert translate_task.TranslateTask(config, str(tmp_path), mode="eval").eval_pairs == trained.eval_pairs
+  config.data.eval_fraction = 0.0
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.eval_fraction=0\.0: must be in \(0, 1\)"):
+    validation.validate_config(config)
+  index = next(i for i, line in enumerate(lines) if line.split("\t")[0] in held)  # (the key is the source)
+  lines[index] += " chats" * 10
+  (tmp_path / "train.tsv").write_text("".join(line + "\n" for line in lines))
+  config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"), "data.eval_file": "",
+                                     "data.tokenizer": "bytes", "model.max_length": 32})
+  with pytest.raises(validation.ConfigError, match=rf"train\.tsv:{index + 1}: an eval example"):
+    translate_task.TranslateTask(config, str(tmp_path / "long"))
+
+
 def test_length_bucketed_batches_of_several_shapes_train_as_at_one_step_per_call(tmp_path):
   """Bucketed batches change shape from step to step; a call stacks only batches of one shape (the
   stack of different shapes crashed), and the losses are those of one step per call."""

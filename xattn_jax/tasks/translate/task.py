@@ -2,7 +2,9 @@
 
 Config (see configs/translate_dates.py and configs/translate_tsv.py):
   data.source          "dates" (bundled: English -> data.target_locale, split by date) or "tsv"
-                       (data.train_file / data.eval_file of UTF-8 "source<TAB>target" lines)
+                       (data.train_file / data.eval_file of UTF-8 "source<TAB>target" lines; without an
+                       eval file, data.eval_fraction of the training file's sources are held out, every
+                       pair of a held-out source with them, by a stable hash of the source and data.split_seed)
   data.tokenizer       "sentencepiece" (trained on both sides of the training text into
                        <workdir>/tokenizer/, reused on resume and in eval / infer) or "bytes"
   model.*              Translator sizes and options; model.position_encoding one of
@@ -52,7 +54,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from xattn_jax import decoding
-from xattn_jax.data import batching, dates, tokenizers, tsv
+from xattn_jax.data import batching, dates, splits, tokenizers, tsv
 from xattn_jax.layers import blocks
 from xattn_jax.models import translator as translator_lib
 from xattn_jax.tasks import decoding_config
@@ -237,10 +239,14 @@ class TranslateTask(task_lib.Task):
         raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
     elif mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
       # Reads the files now, so a malformed line stops the run before anything is built; eval
-      # needs only the eval file (the tokenizer is the run's).
-      if mode == "train":
+      # needs only the eval file (the tokenizer is the run's), or the training file it holds out of.
+      if mode == "train" or not data.eval_file:
         _read_tsv("data.train_file", data.train_file)
-      _read_tsv("data.eval_file", data.eval_file)
+      if data.eval_file:
+        _read_tsv("data.eval_file", data.eval_file)
+      elif not 0 < data.eval_fraction < 1:
+        raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1): the share of "
+                                     "data.train_file's sources held out for eval when there is no data.eval_file")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
@@ -276,8 +282,17 @@ class TranslateTask(task_lib.Task):
                                first_year=data.first_year, last_year=data.last_year,
                                eval_fraction=data.eval_fraction, seed=data.split_seed)
       return pairs.train, pairs.eval
+    if not data.eval_file:  # held out of the training file: every pair of a source on one side
+      rows = list(enumerate(_read_tsv("data.train_file", data.train_file), 1))
+      train_rows, eval_rows = splits.split_by_key(rows, lambda row: row[1][0], seed=data.split_seed,
+                                                  eval_fraction=data.eval_fraction, min_eval_keys=1)
+      self._eval_lines = (data.train_file, [line for line, _ in eval_rows])
+      logging.info("No data.eval_file: %d of the %d pairs of %s (data.eval_fraction=%g of the sources, by a stable "
+                   "hash) are held out for eval", len(eval_rows), len(rows), data.train_file, data.eval_fraction)
+      return [pair for _, pair in train_rows] if self.mode == "train" else [], [pair for _, pair in eval_rows]
     train = _read_tsv("data.train_file", data.train_file) if self.mode == "train" else []
     evaluation = _read_tsv("data.eval_file", data.eval_file)
+    self._eval_lines = (data.eval_file, range(1, len(evaluation) + 1))
     seen = {source for source, _ in train}
     overlap = sum(source in seen for source, _ in evaluation)
     if overlap:  # allowed (a sanity check of memorisation), but the scores then are not held-out
@@ -416,7 +431,11 @@ class TranslateTask(task_lib.Task):
     if not too_long:
       return
     i, s, t = too_long[0]
-    where = f"{data.eval_file}:{i + 1}" if data.source != "dates" else f"eval date pair {i}"
+    if data.source == "dates":
+      where = f"eval date pair {i}"
+    else:
+      path, lines = self._eval_lines
+      where = f"{path}:{lines[i]}"
     more = f" (and {len(too_long) - 1} more)" if len(too_long) > 1 else ""
     raise validation.ConfigError(
         "model.max_length", limit, f"{where}: an eval example of {s} source / {t} target tokens does not "
