@@ -191,8 +191,9 @@ class Trainer:
     mesh = " x ".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
     devices = self.mesh.devices.flat[0].platform
     size = lambda n: f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB"
-    return (f"Model: {counts['trainable']:,} trainable parameters ({size(nbytes['trainable'])}), "
-            f"{counts['fixed']:,} other values not trained ({size(nbytes['fixed'])}: frozen parts, fixed tables); "
+    fixed = (f", {counts['fixed']:,} other values not trained ({size(nbytes['fixed'])}: frozen parts, fixed tables)"
+             if counts["fixed"] else "")
+    return (f"Model: {counts['trainable']:,} trainable parameters ({size(nbytes['trainable'])}){fixed}; "
             f"mesh {mesh} over {self.mesh.devices.size} {devices} device(s) in {self.process_count} process(es); "
             f"global batch {self.config.batch_size}")
 
