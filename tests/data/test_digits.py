@@ -93,6 +93,20 @@ def test_png_with_dark_ink_on_white_reads_as_ink_high(tmp_path, split):
   np.testing.assert_allclose(digits.read_image_file(path), image, atol=1 / 255 + 1e-6)
 
 
+def test_a_jpeg_photo_and_ink_on_a_transparent_png_read_as_the_digit(tmp_path, split):
+  """The digits' inference read PNGs through matplotlib (alpha dropped: black ink on a transparent ground read as
+  an empty image) and refused JPEG; now every user's image goes through data.image_files."""
+  from PIL import Image
+  image = np.kron(split.test_images[0], np.ones((4, 4), np.float32))  # 32 x 32, ink high in [0, 1]
+  paper = np.round((1.0 - image) * 255).astype(np.uint8)  # dark ink on white paper
+  Image.fromarray(paper).save(tmp_path / "photo.jpg", quality=95)
+  np.testing.assert_allclose(digits.read_image_file(str(tmp_path / "photo.jpg")), image, atol=0.08)
+  rgba = np.zeros((32, 32, 4), np.uint8)
+  rgba[..., 3] = np.round(image * 255).astype(np.uint8)  # black ink whose opacity is the stroke
+  Image.fromarray(rgba, "RGBA").save(tmp_path / "icon.png")
+  np.testing.assert_allclose(digits.read_image_file(str(tmp_path / "icon.png")), image, atol=1 / 255 + 1e-6)
+
+
 @pytest.mark.parametrize("test_fraction", [0.2, 0.1, 0.25, 1 / 3, 0.5, 0.01])
 def test_num_test_images_is_the_size_of_the_split_test_set(test_fraction):
   split = digits.load_digits_split(test_fraction=test_fraction)

@@ -23,6 +23,8 @@ from typing import Iterator
 
 import numpy as np
 
+from xattn_jax.data import image_files
+
 NUM_CLASSES = 10
 NUM_IMAGES = 1797  # in load_digits
 NATIVE_GRID = (8, 8)
@@ -203,11 +205,12 @@ def to_unit_range(images: np.ndarray) -> np.ndarray:
 
 
 def read_image_file(path: str) -> np.ndarray:
-  """One grey-scale image `[height, width]` in [0, 1], ink high, from a `.npy` array or a PNG file.
+  """One grey-scale image `[height, width]` in [0, 1], ink high, from a `.npy` array or an image file.
 
-  `.npy`: a 2D array; values above 1 are taken to be on the data set's 0..16 scale. PNG: read with
-  matplotlib, colour channels averaged (alpha dropped); a mostly light image (dark ink on white paper) is
-  inverted so that ink is high as in the data set.
+  `.npy`: a 2D array; values above 1 are taken to be on the data set's 0..16 scale. Any other file: an image
+  as `image_files.read_image` reads every user's image (PNG, JPEG, TIFF; EXIF orientation, 16-bit and
+  transparent images handled; a mostly light image, dark ink on white paper, inverted so that ink is high as in
+  the data set).
   """
   if not os.path.exists(path):
     raise ValueError(f"read_image_file: no such file {path!r}")
@@ -216,10 +219,4 @@ def read_image_file(path: str) -> np.ndarray:
     if image.ndim != 2:
       raise ValueError(f"read_image_file: {path!r} must hold a 2D [height, width] array, got {list(image.shape)}")
     return to_unit_range(image)
-  if path.lower().endswith(".png"):
-    import matplotlib.image  # only inference reads PNGs
-    image = np.asarray(matplotlib.image.imread(path), np.float32)
-    if image.ndim == 3:
-      image = image[..., :3].mean(axis=-1)
-    return 1.0 - image if image.mean() > 0.5 else image
-  raise ValueError(f"read_image_file: {path!r} must end in .npy or .png")
+  return image_files.read_image(path)

@@ -4,8 +4,8 @@ Decisions (those of data.tsv, plus the image):
   * An image path is relative to the folder of the file that names it (an absolute path is kept), so a
     folder of images and its pairs file can move together.
   * PNG and JPEG (anything Pillow opens) are read grey-scale (or RGB with ``grey=False``) in [0, 1], ink
-    high: a mostly light image (dark ink on paper) is inverted, as data.digits reads PNGs, so a photo of a
-    written number looks like the bundled digits. It is resized (bilinear, aspect ratio kept) to fit
+    high, by data.image_files as every user's image is (EXIF orientation, deep images, transparency): a mostly
+    light image (dark ink on paper) is inverted, so a photo of a written number looks like the bundled digits. It is resized (bilinear, aspect ratio kept) to fit
     inside the canvas: the largest size no larger than the canvas on either side.
   * CRLF line ends and a UTF-8 byte-order mark are accepted; blank lines at the end are ignored, a blank
     line elsewhere is an error. A side that is empty or only whitespace is an error; the text is kept
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from xattn_jax.data import files
+from xattn_jax.data import files, image_files
 from xattn_jax.data.vlm_digits import VLMExample
 
 
@@ -46,57 +46,22 @@ def fit_size(size: tuple[int, int], canvas: tuple[int, int]) -> tuple[int, int]:
   return (min(height, max(1, round(h * factor))), min(width, max(1, round(w * factor))))
 
 
-def _eight_bit(image):
-  """A single-channel 16-bit, 32-bit integer or float image as 8-bit grey: 16-bit data over 0-65535, 32-bit
-  integers over the smallest of 0-255, 0-65535 and 0-2^31-1 that holds them, floats in [0, 1] as they are,
-  other floats stretched from their minimum to their maximum."""
-  from PIL import Image
-
-  pixels = np.asarray(image, np.float64)
-  if image.mode == "F":
-    low, high = (0.0, 1.0) if pixels.min() >= 0 and pixels.max() <= 1 else (pixels.min(), pixels.max())
-  else:
-    bits = 16 if image.mode.startswith("I;16") else next(b for b in (8, 16, 31) if pixels.max() < 2 ** b)
-    low, high = 0.0, 2.0 ** bits - 1
-  scaled = (pixels - low) / max(high - low, 1e-12)
-  return Image.fromarray(np.round(np.clip(scaled, 0.0, 1.0) * 255).astype(np.uint8), "L")
-
-
 def load_image(path: str, canvas: tuple[int, int], *, grey: bool = True) -> np.ndarray:
   """One image file -> float32 [h, w] (grey) or [h, w, 3] in [0, 1], ink high, fitted inside canvas.
 
-  A photo's EXIF orientation is applied (as a viewer shows it); a 16-bit, 32-bit or floating-point image is
-  scaled from its own range (Pillow's 8-bit conversion would clip it: a 16-bit scan came out 99.6% white); a
-  transparent image is laid on white first; a mostly light image is inverted (ink high).
+  Decoded as `image_files.open_image` decodes every user's image (EXIF orientation applied, 16-bit / 32-bit /
+  float images scaled from their own range, transparency laid on white); a mostly light image is inverted.
 
   Raises OSError (missing or not a file) or ValueError (not an image Pillow can read), saying which.
   """
-  from PIL import Image, ImageOps, UnidentifiedImageError  # Pillow only where a user's images are read
+  from PIL import Image  # Pillow only where a user's images are read
 
   canvas = _check_canvas(canvas, "load_image")
-  if not os.path.exists(path):
-    raise OSError(f"image {path!r} does not exist")
-  if not os.path.isfile(path):
-    raise OSError(f"image {path!r} is not a regular file")
-  try:
-    with Image.open(path) as opened:
-      opened.load()
-      image = ImageOps.exif_transpose(opened)
-      if image.mode in ("I", "F") or image.mode.startswith("I;16"):
-        image = _eight_bit(image)
-      if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        # Transparent pixels carry arbitrary colour (often black, as the ink is): lay the image on
-        # white first, or ink on a transparent background reads as an empty image.
-        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(white, image.convert("RGBA"))
-      image = image.convert("L" if grey else "RGB")
-  except (UnidentifiedImageError, OSError, ValueError) as error:
-    raise ValueError(f"image {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
+  image = image_files.open_image(path, grey=grey)
   height, width = fit_size((image.height, image.width), canvas)
   if (height, width) != (image.height, image.width):
     image = image.resize((width, height), Image.Resampling.BILINEAR)
-  pixels = np.asarray(image, np.float32) / 255.0
-  return (1.0 - pixels if pixels.mean() > 0.5 else pixels).astype(np.float32)
+  return image_files.ink_high(np.asarray(image, np.float32) / 255.0)
 
 
 def read_images(paths: Sequence[str], canvas: tuple[int, int], *, grey: bool = True) -> list[np.ndarray]:

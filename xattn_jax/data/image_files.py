@@ -1,0 +1,66 @@
+"""Reading a user's image files: one decoder for the VLM's pairs, the pairs encoder and the digit readers' inference.
+
+  * Anything Pillow opens (PNG, JPEG, TIFF, ...), grey-scale ("L") or RGB.
+  * A photo's EXIF orientation is applied, so it reads as a viewer shows it.
+  * A 16-bit, 32-bit or floating-point image is scaled from its own range: Pillow's 8-bit conversion clips
+    (a 16-bit scan with a mid-grey ground came out 99.6% white).
+  * A transparent image is laid on white first: transparent pixels carry arbitrary colour (often black, as the
+    ink is), so ink on a transparent background would read as an empty image.
+  * `ink_high`: a mostly light image (dark ink on paper) is inverted, so ink is high as in the bundled digits.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _eight_bit(image):
+  """A single-channel 16-bit, 32-bit integer or float image as 8-bit grey: 16-bit data over 0-65535, 32-bit
+  integers over the smallest of 0-255, 0-65535 and 0-2^31-1 that holds them, floats in [0, 1] as they are,
+  other floats stretched from their minimum to their maximum."""
+  from PIL import Image
+
+  pixels = np.asarray(image, np.float64)
+  if image.mode == "F":
+    low, high = (0.0, 1.0) if pixels.min() >= 0 and pixels.max() <= 1 else (pixels.min(), pixels.max())
+  else:
+    bits = 16 if image.mode.startswith("I;16") else next(b for b in (8, 16, 31) if pixels.max() < 2 ** b)
+    low, high = 0.0, 2.0 ** bits - 1
+  scaled = (pixels - low) / max(high - low, 1e-12)
+  return Image.fromarray(np.round(np.clip(scaled, 0.0, 1.0) * 255).astype(np.uint8), "L")
+
+
+def open_image(path: str, *, grey: bool = True):
+  """The image file at `path` as a Pillow image of mode "L" (grey) or "RGB", decoded as the module says.
+
+  Raises OSError (missing or not a file) or ValueError (not an image Pillow can read), saying which.
+  """
+  from PIL import Image, ImageOps, UnidentifiedImageError  # Pillow only where a user's images are read
+
+  if not os.path.exists(path):
+    raise OSError(f"image {path!r} does not exist")
+  if not os.path.isfile(path):
+    raise OSError(f"image {path!r} is not a regular file")
+  try:
+    with Image.open(path) as opened:
+      opened.load()
+      image = ImageOps.exif_transpose(opened)
+      if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        image = _eight_bit(image)
+      if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, image.convert("RGBA"))
+      return image.convert("L" if grey else "RGB")
+  except (UnidentifiedImageError, OSError, ValueError) as error:
+    raise ValueError(f"image {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
+
+
+def ink_high(pixels: np.ndarray) -> np.ndarray:
+  """float32 pixels in [0, 1], inverted if mostly light (dark ink on paper), so that ink is high."""
+  return (1.0 - pixels if pixels.mean() > 0.5 else pixels).astype(np.float32)
+
+
+def read_image(path: str, *, grey: bool = True) -> np.ndarray:
+  """One image file -> float32 [h, w] (grey) or [h, w, 3] in [0, 1] at its own size, ink high."""
+  return ink_high(np.asarray(open_image(path, grey=grey), np.float32) / 255.0)
