@@ -13,7 +13,7 @@ caption (task "vlm_pairs_encoder", xattn_jax/tasks/vlm/pairs_encoder.py), on the
 the VLM's own pairs:
 
     python launch.py --config=configs/vlm_encoder.py:data=pairs --workdir=workdirs/my_encoder \
-        --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
+        --config.data.train_file=pairs.tsv [--config.data.eval_file=pairs_eval.tsv]
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def pairs_config(args, patch: int) -> ConfigDict:
       "vocab_size": args.vocab,   # the commonest caption terms, one logit each
       "ngrams": args.ngrams,      # terms: words and runs of up to this many adjacent words (their order)
       "train_file": "",           # required: --config.data.train_file=pairs.tsv
-      "eval_file": "",            # required: --config.data.eval_file=...
+      "eval_file": "",            # optional: without one, 5% of the training images held out (data.image_text)
   })
   config.checkpoint.best_metric = "eval/word_f1"
   config.checkpoint.best_mode = "max"

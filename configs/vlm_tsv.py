@@ -1,7 +1,10 @@
 """A frozen language model captions a user's images: `image_path<TAB>text` pairs (task "vlm", data.source=tsv).
 
     python launch.py --config=configs/vlm_tsv.py --workdir=workdirs/vlm_pairs \
-        --config.data.train_file=pairs.tsv --config.data.eval_file=pairs_eval.tsv
+        --config.data.train_file=pairs.tsv [--config.data.eval_file=pairs_eval.tsv]
+
+Without an eval file, 5% of the training file's images (every pair of each) are held out for eval, the same ones
+by the frozen encoder, the LM and the VLM, so none of them trains on a held-out image or its captions.
 
 Image paths are relative to the file's folder; PNG / JPEG are read grey (RGB with `color=true`) and fitted into
 the frozen encoder's canvas (data.image_text). A missing or unreadable image, a line without a tab or an empty side stops the run
@@ -48,5 +51,6 @@ def get_config(arg=None):
   config.task.decoding.max_new_tokens = 32  # infer's limit (eval generates as long as its longest caption)
   config.data.source = "tsv"
   config.data.train_file = ""   # required: --config.data.train_file=pairs.tsv
-  config.data.eval_file = ""    # required: --config.data.eval_file=...
+  config.data.eval_file = ""    # optional: without one, 5% of the training file's images are held out, every
+  #                               pair of each (data.image_text.held_out_pairs), by the encoder, the LM and the VLM
   return config

@@ -88,6 +88,24 @@ def test_a_photos_exif_orientation_is_applied(tmp_path):
   assert read[:3].mean() > 0.8 and read[8:].mean() < 0.2  # the left edge is now the top
 
 
+def test_without_an_eval_file_a_share_of_the_images_is_held_out_every_pair_of_each(tmp_path):
+  """One split for the three runs that read a pairs file: by image (relative to the file), stable when the folder
+  moves, at least one image held out."""
+  from xattn_jax.data import image_text
+  lines = "".join(f"img{n}.png\tcaption {n}\nimg{n}.png\tanother caption {n}\n" for n in range(300))
+  (tmp_path / "a").mkdir()
+  (tmp_path / "a" / "pairs.tsv").write_text(lines)
+  held = image_text.held_out_pairs(tmp_path / "a" / "pairs.tsv")  # (images need not exist to be split)
+  assert all((2 * n in held) == (2 * n + 1 in held) for n in range(300))  # both pairs of an image
+  assert 0.02 < len(held) / 600 < 0.1
+  (tmp_path / "b" / "deeper").mkdir(parents=True)
+  (tmp_path / "b" / "deeper" / "pairs.tsv").write_text(lines)
+  assert image_text.held_out_pairs(tmp_path / "b" / "deeper" / "pairs.tsv") == held
+  assert image_text.side_of_split(list(range(600)), tmp_path / "a" / "pairs.tsv", eval_side=True) == sorted(held)
+  (tmp_path / "two.tsv").write_text("x.png\tone\ny.png\ttwo\n")
+  assert len(image_text.held_out_pairs(tmp_path / "two.tsv")) == 1
+
+
 def test_rgb_images_keep_three_channels(folder):
   [example] = read_image_text_pairs(write(folder, b"sub/one.jpg\tb\n"), canvas=CANVAS, grey=False)
   assert example.images[0].shape == (8, 8, 3)

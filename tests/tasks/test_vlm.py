@@ -355,6 +355,45 @@ def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_tas
   return vlm_task.VLMTask(config, None, "train")
 
 
+def test_without_an_eval_file_the_encoder_the_lm_and_the_vlm_hold_out_the_same_pairs(tmp_path):
+  """configs/vlm_tsv.py required an eval file. Without one each of the three runs that read the pairs holds out
+  image_text.held_out_pairs of the training file, so none trains on a held-out image or its captions."""
+  from xattn_jax.data import image_text
+  from xattn_jax.tasks.lm import text as lm_task
+  from xattn_jax.tasks.vlm import encoder as encoder_lib
+  words = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+  lines = []
+  for n in range(60):  # 60 images, two captions each
+    Image.fromarray(np.full((8, 8), 3 * n, np.uint8)).save(tmp_path / f"img{n}.png")
+    lines += [f"img{n}.png\t{words[n % 9]}\n", f"img{n}.png\t{words[n % 9]} {words[(n // 9) % 9]}\n"]
+  train_text = "".join(lines)
+  held = image_text.held_out_pairs(_write(tmp_path / "train.tsv", train_text))
+  held_captions = [lines[i].rstrip("\n").split("\t")[1] for i in sorted(held)]
+  assert held and all((2 * (i // 2) in held) and (2 * (i // 2) + 1 in held) for i in held)
+
+  vlm = _pairs_task(tmp_path, train_text, "", **{"data.eval_file": ""})
+  assert [e.targets()[0] for e in vlm.eval_examples] == held_captions
+  assert len(vlm.train_examples) == 120 - len(held)
+
+  encoder = helpers.load_config("--config=configs/vlm_encoder.py:data=pairs,canvas=16x16",
+                                f"--config.data.train_file={tmp_path / 'train.tsv'}")
+  assert [e.targets()[0] for e in encoder_lib.read_pairs_field(encoder, "data.eval_file")] == held_captions
+  assert len(encoder_lib.read_pairs_field(encoder, "data.train_file")) == 120 - len(held)
+
+  lm = helpers.load_config("--config=configs/vlm_lm.py:text=pairs,size=micro",
+                           f"--config.data.train_file={tmp_path / 'train.tsv'}")
+  task = lm_task.LanguageModelTask(lm, str(tmp_path / "lm"), "train")
+  assert list(task.eval_texts) == [f"{vlm_digits.IMAGE_TOKEN} {caption}" for caption in held_captions]
+
+  pairs = helpers.load_config("--config=configs/vlm_tsv.py", f"--config.data.train_file={tmp_path / 'train.tsv'}")
+  assert vlm_task.VLMTask.lm_config(pairs).data.eval_file == vlm_task.VLMTask.encoder_config(pairs).data.eval_file == ""
+
+
+def _write(path, text: str):
+  path.write_text(text)
+  return path
+
+
 def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_path):
   """Eval generated at most task.decoding.max_new_tokens (8): a user's 12-word caption could never match."""
   long_caption = " ".join(["seven", "two"] * 6)

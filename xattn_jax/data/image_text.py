@@ -5,8 +5,11 @@ Decisions (those of data.tsv, plus the image):
     folder of images and its pairs file can move together.
   * PNG and JPEG (anything Pillow opens) are read grey-scale (or RGB with ``grey=False``) in [0, 1], ink
     high, by data.image_files as every user's image is (EXIF orientation, deep images, transparency): a mostly
-    light image (dark ink on paper) is inverted, so a photo of a written number looks like the bundled digits. It is resized (bilinear, aspect ratio kept) to fit
-    inside the canvas: the largest size no larger than the canvas on either side.
+    light image (dark ink on paper) is inverted, so a photo of a written number looks like the bundled digits.
+    It is resized (bilinear, aspect ratio kept) to fit inside the canvas: the largest size no larger than the
+    canvas on either side.
+  * Without an eval file, `held_out_pairs` holds out 5% of a pairs file's images, every pair of each, by a stable
+    hash: the one split the pairs encoder, the LM on the captions and the VLM all read.
   * CRLF line ends and a UTF-8 byte-order mark are accepted; blank lines at the end are ignored, a blank
     line elsewhere is an error. A side that is empty or only whitespace is an error; the text is kept
     exactly otherwise.
@@ -21,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from xattn_jax.data import files, image_files
+from xattn_jax.data import files, image_files, splits
 from xattn_jax.data.vlm_digits import VLMExample
 
 
@@ -142,6 +145,30 @@ def read_image_text_pairs_cached(path, *, canvas: tuple[int, int], grey: bool = 
 def _read_cached(path: str, mtime_ns, canvas: tuple[int, int], grey: bool) -> list[VLMExample]:
   del mtime_ns  # part of the cache key: an edited file is read again
   return read_image_text_pairs(path, canvas=canvas, grey=grey)
+
+
+# Without an eval file, this share of a pairs file's distinct images (every pair of each) is held out for eval.
+PAIRS_EVAL_FRACTION = 0.05
+
+
+def held_out_pairs(path) -> frozenset[int]:
+  """The file-order indices of the pairs held out for eval where no eval file is named: those of
+  PAIRS_EVAL_FRACTION of the file's distinct images, by a stable hash of the image path relative to the file's
+  folder (the split survives moving the folder), every pair of a held-out image with them, at least one image
+  where the file has two. The pairs encoder, the LM on the captions and the VLM all hold out these, so none of
+  them trains on a held-out image or its captions. Lines with problems are left to the readers to report."""
+  folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+  images = [(index, os.path.relpath(pair[0], folder))
+            for index, (_, _, pair) in enumerate(line for line in _pair_lines(path) if line[1] is None)]
+  _, held = splits.split_by_key(images, lambda item: item[1], seed=0, eval_fraction=PAIRS_EVAL_FRACTION,
+                                min_eval_keys=1)
+  return frozenset(index for index, _ in held)
+
+
+def side_of_split(items: Sequence, path, *, eval_side: bool) -> list:
+  """The items of a pairs file's pairs (one per pair, in file order) on one side of `held_out_pairs`."""
+  held = held_out_pairs(path)
+  return [item for index, item in enumerate(items) if (index in held) == eval_side]
 
 
 def read_pair_texts(path) -> list[str]:

@@ -228,7 +228,9 @@ class LanguageModelTask(task_lib.Task):
       read = self.mode == "train" or held_out
       train = _read("data.train_file", data.train_file, _file_format(data)) if read else []
       evaluation = []
-      if held_out and len(set(train)) == 1:  # one document (a book, text8): its tail is the held-out side
+      if held_out and _file_format(data) == "image_text":  # the pairs' own split, as the VLM and its encoder
+        train, evaluation = (image_text.side_of_split(train, data.train_file, eval_side=side) for side in (False, True))
+      elif held_out and len(set(train)) == 1:  # one document (a book, text8): its tail is the held-out side
         train, evaluation = _split_tail(train[0], data.eval_fraction, data.train_file)
       elif held_out:
         # At least one held-out document where the file has two: a small file's eval_fraction can round to none.

@@ -67,13 +67,18 @@ def grey(config) -> bool:
 
 def read_pairs_field(config, field: str):
   """The pairs of the file that config `field` names (data.image_text, at the run's canvas and colour, read once
-  per file version); a missing file or any bad line raises a ConfigError naming the field, file and lines."""
+  per file version); a missing file or any bad line raises a ConfigError naming the field, file and lines.
+  Without a data.eval_file, the two sides of data.train_file's held-out split (image_text.held_out_pairs)."""
+  split = not config.data.eval_file and field in ("data.train_file", "data.eval_file")
+  if split:
+    field, eval_side = "data.train_file", field == "data.eval_file"
   path = validation._get(config, field)
   validation.require_file(field, path)
   try:
-    return image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config))
+    pairs = image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config))
   except files.LineFileError as error:
     raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
+  return image_text.side_of_split(pairs, path, eval_side=eval_side) if split else pairs
 
 
 def check_grid(config) -> None:

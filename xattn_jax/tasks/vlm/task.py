@@ -268,7 +268,8 @@ class VLMTask(task_lib.Task):
     if not reads_pairs(loaded) or loaded.data.train_file or loaded.data.eval_file:
       return spec
     loaded.data.train_file = os.path.abspath(config.data.train_file)
-    loaded.data.eval_file = os.path.abspath(config.data.eval_file)
+    # none: each holds out the same pairs of the training file (image_text.held_out_pairs)
+    loaded.data.eval_file = os.path.abspath(config.data.eval_file) if config.data.eval_file else ""
     return loaded
 
   @classmethod
