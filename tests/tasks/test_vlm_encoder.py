@@ -137,6 +137,14 @@ def _pairs_config(tmp_path, arg="data=pairs,canvas=16x16", **overrides):
                                        "data.eval_file": tmp_path / "pairs.tsv", **overrides}.items()))
 
 
+def test_pairs_of_one_image_without_an_eval_file_are_refused_in_one_line(tmp_path):
+  """The held-out side of one image is empty: the run trained and logged an eval of nothing."""
+  config = _pairs_config(tmp_path, **{"data.eval_file": ""})
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.eval_file='': no eval pairs: .*pairs\.tsv shows one "
+                                                   r"image"):
+    validation.validate_config(config)
+
+
 def test_the_pairs_encoder_config_validates_and_names_each_bad_field(tmp_path):
   from xattn_jax.tasks.vlm import pairs_encoder
   task_class = task_lib.get_task_class("vlm_pairs_encoder")

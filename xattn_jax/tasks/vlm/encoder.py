@@ -78,7 +78,13 @@ def read_pairs_field(config, field: str):
     pairs = image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config))
   except files.LineFileError as error:
     raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
-  return image_text.side_of_split(pairs, path, eval_side=eval_side) if split else pairs
+  if not split:
+    return pairs
+  side = image_text.side_of_split(pairs, path, eval_side=eval_side)
+  if eval_side and not side:
+    raise validation.ConfigError("data.eval_file", "", f"no eval pairs: {path} shows one image, which training "
+                                 "needs; name an eval file, or give pairs of two images at least (one is held out)")
+  return side
 
 
 def check_grid(config) -> None:
