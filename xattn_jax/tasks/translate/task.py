@@ -286,6 +286,10 @@ class TranslateTask(task_lib.Task):
       rows = list(enumerate(_read_tsv("data.train_file", data.train_file), 1))
       train_rows, eval_rows = splits.split_by_key(rows, lambda row: row[1][0], seed=data.split_seed,
                                                   eval_fraction=data.eval_fraction, min_eval_keys=1)
+      if not eval_rows:
+        raise validation.ConfigError("data.eval_file", "", f"no eval pairs: {data.train_file} has one distinct source, "
+                                     "which training needs; name an eval file, or give pairs of two sources at least "
+                                     "(one is held out)")
       self._eval_lines = (data.train_file, [line for line, _ in eval_rows])
       logging.info("No data.eval_file: %d of the %d pairs of %s (data.eval_fraction=%g of the sources, by a stable "
                    "hash) are held out for eval", len(eval_rows), len(rows), data.train_file, data.eval_fraction)
