@@ -313,7 +313,8 @@ def test_a_tsv_corpus_without_an_eval_file_holds_out_a_share_of_its_sources(tmp_
     validation.validate_config(config)
   (tmp_path / "one.tsv").write_text("hello\tbonjour\nhello\tsalut\n")  # one source: nothing to hold out
   config.data.eval_fraction, config.data.train_file = 0.05, str(tmp_path / "one.tsv")
-  with pytest.raises(validation.ConfigError, match=r"^config\.data\.eval_file='': no eval pairs: .*one distinct source"):
+  with pytest.raises(validation.ConfigError,
+                     match=r"^config\.data\.eval_file='': no eval pairs: .*one distinct source"):
     translate_task.TranslateTask(config, str(tmp_path / "one"))
   index = next(i for i, line in enumerate(lines) if line.split("\t")[0] in held)  # (the key is the source)
   lines[index] += " chats" * 10

@@ -140,8 +140,8 @@ def _pairs_config(tmp_path, arg="data=pairs,canvas=16x16", **overrides):
 def test_pairs_of_one_image_without_an_eval_file_are_refused_in_one_line(tmp_path):
   """The held-out side of one image is empty: the run trained and logged an eval of nothing."""
   config = _pairs_config(tmp_path, **{"data.eval_file": ""})
-  with pytest.raises(validation.ConfigError, match=r"^config\.data\.eval_file='': no eval pairs: .*pairs\.tsv shows one "
-                                                   r"image"):
+  with pytest.raises(validation.ConfigError,
+                     match=r"^config\.data\.eval_file='': no eval pairs: .*pairs\.tsv shows one image"):
     validation.validate_config(config)
 
 
