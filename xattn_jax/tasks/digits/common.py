@@ -10,7 +10,8 @@ follows it). Eval also reports `eval/accuracy_HxW` on the test images resized to
 `data.extra_eval_grids` and writes the queries' attention maps as `attention_maps/test_K.png` in the workdir.
 
 Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
-or a PNG file; the output line is the file name and the predicted digit(s). `test:K` classifies test image K.
+or an image file (PNG, JPEG, ...: data.image_files); the output line is the file name and the predicted digit(s).
+`test:K` classifies test image K.
 """
 from __future__ import annotations
 
