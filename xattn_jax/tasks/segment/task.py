@@ -22,9 +22,10 @@ task.num_plot_examples test prompts go to `<workdir>/segment_plots/`.
 Inference (`launch.py --mode=infer`), one line per prompt:
     IMAGE x,y[,+|-] [x,y[,+|-] ...]      clicks (x = column, y = row in IMAGE's pixels; + positive, - negative)
     IMAGE box=x0,y0,x1,y1                a box (pixel edges: the box holds columns x0..x1-1, rows y0..y1-1)
-IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resized to the canvas) or test:K (test prompt K's image; with no prompt
-after it, test prompt K's own). The answer line is IMAGE, the PNG written to `<workdir>/infer/`
-(image, prompt, every mask), the predicted IoU and pixel count of the chosen mask, tab-separated.
+IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resized to the canvas) or test:K
+(test prompt K's image; with no prompt after it, test prompt K's own). The answer line is IMAGE, the PNG
+written to `<workdir>/infer/` (image, prompt, every mask), the predicted IoU and pixel count of the chosen mask,
+tab-separated.
 """
 from __future__ import annotations
 
