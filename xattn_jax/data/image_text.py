@@ -152,12 +152,20 @@ PAIRS_EVAL_FRACTION = 0.05
 
 
 def held_out_pairs(path) -> frozenset[int]:
+  """`_held_out_pairs` of the file, computed once per file version (validation, each side of each task ask)."""
+  path = os.path.abspath(os.fspath(path))
+  return _held_out_pairs(path, os.stat(path).st_mtime_ns if os.path.exists(path) else None)
+
+
+@functools.lru_cache(maxsize=4)
+def _held_out_pairs(path: str, mtime_ns) -> frozenset[int]:
   """The file-order indices of the pairs held out for eval where no eval file is named: those of
   PAIRS_EVAL_FRACTION of the file's distinct images, by a stable hash of the image path relative to the file's
   folder (the split survives moving the folder), every pair of a held-out image with them, at least one image
   where the file has two. The pairs encoder, the LM on the captions and the VLM all hold out these, so none of
   them trains on a held-out image or its captions. Lines with problems are left to the readers to report."""
-  folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+  del mtime_ns  # part of the cache key: an edited file is split again
+  folder = os.path.dirname(path)
   images = [(index, os.path.relpath(pair[0], folder))
             for index, (_, _, pair) in enumerate(line for line in _pair_lines(path) if line[1] is None)]
   _, held = splits.split_by_key(images, lambda item: item[1], seed=0, eval_fraction=PAIRS_EVAL_FRACTION,

@@ -198,15 +198,17 @@ def result_step(workdir: str) -> int:
   if os.path.isfile(path):
     with open(path) as f:
       checkpoint = json.load(f).get("checkpoint", {})
+  eval_from = checkpoint.get("eval_from", "latest")
+  if eval_from == "latest":  # the step directories say it: no orbax manager to build
+    return steps[-1]
   checkpoints = Checkpoints(workdir, keep=len(steps), best_metric=checkpoint.get("best_metric", ""),
                             best_mode=checkpoint.get("best_mode", "min"))
   try:
-    chosen = steps_to_read(checkpoints, checkpoint.get("eval_from", "latest"))
+    return steps_to_read(checkpoints, eval_from)[0]
   except RunError as error:
     raise RunError(f"the run in {workdir}: {error}") from None
   finally:
     checkpoints.close()
-  return steps[-1] if chosen is None else chosen[0]
 
 
 def restore_model_from(path: str, abstract_model):

@@ -235,18 +235,16 @@ class TranslateTask(task_lib.Task):
           raise validation.ConfigError(field, year, "must be an integer year in 1..9999")
       if data.first_year > data.last_year:
         raise validation.ConfigError("data.first_year", data.first_year, f"must be <= data.last_year={data.last_year}")
-      if not 0 < data.eval_fraction < 1:  # 0 would leave no held-out dates to evaluate on
-        raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
-    elif mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
+    if (data.source == "dates" or not data.eval_file) and not 0 < data.eval_fraction < 1:
+      raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1): the share of the "
+                                   "dates, or of data.train_file's sources without a data.eval_file, held out for eval")
+    if data.source != "dates" and mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
       # Reads the files now, so a malformed line stops the run before anything is built; eval
       # needs only the eval file (the tokenizer is the run's), or the training file it holds out of.
       if mode == "train" or not data.eval_file:
         _read_tsv("data.train_file", data.train_file)
       if data.eval_file:
         _read_tsv("data.eval_file", data.eval_file)
-      elif not 0 < data.eval_fraction < 1:
-        raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1): the share of "
-                                     "data.train_file's sources held out for eval when there is no data.eval_file")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
