@@ -115,4 +115,8 @@ def get_config(arg=None):
                           lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=0.0,
                           distill_blocks=0)
   connector_defaults(args)
-  return vlm_config(args)
+  config = vlm_config(args)
+  # the split eval reads (vlm_digits.EVAL_SPLITS): validation while training and choosing; test for the final
+  # score (launch.py --mode=eval --config.data.eval_split=test), as experiments/compare_connectors.py does
+  config.data.eval_split = "validation"
+  return config

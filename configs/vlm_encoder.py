@@ -2,7 +2,7 @@
 
     python launch.py --config=configs/vlm_encoder.py --workdir=workdirs/vlm_encoder
     python launch.py --config=configs/vlm_encoder.py:scale=2 --workdir=workdirs/vlm_encoder_x2
-    echo test:0 | python launch.py --config=configs/vlm_encoder.py --workdir=workdirs/vlm_encoder --mode=infer
+    echo validation:0 | python launch.py --config=configs/vlm_encoder.py --workdir=workdirs/vlm_encoder --mode=infer
 
 Strips of 1 to max_digits bundled digits on the canvas 8 x (8 * max_digits), times scale (see
 xattn_jax/tasks/vlm/encoder.py); with 2x2 patches a strip hands on 16 to 64 patch features.
@@ -39,7 +39,8 @@ def get_config(arg=None):
       "max_digits": args.max_digits,  # digits per strip: 1..max_digits, uniform
       "scale": args.scale,            # integer upscale of the 8x8 digits
       "max_shift": 1,                 # training strips move up or down by up to this many pixels (0 = off)
-      "num_eval_strips": 512,         # fixed test strips (test digit images, held-out sequences)
+      "num_eval_strips": 512,         # fixed eval strips (unseen digit images, held-out sequences)
+      "eval_split": "validation",     # validation | test (vlm_digits.EVAL_SPLITS): test for a final score only
       "eval_seed": 0,
   })
   config.checkpoint.best_metric = "eval/position_accuracy"

@@ -7,8 +7,8 @@ with "<image>" where an image sits and no image, so the LM learns the language (
 number words) but cannot know the answers; and with each image described in words before its marker
 (data.describe_images), so the LM learns to answer from a description: copy, count, index, add, compare. A
 connector can then use that skill by making the image read like its description, as the LM inside a
-real vision-language model brings what it learned from text. Eval: the texts of "test" examples (held-out
-digit sequences), in the same two forms.
+real vision-language model brings what it learned from text. Eval: the texts of "validation" examples
+(held-out digit sequences), in the same two forms; the LM never reads a test text.
 SentencePiece keeps "<image>" one piece (data.single_piece_words), so the VLM task can encode each text
 segment alone and splice image tokens in between.
 

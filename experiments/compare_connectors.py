@@ -8,8 +8,11 @@
     python experiments/compare_connectors.py --scale 2 --workdirs workdirs/compare_connectors_x2  # resized images
 
 Every run is configs/vlm_digits.py:connector=C (seed S) trained in this process (`loop.run`) on the SAME
-frozen parts (--encoder / --lm workdirs, trained first by their configs when empty). Per connector and seed:
-test exact match and chrF (all targets, and by digits in the image), trainable parameters, training steps
+frozen parts (--encoder / --lm workdirs, trained first by their configs when empty). It evaluates on the
+validation split as it trains (data.eval_split), and once finished on the test split (`--mode=eval
+--config.data.eval_split=test`, kept in its workdir's test_metrics.json). Per connector and seed:
+test exact match and chrF (all targets, and by digits in the image), validation exact match (what a
+choice between settings may read; test only reports), trainable parameters, training steps
 per second (the loop's own figure), generation tokens / s (greedy over the eval targets, after a warm-up
 pass) and, per image size k = 1..4 digits (M = 1 + 16 k features with 2 x 2 patches), the tokens an image
 hands the LM and the median forward time of a batch of k-digit examples, and the wall time of the run
@@ -17,7 +20,7 @@ hands the LM and the median forward time of a batch of k-digit examples, and the
 frozen features (--probe_steps batches of 64 fresh train strips; by default the most steps of a connector) to
 read each strip's digits, scored on the same test targets by the answers its reading implies. A second
 probe, trained alike with a head that predicts the sum directly, answers the sum question as the connectors
-must (learned, not added up). The frozen encoder's own strip accuracy is listed beside them. Results:
+must (learned, not added up). The frozen encoder's own test strip accuracy is listed beside them. Results:
 experiments/results/compare_connectors.{md,json}.
 
 Cost as the image grows, per connector (once, on its first seed's config; `--scales`): for k = 1..4 digits at
@@ -58,6 +61,21 @@ def other_test_set(workdir: str, eval_examples: int) -> str:
     return ""
   return (f"the finished run in {workdir} answered {evaluated} test examples, not {eval_examples}; use another "
           "--workdirs")
+
+
+def test_metrics(workdir: str) -> dict:
+  """The finished run's eval metrics on the test split, as `launch.py --mode=eval --config.data.eval_split=test`
+  gives them (and records), computed once and kept in workdir/test_metrics.json. A run whose config predates
+  data.eval_split evaluated on test already."""
+  from xattn_jax.training import loop, validation
+  path = pathlib.Path(workdir, "test_metrics.json")
+  if path.is_file():
+    return json.loads(path.read_text())
+  config = validation.load_config_file(os.path.join(workdir, "config.py"))
+  config.data.eval_split = "test"
+  metrics = {k: float(v) for k, v in loop.run(config, workdir, "eval").items()}
+  path.write_text(json.dumps(metrics))
+  return metrics
 
 
 def _final_metrics(workdir: str) -> dict:
@@ -188,12 +206,14 @@ def _probe(config, args, steps: int) -> dict:
   from xattn_jax.tasks.vlm import probe as probe_lib
   data = config.data
   encoder = probe_lib.load_encoder(args.encoder)
-  examples = vlm_digits.make_examples("test", data.num_eval_examples, data.eval_seed, max_digits=data.max_digits,
-                                      kinds=tuple(data.kinds.split(",")), scale=data.scale)
+  examples = {split: vlm_digits.make_examples(split, data.num_eval_examples, data.eval_seed,
+                                             max_digits=data.max_digits, kinds=tuple(data.kinds.split(",")),
+                                             scale=data.scale) for split in ("test", "validation")}
   probe, seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps)
   def scored(probe=None):
-    metrics = probe_lib.probe_metrics(encoder, examples, max_digits=data.max_digits, scale=data.scale, probe=probe)
-    return {f"eval/{k}": v for k, v in metrics.items()}
+    test, validation = (probe_lib.probe_metrics(encoder, examples[split], max_digits=data.max_digits,
+                                                scale=data.scale, probe=probe) for split in ("test", "validation"))
+    return {**{f"eval/{k}": v for k, v in test.items()}, "validation/exact_match": validation["exact_match"]}
   direct, direct_seconds = probe_lib.train_probe(encoder, max_digits=data.max_digits, scale=data.scale, steps=steps,
                                                  direct_sum=True)
   return {"steps": steps, "train_seconds": seconds, **scored(probe), "encoder_head": scored(),
@@ -297,10 +317,12 @@ def main(argv=None):
         dependencies.resolve(config, workdir, "train")
         loop.run(config, workdir, "train")
         wall_file.write_text(json.dumps(time.perf_counter() - start))
-      metrics = _final_metrics(workdir)
+      metrics = _final_metrics(workdir)  # the training's own: its last eval is on validation
       run = {"connector": connector, "seed": seed, "steps": config.total_steps,
              "wall_seconds": json.loads(wall_file.read_text()),
-             **{k: v for k, v in metrics.items() if k.startswith("eval/") or k == "train/steps_per_second"},
+             "train/steps_per_second": metrics["train/steps_per_second"],
+             "validation/exact_match": metrics["eval/exact_match"],
+             **{k: v for k, v in test_metrics(workdir).items() if k.startswith("eval/")},
              **_measure(config, workdir)}
       record["runs"].append(run)
       print(json.dumps(run), flush=True)
@@ -311,7 +333,7 @@ def main(argv=None):
 
 def _write(record: dict, args, stem: str = "compare_connectors"):
   """experiments/results/<stem>.{json,md} (or under --out) of the runs so far."""
-  record["encoder_strip_accuracy"] = _final_metrics(args.encoder).get("eval/strip_accuracy")
+  record["encoder_strip_accuracy"] = test_metrics(args.encoder).get("eval/strip_accuracy")
   record["load_average_after"] = os.getloadavg()[0]
   stem = os.path.join(args.out, stem)
   with open(stem + ".json", "w") as f:
@@ -363,16 +385,19 @@ def render(record: dict) -> str:
            f"predicts the sum of the digits directly from the positions' states, answers the sum question as the "
            f"connectors must (learned, not added up from the digits read); its other answers are its reading's. "
            f"The frozen encoder's strip accuracy (every position of its own test strips right): "
-           f"{record['encoder_strip_accuracy']:.3f}.", "",
-           "| model | seeds | steps | wall s | exact match | chrF (0-100) | 1-2 digits | trainable params | steps/s | "
-           "generation tok/s |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           f"{record['encoder_strip_accuracy']:.3f}. Every column but \"validation\" is on the test split; the runs "
+           f"evaluated on the validation split as they trained, and a choice between settings reads that column.",
+           "",
+           "| model | seeds | steps | wall s | exact match | validation | chrF (0-100) | 1-2 digits | trainable params "
+           "| steps/s | generation tok/s |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   probe = record["probe"]
   for connector in dict.fromkeys(r["connector"] for r in runs):
     rs = [r for r in runs if r["connector"] == connector]
     small = mean([mean([r.get("eval/exact_match_1digits"), r.get("eval/exact_match_2digits")]) for r in rs])
     lines.append(f"| {connector} | {len(rs)} | {rs[0]['steps']} | {mean([r['wall_seconds'] for r in rs]):.0f} | "
                  f"{mean([r['eval/exact_match'] for r in rs]):.3f} | "
+                 f"{mean([r.get('validation/exact_match') for r in rs]):.3f} | "
                  f"{mean([r['eval/chrf'] for r in rs]):.1f} | {small:.3f} | {rs[0]['trainable_parameters']:,} | "
                  f"{mean([r['train/steps_per_second'] for r in rs]):.1f} | "
                  f"{mean([r['generation_tokens_per_second'] for r in rs]):.0f} |")
@@ -382,7 +407,8 @@ def render(record: dict) -> str:
                 ("the encoder's own head", head, None)]
   for name, entry, seconds in references:
     trained = "| | |" if seconds is None else f"1 | {probe['steps']} | {seconds:.0f} |"
-    lines.append(f"| {name} | {trained} {entry['eval/exact_match']:.3f} | | "
+    lines.append(f"| {name} | {trained} {entry['eval/exact_match']:.3f} | "
+                 f"{mean([entry.get('validation/exact_match')]):.3f} | | "
                  f"{mean([entry.get('eval/exact_match_1digits'), entry.get('eval/exact_match_2digits')]):.3f} | | | |")
   lines += ["", "By image size (first seed): tokens an image hands the LM / median forward ms of an eval batch / "
             "exact match", "", "| connector | " + " | ".join(f"k={k}" for k in range(1, 5)) + " |",

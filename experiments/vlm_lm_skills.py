@@ -2,8 +2,8 @@
 
     python experiments/vlm_lm_skills.py --lm workdirs/vlm_lm [--lm another_lm_run ...]
 
-For the first --examples "test" examples of data.vlm_digits (the connectors' eval set at the defaults of
-configs/vlm_digits.py), the LM continues each text up to its last target, greedily, in two forms:
+For the first --examples "test" examples of data.vlm_digits (the test examples compare_connectors scores at
+the defaults of configs/vlm_digits.py), the LM continues each text up to its last target, greedily, in two forms:
   marker only  the text as a connector's LM sees it ("<image> what is their sum ?"): the answers the LM
                can give without the image, the floor a connector starts from;
   described    each image's digits as words before its marker ("seven two <image> what is their sum ?"):

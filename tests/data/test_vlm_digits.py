@@ -1,8 +1,18 @@
 """The bundled image-to-text digits: disjoint splits, texts read from the images in order, image batches."""
+import collections
+import hashlib
+import itertools
+
 import numpy as np
 import pytest
 
-from xattn_jax.data import vlm_digits
+from xattn_jax.data import digits, vlm_digits
+
+# make_examples("test", 40, seed=0) at commit 6077f7c, before the validation split: its first texts and a
+# digest of all its images
+TEST_TEXTS_BEFORE_VALIDATION = ["<image> what is the second digit ? nine", "<image> what is their sum ? twenty one",
+                                "<image> what is the second digit ? one"]
+TEST_IMAGES_BEFORE_VALIDATION = "18ea309504d2345ce024206b90ef139adc7e7cc3"
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +32,40 @@ def _cells(example):
 
 
 def test_splits_share_no_source_image(examples):
-  train_sources, test_sources = _source_keys("train"), _source_keys("test")
-  assert not train_sources & test_sources
-  for split, sources in (("train", train_sources), ("test", test_sources)):
+  sources = {split: _source_keys(split) for split in vlm_digits.SPLITS}
+  assert not sources["train"] & sources["validation"] and not sources["train"] & sources["test"]
+  assert not sources["validation"] & sources["test"]
+  for split in vlm_digits.SPLITS:
     for example in examples[split]:
-      assert all(cell.tobytes() in sources for cell in _cells(example))
+      assert all(cell.tobytes() in sources[split] for cell in _cells(example))
+  # validation holds about VALIDATION_FRACTION of each class of the non-test digits; test keeps the digits tasks'
+  validation, train = vlm_digits.source_digits()["validation"][1], vlm_digits.source_digits()["train"][1]
+  for held, kept in zip(validation, train):
+    assert 0.08 < len(held) / (len(held) + len(kept)) < 0.13
+  assert len(vlm_digits.source_digits()["test"][0]) == len(digits.load_digits_split().test_labels)
 
 
 def test_splits_share_no_sequence_of_two_or_more_digits(examples):
   def sequences(split):
     return {seq for example in examples[split] for seq in example.digits if len(seq) >= 2}
-  train, test = sequences("train"), sequences("test")
-  assert train and test and not train & test
-  assert all(vlm_digits.combination_split(seq) == "test" for seq in test)
+  found = {split: sequences(split) for split in vlm_digits.SPLITS}
+  assert all(found.values())
+  for a, b in itertools.combinations(vlm_digits.SPLITS, 2):
+    assert not found[a] & found[b], (a, b)
+  for split in vlm_digits.SPLITS:
+    assert all(vlm_digits.combination_split(seq) == split for seq in found[split])
+  shares = collections.Counter(vlm_digits.combination_split(s) for s in itertools.product(range(10), repeat=3))
+  assert abs(shares["test"] / 1000 - vlm_digits.HELD_OUT_FRACTION) < 0.04
+  assert abs(shares["validation"] / 1000 - vlm_digits.VALIDATION_FRACTION) < 0.04
+
+
+def test_test_examples_do_not_move_when_a_validation_split_is_carved_from_train():
+  # The test split's images, sequences and example streams are those of the two-way split before
+  # validation existed, so test scores of runs on either side of the change read the same examples.
+  examples = vlm_digits.make_examples("test", 40, seed=0)
+  assert [vlm_digits.text_of(e) for e in examples[:3]] == TEST_TEXTS_BEFORE_VALIDATION
+  digest = hashlib.sha1(b"".join(image.tobytes() for e in examples for image in e.images)).hexdigest()
+  assert digest == TEST_IMAGES_BEFORE_VALIDATION
 
 
 def test_examples_are_deterministic_and_prefixes_of_longer_lists(examples):

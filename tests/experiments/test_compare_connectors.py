@@ -1,9 +1,17 @@
-"""compare_connectors' cost rows: what a connector hands the LM, and what it costs, as the image grows."""
+"""compare_connectors: the cost rows (what a connector hands the LM, and what it costs, as the image grows),
+the test split scored after training on validation, and the probe's encoder."""
 import json
+import shutil
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import compare_connectors
+from xattn_jax.data import vlm_digits
+from xattn_jax.tasks.vlm import probe
+from xattn_jax.training import inference
 from tests import helpers
 from tests.tasks.test_vlm import TINY_CHAIN, tiny_chain
 
@@ -39,3 +47,34 @@ def test_a_finished_run_evaluated_on_another_number_of_test_examples_cannot_join
   (run / "wall_seconds.json").write_text("12.5")
   assert compare_connectors.other_test_set(str(run), 256) == ""
   assert "answered 256 test examples, not 2000" in compare_connectors.other_test_set(str(run), 2000)
+
+
+@pytest.mark.slow
+def test_a_run_evaluates_on_validation_and_is_scored_on_test_once_it_finished(tmp_path):
+  run = tmp_path / "vlm"
+  shutil.copytree(tiny_chain() / "vlm", run)  # the chain's folder stays as built
+  _, task = inference.load_model(str(run), "eval")
+  config = task.config
+  assert config.data.eval_split == "validation"
+  def examples(split):
+    return vlm_digits.make_examples(split, config.data.num_eval_examples, config.data.eval_seed,
+                                    max_digits=config.data.max_digits, kinds=("count",))
+  assert [e.digits for e in task.eval_examples] == [e.digits for e in examples("validation")]
+  metrics = compare_connectors.test_metrics(str(run))
+  _, test_task = inference.load_model(str(run), "eval", overrides={"data.eval_split": "test"})
+  assert [e.digits for e in test_task.eval_examples] == [e.digits for e in examples("test")]
+  assert [e.digits for e in examples("test")] != [e.digits for e in examples("validation")]
+  assert 0.0 <= metrics["eval/exact_match"] <= 1.0 and metrics["eval/loss"] > 0
+  # kept: a comparison measuring the run again reads the file, and the run's eval record holds the test eval
+  assert json.loads((run / "test_metrics.json").read_text()) == metrics
+  assert compare_connectors.test_metrics(str(run)) == metrics
+
+
+@pytest.mark.slow
+def test_the_probe_reads_the_encoder_weights_the_vlm_freezes():
+  encoder_workdir = tiny_chain() / "encoder"
+  loaded = probe.load_encoder(str(encoder_workdir))
+  model, _ = inference.load_model(str(encoder_workdir), "infer")
+  expected, got = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
+  assert jax.tree.structure(expected) == jax.tree.structure(got)
+  jax.tree.map(np.testing.assert_array_equal, expected, got)

@@ -62,6 +62,7 @@ def config_error_field(*argv):
     ("--config.data.scale=0", "config.data.scale"),
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
     ("--config.task.distill_weight=-1.0", "config.task.distill_weight"),
+    ("--config.data.eval_split=train", "config.data.eval_split"),  # evaluating on training examples
 ])
 def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field

@@ -76,13 +76,16 @@ def test_labels_name_each_position_and_empty_past_the_strip():
     assert not image[:, 8 * length:].any() and image[:, 8 * (length - 1):8 * length].any()
 
 
-def test_eval_strips_are_made_of_test_digit_images():
-  task = encoder.StripEncoderTask(config())
-  images, labels = task.eval_set()
-  test_images = {i.tobytes() for i in vlm_digits.source_digits()["test"][0]}
+@pytest.mark.parametrize("split", vlm_digits.EVAL_SPLITS)
+def test_eval_strips_are_made_of_the_eval_splits_digit_images(split):
+  cfg = config()
+  assert cfg.data.eval_split == "validation"  # the default: test only for a final score
+  cfg.data.eval_split = split
+  images, labels = encoder.StripEncoderTask(cfg).eval_set()
+  split_images = {i.tobytes() for i in vlm_digits.source_digits()[split][0]}
   for image, row in zip(images[..., 0], labels):
     for k in np.flatnonzero(row != vlm_digits.EMPTY):
-      assert image[:, 8 * k:8 * (k + 1)].tobytes() in test_images
+      assert image[:, 8 * k:8 * (k + 1)].tobytes() in split_images
 
 
 def test_position_logits_have_one_row_per_position():
@@ -104,9 +107,11 @@ def test_tiny_encoder_learns_to_read_test_strips(trained_encoder):
 @pytest.mark.slow
 def test_infer_answers_each_line_with_the_digits_read(trained_encoder):
   model, task = loop.load_model(str(trained_encoder[0]))
-  lines = task.infer(model, ["test:0", "test:1"])
-  assert [line.split("\t")[0] for line in lines] == ["test:0", "test:1"]
+  lines = task.infer(model, ["test:0", "validation:1"])
+  assert [line.split("\t")[0] for line in lines] == ["test:0", "validation:1"]
   assert all(1 <= len(line.split("\t")[1].split()) <= 2 for line in lines)
+  with pytest.raises(task_lib.InputLineError, match=r"validation:100000.*eval strips are 0\.\.\d+"):
+    task.infer(model, ["validation:100000"])
 
 
 # --- the encoder of a user's pairs (task vlm_pairs_encoder) ------------------------------------------------

@@ -14,13 +14,18 @@ ViT with 2x2 patches hands on M = 16 to 64 patch features (17 to 65 with its cla
            (two images in one text: each caption reads only the image just before it, Flamingo's
            latest-image masking; the two numbers always differ)
 
-Splits (`make_examples(split=...)`), disjoint in two ways:
+Splits (`make_examples(split=...)`, SPLITS), disjoint in two ways:
   * by source image: "test" strips are made of the 360 test digits of `digits.load_digits_split()` (the
-    digits tasks' split), "train" strips of the other 1,437, so no test digit image is seen in training;
+    digits tasks' split); of its other 1,437, VALIDATION_FRACTION of each class (by a stable hash of the
+    image's place in that split) make the "validation" strips and the rest the "train" strips, so no
+    validation or test digit image is seen in training;
   * by combination: a digit sequence of two or more digits belongs to one split by a stable hash of the
-    sequence (`combination_split`: HELD_OUT_FRACTION of them are test-only), so every test sequence of
-    2+ digits never occurs in training, in any kind, nor in the LM's pretraining texts. A single digit
-    cannot be held out without removing a class: 1-digit sequences occur in both splits.
+    sequence (`combination_split`: HELD_OUT_FRACTION of them are test-only, VALIDATION_FRACTION
+    validation-only), so every validation or test sequence of 2+ digits never occurs in training, in any
+    kind, nor in the LM's pretraining texts. A single digit cannot be held out without removing a class:
+    1-digit sequences occur in every split.
+Validation mirrors test (unseen digit images, unseen sequences): runs evaluate on it while they train and
+are chosen by it (`data.eval_split`), so test scores only what was chosen.
 
 Everything is a pure function of (split, seed, example index): `make_examples(n)` is a prefix of
 `make_examples(n + k)`. Host-side numpy only; nothing is downloaded (the digits ship with scikit-learn).
@@ -42,8 +47,11 @@ ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "
 MAX_DIGITS = len(ORDINALS)  # the nth question needs an ordinal for every position
 EMPTY = digits_lib.NUM_CLASSES  # the class of a strip position that holds no digit (the encoder's 11th class)
 NUM_POSITION_CLASSES = digits_lib.NUM_CLASSES + 1
-SPLITS = ("train", "test")
+SPLITS = ("train", "validation", "test")
+EVAL_SPLITS = SPLITS[1:]  # what a run may evaluate on (data.eval_split)
 HELD_OUT_FRACTION = 0.2  # of the digit sequences of each length >= 2, test-only
+VALIDATION_FRACTION = 0.1  # of those sequences validation-only; of each class's non-test digit images too
+_SPLIT_IDS = {"train": 0, "test": 1, "validation": 2}  # seeds the examples' streams (test's kept from 2 splits)
 _SPLIT_SEED = 0  # of the combination hash: fixed, so every run holds out the same sequences
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 _TEENS = ("ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
@@ -92,11 +100,15 @@ def digit_words(sequence: Sequence[int]) -> str:
 
 
 def combination_split(sequence: Sequence[int]) -> str | None:
-  """The split a digit sequence belongs to ("train" or "test"), or None (both) for a single digit."""
+  """The split a digit sequence belongs to ("train", "validation" or "test"), or None (all) for a single
+  digit: one stable hash in [0, 1) per sequence, test below HELD_OUT_FRACTION, validation in the next
+  VALIDATION_FRACTION."""
   if len(sequence) < 2:
     return None
-  key = "".join(str(int(d)) for d in sequence)
-  return "test" if splits.is_eval_key(key, seed=_SPLIT_SEED, eval_fraction=HELD_OUT_FRACTION) else "train"
+  hashed = splits.stable_unit_interval("".join(str(int(d)) for d in sequence), _SPLIT_SEED)
+  if hashed < HELD_OUT_FRACTION:
+    return "test"
+  return "validation" if hashed < HELD_OUT_FRACTION + VALIDATION_FRACTION else "train"
 
 
 # --- the kinds ------------------------------------------------------------------------------------------
@@ -159,11 +171,19 @@ KINDS = {
 
 @functools.lru_cache(maxsize=1)
 def source_digits() -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
-  """split -> (images [n, 8, 8] in [0, 1], per class the indices of its images): the digits tasks' fixed
-  split (`digits.load_digits_split()`, 1,437 train / 360 test images)."""
+  """split -> (images [n, 8, 8] in [0, 1], per class the indices of its images). "test": the 360 test images
+  of the digits tasks' fixed split (`digits.load_digits_split()`); "validation": of each class's images in
+  its train side, the ceil(VALIDATION_FRACTION * n) of lowest stable hash of their place there (149 of
+  1,437); "train": the other 1,288."""
   split = digits_lib.load_digits_split()
+  held = np.zeros(len(split.train_labels), bool)
+  for c in range(digits_lib.NUM_CLASSES):
+    members = np.flatnonzero(split.train_labels == c)
+    ranked = sorted(members, key=lambda i: splits.stable_unit_interval(f"digit {i}", _SPLIT_SEED))
+    held[ranked[:int(np.ceil(VALIDATION_FRACTION * len(members)))]] = True
   result = {}
-  for name, images, labels in (("train", split.train_images, split.train_labels),
+  for name, images, labels in (("train", split.train_images[~held], split.train_labels[~held]),
+                               ("validation", split.train_images[held], split.train_labels[held]),
                                ("test", split.test_images, split.test_labels)):
     result[name] = (images, tuple(np.flatnonzero(labels == c) for c in range(digits_lib.NUM_CLASSES)))
   return result
@@ -192,7 +212,7 @@ def _check_positive_int(value, name: str, caller: str, *, most: int | None = Non
 
 def draw_sequence(split: str, rng: np.random.Generator, num_digits: int) -> tuple[int, ...]:
   """A uniformly random digit sequence of length num_digits among those `combination_split` allows in split."""
-  while True:  # rejection: HELD_OUT_FRACTION of the draws are accepted for test, the rest for train
+  while True:  # rejection: a split accepts its share of the draws (combination_split)
     sequence = tuple(int(d) for d in rng.integers(digits_lib.NUM_CLASSES, size=num_digits))
     if combination_split(sequence) in (None, split):
       return sequence
@@ -236,7 +256,7 @@ def make_examples(split: str, num_examples: int, seed: int, *, max_digits: int =
   1..max_digits digits per image (uniform), their images upscaled by `scale`.
 
   Example i depends only on (split, seed, i, max_digits, kinds, scale). See the module docstring for the
-  two ways "train" and "test" are disjoint.
+  two ways the splits are disjoint.
   """
   _check_split(split, "make_examples")
   if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
@@ -247,7 +267,7 @@ def make_examples(split: str, num_examples: int, seed: int, *, max_digits: int =
   unknown = [k for k in kinds if k not in KINDS]
   if not kinds or unknown:
     raise ValueError(f"make_examples: kinds must be a non-empty subset of {tuple(KINDS)}, got {kinds}")
-  split_id = SPLITS.index(split)
+  split_id = _SPLIT_IDS[split]
   examples = []
   for index in range(num_examples):
     rng = np.random.default_rng([seed, split_id, index])
@@ -288,8 +308,8 @@ def described_text_of(example: VLMExample) -> str:
 def lm_corpus(*, num_train: int, num_eval: int, seed: int, max_digits: int = 4, kinds=KINDS,
               describe_images: bool = False) -> tuple[list[str], list[str]]:
   """(train texts, eval texts) for pretraining the VLM's language model on text alone: num_train documents
-  from the first "train" examples and num_eval from the first "test" ones (`make_examples` with scale 1), one
-  document an example (its text, `text_of`).
+  from the first "train" examples and num_eval from the first "validation" ones (`make_examples` with scale
+  1), one document an example (its text, `text_of`): the LM never reads a test text.
 
   describe_images: each example gives two documents in a row, its text (`text_of`: the LM learns the language
   but cannot know the answers) and its text with every image described in words (`described_text_of`: the LM
@@ -303,7 +323,7 @@ def lm_corpus(*, num_train: int, num_eval: int, seed: int, max_digits: int = 4, 
       return texts(examples)
     return [doc for example in examples for doc in (text_of(example), described_text_of(example))][:count]
 
-  return documents("train", num_train), documents("test", num_eval)
+  return documents("train", num_train), documents("validation", num_eval)
 
 
 # --- batches of images ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Config (see configs/lm_text.py):
                       pairs with (configs/vlm_lm.py:text=pairs)
   data.source         (optional) a name in GENERATED_CORPORA instead of either: a generated corpus, e.g.
                       "vlm_digits" (data.vlm_digits.lm_corpus: data.num_train_documents texts of
-                      "train" and data.num_eval_documents of "test" examples with up to data.max_digits
+                      "train" and data.num_eval_documents of "validation" examples with up to data.max_digits
                       digits, the VLM's text alone; with data.describe_images each example gives two,
                       the second with its images described in words; configs/vlm_lm.py)
   data.eval_file      "" = hold out data.eval_fraction of the training documents (by a stable hash of

@@ -10,14 +10,16 @@ EMPTY on the canvas past the strip. The ViT reads the whole canvas, padding incl
 a model that freezes it reads images collated on the same canvas.
 
 Training strips are drawn per row from (seed, step, row) out of the "train" digits and digit sequences;
-the eval set is data.num_eval_strips fixed "test" strips (digit images and sequences never seen in
-training, see data.vlm_digits). Metrics, logged as eval/<name>:
+the eval set is data.num_eval_strips fixed strips of data.eval_split (`eval_split`: "validation" while
+developing, "test" for a final score; digit images and sequences never seen in training, see
+data.vlm_digits). Metrics, logged as eval/<name>:
   loss                 cross-entropy per position (every position of the canvas, EMPTY ones included)
   position_accuracy    share of the positions that hold a digit whose digit is named right
   empty_accuracy       share of the positions past a strip's end named EMPTY
   strip_accuracy       share of strips with every position right
 Inference (`--mode=infer`): each line names an image file (PNG / JPEG, fitted to the canvas as
-data.image_text reads it) or `test:K` (eval strip K); the output is the name, a tab and the digits read.
+data.image_text reads it) or `validation:K` / `test:K` (fixed eval strip K of that split, as eval draws it); the
+output is the name, a tab and the digits read.
 """
 from __future__ import annotations
 
@@ -33,6 +35,17 @@ from xattn_jax.training import optim, task as task_lib, validation
 
 EVAL_METRICS = ("eval/loss", "eval/position_accuracy", "eval/empty_accuracy", "eval/strip_accuracy")
 _EVAL_STREAM = 1  # the eval strips' seed stream never meets a training row's
+
+
+def eval_split(config) -> str:
+  """The bundled split a digits run evaluates on: data.eval_split (one of vlm_digits.EVAL_SPLITS), or "test"
+  in a config written before the field, which is what such a run evaluated on."""
+  return config.data.get("eval_split", "test")
+
+
+def check_eval_split(config) -> None:
+  if "eval_split" in config.data:
+    validation.require_choice(config, "data.eval_split", vlm_digits.EVAL_SPLITS)
 
 
 def canvas(config) -> tuple[int, int]:
@@ -144,6 +157,7 @@ class StripEncoderTask(task_lib.Task):
       raise validation.ConfigError("data.max_shift", config.data.max_shift,
                                    f"must be below a digit's side {position_width}")
     check_grid(config)
+    check_eval_split(config)
     smoothing = config.task.label_smoothing
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
       raise validation.ConfigError("task.label_smoothing", smoothing, "must be a number in [0, 1)")
@@ -153,7 +167,7 @@ class StripEncoderTask(task_lib.Task):
     self.canvas = canvas(config)
     self.max_digits, self.scale = config.data.max_digits, config.data.scale
     self.position_width = vlm_digits.DIGIT_SIZE * self.scale
-    self._eval = None
+    self._eval = {}  # split -> its fixed eval strips
 
   # --- data -------------------------------------------------------------------------------------
 
@@ -178,13 +192,14 @@ class StripEncoderTask(task_lib.Task):
     images, labels = self._strips("train", rngs, self.config.data.max_shift)
     return {"images": images, "labels": labels}
 
-  def eval_set(self):
-    """(images [n, H, W, 1], labels [n, max_digits]): the fixed test strips."""
-    if self._eval is None:
+  def eval_set(self, split: str | None = None):
+    """(images [n, H, W, 1], labels [n, max_digits]): the fixed eval strips of split (default eval_split)."""
+    split = split or eval_split(self.config)
+    if split not in self._eval:
       rngs = [np.random.default_rng([self.config.data.eval_seed, _EVAL_STREAM, row])
               for row in range(self.config.data.num_eval_strips)]
-      self._eval = self._strips("test", rngs)
-    return self._eval
+      self._eval[split] = self._strips(split, rngs)
+    return self._eval[split]
 
   def eval_batches(self, *, process_index, process_count):
     images, labels = self.eval_set()
@@ -242,9 +257,10 @@ class StripEncoderTask(task_lib.Task):
     for index, line in enumerate(lines):
       name = line.strip()
       try:
-        if name.startswith("test:"):
-          k = int(name[len("test:"):])
-          strips = self.eval_set()[0]
+        split, _, number = name.partition(":")
+        if split in vlm_digits.EVAL_SPLITS and number.isdigit():
+          k = int(number)
+          strips = self.eval_set(split)[0]
           if not 0 <= k < len(strips):
             raise ValueError(f"{name!r}: the eval strips are 0..{len(strips) - 1}")
           images.append(strips[k, ..., 0])

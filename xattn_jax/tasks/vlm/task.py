@@ -18,7 +18,9 @@ images (`encoder_config`), at the canvas data.canvas, grey or RGB (data.color).
 
 Data (`data.source`, SOURCES):
   digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
-          data.num_train_examples "train" examples cycled as drawn, data.num_eval_examples "test" ones
+          data.num_train_examples "train" examples cycled as drawn, data.num_eval_examples of data.eval_split
+          ("validation" while developing and choosing, "test" for the final score: `--mode=eval
+          --config.data.eval_split=test`)
   tsv     a user's `image_path<TAB>text` files data.train_file / data.eval_file (data.image_text); every
           bad line stops the run before anything is written, naming file and line; the training pairs are
           shuffled every epoch
@@ -201,6 +203,7 @@ class VLMTask(task_lib.Task):
       raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
     if data.source == "digits":
       validation.require_positive(config, "data.num_train_examples", "data.num_eval_examples")
+      encoder_task.check_eval_split(config)
       kinds = [k.strip() for k in data.kinds.split(",") if k.strip()]
       if not kinds or any(k not in vlm_digits.KINDS for k in kinds):
         raise validation.ConfigError("data.kinds", data.kinds, f"a comma-separated subset of {tuple(vlm_digits.KINDS)}")
@@ -367,7 +370,8 @@ class VLMTask(task_lib.Task):
     if data.source == "tsv":
       return encoder_task.read_pairs_field(self.config, "data.train_file" if side == "train" else "data.eval_file")
     kinds = tuple(k.strip() for k in data.kinds.split(",") if k.strip())
-    split, count = ("train", data.num_train_examples) if side == "train" else ("test", data.num_eval_examples)
+    split, count = (("train", data.num_train_examples) if side == "train" else
+                    (encoder_task.eval_split(self.config), data.num_eval_examples))
     return vlm_digits.make_examples(split, count, data.seed if side == "train" else data.eval_seed,
                                     max_digits=data.max_digits, kinds=kinds, scale=data.scale)
 
