@@ -2,8 +2,8 @@
 
     python experiments/vlm_lm_skills.py --lm workdirs/vlm_lm [--lm another_lm_run ...]
 
-For the first --examples "test" examples of data.vlm_digits (the test examples compare_connectors scores at
-the defaults of configs/vlm_digits.py), the LM continues each text up to its last target, greedily, in two forms:
+For the first --examples examples of --split (validation by default; test: those compare_connectors scores
+at the defaults of configs/vlm_digits.py) of data.vlm_digits, the LM continues each text up to its last target, greedily, in two forms:
   marker only  the text as a connector's LM sees it ("<image> what is their sum ?"): the answers the LM
                can give without the image, the floor a connector starts from;
   described    each image's digits as words before its marker ("seven two <image> what is their sum ?"):
@@ -69,7 +69,7 @@ def render(record: dict) -> str:
   lines = ["# What the VLM's frozen LM answers from text alone", "",
            f"Commit {bench_common.commit_label(prov, 10)}, {prov['date']}, 1-minute load "
            f"{prov['load_average_before']:.1f} before the start. Command: `{prov['command']}`.", "",
-           f"{record['examples']} \"test\" examples of data.vlm_digits (seed {record['eval_seed']}, up to "
+           f"{record['examples']} \"{record.get('split', 'test')}\" examples of data.vlm_digits (seed {record['eval_seed']}, up to "
            f"{record['max_digits']} digits); greedy, the last target of each text, earlier targets given.", "",
            "| LM run | its data.describe_images | prompt | exact match | " + " | ".join(kinds) + " | "
            + " | ".join(f"k={d}" for d in digits) + " |",
@@ -98,23 +98,28 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--lm", action="append", help="a finished configs/vlm_lm.py run (repeatable; default "
                       "workdirs/vlm_lm)")
-  parser.add_argument("--examples", type=int, default=256, help="test examples (configs/vlm_digits.py's eval count)")
+  parser.add_argument("--examples", type=int, default=256, help="examples (configs/vlm_digits.py's eval count)")
+  parser.add_argument("--split", default="validation",
+                      help="the bundled split the examples come from: validation (to choose an LM by) or test")
   parser.add_argument("--eval_seed", type=int, default=0)
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "vlm_lm_skills", argv)
   if args.quick:
     args.examples = min(args.examples, 16)
   args.lm = args.lm or ["workdirs/vlm_lm"]
+  from xattn_jax.data import vlm_digits
+  if args.split not in vlm_digits.EVAL_SPLITS:
+    parser.error(f"--split: one of {vlm_digits.EVAL_SPLITS}, got {args.split!r}")
   for lm in args.lm:
     if not os.path.isfile(os.path.join(lm, "config.py")):
       parser.error(f"--lm {lm}: holds no finished run (train it: python launch.py --config=configs/vlm_lm.py "
                    f"--workdir={lm})")
-  from xattn_jax.data import vlm_digits
   from xattn_jax.training import validation
   configs = [validation.load_config_file(os.path.join(lm, "config.py")) for lm in args.lm]
   max_digits = min(config.data.max_digits for config in configs)
-  examples = vlm_digits.make_examples("test", args.examples, args.eval_seed, max_digits=max_digits)
-  record = {"provenance": bench_common.provenance(argv), "examples": args.examples, "eval_seed": args.eval_seed,
+  examples = vlm_digits.make_examples(args.split, args.examples, args.eval_seed, max_digits=max_digits)
+  record = {"provenance": bench_common.provenance(argv), "examples": args.examples, "split": args.split,
+            "eval_seed": args.eval_seed,
             "max_digits": max_digits,
             "runs": [{"lm": os.path.abspath(lm), "lm_steps": config.total_steps,
                       "describe_images": bool(config.data.get("describe_images", False)),

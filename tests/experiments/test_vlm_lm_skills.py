@@ -25,7 +25,8 @@ def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
   lm = tiny_chain() / "lm"
   vlm_lm_skills.main(["--lm", str(lm), "--examples", "40", "--out", str(tmp_path)])
   record = json.loads((tmp_path / "vlm_lm_skills.json").read_text())
-  examples = vlm_digits.make_examples("test", 40, seed=0)
+  examples = vlm_digits.make_examples("validation", 40, seed=0)  # the default split: what an LM is chosen by
+  assert record["split"] == "validation"
   [run] = record["runs"]
   assert run["describe_images"] is True and run["lm"] == str(lm)
   for form in vlm_lm_skills.FORMS:
@@ -43,3 +44,9 @@ def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
         f"{k}/{n}": sum(e.kind == k and e.num_digits == n for e in examples) for k, n in
         {(e.kind, e.num_digits) for e in examples}}
     assert sum(right for right, _ in cells.values()) == pytest.approx(run["scores"][form]["overall"] * len(examples))
+
+
+def test_a_split_that_is_not_evaluated_on_is_refused(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    vlm_lm_skills.main(["--lm", str(tmp_path), "--split", "train", "--out", str(tmp_path)])
+  assert exit_info.value.code == 2 and "--split: one of ('validation', 'test')" in capsys.readouterr().err
