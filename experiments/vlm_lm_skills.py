@@ -39,10 +39,12 @@ def prompts_and_answers(example, form: str) -> tuple[str, str]:
   return text[:-len(answer) - 1], answer
 
 
-def score(lm_workdir: str, examples, batch_size: int = 64) -> dict:
-  """form -> {"kind": {name: exact match}, "digits": {k: exact match}, "overall": exact match}."""
+def score(lm_workdir: str, examples, batch_size: int = 64, eval_from: str = "") -> dict:
+  """form -> {"kind": {name: exact match}, "digits": {k: exact match}, "overall": exact match}, of the run's
+  checkpoint named by eval_from (checkpoint.eval_from: latest, best or a kept step; "": the run's own)."""
   from xattn_jax.training import inference
-  model, task = inference.load_model(lm_workdir, mode="infer")
+  model, task = inference.load_model(lm_workdir, mode="infer",
+                                     overrides={"checkpoint.eval_from": eval_from} if eval_from else None)
   result = {}
   for form in FORMS:
     pairs = [prompts_and_answers(e, form) for e in examples]
@@ -74,10 +76,11 @@ def render(record: dict) -> str:
            "| LM run | its data.describe_images | prompt | exact match | " + " | ".join(kinds) + " | "
            + " | ".join(f"k={d}" for d in digits) + " |",
            "| --- | --- | --- | --- | " + " | ".join("---" for _ in kinds + digits) + " |"]
+  read = f", checkpoint {record['eval_from']}" if record.get("eval_from") else ""
   for run in runs:
     for form in FORMS:
       s = run["scores"][form]
-      lines.append(f"| `{run['lm']}` ({run['lm_steps']} steps) | {run['describe_images']} | {form} | "
+      lines.append(f"| `{run['lm']}` ({run['lm_steps']} steps{read}) | {run['describe_images']} | {form} | "
                    f"{s['overall']:.3f} | " + " | ".join(f"{s['kind'][k]:.2f}" for k in kinds) + " | "
                    + " | ".join(f"{s['digits'][d]:.2f}" for d in digits) + " |")
   lines += ["", "Each kind at each digit count, image described (right / examples):", "",
@@ -102,6 +105,8 @@ def main(argv=None):
   parser.add_argument("--split", default="validation",
                       help="the bundled split the examples come from: validation (to choose an LM by) or test")
   parser.add_argument("--eval_seed", type=int, default=0)
+  parser.add_argument("--eval_from", default="", help="the checkpoint of each LM to score (its "
+                      "checkpoint.eval_from: latest, best or a kept step number; default: the run's own)")
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "vlm_lm_skills", argv)
   if args.quick:
@@ -121,9 +126,10 @@ def main(argv=None):
   record = {"provenance": bench_common.provenance(argv), "examples": args.examples, "split": args.split,
             "eval_seed": args.eval_seed,
             "max_digits": max_digits,
+            "eval_from": args.eval_from,
             "runs": [{"lm": os.path.abspath(lm), "lm_steps": config.total_steps,
                       "describe_images": bool(config.data.get("describe_images", False)),
-                      "scores": score(lm, examples)} for lm, config in zip(args.lm, configs)]}
+                      "scores": score(lm, examples, eval_from=args.eval_from)} for lm, config in zip(args.lm, configs)]}
   print(render(record))
   bench_common.write_results(args.out, "vlm_lm_skills", record, render(record))
 

@@ -23,7 +23,7 @@ def test_prompts_end_before_the_last_target_in_both_forms():
 @pytest.mark.slow
 def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
   lm = tiny_chain() / "lm"
-  vlm_lm_skills.main(["--lm", str(lm), "--examples", "40", "--out", str(tmp_path)])
+  vlm_lm_skills.main(["--lm", str(lm), "--examples", "40", "--eval_from", "latest", "--out", str(tmp_path)])
   record = json.loads((tmp_path / "vlm_lm_skills.json").read_text())
   examples = vlm_digits.make_examples("validation", 40, seed=0)  # the default split: what an LM is chosen by
   assert record["split"] == "validation"
@@ -37,6 +37,7 @@ def test_scores_every_kind_and_digit_count_in_both_forms(tmp_path):
     overall = sum(scores["kind"][k] * n for k, n in weights.items()) / len(examples)
     assert scores["overall"] == pytest.approx(overall)
   assert "| described |" in (tmp_path / "vlm_lm_skills.md").read_text()
+  assert record["eval_from"] == "latest" and "steps, checkpoint latest)" in (tmp_path / "vlm_lm_skills.md").read_text()
   for form in vlm_lm_skills.FORMS:  # each kind at each digit count: the examples, each counted once
     cells = run["scores"][form]["kind_digits"]
     assert sum(total for _, total in cells.values()) == len(examples)
