@@ -349,7 +349,8 @@ def test_the_vlm_lm_trains_on_the_vlm_texts_and_keeps_the_image_token_one_piece(
   validation.validate_config(config, mode="train")
   task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
   assert task.train_texts[::2] == tuple(vlm_digits.texts(vlm_digits.make_examples("train", 150, seed=0)))
-  assert task.eval_texts[::2] == tuple(vlm_digits.texts(vlm_digits.make_examples("test", 20, seed=0)))
+  # its eval side is validation's texts: the LM never reads a test text
+  assert task.eval_texts[::2] == tuple(vlm_digits.texts(vlm_digits.make_examples("validation", 20, seed=0)))
   assert task.train_texts[1::2] == tuple(map(vlm_digits.described_text_of,
                                              vlm_digits.make_examples("train", 150, seed=0)))
   tokenizer = task.tokenizer
