@@ -360,6 +360,14 @@ def test_the_vlm_lm_trains_on_the_vlm_texts_and_keeps_the_image_token_one_piece(
     assert tokenizer.encode(vlm_digits.text_of(example)) == [i for ids in pieces for i in ids]
 
 
+def test_the_vlm_lm_trains_each_text_its_own_default_steps_unless_the_config_names_them():
+  from configs import vlm_lm
+  for text, steps in vlm_lm.DEFAULT_STEPS.items():
+    assert helpers.load_config(f"--config=configs/vlm_lm.py:text={text}").total_steps == steps
+  assert set(vlm_lm.DEFAULT_STEPS) == set(vlm_lm.TEXTS)
+  assert helpers.load_config("--config=configs/vlm_lm.py:steps=600").total_steps == 600
+
+
 def test_the_vlm_lm_takes_a_depth_other_than_its_sizes():
   from configs import lm_text
   assert helpers.load_config("--config=configs/vlm_lm.py").model.num_layers == lm_text.SIZES["tiny"][2]
