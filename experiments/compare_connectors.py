@@ -1,6 +1,6 @@
 """The three connectors on one frozen image encoder and one frozen LM: accuracy, cost, and how both grow with M.
 
-    python experiments/compare_connectors.py                      # 3 connectors x 3 seeds (80-90 minutes on 2 cores)
+    python experiments/compare_connectors.py                      # 3 connectors x 3 seeds (~100 minutes on 2 cores)
     python experiments/compare_connectors.py --seeds 0 --steps 300  # a shorter sweep (default: each connector's)
     python experiments/compare_connectors.py --quick              # smoke run: tiny chain, a temporary directory
     python experiments/compare_connectors.py --connectors llava,llava/merge=2 --seeds 0  # variants of a connector
