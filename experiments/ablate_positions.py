@@ -23,10 +23,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
-import os
 import pathlib
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +31,7 @@ import time
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY))
 
+from experiments import sweep  # noqa: E402
 from xattn_jax.models import latent_reader, translator  # noqa: E402
 
 # What each model accepts, as the position registry (xattn_jax.layers.positions) lists it.
@@ -112,49 +110,9 @@ def cells(quick: bool, seeds: int, only: set[str]) -> list[Cell]:
   return result
 
 
-def final_metrics(workdir: pathlib.Path, keys) -> dict[str, float]:
-  """The last logged value of each key in workdir/metrics.jsonl (the final eval)."""
-  values = {}
-  with open(workdir / "metrics.jsonl") as f:
-    for line in f:
-      row = json.loads(line)
-      values.update({k: row[k] for k in keys if k in row})
-  missing = [k for k in keys if k not in values]
-  if missing:
-    raise RuntimeError(f"{workdir}: metrics.jsonl has no {missing}")
-  return values
-
-
-def run_cell(cell: Cell, root: pathlib.Path, quick: bool, threads_per_job: int) -> tuple[Cell, dict | None, str]:
-  """Trains one cell unless its result.json exists; returns (cell, metrics or None, message)."""
-  workdir = cell.workdir(root)
-  result_path = workdir / "result.json"
-  keys = [key for key, _ in cell.experiment.metrics]
-  if result_path.exists():
-    result = json.loads(result_path.read_text())
-    if any(key not in result for key in keys):  # a metric added to the table since: read it from the log
-      result.update(final_metrics(workdir, keys))
-      result_path.write_text(json.dumps(result, indent=1) + "\n")
-    return cell, result, "done before"
-  workdir.mkdir(parents=True, exist_ok=True)
-  environment = dict(os.environ, PYTHONPATH=str(REPOSITORY))
-  if threads_per_job == 1:
-    # Parallel jobs: one core each instead of every job spawning a thread pool over all cores.
-    environment["XLA_FLAGS"] = (environment.get("XLA_FLAGS", "") +
-                                " --xla_cpu_multi_thread_eigen=false").strip()
-  start = time.time()
-  with open(workdir / "log.txt", "a") as log:
-    status = subprocess.call(cell.command(root, quick), stdout=log, stderr=subprocess.STDOUT, env=environment,
-                             cwd=REPOSITORY)
-  seconds = time.time() - start
-  if status != 0:
-    return cell, None, f"FAILED (exit {status}, {seconds:.0f}s): see {workdir / 'log.txt'}"
-  try:
-    metrics = final_metrics(workdir, keys)
-  except (OSError, RuntimeError) as e:
-    return cell, None, f"FAILED: {e}"
-  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds}, indent=1) + "\n")
-  return cell, metrics, f"{seconds:.0f}s"
+def run_cell(cell: Cell, root: pathlib.Path, quick: bool, single_thread: bool) -> tuple[Cell, dict | None, str]:
+  """Trains one cell unless its result.json exists (experiments/sweep.py); returns (cell, metrics or None, message)."""
+  return sweep.run_cell(cell, root, quick, [key for key, _ in cell.experiment.metrics], single_thread)
 
 
 def summarize(results: dict[tuple[str, str], list[dict]]) -> dict:
@@ -165,10 +123,7 @@ def summarize(results: dict[tuple[str, str], list[dict]]) -> dict:
       runs = results.get((experiment.name, encoding), [])
       if not runs:
         continue
-      summary.setdefault(experiment.name, {})[encoding] = {
-          key: {"mean": statistics.fmean(r[key] for r in runs),
-                "std": statistics.stdev([r[key] for r in runs]) if len(runs) > 1 else 0.0, "seeds": len(runs)}
-          for key, _ in experiment.metrics}
+      summary.setdefault(experiment.name, {})[encoding] = sweep.mean_std(runs, [key for key, _ in experiment.metrics])
   return summary
 
 
@@ -290,10 +245,9 @@ def main(argv=None):
                     else str(REPOSITORY / "experiments" / "results"))
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
   todo = cells(args.quick, 1 if args.quick else args.seeds, only)
-  threads = 1 if args.jobs > 1 else 0
   results, failures, start = {}, 0, time.time()
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    futures = [pool.submit(run_cell, cell, root, args.quick, threads) for cell in todo]
+    futures = [pool.submit(run_cell, cell, root, args.quick, args.jobs > 1) for cell in todo]
     for future in concurrent.futures.as_completed(futures):
       cell, metrics, message = future.result()
       print(f"[{time.time() - start:6.0f}s] {cell.experiment.name}/{cell.encoding}/seed{cell.seed}: {message}",

@@ -31,8 +31,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ import time
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY))
 
-from experiments import bench_common  # noqa: E402
+from experiments import bench_common, sweep  # noqa: E402
 
 CONFIG = "configs/lm_algorithmic.py"
 TASKS = ("copy", "reverse", "sort", "duplicate")
@@ -130,43 +128,9 @@ def randomized_supported() -> bool:
   return "randomized_positions_max" in lm_algorithmic.get_config("operation=copy,posenc=rope").model
 
 
-def final_metrics(workdir: pathlib.Path, keys=METRICS) -> dict[str, float]:
-  """The last logged value of each key in workdir/metrics.jsonl (the final eval)."""
-  values = {}
-  with open(workdir / "metrics.jsonl") as f:
-    for line in f:
-      row = json.loads(line)
-      values.update({k: row[k] for k in keys if k in row})
-  missing = [k for k in keys if k not in values]
-  if missing:
-    raise RuntimeError(f"{workdir}: metrics.jsonl has no {missing}")
-  return values
-
-
 def run_cell(cell: Cell, root: pathlib.Path, quick: bool, single_thread: bool) -> tuple[Cell, dict | None, str]:
-  """Trains one cell unless its result.json exists; returns (cell, metrics or None, message)."""
-  workdir = cell.workdir(root)
-  result_path = workdir / "result.json"
-  if result_path.exists():
-    return cell, json.loads(result_path.read_text()), "done before"
-  workdir.mkdir(parents=True, exist_ok=True)
-  environment = dict(os.environ, PYTHONPATH=str(REPOSITORY))
-  if single_thread:
-    # Parallel jobs: one core each instead of every job spawning a thread pool over all cores.
-    environment["XLA_FLAGS"] = (environment.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
-  start = time.time()
-  with open(workdir / "log.txt", "a") as log:
-    status = subprocess.call(cell.command(root, quick), stdout=log, stderr=subprocess.STDOUT, env=environment,
-                             cwd=REPOSITORY)
-  seconds = time.time() - start
-  if status != 0:
-    return cell, None, f"FAILED (exit {status}, {seconds:.0f}s): see {workdir / 'log.txt'}"
-  try:
-    metrics = final_metrics(workdir)
-  except (OSError, RuntimeError) as e:
-    return cell, None, f"FAILED: {e}"
-  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds}, indent=1) + "\n")
-  return cell, metrics, f"{seconds:.0f}s"
+  """Trains one cell unless its result.json exists (experiments/sweep.py); returns (cell, metrics or None, message)."""
+  return sweep.run_cell(cell, root, quick, METRICS, single_thread)
 
 
 def finished_results(grid: list[Cell], root: pathlib.Path) -> dict[tuple[str, str], list[dict]]:
@@ -187,10 +151,7 @@ def summarize(results: dict[tuple[str, str], list[dict]]) -> dict:
       variant = encoding + ("+randomized" if randomized else "")
       runs = results.get((task, variant), [])
       if runs:
-        summary.setdefault(task, {})[variant] = {
-            key: {"mean": statistics.fmean(r[key] for r in runs),
-                  "std": statistics.stdev([r[key] for r in runs]) if len(runs) > 1 else 0.0, "seeds": len(runs)}
-            for key in METRICS if all(key in r for r in runs)}
+        summary.setdefault(task, {})[variant] = sweep.mean_std(runs, METRICS)
   return summary
 
 

@@ -68,7 +68,7 @@ def test_every_cell_has_its_own_workdir_and_seed():
 def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path, monkeypatch, capsys):
   # The runner runs in this process; its cells (launch.py commands) fork from the launch server
   # (helpers.served_call) instead of each importing everything in a fresh interpreter.
-  monkeypatch.setattr(ablate_positions, "subprocess", helpers.subprocess_serving_calls())
+  monkeypatch.setattr(ablate_positions.sweep, "subprocess", helpers.subprocess_serving_calls())
   argv = ["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
   assert ablate_positions.main(argv) == 0, capsys.readouterr().out
   capsys.readouterr()

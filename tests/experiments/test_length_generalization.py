@@ -89,12 +89,6 @@ def test_finished_results_collect_only_cells_with_a_result(tmp_path):
   assert lg.finished_results([done, pending], tmp_path) == {("copy", "alibi+randomized"): [_result(1.0)]}
 
 
-def test_final_metrics_are_the_last_logged_value_of_each_key(tmp_path):
-  rows = [{"step": 5, **_result(0.1)}, {"step": 10, "train/loss": 1.0}, {"step": 10, **_result(0.7)}]
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  assert lg.final_metrics(tmp_path) == _result(0.7)
-
-
 def test_summary_is_mean_and_sample_std_over_the_seeds_that_finished():
   summary = lg.summarize({("reverse", "t5_bias"): [_result(v) for v in (0.2, 0.4, 0.9)]})
   cell = summary["reverse"]["t5_bias"]["eval/exact_match_21_40"]
@@ -135,7 +129,7 @@ def test_outputs_are_a_table_a_json_summary_and_a_plot(tmp_path):
 def test_quick_run_trains_its_cells_and_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
   # The runner runs in this process; its cells (launch.py commands) fork from the launch server
   # (helpers.served_call) instead of each importing everything in a fresh interpreter.
-  monkeypatch.setattr(lg, "subprocess", helpers.subprocess_serving_calls())
+  monkeypatch.setattr(lg.sweep, "subprocess", helpers.subprocess_serving_calls())
   status = lg.main(["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"])
   assert status == 0, capsys.readouterr().out
   document = json.loads((tmp_path / "results" / "length_generalization.json").read_text())

@@ -1,0 +1,68 @@
+"""What the sweep runners share (experiments/ablate_positions.py, experiments/length_generalization.py).
+
+A cell is one `launch.py` subprocess in its own workdir (the runner's Cell gives `workdir(root)` and
+`command(root, quick)`); its result is the final eval's metrics, read from the run's metrics.jsonl and kept in
+result.json, so a finished cell is never trained again and an interrupted one resumes from its checkpoint
+(launch.py's own resume). A table row is the mean and sample std of a metric over the seeds that finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import time
+
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+
+
+def final_metrics(workdir: pathlib.Path, keys) -> dict[str, float]:
+  """The last logged value of each key in workdir/metrics.jsonl (the final eval)."""
+  values = {}
+  with open(workdir / "metrics.jsonl") as f:
+    for line in f:
+      row = json.loads(line)
+      values.update({k: row[k] for k in keys if k in row})
+  missing = [k for k in keys if k not in values]
+  if missing:
+    raise RuntimeError(f"{workdir}: metrics.jsonl has no {missing}")
+  return values
+
+
+def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
+  """Trains one cell unless its result.json exists; returns (cell, metrics or None, message). A result.json
+  written before a key joined the table gains it from the run's log."""
+  workdir = cell.workdir(root)
+  result_path = workdir / "result.json"
+  if result_path.exists():
+    result = json.loads(result_path.read_text())
+    if any(key not in result for key in keys):
+      result.update(final_metrics(workdir, keys))
+      result_path.write_text(json.dumps(result, indent=1) + "\n")
+    return cell, result, "done before"
+  workdir.mkdir(parents=True, exist_ok=True)
+  environment = dict(os.environ, PYTHONPATH=str(REPOSITORY))
+  if single_thread:
+    # Parallel jobs: one core each instead of every job spawning a thread pool over all cores.
+    environment["XLA_FLAGS"] = (environment.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+  start = time.time()
+  with open(workdir / "log.txt", "a") as log:
+    status = subprocess.call(cell.command(root, quick), stdout=log, stderr=subprocess.STDOUT, env=environment,
+                             cwd=REPOSITORY)
+  seconds = time.time() - start
+  if status != 0:
+    return cell, None, f"FAILED (exit {status}, {seconds:.0f}s): see {workdir / 'log.txt'}"
+  try:
+    metrics = final_metrics(workdir, keys)
+  except (OSError, RuntimeError) as e:
+    return cell, None, f"FAILED: {e}"
+  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds}, indent=1) + "\n")
+  return cell, metrics, f"{seconds:.0f}s"
+
+
+def mean_std(runs: list[dict], keys) -> dict[str, dict]:
+  """{key: {"mean", "std", "seeds"}} over runs (std: the sample std, 0 for one seed), for each key every run has."""
+  return {key: {"mean": statistics.fmean(r[key] for r in runs),
+                "std": statistics.stdev([r[key] for r in runs]) if len(runs) > 1 else 0.0, "seeds": len(runs)}
+          for key in keys if all(key in r for r in runs)}

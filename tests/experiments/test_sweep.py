@@ -1,0 +1,77 @@
+"""What the sweep runners share (experiments/sweep.py): a cell's result, kept once it is finished."""
+import dataclasses
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import sweep
+
+KEYS = ("eval/a", "eval/b")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cell:
+  """A cell whose run is a Python one-liner that logs `rows` to metrics.jsonl, as launch.py's loop does."""
+  rows: tuple = ()
+  status: int = 0
+
+  def workdir(self, root):
+    return root / "cell"
+
+  def command(self, root, quick):
+    lines = "".join(json.dumps(row) + "\n" for row in self.rows)
+    return [sys.executable, "-c", f"import pathlib, sys; pathlib.Path({str(self.workdir(root) / 'metrics.jsonl')!r})"
+            f".write_text({lines!r}); sys.exit({self.status})"]
+
+
+def _write_log(workdir, rows):
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_final_metrics_are_the_last_logged_value_of_each_key(tmp_path):
+  _write_log(tmp_path, [{"step": 5, "eval/a": 0.1, "eval/b": 0.2}, {"step": 10, "train/loss": 1.0},
+                        {"step": 10, "eval/a": 0.7, "eval/b": 0.8}])
+  assert sweep.final_metrics(tmp_path, KEYS) == {"eval/a": 0.7, "eval/b": 0.8}
+
+
+def test_final_metrics_name_the_keys_the_log_lacks(tmp_path):
+  _write_log(tmp_path, [{"step": 10, "eval/a": 0.7}])
+  with pytest.raises(RuntimeError, match="eval/b"):
+    sweep.final_metrics(tmp_path, KEYS)
+
+
+def test_a_cell_runs_once_and_keeps_its_final_metrics_in_result_json(tmp_path):
+  cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},))
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics == {"eval/a": 0.5, "eval/b": 0.25} and message.endswith("s")
+  kept = json.loads((cell.workdir(tmp_path) / "result.json").read_text())
+  assert {k: kept[k] for k in KEYS} == metrics and "train_seconds" in kept
+  (cell.workdir(tmp_path) / "metrics.jsonl").unlink()  # a second call reads result.json, runs nothing
+  assert sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)[1:] == (kept, "done before")
+
+
+def test_a_failed_cell_writes_no_result(tmp_path):
+  cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},), status=3)
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=False)
+  assert metrics is None and "exit 3" in message and not (cell.workdir(tmp_path) / "result.json").exists()
+
+
+def test_a_result_written_before_a_key_joined_the_table_gains_it_from_the_log(tmp_path):
+  cell = _Cell()
+  _write_log(cell.workdir(tmp_path), [{"step": 9, "eval/a": 0.5, "eval/b": 0.125}])
+  (cell.workdir(tmp_path) / "result.json").write_text(json.dumps({"eval/a": 0.5, "train_seconds": 3.0}))
+  _, metrics, _ = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics == {"eval/a": 0.5, "eval/b": 0.125, "train_seconds": 3.0}
+  assert json.loads((cell.workdir(tmp_path) / "result.json").read_text()) == metrics
+
+
+def test_mean_std_is_the_mean_and_sample_std_of_the_keys_every_run_has():
+  runs = [{"eval/a": v, "eval/b": 1.0} for v in (0.2, 0.4, 0.9)] + [{"eval/a": 0.5}]
+  summary = sweep.mean_std(runs, KEYS)
+  assert set(summary) == {"eval/a"} and summary["eval/a"]["seeds"] == 4
+  assert summary["eval/a"]["mean"] == pytest.approx(0.5)
+  assert summary["eval/a"]["std"] == pytest.approx(np.std([.2, .4, .9, .5], ddof=1))
+  assert sweep.mean_std(runs[:1], KEYS)["eval/a"]["std"] == 0.0
