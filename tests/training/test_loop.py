@@ -1,6 +1,8 @@
-"""The training loop in process: what it keeps when an eval fails, and the names callers import from it."""
+"""The training loop in process: what it keeps when an eval fails, how far the host runs ahead, and the names callers
+import from it."""
 import logging
 
+import jax
 import pytest
 
 from configs import template
@@ -43,3 +45,29 @@ def test_the_names_scripts_use_stay_importable_from_the_loop(name):
 def test_the_run_log_keeps_warnings_and_its_own_lines_but_not_library_chatter(path, level, message, kept):
   record = logging.LogRecord("x", level, path, 1, message, None, None)
   assert loop.keep_library_record(record) is kept
+
+
+def test_the_host_runs_at_most_one_call_ahead_so_a_stop_waits_for_one_call(tmp_path, monkeypatch):
+  """SIGTERM is read after each dispatched call; a stop saves once the calls already queued are done. The host
+  dispatches a call only once the call before the previous one is done, so at most one earlier call is still
+  queued or running. Without that it dispatched every call up to the next log row, and a stop waited for a
+  whole logging window."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({**OVERRIDES, "total_steps": 48, "log_every_steps": 48, "eval_every_steps": 48,
+                                     "steps_per_call": 1})
+  unfinished, outputs = [], []
+  make_train_step = trainer.Trainer.make_train_step
+
+  def counting_make_train_step(self):
+    train_step = make_train_step(self)
+
+    def counted(*args):
+      unfinished.append(sum(not all(leaf.is_ready() for leaf in jax.tree.leaves(metrics)) for metrics in outputs))
+      state, metrics = train_step(*args)
+      outputs.append(metrics)
+      return state, metrics
+    return counted
+
+  monkeypatch.setattr(trainer.Trainer, "make_train_step", counting_make_train_step)
+  loop.run(config, str(tmp_path / "run"))
+  assert len(unfinished) == 48 and max(unfinished) <= 1, unfinished

@@ -54,7 +54,7 @@ class StopFlag:
       if self.requested:  # a second Ctrl-C interrupts at once, as usual
         raise KeyboardInterrupt
       name = "Ctrl-C (press it again to stop without saving)"
-    logging.warning("%s received: saving a checkpoint at the end of the current call (or of one "
+    logging.warning("%s received: saving a checkpoint at the end of the current call (or of the next one, "
                     "already queued).", name)
     self.requested = True
 

@@ -68,7 +68,7 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   vote = guards.stop_vote(trainer.mesh) if trainer.process_count > 1 else None
   profiler = profiling.StepProfiler(config, trainer.workdir, process_index=trainer.process_index,
                                     process_count=trainer.process_count)
-  last_eval, stopped = {}, False
+  last_eval, stopped, previous_metrics = {}, False, None
   with guards.stop_flag() as flag, contextlib.closing(writer), contextlib.ExitStack() as cleanup:
     cleanup.callback(lambda: profiler.close(step, state))  # a run that ends inside the window
     stop_requests = guards.StopRequests(flag, vote)
@@ -78,6 +78,10 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
       batches = trainer.batch(local_batches, config.batch_size, stacked=True)
       state, call_metrics = train_step(state, batches, jnp.asarray(step, jnp.int32), jnp.asarray(count, jnp.int32),
                                        rng_key)
+      # The host runs one call ahead, no more: a stop below then waits for the call in flight only, not for
+      # every call dispatched up to the next log row (a whole logging window, too long for a preemption notice).
+      jax.block_until_ready(previous_metrics)
+      previous_metrics = call_metrics
       step_log.add(step + 1, count, call_metrics)
       step += count
       if config.debug.step_delay_s:
