@@ -11,8 +11,8 @@ Training ends after `epochs=20` passes over the pairs if that comes before total
 one up to 20 passes, 10,000 steps from ~32,000 pairs on; `epochs=0` trains total_steps (10,000) whatever the
 corpus.
 
-Each eval scores the loss on every eval pair and decodes (exact match, BLEU, chrF) 1,000 of them, evenly spaced
-through the file (task.num_decode_examples; 0 = all).
+Each eval while training scores the loss on every eval pair and decodes (exact match, BLEU, chrF) 1,000 of them,
+evenly spaced through the file (task.num_decode_examples; 0 = all); --mode=eval decodes every pair.
 
 A malformed line (no tab, several tabs, an empty side), a file that is not UTF-8, or a missing or
 empty file stops the run before training, naming the file and line (exit status 2).
@@ -37,7 +37,8 @@ def get_config(arg=None):
   config.data.vocab_size = 4000  # a real corpus wants more pieces than dates do; a smaller one gets what it
   #                                supports (data.vocab_size_exact=False)
   config.model.max_length = 256
-  # Each eval decodes 1,000 eval pairs, evenly spaced through the file (all of a smaller file): greedy decoding of a
-  # 5,000-pair file took 45 s an eval, the time of ~640 training steps of the tiny model, 25 times a 10,000-step run.
+  # Each eval in training decodes 1,000 eval pairs, evenly spaced through the file (all of a smaller file): greedy
+  # decoding of a 5,000-pair file took 45 s an eval, the time of ~640 training steps of the tiny model, 25 times a
+  # 10,000-step run. --mode=eval, the final score, decodes every pair.
   config.task.num_decode_examples = 1000
   return config

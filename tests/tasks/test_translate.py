@@ -275,7 +275,7 @@ def test_the_tsv_default_budget_grows_with_the_corpus_from_the_dates_1200_steps(
 def test_each_eval_decodes_its_share_of_pairs_evenly_spaced_through_the_file_and_scores_them_aligned(tmp_path):
   """A file sorted by date or length is sampled from end to end (the first N of the dates' chronological eval
   pairs were all from their first years); the hypotheses are those of the pairs scored. The TSV default decodes
-  1,000 pairs an eval."""
+  1,000 pairs an eval in training; --mode=eval decodes them all."""
   (tmp_path / "train.tsv").write_text("".join(f"{n} cats\t{n} chats\n" for n in range(40)))
   (tmp_path / "eval.tsv").write_text("".join(f"{n} dogs\t{n} dogs\n" for n in range(10)))
   config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"), "task.num_decode_examples": 4,
@@ -287,6 +287,8 @@ def test_each_eval_decodes_its_share_of_pairs_evenly_spaced_through_the_file_and
   task.translate_ids = lambda model, inputs, limit: decoded.append(inputs) or [  # echoes each source: its target
       task.tokenizer.decode([int(i) for i in row if i]) for row in inputs]
   assert task.extra_eval(None)["exact_match"] == 1.0 and len(decoded[0]) == 4
+  final = translate_task.TranslateTask(config, str(tmp_path), mode="eval")  # the final score reads every pair
+  assert [source for source, _ in final._decoded_pairs] == [f"{n} dogs" for n in range(10)]
   config.task.num_decode_examples = 0
   assert len(translate_task.TranslateTask(config, str(tmp_path))._decoded_pairs) == 10
   assert translate_tsv.get_config().task.num_decode_examples == 1000

@@ -15,9 +15,9 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
                        (tasks.decoding_config: beam_size, alpha, temperature, top_k, top_p, seed)
   task.*               label smoothing, how many eval sentences to decode, log and plot
 
-Metrics, logged as eval/<name> at every eval ("decoded pairs": task.num_decode_examples of the eval
-pairs, evenly spaced through them, the same at every eval; 0 = all of them; decoded by the model alone as
-task.decoding says, greedy by default):
+Metrics, logged as eval/<name> at every eval ("decoded pairs": while training, task.num_decode_examples of
+the eval pairs, evenly spaced through them, the same at every eval, 0 = all of them; --mode=eval decodes every
+pair; decoded by the model alone as task.decoding says, greedy by default):
   eval/loss         cross-entropy per target token (EOS included, no label smoothing), teacher-forced,
                     over every eval pair
   eval/accuracy     share of those target tokens whose most likely id is the reference's, teacher-forced,
@@ -334,10 +334,11 @@ class TranslateTask(task_lib.Task):
 
   @functools.cached_property
   def _decoded_indices(self) -> np.ndarray:
-    """Which eval pairs extra_eval decodes and scores: task.num_decode_examples (0 = all) evenly spaced from the
-    first to the last, so that a file sorted by length, date or source samples all of it."""
+    """Which eval pairs extra_eval decodes and scores: while training, task.num_decode_examples (0 = all) evenly
+    spaced from the first to the last, so that a file sorted by length, date or source samples all of it;
+    --mode=eval, the final score, decodes every pair."""
     total, wanted = len(self.eval_pairs), self.config.task.num_decode_examples
-    if not wanted or wanted >= total:
+    if self.mode == "eval" or not wanted or wanted >= total:
       return np.arange(total)
     return np.round(np.linspace(0, total - 1, wanted)).astype(np.int64)  # distinct: the spacing is >= 1
 
