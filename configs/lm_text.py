@@ -61,8 +61,9 @@ def get_config(arg=None):
   config.data.eval_file = ""        # "" = held out of the training documents (data.eval_fraction)
   config.data.eval_fraction = 0.05
   config.data.num_eval_documents = 0  # the first this many eval documents (0 = all)
-  config.data.max_eval_rows = 2048    # packed rows an eval scores (0 = all): a large file's held-out 5% would cost
-  #                                     minutes an eval; 2048 x 128 tokens (the bundled corpus: 135 rows)
+  config.data.max_eval_rows = 2048    # packed rows an eval in training scores (0 = all): a large file's held-out 5%
+  #                                     would cost minutes an eval; 2048 x 128 tokens (the bundled corpus: 135
+  #                                     rows); --mode=eval, the final score, scores every row
   config.data.corpus_seed = 0       # the bundled corpus's generator, and the held-out split
   config.data.tokenizer = args.tokenizer  # sentencepiece | bytes
   config.data.vocab_size = 1024     # sentencepiece: at most this many pieces ...

@@ -151,19 +151,23 @@ def test_a_text_packing_into_fewer_rows_than_a_batch_trains_on_repeated_rows_and
   assert any(f"packs into {rows} rows of 64, fewer than batch_size=32" in r.getMessage() for r in caplog.records)
 
 
-def test_a_large_held_out_side_is_scored_on_its_first_max_eval_rows(tmp_path, caplog):
-  """A 24 MB text file's held-out 5% packed into 6,130 rows took ~14 s an eval; the default scores 2,048."""
+def test_a_large_held_out_side_is_scored_on_its_first_max_eval_rows_while_training_and_whole_at_the_end(
+    tmp_path, caplog):
+  """A 24 MB text file's held-out 5% packed into 6,130 rows took ~14 s an eval; the default scores 2,048 in
+  training. --mode=eval, the final score, once read the same first rows; it scores them all."""
   caplog.set_level(logging.INFO)
   train_file = tmp_path / "mine.txt"
   train_file.write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(2000)), encoding="utf-8")
   config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}", "--config.data.num_eval_documents=0")
   assert config.data.max_eval_rows == 2048  # the config's default
-  whole = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "eval").eval_data
+  whole = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train").eval_data
   config.data.max_eval_rows = 5
-  capped = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "eval").eval_data
+  capped = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train").eval_data
   assert whole.num_rows > 5 and capped.num_rows == 5
   np.testing.assert_array_equal(capped.packed.inputs, whole.packed.inputs[:5])
   assert any("scores the first 5 of those rows" in r.getMessage() for r in caplog.records)
+  final = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "eval").eval_data
+  np.testing.assert_array_equal(final.packed.inputs, whole.packed.inputs)
   config.data.max_eval_rows = -1
   with pytest.raises(validation.ConfigError, match=r"data\.max_eval_rows=-1: must be a non-negative integer"):
     validation.validate_config(config, mode="eval")

@@ -16,8 +16,9 @@ Config (see configs/lm_text.py):
                       the text; a file of one document: its last eval_fraction of characters; the bundled
                       corpus has its own held-out side; --mode=eval reads the training file again and
                       scores the same held-out documents); data.num_eval_documents
-                      keeps the first that many of them (0 = all); data.max_eval_rows (optional) scores the
-                      first that many packed eval rows (0 = all)
+                      keeps the first that many of them (0 = all); data.max_eval_rows (optional): each eval
+                      while training scores the first that many packed eval rows (0 = all); --mode=eval
+                      scores every row
   data.tokenizer      "bytes" or "sentencepiece" (trained into <workdir>/tokenizer/, reused on resume,
                       eval and infer); data.vocab_size is a cap unless data.vocab_size_exact;
                       data.single_piece_words (optional) words kept one piece each (e.g. "<image>")
@@ -206,7 +207,7 @@ class LanguageModelTask(task_lib.Task):
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
                    len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
-      cap = config.data.get("max_eval_rows", 0)
+      cap = config.data.get("max_eval_rows", 0) if mode == "train" else 0  # --mode=eval, the final score: all
       if cap and self.eval_data.num_rows > cap:  # an eval of a large file's whole held-out side costs minutes
         self.eval_data = self.eval_data.first_rows(cap)
         logging.info("LM eval scores the first %d of those rows (%d tokens; data.max_eval_rows, 0 = all)", cap,
