@@ -372,6 +372,13 @@ def test_the_vlm_lm_trains_each_text_its_own_default_steps_unless_the_config_nam
   assert helpers.load_config("--config=configs/vlm_lm.py:steps=600").total_steps == 600
 
 
+def test_the_vlm_lm_keeps_no_best_checkpoint_by_its_eval_loss():
+  """Its eval/loss is lowest near step 600 while its answers from words improve to the end: a checkpoint kept
+  as "best" by it (the default best_metric) was the wrong LM for checkpoint.eval_from=best."""
+  assert helpers.load_config("--config=configs/vlm_lm.py").checkpoint.best_metric == ""
+  assert helpers.load_config("--config=configs/lm_text.py").checkpoint.best_metric == "eval/loss"
+
+
 def test_the_vlm_lm_takes_a_depth_other_than_its_sizes():
   from configs import lm_text
   assert helpers.load_config("--config=configs/vlm_lm.py").model.num_layers == lm_text.SIZES["tiny"][2]
