@@ -174,40 +174,54 @@ def test_a_tiny_chain_trains_its_frozen_parts_then_the_connector_learns():
 
 
 @pytest.mark.slow
-def test_each_frozen_part_is_read_at_the_checkpoint_its_run_names_as_its_result(tmp_path):
-  """The LM run gets a newer checkpoint of other weights and a worse eval loss: a VLM reads that newest one
-  while the LM's config reads its latest, its best (the original) once its checkpoint.eval_from is 'best', as
-  that run's --mode=eval would; frozen.json names the step."""
-  chain = tiny_chain()
-  lm = tmp_path / "lm"
-  shutil.copytree(chain / "lm", lm)
-  best = checkpoints.step_numbers(str(lm))[-1]
-  step_directory = lm / "checkpoints" / str(best)
+def _with_a_worse_newer_checkpoint(run, metric: str, worse: float):
+  """Adds to the run folder a checkpoint one step past its newest, of other weights (every float + 1) and a
+  worse eval metric; returns (the original step, its weights, the shifted weights)."""
+  step = checkpoints.step_numbers(str(run))[-1]
+  step_directory = run / "checkpoints" / str(step)
   with ocp.StandardCheckpointer() as checkpointer:
     model, optimizer = (checkpointer.restore(step_directory / item) for item in ("model", "optimizer"))
   meta = json.loads((step_directory / "meta" / "metadata").read_text())
   shifted = jax.tree.map(lambda x: x + 1.0 if jax.dtypes.issubdtype(x.dtype, np.floating) else x, model)
-  stored = checkpoints.Checkpoints(str(lm), keep=5, best_metric="eval/loss", best_mode="min")
-  stored.save(best + 1, shifted, optimizer, {**meta, "step": best + 1}, {"eval/loss": 1e9})
+  config = json.loads((run / "config.json").read_text())["checkpoint"]
+  stored = checkpoints.Checkpoints(str(run), keep=5, best_metric=config["best_metric"], best_mode=config["best_mode"])
+  stored.save(step + 1, shifted, optimizer, {**meta, "step": step + 1}, {metric: worse})
   stored.close()
+  return step, model, shifted
 
-  def frozen_lm(eval_from):
-    run = json.loads((lm / "config.json").read_text())
+
+def test_each_frozen_part_is_read_at_the_checkpoint_its_run_names_as_its_result(tmp_path):
+  """Each frozen run gets a newer checkpoint of other weights and a worse eval metric: a VLM reads that newest
+  one while the run's config reads its latest, and the encoder's best (the original) once its
+  checkpoint.eval_from is 'best', as that run's --mode=eval would; frozen.json names the steps. (The LM keeps no
+  best checkpoint: configs/vlm_lm.py.)"""
+  chain = tiny_chain()
+  parts = {"encoder": tmp_path / "encoder", "lm": tmp_path / "lm"}
+  for part, run in parts.items():
+    shutil.copytree(chain / part, run)
+  encoder_step, encoder_original, encoder_shifted = _with_a_worse_newer_checkpoint(
+      parts["encoder"], "eval/position_accuracy", -1.0)
+  lm_step, _, lm_shifted = _with_a_worse_newer_checkpoint(parts["lm"], "eval/loss", 1e9)
+
+  def frozen_parts(eval_from):
+    run = json.loads((parts["encoder"] / "config.json").read_text())
     run["checkpoint"]["eval_from"] = eval_from
-    (lm / "config.json").write_text(json.dumps(run))
-    overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": lm}
+    (parts["encoder"] / "config.json").write_text(json.dumps(run))
+    overrides = {**TINY_CHAIN, "model.encoder_workdir": parts["encoder"], "model.lm_workdir": parts["lm"]}
     config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,kinds=count",
                                  *(f"--config.{field}={value}" for field, value in overrides.items()))
     workdir = tmp_path / f"vlm_{eval_from}"
     task = vlm_task.VLMTask(config, str(workdir), "train")
-    return task.weights["lm"], json.loads((workdir / vlm_task.FROZEN_RECORD).read_text())
+    return task.weights, json.loads((workdir / vlm_task.FROZEN_RECORD).read_text())
 
-  for eval_from, step, weights in (("latest", best + 1, shifted), ("best", best, model)):
-    read, record = frozen_lm(eval_from)
-    assert (record["lm_step"], record["encoder_step"]) == (step, checkpoints.step_numbers(str(chain / "encoder"))[-1])
-    flat = dict(jax.tree_util.tree_leaves_with_path(weights))
-    for path, value in jax.tree_util.tree_leaves_with_path(read):
-      np.testing.assert_array_equal(value, flat[path], err_msg=f"{eval_from}: {jax.tree_util.keystr(path)}")
+  for eval_from, step, weights in (("latest", encoder_step + 1, encoder_shifted), ("best", encoder_step,
+                                                                                   encoder_original)):
+    read, record = frozen_parts(eval_from)
+    assert (record["encoder_step"], record["lm_step"]) == (step, lm_step + 1)
+    for part, expected in (("encoder", weights), ("lm", lm_shifted)):
+      flat = dict(jax.tree_util.tree_leaves_with_path(expected))
+      for path, value in jax.tree_util.tree_leaves_with_path(read[part]):
+        np.testing.assert_array_equal(value, flat[path], err_msg=f"{eval_from}, {part}: {jax.tree_util.keystr(path)}")
 
 
 def _shape_pairs(folder, name: str, count: int) -> pathlib.Path:
