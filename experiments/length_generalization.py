@@ -53,13 +53,13 @@ EXACT_MATCH = tuple(f"eval/exact_match_{band}" for band in BANDS)
 TOKEN_ACCURACY = tuple(f"eval/token_accuracy_{band}" for band in BANDS)
 METRICS = EXACT_MATCH + TOKEN_ACCURACY + ("eval/loss",)
 
-# One model and step budget for the whole grid, fixed from the time of single cells (not from any
-# result). Timed here, one single-threaded job beside other load: `small` (4 layers, d_model 128)
-# trains duplicate at ~2 steps/s, so 2 hours would allow ~150 steps a cell; `tiny` at ~10 steps/s
-# with ~17 s of start, compile and eval. 132 cells, two at a time, of 17 s + 800 steps (duplicate's
-# rows are the widest, ~100 s; the others ~75 s) come to about 1.5 hours.
+# One model and step budget for the whole grid, fixed from the time of single cells and their training band
+# (1-20) alone, never an extrapolation band. The largest that fits the 2 hours on an idle 2-core machine, two
+# single-threaded cells at a time: `small` (4 layers, d_model 128) takes 175-223 s a cell at 800 steps (3.7 hours
+# for the grid), `tiny` 67-125 s at 1,600 steps (about 1.8 hours); 800 steps, the budget before, left the training
+# band unlearned in most cells (experiments/results/intel_xeon_amx/length_generalization_budget.md).
 SIZE = "tiny"  # configs/lm_algorithmic.py SIZES: 2 layers, d_model 64, 4 heads, mlp 256
-TOTAL_STEPS = 800
+TOTAL_STEPS = 1600
 OVERRIDES = {"total_steps": TOTAL_STEPS, "eval_every_steps": TOTAL_STEPS, "checkpoint.every_steps": TOTAL_STEPS,
              "log_every_steps": 100, "batch_size": 64, "optimizer.learning_rate": 1e-3,
              "optimizer.warmup_steps": 100, "task.num_eval_examples": 128,
