@@ -3,7 +3,8 @@ metric that stopped improving (config.early_stopping, a clean stop).
 
 A non-finite loss or gradient norm raises `TrainingDiverged` naming the step, before anything of
 that step is saved. SIGTERM (or a first Ctrl-C) sets a flag; the loop lets the calls already
-dispatched finish (JAX's dispatch runs a few calls ahead), saves a checkpoint and returns normally.
+dispatched finish (the call in flight and at most one queued: the host runs one call ahead), saves a
+checkpoint and returns normally.
 With several processes every call also dispatches a vote (the OR of each process's flag, one boolean
 per device), read after the next call has been dispatched: a signal that reaches one host stops
 every host at the same step, one call later, where they save the checkpoint together, and the vote
