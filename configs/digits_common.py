@@ -14,8 +14,12 @@ def digits_config(*, total_steps: int, learning_rate: float) -> ConfigDict:
   config.task.label_smoothing = 0.0
   config.task.num_attention_images = 4      # test images whose query attention maps are drawn (0 = none)
   config.data = ConfigDict({
-      "test_fraction": 0.2,                 # 1,437 train / 360 test images, stratified, fixed
+      "test_fraction": 0.2,                 # 360 test images, stratified, fixed
+      "validation_fraction": 0.1,           # of each class's other images held out: 1,288 train / 149 validation
       "split_seed": 0,
+      # the split eval reads (digits.EVAL_SPLITS): validation while training (what checkpoint.best_metric and
+      # early stopping read); test for the final score: launch.py --mode=eval --config.data.eval_split=test
+      "eval_split": "validation",
       "grid": "8x8",                        # the grid images are trained and evaluated on
       "extra_eval_grids": "12x12,16x16",    # also evaluated on test images resized to these
       "max_shift": 1,                       # random translation by up to this many pixels in training (<= 3)

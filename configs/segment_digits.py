@@ -26,8 +26,8 @@ def get_config(arg=None):
   config.task.all_masks_loss_weight = 0.05  # the mean loss of all masks, added to the best one's (no dead masks)
   # Prompt kinds of the training batches, by weight (segment_digits.PROMPT_KINDS).
   config.task.prompt_mix = ConfigDict({"click": 0.35, "clicks": 0.15, "box": 0.3, "ambiguous": 0.2})
-  config.task.num_eval_scenes = 200         # test scenes: a click and a box each, and an ambiguous click
-  config.task.num_plot_examples = 6         # test prompts drawn into workdir/segment_plots (0 = none)
+  config.task.num_eval_scenes = 200         # eval scenes: a click and a box each, and an ambiguous click
+  config.task.num_plot_examples = 6         # eval prompts drawn into workdir/segment_plots (0 = none)
   config.data = ConfigDict({
       "canvas": args.canvas,                # square canvas side in pixels
       "digit_size": args.digit_size,        # each 8x8 digit resized to this side
@@ -37,7 +37,11 @@ def get_config(arg=None):
       "min_visible": 0.6,                   # share of each mask no other digit covers
       "max_clicks": 3,                      # clicks of a "clicks" prompt (also the padded prompt length)
       "test_fraction": 0.2,                 # source images held out for the test scenes
+      "validation_fraction": 0.1,           # of each class's other images, for the validation scenes
       "split_seed": 0,
+      # the scenes eval reads (digits.EVAL_SPLITS): validation while training (what checkpoint.best_metric and
+      # early stopping read); test for the final score: launch.py --mode=eval --config.data.eval_split=test
+      "eval_split": "validation",
   })
   config.model.name = "sam"
   config.model.patch_size = 4

@@ -75,8 +75,9 @@ EXPERIMENTS = (
     Experiment(
         "resolution", "configs/perceiver_digits.py:posenc={encoding}", IMAGE_ENCODINGS,
         (("eval/accuracy", "8x8 (trained)"), ("eval/accuracy_12x12", "12x12"), ("eval/accuracy_16x16", "16x16")),
+        # the last step's accuracy on the test images (one eval, at the end: nothing is chosen on it)
         {"total_steps": 1000, "eval_every_steps": 1000, "checkpoint.every_steps": 1000,
-         "task.num_attention_images": 0},
+         "task.num_attention_images": 0, "data.eval_split": "test"},
         {**_QUICK, "model.d_model": 32, "model.num_latents": 8, "model.num_blocks": 1}),
 )
 # --quick runs one cell per experiment, 1 seed: every code path of the runner, the plots included.

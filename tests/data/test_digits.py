@@ -15,16 +15,40 @@ def split():
 
 
 def test_split_is_stratified_and_covers_the_data_set(split):
-  assert len(split.train_labels) + len(split.test_labels) == 1797
-  train_share = np.bincount(split.train_labels, minlength=10) / len(split.train_labels)
-  test_share = np.bincount(split.test_labels, minlength=10) / len(split.test_labels)
-  np.testing.assert_allclose(train_share, test_share, atol=0.01)
+  sizes = [len(split.side(name)[1]) for name in digits.SPLITS]
+  assert sizes == [1288, 149, 360]
+  shares = [np.bincount(split.side(name)[1], minlength=10) / size for name, size in zip(digits.SPLITS, sizes)]
+  for share in shares[1:]:
+    np.testing.assert_allclose(share, shares[0], atol=0.01)
+  # every image of the data set on exactly one side
+  every = np.concatenate([split.side(name)[0].reshape(-1, 64) for name in digits.SPLITS])
+  from sklearn.datasets import load_digits
+  original = (load_digits().images / 16.0).astype(np.float32).reshape(-1, 64)
+  assert sorted(map(bytes, every)) == sorted(map(bytes, original))
 
 
 def test_split_is_the_same_every_time(split):
   again = digits.load_digits_split()
-  np.testing.assert_array_equal(again.test_images, split.test_images)
-  np.testing.assert_array_equal(again.train_labels, split.train_labels)
+  for name in digits.SPLITS:
+    np.testing.assert_array_equal(again.side(name)[0], split.side(name)[0])
+    np.testing.assert_array_equal(again.side(name)[1], split.side(name)[1])
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25])
+def test_the_validation_fraction_moves_training_images_only(split, fraction):
+  other = digits.load_digits_split(validation_fraction=fraction)
+  np.testing.assert_array_equal(other.test_images, split.test_images)
+  counts = np.bincount(other.validation_labels, minlength=10)
+  np.testing.assert_array_equal(counts, np.ceil(fraction * (counts + np.bincount(other.train_labels, minlength=10))))
+  # the held-out images of the smaller fraction stay held out at the larger one (lowest hashes first)
+  smaller, larger = (other, split) if fraction < digits.VALIDATION_FRACTION else (split, other)
+  held = {bytes(image) for image in larger.validation_images}
+  assert all(bytes(image) in held for image in smaller.validation_images)
+
+
+def test_eval_batches_reject_the_train_split(split):
+  with pytest.raises(ValueError, match="eval_split must be one of"):
+    next(digits.eval_batches(split, 8, eval_split="train"))
 
 
 def test_standardised_training_pixels_have_zero_mean_and_unit_std(split):
@@ -63,10 +87,10 @@ def test_process_slices_tile_the_global_batch(split):
 
 
 def test_one_epoch_visits_every_training_image_once(split):
-  # 1437 training images = 479 batches of 3: the stream's first epoch is a permutation.
+  # 1288 training images = 161 batches of 8: the stream's first epoch is a permutation.
   n = len(split.train_labels)
-  assert n % 3 == 0
-  images = np.concatenate([digits.train_batch(split, s, seed=1, batch_size=3)["images"] for s in range(n // 3)])
+  assert n % 8 == 0
+  images = np.concatenate([digits.train_batch(split, s, seed=1, batch_size=8)["images"] for s in range(n // 8)])
   expected = split.standardize(split.train_images)[..., None]
   order = lambda x: x.reshape(len(x), -1)[np.lexsort(x.reshape(len(x), -1).T)]
   np.testing.assert_array_equal(order(images), order(expected))

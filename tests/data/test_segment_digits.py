@@ -15,7 +15,7 @@ def pools():
 
 @pytest.fixture(scope="module")
 def batch(pools):
-  return sd.train_batch(pools[0], OPTIONS, seed=0, step=3, batch_size=48, kind_weights=MIX)
+  return sd.train_batch(pools["train"], OPTIONS, seed=0, step=3, batch_size=48, kind_weights=MIX)
 
 
 def _pixel(point):
@@ -23,29 +23,29 @@ def _pixel(point):
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(pools, batch):
-  again = sd.train_batch(pools[0], OPTIONS, seed=0, step=3, batch_size=48, kind_weights=MIX)
-  other = sd.train_batch(pools[0], OPTIONS, seed=0, step=4, batch_size=48, kind_weights=MIX)
+  again = sd.train_batch(pools["train"], OPTIONS, seed=0, step=3, batch_size=48, kind_weights=MIX)
+  other = sd.train_batch(pools["train"], OPTIONS, seed=0, step=4, batch_size=48, kind_weights=MIX)
   for key in batch:
     np.testing.assert_array_equal(again[key], batch[key])
   assert not np.array_equal(other["images"], batch["images"])
 
 
 def test_process_rows_are_slices_of_the_global_batch(pools, batch):
-  second = sd.train_batch(pools[0], OPTIONS, seed=0, step=3, batch_size=48, kind_weights=MIX, process_index=1,
+  second = sd.train_batch(pools["train"], OPTIONS, seed=0, step=3, batch_size=48, kind_weights=MIX, process_index=1,
                           process_count=2)
   np.testing.assert_array_equal(second["images"], batch["images"][24:])
 
 
 def test_the_canvas_inks_exactly_the_union_of_the_digits_masks(pools):
   for index in range(20):
-    scene = sd.make_scene(pools[0], np.random.default_rng(index), OPTIONS)
+    scene = sd.make_scene(pools["train"], np.random.default_rng(index), OPTIONS)
     np.testing.assert_array_equal(scene.image > OPTIONS.threshold / 16, scene.masks.any(axis=0))
     assert OPTIONS.min_digits <= len(scene.masks) <= OPTIONS.max_digits
 
 
 def test_every_digit_keeps_the_visible_share_of_its_mask(pools):
   for index in range(20):
-    scene = sd.make_scene(pools[0], np.random.default_rng(index), OPTIONS)
+    scene = sd.make_scene(pools["train"], np.random.default_rng(index), OPTIONS)
     alone = (scene.masks & (scene.masks.sum(axis=0) == 1)).sum(axis=(1, 2))
     assert np.all(alone >= OPTIONS.min_visible * scene.masks.sum(axis=(1, 2)))
 
@@ -77,13 +77,14 @@ def test_a_box_bounds_its_mask_to_within_the_training_jitter(batch):
     assert list(batch["point_labels"][row, :2]) == [sd.BOX_TOP_LEFT, sd.BOX_BOTTOM_RIGHT]
 
 
-def test_train_and_test_scenes_draw_on_disjoint_source_images(pools):
-  train, test = ({image.tobytes() for image in pool.pixels} for pool in pools)
-  assert len(train) > 1000 and len(test) > 300 and not train & test
+def test_train_validation_and_test_scenes_draw_on_disjoint_source_images(pools):
+  train, validation, test = ({image.tobytes() for image in pools[name].pixels} for name in sd.digits.SPLITS)
+  assert len(train) > 1000 and len(validation) > 100 and len(test) > 300
+  assert not train & test and not train & validation and not validation & test
 
 
 def test_eval_batches_hold_every_test_prompt_once(pools):
-  examples = sd.eval_examples(pools[1], OPTIONS, seed=0, num_scenes=10)
+  examples = sd.eval_examples(pools["test"], OPTIONS, seed=0, num_scenes=10)
   batches = list(sd.padded_batches(examples, 8))
   assert sum(b["weights"].sum() for b in batches) == len(examples["kinds"])
   kept = np.concatenate([b["points"][b["weights"] > 0] for b in batches])

@@ -90,7 +90,8 @@ def test_perceiver_config_trains_and_logs_eval_on_a_resized_grid(perceiver_workd
 
 @pytest.mark.slow
 def test_perceiver_eval_draws_each_querys_attention(perceiver_workdir):
-  assert os.path.getsize(os.path.join(perceiver_workdir, "attention_maps", "test_0.png")) > 1000
+  # training evaluates on the validation split; its images are the ones drawn
+  assert os.path.getsize(os.path.join(perceiver_workdir, "attention_maps", "validation_0.png")) > 1000
 
 
 @pytest.mark.slow
@@ -214,24 +215,54 @@ def qformer(tmp_path):
   return {"model__encoder_workdir": str(tmp_path / "no_encoder_yet")}
 
 
-@pytest.mark.parametrize("count", [361, 1000, -1])
-def test_num_attention_images_must_fit_the_test_set(count):  # 360 test images
-  assert config_error(digits_config("perceiver", task__num_attention_images=count)) == "task.num_attention_images"
+@pytest.mark.parametrize("split, count", [("validation", 150), ("test", 361), ("test", 1000), ("validation", -1)])
+def test_num_attention_images_must_fit_the_eval_split(split, count):  # 149 validation, 360 test images
+  config = digits_config("perceiver", task__num_attention_images=count, data__eval_split=split)
+  assert config_error(config) == "task.num_attention_images"
 
 
 @pytest.mark.parametrize("fraction, error", [(0.999, True), (0.005, True), (0.0056, False), (0.994, False)])
 def test_test_fraction_must_leave_every_class_on_both_sides(fraction, error):
   """0.999 reached scikit-learn, whose stratified split failed with a message naming no field."""
-  config = digits_config("perceiver", data__test_fraction=fraction, task__num_attention_images=0)
+  config = digits_config("perceiver", data__test_fraction=fraction, task__num_attention_images=0,
+                         data__validation_fraction=0.0, data__eval_split="test")
   assert config_error(config) == ("data.test_fraction" if error else None)
 
 
-def test_num_attention_images_may_draw_every_test_image_or_none():
-  for count in (0, 360):
-    assert config_error(digits_config("perceiver", task__num_attention_images=count)) is None
-  assert config_error(digits_config("perceiver", task__num_attention_images=36, data__test_fraction=0.02)) is None
-  assert config_error(digits_config("perceiver", task__num_attention_images=37, data__test_fraction=0.02)) == \
+def test_num_attention_images_may_draw_every_eval_image_or_none():
+  for split, count in (("validation", 0), ("validation", 149), ("test", 360)):
+    assert config_error(digits_config("perceiver", task__num_attention_images=count, data__eval_split=split)) is None
+  small_test = {"data__test_fraction": 0.02, "data__eval_split": "test"}
+  assert config_error(digits_config("perceiver", task__num_attention_images=36, **small_test)) is None
+  assert config_error(digits_config("perceiver", task__num_attention_images=37, **small_test)) == \
       "task.num_attention_images"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"data__eval_split": "train"}, "data.eval_split"),
+    ({"data__validation_fraction": 0.0}, "data.validation_fraction"),       # eval_split="validation": none held out
+    ({"data__validation_fraction": 1.0}, "data.validation_fraction"),
+    ({"data__validation_fraction": True}, "data.validation_fraction"),
+    ({"data__validation_fraction": 0.994, "data__eval_split": "test"}, "data.validation_fraction"),  # no train
+    ({"data__validation_fraction": 0.0, "data__eval_split": "test"}, None),
+    ({"data__validation_fraction": 0.5}, None),
+])
+def test_the_eval_split_and_validation_fraction_are_checked_before_training(overrides, field):
+  assert config_error(digits_config("perceiver", task__num_attention_images=0, **overrides)) == field
+
+
+@pytest.mark.parametrize("split, size", [("validation", 149), ("test", 360)])
+def test_eval_reads_every_image_of_the_configured_split_once(split, size):
+  config = digits_config("perceiver", data__eval_split=split, task__num_attention_images=0)
+  task = task_lib.get_task_class(config.task.name)(config)
+  batches = list(task.eval_batches(process_index=0, process_count=1))
+  weights = np.concatenate([b["weights"] for b in batches])
+  labels = np.concatenate([b["labels"] for b in batches])[weights > 0]
+  images = np.concatenate([b["images"] for b in batches])[weights > 0, ..., 0]
+  expected_images, expected_labels = task.split.side(split)
+  assert weights.sum() == size
+  np.testing.assert_array_equal(labels, expected_labels)
+  np.testing.assert_allclose(images, task.split.standardize(expected_images))
 
 
 @pytest.mark.parametrize("field, value", [("data__grid", "9x9"), ("data__grid", "8x9"),

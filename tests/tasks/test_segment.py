@@ -53,7 +53,7 @@ def test_a_tiny_run_learns_to_segment_the_prompted_digit(trained_segmenter):
   assert final["eval/box_mean_iou"] > 0.35 and final["eval/click_mean_iou"] > 0.35
   assert -1.0 <= final["eval/iou_head_pearson"] <= 1.0
   assert {f"eval/{name}" for name in segment_task.METRIC_NAMES} <= set(final)
-  assert (trained_segmenter / "segment_plots" / "test_1.png").is_file()
+  assert (trained_segmenter / "segment_plots" / "validation_1.png").is_file()  # training evaluates on validation
 
 
 @pytest.mark.slow
@@ -87,7 +87,8 @@ def test_infer_refuses_a_click_outside_the_image_naming_the_line(trained_segment
     ("data.digit_size", 40), ("data.min_digits", 5), ("data.threshold", 16.0), ("model.patch_size", 5),
     ("model.d_model", 68), ("model.fourier_scale", 0.0), ("task.prompt_mix.scribble", 1.0),
     ("task.prompt_mix.box", -1.0), ("task.num_masks", 0), ("model.name", "unet"), ("task.iou_loss_weight", -1.0),
-    ("task.all_masks_loss_weight", -0.5)])
+    ("task.all_masks_loss_weight", -0.5), ("data.eval_split", "train"), ("data.validation_fraction", 1.0),
+    ("data.validation_fraction", 0.0), ("data.validation_fraction", 0.999)])
 def test_a_bad_config_field_is_refused_by_name_before_anything_builds(field, value):
   with pytest.raises(validation.ConfigError) as error:
     validation.validate_config(_config(**{field: value}))
@@ -104,3 +105,15 @@ def test_the_default_config_is_valid_and_its_best_metric_is_logged():
   config = _config()
   validation.validate_config(config)
   assert config.checkpoint.best_metric in segment_task.SegmentTask.eval_metric_names
+
+
+def test_eval_reads_the_configured_splits_prompts_and_test_k_always_the_tests():
+  tiny = {"data.canvas": 16, "data.digit_size": 8, "data.max_digits": 2, "task.num_eval_scenes": 4}
+  validation_task = segment_task.SegmentTask(_config(**tiny))
+  test_task = segment_task.SegmentTask(_config(**tiny, **{"data.eval_split": "test"}))
+  assert not np.array_equal(validation_task.eval_set["images"], test_task.eval_set["images"])
+  np.testing.assert_array_equal(validation_task.prompts("test")["images"], test_task.eval_set["images"])
+  # the pools hold disjoint source images: no digit of validation or test is a training digit
+  pools = validation_task.pools
+  train = {bytes(pixels) for pixels in pools["train"].pixels}
+  assert not any(bytes(pixels) in train for name in ("validation", "test") for pixels in pools[name].pixels)

@@ -3,14 +3,16 @@
 The 1,797 grey-scale 8x8 images of `sklearn.datasets.load_digits` ship inside scikit-learn, so nothing is
 downloaded. Pixels there are integers 0..16, ink high. This module
 
-- splits them once, stratified by class, with a fixed seed (`load_digits_split`);
+- splits them once into train / validation / test, stratified by class, with a fixed seed (`load_digits_split`):
+  runs evaluate on validation while they train (what a best checkpoint, early stopping or any choice of settings
+  reads) and are scored on test once at the end;
 - scales pixels to [0, 1] and standardises them with the training set's mean and standard deviation (one
   scalar each, so a resized image keeps the same statistics);
 - optionally resizes images to another grid (`resize_images`, bilinear with half-pixel centres), e.g. to
   evaluate a reader on 16x16 = 256 features after training on 64;
 - serves batches as pure functions of (seed, step, process_index, process_count) (`train_batch`), so the step
   is the position in the data stream and a resumed run sees exactly the batches an uninterrupted one would,
-  and the test set exactly once in padded batches with weights (`eval_batches`).
+  and an eval split exactly once in padded batches with weights (`eval_batches`).
 
 Host-side numpy only: images come out as float32 `[batch, height, width, 1]`, labels as int32 `[batch]`.
 """
@@ -23,8 +25,11 @@ from typing import Iterator
 
 import numpy as np
 
-from xattn_jax.data import image_files
+from xattn_jax.data import image_files, splits
 
+SPLITS = ("train", "validation", "test")
+EVAL_SPLITS = SPLITS[1:]  # what a run may evaluate on (data.eval_split): validation while training, test at the end
+VALIDATION_FRACTION = 0.1  # of each class's non-test images, held out for validation
 NUM_CLASSES = 10
 NUM_IMAGES = 1797  # in load_digits
 NATIVE_GRID = (8, 8)
@@ -40,33 +45,70 @@ class DigitsSplit:
   """The digits, split once. Images are in [0, 1] (not yet standardised), `[n, 8, 8]` float32."""
   train_images: np.ndarray  # [n_train, 8, 8]
   train_labels: np.ndarray  # [n_train] int32
+  validation_images: np.ndarray  # [n_validation, 8, 8]
+  validation_labels: np.ndarray  # [n_validation] int32
   test_images: np.ndarray  # [n_test, 8, 8]
   test_labels: np.ndarray  # [n_test] int32
   mean: float  # pixel mean of the training images, in [0, 1] units
   std: float  # pixel standard deviation of the training images
+
+  def side(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(images, labels) of one of SPLITS."""
+    if name not in SPLITS:
+      raise ValueError(f"DigitsSplit.side: name must be one of {SPLITS}, got {name!r}")
+    return getattr(self, f"{name}_images"), getattr(self, f"{name}_labels")
 
   def standardize(self, images: np.ndarray) -> np.ndarray:
     """(images - mean) / std with the training statistics; images in [0, 1] units."""
     return ((images - self.mean) / self.std).astype(np.float32)
 
 
-def load_digits_split(*, test_fraction: float = 0.2, split_seed: int = 0) -> DigitsSplit:
-  """Stratified train/test split of the bundled digits (default 1,437 train / 360 test images).
+def load_digits_split(*, test_fraction: float = 0.2, split_seed: int = 0,
+                      validation_fraction: float = VALIDATION_FRACTION) -> DigitsSplit:
+  """Stratified train / validation / test split of the bundled digits (default 1,288 / 149 / 360 images).
 
-  The split depends only on (test_fraction, split_seed): every class keeps its share in both parts.
+  Test: scikit-learn's stratified `train_test_split` at test_fraction (360 images by default). Validation: of
+  each class's other images, the ceil(validation_fraction * n) of lowest stable hash of their place there
+  (`splits.stable_unit_interval`, seeded by split_seed); train: the rest, in their order. The split depends only
+  on (test_fraction, split_seed, validation_fraction), and validation_fraction never moves a test image.
+  The standardisation statistics are the train side's.
   """
   if not 0.0 < test_fraction < 1.0:
     raise ValueError(f"load_digits_split: test_fraction must be in (0, 1), got {test_fraction}")
+  if not 0.0 <= validation_fraction < 1.0:
+    raise ValueError(f"load_digits_split: validation_fraction must be in [0, 1), got {validation_fraction}")
   from sklearn.datasets import load_digits  # imported here: sklearn is slow to import and only data needs it
   from sklearn.model_selection import train_test_split
 
   digits = load_digits()
   images = (digits.images / _RAW_MAX).astype(np.float32)  # [1797, 8, 8]
   labels = digits.target.astype(np.int32)
-  train_x, test_x, train_y, test_y = train_test_split(
+  rest_x, test_x, rest_y, test_y = train_test_split(
       images, labels, test_size=test_fraction, stratify=labels, random_state=split_seed)
-  return DigitsSplit(train_images=train_x, train_labels=train_y, test_images=test_x, test_labels=test_y,
-                     mean=float(train_x.mean()), std=float(train_x.std()))
+  held = np.zeros(len(rest_y), bool)
+  for c in range(NUM_CLASSES):
+    members = np.flatnonzero(rest_y == c)
+    ranked = sorted(members, key=lambda i: splits.stable_unit_interval(f"digit {i}", split_seed))
+    held[ranked[:num_validation_images(len(members), validation_fraction)]] = True
+  train_x, train_y = rest_x[~held], rest_y[~held]
+  return DigitsSplit(train_images=train_x, train_labels=train_y, validation_images=rest_x[held],
+                     validation_labels=rest_y[held], test_images=test_x, test_labels=test_y,
+                     mean=float(train_x.mean()) if len(train_x) else 0.0,
+                     std=float(train_x.std()) if len(train_x) else 1.0)
+
+
+def num_validation_images(class_images: int, validation_fraction: float) -> int:
+  """How many of a class's `class_images` non-test images go to validation: ceil(fraction * n), in floating
+  point as numpy computes it (so 0.1 of 40 is 4, not 5)."""
+  return int(np.ceil(validation_fraction * class_images))
+
+
+def class_counts(*, test_fraction: float = 0.2, split_seed: int = 0,
+                 validation_fraction: float = VALIDATION_FRACTION) -> dict[str, np.ndarray]:
+  """{split: images of each class [NUM_CLASSES]} of that load_digits_split, for config checks."""
+  split = load_digits_split(test_fraction=test_fraction, split_seed=split_seed,
+                            validation_fraction=validation_fraction)
+  return {name: np.bincount(split.side(name)[1], minlength=NUM_CLASSES) for name in SPLITS}
 
 
 def num_test_images(test_fraction: float) -> int:
@@ -180,15 +222,18 @@ def train_batch(split: DigitsSplit, step: int, *, seed: int, batch_size: int, pr
 
 
 def eval_batches(split: DigitsSplit, batch_size: int, *, process_index: int = 0, process_count: int = 1,
-                 grid: tuple[int, int] | None = None) -> Iterator[dict[str, np.ndarray]]:
-  """Every test image exactly once, in order, in global batches of `batch_size` (this process's slice).
+                 grid: tuple[int, int] | None = None, eval_split: str = "test") -> Iterator[dict[str, np.ndarray]]:
+  """Every image of `eval_split` (one of EVAL_SPLITS) exactly once, in order, in global batches of
+  `batch_size` (this process's slice).
 
   The last global batch is padded with zero images whose `weights` are 0 (all others 1), so every batch has
-  the same shape and averages weighted by `weights` count each test image once across processes.
+  the same shape and averages weighted by `weights` count each image once across processes.
   """
+  if eval_split not in EVAL_SPLITS:
+    raise ValueError(f"eval_batches: eval_split must be one of {EVAL_SPLITS}, got {eval_split!r}")
   local = _check_process(batch_size, process_index, process_count)
-  images = split.standardize(resize_images(split.test_images, grid) if grid else split.test_images)
-  labels = split.test_labels
+  images, labels = split.side(eval_split)
+  images = split.standardize(resize_images(images, grid) if grid else images)
   for start in range(0, len(labels), batch_size):
     rows = np.arange(start + process_index * local, start + (process_index + 1) * local)
     valid = rows < len(labels)

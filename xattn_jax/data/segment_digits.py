@@ -14,7 +14,7 @@ The prompt kinds (PROMPT_KINDS):
   box:       the target mask's bounding box (two corner tokens), jittered by up to a pixel in training;
   ambiguous: one click on a pixel two digits share; the target is either (the other is `alt_masks`).
 
-Train scenes use the training source images only, test scenes the test images only (the split of
+Train, validation and test scenes each use their own side's source images only (the split of
 `xattn_jax.data.digits.load_digits_split`, by source image). Everything is a pure function of
 (seed, stream, index): batch `step` of training is the same whenever it is asked for.
 Host-side numpy: images float32 [b, H, W, 1] in [0, 1], masks float32 [b, H, W] in {0, 1}.
@@ -80,11 +80,12 @@ class DigitPool:
     self.pixels, self.masks, self.labels = self.pixels[keep], self.masks[keep], self.labels[keep]
 
 
-def load_pools(options: SceneOptions, *, test_fraction: float = 0.2, split_seed: int = 0):
-  """(train pool, test pool): the digits split by source image, resized for `options`."""
-  split = digits.load_digits_split(test_fraction=test_fraction, split_seed=split_seed)
-  return (DigitPool(split.train_images, split.train_labels, options),
-          DigitPool(split.test_images, split.test_labels, options))
+def load_pools(options: SceneOptions, *, test_fraction: float = 0.2, split_seed: int = 0,
+               validation_fraction: float = digits.VALIDATION_FRACTION) -> dict[str, DigitPool]:
+  """{split: pool} for each of digits.SPLITS: the digits split by source image, resized for `options`."""
+  split = digits.load_digits_split(test_fraction=test_fraction, split_seed=split_seed,
+                                   validation_fraction=validation_fraction)
+  return {name: DigitPool(*split.side(name), options) for name in digits.SPLITS}
 
 
 def make_scene(pool: DigitPool, rng: np.random.Generator, options: SceneOptions) -> Scene:
@@ -211,7 +212,7 @@ def train_batch(pool: DigitPool, options: SceneOptions, *, seed: int, step: int,
 
 
 def eval_examples(pool: DigitPool, options: SceneOptions, *, seed: int, num_scenes: int):
-  """The fixed test prompts: for each of num_scenes test scenes a click and a box on one digit, and an
+  """The fixed eval prompts: for each of num_scenes scenes of `pool` a click and a box on one digit, and an
   ambiguous click where two digits overlap (scenes without an overlap have none). Same keys as
   train_batch; rows ordered scene by scene."""
   examples = []

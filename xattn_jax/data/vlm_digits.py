@@ -15,10 +15,9 @@ ViT with 2x2 patches hands on M = 16 to 64 patch features (17 to 65 with its cla
            latest-image masking; the two numbers always differ)
 
 Splits (`make_examples(split=...)`, SPLITS), disjoint in two ways:
-  * by source image: "test" strips are made of the 360 test digits of `digits.load_digits_split()` (the
-    digits tasks' split); of its other 1,437, VALIDATION_FRACTION of each class (by a stable hash of the
-    image's place in that split) make the "validation" strips and the rest the "train" strips, so no
-    validation or test digit image is seen in training;
+  * by source image: the "train", "validation" and "test" strips are made of that side's digits in
+    `digits.load_digits_split()` (the digits tasks' split: 1,288 / 149 / 360 images), so no validation or
+    test digit image is seen in training;
   * by combination: a digit sequence of two or more digits belongs to one split by a stable hash of the
     sequence (`combination_split`: HELD_OUT_FRACTION of them are test-only, VALIDATION_FRACTION
     validation-only), so every validation or test sequence of 2+ digits never occurs in training, in any
@@ -47,8 +46,8 @@ ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "
 MAX_DIGITS = len(ORDINALS)  # the nth question needs an ordinal for every position
 EMPTY = digits_lib.NUM_CLASSES  # the class of a strip position that holds no digit (the encoder's 11th class)
 NUM_POSITION_CLASSES = digits_lib.NUM_CLASSES + 1
-SPLITS = ("train", "validation", "test")
-EVAL_SPLITS = SPLITS[1:]  # what a run may evaluate on (data.eval_split)
+SPLITS = digits_lib.SPLITS
+EVAL_SPLITS = digits_lib.EVAL_SPLITS  # what a run may evaluate on (data.eval_split)
 HELD_OUT_FRACTION = 0.2  # of the digit sequences of each length >= 2, test-only
 VALIDATION_FRACTION = 0.1  # of those sequences validation-only; of each class's non-test digit images too
 _SPLIT_IDS = {"train": 0, "test": 1, "validation": 2}  # seeds the examples' streams (test's kept from 2 splits)
@@ -171,20 +170,12 @@ KINDS = {
 
 @functools.lru_cache(maxsize=1)
 def source_digits() -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
-  """split -> (images [n, 8, 8] in [0, 1], per class the indices of its images). "test": the 360 test images
-  of the digits tasks' fixed split (`digits.load_digits_split()`); "validation": of each class's images in
-  its train side, the ceil(VALIDATION_FRACTION * n) of lowest stable hash of their place there (149 of
-  1,437); "train": the other 1,288."""
-  split = digits_lib.load_digits_split()
-  held = np.zeros(len(split.train_labels), bool)
-  for c in range(digits_lib.NUM_CLASSES):
-    members = np.flatnonzero(split.train_labels == c)
-    ranked = sorted(members, key=lambda i: splits.stable_unit_interval(f"digit {i}", _SPLIT_SEED))
-    held[ranked[:int(np.ceil(VALIDATION_FRACTION * len(members)))]] = True
+  """split -> (images [n, 8, 8] in [0, 1], per class the indices of its images): the digits tasks' fixed split
+  (`digits.load_digits_split()`: 1,288 train, 149 validation, 360 test images)."""
+  split = digits_lib.load_digits_split(validation_fraction=VALIDATION_FRACTION)
   result = {}
-  for name, images, labels in (("train", split.train_images[~held], split.train_labels[~held]),
-                               ("validation", split.train_images[held], split.train_labels[held]),
-                               ("test", split.test_images, split.test_labels)):
+  for name in SPLITS:
+    images, labels = split.side(name)
     result[name] = (images, tuple(np.flatnonzero(labels == c) for c in range(digits_lib.NUM_CLASSES)))
   return result
 

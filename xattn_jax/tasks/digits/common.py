@@ -6,8 +6,10 @@ Each model family's task (`vit.py`, `perceiver.py`, `qformer.py`) subclasses `Di
 
 Batches are `images` [b, H, W, 1] (standardised pixels) and `labels` [b]; see `xattn_jax.data.digits`.
 Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the model passes to what
-follows it). Eval also reports `eval/accuracy_HxW` on the test images resized to each grid in
-`data.extra_eval_grids` and writes the queries' attention maps as `attention_maps/test_K.png` in the workdir.
+follows it). Eval reads `data.eval_split` of `digits.load_digits_split` (validation while training: what a best
+checkpoint or early stopping reads; `--mode=eval --config.data.eval_split=test` for the final score), reports
+`eval/accuracy_HxW` on its images resized to each grid in `data.extra_eval_grids` and writes the queries'
+attention maps as `attention_maps/<split>_K.png` in the workdir.
 
 Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
 or an image file (PNG, JPEG, ...: data.image_files); the output line is the file name and the predicted digit(s).
@@ -101,11 +103,25 @@ class DigitsBase(task_lib.Task):
       raise validation.ConfigError("data.test_fraction", test_fraction,
                                    f"must leave at least {classes} of the {images} images (one per class) on "
                                    f"each side: in [{classes / images:.4f}, {(images - classes) / images:.4f}]")
+    validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
+    fraction = config.data.validation_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+      raise validation.ConfigError("data.validation_fraction", fraction, "must be a number in [0, 1)")
+    counts = digits.class_counts(test_fraction=test_fraction, split_seed=config.data.split_seed,
+                                 validation_fraction=fraction)
+    if counts["train"].min() == 0:
+      raise validation.ConfigError("data.validation_fraction", fraction,
+                                   "leaves a class with no training image: lower it (or data.test_fraction)")
+    num_eval = int(counts[config.data.eval_split].sum())
+    if num_eval == 0:
+      raise validation.ConfigError("data.validation_fraction", fraction,
+                                   "holds out no image, and data.eval_split is 'validation': raise it above 0, "
+                                   "or evaluate on data.eval_split='test'")
     count = config.task.num_attention_images
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_test:
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_eval:
       raise validation.ConfigError("task.num_attention_images", count,
-                                   f"must be an integer in [0, {num_test}], the test images at "
-                                   f"data.test_fraction={test_fraction}")
+                                   f"must be an integer in [0, {num_eval}], the images of "
+                                   f"data.eval_split={config.data.eval_split!r}")
     extra_grids = image_grids(config)[1:]
     best, logged = config.checkpoint.best_metric, [f"eval/accuracy_{h}x{w}" for h, w in extra_grids]
     if best.startswith("eval/accuracy_") and best not in logged:
@@ -115,7 +131,9 @@ class DigitsBase(task_lib.Task):
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
     self.split = digits.load_digits_split(test_fraction=config.data.test_fraction,
-                                          split_seed=config.data.split_seed)
+                                          split_seed=config.data.split_seed,
+                                          validation_fraction=config.data.validation_fraction)
+    self.eval_images, self.eval_labels = self.split.side(config.data.eval_split)
     self.grid, *self.extra_grids = image_grids(config)
 
   # --- what each model family supplies ----------------------------------------------------------
@@ -146,10 +164,10 @@ class DigitsBase(task_lib.Task):
 
   def eval_batches(self, *, process_index, process_count):
     return digits.eval_batches(self.split, self.config.eval_batch_size, process_index=process_index,
-                               process_count=process_count, grid=self.grid)
+                               process_count=process_count, grid=self.grid, eval_split=self.config.data.eval_split)
 
   def eval_metrics(self, model, batch):
-    """Over every test image once: eval/loss (cross-entropy of the class), eval/accuracy (share of images
+    """Over every image of data.eval_split once: eval/loss (cross-entropy of the class), eval/accuracy (share of images
     classified right) and eval/tokens_handed_on (how many tokens the reader passes on per image)."""
     logits = model(batch["images"])
     weights = batch["weights"]
@@ -173,21 +191,21 @@ class DigitsBase(task_lib.Task):
                            for start in range(0, len(images), size)])
 
   def extra_eval(self, model):
-    """eval/accuracy_HxW: accuracy on every test image resized to each extra grid; attention maps into the
-    workdir."""
+    """eval/accuracy_HxW: accuracy on every image of data.eval_split resized to each extra grid; attention maps
+    into the workdir."""
     results = {}
     for grid in self.extra_grids:
-      predictions = self._classify(model, digits.resize_images(self.split.test_images, grid))
-      results[f"accuracy_{grid[0]}x{grid[1]}"] = float(np.mean(predictions == self.split.test_labels))
+      predictions = self._classify(model, digits.resize_images(self.eval_images, grid))
+      results[f"accuracy_{grid[0]}x{grid[1]}"] = float(np.mean(predictions == self.eval_labels))
     if self.workdir and jax.process_index() == 0 and self.config.task.num_attention_images:
       self.write_attention_maps(model, os.path.join(self.workdir, "attention_maps"))
     return results
 
   def write_attention_maps(self, model, directory: str) -> list[str]:
-    """One PNG per test image: the image next to each query's attention over it (heads averaged);
-    none for a model without queries."""
-    count = self.config.task.num_attention_images
-    images = digits.resize_images(self.split.test_images[:count], self.grid)
+    """One PNG per image of data.eval_split (`<split>_K.png`): the image next to each query's attention over it
+    (heads averaged); none for a model without queries."""
+    count, split = self.config.task.num_attention_images, self.config.data.eval_split
+    images = digits.resize_images(self.eval_images[:count], self.grid)
     attention = self.query_attention(model, self.split.standardize(images)[..., None])
     if attention is None:
       return []
@@ -197,9 +215,9 @@ class DigitsBase(task_lib.Task):
     os.makedirs(directory, exist_ok=True)
     paths = []
     for k in range(count):
-      path = os.path.join(directory, f"test_{k}.png")
+      path = os.path.join(directory, f"{split}_{k}.png")
       digits_plots.plot_query_attention(images[k], weights[k].mean(axis=0).reshape(-1, *grid), path,
-                                        title=f"test image {k} (label {self.split.test_labels[k]})")
+                                        title=f"{split} image {k} (label {self.eval_labels[k]})")
       paths.append(path)
     return paths
 

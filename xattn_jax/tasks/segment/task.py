@@ -11,13 +11,14 @@ task.iou_loss_weight times the mean squared error of the IoU head against every 
 times the mean over all K masks is added too: with the minimum alone a mask that loses every prompt early
 gets no gradient and stays untrained for good (a mask of everything).
 
-Eval (over the fixed test prompts, `segment_digits.eval_examples`): the mask the IoU head ranks highest
+Eval (over the fixed prompts of data.eval_split, `segment_digits.eval_examples`: validation while training,
+`--mode=eval --config.data.eval_split=test` for the final score): the mask the IoU head ranks highest
 is the prediction. eval/click_* are single positive clicks on a digit's own strokes, eval/box_* its
 bounding box: mean_iou, iou50_rate / iou75_rate (share with IoU >= 0.5 / 0.75) and oracle_iou (the best
 of the K masks). eval/ambiguous_both_iou: for a click on a pixel two digits share, the mean over the two
 digits of the best mask's IoU with it (do the K masks hold both readings?). eval/iou_head_pearson: the
-correlation of predicted with actual IoU over every mask of every test prompt. PNGs of the first
-task.num_plot_examples test prompts go to `<workdir>/segment_plots/`.
+correlation of predicted with actual IoU over every mask of every eval prompt. PNGs of the first
+task.num_plot_examples eval prompts go to `<workdir>/segment_plots/<split>_K.png`.
 
 Inference (`launch.py --mode=infer`), one line per prompt:
     IMAGE x,y[,+|-] [x,y[,+|-] ...]      clicks (x = column, y = row in IMAGE's pixels; + positive, - negative)
@@ -115,6 +116,17 @@ class SegmentTask(task_lib.Task):
     if min(test_images, digits.NUM_IMAGES - test_images) < data.max_digits:
       raise validation.ConfigError("data.test_fraction", data.test_fraction,
                                    f"leaves fewer than data.max_digits={data.max_digits} source images on one side")
+    validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
+    fraction = data.validation_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+      raise validation.ConfigError("data.validation_fraction", fraction, "must be a number in [0, 1)")
+    counts = digits.class_counts(test_fraction=data.test_fraction, split_seed=data.split_seed,
+                                 validation_fraction=fraction)
+    for side in ("train", data.eval_split):
+      if counts[side].sum() < data.max_digits:
+        raise validation.ConfigError("data.validation_fraction", fraction,
+                                     f"leaves {counts[side].sum()} source images for the {side} scenes, fewer "
+                                     f"than data.max_digits={data.max_digits}")
     if data.canvas % model.patch_size:
       raise validation.ConfigError("model.patch_size", model.patch_size,
                                    f"must divide data.canvas={data.canvas}")
@@ -143,14 +155,24 @@ class SegmentTask(task_lib.Task):
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
     self.options = scene_options(config)
-    self.train_pool, self.test_pool = segment_digits.load_pools(
-        self.options, test_fraction=config.data.test_fraction, split_seed=config.data.split_seed)
+    self.pools = segment_digits.load_pools(
+        self.options, test_fraction=config.data.test_fraction, split_seed=config.data.split_seed,
+        validation_fraction=config.data.validation_fraction)
+    self._prompts = {}
 
-  @functools.cached_property
+  def prompts(self, split: str) -> dict[str, np.ndarray]:
+    """The fixed eval prompts of one of digits.EVAL_SPLITS. Drawn from data.split_seed, not the run's seed:
+    runs with different seeds score the same prompts."""
+    if split not in self._prompts:
+      self._prompts[split] = segment_digits.eval_examples(
+          self.pools[split], self.options, seed=self.config.data.split_seed,
+          num_scenes=self.config.task.num_eval_scenes)
+    return self._prompts[split]
+
+  @property
   def eval_set(self) -> dict[str, np.ndarray]:
-    # Drawn from data.split_seed, not the run's seed: runs with different seeds score the same prompts.
-    return segment_digits.eval_examples(self.test_pool, self.options, seed=self.config.data.split_seed,
-                                        num_scenes=self.config.task.num_eval_scenes)
+    """The prompts of data.eval_split: validation while training, test for the final score."""
+    return self.prompts(self.config.data.eval_split)
 
   def make_model(self, rngs, *, dtype, param_dtype):
     model, canvas = self.config.model, self.config.data.canvas
@@ -169,7 +191,7 @@ class SegmentTask(task_lib.Task):
   # --- training ---------------------------------------------------------------------------------
 
   def train_batch(self, step, *, process_index, process_count):
-    return segment_digits.train_batch(self.train_pool, self.options, seed=self.config.seed, step=step,
+    return segment_digits.train_batch(self.pools["train"], self.options, seed=self.config.seed, step=step,
                                       batch_size=self.config.batch_size,
                                       kind_weights=dict(self.config.task.prompt_mix),
                                       process_index=process_index, process_count=process_count)
@@ -236,7 +258,7 @@ class SegmentTask(task_lib.Task):
     return np.concatenate(logits), np.concatenate(ious)
 
   def extra_eval(self, model):
-    """eval/iou_head_pearson over every mask of every test prompt; PNGs of the first test prompts."""
+    """eval/iou_head_pearson over every mask of every eval prompt; PNGs of the first ones."""
     examples = self.eval_set
     logits, predicted = self._predict_rows(model, examples["images"], examples["points"], examples["point_labels"])
     actual = np.asarray(mask_iou(jnp.asarray(logits), jnp.asarray(examples["masks"])))
@@ -247,7 +269,8 @@ class SegmentTask(task_lib.Task):
       for k in range(min(self.config.task.num_plot_examples, len(logits))):
         kind = segment_digits.PROMPT_KINDS[examples["kinds"][k]]
         plots.plot_prediction(examples["images"][k, ..., 0], examples["points"][k], examples["point_labels"][k],
-                              logits[k] > 0, predicted[k], os.path.join(directory, f"test_{k}.png"),
+                              logits[k] > 0, predicted[k],
+                              os.path.join(directory, f"{self.config.data.eval_split}_{k}.png"),
                               target=examples["masks"][k] > 0.5,
                               title=f"{kind}: IoU {actual[k, np.argmax(predicted[k])]:.2f}")
     return {"iou_head_pearson": pearson(predicted.ravel(), actual.ravel())}
@@ -260,12 +283,13 @@ class SegmentTask(task_lib.Task):
     canvas = self.options.canvas
     if name.startswith("test:"):
       index = int(name[len("test:"):]) if name[len("test:"):].isdigit() else -1
-      count = len(self.eval_set["kinds"])
+      test = self.prompts("test")
+      count = len(test["kinds"])
       if not 0 <= index < count:
         raise ValueError(f"{name!r}: the test prompts are test:0 .. test:{count - 1}")
-      image = self.eval_set["images"][index, ..., 0]
+      image = test["images"][index, ..., 0]
       if not prompt:
-        return name, image, self.eval_set["points"][index], self.eval_set["point_labels"][index]
+        return name, image, test["points"][index], test["point_labels"][index]
     else:
       image = digits.read_image_file(self.input_path(name))
       if not np.isfinite(image).all():
