@@ -3,9 +3,9 @@
     python launch.py --config=configs/perceiver_digits.py --workdir=workdirs/perceiver_digits
     python launch.py --config=configs/perceiver_digits.py:posenc=rope_2d,repeats=2 --workdir=...
 
-Measured on 2 idle cores (2026-11-29): test accuracy 0.981 at step 2,000 (0.958 / 0.944 on the test
-images resized to 12x12 / 16x16, 144 / 256 inputs never seen in training), 1 min 44 s from process
-start to exit.
+Measured on 2 idle cores (2026-12-05, experiments/results/intel_xeon_amx/digits_three_way_split.md): test
+accuracy 0.981 at step 2,000 (0.975 / 0.961 on the test images resized to 12x12 / 16x16, 144 / 256 inputs never
+seen in training; `--mode=eval --config.data.eval_split=test`), 1 min 10 s from process start to exit.
 """
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ The frozen encoder is the ViT trained by `model.encoder_config` (configs/vit_dig
 `model.encoder_workdir`: the task declares it as a dependency, so launch.py trains (or resumes) it there
 first when that workdir holds no finished run, and refuses a run there made with another model config.
 
-Measured (2 cores shared with other jobs, load ~10): the ViT (mean-pooled head) reaches 0.989 in 2,000
-steps (2 min 06 s wall); on its frozen features the Q-Former reaches 0.978 in 1,500 steps handing on
-N = 8 tokens (1 min 40 s of training steps, 2 min 31 s wall with start-up and evals, 1 min 23 s CPU),
-the MLP connector 0.983 handing on M = 17 tokens.
+Measured on 2 idle cores (2026-12-05, experiments/results/intel_xeon_amx/digits_three_way_split.md), test
+accuracy (`--mode=eval --config.data.eval_split=test`): the ViT (mean-pooled head) 0.983 after 2,000 steps; on
+its frozen features the Q-Former 0.983 after 1,500 steps handing on N = 8 tokens (1 min 12 s wall for both), the
+MLP connector 0.986 handing on M = 17 tokens (25 s).
 """
 from __future__ import annotations
 
