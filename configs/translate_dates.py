@@ -105,4 +105,9 @@ def get_config(arg=None):
                           scan=False)
   config = translator_config(args)
   config.data.target_locale = args.locale
+  # A share of the dates held out for the final score, beside data.eval_fraction's (validation): evals during
+  # training read validation (data.eval_split, what checkpoint.best_metric and early stopping read); the test
+  # score is launch.py --mode=eval --config.data.eval_split=test (splits.EVAL_SPLITS)
+  config.data.test_fraction = 0.01
+  config.data.eval_split = "validation"
   return config

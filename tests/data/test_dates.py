@@ -112,3 +112,22 @@ def test_every_french_eval_word_occurs_in_training(french):
   """Eval dates are new combinations of known parts: no word of an eval pair is unseen in training."""
   train_words = {word for pair in french.train for text in pair for word in text.split()}
   assert {word for pair in french.eval for text in pair for word in text.split()} <= train_words
+
+
+def test_a_test_side_takes_dates_from_training_only(french):
+  with_test = dates.date_pairs("fr", first_year=2020, last_year=2029, eval_fraction=0.1, test_fraction=0.1)
+  assert with_test.eval == french.eval and not french.test  # the eval side does not move; no test by default
+  sides = (with_test.train_dates, with_test.eval_dates, with_test.test_dates)
+  assert all(not set(a) & set(b) for i, a in enumerate(sides) for b in sides[i + 1:])
+  assert not {s for s, _ in with_test.test} & {s for s, _ in with_test.train}
+  assert set(with_test.train_dates) | set(with_test.test_dates) == set(french.train_dates)
+  assert len(with_test.test_dates) == len(with_test.test)
+  total = with_test.num_train_dates + with_test.num_eval_dates + with_test.num_test_dates
+  assert total == french.num_train_dates + french.num_eval_dates
+  assert abs(with_test.num_test_dates / total - 0.1) < 0.02
+
+
+@pytest.mark.parametrize("eval_fraction, test_fraction", [(0.5, 0.5), (0.0, 1.0), (0.1, -0.1)])
+def test_the_held_out_sides_must_leave_some_training_dates(eval_fraction, test_fraction):
+  with pytest.raises(ValueError, match="fraction"):
+    dates.date_pairs("fr", first_year=2020, last_year=2020, eval_fraction=eval_fraction, test_fraction=test_fraction)

@@ -91,6 +91,29 @@ def test_invalid_fields_are_reported_by_name(field, value):
     validation.validate_config(_config(**{field: value}))
 
 
+@pytest.mark.parametrize("module, overrides, message", [
+    (translate_dates, {"data.eval_split": "train"}, r"data\.eval_split='train': allowed are"),
+    (translate_dates, {"data.test_fraction": 0.0, "data.eval_split": "test"}, r"data\.eval_split='test': reads the test"),
+    (translate_dates, {"data.test_fraction": 0.99}, r"data\.test_fraction=0\.99: must be in \[0, 1 - data\.eval_fraction\)"),
+    (translate_tsv, {"data.train_file": "x.tsv", "data.eval_split": "test"}, r"data\.eval_split='test': holds out test dates"),
+])
+def test_the_eval_split_is_checked_before_anything_builds(module, overrides, message):
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(_config(module, **overrides), mode="eval")
+
+
+def test_dates_evaluate_on_validation_and_score_test_dates_apart(tmp_path):
+  """Training evaluates on the validation dates; eval_split=test reads the test dates, never trained on."""
+  tasks = {split: translate_task.TranslateTask(_config(**{"data.eval_split": split, "data.tokenizer": "bytes"}),
+                                               str(tmp_path / split), mode="eval")
+           for split in ("validation", "test")}
+  validation_pairs, test_pairs = tasks["validation"].eval_pairs, tasks["test"].eval_pairs
+  assert validation_pairs and test_pairs and not set(validation_pairs) & set(test_pairs)
+  trained = translate_task.TranslateTask(_config(**{"data.tokenizer": "bytes"}), str(tmp_path / "train"))
+  assert not set(trained.train_pairs) & (set(validation_pairs) | set(test_pairs))
+  assert trained.eval_pairs == validation_pairs
+
+
 def test_rope_scaling_factor_must_be_positive():
   config = _config(**{"model.position_encoding": "rope", "model.rope_scaling": "ntk", "model.rope_scaling_factor": 0.0})
   with pytest.raises(validation.ConfigError, match=r"model\.rope_scaling_factor"):

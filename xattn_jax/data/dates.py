@@ -9,8 +9,8 @@ source locale (``en_US``) and the target in the target locale, both in the same 
   short    11/29/26                   ->  29/11/2026    (not a default: the two-digit year is
                                                           ambiguous across centuries)
 
-The split into train and eval is by DATE (a stable hash of the ISO date and the seed), so an eval
-date is never seen in training in any format.
+The split into train, eval (validation) and an optional test side is by DATE (a stable hash of the ISO
+date and the seed), so an eval or test date is never seen in training in any format.
 
 Every English source string is kept once: pairs are generated in date order, then in the order of
 ``formats``, and a later pair whose source was already produced is dropped (and counted). This keeps
@@ -44,14 +44,16 @@ _FIELD_NAME = re.compile(r"%\((\w+)\)s")
 
 @dataclasses.dataclass(frozen=True)
 class DatePairs:
-  """Train and eval (source, target) string pairs, split by date.
+  """Train, eval and test (source, target) string pairs, split by date.
 
   Attributes:
     train: training pairs, in date order then format order.
-    eval: held-out pairs; none of their dates appears in ``train``.
-    train_dates / eval_dates: the date of each pair, parallel to ``train`` / ``eval``.
+    eval: held-out pairs (a translator evaluates on them while it trains); none of their dates is in ``train``.
+    test: held-out pairs for a final score (empty unless test_fraction > 0); none of their dates is on
+      another side.
+    train_dates / eval_dates / test_dates: the date of each pair, parallel to ``train`` / ``eval`` / ``test``.
     source_locale / target_locale / formats: what generated them.
-    num_train_dates / num_eval_dates: calendar days on each side of the split.
+    num_train_dates / num_eval_dates / num_test_dates: calendar days on each side of the split.
     num_dropped_duplicates: pairs dropped because their source string had already been produced
       by an earlier date or format (see the module docstring).
   """
@@ -65,6 +67,9 @@ class DatePairs:
   num_train_dates: int
   num_eval_dates: int
   num_dropped_duplicates: int
+  test: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  test_dates: list[datetime.date] = dataclasses.field(default_factory=list)
+  num_test_dates: int = 0
 
 
 def parse_locale(name, argument: str = "target_locale") -> babel.Locale:
@@ -128,7 +133,7 @@ class _CachedDateFormatter:
 
 def date_pairs(target_locale: str = "fr", *, formats=DEFAULT_FORMATS, first_year: int = 1900,
                last_year: int = 2099, eval_fraction: float = 0.01, seed: int = 0,
-               source_locale: str = "en_US") -> DatePairs:
+               source_locale: str = "en_US", test_fraction: float = 0.0) -> DatePairs:
   """Generates (English date, target-locale date) pairs for every day of ``first_year..last_year``.
 
   Args:
@@ -139,6 +144,8 @@ def date_pairs(target_locale: str = "fr", *, formats=DEFAULT_FORMATS, first_year
       (seed, ISO date), so widening the range keeps every old date on its side.
     seed: selects the split.
     source_locale: the locale of the source side.
+    test_fraction: about this fraction of the dates goes to test: those whose hash lies in
+      [eval_fraction, eval_fraction + test_fraction), so the eval side does not move with it.
 
   Returns:
     DatePairs. The default (fr, 1900-2099, 3 formats, 1% eval) has ~72.3k training dates and
@@ -158,18 +165,23 @@ def date_pairs(target_locale: str = "fr", *, formats=DEFAULT_FORMATS, first_year
   if first_year > last_year:
     raise ValueError(f"first_year must be <= last_year, got first_year={first_year}, last_year={last_year}")
   splits.check_eval_fraction(eval_fraction)
+  splits.check_eval_fraction(test_fraction)
+  if eval_fraction + test_fraction >= 1.0:
+    raise ValueError(f"eval_fraction + test_fraction must be < 1 (some dates train), got {eval_fraction} + "
+                     f"{test_fraction}")
 
   formatters = [(_CachedDateFormatter(f, source), _CachedDateFormatter(f, target)) for f in formats]
-  train, evaluation, train_dates, eval_dates = [], [], [], []
-  num_train_dates = num_eval_dates = num_dropped = 0
+  sides = {name: ([], []) for name in ("train", "eval", "test")}  # name: (pairs, their dates)
+  counts = dict.fromkeys(sides, 0)
+  num_dropped = 0
   seen_sources: set[str] = set()
   date, last = datetime.date(first_year, 1, 1), datetime.date(last_year, 12, 31)
   one_day = datetime.timedelta(days=1)
   while True:
-    held_out = splits.is_eval_key(date.isoformat(), seed=seed, eval_fraction=eval_fraction)
-    num_eval_dates += held_out
-    num_train_dates += not held_out
-    side, side_dates = (evaluation, eval_dates) if held_out else (train, train_dates)
+    hashed = splits.stable_unit_interval(date.isoformat(), seed)  # splits.is_eval_key's test, widened to test
+    name = "eval" if hashed < eval_fraction else "test" if hashed < eval_fraction + test_fraction else "train"
+    counts[name] += 1
+    side, side_dates = sides[name]
     for format_source, format_target in formatters:
       source_text = format_source(date)
       if source_text in seen_sources:
@@ -181,6 +193,8 @@ def date_pairs(target_locale: str = "fr", *, formats=DEFAULT_FORMATS, first_year
     if date == last:
       break
     date += one_day
-  return DatePairs(train=train, eval=evaluation, train_dates=train_dates, eval_dates=eval_dates, source_locale=str(source), target_locale=str(target),
-                   formats=formats, num_train_dates=num_train_dates, num_eval_dates=num_eval_dates,
-                   num_dropped_duplicates=num_dropped)
+  (train, train_dates), (evaluation, eval_dates), (test, test_dates) = sides.values()
+  return DatePairs(train=train, eval=evaluation, train_dates=train_dates, eval_dates=eval_dates,
+                   source_locale=str(source), target_locale=str(target), formats=formats,
+                   num_train_dates=counts["train"], num_eval_dates=counts["eval"], num_dropped_duplicates=num_dropped,
+                   test=test, test_dates=test_dates, num_test_dates=counts["test"])

@@ -27,8 +27,8 @@ import numpy as np
 
 from xattn_jax.data import image_files, splits
 
-SPLITS = ("train", "validation", "test")
-EVAL_SPLITS = SPLITS[1:]  # what a run may evaluate on (data.eval_split): validation while training, test at the end
+EVAL_SPLITS = splits.EVAL_SPLITS  # what a run may evaluate on (data.eval_split)
+SPLITS = ("train", *EVAL_SPLITS)
 VALIDATION_FRACTION = 0.1  # of each class's non-test images, held out for validation
 NUM_CLASSES = 10
 NUM_IMAGES = 1797  # in load_digits

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import hashlib
 
+# What a bundled task's run may evaluate on (its data.eval_split): validation while training (what a best
+# checkpoint, early stopping and any choice of settings read), test once for the final score.
+EVAL_SPLITS = ("validation", "test")
+
 
 def stable_unit_interval(key: str, seed: int) -> float:
   """A number in [0, 1) fixed by (seed, key) across runs, processes and Python versions.

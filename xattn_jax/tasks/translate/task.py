@@ -1,7 +1,9 @@
 """Translation task: the encoder-decoder Translator on CLDR date pairs or a user's TSV corpus.
 
 Config (see configs/translate_dates.py and configs/translate_tsv.py):
-  data.source          "dates" (bundled: English -> data.target_locale, split by date) or "tsv"
+  data.source          "dates" (bundled: English -> data.target_locale, split by date into train, data.eval_fraction
+                       for validation and data.test_fraction for test; data.eval_split picks the side eval reads:
+                       validation while training, test for the final score with --mode=eval) or "tsv"
                        (data.train_file / data.eval_file of UTF-8 "source<TAB>target" lines; without an
                        eval file, data.eval_fraction of the training file's sources are held out, every
                        pair of a held-out source with them, by a stable hash of the source and data.split_seed)
@@ -238,6 +240,22 @@ class TranslateTask(task_lib.Task):
     if (data.source == "dates" or not data.eval_file) and not 0 < data.eval_fraction < 1:
       raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1): the share of the "
                                    "dates, or of data.train_file's sources without a data.eval_file, held out for eval")
+    eval_split = data.get("eval_split", "validation")  # absent from configs written before it existed
+    if "eval_split" in data:
+      validation.require_choice(config, "data.eval_split", splits.EVAL_SPLITS)
+    if data.source == "dates":
+      test_fraction = data.get("test_fraction", 0.0)
+      if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or \
+          not 0 <= test_fraction < 1 - data.eval_fraction:
+        raise validation.ConfigError("data.test_fraction", test_fraction,
+                                     f"must be in [0, 1 - data.eval_fraction) = [0, {1 - data.eval_fraction:g}): the "
+                                     "share of the dates held out for the final score")
+      if eval_split == "test" and not test_fraction:
+        raise validation.ConfigError("data.eval_split", eval_split, "reads the test dates, and data.test_fraction "
+                                     "is 0: raise it, or evaluate on 'validation'")
+    elif eval_split == "test":
+      raise validation.ConfigError("data.eval_split", eval_split, "holds out test dates of the bundled data only; a "
+                                   "TSV run's test score is --mode=eval --config.data.eval_file=YOUR_TEST.tsv")
     if data.source != "dates" and mode != "infer":  # inference reads only the workdir's tokenizer, not the corpus
       # Reads the files now, so a malformed line stops the run before anything is built; eval
       # needs only the eval file (the tokenizer is the run's), or the training file it holds out of.
@@ -278,8 +296,9 @@ class TranslateTask(task_lib.Task):
     if data.source == "dates":
       pairs = dates.date_pairs(data.target_locale, formats=tuple(f.strip() for f in data.formats.split(",")),
                                first_year=data.first_year, last_year=data.last_year,
-                               eval_fraction=data.eval_fraction, seed=data.split_seed)
-      return pairs.train, pairs.eval
+                               eval_fraction=data.eval_fraction, seed=data.split_seed,
+                               test_fraction=data.get("test_fraction", 0.0))
+      return pairs.train, pairs.test if data.get("eval_split", "validation") == "test" else pairs.eval
     if not data.eval_file:  # held out of the training file: every pair of a source on one side
       rows = list(enumerate(_read_tsv("data.train_file", data.train_file), 1))
       train_rows, eval_rows = splits.split_by_key(rows, lambda row: row[1][0], seed=data.split_seed,
