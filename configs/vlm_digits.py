@@ -26,8 +26,8 @@ from configs import common
 
 def vlm_config(args) -> ConfigDict:
   """What both VLM configs share: the loop, the model and the frozen parts (args from common.parse_arg)."""
-  config = common.base_config(total_steps=args.steps, batch_size=32, eval_batch_size=64, log_every_steps=50,
-                              eval_every_steps=args.steps, checkpoint_every_steps=args.steps,
+  config = common.base_config(total_steps=args.steps, batch_size=getattr(args, "batch", 32), eval_batch_size=64,
+                              log_every_steps=50, eval_every_steps=args.steps, checkpoint_every_steps=args.steps,
                               learning_rate=args.lr, warmup_steps=50)
   config.task.name = "vlm"
   config.task.decoding = ConfigDict({
@@ -110,8 +110,8 @@ def connector_defaults(args) -> None:
 
 def get_config(arg=None):
   # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR; distill=W: task.distill_weight (0: off)
-  args = common.parse_arg(arg, steps=0, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
-                          latents=32, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
+  args = common.parse_arg(arg, steps=0, lr=0.0, batch=32, connector="flamingo", positions="sequence", merge=1,
+                          queries=32, latents=32, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=0.0,
                           distill_blocks=0)
   connector_defaults(args)
