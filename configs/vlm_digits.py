@@ -109,7 +109,8 @@ def connector_defaults(args) -> None:
 
 
 def get_config(arg=None):
-  # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR; distill=W: task.distill_weight (0: off)
+  # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR; distill=W: task.distill_weight (0: off); batch=B:
+  # the batch size (64 at 10,000 steps gave flamingo no gain: experiments/results/intel_xeon_amx/vlm_trials_stop54.md)
   args = common.parse_arg(arg, steps=0, lr=0.0, batch=32, connector="flamingo", positions="sequence", merge=1,
                           queries=32, latents=32, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=0.0,
