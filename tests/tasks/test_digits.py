@@ -251,6 +251,17 @@ def test_the_eval_split_and_validation_fraction_are_checked_before_training(over
   assert config_error(digits_config("perceiver", task__num_attention_images=0, **overrides)) == field
 
 
+def test_a_config_from_before_the_validation_split_keeps_its_old_split():
+  """A run's config.py written before the fields existed trained on all 1,437 non-test images and evaluated on
+  test: reloaded, it still does (resume and --mode=eval read the run it made)."""
+  config = digits_config("perceiver", task__num_attention_images=0)
+  with config.unlocked():
+    del config.data["eval_split"], config.data["validation_fraction"]
+  assert config_error(config) is None
+  task = task_lib.get_task_class(config.task.name)(config)
+  assert len(task.split.train_labels) == 1437 and task.eval_split == "test" and len(task.eval_labels) == 360
+
+
 @pytest.mark.parametrize("split, size", [("validation", 149), ("test", 360)])
 def test_eval_reads_every_image_of_the_configured_split_once(split, size):
   config = digits_config("perceiver", data__eval_split=split, task__num_attention_images=0)

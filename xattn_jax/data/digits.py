@@ -97,6 +97,12 @@ def load_digits_split(*, test_fraction: float = 0.2, split_seed: int = 0,
                      std=float(train_x.std()) if len(train_x) else 1.0)
 
 
+def split_settings(data_config) -> tuple[float, str]:
+  """(validation_fraction, eval_split) of a run's data config. A config written before the validation split
+  existed has neither field: its run trained on every non-test image and evaluated on test (0.0, "test")."""
+  return data_config.get("validation_fraction", 0.0), data_config.get("eval_split", "test")
+
+
 def num_validation_images(class_images: int, validation_fraction: float) -> int:
   """How many of a class's `class_images` non-test images go to validation: ceil(fraction * n), in floating
   point as numpy computes it (so 0.1 of 40 is 4, not 5)."""

@@ -103,8 +103,9 @@ class DigitsBase(task_lib.Task):
       raise validation.ConfigError("data.test_fraction", test_fraction,
                                    f"must leave at least {classes} of the {images} images (one per class) on "
                                    f"each side: in [{classes / images:.4f}, {(images - classes) / images:.4f}]")
-    validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
-    fraction = config.data.validation_fraction
+    fraction, eval_split = digits.split_settings(config.data)
+    if eval_split not in digits.EVAL_SPLITS:
+      validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
       raise validation.ConfigError("data.validation_fraction", fraction, "must be a number in [0, 1)")
     counts = digits.class_counts(test_fraction=test_fraction, split_seed=config.data.split_seed,
@@ -112,7 +113,7 @@ class DigitsBase(task_lib.Task):
     if counts["train"].min() == 0:
       raise validation.ConfigError("data.validation_fraction", fraction,
                                    "leaves a class with no training image: lower it (or data.test_fraction)")
-    num_eval = int(counts[config.data.eval_split].sum())
+    num_eval = int(counts[eval_split].sum())
     if num_eval == 0:
       raise validation.ConfigError("data.validation_fraction", fraction,
                                    "holds out no image, and data.eval_split is 'validation': raise it above 0, "
@@ -121,7 +122,7 @@ class DigitsBase(task_lib.Task):
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= num_eval:
       raise validation.ConfigError("task.num_attention_images", count,
                                    f"must be an integer in [0, {num_eval}], the images of "
-                                   f"data.eval_split={config.data.eval_split!r}")
+                                   f"data.eval_split={eval_split!r}")
     extra_grids = image_grids(config)[1:]
     best, logged = config.checkpoint.best_metric, [f"eval/accuracy_{h}x{w}" for h, w in extra_grids]
     if best.startswith("eval/accuracy_") and best not in logged:
@@ -132,8 +133,9 @@ class DigitsBase(task_lib.Task):
     super().__init__(config, workdir, mode)
     self.split = digits.load_digits_split(test_fraction=config.data.test_fraction,
                                           split_seed=config.data.split_seed,
-                                          validation_fraction=config.data.validation_fraction)
-    self.eval_images, self.eval_labels = self.split.side(config.data.eval_split)
+                                          validation_fraction=digits.split_settings(config.data)[0])
+    self.eval_split = digits.split_settings(config.data)[1]
+    self.eval_images, self.eval_labels = self.split.side(self.eval_split)
     self.grid, *self.extra_grids = image_grids(config)
 
   # --- what each model family supplies ----------------------------------------------------------
@@ -164,7 +166,7 @@ class DigitsBase(task_lib.Task):
 
   def eval_batches(self, *, process_index, process_count):
     return digits.eval_batches(self.split, self.config.eval_batch_size, process_index=process_index,
-                               process_count=process_count, grid=self.grid, eval_split=self.config.data.eval_split)
+                               process_count=process_count, grid=self.grid, eval_split=self.eval_split)
 
   def eval_metrics(self, model, batch):
     """Over every image of data.eval_split once: eval/loss (cross-entropy of the class), eval/accuracy (share of images
@@ -204,7 +206,7 @@ class DigitsBase(task_lib.Task):
   def write_attention_maps(self, model, directory: str) -> list[str]:
     """One PNG per image of data.eval_split (`<split>_K.png`): the image next to each query's attention over it
     (heads averaged); none for a model without queries."""
-    count, split = self.config.task.num_attention_images, self.config.data.eval_split
+    count, split = self.config.task.num_attention_images, self.eval_split
     images = digits.resize_images(self.eval_images[:count], self.grid)
     attention = self.query_attention(model, self.split.standardize(images)[..., None])
     if attention is None:

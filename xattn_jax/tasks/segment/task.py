@@ -116,13 +116,14 @@ class SegmentTask(task_lib.Task):
     if min(test_images, digits.NUM_IMAGES - test_images) < data.max_digits:
       raise validation.ConfigError("data.test_fraction", data.test_fraction,
                                    f"leaves fewer than data.max_digits={data.max_digits} source images on one side")
-    validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
-    fraction = data.validation_fraction
+    fraction, eval_split = digits.split_settings(data)
+    if eval_split not in digits.EVAL_SPLITS:
+      validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
       raise validation.ConfigError("data.validation_fraction", fraction, "must be a number in [0, 1)")
     counts = digits.class_counts(test_fraction=data.test_fraction, split_seed=data.split_seed,
                                  validation_fraction=fraction)
-    for side in ("train", data.eval_split):
+    for side in ("train", eval_split):
       if counts[side].sum() < data.max_digits:
         raise validation.ConfigError("data.validation_fraction", fraction,
                                      f"leaves {counts[side].sum()} source images for the {side} scenes, fewer "
@@ -157,7 +158,8 @@ class SegmentTask(task_lib.Task):
     self.options = scene_options(config)
     self.pools = segment_digits.load_pools(
         self.options, test_fraction=config.data.test_fraction, split_seed=config.data.split_seed,
-        validation_fraction=config.data.validation_fraction)
+        validation_fraction=digits.split_settings(config.data)[0])
+    self.eval_split = digits.split_settings(config.data)[1]
     self._prompts = {}
 
   def prompts(self, split: str) -> dict[str, np.ndarray]:
@@ -172,7 +174,7 @@ class SegmentTask(task_lib.Task):
   @property
   def eval_set(self) -> dict[str, np.ndarray]:
     """The prompts of data.eval_split: validation while training, test for the final score."""
-    return self.prompts(self.config.data.eval_split)
+    return self.prompts(self.eval_split)
 
   def make_model(self, rngs, *, dtype, param_dtype):
     model, canvas = self.config.model, self.config.data.canvas
@@ -270,7 +272,7 @@ class SegmentTask(task_lib.Task):
         kind = segment_digits.PROMPT_KINDS[examples["kinds"][k]]
         plots.plot_prediction(examples["images"][k, ..., 0], examples["points"][k], examples["point_labels"][k],
                               logits[k] > 0, predicted[k],
-                              os.path.join(directory, f"{self.config.data.eval_split}_{k}.png"),
+                              os.path.join(directory, f"{self.eval_split}_{k}.png"),
                               target=examples["masks"][k] > 0.5,
                               title=f"{kind}: IoU {actual[k, np.argmax(predicted[k])]:.2f}")
     return {"iou_head_pearson": pearson(predicted.ravel(), actual.ravel())}
