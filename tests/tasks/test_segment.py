@@ -117,3 +117,13 @@ def test_eval_reads_the_configured_splits_prompts_and_test_k_always_the_tests():
   pools = validation_task.pools
   train = {bytes(pixels) for pixels in pools["train"].pixels}
   assert not any(bytes(pixels) in train for name in ("validation", "test") for pixels in pools[name].pixels)
+
+
+def test_a_config_from_before_the_validation_split_keeps_its_old_split():
+  config = _config(**{"data.canvas": 16, "data.digit_size": 8, "data.max_digits": 2, "task.num_eval_scenes": 4})
+  with config.unlocked():
+    del config.data["eval_split"], config.data["validation_fraction"]
+  validation.validate_config(config)
+  task = segment_task.SegmentTask(config)
+  assert task.eval_split == "test" and len(task.pools["validation"].labels) == 0
+  np.testing.assert_array_equal(task.eval_set["images"], task.prompts("test")["images"])

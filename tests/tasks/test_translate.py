@@ -114,6 +114,16 @@ def test_dates_evaluate_on_validation_and_score_test_dates_apart(tmp_path):
   assert trained.eval_pairs == validation_pairs
 
 
+def test_a_dates_config_from_before_the_test_side_trains_on_its_old_split(tmp_path):
+  config = _config(**{"data.tokenizer": "bytes"})
+  with config.unlocked():
+    del config.data["eval_split"], config.data["test_fraction"]
+  validation.validate_config(config)
+  old = translate_task.TranslateTask(config, str(tmp_path / "old"))
+  new = translate_task.TranslateTask(_config(**{"data.tokenizer": "bytes"}), str(tmp_path / "new"))
+  assert old.eval_pairs == new.eval_pairs and len(old.train_pairs) > len(new.train_pairs)
+
+
 def test_rope_scaling_factor_must_be_positive():
   config = _config(**{"model.position_encoding": "rope", "model.rope_scaling": "ntk", "model.rope_scaling_factor": 0.0})
   with pytest.raises(validation.ConfigError, match=r"model\.rope_scaling_factor"):
