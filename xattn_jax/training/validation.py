@@ -48,9 +48,11 @@ def _get(config, field: str):
 EVAL_FROM = ("latest", "best")
 
 
-def require_non_negative_number(config, field: str, rule: str = "must be a non-negative number"):
+def require_non_negative_number(config, field: str, rule: str = "must be a non-negative number",
+                                below: float = float("inf")):
+  """A number in [0, below): a non-negative number, or with below=1 a fraction."""
   value = _get(config, field)
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < below:
     raise ConfigError(field, value, rule)
 
 
@@ -225,9 +227,7 @@ def _check_probabilities(config):
   for field in _PROBABILITIES:
     section, key = field.split(".")
     if key in config.get(section, {}):
-      value = config[section][key]
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ConfigError(field, value, "must be in [0, 1)")
+      require_non_negative_number(config, field, "must be in [0, 1)", below=1.0)
 
 
 def validate_config(config, *, mode: str = "train", device_count: int | None = None,

@@ -49,6 +49,21 @@ def parse_grids(text: str, field: str) -> list[tuple[int, int]]:
   return [parse_grid(part.strip(), field) for part in text.split(",") if part.strip()]
 
 
+def check_split_fields(config) -> tuple[float, str, dict[str, np.ndarray]]:
+  """(data.validation_fraction, data.eval_split, the split's images of each class by side) of a digits-based
+  run (the readers here, the segmenter), checking the two fields: a config written before them has neither
+  (digits.split_settings)."""
+  data = config.data
+  if "eval_split" in data:
+    validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
+  if "validation_fraction" in data:
+    validation.require_non_negative_number(config, "data.validation_fraction", "must be a number in [0, 1)", below=1.0)
+  fraction, eval_split = digits.split_settings(data)
+  counts = digits.class_counts(test_fraction=data.test_fraction, split_seed=data.split_seed,
+                               validation_fraction=fraction)
+  return fraction, eval_split, counts
+
+
 def image_grids(config) -> list[tuple[int, int]]:
   """Every grid the run reads images on: data.grid, then data.extra_eval_grids."""
   return [parse_grid(config.data.grid, "data.grid")] + parse_grids(config.data.extra_eval_grids,
@@ -103,13 +118,7 @@ class DigitsBase(task_lib.Task):
       raise validation.ConfigError("data.test_fraction", test_fraction,
                                    f"must leave at least {classes} of the {images} images (one per class) on "
                                    f"each side: in [{classes / images:.4f}, {(images - classes) / images:.4f}]")
-    fraction, eval_split = digits.split_settings(config.data)
-    if eval_split not in digits.EVAL_SPLITS:
-      validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
-      raise validation.ConfigError("data.validation_fraction", fraction, "must be a number in [0, 1)")
-    counts = digits.class_counts(test_fraction=test_fraction, split_seed=config.data.split_seed,
-                                 validation_fraction=fraction)
+    fraction, eval_split, counts = check_split_fields(config)
     if counts["train"].min() == 0:
       raise validation.ConfigError("data.validation_fraction", fraction,
                                    "leaves a class with no training image: lower it (or data.test_fraction)")
@@ -131,10 +140,9 @@ class DigitsBase(task_lib.Task):
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
+    fraction, self.eval_split = digits.split_settings(config.data)
     self.split = digits.load_digits_split(test_fraction=config.data.test_fraction,
-                                          split_seed=config.data.split_seed,
-                                          validation_fraction=digits.split_settings(config.data)[0])
-    self.eval_split = digits.split_settings(config.data)[1]
+                                          split_seed=config.data.split_seed, validation_fraction=fraction)
     self.eval_images, self.eval_labels = self.split.side(self.eval_split)
     self.grid, *self.extra_grids = image_grids(config)
 

@@ -42,6 +42,7 @@ from flax import nnx
 
 from xattn_jax.data import digits, segment_digits
 from xattn_jax.models import segmenter
+from xattn_jax.tasks.digits import common as digits_task
 from xattn_jax.training import task as task_lib, validation
 
 MODELS = ("sam",)
@@ -116,13 +117,7 @@ class SegmentTask(task_lib.Task):
     if min(test_images, digits.NUM_IMAGES - test_images) < data.max_digits:
       raise validation.ConfigError("data.test_fraction", data.test_fraction,
                                    f"leaves fewer than data.max_digits={data.max_digits} source images on one side")
-    fraction, eval_split = digits.split_settings(data)
-    if eval_split not in digits.EVAL_SPLITS:
-      validation.require_choice(config, "data.eval_split", digits.EVAL_SPLITS)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
-      raise validation.ConfigError("data.validation_fraction", fraction, "must be a number in [0, 1)")
-    counts = digits.class_counts(test_fraction=data.test_fraction, split_seed=data.split_seed,
-                                 validation_fraction=fraction)
+    fraction, eval_split, counts = digits_task.check_split_fields(config)
     for side in ("train", eval_split):
       if counts[side].sum() < data.max_digits:
         raise validation.ConfigError("data.validation_fraction", fraction,
@@ -156,10 +151,9 @@ class SegmentTask(task_lib.Task):
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
     self.options = scene_options(config)
-    self.pools = segment_digits.load_pools(
-        self.options, test_fraction=config.data.test_fraction, split_seed=config.data.split_seed,
-        validation_fraction=digits.split_settings(config.data)[0])
-    self.eval_split = digits.split_settings(config.data)[1]
+    fraction, self.eval_split = digits.split_settings(config.data)
+    self.pools = segment_digits.load_pools(self.options, test_fraction=config.data.test_fraction,
+                                           split_seed=config.data.split_seed, validation_fraction=fraction)
     self._prompts = {}
 
   def prompts(self, split: str) -> dict[str, np.ndarray]:

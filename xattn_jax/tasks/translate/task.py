@@ -244,12 +244,11 @@ class TranslateTask(task_lib.Task):
     if "eval_split" in data:
       validation.require_choice(config, "data.eval_split", splits.EVAL_SPLITS)
     if data.source == "dates":
-      test_fraction = data.get("test_fraction", 0.0)
-      if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or \
-          not 0 <= test_fraction < 1 - data.eval_fraction:
-        raise validation.ConfigError("data.test_fraction", test_fraction,
-                                     f"must be in [0, 1 - data.eval_fraction) = [0, {1 - data.eval_fraction:g}): the "
-                                     "share of the dates held out for the final score")
+      test_fraction = data.get("test_fraction", 0.0)  # absent from configs written before it existed
+      if "test_fraction" in data:
+        validation.require_non_negative_number(
+            config, "data.test_fraction", f"must be in [0, 1 - data.eval_fraction) = [0, {1 - data.eval_fraction:g}): "
+            "the share of the dates held out for the final score", below=1 - data.eval_fraction)
       if eval_split == "test" and not test_fraction:
         raise validation.ConfigError("data.eval_split", eval_split, "reads the test dates, and data.test_fraction "
                                      "is 0: raise it, or evaluate on 'validation'")
