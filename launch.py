@@ -20,6 +20,10 @@ _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "infer"], "What to 
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "HOST:PORT of process 0 (multi-host).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Number of processes (multi-host).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index (multi-host).")
+_DEPENDENCIES = flags.DEFINE_enum(
+    "dependencies", "side_by_side", ["side_by_side", "in_turn"],
+    "How the runs a task needs first train when two or more are missing: side_by_side (each in a launch.py "
+    "subprocess; one process on CPU only, else in turn) or in_turn (one after the other, in this process).")
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "distributed_timeout", 300, "Seconds a process waits for all processes to connect (multi-host); "
     "after that JAX aborts it.", lower_bound=1)
@@ -96,10 +100,13 @@ def main(argv):
       # At once: JAX's exit handler would wait at the shutdown barrier for peers of a group that cannot form.
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {' '.join(str(e).split())}", at_once=True)
-    dependencies.resolve(_CONFIG.value, _WORKDIR.value, _MODE.value)  # runs the task needs finished first
+    dependencies.resolve(_CONFIG.value, _WORKDIR.value, _MODE.value,  # runs the task needs finished first
+                         side_by_side=_DEPENDENCIES.value == "side_by_side" and dependencies.side_by_side_possible())
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
   except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))
+  except dependencies.DependencyFailed as e:  # its own lines, relayed, said why; this one names it
+    fail(str(e), status=e.code)
   except (loop.TrainingDiverged, loop.RunError) as e:
     fail(f"{type(e).__name__}: {e}", status=1)
   except KeyboardInterrupt:  # a second Ctrl-C: one line, not the traceback of wherever it landed

@@ -4,13 +4,16 @@ The dependent task here is the template task declaring one template run (`task.d
 import dataclasses
 import os
 import signal
+import threading
+import time
 import types
 
 import pytest
 
 from configs import template
 from xattn_jax.tasks.template import TemplateTask
-from xattn_jax.training import checkpoints, dependencies, loop, task as task_lib, validation
+from xattn_jax.training import checkpoints, dependencies, loop, metrics, task as task_lib, validation
+from xattn_jax.training.errors import DataError
 
 QUICK = {"total_steps": 2, "log_every_steps": 1, "eval_every_steps": 2, "checkpoint.every_steps": 2,
          "eval_batch_size": 8, "task.num_eval_examples": 8, "optimizer.warmup_steps": 1,
@@ -129,3 +132,85 @@ def test_a_stopped_dependency_ends_the_job_with_status_zero(tmp_path, monkeypatc
   assert stopped.value.code == 0
   assert str(tmp_path / "dependency") in str(stopped.value) and "\n" not in str(stopped.value)
   assert checkpoints.step_numbers(str(tmp_path / "dependency")) == [1]
+
+
+class TwoDependencyTask(TemplateTask):
+  """The template task, needing two runs: `task.dependency` and `task.second`, independent of each other."""
+
+  @classmethod
+  def dependencies(cls, config, workdir):
+    return [task_lib.Dependency(workdir=config.task.dependency_workdir, config=config.task.dependency,
+                                workdir_field="task.dependency_workdir"),
+            task_lib.Dependency(workdir=config.task.second_workdir, config=config.task.second,
+                                workdir_field="task.second_workdir")]
+
+
+class UnreadableDataTask(TemplateTask):
+  """The template task whose data cannot be read (in the subprocess that trains it)."""
+
+  def __init__(self, config, workdir=None, mode="train"):
+    raise DataError("pairs.tsv:3: no tab between the image path and the text")
+
+
+def two_dependent_config(folder, first=None, second=None):
+  config = dependent_config(folder / "first", first)
+  config.task.name = f"{__name__}:TwoDependencyTask"
+  config.task.second_workdir = str(folder / "second")
+  config.task.second = second or dependency_config(seed=1)
+  return config
+
+
+def test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_trained_in_turn(
+    tmp_path, monkeypatch, capfd):
+  dependencies.resolve(two_dependent_config(tmp_path / "in_turn"), str(tmp_path / "in_turn" / "run"))
+  monkeypatch.setattr(loop, "run", lambda *args, **kwargs: pytest.fail("trained in the test's process"))
+  dependencies.resolve(two_dependent_config(tmp_path / "side"), str(tmp_path / "side" / "run"), side_by_side=True)
+  for name in ("first", "second"):
+    assert checkpoints.step_numbers(str(tmp_path / "side" / name)) == [2]
+    side, in_turn = (metrics.read_metrics(str(tmp_path / way / name / "metrics.jsonl")) for way in ("side", "in_turn"))
+    assert [row["train/loss"] for row in side if "train/loss" in row] == [
+        row["train/loss"] for row in in_turn if "train/loss" in row]
+  output = capfd.readouterr().err
+  assert "[task.dependency_workdir] " in output and "[task.second_workdir] " in output  # each one's lines, named
+  assert not os.path.exists(tmp_path / "side" / "run")
+
+
+def test_sigterm_stops_the_dependencies_training_side_by_side_each_saving_and_the_job_ends_with_status_zero(
+    tmp_path):
+  slow = {"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05, "checkpoint.every_steps": 10_000,
+          "eval_every_steps": 10_000}
+  config = two_dependent_config(tmp_path, dependency_config(**slow), dependency_config(seed=1, **slow))
+  logs = [tmp_path / name / "metrics.jsonl" for name in ("first", "second")]
+
+  def sigterm_once_both_train():  # a logged step: the loop handles signals by then
+    deadline = time.monotonic() + 300
+    while not all(log.exists() for log in logs) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=sigterm_once_both_train, daemon=True).start()
+  with pytest.raises(SystemExit) as stopped:
+    dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
+  assert stopped.value.code == 0 and "\n" not in str(stopped.value)
+  for name in ("first", "second"):
+    assert str(tmp_path / name) in str(stopped.value)
+    assert 0 < max(checkpoints.step_numbers(str(tmp_path / name))) < 10_000  # saved where it stopped
+
+
+def test_a_dependency_failing_side_by_side_stops_the_other_and_ends_the_job_with_its_status_and_line(tmp_path):
+  failing = dependency_config(**{"task.name": f"{__name__}:UnreadableDataTask"})
+  slow = dependency_config(seed=1, **{"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05})
+  with pytest.raises(dependencies.DependencyFailed) as failed:
+    dependencies.resolve(two_dependent_config(tmp_path, failing, slow), str(tmp_path / "run"), side_by_side=True)
+  assert failed.value.code == 2
+  assert str(failed.value).startswith(f"the training of task.dependency_workdir in {tmp_path / 'first'} failed "
+                                      "(exit status 2): launch.py: ")
+  assert str(failed.value).endswith("pairs.tsv:3: no tab between the image path and the text")  # its last line
+  assert max(checkpoints.step_numbers(str(tmp_path / "second")), default=0) < 10_000  # stopped, not trained on
+
+
+def test_a_bad_dependency_config_fails_before_any_dependency_trains_side_by_side(tmp_path, no_training):
+  config = two_dependent_config(tmp_path, second=dependency_config(**{"optimizer.learning_rate": -1.0}))
+  with pytest.raises(validation.ConfigError, match=r"learning_rate"):
+    dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
+  assert os.listdir(tmp_path) == []

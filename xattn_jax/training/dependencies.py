@@ -12,6 +12,14 @@ calls it) and, for a train run, makes every one of them finished:
      dependencies. When SIGTERM or Ctrl-C stops it (it saves a checkpoint), `DependencyStopped` ends
      the whole job with status 0, as a stopped run ends; the same command resumes it.
 
+With `side_by_side` (launch.py's default where `side_by_side_possible()`: one JAX process on CPU), two or
+more missing dependencies train at once, each in its own `launch.py` subprocess with its declared config
+(which resolves that run's own dependencies): their output is relayed with the workdir field as a prefix,
+SIGTERM or Ctrl-C is passed on to each (each saves, and the job stops as above; a second Ctrl-C ends them
+and the job without saving, status 130), and a subprocess that fails stops the others (they save) and ends
+the job with its exit status and its last line (`DependencyFailed`).
+The runs are the ones trained in turn would be: the same config and code in a process of their own.
+
 Eval and infer resolve nothing: the task reads what it took of its dependencies from its own workdir.
 The engine knows no task or model by name: it reaches them through the task registry.
 """
@@ -19,16 +27,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 
 from absl import logging
 from ml_collections import ConfigDict
 
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import loop, task as task_lib, validation
+from xattn_jax.training import loop, task as task_lib, validation, workdir as workdir_lib
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_LAUNCH = os.path.join(_REPOSITORY, "launch.py")
 # The config sections that define a run: a dependency's run must agree with its declared config on them.
 RUN_SECTIONS = ("task", "model", "data")
+# The workdirs of the runs waiting on a side-by-side subprocess's run (os.pathsep-joined), so that a cycle of
+# dependencies is refused there as it is in one process.
+CHAIN_VARIABLE = "XATTN_JAX_DEPENDENT_WORKDIRS"
 
 
 class DependencyStopped(SystemExit):
@@ -41,6 +60,25 @@ class DependencyStopped(SystemExit):
 
   def __str__(self):
     return self.message
+
+
+class DependencyFailed(SystemExit):
+  """A dependency trained in a subprocess failed: the job ends with that subprocess's exit status."""
+
+  def __init__(self, message: str, status: int):
+    super().__init__(status)
+    self.message = message
+
+  def __str__(self):
+    return self.message
+
+
+def side_by_side_possible() -> bool:
+  """Whether this process may train missing dependencies side by side as subprocesses: one JAX process
+  (every process of a multi-host run trains them, in turn, together) on CPU (a GPU process claims most of the
+  accelerator's memory for itself), with launch.py beside the package."""
+  import jax  # noqa: PLC0415 - the backend starts only when launch.py asks
+  return jax.process_count() == 1 and jax.default_backend() == "cpu" and os.path.isfile(_LAUNCH)
 
 
 def load_config(spec: str, field: str) -> ConfigDict:
@@ -100,13 +138,112 @@ def check(dependency: task_lib.Dependency) -> None:
         f"or another {dependency.workdir_field}")
 
 
-def resolve(config, workdir: str | None, mode: str = "train", *, _chain: tuple[str, ...] = ()) -> list:
+def _stopped_message(stopped) -> str:
+  """One line for the dependencies (dependency, config) in `stopped` that a signal stopped unfinished."""
+  runs = ", ".join(f"the run in {dependency.workdir} ({dependency.workdir_field}) at step "
+                   f"{max(checkpoints_lib.step_numbers(dependency.workdir), default=0)} of {config.total_steps}"
+                   for dependency, config in stopped)
+  return (f"Stopped (SIGTERM or Ctrl-C) and saved: {runs}; run the same command again to resume "
+          f"{'it' if len(stopped) == 1 else 'them'}, then train the run that needs "
+          f"{'it' if len(stopped) == 1 else 'them'}")
+
+
+def _relay(stream, prefix: str, last_line: list) -> None:
+  """Copies a subprocess's output to stderr line by line behind `prefix`; keeps its last non-empty line."""
+  for line in stream:
+    sys.stderr.write(prefix + line)
+    sys.stderr.flush()
+    if line.strip():
+      last_line[0] = line.strip()
+
+
+def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
+  """Trains every (dependency, config) of `todo` at once, each in a launch.py subprocess (module docstring)."""
+  for _, dependency_config in todo:  # a bad config fails before anything trains, as it does in turn
+    validation.validate_config(dependency_config, mode="train")
+  folder = tempfile.mkdtemp(prefix="xattn_jax_dependencies_")
+  children, relays, last_lines = [], [], [[""] for _ in todo]
+  signalled = set()  # the children this process asked to stop
+
+  def stop(indices):
+    for index in indices:
+      if children[index].poll() is None:
+        children[index].send_signal(signal.SIGTERM)  # the loop saves at the end of its current call
+        signalled.add(index)
+
+  interrupts = []
+
+  def forward(signum, frame):
+    if signum == signal.SIGINT and interrupts:  # a second Ctrl-C: a terminal's reaches the children too
+      raise KeyboardInterrupt
+    interrupts.extend([signum] if signum == signal.SIGINT else [])
+    logging.warning("%s received: stopping the dependencies training side by side (each saves a checkpoint)",
+                    signal.Signals(signum).name)
+    stop(range(len(children)))
+
+  previous = {}
+  try:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      previous[signum] = signal.signal(signum, forward)
+  except ValueError:  # not the main thread: signals reach only the process they are sent to
+    previous.clear()
+  failed = None
+  try:
+    for index, (dependency, dependency_config) in enumerate(todo):
+      path = os.path.join(folder, f"dependency_{index}.py")
+      with open(path, "w") as f:
+        f.write(workdir_lib.config_file_text(dependency_config, f"The declared config of {dependency.workdir_field}."))
+      prefix = f"[{dependency.workdir_field}] "
+      logging.info("Dependency %s: training it in %s side by side with %d other run(s), in a subprocess whose "
+                   "lines start with %r", dependency.workdir_field, dependency.workdir, len(todo) - 1, prefix)
+      child = subprocess.Popen(
+          [sys.executable, _LAUNCH, f"--config={path}", f"--workdir={dependency.workdir}"],
+          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+          env={**os.environ, CHAIN_VARIABLE: os.pathsep.join(chain)})
+      children.append(child)
+      relays.append(threading.Thread(target=_relay, args=(child.stdout, prefix, last_lines[index]), daemon=True))
+      relays[-1].start()
+    while any(child.poll() is None for child in children):
+      for index, child in enumerate(children):
+        if failed is None and index not in signalled and child.poll() not in (None, 0):
+          failed = index  # the others stop and save: their work is kept for the next start
+          stop(range(len(children)))
+      time.sleep(0.1)
+  finally:
+    stop(range(len(children)))  # only when this process itself fails or is interrupted: the children end with it
+    for child in children:
+      child.wait()
+    for relay in relays:
+      relay.join()
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    shutil.rmtree(folder, ignore_errors=True)
+  for index, child in enumerate(children):
+    if failed is None and index not in signalled and child.returncode != 0:
+      failed = index  # it failed as the last one running
+  if failed is not None:
+    dependency, status = todo[failed][0], children[failed].returncode
+    raise DependencyFailed(f"the training of {dependency.workdir_field} in {dependency.workdir} failed "
+                           f"(exit status {status}): {last_lines[failed][0] or 'no output'}",
+                           status if status > 0 else 1)
+  stopped = [(dependency, config) for dependency, config in todo if not is_finished(dependency)]
+  if stopped:
+    message = _stopped_message(stopped)
+    logging.warning("%s", message)
+    raise DependencyStopped(message)
+
+
+def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: bool = False,
+            _chain: tuple[str, ...] | None = None) -> list:
   """Makes every dependency that config's task declares finished (see the module docstring); returns them.
 
-  Call it after `validation.validate_config(config)` and before `loop.run(config, workdir, mode)`.
+  Call it after `validation.validate_config(config)` and before `loop.run(config, workdir, mode)`;
+  `side_by_side` only where `side_by_side_possible()`.
   """
   if mode != "train":
     return []
+  if _chain is None:  # in a side-by-side subprocess: the runs waiting on this one
+    _chain = tuple(filter(None, os.environ.get(CHAIN_VARIABLE, "").split(os.pathsep)))
   task_class = task_lib.get_task_class(config.task.name)
   dependencies = task_class.dependencies(config, workdir)
   for dependency in dependencies:
@@ -114,21 +251,23 @@ def resolve(config, workdir: str | None, mode: str = "train", *, _chain: tuple[s
       raise validation.ConfigError(dependency.workdir_field, dependency.workdir,
                                    "is the workdir of a run that depends on it: name another workdir")
     check(dependency)
+  todo = []
   for dependency in dependencies:
-    dependency_config = config_of(dependency)
     if is_finished(dependency):
       logging.info("Dependency %s: the run in %s is finished; loading it", dependency.workdir_field,
                    dependency.workdir)
-      continue
-    chain = _chain + ((os.path.abspath(workdir),) if workdir else ())
-    resolve(dependency_config, dependency.workdir, "train", _chain=chain)
+    else:
+      todo.append((dependency, config_of(dependency)))
+  chain = _chain + ((os.path.abspath(workdir),) if workdir else ())
+  if side_by_side and len(todo) > 1:
+    _train_side_by_side(todo, chain)
+    return dependencies
+  for dependency, dependency_config in todo:
+    resolve(dependency_config, dependency.workdir, "train", side_by_side=side_by_side, _chain=chain)
     logging.info("Dependency %s: training it first in %s", dependency.workdir_field, dependency.workdir)
     loop.run(dependency_config, dependency.workdir, "train")
     if not is_finished(dependency):  # the loop returns early only when stopped by a signal
-      message = (f"The run in {dependency.workdir} ({dependency.workdir_field}) was stopped (SIGTERM or Ctrl-C) "
-                 f"at step {max(checkpoints_lib.step_numbers(dependency.workdir), default=0)} of "
-                 f"{dependency_config.total_steps} and saved; run the same command again to resume it, then "
-                 "train the run that needs it")
+      message = _stopped_message([(dependency, dependency_config)])
       logging.warning("%s", message)
       raise DependencyStopped(message)
   return dependencies

@@ -21,10 +21,15 @@ def write_config(config, workdir: str) -> None:
   with open(os.path.join(workdir, "config.txt"), "w") as f:
     f.write(str(config))
   with open(os.path.join(workdir, "config.py"), "w") as f:
-    f.write('"""The resolved config of this run; pass it back as --config=<this file>."""\n'
-            "import json\n\nfrom ml_collections import ConfigDict\n\n"
-            f"CONFIG = {config.to_json_best_effort(sort_keys=True)!r}\n\n\n"
-            "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
+    f.write(config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
+
+
+def config_file_text(config, docstring: str) -> str:
+  """A config file (for --config) whose get_config() returns `config` as its JSON record holds it."""
+  return (f'"""{docstring}"""\n'
+          "import json\n\nfrom ml_collections import ConfigDict\n\n"
+          f"CONFIG = {config.to_json_best_effort(sort_keys=True)!r}\n\n\n"
+          "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
