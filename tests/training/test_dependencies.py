@@ -8,6 +8,9 @@ import threading
 import time
 import types
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import template
@@ -160,6 +163,21 @@ def two_dependent_config(folder, first=None, second=None):
   return config
 
 
+def checkpoint_arrays(workdir, step):
+  """{path: numpy array} of every array (model and optimizer state) in a run's checkpoint of `step`."""
+  arrays = {}
+  for item in ("model", "optimizer"):
+    path = str(workdir / "checkpoints" / str(step) / item)
+    with ocp.StandardCheckpointer() as checkpointer:
+      abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
+                              checkpointer.metadata(path).item_metadata)
+      tree = checkpointer.restore(path, abstract)
+    for key, leaf in jax.tree.leaves_with_path(tree):
+      is_key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+      arrays[item + jax.tree_util.keystr(key)] = np.asarray(jax.random.key_data(leaf) if is_key else leaf)
+  return arrays
+
+
 def test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_trained_in_turn(
     tmp_path, monkeypatch, capfd):
   dependencies.resolve(two_dependent_config(tmp_path / "in_turn"), str(tmp_path / "in_turn" / "run"))
@@ -170,6 +188,8 @@ def test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_tra
     side, in_turn = (metrics.read_metrics(str(tmp_path / way / name / "metrics.jsonl")) for way in ("side", "in_turn"))
     assert [row["train/loss"] for row in side if "train/loss" in row] == [
         row["train/loss"] for row in in_turn if "train/loss" in row]
+    side, in_turn = (checkpoint_arrays(tmp_path / way / name, 2) for way in ("side", "in_turn"))
+    assert side.keys() == in_turn.keys() and all(np.array_equal(side[key], in_turn[key]) for key in side)
   output = capfd.readouterr().err
   assert "[task.dependency_workdir] " in output and "[task.second_workdir] " in output  # each one's lines, named
   assert not os.path.exists(tmp_path / "side" / "run")
@@ -214,3 +234,18 @@ def test_a_bad_dependency_config_fails_before_any_dependency_trains_side_by_side
   with pytest.raises(validation.ConfigError, match=r"learning_rate"):
     dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
   assert os.listdir(tmp_path) == []
+
+
+def test_a_cycle_of_dependencies_is_refused_in_a_side_by_side_subprocess(tmp_path, monkeypatch, no_training):
+  """A subprocess learns the runs waiting on its run from its environment, and refuses to train one of them."""
+  waiting = [str(tmp_path / "top"), str(tmp_path / "dependency")]
+  monkeypatch.setenv(dependencies.CHAIN_VARIABLE, os.pathsep.join(waiting))
+  with pytest.raises(validation.ConfigError, match=r"is the workdir of a run that depends on it"):
+    dependencies.resolve(dependent_config(tmp_path / "dependency"), str(tmp_path / "middle"))
+
+
+@pytest.mark.parametrize("processes, backend, possible", [(1, "cpu", True), (2, "cpu", False), (1, "gpu", False)])
+def test_side_by_side_only_for_one_process_on_cpu(monkeypatch, processes, backend, possible):
+  monkeypatch.setattr(dependencies.jax, "process_count", lambda: processes)
+  monkeypatch.setattr(dependencies.jax, "default_backend", lambda: backend)
+  assert dependencies.side_by_side_possible() is possible

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 
+import jax
 from absl import logging
 from ml_collections import ConfigDict
 
@@ -77,7 +78,6 @@ def side_by_side_possible() -> bool:
   """Whether this process may train missing dependencies side by side as subprocesses: one JAX process
   (every process of a multi-host run trains them, in turn, together) on CPU (a GPU process claims most of the
   accelerator's memory for itself), with launch.py beside the package."""
-  import jax  # noqa: PLC0415 - the backend starts only when launch.py asks
   return jax.process_count() == 1 and jax.default_backend() == "cpu" and os.path.isfile(_LAUNCH)
 
 
