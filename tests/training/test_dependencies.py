@@ -249,3 +249,11 @@ def test_side_by_side_only_for_one_process_on_cpu(monkeypatch, processes, backen
   monkeypatch.setattr(dependencies.jax, "process_count", lambda: processes)
   monkeypatch.setattr(dependencies.jax, "default_backend", lambda: backend)
   assert dependencies.side_by_side_possible() is possible
+
+
+def test_two_dependencies_in_one_workdir_are_refused_before_either_trains(tmp_path, no_training):
+  config = two_dependent_config(tmp_path)
+  config.task.second_workdir = config.task.dependency_workdir
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.second_workdir=.* is task\.dependency_workdir too"):
+    dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
+  assert os.listdir(tmp_path) == []

@@ -171,12 +171,14 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
         children[index].send_signal(signal.SIGTERM)  # the loop saves at the end of its current call
         signalled.add(index)
 
-  interrupts = []
+  interrupted = False
 
   def forward(signum, frame):
-    if signum == signal.SIGINT and interrupts:  # a second Ctrl-C: a terminal's reaches the children too
-      raise KeyboardInterrupt
-    interrupts.extend([signum] if signum == signal.SIGINT else [])
+    nonlocal interrupted
+    if signum == signal.SIGINT:
+      if interrupted:  # a second Ctrl-C: a terminal's reaches the children too
+        raise KeyboardInterrupt
+      interrupted = True
     logging.warning("%s received: stopping the dependencies training side by side (each saves a checkpoint)",
                     signal.Signals(signum).name)
     stop(range(len(children)))
@@ -246,10 +248,14 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
     _chain = tuple(filter(None, os.environ.get(CHAIN_VARIABLE, "").split(os.pathsep)))
   task_class = task_lib.get_task_class(config.task.name)
   dependencies = task_class.dependencies(config, workdir)
-  for dependency in dependencies:
+  for index, dependency in enumerate(dependencies):
     if dependency.workdir in _chain or (workdir and dependency.workdir == os.path.abspath(workdir)):
       raise validation.ConfigError(dependency.workdir_field, dependency.workdir,
                                    "is the workdir of a run that depends on it: name another workdir")
+    for other in dependencies[:index]:
+      if other.workdir == dependency.workdir:
+        raise validation.ConfigError(dependency.workdir_field, dependency.workdir,
+                                     f"is {other.workdir_field} too: each run needs a workdir of its own")
     check(dependency)
   todo = []
   for dependency in dependencies:
