@@ -201,7 +201,7 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
       child = subprocess.Popen(
           [sys.executable, _LAUNCH, f"--config={path}", f"--workdir={dependency.workdir}"],
           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-          env={**os.environ, CHAIN_VARIABLE: os.pathsep.join(chain)})
+          env={**os.environ, CHAIN_VARIABLE: os.pathsep.join(chain), "PYTHONUNBUFFERED": "1"})  # lines as written
       children.append(child)
       relays.append(threading.Thread(target=_relay, args=(child.stdout, prefix, last_lines[index]), daemon=True))
       relays[-1].start()
