@@ -11,7 +11,8 @@
     printf 'strip.png\twhat is their sum ?\n' | python launch.py --config=configs/vlm_digits.py:connector=llava \
         --workdir=workdirs/vlm_llava --mode=infer
 
-The frozen parts are trained first when their workdirs hold no finished run (task dependencies): the image
+The frozen parts are trained first when their workdirs hold no finished run (task dependencies; both missing,
+they train side by side: launch.py's --dependencies): the image
 encoder by configs/vlm_encoder.py in workdirs/vlm_encoder (at `scale=s`, digits of 8s x 8s pixels, by
 configs/vlm_encoder.py:scale=s in workdirs/vlm_encoder_xs) and the LM by configs/vlm_lm.py in workdirs/vlm_lm,
 shared by all three connectors (see xattn_jax/tasks/vlm/task.py). `distill=W` adds description distillation
