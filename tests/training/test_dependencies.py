@@ -14,8 +14,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import template
+from tests import helpers
 from xattn_jax.tasks.template import TemplateTask
 from xattn_jax.training import checkpoints, dependencies, loop, metrics, task as task_lib, validation
+from xattn_jax.training import workdir as workdir_lib
 from xattn_jax.training.errors import DataError
 
 QUICK = {"total_steps": 2, "log_every_steps": 1, "eval_every_steps": 2, "checkpoint.every_steps": 2,
@@ -227,6 +229,18 @@ def test_a_dependency_failing_side_by_side_stops_the_other_and_ends_the_job_with
                                       "(exit status 2): launch.py: ")
   assert str(failed.value).endswith("pairs.tsv:3: no tab between the image path and the text")  # its last line
   assert max(checkpoints.step_numbers(str(tmp_path / "second")), default=0) < 10_000  # stopped, not trained on
+
+
+def test_launch_ends_with_the_status_and_last_line_of_a_dependency_failing_side_by_side(tmp_path):
+  failing = dependency_config(**{"task.name": f"{__name__}:UnreadableDataTask"})
+  config_file = tmp_path / "config.py"
+  config_file.write_text(workdir_lib.config_file_text(two_dependent_config(tmp_path, failing), "two dependencies"))
+  result = helpers.launch(str(config_file), tmp_path / "run")
+  assert result.returncode == 2, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"launch.py: the training of task.dependency_workdir in {tmp_path / 'first'} failed")
+  assert last.endswith("pairs.tsv:3: no tab between the image path and the text")
+  assert "[task.second_workdir] " in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_a_bad_dependency_config_fails_before_any_dependency_trains_side_by_side(tmp_path, no_training):
