@@ -89,6 +89,7 @@ def main(argv):
   if problem:
     fail(f"--workdir={_WORKDIR.value}: {problem}")
   from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation
+  dependencies.watch_launcher()  # a side-by-side dependency stops when the launcher that started it ends
   try:
     distributed.check_flags(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:

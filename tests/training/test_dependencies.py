@@ -271,3 +271,30 @@ def test_two_dependencies_in_one_workdir_are_refused_before_either_trains(tmp_pa
   with pytest.raises(validation.ConfigError, match=r"^config\.task\.second_workdir=.* is task\.dependency_workdir too"):
     dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
   assert os.listdir(tmp_path) == []
+
+
+def test_dependencies_side_by_side_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path):
+  """SIGKILL reaches no handler: each subprocess sees its launcher gone, saves and frees its workdir."""
+  slow = {"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05, "checkpoint.every_steps": 10_000,
+          "eval_every_steps": 10_000}
+  config_file = tmp_path / "config.py"
+  config_file.write_text(workdir_lib.config_file_text(
+      two_dependent_config(tmp_path, dependency_config(**slow), dependency_config(seed=1, **slow)), "slow ones"))
+  launcher = helpers.start(helpers.launch_command(str(config_file), tmp_path / "run"), fresh=True)
+  logs = [tmp_path / name / "metrics.jsonl" for name in ("first", "second")]
+  deadline = time.monotonic() + 300
+  while not all(log.exists() for log in logs) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  launcher.kill()
+  launcher.communicate()
+  for name in ("first", "second"):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      try:
+        with workdir_lib.training_lock(str(tmp_path / name)):
+          break  # its training process has ended
+      except loop.RunError:
+        time.sleep(0.2)
+    else:
+      pytest.fail(f"the {name} dependency still trains after its launcher was killed")
+    assert 0 < max(checkpoints.step_numbers(str(tmp_path / name))) < 10_000  # saved where it stopped

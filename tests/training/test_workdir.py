@@ -114,3 +114,26 @@ def test_eval_and_infer_may_name_other_dependency_workdirs_training_may_not(tmp_
   moved.model.num_heads += 1  # the model itself still may not change
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.num_heads"):
     workdir.check_same_model(moved, str(tmp_path), mode="infer")
+
+
+def tiny_template(**overrides):
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"total_steps": 2, "log_every_steps": 1, "eval_every_steps": 2,
+                                     "checkpoint.every_steps": 2, "eval_batch_size": 8, "task.num_eval_examples": 8,
+                                     "optimizer.warmup_steps": 1, "logging.tensorboard": False,
+                                     "logging.plot": False, **overrides})
+  return config
+
+
+def test_a_second_training_process_in_a_workdir_is_refused_naming_the_first_before_writing(tmp_path):
+  """Two processes training into one workdir at once overwrite each other's config and checkpoints."""
+  from xattn_jax.training import loop  # noqa: PLC0415 - jax only for this test
+  run = tmp_path / "run"
+  run.mkdir()
+  with workdir.training_lock(str(run)):  # another open file: flock refuses it as it refuses another process
+    with pytest.raises(loop.RunError, match=r"the workdir .*run is in use: process \d+ on .* trains there"):
+      loop.run(tiny_template(), str(run), "train")
+    assert not (run / "config.json").exists()
+    loop.run(tiny_template(), str(run / "other"), "train")  # another workdir trains
+  loop.run(tiny_template(), str(run), "train")  # the lock ends with its holder
+  assert (run / "checkpoints" / "2").is_dir()

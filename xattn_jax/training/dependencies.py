@@ -16,8 +16,9 @@ With `side_by_side` (launch.py's default where `side_by_side_possible()`: one JA
 more missing dependencies train at once, each in its own `launch.py` subprocess with its declared config
 (which resolves that run's own dependencies): their output is relayed with the workdir field as a prefix,
 SIGTERM or Ctrl-C is passed on to each (each saves, and the job stops as above; a second Ctrl-C ends them
-and the job without saving, status 130), and a subprocess that fails stops the others (they save) and ends
-the job with its exit status and its last line (`DependencyFailed`).
+and the job without saving, status 130), a launcher that ends otherwise (SIGKILL) stops them too
+(`watch_launcher`), and a subprocess that fails stops the others (they save) and ends the job with its exit
+status and its last line (`DependencyFailed`).
 The runs are the ones trained in turn would be: the same config and code in a process of their own.
 
 Eval and infer resolve nothing: the task reads what it took of its dependencies from its own workdir.
@@ -49,6 +50,8 @@ RUN_SECTIONS = ("task", "model", "data")
 # The workdirs of the runs waiting on a side-by-side subprocess's run (os.pathsep-joined), so that a cycle of
 # dependencies is refused there as it is in one process.
 CHAIN_VARIABLE = "XATTN_JAX_DEPENDENT_WORKDIRS"
+# The process id of the launcher that started a side-by-side subprocess (`watch_launcher`).
+LAUNCHER_VARIABLE = "XATTN_JAX_LAUNCHER_PID"
 
 
 class DependencyStopped(SystemExit):
@@ -79,6 +82,25 @@ def side_by_side_possible() -> bool:
   (every process of a multi-host run trains them, in turn, together) on CPU (a GPU process claims most of the
   accelerator's memory for itself), with launch.py beside the package."""
   return jax.process_count() == 1 and jax.default_backend() == "cpu" and os.path.isfile(_LAUNCH)
+
+
+def watch_launcher(interval_s: float = 1.0) -> None:
+  """In a side-by-side subprocess (LAUNCHER_VARIABLE set): a daemon thread sends this process SIGTERM, so that
+  its run saves and stops, once the launcher that started it has ended, however it ended (SIGKILL included): no
+  run trains on unwatched, and a new start of the same command finds its workdir free (`workdir.training_lock`)
+  within a call or two. Elsewhere it does nothing."""
+  launcher = os.environ.pop(LAUNCHER_VARIABLE, "")  # for this process alone, not for what it starts
+  if not launcher.isdigit():
+    return
+
+  def watch():
+    while os.getppid() == int(launcher):
+      time.sleep(interval_s)
+    logging.warning("The launcher (process %s) that started this run has ended: stopping it with a checkpoint",
+                    launcher)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=watch, name="watch_launcher", daemon=True).start()
 
 
 def load_config(spec: str, field: str) -> ConfigDict:
@@ -201,7 +223,8 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
       child = subprocess.Popen(
           [sys.executable, _LAUNCH, f"--config={path}", f"--workdir={dependency.workdir}"],
           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-          env={**os.environ, CHAIN_VARIABLE: os.pathsep.join(chain), "PYTHONUNBUFFERED": "1"})  # lines as written
+          env={**os.environ, CHAIN_VARIABLE: os.pathsep.join(chain), LAUNCHER_VARIABLE: str(os.getpid()),
+               "PYTHONUNBUFFERED": "1"})  # lines as written
       children.append(child)
       relays.append(threading.Thread(target=_relay, args=(child.stdout, prefix, last_lines[index]), daemon=True))
       relays[-1].start()

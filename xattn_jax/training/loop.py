@@ -178,13 +178,21 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   # a config they do not fit must not replace the one they were made with.
   resumed = mode == "train" and has_checkpoints
   _barrier("config checked")  # every process reads the old config.json before process 0 rewrites it
-  if is_writer:
-    try:
-      os.makedirs(workdir, exist_ok=True)
-    except OSError as error:  # launch.py checks what it can first; a file system may still refuse
-      raise RunError(f"cannot create the workdir {workdir}: {error.strerror or error}") from None
-    if mode == "train" and not resumed:
-      workdir_lib.write_config(config, workdir)
+  with contextlib.ExitStack() as held:
+    if is_writer:
+      try:
+        os.makedirs(workdir, exist_ok=True)
+      except OSError as error:  # launch.py checks what it can first; a file system may still refuse
+        raise RunError(f"cannot create the workdir {workdir}: {error.strerror or error}") from None
+      if mode == "train":  # one training process a workdir, from before its config is written to the end
+        held.enter_context(workdir_lib.training_lock(workdir))
+      if mode == "train" and not resumed:
+        workdir_lib.write_config(config, workdir)
+    return _run_in(config, workdir, mode, output, is_writer=is_writer, new_workdir=new_workdir, resumed=resumed)
+
+
+def _run_in(config, workdir: str, mode: str, output, *, is_writer: bool, new_workdir: bool, resumed: bool):
+  """`run` once the workdir is ready (and, to train, locked)."""
   _barrier("workdir ready")
   try:
     trainer = Trainer(config, workdir, mode)

@@ -1,17 +1,24 @@
 """The config record of a run's workdir: config.json / config.txt / config.py, what a new config
-changes from it, and the results of later evals (eval_results.jsonl).
+changes from it, the results of later evals (eval_results.jsonl), and the lock a training process holds.
 
 `config.py` loads back as a config file (`--config=<workdir>/config.py`), so a run can be resumed,
 evaluated or loaded (`inference.load_model`) with exactly the config it was made with.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import socket
+
+from absl import logging
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import task as task_lib
 from xattn_jax.training import validation
+from xattn_jax.training.errors import RunError
 
 
 def write_config(config, workdir: str) -> None:
@@ -22,6 +29,37 @@ def write_config(config, workdir: str) -> None:
     f.write(str(config))
   with open(os.path.join(workdir, "config.py"), "w") as f:
     f.write(config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
+
+
+# Held (flock) by the process that trains in the workdir; it ends with the process, however that ends.
+LOCK_FILE = ".training.lock"
+
+
+@contextlib.contextmanager
+def training_lock(workdir: str):
+  """Holds the workdir's training lock: a second process that trains there (the same command started twice, or
+  started again while a run it left behind still trains) gets a RunError naming the holder, before it writes
+  anything. Eval and infer take no lock. A file system without locks trains without one (a warning says so)."""
+  handle = open(os.path.join(workdir, LOCK_FILE), "a+")
+  try:
+    try:
+      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+      if error.errno not in (errno.EAGAIN, errno.EACCES):
+        logging.warning("%s: the file system takes no lock (%s); nothing keeps a second process from training "
+                        "there at the same time", workdir, error.strerror)
+      else:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process"
+        raise RunError(f"the workdir {workdir} is in use: {holder} trains there; wait for it to end or stop it "
+                       "(SIGTERM saves a checkpoint), then start again") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    yield
+  finally:
+    handle.close()  # releases the lock
 
 
 def config_file_text(config, docstring: str) -> str:
