@@ -180,6 +180,18 @@ def checkpoint_arrays(workdir, step):
   return arrays
 
 
+def wait_until_training(*workdirs, timeout_s=300):
+  """Until each workdir's run has logged a training step: its loop handles SIGTERM by then (a signal during
+  its imports or compile ends it at once, with nothing to save; metrics.jsonl exists from before the first step)."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    logs = [workdir / "metrics.jsonl" for workdir in workdirs]
+    if all(log.exists() and any("train/loss" in row for row in metrics.read_metrics(str(log))) for log in logs):
+      return
+    time.sleep(0.2)
+  pytest.fail(f"not every one of {workdirs} logged a training step within {timeout_s} s")
+
+
 def test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_trained_in_turn(
     tmp_path, monkeypatch, capfd):
   dependencies.resolve(two_dependent_config(tmp_path / "in_turn"), str(tmp_path / "in_turn" / "run"))
@@ -202,12 +214,9 @@ def test_sigterm_stops_the_dependencies_training_side_by_side_each_saving_and_th
   slow = {"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05, "checkpoint.every_steps": 10_000,
           "eval_every_steps": 10_000}
   config = two_dependent_config(tmp_path, dependency_config(**slow), dependency_config(seed=1, **slow))
-  logs = [tmp_path / name / "metrics.jsonl" for name in ("first", "second")]
 
-  def sigterm_once_both_train():  # a logged step: the loop handles signals by then
-    deadline = time.monotonic() + 300
-    while not all(log.exists() for log in logs) and time.monotonic() < deadline:
-      time.sleep(0.2)
+  def sigterm_once_both_train():
+    wait_until_training(tmp_path / "first", tmp_path / "second")
     os.kill(os.getpid(), signal.SIGTERM)
 
   threading.Thread(target=sigterm_once_both_train, daemon=True).start()
@@ -281,10 +290,7 @@ def test_dependencies_side_by_side_stop_with_a_checkpoint_when_their_launcher_is
   config_file.write_text(workdir_lib.config_file_text(
       two_dependent_config(tmp_path, dependency_config(**slow), dependency_config(seed=1, **slow)), "slow ones"))
   launcher = helpers.start(helpers.launch_command(str(config_file), tmp_path / "run"), fresh=True)
-  logs = [tmp_path / name / "metrics.jsonl" for name in ("first", "second")]
-  deadline = time.monotonic() + 300
-  while not all(log.exists() for log in logs) and time.monotonic() < deadline:
-    time.sleep(0.2)
+  wait_until_training(tmp_path / "first", tmp_path / "second")
   launcher.kill()
   launcher.communicate()
   for name in ("first", "second"):
