@@ -135,8 +135,8 @@ def test_a_stopped_dependency_ends_the_job_with_status_zero(tmp_path, monkeypatc
   with pytest.raises(SystemExit) as stopped:
     dependencies.resolve(dependent_config(tmp_path / "dependency", dependency), str(tmp_path / "run"))
   assert stopped.value.code == 0
-  assert str(tmp_path / "dependency") in str(stopped.value) and "\n" not in str(stopped.value)
-  assert checkpoints.step_numbers(str(tmp_path / "dependency")) == [1]
+  assert f"{tmp_path / 'dependency'} (task.dependency_workdir) saved at step 1 of 3" in str(stopped.value)
+  assert "\n" not in str(stopped.value) and checkpoints.step_numbers(str(tmp_path / "dependency")) == [1]
 
 
 class TwoDependencyTask(TemplateTask):
@@ -223,9 +223,10 @@ def test_sigterm_stops_the_dependencies_training_side_by_side_each_saving_and_th
   with pytest.raises(SystemExit) as stopped:
     dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
   assert stopped.value.code == 0 and "\n" not in str(stopped.value)
-  for name in ("first", "second"):
-    assert str(tmp_path / name) in str(stopped.value)
-    assert 0 < max(checkpoints.step_numbers(str(tmp_path / name))) < 10_000  # saved where it stopped
+  for name, field in (("first", "task.dependency_workdir"), ("second", "task.second_workdir")):
+    step = max(checkpoints.step_numbers(str(tmp_path / name)))
+    assert 0 < step < 10_000  # saved where it stopped
+    assert f"{tmp_path / name} ({field}) saved at step {step} of 10000" in str(stopped.value)
 
 
 def test_a_dependency_failing_side_by_side_stops_the_other_and_ends_the_job_with_its_status_and_line(tmp_path):

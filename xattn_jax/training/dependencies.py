@@ -162,10 +162,13 @@ def check(dependency: task_lib.Dependency) -> None:
 
 def _stopped_message(stopped) -> str:
   """One line for the dependencies (dependency, config) in `stopped` that a signal stopped unfinished."""
-  runs = ", ".join(f"the run in {dependency.workdir} ({dependency.workdir_field}) at step "
-                   f"{max(checkpoints_lib.step_numbers(dependency.workdir), default=0)} of {config.total_steps}"
+  def where(dependency, config):
+    step = max(checkpoints_lib.step_numbers(dependency.workdir), default=0)
+    return f"saved at step {step} of {config.total_steps}" if step else "stopped before its first checkpoint"
+
+  runs = ", ".join(f"the run in {dependency.workdir} ({dependency.workdir_field}) {where(dependency, config)}"
                    for dependency, config in stopped)
-  return (f"Stopped (SIGTERM or Ctrl-C) and saved: {runs}; run the same command again to resume "
+  return (f"Stopped (SIGTERM or Ctrl-C): {runs}; run the same command again to resume "
           f"{'it' if len(stopped) == 1 else 'them'}, then train the run that needs "
           f"{'it' if len(stopped) == 1 else 'them'}")
 
