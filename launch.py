@@ -104,7 +104,7 @@ def main(argv):
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {' '.join(str(e).split())}", at_once=True)
     dependencies.resolve(_CONFIG.value, _WORKDIR.value, _MODE.value,  # runs the task needs finished first
-                         side_by_side=_DEPENDENCIES.value == "side_by_side" and dependencies.side_by_side_possible())
+                         side_by_side=_DEPENDENCIES.value == "side_by_side")
     loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
   except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))

@@ -280,7 +280,7 @@ def main(argv=None):
   patch = dependencies.load_config(first.model.encoder_config, "model.encoder_config").model.patch_size
   record["scale"], record["patches_per_digit"] = args.scale, (8 * args.scale // patch) ** 2
   dependencies.resolve(first, workdir_of(connectors[0], seeds[0]), "train",  # the frozen parts, as launch.py does
-                       side_by_side=dependencies.side_by_side_possible())
+                       side_by_side=True)
   record["cost"] = {}
   if args.cost_only:
     for connector in connectors:

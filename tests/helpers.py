@@ -15,7 +15,9 @@ import threading
 import types
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 from flax import nnx
 from ml_collections import config_flags
@@ -268,6 +270,40 @@ def subprocess_serving_calls():
 def metric_rows(workdir) -> list[dict]:
   """The rows of a workdir's metrics.jsonl."""
   return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_item(workdir, step: int, item: str = "model"):
+  """The `item` ("model" or "optimizer") of a run's checkpoint at `step`, restored as stored (nested dicts)."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415 - only the tests that read checkpoints need it
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(pathlib.Path(workdir).resolve() / "checkpoints" / str(step) / item)
+
+
+def assert_same_arrays(a, b):
+  """Equal arrays at equal paths, typed RNG keys compared through their key data (parameters, dropout RNG state,
+  optimizer state)."""
+  flat_a, flat_b = (dict(flatten_tree(x)) for x in (a, b))
+  assert flat_a.keys() == flat_b.keys()
+  for key in flat_a:
+    np.testing.assert_array_equal(_key_data_or_array(flat_a[key]), _key_data_or_array(flat_b[key]), err_msg=key)
+
+
+def _key_data_or_array(array):
+  if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+    array = jax.random.key_data(array)
+  return np.asarray(array)
+
+
+def flatten_tree(tree, prefix=""):
+  """(path, leaf) of every leaf of nested dicts, lists and tuples."""
+  if isinstance(tree, dict):
+    for key, value in tree.items():
+      yield from flatten_tree(value, f"{prefix}/{key}")
+  elif isinstance(tree, (list, tuple)):
+    for index, value in enumerate(tree):
+      yield from flatten_tree(value, f"{prefix}/{index}")
+  else:
+    yield prefix, tree
 
 
 def build_once(name: str, build: Callable[[pathlib.Path], None]) -> pathlib.Path:

@@ -8,9 +8,6 @@ import threading
 import time
 import types
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from configs import template
@@ -165,21 +162,6 @@ def two_dependent_config(folder, first=None, second=None):
   return config
 
 
-def checkpoint_arrays(workdir, step):
-  """{path: numpy array} of every array (model and optimizer state) in a run's checkpoint of `step`."""
-  arrays = {}
-  for item in ("model", "optimizer"):
-    path = str(workdir / "checkpoints" / str(step) / item)
-    with ocp.StandardCheckpointer() as checkpointer:
-      abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
-                              checkpointer.metadata(path).item_metadata)
-      tree = checkpointer.restore(path, abstract)
-    for key, leaf in jax.tree.leaves_with_path(tree):
-      is_key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-      arrays[item + jax.tree_util.keystr(key)] = np.asarray(jax.random.key_data(leaf) if is_key else leaf)
-  return arrays
-
-
 def wait_until_training(*workdirs, timeout_s=300):
   """Until each workdir's run has logged a training step: its loop handles SIGTERM by then (a signal during
   its imports or compile ends it at once, with nothing to save; metrics.jsonl exists from before the first step)."""
@@ -202,8 +184,9 @@ def test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_tra
     side, in_turn = (metrics.read_metrics(str(tmp_path / way / name / "metrics.jsonl")) for way in ("side", "in_turn"))
     assert [row["train/loss"] for row in side if "train/loss" in row] == [
         row["train/loss"] for row in in_turn if "train/loss" in row]
-    side, in_turn = (checkpoint_arrays(tmp_path / way / name, 2) for way in ("side", "in_turn"))
-    assert side.keys() == in_turn.keys() and all(np.array_equal(side[key], in_turn[key]) for key in side)
+    for item in ("model", "optimizer"):
+      side, in_turn = (helpers.checkpoint_item(tmp_path / way / name, 2, item) for way in ("side", "in_turn"))
+      helpers.assert_same_arrays(side, in_turn)
   output = capfd.readouterr().err
   assert "[task.dependency_workdir] " in output and "[task.second_workdir] " in output  # each one's lines, named
   assert not os.path.exists(tmp_path / "side" / "run")

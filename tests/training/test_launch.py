@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -75,33 +74,6 @@ def train_losses(workdir):
 def checkpoint_steps(workdir):
   directory = Path(workdir) / "checkpoints"
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
-
-
-def model_params(workdir, step):
-  with ocp.StandardCheckpointer() as checkpointer:
-    return checkpointer.restore(Path(workdir).resolve() / "checkpoints" / str(step) / "model")
-
-
-def assert_same_params(a, b):
-  """Equal parameters, and equal dropout RNG state (typed keys compared through their key data)."""
-  flat_a, flat_b = (dict(_flatten(x)) for x in (a, b))
-  assert flat_a.keys() == flat_b.keys()
-  for key in flat_a:
-    np.testing.assert_array_equal(_numpy(flat_a[key]), _numpy(flat_b[key]), err_msg=key)
-
-
-def _numpy(array):
-  if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
-    array = jax.random.key_data(array)
-  return np.asarray(array)
-
-
-def _flatten(tree, prefix=""):
-  if isinstance(tree, dict):
-    for key, value in tree.items():
-      yield from _flatten(value, f"{prefix}/{key}")
-  else:
-    yield prefix, tree
 
 
 def wait_for(predicate, process, timeout=240):
@@ -217,7 +189,7 @@ def test_metrics_have_a_row_per_logged_step_with_train_and_eval_values(reference
 
 def float_params(params):
   """{name: array} of the floating-point parameters (not the dropout RNG state)."""
-  return {key: np.asarray(value) for key, value in _flatten(params)
+  return {key: np.asarray(value) for key, value in helpers.flatten_tree(params)
           if jax.dtypes.issubdtype(value.dtype, np.floating)}
 
 
@@ -234,7 +206,7 @@ def test_training_lowers_the_train_and_eval_loss(reference):
 @pytest.mark.slow
 def test_training_changes_every_parameter_between_checkpoints(reference):
   """A loop that skipped the optimizer update would pass every other test here."""
-  first, last = float_params(model_params(reference, 4)), float_params(model_params(reference, STEPS))
+  first, last = (float_params(helpers.checkpoint_item(reference, step)) for step in (4, STEPS))
   assert first.keys() == last.keys() and first
   unchanged = [key for key in first if np.array_equal(first[key], last[key])]
   assert not unchanged, unchanged
@@ -255,7 +227,7 @@ def test_steps_per_call_changes_only_the_grouping_of_steps(tmp_path, reference, 
   assert result.returncode == 0, result.stderr[-3000:]
   assert train_losses(workdir) == train_losses(reference)
   assert checkpoint_steps(workdir) == [4, 8]
-  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+  helpers.assert_same_arrays(helpers.checkpoint_item(workdir, STEPS), helpers.checkpoint_item(reference, STEPS))
 
 
 @pytest.mark.slow
@@ -270,7 +242,7 @@ def test_a_runs_config_from_before_steps_per_call_still_loads_and_resumes(tmp_pa
     path.write_text(text)
   from xattn_jax.training import loop
   model, _ = loop.load_model(str(workdir))
-  assert_same_params(nnx.to_pure_dict(nnx.state(model)), model_params(reference, STEPS))
+  helpers.assert_same_arrays(nnx.to_pure_dict(nnx.state(model)), helpers.checkpoint_item(reference, STEPS))
   result = helpers.run([sys.executable, str(REPO / "launch.py"), f"--config={workdir / 'config.py'}",
                         f"--workdir={workdir}", "--mode=eval"], cwd=REPO, env=subprocess_env(1), timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -306,7 +278,7 @@ def test_infer_mode_answers_each_input_line(reference):
 def test_load_model_gives_the_checkpointed_model_and_its_inference(reference):
   from xattn_jax.training import loop
   model, task = loop.load_model(str(reference))
-  assert_same_params(nnx.to_pure_dict(nnx.state(model)), model_params(reference, STEPS))
+  helpers.assert_same_arrays(nnx.to_pure_dict(nnx.state(model)), helpers.checkpoint_item(reference, STEPS))
   answers = launch(reference, "--mode=infer", stdin="abc\nhello\n").stdout.splitlines()
   assert task.infer(model, ["abc", "hello"]) == answers
 
@@ -376,7 +348,7 @@ def test_eval_and_infer_read_the_best_checkpoint_when_told(tmp_path):
     assert row["step"] == step and row["eval/loss"] == pytest.approx(logged[step], rel=1e-5), (row, logged)
   from xattn_jax.training import loop
   model, _ = loop.load_model(str(workdir), overrides={"checkpoint.eval_from": "best"})
-  assert_same_params(nnx.to_pure_dict(nnx.state(model)), model_params(workdir, 4))
+  helpers.assert_same_arrays(nnx.to_pure_dict(nnx.state(model)), helpers.checkpoint_item(workdir, 4))
   refused = launch(workdir, "--mode=eval", "--config.checkpoint.eval_from=best", "--config.checkpoint.best_metric=",
                    overrides=overrides)
   assert refused.returncode == 2 and "config.checkpoint.eval_from='best': needs checkpoint.best_metric" in \
@@ -409,7 +381,7 @@ def test_sigterm_saves_a_checkpoint_mid_run_and_exits_zero(sigterm_run):
 def test_resume_after_sigterm_logs_the_same_losses_and_parameters(sigterm_run, reference):
   workdir, _ = sigterm_run
   assert train_losses(workdir) == train_losses(reference)
-  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+  helpers.assert_same_arrays(helpers.checkpoint_item(workdir, STEPS), helpers.checkpoint_item(reference, STEPS))
 
 
 def ctrl_c(workdir, presses: int):
@@ -515,7 +487,7 @@ def test_resume_after_sigkill_logs_the_same_losses_and_parameters(sigkill_run, r
   workdir, killed_steps = sigkill_run
   assert killed_steps == [4]
   assert train_losses(workdir) == train_losses(reference)
-  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+  helpers.assert_same_arrays(helpers.checkpoint_item(workdir, STEPS), helpers.checkpoint_item(reference, STEPS))
 
 
 # --- at XLA's default optimization level ---------------------------------------------------------
@@ -545,14 +517,16 @@ def default_optimization_runs(tmp_path_factory):
 def test_resume_is_exact_at_the_default_optimization_level(default_optimization_runs):
   runs = default_optimization_runs
   assert train_losses(runs["resumed"]) == train_losses(runs["default"])
-  assert_same_params(model_params(runs["resumed"], STEPS), model_params(runs["default"], STEPS))
+  helpers.assert_same_arrays(helpers.checkpoint_item(runs["resumed"], STEPS),
+                             helpers.checkpoint_item(runs["default"], STEPS))
 
 
 @pytest.mark.slow
 def test_one_step_per_call_equals_the_default_grouping_at_the_default_optimization_level(default_optimization_runs):
   runs = default_optimization_runs
   assert train_losses(runs["one_per_call"]) == train_losses(runs["default"])
-  assert_same_params(model_params(runs["one_per_call"], STEPS), model_params(runs["default"], STEPS))
+  helpers.assert_same_arrays(helpers.checkpoint_item(runs["one_per_call"], STEPS),
+                             helpers.checkpoint_item(runs["default"], STEPS))
 
 
 # --- failures -----------------------------------------------------------------------------------
@@ -566,7 +540,7 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoi
   assert "TrainingDiverged" in last_line and "step 6" in last_line
   assert checkpoint_steps(workdir) == [4]
   assert max(train_losses(workdir)) == 5
-  assert_same_params(model_params(workdir, 4), model_params(reference, 4))
+  helpers.assert_same_arrays(helpers.checkpoint_item(workdir, 4), helpers.checkpoint_item(reference, 4))
 
 
 @pytest.mark.slow
@@ -581,4 +555,4 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_older_one(tmp_path, repea
   assert "step 8" in result.stderr and "cannot be read" in result.stderr
   assert list((workdir / "corrupt_checkpoints").iterdir())
   assert train_losses(workdir) == train_losses(reference)
-  assert_same_params(model_params(workdir, STEPS), model_params(reference, STEPS))
+  helpers.assert_same_arrays(helpers.checkpoint_item(workdir, STEPS), helpers.checkpoint_item(reference, STEPS))

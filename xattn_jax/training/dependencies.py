@@ -12,7 +12,7 @@ calls it) and, for a train run, makes every one of them finished:
      dependencies. When SIGTERM or Ctrl-C stops it (it saves a checkpoint), `DependencyStopped` ends
      the whole job with status 0, as a stopped run ends; the same command resumes it.
 
-With `side_by_side` (launch.py's default where `side_by_side_possible()`: one JAX process on CPU), two or
+With `side_by_side` (launch.py's default; used where `side_by_side_possible()`: one JAX process on CPU), two or
 more missing dependencies train at once, each in its own `launch.py` subprocess with its declared config
 (which resolves that run's own dependencies): their output is relayed with the workdir field as a prefix,
 SIGTERM or Ctrl-C is passed on to each (each saves, and the job stops as above; a second Ctrl-C ends them
@@ -231,11 +231,14 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
       children.append(child)
       relays.append(threading.Thread(target=_relay, args=(child.stdout, prefix, last_lines[index]), daemon=True))
       relays[-1].start()
-    while any(child.poll() is None for child in children):
+    while True:
+      ended = all(child.poll() is not None for child in children)  # before the check: none ends unchecked
       for index, child in enumerate(children):
         if failed is None and index not in signalled and child.poll() not in (None, 0):
           failed = index  # the others stop and save: their work is kept for the next start
           stop(range(len(children)))
+      if ended:
+        break
       time.sleep(0.1)
   finally:
     stop(range(len(children)))  # only when this process itself fails or is interrupted: the children end with it
@@ -246,9 +249,6 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
     for signum, handler in previous.items():
       signal.signal(signum, handler)
     shutil.rmtree(folder, ignore_errors=True)
-  for index, child in enumerate(children):
-    if failed is None and index not in signalled and child.returncode != 0:
-      failed = index  # it failed as the last one running
   if failed is not None:
     dependency, status = todo[failed][0], children[failed].returncode
     raise DependencyFailed(f"the training of {dependency.workdir_field} in {dependency.workdir} failed "
@@ -265,8 +265,8 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
             _chain: tuple[str, ...] | None = None) -> list:
   """Makes every dependency that config's task declares finished (see the module docstring); returns them.
 
-  Call it after `validation.validate_config(config)` and before `loop.run(config, workdir, mode)`;
-  `side_by_side` only where `side_by_side_possible()`.
+  Call it after `validation.validate_config(config)` and before `loop.run(config, workdir, mode)`.
+  `side_by_side` asks for the subprocesses; they are used where `side_by_side_possible()`, else in turn.
   """
   if mode != "train":
     return []
@@ -291,7 +291,7 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
     else:
       todo.append((dependency, config_of(dependency)))
   chain = _chain + ((os.path.abspath(workdir),) if workdir else ())
-  if side_by_side and len(todo) > 1:
+  if side_by_side and len(todo) > 1 and side_by_side_possible():
     _train_side_by_side(todo, chain)
     return dependencies
   for dependency, dependency_config in todo:
