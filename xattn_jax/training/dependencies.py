@@ -26,7 +26,6 @@ The engine knows no task or model by name: it reaches them through the task regi
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -129,34 +128,24 @@ def is_finished(dependency: task_lib.Dependency) -> bool:
   return dependency.finished(config_of(dependency), dependency.workdir)
 
 
-def _flat(tree, prefix=""):
-  out = {}
-  for key, value in tree.items():
-    out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-  return out
-
-
 def check(dependency: task_lib.Dependency) -> None:
   """Raises ConfigError when the dependency's workdir holds a run (a checkpoint) made with another model,
   task or data config than the declared one, naming the first field that differs (task.name, model.name,
   then by section; the dependency's unchecked_fields aside)."""
-  stored = os.path.join(dependency.workdir, "config.json")
-  if not checkpoints_lib.step_numbers(dependency.workdir) or not os.path.isfile(stored):
+  if not checkpoints_lib.step_numbers(dependency.workdir):
     return  # no run there yet (or one that failed before its first save): nothing to protect
-  with open(stored) as f:
-    old = _flat(json.load(f))
-  config = config_of(dependency)
-  new = _flat(json.loads(config.to_json_best_effort()))
-  differing = [key for key in sorted(set(old) | set(new)) if key.split(".")[0] in RUN_SECTIONS
-               and key not in dependency.unchecked_fields and old.get(key) != new.get(key)]
+  differences = workdir_lib.config_differences(config_of(dependency), dependency.workdir)  # {} without a record
+  differing = [key for key in differences if key.split(".")[0] in RUN_SECTIONS
+               and key not in dependency.unchecked_fields]
   differing = [key for key in ("task.name", "model.name") if key in differing] + differing
   if differing:
     key = differing[0]
+    old, new = differences[key]
     field, value = ((dependency.config_field, dependency.config) if dependency.config_field
                     else (dependency.workdir_field, dependency.workdir))
     raise validation.ConfigError(
-        field, value, f"its {key}={new.get(key)!r}, but the run in {dependency.workdir} "
-        f"({dependency.workdir_field}) was made with {old.get(key)!r}; use a config that matches that run, "
+        field, value, f"its {key}={new!r}, but the run in {dependency.workdir} "
+        f"({dependency.workdir_field}) was made with {old!r}; use a config that matches that run, "
         f"or another {dependency.workdir_field}")
 
 
