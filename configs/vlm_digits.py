@@ -93,8 +93,10 @@ def vlm_config(args) -> ConfigDict:
 
 # Each connector's steps when the config names none: about 10 minutes of training on 2 CPU cores (bucketed
 # batches, cached features). llava hands the LM 16 soft tokens a digit and the Q-Former 33 an image, so their
-# steps cost about 2.3x and 1.9x flamingo's.
-DEFAULT_STEPS = {"flamingo": 14000, "qformer": 8000, "llava": 6000}
+# steps cost about 2.3x and 1.9x flamingo's. Flamingo, the default chain's connector, trains 12,000 so that
+# the chain (encoder and LM, then flamingo) ends inside 15 minutes; 14,000 read 0.003 more
+# (experiments/results/intel_xeon_amx/compare_connectors_flamingo_12000_steps.md).
+DEFAULT_STEPS = {"flamingo": 12000, "qformer": 8000, "llava": 6000}
 # Each connector's peak learning rate when the config names none. llava's projector is a per-patch MLP of
 # ~29k parameters and learns fastest at the highest of these (experiments/results/amd_epyc_avx512/llava_lr.md).
 DEFAULT_LR = {"flamingo": 3e-3, "qformer": 3e-3, "llava": 1e-2}
