@@ -294,16 +294,10 @@ def _key_data_or_array(array):
   return np.asarray(array)
 
 
-def flatten_tree(tree, prefix=""):
-  """(path, leaf) of every leaf of nested dicts, lists and tuples."""
-  if isinstance(tree, dict):
-    for key, value in tree.items():
-      yield from flatten_tree(value, f"{prefix}/{key}")
-  elif isinstance(tree, (list, tuple)):
-    for index, value in enumerate(tree):
-      yield from flatten_tree(value, f"{prefix}/{index}")
-  else:
-    yield prefix, tree
+def flatten_tree(tree):
+  """("a/0/b", leaf) of every leaf: an int key and its string (nnx's pure dicts, orbax's restored trees) read alike."""
+  return ((jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree))
 
 
 def build_once(name: str, build: Callable[[pathlib.Path], None]) -> pathlib.Path:
