@@ -45,6 +45,10 @@ def vlm_config(args) -> ConfigDict:
   # in words (digits only; tasks.vlm.task.description_distillation), with this weight beside the cross-entropy
   config.task.distill_weight = getattr(args, "distill", 0.0)  # configs/vlm_tsv.py: no descriptions
   config.task.distill_blocks = getattr(args, "distill_blocks", 0)  # the first n LM blocks' outputs (0: all)
+  # True: eval and infer answer in two passes: the model describes each image alone, then the frozen LM answers
+  # from the text with the description before the image's marker, as it learned from the described texts
+  # (digits only; tasks.vlm.task.VLMTask.described_answers). An eval-time choice: --mode=eval may set it.
+  config.task.describe_first = False
   config.checkpoint.best_metric = "eval/exact_match"
   config.checkpoint.best_mode = "max"
   config.optimizer.weight_decay = 0.01

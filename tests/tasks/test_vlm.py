@@ -606,3 +606,70 @@ def test_distillation_refuses_more_blocks_than_the_lm_has_and_states_that_do_not
   monkeypatch.setattr(vlm_task, "DESCRIBED_STATES_MAX_BYTES", 1000)
   with pytest.raises(validation.ConfigError, match="task.distill_weight.*GiB"):
     vlm_task.VLMTask(config, None, "train")
+
+
+def test_describe_first_is_for_the_bundled_strips_whose_lm_learned_described_texts():
+  assert config_error_field("--config=configs/vlm_tsv.py", "--config.task.describe_first=true") == \
+      "config.task.describe_first"
+  assert config_error_field("--config=configs/vlm_digits.py", "--config.task.describe_first=true") is None
+  assert not helpers.load_config("--config=configs/vlm_digits.py").task.describe_first  # the default answers
+
+
+@pytest.mark.parametrize("connector", ["flamingo", "llava"])
+def test_describe_first_answers_from_the_models_own_descriptions_through_the_frozen_lm_alone(connector, tmp_path):
+  """task.describe_first: each image is described alone, as the model captions it; every other target is the
+  frozen LM's own greedy continuation of the text with those descriptions before the markers. Flamingo's
+  gates are open, so a second pass through its inserted layers would answer otherwise. Infer alike."""
+  import jax.numpy as jnp
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.num_eval_examples": 8, "task.describe_first": True}
+  config = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  for block in getattr(model.connector, "blocks", ()):  # flamingo: the image reaches the text
+    for residual in (block.attention_residual, block.mlp_residual):
+      residual.gate[...] = jnp.ones_like(residual.gate[...])
+  bos, marker, suppressed = task.tokenizer.bos_id, task.marker, list(task.tokenizer.never_generated_ids)
+
+  def caption(image):  # the model's own generation after the image alone
+    prompt = [bos] + [vlm.SOFT_TOKEN] * task.slots(image) + [marker]
+    return task.generate(model, [((image,), prompt, tokenizers.EOS_ID)], task.eval_new_tokens)[0]
+
+  def frozen_lm(prompt, stop):  # greedy by the frozen LM's full forward on the growing prefix
+    ids = list(prompt)
+    for _ in range(task.eval_new_tokens):
+      logits = np.array(model.lm(jnp.asarray([ids]))[0, -1])
+      logits[suppressed] = -np.inf
+      ids.append(int(np.argmax(logits)))
+      if ids[-1] == tokenizers.EOS_ID:
+        break
+    return task._cut(ids[len(prompt):], stop)
+
+  answers, asked = iter(task.eval_answers(model)), 0
+  for example, layout in zip(task.eval_examples, task.eval_layouts):
+    words = [caption(image) for image in example.images]
+    ids, previous, targets = [bos], None, iter(layout.targets)
+    for role, value in example.segments:
+      if role == "image":
+        ids += task.tokenizer.encode(words[value]) + [marker]
+      elif role == "text":
+        ids += task.tokenizer.encode(value)
+      else:
+        _, stop, reference = next(targets)
+        kind, _, scored, answer = next(answers)
+        after_image = previous is not None and previous[0] == "image"
+        assert (kind, scored) == (example.kind, " ".join(reference.split()))
+        assert answer == (words[previous[1]] if after_image else frozen_lm(ids, stop)), (example.segments, answer)
+        asked += not after_image
+        ids += task.tokenizer.encode(value)
+      previous = (role, value)
+  assert next(answers, None) is None and asked and {len(e.images) for e in task.eval_examples} == {1, 2}
+  path = tmp_path / "strip.png"
+  Image.fromarray((255 * (1 - task.eval_examples[0].images[0])).astype(np.uint8)).save(path)
+  described, question = task.infer(model, [str(path), f"{path}\twhat is their sum ?"])
+  loaded = vlm_task.image_text.load_image(str(path), task.canvas, grey=True)
+  assert described == (caption(loaded) or "(nothing)")
+  assert question == (frozen_lm([bos] + task.tokenizer.encode(caption(loaded)) + [marker]
+                                + task.tokenizer.encode("what is their sum ?"), tokenizers.EOS_ID) or "(nothing)")

@@ -46,7 +46,11 @@ the same LM's on the example's text with each image described in words (`vlm_dig
 computed once before training. Eval generates every target in turn from
 the prefix before it (earlier targets given), cut at the token that ends it (or EOS, or a marker), up to
 `eval_new_tokens`: the longest eval target's tokens + 1, at least task.decoding.max_new_tokens, so no reference
-is cut short by the limit. Infer generates up to task.decoding.max_new_tokens.
+is cut short by the limit. Infer generates up to task.decoding.max_new_tokens. With task.describe_first
+(the bundled strips, whose LM learned their described texts) eval and infer answer in two passes: the model
+describes each image alone (its caption), then the frozen LM alone, no image and no connector, answers from the
+text with each image's description before its marker (`described_answers`); a target right after an image is
+that image's description. It is an eval-time choice: `--mode=eval` may set it on a finished run.
 
 Metrics, logged as eval/<name>:
   loss, token_accuracy    cross-entropy / argmax accuracy per target token (the end token included)
@@ -55,7 +59,7 @@ Metrics, logged as eval/<name>:
   exact_match_<k>digits   exact match over the examples whose largest image has k digits (digits only)
   exact_match_<kind>      per kind of example (data.vlm_digits.KINDS, or "user")
 Infer: each line is `image_path` (generate its caption) or `image_path<TAB>question`; the output is the text
-generated after it.
+generated after it (with task.describe_first, the frozen LM's answer from the image's description).
 """
 from __future__ import annotations
 
@@ -189,6 +193,14 @@ class VLMTask(task_lib.Task):
       raise validation.ConfigError("num_microbatches", config.num_microbatches,
                                    f"needs a loss that is one sum over one weight; task.distill_weight={distill} adds "
                                    f"a mean over the compared states to the answers' mean: use 1 (or distill_weight 0)")
+    describe_first = config.task.get("describe_first", False)  # absent from configs written before it: False
+    if "describe_first" in config.task:
+      validation.require_choice(config, "task.describe_first", (True, False))
+    if describe_first and data.source != "digits":
+      raise validation.ConfigError("task.describe_first", describe_first,
+                                   f"answers from the images described in words, which only the LM of the bundled "
+                                   f"strips learned to read (configs/vlm_lm.py's described texts): data.source='digits' "
+                                   f"only (or False), got data.source={data.source!r}")
     if "distill_blocks" in config.task:
       validation.require_positive(config, "task.distill_blocks", allow_zero=True)
     if model.spatial_merge > 1 and not vlm.CONNECTORS[model.connector].spatial:
@@ -670,6 +682,14 @@ class VLMTask(task_lib.Task):
         images, pixel_valid, image_valid, prompt, valid, max_length=max_new, eos_id=tokenizers.EOS_ID,
         options=options, rng=keys, suppress_ids=suppress)[0], static_argnames="max_new")
 
+  @functools.cached_property
+  def _generate_text(self):
+    """The frozen LM alone continuing text prompts (task.describe_first's second pass: no image, no connector)."""
+    options, suppress = self.options, self.tokenizer.never_generated_ids
+    return nnx.jit(lambda model, prompt, valid, keys, max_new: lm_task.generate_ids(
+        model.lm, prompt, valid, keys, capacity=prompt.shape[1] + max_new, max_new_tokens=max_new, options=options,
+        suppress_ids=suppress), static_argnames="max_new")
+
   def _cut(self, row, stop: int) -> str:
     """The generated ids up to the token that ends a target (or EOS, a marker, an invalid id), as text."""
     kept = []
@@ -679,26 +699,41 @@ class VLMTask(task_lib.Task):
       kept.append(token)
     return _normalise(self.tokenizer.decode(kept))
 
-  def generate(self, model, requests, max_new_tokens: int | None = None) -> list[str]:
+  def generate(self, model, requests, max_new_tokens: int | None = None, *, text_only: bool = False) -> list[str]:
     """requests: (images, prompt ids, end token id) each -> the generated text of each, in order, at most
-    max_new_tokens tokens (default task.decoding.max_new_tokens) before the end token."""
+    max_new_tokens tokens (default task.decoding.max_new_tokens) before the end token. text_only: the frozen
+    LM alone continues the prompts (their images are not read; the prompts hold no soft-token slots)."""
     size = self.config.eval_batch_size
+    max_new = max_new_tokens or self.max_new_tokens
     outputs = []
     for start in range(0, len(requests), size):
       chunk = requests[start:start + size]
       padded = chunk + [chunk[-1]] * (size - len(chunk))  # one batch shape: one compiled program
       prompt_length = max(self.prompt_length, max(len(ids) for _, ids, _ in padded))
       tokens, valid = lm_lib.left_pad([ids for _, ids, _ in padded], prompt_length)
-      images = vlm_digits.collate_images([im for im, _, _ in padded], canvas=self.canvas, max_images=MAX_IMAGES)
       keys = decoding_config.row_keys(self.config, size, offset=start)
-      generated = np.asarray(self._generate(model, images["images"], images["pixel_valid"], images["image_valid"],
-                                            tokens, valid, keys, max_new=max_new_tokens or self.max_new_tokens))
-      outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(generated, chunk)]
+      if text_only:
+        generated = self._generate_text(model, tokens, valid, keys, max_new=max_new)
+      else:
+        images = vlm_digits.collate_images([im for im, _, _ in padded], canvas=self.canvas, max_images=MAX_IMAGES)
+        generated = self._generate(model, images["images"], images["pixel_valid"], images["image_valid"], tokens,
+                                   valid, keys, max_new=max_new)
+      outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(np.asarray(generated), chunk)]
     return outputs
+
+  def describe(self, model, images, max_new_tokens: int | None = None) -> list[str]:
+    """Each image's description: the text the model generates after the image alone (its caption, no
+    question), at most max_new_tokens tokens (generate's default)."""
+    prompts = [((image,), [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker],
+                tokenizers.EOS_ID) for image in images]
+    return self.generate(model, prompts, max_new_tokens) if prompts else []
 
   def eval_answers(self, model) -> list[tuple[str, int, str, str]]:
     """(kind, digits in the largest image, reference, generated answer) of every eval target, in eval order:
-    each generated from the prefix before it (earlier targets given), both sides whitespace-normalised."""
+    each generated from the prefix before it (earlier targets given), both sides whitespace-normalised
+    (with task.describe_first: `described_answers`)."""
+    if self.config.task.get("describe_first", False):
+      return self.described_answers(model)
     requests, rows = [], []
     for example, layout in zip(self.eval_examples, self.eval_layouts):
       for prefix, stop, reference in layout.targets:
@@ -707,6 +742,33 @@ class VLMTask(task_lib.Task):
     if not requests:
       return []
     return [row + (answer,) for row, answer in zip(rows, self.generate(model, requests, self.eval_new_tokens))]
+
+  def described_answers(self, model) -> list[tuple[str, int, str, str]]:
+    """eval_answers in two passes (task.describe_first): the model describes each image alone (`describe`);
+    then the frozen LM alone answers every other target from the example's text with each image replaced by
+    its description and marker, as it read the described texts in pretraining ("seven two <image> what is
+    their sum ?"; earlier targets given). A target right after an image is that image's description."""
+    described = iter(self.describe(model, [image for example in self.eval_examples for image in example.images],
+                                   self.eval_new_tokens))
+    requests, rows = [], []
+    for example, layout in zip(self.eval_examples, self.eval_layouts):
+      words = [next(described) for _ in example.images]
+      ids, previous, targets = [self.tokenizer.bos_id], ("text", None), iter(layout.targets)
+      for role, value in example.segments:
+        if role == "image":
+          ids += self.tokenizer.encode(words[value]) + [self.marker]
+        elif role == "text":
+          ids += self.tokenizer.encode(str(value))
+        else:
+          _, stop, reference = next(targets)
+          answer = words[previous[1]] if previous[0] == "image" else None
+          if answer is None:
+            requests.append(((), list(ids), stop))
+          rows.append((example.kind, example.num_digits, _normalise(reference), answer))
+          ids += self.tokenizer.encode(str(value))
+        previous = (role, value)
+    answers = iter(self.generate(model, requests, self.eval_new_tokens, text_only=True))
+    return [row[:3] + (next(answers) if row[3] is None else row[3],) for row in rows]
 
   def extra_eval(self, model):
     answers = self.eval_answers(model)
@@ -725,18 +787,28 @@ class VLMTask(task_lib.Task):
     return metrics
 
   def infer(self, model, lines):
-    requests = []
+    images, questions = [], []
     for index, line in enumerate(lines):
       path, _, question = line.rstrip("\n").partition("\t")
       try:
-        image = image_text.load_image(self.input_path(path.strip()), self.canvas, grey=encoder_task.grey(self.config))
+        images.append(image_text.load_image(self.input_path(path.strip()), self.canvas,
+                                            grey=encoder_task.grey(self.config)))
       except (OSError, ValueError) as error:
         raise task_lib.InputLineError(index, str(error)) from None
-      ids = [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
-      ids += self.tokenizer.encode(question.strip()) if question.strip() else []
-      requests.append(((image,), ids, tokenizers.EOS_ID))
+      questions.append(self.tokenizer.encode(question.strip()) if question.strip() else [])
     self._warn_unknown_characters([line.partition("\t")[2] for line in lines], "the questions")
-    return [text or "(nothing)" for text in self.generate(model, requests)]
+    if self.config.task.get("describe_first", False):  # the frozen LM answers from each image's description
+      texts = self.describe(model, images)
+      asked = [i for i, question in enumerate(questions) if question]
+      answers = self.generate(model, [((), [self.tokenizer.bos_id] + self.tokenizer.encode(texts[i]) + [self.marker]
+                                       + questions[i], tokenizers.EOS_ID) for i in asked], text_only=True)
+      for i, answer in zip(asked, answers):
+        texts[i] = answer
+    else:
+      texts = self.generate(model, [((image,), [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image)
+                                     + [self.marker] + question, tokenizers.EOS_ID)
+                                    for image, question in zip(images, questions)])
+    return [text or "(nothing)" for text in texts]
 
 
 def description_distillation(student, target, mask) -> jax.Array:
