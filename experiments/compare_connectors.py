@@ -20,8 +20,9 @@ hands the LM and the median forward time of a batch of k-digit examples, and the
 frozen features (--probe_steps batches of 64 fresh train strips; by default the most steps of a connector) to
 read each strip's digits, scored on the same test targets by the answers its reading implies. A second
 probe, trained alike with a head that predicts the sum directly, answers the sum question as the connectors
-must (learned, not added up). The frozen encoder's own test strip accuracy is listed beside them. Results:
-experiments/results/compare_connectors.{md,json}.
+must (learned, not added up). The frozen encoder's own test strip accuracy is listed beside them. Each run is
+also scored on the test split answering in two passes (`task.describe_first`: it describes each image, then the
+frozen LM answers from the description), a second table. Results: experiments/results/compare_connectors.{md,json}.
 
 Cost as the image grows, per connector (once, on its first seed's config; `--scales`): for k = 1..4 digits at
 each image scale s (digits of 8s x 8s pixels, so M = 1 + 16 k s^2 with 2 x 2 patches), the tokens an image
@@ -63,16 +64,36 @@ def other_test_set(workdir: str, eval_examples: int) -> str:
           "--workdirs")
 
 
-def test_metrics(workdir: str) -> dict:
+def other_run(workdir: str, config) -> str:
+  """Why the finished run in workdir is not the run `config` would train ("" if it is): the first field both
+  record with different values (a field one of them predates is not compared; the test set is
+  `other_test_set`'s). Without this a run of another budget would be reported under this one's."""
+  from xattn_jax.training import workdir as workdir_lib
+  differences = {field: values for field, values in workdir_lib.config_differences(config, workdir).items()
+                 if None not in values and field != "data.num_eval_examples"}
+  if not differences:
+    return ""
+  # the budget first: the eval and checkpoint intervals follow from it
+  field = min(differences, key=lambda name: (name not in ("total_steps", "batch_size", "optimizer.learning_rate"), name))
+  trained, configured = differences[field]
+  return (f"the finished run in {workdir} was trained with {field}={trained!r}, this comparison's config has "
+          f"{configured!r}: it is another run; use another --workdirs")
+
+
+def test_metrics(workdir: str, describe_first: bool = False) -> dict:
   """The finished run's eval metrics on the test split, as `launch.py --mode=eval --config.data.eval_split=test`
-  gives them (and records), computed once and kept in workdir/test_metrics.json. A run whose config predates
-  data.eval_split evaluated on test already."""
+  gives them (and records), computed once and kept in workdir/test_metrics.json; describe_first: answered in
+  two passes (`--config.task.describe_first=true`), kept in workdir/test_metrics_describe_first.json. A run
+  whose config predates data.eval_split evaluated on test already."""
   from xattn_jax.training import loop, validation
-  path = pathlib.Path(workdir, "test_metrics.json")
+  path = pathlib.Path(workdir, "test_metrics_describe_first.json" if describe_first else "test_metrics.json")
   if path.is_file():
     return json.loads(path.read_text())
   config = validation.load_config_file(os.path.join(workdir, "config.py"))
   config.data.eval_split = "test"
+  if describe_first:
+    with config.unlocked():  # a run's config.py written before the field existed has none
+      config.task.describe_first = True
   metrics = {k: float(v) for k, v in loop.run(config, workdir, "eval").items()}
   path.write_text(json.dumps(metrics))
   return metrics
@@ -313,6 +334,8 @@ def main(argv=None):
       mismatch = other_test_set(workdir, eval_examples)
       if mismatch:
         parser.error(f"--eval_examples: {mismatch}")
+      if wall_file.is_file() and other_run(workdir, config):
+        parser.error(f"--connectors {connector}: {other_run(workdir, config)}")
       if not wall_file.is_file():
         start = time.perf_counter()
         dependencies.resolve(config, workdir, "train")
@@ -324,6 +347,8 @@ def main(argv=None):
              "train/steps_per_second": metrics["train/steps_per_second"],
              "validation/exact_match": metrics["eval/exact_match"],
              **{k: v for k, v in test_metrics(workdir).items() if k.startswith("eval/")},
+             **{"described/" + k[len("eval/"):]: v for k, v in test_metrics(workdir, describe_first=True).items()
+                if k.startswith("eval/exact_match")},
              **_measure(config, workdir)}
       record["runs"].append(run)
       print(json.dumps(run), flush=True)
@@ -411,6 +436,23 @@ def render(record: dict) -> str:
     lines.append(f"| {name} | {trained} {entry['eval/exact_match']:.3f} | "
                  f"{mean([entry.get('validation/exact_match')]):.3f} | | "
                  f"{mean([entry.get('eval/exact_match_1digits'), entry.get('eval/exact_match_2digits')]):.3f} | | | |")
+  described = [c for c in dict.fromkeys(r["connector"] for r in runs)
+               if all("described/exact_match" in r for r in runs if r["connector"] == c)]
+  if described:
+    ceiling = max(probe["eval/exact_match"], head["eval/exact_match"])
+    lines += ["", "Describe first (`--config.task.describe_first=true`, the same runs): each image is described "
+              "alone, then the frozen LM alone answers from the text with the description before the image's "
+              "marker (a target right after an image is its description); the default answers from the image.", "",
+              "| model | seeds | exact match: default / describe first | below the ceiling | sum | 1-2 digits |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for connector in described:
+      rs = [r for r in runs if r["connector"] == connector]
+      default, first = mean([r["eval/exact_match"] for r in rs]), mean([r["described/exact_match"] for r in rs])
+      small = [mean([mean([r.get(f"{side}/exact_match_1digits"), r.get(f"{side}/exact_match_2digits")]) for r in rs])
+               for side in ("eval", "described")]
+      lines.append(f"| {connector} | {len(rs)} | {default:.3f} / **{first:.3f}** | {ceiling - default:.3f} / "
+                   f"{ceiling - first:.3f} | {mean([r.get('eval/exact_match_sum') for r in rs]):.2f} / "
+                   f"{mean([r.get('described/exact_match_sum') for r in rs]):.2f} | {small[0]:.3f} / {small[1]:.3f} |")
   lines += ["", "By image size (first seed): tokens an image hands the LM / median forward ms of an eval batch / "
             "exact match", "", "| connector | " + " | ".join(f"k={k}" for k in range(1, 5)) + " |",
             "| --- |" + " --- |" * 4]

@@ -49,6 +49,25 @@ def test_a_finished_run_evaluated_on_another_number_of_test_examples_cannot_join
   assert "answered 256 test examples, not 2000" in compare_connectors.other_test_set(str(run), 2000)
 
 
+def test_a_finished_run_of_another_budget_cannot_join_under_this_ones_name(tmp_path):
+  """The flamingo runs of 14,000 steps were reported as 12,000 once that became its default."""
+  from configs import vlm_digits as vlm_digits_config
+  config = vlm_digits_config.get_config("connector=flamingo")
+  config.data.num_eval_examples = 2000
+  run = tmp_path / "flamingo_seed0"
+  assert compare_connectors.other_run(str(run), config) == ""  # not trained yet
+  run.mkdir()
+  recorded = json.loads(config.to_json_best_effort())
+  del recorded["task"]["describe_first"]  # a run older than a field is compared on the fields it holds
+  recorded["data"]["num_eval_examples"] = 256  # other_test_set's to name
+  (run / "config.json").write_text(json.dumps(recorded))
+  assert compare_connectors.other_run(str(run), config) == ""
+  recorded["total_steps"] = config.total_steps + 2000
+  (run / "config.json").write_text(json.dumps(recorded))
+  assert (f"trained with total_steps={config.total_steps + 2000}, this comparison's config has {config.total_steps}"
+          in compare_connectors.other_run(str(run), config))
+
+
 @pytest.mark.slow
 def test_a_run_evaluates_on_validation_and_is_scored_on_test_once_it_finished(tmp_path):
   run = tmp_path / "vlm"
@@ -68,6 +87,11 @@ def test_a_run_evaluates_on_validation_and_is_scored_on_test_once_it_finished(tm
   # kept: a comparison measuring the run again reads the file, and the run's eval record holds the test eval
   assert json.loads((run / "test_metrics.json").read_text()) == metrics
   assert compare_connectors.test_metrics(str(run)) == metrics
+  # answered in two passes (task.describe_first): kept apart, the default's file untouched
+  described = compare_connectors.test_metrics(str(run), describe_first=True)
+  assert 0.0 <= described["eval/exact_match"] <= 1.0
+  assert json.loads((run / "test_metrics_describe_first.json").read_text()) == described
+  assert json.loads((run / "test_metrics.json").read_text()) == metrics
 
 
 @pytest.mark.slow
