@@ -9,7 +9,8 @@ Experiments (each cell = experiment x encoding x seed, one `launch.py` subproces
   resolution  the Perceiver on 8x8 digits, accuracy on the 8x8 test images and resized to 12x12, 16x16.
 
 Each cell trains in its own workdir `<workdir>/<experiment>/<encoding>/seed<k>`; when it ends, its
-final eval metrics go to `result.json` there. A cell with a result.json is never re-run; an
+final eval metrics go to `result.json` there. A cell with a result.json is never re-run (one trained
+under other settings is stale: reported and not counted, experiments/sweep.py); an
 interrupted one resumes from its last checkpoint (launch.py's own resume). Cells run `--jobs` at a
 time, each with a single-threaded XLA so that parallel jobs do not fight over the cores.
 

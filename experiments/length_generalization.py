@@ -17,7 +17,8 @@ the final eval's exact match (and token accuracy) per input-length band 1-20, 21
 Cell workdirs are `<workdir>/<task>/<encoding>[+randomized]/seed<k>`; a finished cell writes
 result.json there and is never re-run; an interrupted one resumes from its last checkpoint
 (launch.py's own resume). The tables count every finished cell of the grid, so a run with --only
-adds to the earlier ones. Cells run --jobs at a time, each on a single-threaded XLA.
+adds to the earlier ones; a cell finished under other settings (another budget) is stale: reported, not
+counted, not trained over (experiments/sweep.py). Cells run --jobs at a time, each on a single-threaded XLA.
 
 Writes to --results: length_generalization.md (mean +- std of exact match per band over the seeds,
 the papers' numbers beside ours), length_generalization.json and length_generalization.png; each
@@ -133,13 +134,14 @@ def run_cell(cell: Cell, root: pathlib.Path, quick: bool, single_thread: bool) -
   return sweep.run_cell(cell, root, quick, METRICS, single_thread)
 
 
-def finished_results(grid: list[Cell], root: pathlib.Path) -> dict[tuple[str, str], list[dict]]:
-  """{(task, variant): [result.json of each finished seed]} over the cells of `grid` that finished."""
+def finished_results(grid: list[Cell], root: pathlib.Path, quick: bool) -> dict[tuple[str, str], list[dict]]:
+  """{(task, variant): [result.json of each finished seed]} over the cells of `grid` that finished under the
+  current settings (`sweep.finished_result`: a stale cell is not counted)."""
   results = {}
   for cell in grid:
-    path = cell.workdir(root) / "result.json"
-    if path.exists():
-      results.setdefault((cell.task, cell.variant), []).append(json.loads(path.read_text()))
+    result = sweep.finished_result(cell, root, quick)
+    if result is not None:
+      results.setdefault((cell.task, cell.variant), []).append(result)
   return results
 
 
@@ -346,7 +348,7 @@ def main(argv=None):
       cell, metrics, message = future.result()
       print(f"[{time.time() - start:6.0f}s] {cell.task}/{cell.variant}/seed{cell.seed}: {message}", flush=True)
       failures += metrics is None
-  summary = summarize(finished_results(cells(args.quick, seeds, randomized=randomized), root))
+  summary = summarize(finished_results(cells(args.quick, seeds, randomized=randomized), root, args.quick))
   write_outputs(summary, meta, pathlib.Path(args.results), notes, args.quick)
   print(f"wrote {args.results}/length_generalization.md ({len(todo) - failures}/{len(todo)} cells this run)")
   return 1 if failures else 0

@@ -3,7 +3,10 @@
 A cell is one `launch.py` subprocess in its own workdir (the runner's Cell gives `workdir(root)` and
 `command(root, quick)`); its result is the final eval's metrics, read from the run's metrics.jsonl and kept in
 result.json, so a finished cell is never trained again and an interrupted one resumes from its checkpoint
-(launch.py's own resume). A table row is the mean and sample std of a metric over the seeds that finished.
+(launch.py's own resume). result.json also keeps the cell's settings (its launch arguments); a finished cell
+whose settings differ from what the runner would launch now (another budget, another commit's grid) is stale:
+it is neither reused nor trained over, and no table counts it. A table row is the mean and sample std of a
+metric over the seeds that finished.
 """
 from __future__ import annotations
 
@@ -30,13 +33,44 @@ def final_metrics(workdir: pathlib.Path, keys) -> dict[str, float]:
   return values
 
 
+def settings(command: list[str]) -> list[str]:
+  """A cell's launch arguments without the interpreter, the repository's path or the workdir: what a result
+  was trained with, wherever the repository and the sweep's root sit."""
+  prefix = str(REPOSITORY) + os.sep
+  return [argument.replace(prefix, "") for argument in command[1:] if not argument.startswith("--workdir=")]
+
+
+def stale(cell, root: pathlib.Path, quick: bool, result: dict) -> str:
+  """Why a finished cell's result is not the cell's under the current settings ("" if it is; a result.json
+  written before settings were kept is taken as it is)."""
+  recorded, current = result.get("settings"), settings(cell.command(root, quick))
+  if recorded is None or recorded == current:
+    return ""
+  differences = sorted(set(recorded) ^ set(current)) or ["the order of the arguments"]
+  return (f"STALE: {cell.workdir(root)} was trained with other settings ({', '.join(differences[:4])}); delete it "
+          f"to train the cell again, or use another --workdir")
+
+
+def finished_result(cell, root: pathlib.Path, quick: bool) -> dict | None:
+  """The cell's kept result, or None when it has none or a stale one."""
+  path = cell.workdir(root) / "result.json"
+  if not path.exists():
+    return None
+  result = json.loads(path.read_text())
+  return None if stale(cell, root, quick, result) else result
+
+
 def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
   """Trains one cell unless its result.json exists; returns (cell, metrics or None, message). A result.json
-  written before a key joined the table gains it from the run's log."""
+  written before a key joined the table gains it from the run's log; a stale one (`stale`) is reported and
+  left as it is."""
   workdir = cell.workdir(root)
   result_path = workdir / "result.json"
   if result_path.exists():
     result = json.loads(result_path.read_text())
+    reason = stale(cell, root, quick, result)
+    if reason:
+      return cell, None, reason
     if any(key not in result for key in keys):
       result.update(final_metrics(workdir, keys))
       result_path.write_text(json.dumps(result, indent=1) + "\n")
@@ -57,7 +91,8 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
     metrics = final_metrics(workdir, keys)
   except (OSError, RuntimeError) as e:
     return cell, None, f"FAILED: {e}"
-  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds}, indent=1) + "\n")
+  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds,
+                                     "settings": settings(cell.command(root, quick))}, indent=1) + "\n")
   return cell, metrics, f"{seconds:.0f}s"
 
 

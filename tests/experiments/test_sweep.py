@@ -53,6 +53,29 @@ def test_a_cell_runs_once_and_keeps_its_final_metrics_in_result_json(tmp_path):
   assert sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)[1:] == (kept, "done before")
 
 
+def test_a_cell_finished_under_other_settings_is_stale_neither_reused_nor_trained_over_nor_counted(tmp_path):
+  """A grid whose budget changed (another commit, another --quick) would otherwise mix old cells into its table."""
+  cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},))
+  kept = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)[1]
+  result_path = cell.workdir(tmp_path) / "result.json"
+  assert json.loads(result_path.read_text())["settings"] == sweep.settings(cell.command(tmp_path, True))
+  assert sweep.finished_result(cell, tmp_path, quick=True) == json.loads(result_path.read_text())
+  other = _Cell(rows=({"step": 1, "eval/a": 0.9, "eval/b": 0.9},))  # the same workdir, other arguments
+  _, metrics, message = sweep.run_cell(other, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics is None and message.startswith("STALE: ") and str(cell.workdir(tmp_path)) in message
+  assert sweep.finished_result(other, tmp_path, quick=True) is None
+  assert {k: json.loads(result_path.read_text())[k] for k in KEYS} == {k: kept[k] for k in KEYS}  # left as it was
+  # a result.json written before settings were kept is taken as it is
+  result_path.write_text(json.dumps({"eval/a": 0.5, "eval/b": 0.25, "train_seconds": 1.0}))
+  assert sweep.run_cell(other, tmp_path, quick=True, keys=KEYS, single_thread=True)[2] == "done before"
+
+
+def test_settings_leave_out_the_interpreter_the_repository_and_the_workdir():
+  command = [sys.executable, str(sweep.REPOSITORY / "launch.py"), f"--config={sweep.REPOSITORY / 'configs/x.py'}:a=1",
+             "--workdir=/somewhere/cell", "--config.seed=2"]
+  assert sweep.settings(command) == ["launch.py", "--config=configs/x.py:a=1", "--config.seed=2"]
+
+
 def test_a_failed_cell_writes_no_result(tmp_path):
   cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},), status=3)
   _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=False)
