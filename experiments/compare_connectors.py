@@ -334,8 +334,9 @@ def main(argv=None):
       mismatch = other_test_set(workdir, eval_examples)
       if mismatch:
         parser.error(f"--eval_examples: {mismatch}")
-      if wall_file.is_file() and other_run(workdir, config):
-        parser.error(f"--connectors {connector}: {other_run(workdir, config)}")
+      mismatch = other_run(workdir, config) if wall_file.is_file() else ""
+      if mismatch:
+        parser.error(f"--connectors {connector}: {mismatch}")
       if not wall_file.is_file():
         start = time.perf_counter()
         dependencies.resolve(config, workdir, "train")

@@ -721,11 +721,14 @@ class VLMTask(task_lib.Task):
       outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(np.asarray(generated), chunk)]
     return outputs
 
+  def _image_prompt(self, image) -> list[int]:
+    """BOS, then one image: its soft-token slots and its marker (what a caption or a question follows)."""
+    return [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
+
   def describe(self, model, images, max_new_tokens: int | None = None) -> list[str]:
     """Each image's description: the text the model generates after the image alone (its caption, no
     question), at most max_new_tokens tokens (generate's default)."""
-    prompts = [((image,), [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker],
-                tokenizers.EOS_ID) for image in images]
+    prompts = [((image,), self._image_prompt(image), tokenizers.EOS_ID) for image in images]
     return self.generate(model, prompts, max_new_tokens) if prompts else []
 
   def eval_answers(self, model) -> list[tuple[str, int, str, str]]:
@@ -805,8 +808,7 @@ class VLMTask(task_lib.Task):
       for i, answer in zip(asked, answers):
         texts[i] = answer
     else:
-      texts = self.generate(model, [((image,), [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image)
-                                     + [self.marker] + question, tokenizers.EOS_ID)
+      texts = self.generate(model, [((image,), self._image_prompt(image) + question, tokenizers.EOS_ID)
                                     for image, question in zip(images, questions)])
     return [text or "(nothing)" for text in texts]
 
