@@ -637,10 +637,14 @@ def test_describe_first_answers_from_the_models_own_descriptions_through_the_fro
     prompt = [bos] + [vlm.SOFT_TOKEN] * task.slots(image) + [marker]
     return task.generate(model, [((image,), prompt, tokenizers.EOS_ID)], task.eval_new_tokens)[0]
 
+  forward = nnx.jit(lambda lm, ids: lm(ids))
+  width = 64  # the prefix padded on the right: a causal LM's logits at a position never read what follows it
+
   def frozen_lm(prompt, stop):  # greedy by the frozen LM's full forward on the growing prefix
     ids = list(prompt)
     for _ in range(task.eval_new_tokens):
-      logits = np.array(model.lm(jnp.asarray([ids]))[0, -1])
+      assert len(ids) <= width, len(ids)
+      logits = np.array(forward(model.lm, jnp.asarray([ids + [0] * (width - len(ids))]))[0, len(ids) - 1])
       logits[suppressed] = -np.inf
       ids.append(int(np.argmax(logits)))
       if ids[-1] == tokenizers.EOS_ID:
