@@ -5,6 +5,7 @@
     python launch.py --config=configs/lm_text.py --workdir=workdirs/my_lm --config.data.train_file=my_text.txt
     echo "4,213 is" | python launch.py --config=configs/lm_text.py --workdir=workdirs/lm --mode=infer \
         --config.task.decoding.method=sample --config.task.decoding.temperature=0.8 --config.task.decoding.top_p=0.9
+    yes '' | head -n 4 | python launch.py --config=configs/lm_text.py --workdir=workdirs/lm --mode=infer   # from nothing
 
 One document per line (UTF-8). Documents are packed into rows of data.sequence_length tokens. Training stops
 after `epochs=50` passes over them if that comes before total_steps (2,000), but not before `min_steps=300`;

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import logging
 import math
 
@@ -79,6 +80,19 @@ def test_infer_continues_every_prompt_on_one_line(trained, method):
   assert len(answers) == len(prompts)
   for prompt, answer in zip(prompts, answers):
     assert answer.startswith(prompt) and "\n" not in answer
+
+
+def test_a_blank_infer_line_is_a_sample_from_nothing(trained, tmp_path):
+  """`--mode=infer` with blank lines samples the model unconditionally: each line its own row key, the
+  same samples as the task's infer of "" rows."""
+  from xattn_jax.training import inference
+  workdir, _ = trained
+  model, task = loop.load_model(str(workdir))
+  (tmp_path / "prompts.txt").write_text("dimanche\n\n\n")
+  trainer = type("Trainer", (), {"task": task, "model": lambda self, state: model})()
+  answers = inference.infer(trainer, None, str(tmp_path / "prompts.txt"), output=io.StringIO())
+  assert answers == task.infer(model, ["dimanche", "", ""])
+  assert answers[0].startswith("dimanche") and answers[1] and answers[2] and answers[1] != answers[2], answers
 
 
 @pytest.mark.parametrize("line, added, expected", [

@@ -42,6 +42,22 @@ def test_blank_lines_are_answered_blank_and_never_reach_the_task():
   assert inference.answer_lines(infer, ["", ""]) == ["", ""] and len(seen) == 1  # nothing to ask
 
 
+def test_a_task_that_infers_blank_lines_is_handed_every_line(tmp_path):
+  """A language model answers a blank line (a sample from nothing); the engine hands it over in place."""
+
+  class Samples(task_lib.Task):
+    infers_blank_lines = True
+
+    def infer(self, model, lines):
+      return [line or f"sample {index}" for index, line in enumerate(lines)]
+
+  trainer = type("FakeTrainer", (), {"task": Samples(None), "model": lambda self, state: None})()
+  path = tmp_path / "lines.txt"
+  path.write_text("ab\n\n\ncd\n")
+  assert inference.infer(trainer, None, str(path), output=io.StringIO()) == ["ab", "sample 1", "sample 2", "cd"]
+  assert not task_lib.Task.infers_blank_lines  # every other task: blank in, blank out (above)
+
+
 def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
   def infer(lines):
     raise task_lib.InputLineError(1, "template input 'ab1' has a character outside a-z")

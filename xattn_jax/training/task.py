@@ -71,7 +71,7 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 - `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
   of generated text); logged as `eval/<name>`. Default: none.
 - `infer(model, lines: list[str]) -> list[str]`: one output line per input line (never blank: the
-  loop answers blank input lines itself); a line the task cannot take raises `InputLineError` with
+  loop answers blank input lines itself, unless the task sets `infers_blank_lines`); a line the task cannot take raises `InputLineError` with
   its index, which the loop reports as the file name and line number. A file path in a line is read
   through `self.input_path(path)`: relative to the input file's folder, as the paths in a pairs file
   are relative to that file (stdin: the current directory).
@@ -213,6 +213,9 @@ class Task:
   # The eval/<name> metrics the task logs, when it can say so before running: checkpoint.best_metric
   # is checked against them. Empty: checked only for the "eval/" prefix.
   eval_metric_names: ClassVar[tuple[str, ...]] = ()
+  # True: a blank input line reaches infer as "" (a language model samples from nothing for it); False:
+  # the engine answers it with a blank line.
+  infers_blank_lines: ClassVar[bool] = False
 
   def __init__(self, config, workdir: str | None = None, mode: str = "train"):
     self.config = config

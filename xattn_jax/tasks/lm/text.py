@@ -147,6 +147,7 @@ def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options
 class LanguageModelTask(task_lib.Task):
   """Next-token prediction on packed documents (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity")
+  infers_blank_lines = True  # a blank line is an empty prompt: a sample from BOS alone
 
   @classmethod
   def validate(cls, config, mode="train"):
@@ -320,7 +321,8 @@ class LanguageModelTask(task_lib.Task):
   # --- inference --------------------------------------------------------------------------------
 
   def infer(self, model, lines):
-    """Each line continued by task.decoding's method: the prompt, then the model's continuation."""
+    """Each line continued by task.decoding's method: the prompt, then the model's continuation (a blank line:
+    what the model writes after BOS alone)."""
     limit, new = self.config.model.max_length, self.config.task.decoding.max_new_tokens
     prompts = []
     for index, ids in enumerate(self.tokenizer.encode_batch(lines)):
