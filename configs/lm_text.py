@@ -56,6 +56,7 @@ def get_config(arg=None):
       "max_new_tokens": 48,
       "seed": 0,              # sampling keys, one per input line
   })
+  config.task.num_samples_logged = 3  # each eval logs the continuations of this many eval documents' first halves
 
   config.data = ConfigDict()
   config.data.train_file = ""       # "" = the bundled corpus; else one document per line

@@ -57,6 +57,7 @@ def get_config(arg=None):
   config.data.single_piece_words = ("<image>",)
   config.task.decoding.method = "greedy"
   config.task.decoding.max_new_tokens = 16
+  config.task.num_samples_logged = 0  # no samples: its evals stay as short as the VLM chain's time budget had them
   if args.text == "pairs":
     config.data.file_format = "image_text"  # "<image> text" of each pair; the VLM task sets the files
     config.data.sequence_length = 128

@@ -68,6 +68,26 @@ def test_an_eval_reads_the_eval_rows_once_perplexity_included(trained, monkeypat
   assert values["eval/loss"] == pytest.approx(metrics["eval/loss"], rel=1e-6)
 
 
+def test_an_eval_logs_samples_that_continue_the_first_half_of_eval_documents(trained, caplog):
+  """task.num_samples_logged (3) eval documents: each cut in half, the model's continuation of the first half (the
+  one infer writes for it) beside the second."""
+  import ast
+  import re
+  workdir, _ = trained
+  config = helpers.load_config(*TINY)
+  with caplog.at_level(logging.INFO):
+    loop.run(config, str(workdir), "eval")
+  logged = [re.fullmatch(r"sample: (.*) -> (.*) \(the document goes on (.*)\)", record.getMessage())
+            for record in caplog.records if record.getMessage().startswith("sample: ")]
+  model, task = loop.load_model(str(workdir), "eval")
+  assert len(logged) == config.task.num_samples_logged == 3 and all(logged)
+  samples = [tuple(map(ast.literal_eval, match.groups())) for match in logged]
+  for (prompt, _, rest), document in zip(samples, task.eval_texts):
+    assert prompt + rest == document and len(prompt) == len(document.encode()) // 2  # bytes: half the tokens
+  assert all(prompt.isascii() for prompt, _, _ in samples)  # so infer reads the same tokens
+  assert task.infer(model, [prompt for prompt, _, _ in samples]) == [prompt + added for prompt, added, _ in samples]
+
+
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_infer_continues_every_prompt_on_one_line(trained, method):
   workdir, _ = trained

@@ -27,7 +27,9 @@ Config (see configs/lm_text.py):
   model.randomized_positions_max / _at_eval   randomized positions per packed document (0 = off;
                       models.lm), drawn from the step's rngs in training
   task.decoding.*     method greedy | sample | beam and its options (tasks.decoding_config), and
-                      max_new_tokens, for --mode=infer
+                      max_new_tokens, for --mode=infer and the samples each eval logs
+  task.num_samples_logged  (optional) each eval logs the model's continuation of the first half of this many
+                      eval documents, beside how each goes on (0 = none)
 
 Documents are packed into rows (data.text.pack_documents): each is BOS d_1 .. d_n EOS, the model
 learns its n + 1 next-token pairs, attention stays within a document and positions restart at it.
@@ -39,8 +41,8 @@ included, every pair of every eval document counted once):
   eval/perplexity      exp(eval/loss) (derived_eval: from the same sums, no second pass)
 How many eval tokens there are is logged when the task is built. A document longer than a row is
 scored in chunks of data.sequence_length pairs, each without the context before it (as it is trained).
-Infer: each input line is a prompt (BOS + its tokens); the output line is the prompt followed by the
-model's continuation (up to task.decoding.max_new_tokens tokens, stopping at EOS).
+Infer: each input line is a prompt (BOS + its tokens; a blank line: BOS alone); the output line is the prompt
+followed by the model's continuation (up to task.decoding.max_new_tokens tokens, stopping at EOS).
 """
 from __future__ import annotations
 
@@ -157,6 +159,8 @@ class LanguageModelTask(task_lib.Task):
     validation.require_positive(config, "data.num_eval_documents", allow_zero=True)
     if "max_eval_rows" in data:  # a run's config.py written before the field existed has none
       validation.require_positive(config, "data.max_eval_rows", allow_zero=True)
+    if "num_samples_logged" in task:  # likewise
+      validation.require_positive(config, "task.num_samples_logged", allow_zero=True)
     if task.decoding.max_new_tokens > model.max_length - 2:  # BOS and one prompt token at least
       raise validation.ConfigError("task.decoding.max_new_tokens", task.decoding.max_new_tokens,
                                    f"must be <= model.max_length - 2 = {model.max_length - 2}: a prompt's BOS, its "
@@ -318,26 +322,45 @@ class LanguageModelTask(task_lib.Task):
     """perplexity = exp(mean eval loss per token), from the summed eval loss (no second pass)."""
     return {"perplexity": math.exp(metrics["loss"])} if "loss" in metrics else {}
 
+  def extra_eval(self, model):
+    """No metric: logs the model's continuation of the first half of the first task.num_samples_logged eval
+    documents (at most the tokens a prompt may hold) beside how each document goes on."""
+    count = self.config.task.get("num_samples_logged", 0)
+    budget = self.config.model.max_length - 1 - self.config.task.decoding.max_new_tokens  # BOS and the new ones
+    prompts = [ids[:max(1, min(len(ids) // 2, budget))]
+               for ids in self.tokenizer.encode_batch(list(self.eval_texts[:count]))]
+    for prompt, ids, added in zip(prompts, self.tokenizer.encode_batch(list(self.eval_texts[:count])),
+                                  self._continuations(model, prompts) if prompts else ()):
+      logging.info("sample: %r -> %r (the document goes on %r)", self.tokenizer.decode(prompt), added,
+                   self.tokenizer.continuation(prompt, ids[len(prompt):]))
+    return {}
+
   # --- inference --------------------------------------------------------------------------------
 
   def infer(self, model, lines):
     """Each line continued by task.decoding's method: the prompt, then the model's continuation (a blank line:
     what the model writes after BOS alone)."""
     limit, new = self.config.model.max_length, self.config.task.decoding.max_new_tokens
-    prompts = []
-    for index, ids in enumerate(self.tokenizer.encode_batch(lines)):
+    prompts = self.tokenizer.encode_batch(lines)
+    for index, ids in enumerate(prompts):
       if len(ids) + 1 + new > limit:
         raise task_lib.InputLineError(index, f"{len(ids)} tokens, BOS and task.decoding.max_new_tokens={new} "
                                       f"exceed model.max_length={limit}")
-      prompts.append([self.tokenizer.bos_id, *ids])
+    return [_continue(line, added) for line, added in zip(lines, self._continuations(model, prompts))]
+
+  def _continuations(self, model, prompts: list[list[int]]) -> list[str]:
+    """The text task.decoding's method adds after each prompt (token ids, BOS not included; row i samples
+    with key i)."""
+    new = self.config.task.decoding.max_new_tokens
+    prompts = [[self.tokenizer.bos_id, *ids] for ids in prompts]
     width = -(-max(map(len, prompts)) // 8) * 8  # few compiled shapes across calls
     tokens, valid = lm_lib.left_pad(prompts, width)
-    rng = decoding_config.row_keys(self.config, len(lines))
+    rng = decoding_config.row_keys(self.config, len(prompts))
     continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
                                               capacity=width - 1 + new, max_new_tokens=new, options=self.options,
                                               suppress_ids=self.tokenizer.never_generated_ids))
-    return [_continue(line, self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0]))
-            for line, prompt, row in zip(lines, prompts, continuations)]
+    return [self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0])
+            for prompt, row in zip(prompts, continuations)]
 
 
 def _split_tail(document: str, eval_fraction: float, path: str) -> tuple[list[str], list[str]]:
