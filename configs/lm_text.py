@@ -71,6 +71,9 @@ def get_config(arg=None):
   config.data.vocab_size = 1024     # sentencepiece: at most this many pieces ...
   config.data.vocab_size_exact = False  # ... or exactly this many (an error if the text cannot give them)
   config.data.sequence_length = 128
+  # Eval of a document longer than a row: a sliding window, each chunk after the first reading this many tokens
+  # before the ones it scores (half the row unless set; 0 = the training chunks, each without context).
+  config.data.eval_context = config.data.get_ref("sequence_length") // 2
 
   d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
   config.model.name = "lm"

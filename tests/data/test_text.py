@@ -52,16 +52,30 @@ def test_a_missing_file_is_an_error_naming_it(tmp_path):
 
 # --- packing -----------------------------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
-@given(documents=documents_strategy, length=st.integers(1, 16), seed=st.integers(0, 3))
-def test_packing_holds_every_pair_of_every_document_exactly_once(documents, length, seed):
-  packed = text.pack_documents(documents, length, seed=seed)
+@settings(max_examples=60, deadline=None)
+@given(documents=documents_strategy, length=st.integers(1, 16), seed=st.integers(0, 3), context=st.integers(0, 15))
+def test_packing_holds_every_pair_of_every_document_exactly_once(documents, length, seed, context):
+  """With a context, too: each pair is scored once, each scored chunk after a document's first reads the
+  `context` pairs before it (weight 0) in the same segment, positions from 0 at the context's start."""
+  context %= length
+  packed = text.pack_documents(documents, length, seed=seed, context=context)
   rebuilt = {d: [] for d in range(len(documents))}
+  scored = np.zeros_like(packed.weights)
   for row, start, pairs, document, offset in sorted(packed.segments.tolist(), key=lambda s: (s[3], s[4])):
     assert offset == len(rebuilt[document])  # chunks of a document follow on without gaps or overlaps
     rebuilt[document] += list(zip(packed.inputs[row, start:start + pairs], packed.targets[row, start:start + pairs]))
+    scored[row, start:start + pairs] = 1
+    read = context if offset else 0  # the pairs the chunk reads first
+    before = slice(start - read, start)
+    assert list(zip(packed.inputs[row, before], packed.targets[row, before])) == \
+        _pairs(documents[document])[offset - read:offset]
+    segment = packed.segment_ids[row, start]
+    assert (packed.segment_ids[row, start - read:start + pairs] == segment).all()
+    assert packed.positions[row, start - read] == 0 and (start - read == 0 or
+                                                          packed.segment_ids[row, start - read - 1] != segment)
   assert all(rebuilt[d] == _pairs(document) for d, document in enumerate(documents))
-  assert packed.weights.sum() == sum(len(d) + 1 for d in documents)  # nothing else carries weight
+  np.testing.assert_array_equal(packed.weights, scored)  # nothing else carries weight
+  assert packed.weights.sum() == sum(len(d) + 1 for d in documents)
 
 
 @settings(max_examples=40, deadline=None)
@@ -106,6 +120,12 @@ def test_a_document_longer_than_a_row_is_split_into_chunks_of_row_length():
   assert packed.inputs.shape[1] == 10
 
 
+def test_a_sliding_window_scores_length_then_length_minus_context_pairs_a_chunk():
+  packed = text.pack_documents([list(range(3, 40)), [5, 6]], 10, context=4)  # 38 pairs -> 10, then 6 each
+  chunks = sorted((offset, pairs) for _, _, pairs, document, offset in packed.segments.tolist() if document == 0)
+  assert chunks == [(0, 10), (10, 6), (16, 6), (22, 6), (28, 6), (34, 4)]
+
+
 def test_packing_is_deterministic_given_the_seed():
   documents = _documents(2)
   first, again, other = (text.pack_documents(documents, 16, seed=s) for s in (0, 0, 1))
@@ -125,6 +145,8 @@ def test_best_fit_leaves_little_room_in_rows():
     (dict(documents=[]), "documents must be a non-empty"),
     (dict(length=0), "length must be an integer >= 1"),
     (dict(bos_id=5, eos_id=5), "bos_id and eos_id must differ"),
+    (dict(context=4), "context must be smaller than length=4"),
+    (dict(context=-1), "context must be an integer >= 0"),
 ])
 def test_bad_packing_arguments_raise_naming_them(kwargs, message):
   args = dict(documents=[[3, 4]], length=4)

@@ -236,6 +236,26 @@ def test_eval_without_an_eval_file_scores_the_documents_training_held_out(tmp_pa
   assert not set(evaluated.eval_texts) & set(trained.train_texts)
 
 
+def test_a_long_eval_document_is_scored_by_a_sliding_window_of_half_a_row_by_default(tmp_path):
+  """Eval chunks of a long document after its first read data.eval_context tokens of it (weight 0) before the
+  ones they score: half of data.sequence_length unless set; 0 scores the training chunks."""
+  (tmp_path / "train.txt").write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(50)))
+  (tmp_path / "eval.txt").write_text("x" * 200 + "\n")  # 201 next-token pairs
+  rows = {}
+  for context in (None, 0, 16):
+    extra = [] if context is None else [f"--config.data.eval_context={context}"]
+    config = helpers.load_config(*TINY, f"--config.data.train_file={tmp_path / 'train.txt'}",
+                                 f"--config.data.eval_file={tmp_path / 'eval.txt'}", *extra)
+    packed = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "eval").eval_data.packed
+    assert packed.weights.sum() == 201 and packed.inputs.shape[1] == config.data.sequence_length == 64
+    rows[context] = packed.num_rows
+  assert rows == {None: 1 + 5, 0: 4, 16: 1 + 3}  # 64, then 32 (or 48, or 64) scored a row
+  config.data.eval_context = 64
+  with pytest.raises(validation.ConfigError, match=r"data\.eval_context=64: must be < data\.sequence_length=64"):
+    validation.validate_config(config, mode="eval")
+  assert helpers.load_config(*TINY, "--config.data.sequence_length=32").data.eval_context == 16  # follows the row
+
+
 def test_a_small_file_holds_out_one_document_where_its_fraction_rounds_to_none(tmp_path):
   """5 or 40 lines at eval_fraction 0.05 held out nothing and the run stopped asking for an eval file."""
   train_file = tmp_path / "five.txt"

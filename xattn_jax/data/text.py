@@ -12,7 +12,7 @@ whose n + 1 next-token pairs (BOS -> d_1, ..., d_n -> EOS) are what the model le
   inputs       the token each position reads
   targets      the token that follows it in the same document (so a target never belongs to
                another document: pairs are cut per document, not from a shifted row)
-  weights      1.0 on every pair, 0.0 on padding
+  weights      1.0 on every pair, 0.0 on padding (and on a chunk's context, below)
   segment_ids  1, 2, ... for the segments of a row in order, 0 = padding
   positions    0, 1, ... restarting at every segment
 
@@ -21,7 +21,13 @@ last one shorter). Each chunk is a segment of its own, with positions from 0: th
 context across chunks, and the learned position table never needs more than ``length`` rows. The first
 input of a continuation chunk is the previous chunk's last target, so no pair is lost. Chunks are laid
 into rows best-fit (the fullest row that still has room), in an order shuffled by ``seed``: the rows
-are a pure function of (documents, length, seed).
+are a pure function of (documents, length, seed, context).
+
+``context`` (evaluation: a sliding window, as long texts are scored in the literature): every chunk after a
+document's first opens with the ``context`` pairs of the document before it, at weight 0, and scores the
+``length - context`` pairs after them; the first chunk scores ``length``. Each pair is still scored exactly
+once, each after at least ``context`` tokens of its document (or all of them), in a window of ``length``
+positions from 0 as the model was trained.
 
 ``TextBatches`` serves the rows as batching.py serves examples: ``train_batch`` is a pure function of
 (seed, step, process_index, process_count), epoch e taking the rows in the permutation seeded by
@@ -81,12 +87,13 @@ def tokenize_documents(documents: Sequence[str], tokenizer: tokenizers.Tokenizer
 class PackedText:
   """Documents packed into rows (see the module docstring); every array is [rows, length].
 
-  ``segments`` says where each chunk went: int64 [num_segments, 5], columns (row, start in the row,
-  number of pairs, document index, offset of its first pair within the document's pairs).
+  ``segments`` says where each chunk's scored pairs went: int64 [num_segments, 5], columns (row, start in
+  the row, number of pairs, document index, offset of its first pair within the document's pairs); a chunk's
+  context (``pack_documents``' ``context``) sits just before its start.
   """
   inputs: np.ndarray       # int32
   targets: np.ndarray      # int32
-  weights: np.ndarray      # float32: 1 on pairs, 0 on padding
+  weights: np.ndarray      # float32: 1 on scored pairs, 0 on padding and context
   segment_ids: np.ndarray  # int32: 1.. per segment within the row, 0 = padding
   positions: np.ndarray    # int32: 0.. restarting per segment
   segments: np.ndarray     # int64 [num_segments, 5]
@@ -107,14 +114,19 @@ def _check_int(name: str, value, low: int) -> int:
 
 
 def pack_documents(documents: Sequence[Sequence[int]], length: int, *, bos_id: int = tokenizers.BOS_ID,
-                   eos_id: int = tokenizers.EOS_ID, seed: int = 0) -> PackedText:
+                   eos_id: int = tokenizers.EOS_ID, seed: int = 0, context: int = 0) -> PackedText:
   """Packs token-id documents (without BOS / EOS) into next-token rows [rows, length].
 
-  No id may be pad (0), BOS, EOS or negative. Rows hold chunks of at most ``length`` pairs, chunks
-  of one document never overlap, and every pair of every document is in exactly one row.
+  No id may be pad (0), BOS, EOS or negative. Rows hold chunks of at most ``length`` pairs, and every
+  pair of every document is scored (weight 1) in exactly one row; chunks of one document overlap only
+  by the ``context`` pairs a continuation chunk reads at weight 0 (module docstring).
   """
   length = _check_int("length", length, 1)
   bos_id, eos_id, seed = _check_int("bos_id", bos_id, 1), _check_int("eos_id", eos_id, 1), _check_int("seed", seed, 0)
+  context = _check_int("context", context, 0)
+  if context >= length:
+    raise ValueError(f"context must be smaller than length={length} (each chunk scores length - context pairs), "
+                     f"got {context}")
   if bos_id == eos_id:
     raise ValueError(f"bos_id and eos_id must differ, got {bos_id} for both")
   if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence) or not documents:
@@ -128,22 +140,27 @@ def pack_documents(documents: Sequence[Sequence[int]], length: int, *, bos_id: i
                        f"bos_id ({bos_id}) or eos_id ({eos_id})")
     sequences.append(np.concatenate([[bos_id], ids, [eos_id]]))  # n + 1 pairs
 
-  # Chunks (document, offset, pairs), best-fit into rows in a seeded order.
-  chunks = [(d, offset, min(length, len(s) - 1 - offset)) for d, s in enumerate(sequences)
-            for offset in range(0, len(s) - 1, length)]
+  # Chunks (document, offset of the first pair in the row, pairs in the row, of which the first `read` are
+  # context at weight 0), best-fit into rows in a seeded order.
+  chunks = []
+  for d, s in enumerate(sequences):
+    scored = min(length, len(s) - 1)
+    chunks.append((d, 0, scored, 0))
+    for offset in range(scored, len(s) - 1, length - context):
+      chunks.append((d, offset - context, context + min(length - context, len(s) - 1 - offset), context))
   order = np.random.default_rng(seed).permutation(len(chunks))
   free: list[tuple[int, int]] = []  # (room left, row), sorted
   placed = []  # (row, start, pairs, document, offset)
   used: list[int] = []  # pairs used per row
   for c in order:
-    document, offset, pairs = chunks[c]
+    document, offset, pairs, read = chunks[c]
     slot = bisect.bisect_left(free, (pairs, -1))
     if slot < len(free):
       _, row = free.pop(slot)
     else:
       row = len(used)
       used.append(0)
-    placed.append((row, used[row], pairs, document, offset))
+    placed.append((row, used[row], pairs, document, offset, read))
     used[row] += pairs
     if used[row] < length:
       bisect.insort(free, (length - used[row], row))
@@ -153,17 +170,22 @@ def pack_documents(documents: Sequence[Sequence[int]], length: int, *, bos_id: i
   targets = np.zeros((rows, length), np.int32)
   segment_ids = np.zeros((rows, length), np.int32)
   positions = np.zeros((rows, length), np.int32)
-  segments = np.array(sorted(placed), dtype=np.int64).reshape(-1, 5)  # row-major, by start within a row
+  weights = np.zeros((rows, length), np.float32)
+  placed = np.array(sorted(placed), dtype=np.int64).reshape(-1, 6)  # row-major, by start within a row
   segment_in_row = 0
-  for k, (row, start, pairs, document, offset) in enumerate(segments):
-    segment_in_row = 1 if k == 0 or segments[k - 1, 0] != row else segment_in_row + 1
+  for k, (row, start, pairs, document, offset, read) in enumerate(placed):
+    segment_in_row = 1 if k == 0 or placed[k - 1, 0] != row else segment_in_row + 1
     sequence, end = sequences[document], start + pairs
     inputs[row, start:end] = sequence[offset:offset + pairs]
     targets[row, start:end] = sequence[offset + 1:offset + pairs + 1]
     segment_ids[row, start:end] = segment_in_row
     positions[row, start:end] = np.arange(pairs)
-  return PackedText(inputs=inputs, targets=targets, weights=(segment_ids > 0).astype(np.float32),
-                    segment_ids=segment_ids, positions=positions, segments=segments)
+    weights[row, start + read:end] = 1.0
+  # The scored part of each chunk: (row, its start in the row, pairs, document, offset in the document)
+  segments = np.stack([placed[:, 0], placed[:, 1] + placed[:, 5], placed[:, 2] - placed[:, 5], placed[:, 3],
+                       placed[:, 4] + placed[:, 5]], axis=1) if len(placed) else placed[:, :5]
+  return PackedText(inputs=inputs, targets=targets, weights=weights, segment_ids=segment_ids, positions=positions,
+                    segments=segments)
 
 
 class TextBatches:
@@ -175,11 +197,13 @@ class TextBatches:
     bos_id, eos_id: the ids framing every document.
     pack_seed: the order chunks are packed in (the rows are fixed for the life of the object, so a
       step maps to its batch in O(1)); ``train_batch``'s seed only orders the rows.
+    context: pairs of a long document a continuation chunk reads before the ones it scores (evaluation's
+      sliding window; ``pack_documents``).
   """
 
   def __init__(self, documents: Sequence[Sequence[int]], *, length: int, bos_id: int = tokenizers.BOS_ID,
-               eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0):
-    self._hold(pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed))
+               eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0, context: int = 0):
+    self._hold(pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed, context=context))
 
   def _hold(self, packed: PackedText) -> None:
     self.packed = packed

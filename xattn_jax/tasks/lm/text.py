@@ -23,6 +23,8 @@ Config (see configs/lm_text.py):
                       eval and infer); data.vocab_size is a cap unless data.vocab_size_exact;
                       data.single_piece_words (optional) words kept one piece each (e.g. "<image>")
   data.sequence_length  the packed row length (documents longer than a row are cut into chunks)
+  data.eval_context   (optional) eval only: a chunk after a long document's first reads this many of its
+                      tokens before the ones it scores (a sliding window; data.text.pack_documents), 0 = none
   model.*             LanguageModel options (position_encoding, norm_type, mlp_type, num_kv_heads, ...)
   model.randomized_positions_max / _at_eval   randomized positions per packed document (0 = off;
                       models.lm), drawn from the step's rngs in training
@@ -40,7 +42,9 @@ included, every pair of every eval document counted once):
   eval/token_accuracy  share of eval tokens whose most likely id is the true next token
   eval/perplexity      exp(eval/loss) (derived_eval: from the same sums, no second pass)
 How many eval tokens there are is logged when the task is built. A document longer than a row is
-scored in chunks of data.sequence_length pairs, each without the context before it (as it is trained).
+trained in chunks of data.sequence_length pairs, each without the context before it, and scored by a sliding
+window: its first data.sequence_length pairs, then data.sequence_length - data.eval_context at a time, each after
+the data.eval_context tokens before them (configs/lm_text.py: half the row; 0 scores the training chunks).
 Infer: each input line is a prompt (BOS + its tokens; a blank line: BOS alone); the output line is the prompt
 followed by the model's continuation (up to task.decoding.max_new_tokens tokens, stopping at EOS).
 """
@@ -168,6 +172,12 @@ class LanguageModelTask(task_lib.Task):
     if data.sequence_length > model.max_length:
       raise validation.ConfigError("data.sequence_length", data.sequence_length,
                                    f"must be <= model.max_length={model.max_length}")
+    if "eval_context" in data:  # a run's config.py written before the field existed has none
+      validation.require_positive(config, "data.eval_context", allow_zero=True)
+      if data.eval_context >= data.sequence_length:
+        raise validation.ConfigError("data.eval_context", data.eval_context,
+                                     f"must be < data.sequence_length={data.sequence_length}: each eval chunk scores "
+                                     "the tokens after its context")
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
     validation.require_choice(config, "data.vocab_size_exact", (True, False))
     if data.tokenizer == "sentencepiece":
@@ -209,7 +219,8 @@ class LanguageModelTask(task_lib.Task):
                         "each row %s", rows, length, config.batch_size,
                         batching.repeats_per_batch(rows, config.batch_size))
     if mode != "infer":
-      self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length)
+      self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length,
+                                                   context=config.data.get("eval_context", 0))
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
                    len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
       cap = config.data.get("max_eval_rows", 0) if mode == "train" else 0  # --mode=eval, the final score: all
