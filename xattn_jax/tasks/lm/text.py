@@ -338,10 +338,9 @@ class LanguageModelTask(task_lib.Task):
     documents (at most the tokens a prompt may hold) beside how each document goes on."""
     count = self.config.task.get("num_samples_logged", 0)
     budget = self.config.model.max_length - 1 - self.config.task.decoding.max_new_tokens  # BOS and the new ones
-    prompts = [ids[:max(1, min(len(ids) // 2, budget))]
-               for ids in self.tokenizer.encode_batch(list(self.eval_texts[:count]))]
-    for prompt, ids, added in zip(prompts, self.tokenizer.encode_batch(list(self.eval_texts[:count])),
-                                  self._continuations(model, prompts) if prompts else ()):
+    documents = self.tokenizer.encode_batch(list(self.eval_texts[:count]))
+    prompts = [ids[:max(1, min(len(ids) // 2, budget))] for ids in documents]
+    for prompt, ids, added in zip(prompts, documents, self._continuations(model, prompts) if prompts else ()):
       logging.info("sample: %r -> %r (the document goes on %r)", self.tokenizer.decode(prompt), added,
                    self.tokenizer.continuation(prompt, ids[len(prompt):]))
     return {}
