@@ -615,6 +615,17 @@ def test_describe_first_is_for_the_bundled_strips_whose_lm_learned_described_tex
   assert not helpers.load_config("--config=configs/vlm_digits.py").task.describe_first  # the default answers
 
 
+def _random_lm_weights(model):
+  """The VLM's LM with weights drawn at random: the tiny chain's 30-step LM writes "? ? ?" whatever it reads, so
+  a test of what generation reads needs one whose continuation depends on all of it."""
+  import jax.numpy as jnp
+  leaves, tree = jax.tree.flatten(nnx.state(model.lm))
+  draws = jax.random.split(jax.random.key(1), len(leaves))
+  nnx.update(model.lm, jax.tree.unflatten(tree, [jax.random.normal(key, x.shape, x.dtype) if
+                                                 jnp.issubdtype(x.dtype, jnp.floating) else x
+                                                 for key, x in zip(draws, leaves)]))
+
+
 @pytest.mark.parametrize("connector", ["flamingo", "llava"])
 def test_describe_first_answers_from_the_models_own_descriptions_through_the_frozen_lm_alone(connector, tmp_path):
   """task.describe_first: each image is described alone, as the model captions it; every other target is the
@@ -631,6 +642,7 @@ def test_describe_first_answers_from_the_models_own_descriptions_through_the_fro
   for block in getattr(model.connector, "blocks", ()):  # flamingo: the image reaches the text
     for residual in (block.attention_residual, block.mlp_residual):
       residual.gate[...] = jnp.ones_like(residual.gate[...])
+  _random_lm_weights(model)
   bos, marker, suppressed = task.tokenizer.bos_id, task.marker, list(task.tokenizer.never_generated_ids)
 
   def caption(image):  # the model's own generation after the image alone
@@ -677,3 +689,54 @@ def test_describe_first_answers_from_the_models_own_descriptions_through_the_fro
   assert described == (caption(loaded) or "(nothing)")
   assert question == (frozen_lm([bos] + task.tokenizer.encode(caption(loaded)) + [marker]
                                 + task.tokenizer.encode("what is their sum ?"), tokenizers.EOS_ID) or "(nothing)")
+
+
+@pytest.mark.parametrize("connector,describe_first", [("flamingo", False), ("llava", False), ("llava", True)])
+def test_infer_reads_two_images_each_captioned_in_turn_then_the_question(connector, describe_first, tmp_path,
+                                                                       monkeypatch):
+  """`a.png<TAB>b.png<TAB>question`: each image followed by the model's own caption of it, then the question, as
+  the two-image examples are laid out: the answers equal the generation of the training layout (task.layout)
+  with those captions in the targets' places. Flamingo's gates are open, so its text reads the images; the LM's
+  weights are drawn at random (_random_lm_weights); EOS, the marker and the question's first piece are never
+  generated here, so every caption is task.decoding.max_new_tokens (3) pieces."""
+  import jax.numpy as jnp
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.num_eval_examples": 8, "task.describe_first": describe_first, "task.decoding.max_new_tokens": 3}
+  config = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  question = "which is larger ?"
+  never = (*task.tokenizer.never_generated_ids, tokenizers.EOS_ID, task.marker, task.tokenizer.encode(question)[0])
+  monkeypatch.setattr(type(task.tokenizer), "never_generated_ids", property(lambda self: never))
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  for block in getattr(model.connector, "blocks", ()):
+    for residual in (block.attention_residual, block.mlp_residual):
+      residual.gate[...] = jnp.ones_like(residual.gate[...])
+  _random_lm_weights(model)
+  example = next(e for e in task.eval_examples if len(e.images) == 2)
+  paths = [tmp_path / f"{i}.png" for i in range(2)]
+  for path, image in zip(paths, example.images):
+    Image.fromarray((255 * (1 - image)).astype(np.uint8)).save(path)
+  loaded = tuple(vlm_task.image_text.load_image(str(path), task.canvas, grey=True) for path in paths)
+  captions, answer = task.infer(model, [f"{paths[0]}\t{paths[1]}\t", f"{paths[0]}\t{paths[1]}\t{question}"])
+  alone = task.describe(model, list(loaded))  # each image's caption with nothing before it
+  assert captions == " | ".join(alone) and all(alone), captions  # no question: each image captioned alone
+  if describe_first:  # the frozen LM answers from the text with each image's description in place
+    ids = [task.tokenizer.bos_id]
+    for caption in alone:
+      ids += task.tokenizer.encode(caption) + [task.marker] + task.tokenizer.encode(caption)
+    expected = task.generate(model, [((), ids + task.tokenizer.encode(question), tokenizers.EOS_ID)], text_only=True)
+  else:  # each target generated from the training layout's prefix, the ones found before it in place
+    expected = []
+    for j in range(3):
+      texts = expected + ["first"] * (3 - len(expected))  # what follows target j does not reach it
+      segments = (("image", 0), ("target", texts[0]), ("image", 1), ("target", texts[1]), ("text", question),
+                  ("target", texts[2]))
+      layout = task.layout(vlm_digits.VLMExample(images=loaded, segments=segments, kind="larger", num_digits=2))
+      prefix, stop, _ = layout.targets[j]
+      expected.append(task.generate(model, [(loaded, layout.ids[:prefix].tolist(), stop)])[0])
+    assert expected[1] != alone[1], "the second caption reads the first image and its caption too"
+  assert answer == (expected[-1] or "(nothing)")
+  with pytest.raises(task_lib.InputLineError, match="3 image paths: a line holds at most 2"):
+    task.infer(model, [f"{paths[0]}\t{paths[1]}\t{paths[0]}\t{question}"])

@@ -58,8 +58,11 @@ Metrics, logged as eval/<name>:
                           0-100 as the translator logs it, over every target of every eval example
   exact_match_<k>digits   exact match over the examples whose largest image has k digits (digits only)
   exact_match_<kind>      per kind of example (data.vlm_digits.KINDS, or "user")
-Infer: each line is `image_path` (generate its caption) or `image_path<TAB>question`; the output is the text
-generated after it (with task.describe_first, the frozen LM's answer from the image's description).
+Infer: each line is `image_path` (generate its caption), `image_path<TAB>question`, or two images and a question,
+`a.png<TAB>b.png<TAB>which is larger ?` (the last tab field is the question): each image of two is followed by
+the model's own caption of it, as the two-image examples are laid out (`_generate_in_turn`). The output is the
+answer, or the caption (two images and an empty question: each image's caption alone, joined by " | "); with
+task.describe_first, the frozen LM's answer from the images' descriptions.
 """
 from __future__ import annotations
 
@@ -790,27 +793,73 @@ class VLMTask(task_lib.Task):
     return metrics
 
   def infer(self, model, lines):
-    images, questions = [], []
+    """A line is `image_path` (its caption) or image paths then a question, tab-separated: the last field is the
+    question. One image: the answer after the image and the question (`a.png<TAB>what is their sum ?`). Two:
+    each image followed by the model's caption of it, then the question, as the two-image examples are laid out
+    (`a.png<TAB>b.png<TAB>which is larger ?`); with an empty question, each image's caption alone, joined by
+    " | " (in training a caption before another image's text ends where that text begins, unknown here)."""
+    examples, groups = [], []  # groups: the examples whose answers make line i's
     for index, line in enumerate(lines):
-      path, _, question = line.rstrip("\n").partition("\t")
-      try:
-        images.append(image_text.load_image(self.input_path(path.strip()), self.canvas,
-                                            grey=encoder_task.grey(self.config)))
-      except (OSError, ValueError) as error:
-        raise task_lib.InputLineError(index, str(error)) from None
-      questions.append(self.tokenizer.encode(question.strip()) if question.strip() else [])
-    self._warn_unknown_characters([line.partition("\t")[2] for line in lines], "the questions")
-    if self.config.task.get("describe_first", False):  # the frozen LM answers from each image's description
-      texts = self.describe(model, images)
-      asked = [i for i, question in enumerate(questions) if question]
-      answers = self.generate(model, [((), [self.tokenizer.bos_id] + self.tokenizer.encode(texts[i]) + [self.marker]
-                                       + questions[i], tokenizers.EOS_ID) for i in asked], text_only=True)
-      for i, answer in zip(asked, answers):
-        texts[i] = answer
-    else:
-      texts = self.generate(model, [((image,), self._image_prompt(image) + question, tokenizers.EOS_ID)
-                                    for image, question in zip(images, questions)])
-    return [text or "(nothing)" for text in texts]
+      fields = line.rstrip("\n").split("\t")
+      paths, question = (fields, "") if len(fields) == 1 else (fields[:-1], fields[-1].strip())
+      if len(paths) > MAX_IMAGES:
+        raise task_lib.InputLineError(index, f"{len(paths)} image paths: a line holds at most {MAX_IMAGES} (the "
+                                             "last tab-separated field is the question)")
+      images = []
+      for path in paths:
+        try:
+          images.append(image_text.load_image(self.input_path(path.strip()), self.canvas,
+                                              grey=encoder_task.grey(self.config)))
+        except (OSError, ValueError) as error:
+          raise task_lib.InputLineError(index, str(error)) from None
+      if not question:  # each image's caption
+        groups.append(range(len(examples), len(examples) + len(images)))
+        examples += [((image,), [("image", 0), ("target", None)]) for image in images]
+        continue
+      segments = [("image", 0)] if len(images) == 1 else [s for i in range(len(images))
+                                                          for s in (("image", i), ("target", None))]
+      groups.append(range(len(examples), len(examples) + 1))
+      examples.append((tuple(images), segments + [("text", question), ("target", None)]))
+    self._warn_unknown_characters([line.split("\t")[-1] if "\t" in line else "" for line in lines], "the questions")
+    answers = self._generate_in_turn(model, examples)
+    return [" | ".join(answers[k][-1] or "(nothing)" for k in group) for group in groups]
+
+  def _generate_in_turn(self, model, examples) -> list[list[str]]:
+    """examples: (images, segments as VLMExample's, each target None) -> each example's targets, generated in
+    turn from the prefix before it with the earlier ones in place (with task.describe_first: a target right after
+    an image is that image's description, the others the frozen LM's from the described text)."""
+    described = self.config.task.get("describe_first", False)
+    if described:
+      words = iter(self.describe(model, [image for images, _ in examples for image in images]))
+      descriptions = [[next(words) for _ in images] for images, _ in examples]
+    prefixes, done, answers = [[self.tokenizer.bos_id] for _ in examples], [0] * len(examples), [[] for _ in examples]
+    while True:
+      requests, asking = [], []
+      for k, (images, segments) in enumerate(examples):
+        while done[k] < len(segments):
+          role, value = segments[done[k]]
+          if role == "image":
+            prefixes[k] += (self.tokenizer.encode(descriptions[k][value]) if described
+                            else [vlm.SOFT_TOKEN] * self.slots(images[value])) + [self.marker]
+          elif role == "text":
+            prefixes[k] += self.tokenizer.encode(value)
+          elif described and segments[done[k] - 1][0] == "image":  # a caption: the image's description
+            answers[k].append(descriptions[k][segments[done[k] - 1][1]])
+            prefixes[k] += self.tokenizer.encode(answers[k][-1])
+          else:  # generated: cut where the training layout ends this target
+            after = segments[done[k] + 1] if done[k] + 1 < len(segments) else ("end", None)
+            stop = {"image": self.marker, "end": tokenizers.EOS_ID}.get(after[0]) or \
+                (self.tokenizer.encode(after[1]) or [tokenizers.EOS_ID])[0]
+            requests.append(((() if described else images), list(prefixes[k]), stop))
+            asking.append(k)
+            break
+          done[k] += 1
+      if not requests:
+        return answers
+      for k, answer in zip(asking, self.generate(model, requests, text_only=described)):
+        answers[k].append(answer)
+        prefixes[k] += self.tokenizer.encode(answer)
+        done[k] += 1
 
 
 def description_distillation(student, target, mask) -> jax.Array:
