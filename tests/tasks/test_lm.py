@@ -69,7 +69,7 @@ def test_an_eval_reads_the_eval_rows_once_perplexity_included(trained, monkeypat
 
 
 def test_an_eval_logs_samples_that_continue_the_first_half_of_eval_documents(trained, caplog):
-  """task.num_samples_logged (3) eval documents: each cut in half, the model's continuation of the first half (the
+  """task.num_samples_logged (3) eval documents, evenly spaced: each cut in half, the model's continuation of the first half (the
   one infer writes for it) beside the second."""
   import ast
   import re
@@ -82,7 +82,9 @@ def test_an_eval_logs_samples_that_continue_the_first_half_of_eval_documents(tra
   model, task = loop.load_model(str(workdir), "eval")
   assert len(logged) == config.task.num_samples_logged == 3 and all(logged)
   samples = [tuple(map(ast.literal_eval, match.groups())) for match in logged]
-  for (prompt, _, rest), document in zip(samples, task.eval_texts):
+  documents = task.sample_documents()
+  assert len(documents) == 3 and documents[0] == task.eval_texts[0] and documents[-1] == task.eval_texts[-1]
+  for (prompt, _, rest), document in zip(samples, documents):
     assert prompt + rest == document and len(prompt) == len(document.encode()) // 2  # bytes: half the tokens
   assert all(prompt.isascii() for prompt, _, _ in samples)  # so infer reads the same tokens
   assert task.infer(model, [prompt for prompt, _, _ in samples]) == [prompt + added for prompt, added, _ in samples]

@@ -31,7 +31,7 @@ Config (see configs/lm_text.py):
   task.decoding.*     method greedy | sample | beam and its options (tasks.decoding_config), and
                       max_new_tokens, for --mode=infer and the samples each eval logs
   task.num_samples_logged  (optional) each eval logs the model's continuation of the first half of this many
-                      eval documents, beside how each goes on (0 = none)
+                      eval documents (evenly spaced through them), beside how each goes on (0 = none)
 
 Documents are packed into rows (data.text.pack_documents): each is BOS d_1 .. d_n EOS, the model
 learns its n + 1 next-token pairs, attention stays within a document and positions restart at it.
@@ -333,12 +333,17 @@ class LanguageModelTask(task_lib.Task):
     """perplexity = exp(mean eval loss per token), from the summed eval loss (no second pass)."""
     return {"perplexity": math.exp(metrics["loss"])} if "loss" in metrics else {}
 
+  def sample_documents(self) -> list[str]:
+    """The task.num_samples_logged eval documents each eval continues: evenly spaced through the eval side (a
+    corpus in sections, as the bundled one, shows each)."""
+    count = min(self.config.task.get("num_samples_logged", 0), len(self.eval_texts))
+    return [self.eval_texts[i] for i in np.linspace(0, len(self.eval_texts) - 1, count).round().astype(int)]
+
   def extra_eval(self, model):
-    """No metric: logs the model's continuation of the first half of the first task.num_samples_logged eval
-    documents (at most the tokens a prompt may hold) beside how each document goes on."""
-    count = self.config.task.get("num_samples_logged", 0)
+    """No metric: logs the model's continuation of the first half of each of `sample_documents` (at most the
+    tokens a prompt may hold) beside how the document goes on."""
     budget = self.config.model.max_length - 1 - self.config.task.decoding.max_new_tokens  # BOS and the new ones
-    documents = self.tokenizer.encode_batch(list(self.eval_texts[:count]))
+    documents = self.tokenizer.encode_batch(self.sample_documents())
     prompts = [ids[:max(1, min(len(ids) // 2, budget))] for ids in documents]
     for prompt, ids, added in zip(prompts, documents, self._continuations(model, prompts) if prompts else ()):
       logging.info("sample: %r -> %r (the document goes on %r)", self.tokenizer.decode(prompt), added,
