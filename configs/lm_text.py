@@ -8,7 +8,7 @@
     yes '' | head -n 4 | python launch.py --config=configs/lm_text.py --workdir=workdirs/lm --mode=infer   # from nothing
 
 One document per line (UTF-8). Documents are packed into rows of data.sequence_length tokens. Training stops
-after `epochs=50` passes over them if that comes before total_steps (2,000), but not before `min_steps=300`;
+after `epochs=12` passes over them if that comes before total_steps (2,000), but not before `min_steps=300`;
 `epochs=0` trains total_steps whatever the text's size.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _mrope_sections(head_dim: int) -> tuple[int, int, int]:
 
 
 def get_config(arg=None):
-  args = common.parse_arg(arg, size="tiny", posenc="rope", tokenizer="sentencepiece", epochs=50.0, min_steps=300)
+  args = common.parse_arg(arg, size="tiny", posenc="rope", tokenizer="sentencepiece", epochs=12.0, min_steps=300)
   if args.size not in SIZES:
     raise ValueError(f"config argument size={args.size!r}: allowed sizes are {sorted(SIZES)}")
   config = common.base_config(total_steps=2000, batch_size=32, eval_batch_size=64, log_every_steps=100,
@@ -41,7 +41,8 @@ def get_config(arg=None):
                               warmup_steps=100)
   # A text file's size is the user's: at most `epochs` passes over its packed rows (at least min_steps updates,
   # at most total_steps), so a small file is not trained 2,000 steps into overfitting. The bundled corpus
-  # (78 steps a pass) runs its 2,000 steps (experiments/results/intel_xeon_amx/vlm_pairs_lm_budget.md).
+  # (78 steps a pass) trains 936 steps: at 2,000 its eval loss rose from step 500 on
+  # (experiments/results/intel_xeon_amx/lm_text_budget.md; vlm_pairs_lm_budget.md for a small file).
   config.max_epochs = args.epochs
   config.min_steps = args.min_steps
 

@@ -16,7 +16,7 @@ segment alone and splice image tokens in between.
 "<image> text" (data.file_format="image_text"), so the LM can write the user's words; the VLM task names its
 own data.train_file and data.eval_file here (only their text is read: the LM never sees the eval captions in
 training), and the tokenizer takes as many pieces as the captions support, up to lm_text's cap.
-Either text is trained for at most `epochs=50` passes (config.max_epochs, as lm_text), at least `min_steps=300`
+Either text is trained for at most `epochs=50` passes (config.max_epochs, as lm_text counts them), at least `min_steps=300`
 steps, at most `steps`: a user's captions are sized by their count (on 2,000 shape captions, 125 rows, the eval
 loss levels off by step ~300, where 2,000 steps took 5 minutes:
 experiments/results/intel_xeon_amx/vlm_pairs_lm_budget.md); the bundled texts (194 steps a pass) run `steps`.
