@@ -846,10 +846,14 @@ class VLMTask(task_lib.Task):
           elif described and segments[done[k] - 1][0] == "image":  # a caption: the image's description
             answers[k].append(descriptions[k][segments[done[k] - 1][1]])
             prefixes[k] += self.tokenizer.encode(answers[k][-1])
-          else:  # generated: cut where the training layout ends this target
+          else:  # generated: cut where the training layout ends this target (Layout's end token)
             after = segments[done[k] + 1] if done[k] + 1 < len(segments) else ("end", None)
-            stop = {"image": self.marker, "end": tokenizers.EOS_ID}.get(after[0]) or \
-                (self.tokenizer.encode(after[1]) or [tokenizers.EOS_ID])[0]
+            if after[0] == "image":
+              stop = self.marker
+            elif after[0] == "text":
+              stop = self.tokenizer.encode(after[1])[0]  # a question is never blank
+            else:
+              stop = tokenizers.EOS_ID
             requests.append(((() if described else images), list(prefixes[k]), stop))
             asking.append(k)
             break
