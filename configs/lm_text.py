@@ -83,7 +83,7 @@ def get_config(arg=None):
   config.model.num_kv_heads = 0     # 0 = num_heads; fewer = grouped-query attention
   config.model.num_layers = num_layers
   config.model.mlp_dim = mlp_dim
-  config.model.max_length = 256     # learned table rows; prompt + new tokens must fit
+  config.model.max_length = 256     # the context: BOS, prompt and new tokens (infer keeps a long prompt's end)
   config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope | alibi | t5_bias
   config.model.rope_scaling = ""    # "" | linear | ntk
   config.model.rope_scaling_factor = 1.0

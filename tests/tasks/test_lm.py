@@ -104,6 +104,20 @@ def test_infer_continues_every_prompt_on_one_line(trained, method):
     assert answer.startswith(prompt) and "\n" not in answer
 
 
+def test_a_prompt_longer_than_the_context_is_continued_from_its_end_and_written_whole(trained, caplog):
+  """model.max_length 128 less BOS and 16 new tokens: a causal LM reads 111 bytes of a prompt. A longer one was
+  refused with every other line of the input; it is continued from its last 111 bytes, the line kept whole."""
+  workdir, _ = trained
+  model, task = loop.load_model(str(workdir))
+  long = " ".join(["dimanche 29 novembre 2026"] * 12) + " lundi"  # 317 bytes, a document cut short
+  with caplog.at_level(logging.WARNING):
+    answers = task.infer(model, ["4,213 is four", long])
+  assert answers[0].startswith("4,213 is four")
+  assert answers[1].startswith(long) and len(answers[1]) > len(long)
+  assert answers[1][len(long):] == task.infer(model, ["?", long[-111:]])[1][111:]  # row 1's key both times
+  assert any("line 2, 317 tokens" in record.getMessage() for record in caplog.records)
+
+
 def test_a_blank_infer_line_is_a_sample_from_nothing(trained, tmp_path):
   """`--mode=infer` with blank lines samples the model unconditionally: each line its own row key, the
   same samples as the task's infer of "" rows."""

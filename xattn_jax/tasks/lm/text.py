@@ -354,13 +354,18 @@ class LanguageModelTask(task_lib.Task):
 
   def infer(self, model, lines):
     """Each line continued by task.decoding's method: the prompt, then the model's continuation (a blank line:
-    what the model writes after BOS alone)."""
-    limit, new = self.config.model.max_length, self.config.task.decoding.max_new_tokens
+    what the model writes after BOS alone). A prompt longer than the model's context (model.max_length less BOS
+    and task.decoding.max_new_tokens) is continued from its last tokens that fit, as a causal LM reads a long
+    text, and logged; the line is written whole."""
+    budget = self.config.model.max_length - 1 - self.config.task.decoding.max_new_tokens
     prompts = self.tokenizer.encode_batch(lines)
-    for index, ids in enumerate(prompts):
-      if len(ids) + 1 + new > limit:
-        raise task_lib.InputLineError(index, f"{len(ids)} tokens, BOS and task.decoding.max_new_tokens={new} "
-                                      f"exceed model.max_length={limit}")
+    cropped = [index for index, ids in enumerate(prompts) if len(ids) > budget]
+    if cropped:
+      logging.warning("infer: %d line(s) (the first: line %d, %d tokens) hold more tokens than the %d the model "
+                      "reads before task.decoding.max_new_tokens=%d new ones (model.max_length=%d): each is "
+                      "continued from its last %d tokens", len(cropped), cropped[0] + 1, len(prompts[cropped[0]]),
+                      budget, self.config.task.decoding.max_new_tokens, self.config.model.max_length, budget)
+    prompts = [ids[len(ids) - budget:] if len(ids) > budget else ids for ids in prompts]
     return [_continue(line, added) for line, added in zip(lines, self._continuations(model, prompts))]
 
   def _continuations(self, model, prompts: list[list[int]]) -> list[str]:
