@@ -98,12 +98,26 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "min_steps", -3, "must be a non-negative integer"),
     ("size=tiny", "early_stopping.patience", -1, "must be a non-negative integer"),
     ("size=tiny", "early_stopping.min_delta", -0.5, "must be a non-negative number"),
+    ("size=tiny", "debug.step_delay_s", -1.0, "must be a non-negative number of seconds"),  # time.sleep's traceback
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""
   module, _, arg = config_arg.rpartition(":") if config_arg.startswith("algorithmic") else ("", "", config_arg)
   config = (algorithmic if module else template).get_config(arg)
   _assert_refused(config, field, value, rf"^config\.{field}={value}: {re.escape(rule)}")
+
+
+@pytest.mark.parametrize("config_file, field", [
+    ("vit_digits.py", "data.split_seed"),      # was sklearn's InvalidParameterError, raised inside validation
+    ("vlm_encoder.py", "data.eval_seed"),      # was numpy's ValueError after compiling
+    ("vlm_digits.py", "data.seed"),
+    ("lm_text.py", "data.corpus_seed"),
+    ("lm_text.py", "task.decoding.seed"),
+    ("translate_dates.py", "seed"),
+])
+def test_a_negative_seed_anywhere_is_a_config_error_naming_the_field(config_file, field):
+  config = validation.load_config_file(f"configs/{config_file}")
+  _assert_refused(config, field, -1, rf"^config\.{re.escape(field)}=-1: must be a non-negative integer")
 
 
 def test_eval_from_is_latest_best_or_a_step_number():

@@ -56,6 +56,17 @@ def require_non_negative_number(config, field: str, rule: str = "must be a non-n
     raise ConfigError(field, value, rule)
 
 
+def _fields_named(config, matches, prefix: str = "") -> list[str]:
+  """The dotted paths of `config`'s leaves whose own key `matches`."""
+  paths = []
+  for key, value in config.items():
+    if isinstance(value, ConfigDict):
+      paths += _fields_named(value, matches, f"{prefix}{key}.")
+    elif matches(key):
+      paths.append(prefix + key)
+  return paths
+
+
 def require_positive(config, *fields: str, allow_zero: bool = False):
   for field in fields:
     value = _get(config, field)
@@ -246,10 +257,14 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                    "eval_every_steps", "checkpoint.every_steps", "checkpoint.keep")
   if "steps_per_call" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "steps_per_call")
-  require_positive(config, "seed", "optimizer.warmup_steps", allow_zero=True)
+  require_positive(config, "optimizer.warmup_steps", allow_zero=True)
+  # Every seed (seed, data.split_seed, task.decoding.seed, ...): numpy and sklearn take non-negative integers.
+  require_positive(config, *_fields_named(config, lambda key: key == "seed" or key.endswith("_seed")), allow_zero=True)
   if "max_epochs" in config:  # a run's config.py written before the fields existed has neither
     require_non_negative_number(config, "max_epochs", "must be a non-negative number (0: total_steps alone)")
     require_positive(config, "min_steps", allow_zero=True)  # capped by total_steps, as every end is
+  if "debug" in config:
+    require_non_negative_number(config, "debug.step_delay_s", "must be a non-negative number of seconds")
   if "profile" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "profile.first_step", "profile.num_steps", allow_zero=True)
     if config.profile.num_steps and config.profile.first_step >= config.total_steps:
