@@ -111,6 +111,16 @@ def test_a_task_cannot_depend_on_its_own_workdir(tmp_path, no_training):
     dependencies.resolve(dependent_config(tmp_path / "run"), str(tmp_path / "run"))
 
 
+def test_an_empty_dependency_workdir_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch,
+                                                                                  no_training):
+  """`--config.model.lm_workdir=` trained the LM into the directory launch.py ran in."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(validation.ConfigError,
+                     match=r"^config\.task\.dependency_workdir='': must name the directory of the run"):
+    dependencies.resolve(dependent_config(""), str(tmp_path / "run"))
+  assert os.listdir(tmp_path) == []
+
+
 def test_a_dependency_config_file_that_is_missing_names_its_field(tmp_path):
   dependency = task_lib.Dependency(workdir=str(tmp_path), config="configs/no_such.py:size=tiny",
                                    workdir_field="model.encoder_workdir", config_field="model.encoder_config")

@@ -264,6 +264,9 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
   task_class = task_lib.get_task_class(config.task.name)
   dependencies = task_class.dependencies(config, workdir)
   for index, dependency in enumerate(dependencies):
+    if not dependency.workdir.strip():  # os.path would read it as the current directory and train there
+      raise validation.ConfigError(dependency.workdir_field, dependency.workdir,
+                                   "must name the directory of the run this task needs first")
     if dependency.workdir in _chain or (workdir and dependency.workdir == os.path.abspath(workdir)):
       raise validation.ConfigError(dependency.workdir_field, dependency.workdir,
                                    "is the workdir of a run that depends on it: name another workdir")

@@ -186,7 +186,7 @@ class Dependency:
   """A run that must be finished before a task trains (see `Task.dependencies`).
 
   Attributes:
-    workdir: the run's workdir (made absolute).
+    workdir: the run's workdir (made absolute; "" is refused when resolved).
     config: the config it is trained with: a ConfigDict, or "path/to/config.py[:arg]" (relative to
       the current directory, else to the repository), loaded as launch.py's --config loads it.
     workdir_field: the field of the dependent task's config that names `workdir`, for messages.
@@ -203,7 +203,8 @@ class Dependency:
   unchecked_fields: tuple[str, ...] = ()
 
   def __post_init__(self):
-    object.__setattr__(self, "workdir", os.path.abspath(self.workdir))
+    if self.workdir.strip():  # "" stays "" (not the current directory): dependencies.resolve refuses it
+      object.__setattr__(self, "workdir", os.path.abspath(self.workdir))
 
 
 class Task:
