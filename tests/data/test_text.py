@@ -79,6 +79,27 @@ def test_packing_holds_every_pair_of_every_document_exactly_once(documents, leng
 
 
 @settings(max_examples=40, deadline=None)
+@given(documents=documents_strategy, length=st.integers(1, 16), context=st.integers(0, 15))
+def test_target_bytes_sit_on_the_scored_pairs_of_their_targets_and_sum_to_the_texts_bytes(documents, length,
+                                                                                          context):
+  """Here a token's byte count is a function of its id (id % 5: 0 for a span-less mark) and EOS counts 1: every
+  scored pair carries its target's count, every other position 0, in the batches and in first_rows too."""
+  context %= length
+  batches = text.TextBatches(documents, length=length, context=context,
+                             document_bytes=[[i % 5 for i in d] for d in documents])
+  packed = batches.packed
+  expected = np.where(packed.targets == EOS, 1, packed.targets % 5) * packed.weights
+  np.testing.assert_array_equal(packed.target_bytes, expected)
+  assert packed.target_bytes.sum() == sum(i % 5 for d in documents for i in d) + len(documents)
+  batch = next(batches.first_rows(1).eval_batches(2))
+  np.testing.assert_array_equal(batch["target_bytes"][0], expected[0])
+  assert (batch["target_bytes"][1:] == 0).all() and "target_bytes" not in text.TextBatches(
+      documents, length=length).train_batch(0, seed=0, batch_size=1)
+  with pytest.raises(ValueError, match="one count per token"):
+    text.TextBatches(documents, length=length, document_bytes=[d[:-1] or [0, 0] for d in documents])
+
+
+@settings(max_examples=40, deadline=None)
 @given(documents=documents_strategy, length=st.integers(1, 16))
 def test_positions_restart_at_zero_in_every_segment(documents, length):
   packed = text.pack_documents(documents, length)

@@ -35,6 +35,17 @@ def test_byte_round_trip_of_any_unicode(text):
   assert all(3 <= i < tokenizer.vocab_size for i in ids)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet=st.sampled_from("dimanche novembre 29 ., \u00e9\u65e5\u2603\U0001F600\t"), max_size=40) | st.text())
+def test_token_bytes_give_each_id_its_span_of_the_texts_utf8_bytes(sentencepiece_model, text):
+  """Bits per byte divides by them: a text's leading word-boundary mark spans nothing, an unknown piece
+  (here a snowman, an emoji, any character the dates never held) its characters' bytes."""
+  for tokenizer in (sentencepiece_model, tokenizers.ByteTokenizer()):
+    counts = tokenizer.token_bytes(text)
+    assert len(counts) == len(tokenizer.encode(text)) and sum(counts) == len(text.encode())
+    assert all(count >= 0 for count in counts)
+
+
 def test_byte_decode_stops_at_eos_and_skips_pad_and_bos():
   tokenizer = tokenizers.ByteTokenizer()
   ids = tokenizer.encode("29 nov.")
@@ -197,6 +208,8 @@ def test_a_vocab_below_the_alphabet_spells_the_rarer_characters_in_utf8_bytes(ma
   unseen = "snow \u2603, ga\u00eft\u00e9 \U0001F600"
   assert model.decode(model.encode(unseen)) == unseen and model.unknown_characters([unseen]) == ""
   assert model.unk_id not in model.encode(unseen + many_characters[0])
+  for text in (unseen, many_characters[0], chr(0x4E00 + 1499) * 3):  # byte pieces: one byte each
+    assert sum(model.token_bytes(text)) == len(text.encode()) and len(model.token_bytes(text)) == len(model.encode(text))
   frequent, rare = chr(0x4E00), chr(0x4E00 + 1499)  # ranks 1 and 1,500
   assert len(model.encode(frequent)) <= 2 and model.id_to_piece(model.encode(rare)[-1]).startswith("<0x")
   message = next(r.getMessage() for r in caplog.records if "byte fallback" in r.getMessage())

@@ -170,6 +170,26 @@ def test_a_sentencepiece_vocab_cap_above_what_a_small_file_supports_still_trains
   assert batch["inputs"].shape == (2, 64) and np.all(batch["inputs"] < task.vocab_size)
 
 
+def test_bits_per_byte_divide_the_eval_loss_in_bits_by_the_eval_texts_utf8_bytes(trained, tmp_path):
+  """Bytes: bits per byte is eval/loss / ln 2. SentencePiece: the eval text's UTF-8 bytes, EOS one each,
+  whatever its pieces (a text's leading word-boundary mark, characters without a piece)."""
+  _, metrics = trained
+  assert metrics["eval/bits_per_byte"] == pytest.approx(metrics["eval/loss"] / math.log(2), rel=1e-5)
+  train_file, eval_file = tmp_path / "small.txt", tmp_path / "eval.txt"
+  train_file.write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(200)), encoding="utf-8")
+  eval_texts = ["  7 is seven.", "\u2603 12 is twelve \u20ac", "\u00e9t\u00e9", "4,213 is four thousand two hundred thirteen."]
+  eval_file.write_text("".join(f"{t}\n" for t in eval_texts), encoding="utf-8")
+  config = helpers.load_config(*TINY, "--config.data.tokenizer=sentencepiece", f"--config.data.train_file={train_file}",
+                               f"--config.data.eval_file={eval_file}", "--config.data.sequence_length=16")
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  [batch] = task.eval_batches(process_index=0, process_count=1)
+  values = task.eval_metrics(model, batch)
+  assert float(values["bits_per_byte"][1]) == sum(len(t.encode()) + 1 for t in eval_texts) == 86
+  assert float(values["bits_per_byte"][0]) == pytest.approx(float(values["loss"][0]) / math.log(2), rel=1e-6)
+  assert float(values["loss"][1]) < 86  # fewer tokens than bytes: per-token perplexity is not per-byte
+
+
 def test_a_file_drawn_from_the_bundled_corpus_training_side_is_told_its_eval_split_is_nearly_empty(tmp_path,
                                                                                                  caplog):
   """600 training lines of the bundled corpus hold out 1 line (the minimum) at the same corpus_seed, not ~30."""

@@ -15,6 +15,8 @@ whose n + 1 next-token pairs (BOS -> d_1, ..., d_n -> EOS) are what the model le
   weights      1.0 on every pair, 0.0 on padding (and on a chunk's context, below)
   segment_ids  1, 2, ... for the segments of a row in order, 0 = padding
   positions    0, 1, ... restarting at every segment
+  target_bytes (eval, when asked for) the UTF-8 bytes each scored target stands for, 0 elsewhere: a
+               tokenizer-independent denominator (bits per byte)
 
 A document with more than ``length`` pairs is split into chunks of ``length`` consecutive pairs (the
 last one shorter). Each chunk is a segment of its own, with positions from 0: the model sees no
@@ -97,14 +99,35 @@ class PackedText:
   segment_ids: np.ndarray  # int32: 1.. per segment within the row, 0 = padding
   positions: np.ndarray    # int32: 0.. restarting per segment
   segments: np.ndarray     # int64 [num_segments, 5]
+  # float32: the UTF-8 bytes each scored pair's target stands for (EOS: 1, the line end), 0 elsewhere; None
+  # unless TextBatches was given them (with_target_bytes)
+  target_bytes: np.ndarray | None = None
 
   @property
   def num_rows(self) -> int:
     return self.inputs.shape[0]
 
+  @property
+  def row_arrays(self) -> tuple[str, ...]:
+    """The names of the [rows, length] arrays a batch holds."""
+    names = ("inputs", "targets", "weights", "segment_ids", "positions")
+    return names + (("target_bytes",) if self.target_bytes is not None else ())
+
   def arrays(self, rows) -> dict[str, np.ndarray]:
     """The named arrays of the given rows (an index array): a batch."""
-    return {name: getattr(self, name)[rows] for name in ("inputs", "targets", "weights", "segment_ids", "positions")}
+    return {name: getattr(self, name)[rows] for name in self.row_arrays}
+
+  def with_target_bytes(self, document_bytes: Sequence[Sequence[int]]) -> "PackedText":
+    """These rows with ``target_bytes`` from each document's bytes per token (``Tokenizer.token_bytes``, one per
+    id of the document as packed; its EOS counts 1)."""
+    values = [np.concatenate([np.asarray(b, np.float32).reshape(-1), [1.0]]) for b in document_bytes]
+    target_bytes = np.zeros(self.weights.shape, np.float32)
+    for row, start, pairs, document, offset in self.segments.tolist():
+      if offset + pairs > len(values[document]):
+        raise ValueError(f"document_bytes[{document}] holds {len(values[document]) - 1} tokens, fewer than the "
+                         f"document packed")
+      target_bytes[row, start:start + pairs] = values[document][offset:offset + pairs]
+    return dataclasses.replace(self, target_bytes=target_bytes)
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -199,11 +222,19 @@ class TextBatches:
       step maps to its batch in O(1)); ``train_batch``'s seed only orders the rows.
     context: pairs of a long document a continuation chunk reads before the ones it scores (evaluation's
       sliding window; ``pack_documents``).
+    document_bytes: (optional) each document's UTF-8 bytes per token (``Tokenizer.token_bytes``): batches then
+      hold ``target_bytes`` (``PackedText``), what bits per byte is counted in.
   """
 
   def __init__(self, documents: Sequence[Sequence[int]], *, length: int, bos_id: int = tokenizers.BOS_ID,
-               eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0, context: int = 0):
-    self._hold(pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed, context=context))
+               eos_id: int = tokenizers.EOS_ID, pack_seed: int = 0, context: int = 0,
+               document_bytes: Sequence[Sequence[int]] | None = None):
+    packed = pack_documents(documents, length, bos_id=bos_id, eos_id=eos_id, seed=pack_seed, context=context)
+    if document_bytes is not None:
+      if len(document_bytes) != len(documents) or any(len(b) != len(d) for b, d in zip(document_bytes, documents)):
+        raise ValueError("document_bytes must hold one count per token of each document")
+      packed = packed.with_target_bytes(document_bytes)
+    self._hold(packed)
 
   def _hold(self, packed: PackedText) -> None:
     self.packed = packed
@@ -211,9 +242,13 @@ class TextBatches:
     self._order = batching.EpochOrder(self.num_rows)
 
   @classmethod
-  def from_texts(cls, texts: Sequence[str], tokenizer: tokenizers.Tokenizer, **kwargs) -> "TextBatches":
-    """Tokenizes documents and packs them; ``kwargs`` as for the constructor, ids the tokenizer's."""
-    return cls(tokenize_documents(texts, tokenizer), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, **kwargs)
+  def from_texts(cls, texts: Sequence[str], tokenizer: tokenizers.Tokenizer, *, count_bytes: bool = False,
+                 **kwargs) -> "TextBatches":
+    """Tokenizes documents and packs them; ``kwargs`` as for the constructor, ids the tokenizer's;
+    ``count_bytes``: with each token's UTF-8 bytes (``target_bytes``)."""
+    document_bytes = [tokenizer.token_bytes(text) for text in texts] if count_bytes else None
+    return cls(tokenize_documents(texts, tokenizer), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+               document_bytes=document_bytes, **kwargs)
 
   @property
   def num_rows(self) -> int:
@@ -226,8 +261,7 @@ class TextBatches:
     if count >= self.num_rows:
       return self
     packed = self.packed
-    names = ("inputs", "targets", "weights", "segment_ids", "positions")
-    rows = {name: getattr(packed, name)[:count] for name in names}
+    rows = {name: getattr(packed, name)[:count] for name in packed.row_arrays}
     kept = dataclasses.replace(packed, segments=packed.segments[packed.segments[:, 0] < count], **rows)
     subset = copy.copy(self)
     subset._hold(kept)

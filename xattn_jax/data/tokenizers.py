@@ -47,6 +47,11 @@ class Tokenizer(abc.ABC):
     """``encode`` of each text."""
     return [self.encode(text) for text in texts]
 
+  @abc.abstractmethod
+  def token_bytes(self, text: str) -> list[int]:
+    """The UTF-8 bytes of ``text`` each id of ``encode(text)`` stands for: they sum to ``len(text.encode())``
+    (a tokenizer-independent unit to score a language model in: bits per byte)."""
+
   def decode(self, ids: Iterable[int]) -> str:
     """Text of ``ids`` up to the first EOS, with pad and BOS ids skipped. Accepts numpy rows."""
     kept = []
@@ -105,6 +110,9 @@ class ByteTokenizer(Tokenizer):
   def _decode_ids(self, ids: list[int]) -> str:
     return bytes(token_id - self._OFFSET for token_id in ids).decode("utf-8", errors="replace")
 
+  def token_bytes(self, text: str) -> list[int]:
+    return [1] * len(self.encode(text))
+
   def id_to_piece(self, token_id: int) -> str:
     token_id = int(token_id)
     specials = {self.pad_id: "<pad>", self.bos_id: "<s>", self.eos_id: "</s>"}
@@ -160,6 +168,12 @@ class SentencePieceTokenizer(Tokenizer):
 
   def _decode_ids(self, ids: list[int]) -> str:
     return self._processor.decode(ids)
+
+  def token_bytes(self, text: str) -> list[int]:
+    """Each piece's span of the text (identity normalization: offsets into its UTF-8 bytes). The word-boundary
+    mark SentencePiece puts before a text's first piece spans nothing; an unknown piece spans its characters."""
+    self._check_text(text)
+    return [piece.end - piece.begin for piece in self._processor.encode(text, return_type="proto").pieces]
 
   def id_to_piece(self, token_id: int) -> str:
     token_id = int(token_id)

@@ -41,6 +41,9 @@ included, every pair of every eval document counted once):
   eval/loss            mean cross-entropy (nats) per eval token
   eval/token_accuracy  share of eval tokens whose most likely id is the true next token
   eval/perplexity      exp(eval/loss) (derived_eval: from the same sums, no second pass)
+  eval/bits_per_byte   the summed cross-entropy in bits over the UTF-8 bytes of the eval text it scores (EOS:
+                       1 byte, the line end; Tokenizer.token_bytes): comparable across tokenizers and vocabulary
+                       sizes, as perplexity per token is not (the bytes tokenizer: eval/loss / ln 2)
 How many eval tokens there are is logged when the task is built. A document longer than a row is
 trained in chunks of data.sequence_length pairs, each without the context before it, and scored by a sliding
 window: its first data.sequence_length pairs, then data.sequence_length - data.eval_context at a time, each after
@@ -152,7 +155,7 @@ def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options
 @task_lib.register("lm")
 class LanguageModelTask(task_lib.Task):
   """Next-token prediction on packed documents (see the module docstring)."""
-  eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity")
+  eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity", "eval/bits_per_byte")
   infers_blank_lines = True  # a blank line is an empty prompt: a sample from BOS alone
 
   @classmethod
@@ -220,7 +223,7 @@ class LanguageModelTask(task_lib.Task):
                         batching.repeats_per_batch(rows, config.batch_size))
     if mode != "infer":
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length,
-                                                   context=config.data.get("eval_context", 0))
+                                                   context=config.data.get("eval_context", 0), count_bytes=True)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
                    len(self.eval_texts), int(self.eval_data.packed.weights.sum()), self.eval_data.num_rows, length)
       cap = config.data.get("max_eval_rows", 0) if mode == "train" else 0  # --mode=eval, the final score: all
@@ -319,9 +322,10 @@ class LanguageModelTask(task_lib.Task):
                                        process_count=process_count)
 
   def eval_metrics(self, model, batch):
-    """loss and token_accuracy over the eval tokens (see the module docstring)."""
+    """loss, token_accuracy and bits_per_byte over the eval tokens (see the module docstring)."""
     loss_sum, correct, weight_sum = self._sums(model, batch)
-    return {"loss": (loss_sum, weight_sum), "token_accuracy": (correct, weight_sum)}
+    return {"loss": (loss_sum, weight_sum), "token_accuracy": (correct, weight_sum),
+            "bits_per_byte": (loss_sum / math.log(2), jnp.sum(batch["target_bytes"] * batch["weights"]))}
 
   def _sums(self, model, batch):
     logits = self._logits(model, batch)
