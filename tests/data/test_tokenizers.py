@@ -234,11 +234,23 @@ def test_a_continuation_keeps_the_space_its_first_word_opens_with(sentencepiece_
   assert byte.continuation(byte.encode("x"), [byte.eos_id, *byte.encode("never")]) == ""
 
 
-def test_unknown_characters_are_those_without_a_piece(sentencepiece_model):
-  """The VLM warns with them: a user's question or eval caption holding them read as '⁇'."""
+def test_unknown_characters_are_those_without_a_piece(sentencepiece_model, caplog, tmp_path):
+  """The tasks warn with them: a user's input line, question or eval text holding them read as '⁇'."""
   assert sentencepiece_model.unknown_characters(["dimanche 29", "novembre"]) == ""
   assert sentencepiece_model.unknown_characters(["dimanche ☃", "€ novembre ☃"]) == "€☃"
   assert sentencepiece_model.unk_id in sentencepiece_model.encode("☃")
+  with_word = tokenizers.train_sentencepiece(["<image> dimanche 29", "novembre <image>"] * 20, tmp_path / "w.model",
+                                             vocab_size=40, exact=False, single_piece_words=("<image>",))
+  assert with_word.unknown_characters(["<image> dimanche", "29 <image>"]) == ""  # "<" alone has no piece
+  assert with_word.unknown_characters(["<image> <q>"]) == "<>q"
+  with caplog.at_level(logging.WARNING):
+    assert sentencepiece_model.warn_unknown_characters(iter(["dimanche 29"]), "the input lines") == ""
+    assert not caplog.records
+    assert sentencepiece_model.warn_unknown_characters(iter(["€ ☃ 29"]), "the input lines", "; more") == "€☃"
+    assert tokenizers.ByteTokenizer().warn_unknown_characters(["€ ☃"], "the input lines") == ""
+  [record] = caplog.records
+  assert record.getMessage() == ("the input lines hold characters the tokenizer has no piece for: '€☃'; they read "
+                                 "as its unknown piece ('⁇'); more")
 
 
 def test_the_ids_a_text_never_holds_are_padding_bos_and_the_unknown_piece(sentencepiece_model):

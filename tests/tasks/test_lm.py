@@ -170,9 +170,9 @@ def test_a_sentencepiece_vocab_cap_above_what_a_small_file_supports_still_trains
   assert batch["inputs"].shape == (2, 64) and np.all(batch["inputs"] < task.vocab_size)
 
 
-def test_bits_per_byte_divide_the_eval_loss_in_bits_by_the_eval_texts_utf8_bytes(trained, tmp_path):
+def test_bits_per_byte_divide_the_eval_loss_in_bits_by_the_eval_texts_utf8_bytes(trained, tmp_path, caplog):
   """Bytes: bits per byte is eval/loss / ln 2. SentencePiece: the eval text's UTF-8 bytes, EOS one each,
-  whatever its pieces (a text's leading word-boundary mark, characters without a piece)."""
+  whatever its pieces (a text's leading word-boundary mark, characters without a piece, said in a warning)."""
   _, metrics = trained
   assert metrics["eval/bits_per_byte"] == pytest.approx(metrics["eval/loss"] / math.log(2), rel=1e-5)
   train_file, eval_file = tmp_path / "small.txt", tmp_path / "eval.txt"
@@ -181,7 +181,10 @@ def test_bits_per_byte_divide_the_eval_loss_in_bits_by_the_eval_texts_utf8_bytes
   eval_file.write_text("".join(f"{t}\n" for t in eval_texts), encoding="utf-8")
   config = helpers.load_config(*TINY, "--config.data.tokenizer=sentencepiece", f"--config.data.train_file={train_file}",
                                f"--config.data.eval_file={eval_file}", "--config.data.sequence_length=16")
-  task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  with caplog.at_level(logging.WARNING):
+    task = lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  assert any("the eval documents hold characters the tokenizer has no piece for: ',aé€☃'" in r.getMessage()
+             for r in caplog.records)
   model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   [batch] = task.eval_batches(process_index=0, process_count=1)
   values = task.eval_metrics(model, batch)

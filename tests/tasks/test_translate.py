@@ -218,8 +218,12 @@ def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
   lines = "Monday, January 3, 2000\nJan 4, 2001\nFebruary 5, 2000\n"
   result = launch("configs/translate_dates.py", workdir, DATES, "--mode=infer", stdin=lines)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert len(result.stdout.splitlines()) == 3
+  assert len(result.stdout.splitlines()) == 3 and "no piece for" not in result.stderr
   assert tokenizer.stat().st_mtime_ns == before
+  # A character the tokenizer never saw reads as its unknown piece: translated, and said.
+  result = launch("configs/translate_dates.py", workdir, DATES, "--mode=infer", stdin="Jan 4, 2001 \u2603\n")
+  assert result.returncode == 0 and len(result.stdout.splitlines()) == 1, result.stderr[-3000:]
+  assert "the input lines hold characters the tokenizer has no piece for: '\u2603'" in result.stderr
 
 
 @pytest.mark.slow

@@ -71,6 +71,20 @@ class Tokenizer(abc.ABC):
     """Ids a generated text never holds (`decoding.search`'s suppress_ids): padding and BOS."""
     return (self.pad_id, self.bos_id)
 
+  def unknown_characters(self, texts: Iterable[str]) -> str:
+    """The characters of `texts` this tokenizer has no id for, sorted (none here: every character has bytes)."""
+    return ""
+
+  def warn_unknown_characters(self, texts: Iterable[str], where: str, consequence: str = "") -> str:
+    """Logs a warning naming the characters of `texts` without a piece (`where`: "the input lines", ...); a
+    tokenizer's pieces come from its training text, and a character it never saw reads as the unknown piece,
+    silently, so what the model reads is not what the user wrote. Returns them."""
+    unknown = self.unknown_characters(texts)
+    if unknown:
+      logging.warning("%s hold characters the tokenizer has no piece for: %r; they read as its unknown piece "
+                      "('\u2047')%s", where, unknown, consequence)
+    return unknown
+
   def continuation(self, prompt_ids: Sequence[int], new_ids: Iterable[int]) -> str:
     """The text that `new_ids` add after the prompt's: decode(prompt + new) less decode(prompt).
 
@@ -153,9 +167,14 @@ class SentencePieceTokenizer(Tokenizer):
     return (self.pad_id, self.bos_id, self.unk_id)
 
   def unknown_characters(self, texts: Iterable[str]) -> str:
-    """The characters of `texts` this model has no piece for (each encodes as unk_id), sorted."""
-    characters = {c for text in texts for c in text if not c.isspace()}
-    return "".join(sorted(c for c in characters if self.unk_id in self._processor.encode(c)))
+    """The characters of `texts` that encode as unk_id where they stand, sorted (a character alone may have no
+    piece yet belong to one: the "<" of a single-piece word "<image>")."""
+    unknown = set()
+    for text in texts:
+      self._check_text(text)
+      unknown.update(c for piece in self._processor.encode(text, return_type="proto").pieces
+                     if piece.id == self.unk_id for c in piece.surface if not c.isspace())
+    return "".join(sorted(unknown))
 
   def encode(self, text: str) -> list[int]:
     self._check_text(text)

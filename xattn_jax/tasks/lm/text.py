@@ -222,6 +222,8 @@ class LanguageModelTask(task_lib.Task):
                         "each row %s", rows, length, config.batch_size,
                         batching.repeats_per_batch(rows, config.batch_size))
     if mode != "infer":
+      self.tokenizer.warn_unknown_characters(self.eval_texts, "the eval documents",
+                                             ": a run of them is scored as one token")
       self.eval_data = text.TextBatches.from_texts(self.eval_texts, self.tokenizer, length=length,
                                                    context=config.data.get("eval_context", 0), count_bytes=True)
       logging.info("LM eval: %d documents, %d tokens (next-token pairs, EOS included) in %d rows of %d",
@@ -362,6 +364,7 @@ class LanguageModelTask(task_lib.Task):
     and task.decoding.max_new_tokens) is continued from its last tokens that fit, as a causal LM reads a long
     text, and logged; the line is written whole."""
     budget = self.config.model.max_length - 1 - self.config.task.decoding.max_new_tokens
+    self.tokenizer.warn_unknown_characters(lines, "the input lines")
     prompts = self.tokenizer.encode_batch(lines)
     cropped = [index for index, ids in enumerate(prompts) if len(ids) > budget]
     if cropped:

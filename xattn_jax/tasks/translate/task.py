@@ -273,6 +273,8 @@ class TranslateTask(task_lib.Task):
     self.tokenizer = self._tokenizer() if mode == "train" else self._saved_tokenizer()
     if mode != "infer":
       self._check_eval_lengths()
+      self.tokenizer.warn_unknown_characters((text for pair in self.eval_pairs for text in pair), "the eval pairs",
+                                             ": a reference holding them cannot be written")
     if mode == "train":
       self._note_small_corpus()
       self._note_padding()
@@ -611,6 +613,7 @@ class TranslateTask(task_lib.Task):
   def infer(self, model, lines):
     """One translation per input line."""
     limit = self.config.model.max_length
+    self.tokenizer.warn_unknown_characters(lines, "the input lines")
     encoded = self.tokenizer.encode_batch(lines)
     for index, ids in enumerate(encoded):
       if not ids or len(ids) > limit:

@@ -356,8 +356,10 @@ class VLMTask(task_lib.Task):
     sort_keys = np.asarray([len(e.images) for e in self.train_examples]) if self.length_bucketing else None
     self._train_order = batching.EpochOrder(len(self.train_examples), sort_keys)  # a user's pairs: shuffled
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
-    self._warn_unknown_characters([str(v) for e in self.eval_examples for role, v in e.segments if role != "image"],
-                                  "the eval texts")
+    # A reference holding such a character cannot be generated (exact match 0, answers of '⁇').
+    self.tokenizer.warn_unknown_characters(
+        [str(v) for e in self.eval_examples for role, v in e.segments if role != "image"], "the eval texts",
+        ", and a reference holding them cannot be generated")
     self._train_features = None  # (table [images, 1 + P, width], example i's images at offsets[i]:offsets[i + 1])
     if mode == "train" and config.data.get("cache_features", False):
       self._train_features = self._cache_features()
@@ -371,14 +373,6 @@ class VLMTask(task_lib.Task):
     self.prompt_length = -(-max(prompts, default=8) // 8) * 8
     logging.info("VLM %s: %d train / %d eval examples, rows of %d tokens", config.model.connector,
                  len(self.train_examples), len(self.eval_examples), self.length)
-
-  def _warn_unknown_characters(self, texts, where: str) -> None:
-    """The LM's pieces come from its training text: a character it never saw reads and writes as the
-    unknown piece, so such a text can be neither read nor generated (exact match 0, answers of '⁇')."""
-    unknown = self.tokenizer.unknown_characters(texts)
-    if unknown:
-      logging.warning("%s hold characters the LM's tokenizer has no piece for: %r; they read as the unknown "
-                      "piece, and a reference holding them cannot be generated", where, unknown)
 
   def _examples(self, side: str) -> list[vlm_digits.VLMExample]:
     data = self.config.data
@@ -820,7 +814,8 @@ class VLMTask(task_lib.Task):
                                                           for s in (("image", i), ("target", None))]
       groups.append(range(len(examples), len(examples) + 1))
       examples.append((tuple(images), segments + [("text", question), ("target", None)]))
-    self._warn_unknown_characters([line.split("\t")[-1] if "\t" in line else "" for line in lines], "the questions")
+    self.tokenizer.warn_unknown_characters([line.split("\t")[-1] if "\t" in line else "" for line in lines],
+                                           "the questions")
     answers = self._generate_in_turn(model, examples)
     return [" | ".join(answers[k][-1] or "(nothing)" for k in group) for group in groups]
 
