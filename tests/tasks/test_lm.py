@@ -68,6 +68,18 @@ def test_an_eval_reads_the_eval_rows_once_perplexity_included(trained, monkeypat
   assert values["eval/loss"] == pytest.approx(metrics["eval/loss"], rel=1e-6)
 
 
+def test_an_eval_may_read_the_run_at_a_longer_context_and_says_so(trained):
+  """Train short, test long (ALiBi's evaluation): the RoPE run trained at rows of 64 in a context of 128 is
+  scored in rows of 256; the eval's record names the changed fields."""
+  import json
+  workdir, metrics = trained
+  config = helpers.load_config(*TINY, "--config.model.max_length=256", "--config.data.sequence_length=256")
+  values = loop.run(config, str(workdir), "eval")
+  assert values["eval/loss"] < 0.5 * _unigram_loss(corpus.default_corpus().train, corpus.default_corpus().eval[:256])
+  row = json.loads((workdir / "eval_results.jsonl").read_text().splitlines()[-1])
+  assert row["changed"]["model.max_length"] == 256 and row["changed"]["data.sequence_length"] == 256
+
+
 def test_an_eval_logs_samples_that_continue_the_first_half_of_eval_documents(trained, caplog):
   """task.num_samples_logged (3) eval documents, evenly spaced: each cut in half, the model's continuation of the first half (the
   one infer writes for it) beside the second."""

@@ -66,6 +66,30 @@ def test_eval_may_change_the_task_but_not_the_model(tmp_path):
     workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path), mode="infer")
 
 
+@pytest.mark.parametrize("posenc", ["rope", "alibi", "learned"])
+def test_an_lm_eval_may_lengthen_the_context_and_rescale_rope_but_not_a_learned_table(tmp_path, posenc):
+  """ALiBi's "train short, test long" is an eval at a longer model.max_length: it changes no parameter but a
+  learned table's rows. Training may not change it; eval may not change the model's shape."""
+  trained = lm_text.get_config(f"posenc={posenc}")
+  workdir.write_config(trained, str(tmp_path))
+  _with_checkpoint(tmp_path)
+  longer = lm_text.get_config(f"posenc={posenc}")
+  longer.model.max_length, longer.data.sequence_length = 1024, 512
+  longer.model.rope_scaling, longer.model.rope_scaling_factor = ("ntk", 4.0) if posenc == "rope" else ("", 1.0)
+  for mode in ("eval", "infer"):
+    if posenc == "learned":
+      with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length=1024: the run .* made with 256"):
+        workdir.check_same_model(longer, str(tmp_path), mode=mode)
+    else:
+      workdir.check_same_model(longer, str(tmp_path), mode=mode)
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length=1024"):
+    workdir.check_same_model(longer, str(tmp_path), mode="train")
+  wider = lm_text.get_config(f"posenc={posenc}")
+  wider.model.num_layers = 3
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.num_layers"):
+    workdir.check_same_model(wider, str(tmp_path), mode="eval")
+
+
 def test_an_eval_naming_no_file_of_a_run_trained_on_one_is_refused(tmp_path):
   """With data.train_file "" the LM scores the bundled corpus: an eval of a run trained on the user's
   text once recorded a perplexity of ~4,000 on it as the run's result."""

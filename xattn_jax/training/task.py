@@ -237,6 +237,13 @@ class Task:
     """The runs this task's training needs finished first (see the module docstring)."""
     return []
 
+  @classmethod
+  def eval_model_fields(cls, config) -> tuple[str, ...]:
+    """The model.* fields eval and infer may set otherwise than training did (`config` is theirs): they change
+    how the trained parameters are read, not the parameters (a language model's context at eval). None by
+    default: eval and infer keep the model."""
+    return ()
+
   def make_model(self, rngs, *, dtype, param_dtype):
     raise NotImplementedError
 

@@ -96,16 +96,17 @@ def config_differences(config, workdir: str) -> dict[str, tuple]:
 def check_same_model(config, workdir: str, mode: str = "train") -> None:
   """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
   model, task and data sections (resuming on other data or another tokenizer is another experiment);
-  eval and infer must keep the model and the tokenizer (they may decode differently, e.g. another
-  task.decoding, and evaluate other files). Eval and infer take a dependency's frozen parameters from the
-  run's own checkpoint and record, so the fields naming where training found them and how (the task's
-  `Dependency.workdir_field`s and `config_field`s) may differ. An eval that names no data file where
+  eval and infer must keep the model (but for the task's `eval_model_fields`) and the tokenizer (they may
+  decode differently, e.g. another task.decoding, and evaluate other files). Eval and infer take a
+  dependency's frozen parameters from the run's own checkpoint and record, so the fields naming where
+  training found them and how (the task's `Dependency.workdir_field`s and `config_field`s) may differ. An eval that names no data file where
   the run was trained on one is refused: it would score the bundled data instead."""
   if not checkpoints_lib.step_numbers(workdir):
     return  # no checkpoint yet (a run that failed before its first save): nothing to protect
+  task_class = task_lib.get_task_class(config.task.name)
   unread = () if mode == "train" else {
-      field for dependency in task_lib.get_task_class(config.task.name).dependencies(config, workdir)
-      for field in (dependency.workdir_field, dependency.config_field) if field}
+      field for dependency in task_class.dependencies(config, workdir)
+      for field in (dependency.workdir_field, dependency.config_field) if field} | set(task_class.eval_model_fields(config))
 
   def watched(field):
     if mode == "train":

@@ -206,6 +206,16 @@ class LanguageModelTask(task_lib.Task):
     if mode != "infer" and data.eval_file:
       _read("data.eval_file", data.eval_file, _file_format(data))
 
+  @classmethod
+  def eval_model_fields(cls, config):
+    """Eval and infer may read a run with a longer context (model.max_length, but where it sizes a learned table),
+    RoPE rescaled (position interpolation or NTK-aware scaling, applied at inference), drawn positions or another
+    attention implementation: ALiBi's "train short, test long" is `--mode=eval` with a longer
+    data.sequence_length and model.max_length."""
+    fields = ("model.rope_scaling", "model.rope_scaling_factor", "model.randomized_positions_at_eval",
+              "model.implementation")
+    return fields + (("model.max_length",) if config.model.position_encoding != "learned" else ())
+
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
     self.options = decoding_config.decoding_options(config)
