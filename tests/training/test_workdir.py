@@ -76,13 +76,14 @@ def test_an_lm_eval_may_lengthen_the_context_and_rescale_rope_but_not_a_learned_
   longer = lm_text.get_config(f"posenc={posenc}")
   longer.model.max_length, longer.data.sequence_length = 1024, 512
   longer.model.rope_scaling, longer.model.rope_scaling_factor = ("ntk", 4.0) if posenc == "rope" else ("", 1.0)
+  longer.model.implementation = "chunked"
   for mode in ("eval", "infer"):
     if posenc == "learned":
       with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length=1024: the run .* made with 256"):
         workdir.check_same_model(longer, str(tmp_path), mode=mode)
     else:
       workdir.check_same_model(longer, str(tmp_path), mode=mode)
-  with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length=1024"):
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.implementation='chunked'"):  # the first
     workdir.check_same_model(longer, str(tmp_path), mode="train")
   wider = lm_text.get_config(f"posenc={posenc}")
   wider.model.num_layers = 3
