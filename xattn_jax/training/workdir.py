@@ -81,14 +81,22 @@ def _flat(tree: dict, prefix: str = "") -> dict:
   return out
 
 
+def recorded_config(workdir: str) -> dict | None:
+  """The config the run in `workdir` recorded (its config.json, as nested dicts), or None without one."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 def config_differences(config, workdir: str) -> dict[str, tuple]:
   """{dotted field: (value in the run's config.json, value in `config`)} for every field where they
   differ, sorted by field (None for a field one side lacks); {} when the workdir holds no config.json."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  recorded = recorded_config(workdir)
+  if recorded is None:
     return {}
-  with open(path) as f:
-    old = _flat(json.load(f))
+  old = _flat(recorded)
   new = _flat(json.loads(config.to_json_best_effort()))
   return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
 
