@@ -399,28 +399,32 @@ def test_lm_algorithmic_run_logs_exact_match_per_band_and_infer_answers_each_lin
   assert {"eval/exact_match_9_16"} <= set(loop.run(config, str(tmp_path), "eval"))
 
 
+@pytest.mark.parametrize("config_file, needed", [("lm_algorithmic.py", (83, 323)), ("algorithmic.py", (41, 161))])
 @pytest.mark.parametrize("posenc", ["learned", "rope"])
-def test_lm_algorithmic_eval_bands_keep_a_learned_table_as_trained(tmp_path, posenc):
+def test_algorithmic_eval_bands_keep_a_learned_table_as_trained(tmp_path, posenc, config_file, needed):
   """The model's positions follow task.eval_bands, which eval may change: a learned run's table was trained
   with the rows its own bands needed, so a narrower eval failed to restore it ([163, d] in the checkpoint, [83, d]
   built) and a wider one asked for rows it lacks. Eval and infer now build the trained table and refuse bands
-  beyond it, naming the field; other encodings follow the bands."""
+  beyond it, naming the field; other encodings follow the bands. The decoder-only and the encoder-decoder task
+  alike."""
+  from xattn_jax.tasks import algorithmic as seq2seq_task
   from xattn_jax.tasks.lm import algorithmic as lm_algorithmic_task
   from xattn_jax.training import workdir as workdir_lib
-  trained = helpers.load_config(f"--config=configs/lm_algorithmic.py:size=micro,posenc={posenc}")
+  task_class = lm_algorithmic_task.LMAlgorithmicTask if config_file == "lm_algorithmic.py" else seq2seq_task.AlgorithmicTask
+  size = "micro" if config_file == "lm_algorithmic.py" else "tiny"
+  trained = helpers.load_config(f"--config=configs/{config_file}:size={size},posenc={posenc}")
   workdir_lib.write_config(trained, str(tmp_path))
-  rows = lm_algorithmic_task.LMAlgorithmicTask.positions_needed(trained)
-  for bands, needed in (("1-20,21-40", 83), ("1-20,81-160", 323)):
-    config = helpers.load_config(f"--config=configs/lm_algorithmic.py:size=micro,posenc={posenc}",
+  rows = task_class.positions_needed(trained)
+  for bands, positions in zip(("1-20,21-40", "1-20,81-160"), needed):
+    config = helpers.load_config(f"--config=configs/{config_file}:size={size},posenc={posenc}",
                                  f"--config.task.eval_bands={bands}")
     for mode in ("eval", "infer"):
-      if posenc == "learned" and needed > rows:
-        with pytest.raises(validation.ConfigError, match=rf"^config\.task\.eval_bands='{bands}': need {needed} "
+      if posenc == "learned" and positions > rows:
+        with pytest.raises(validation.ConfigError, match=rf"^config\.task\.eval_bands='{bands}': need {positions} "
                                                           rf"positions; the run's learned position table has {rows}"):
-          lm_algorithmic_task.LMAlgorithmicTask(config, str(tmp_path), mode)
+          task_class(config, str(tmp_path), mode)
       else:
-        task = lm_algorithmic_task.LMAlgorithmicTask(config, str(tmp_path), mode)
-        assert task.max_length == (rows if posenc == "learned" else needed)
+        assert task_class(config, str(tmp_path), mode).max_length == (rows if posenc == "learned" else positions)
 
 
 @pytest.mark.parametrize("field, registry", [("norm_type", blocks.NORM_TYPES), ("mlp_type", blocks.MLP_TYPES),

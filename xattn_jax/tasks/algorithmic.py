@@ -30,7 +30,7 @@ from flax import nnx
 from xattn_jax import decoding
 from xattn_jax.data import algorithmic
 from xattn_jax.models import translator as translator_lib
-from xattn_jax.training import optim, task as task_lib, validation
+from xattn_jax.training import optim, task as task_lib, validation, workdir as workdir_lib
 
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 LETTERS = string.ascii_lowercase
@@ -45,6 +45,23 @@ def parse_bands(text: str, field: str = "task.eval_bands") -> list[tuple[int, in
   if not bands or any(len(band) != 2 or not 1 <= band[0] <= band[1] for band in bands):
     raise validation.ConfigError(field, text, "must be comma-separated LO-HI length ranges, e.g. 1-32,33-64")
   return bands
+
+
+def positions_for(config, workdir, mode: str, positions_needed) -> int:
+  """The positions the model is built with: `positions_needed(config)`, which follows task.eval_bands, a field
+  eval and infer may change. A learned table, though, was trained with the rows the run's own bands needed: eval
+  and infer build it as trained (the workdir's recorded config) and refuse bands beyond it, naming the field;
+  other encodings read any position."""
+  needed = positions_needed(config)
+  recorded = workdir_lib.recorded_config(workdir) if workdir and mode != "train" else None
+  if not recorded or config.model.position_encoding != "learned":
+    return needed
+  trained = positions_needed(recorded)
+  if needed > trained:
+    raise validation.ConfigError("task.eval_bands", config.task.eval_bands,
+                                 f"need {needed} positions; the run's learned position table has {trained} (its "
+                                 f"task.eval_bands {recorded['task']['eval_bands']!r}): name bands within them")
+  return trained
 
 
 def band_name(band: tuple[int, int], metric: str = "exact_match") -> str:
@@ -107,7 +124,14 @@ class AlgorithmicTask(task_lib.Task):
     super().__init__(config, workdir, mode)
     self.bands = parse_bands(config.task.eval_bands)
     # Positions 0 .. longest string (its EOS included) must have a row in a learned table.
-    self.max_length = max(config.task.train_max_length, *(hi for _, hi in self.bands)) + 1
+    self.max_length = positions_for(config, workdir, mode, self.positions_needed)
+
+  @staticmethod
+  def positions_needed(config) -> int:
+    """Positions of the longest string (its EOS included) a config trains or evaluates on (a ConfigDict or a
+    recorded config's dict)."""
+    task = config["task"]
+    return max(task["train_max_length"], *(hi for _, hi in parse_bands(task["eval_bands"]))) + 1
 
   def make_model(self, rngs, *, dtype, param_dtype):
     c = self.config.model

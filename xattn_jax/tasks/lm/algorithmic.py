@@ -23,7 +23,7 @@ from xattn_jax.data import lm_algorithmic
 from xattn_jax.tasks import algorithmic as seq2seq_algorithmic
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as text_task
-from xattn_jax.training import optim, task as task_lib, validation, workdir as workdir_lib
+from xattn_jax.training import optim, task as task_lib, validation
 
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 LETTERS = string.ascii_lowercase
@@ -60,17 +60,7 @@ class LMAlgorithmicTask(task_lib.Task):
     self.bands = seq2seq_algorithmic.parse_bands(task.eval_bands)
     self.options = decoding_config.decoding_options(config)
     # Positions 0 .. the longest eval row must have a row in a learned table.
-    self.max_length = self.positions_needed(config)
-    recorded = workdir_lib.recorded_config(workdir) if workdir and mode != "train" else None
-    if recorded and config.model.position_encoding == "learned":
-      # The run's table has the rows its own bands needed: eval and infer read it as trained, and may not
-      # ask for rows it lacks (other encodings read any position).
-      trained = self.positions_needed(recorded)
-      if self.max_length > trained:
-        raise validation.ConfigError("task.eval_bands", task.eval_bands,
-                                     f"need {self.max_length} positions; the run's learned position table has {trained} "
-                                     f"(its task.eval_bands {recorded['task']['eval_bands']!r}): name bands within them")
-      self.max_length = trained
+    self.max_length = seq2seq_algorithmic.positions_for(config, workdir, mode, self.positions_needed)
     self._generate = nnx.jit(text_task.generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
 
   @staticmethod
