@@ -229,9 +229,10 @@ def test_infer_prints_one_line_per_input_and_reuses_the_tokenizer(dates_run):
 @pytest.mark.slow
 def test_infer_may_decode_differently_but_training_may_not_change_the_data(dates_run):
   workdir = dates_run
+  # beam search, reading the sinusoidal run at twice its trained model.max_length (a parameter-free field)
   beam = launch("configs/translate_dates.py", workdir, {**DATES, "task.decoding.method": "beam",
-                                                         "task.decoding.beam_size": 2}, "--mode=infer",
-                stdin="Jan 4, 2001\n")
+                                                         "task.decoding.beam_size": 2, "model.max_length": 64},
+                "--mode=infer", stdin="Jan 4, 2001\n")
   assert beam.returncode == 0 and len(beam.stdout.splitlines()) == 1, beam.stderr[-3000:]
   german = launch("configs/translate_dates.py", workdir, {**DATES, "data.target_locale": "de"})
   assert german.returncode == 2 and "data.target_locale" in german.stderr.strip().splitlines()[-1]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from configs import lm_text, template
+from configs import lm_text, template, translate_dates
 from xattn_jax.training import validation, workdir
 
 
@@ -66,28 +66,32 @@ def test_eval_may_change_the_task_but_not_the_model(tmp_path):
     workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path), mode="infer")
 
 
-@pytest.mark.parametrize("posenc", ["rope", "alibi", "learned"])
-def test_an_lm_eval_may_lengthen_the_context_and_rescale_rope_but_not_a_learned_table(tmp_path, posenc):
+@pytest.mark.parametrize("module, posenc", [(lm_text, "rope"), (lm_text, "alibi"), (lm_text, "learned"),
+                                            (translate_dates, "sinusoidal"), (translate_dates, "rope"),
+                                            (translate_dates, "learned")])
+def test_an_eval_may_lengthen_the_context_and_rescale_rope_but_not_a_learned_table(tmp_path, module, posenc):
   """ALiBi's "train short, test long" is an eval at a longer model.max_length: it changes no parameter but a
-  learned table's rows. Training may not change it; eval may not change the model's shape."""
-  trained = lm_text.get_config(f"posenc={posenc}")
+  learned table's rows (the LM and the translator alike). Training may not change it; eval may not change the
+  model's shape."""
+  trained = module.get_config(f"posenc={posenc}")
   workdir.write_config(trained, str(tmp_path))
   _with_checkpoint(tmp_path)
-  longer = lm_text.get_config(f"posenc={posenc}")
-  longer.model.max_length, longer.data.sequence_length = 1024, 512
+  longer = module.get_config(f"posenc={posenc}")
+  longer.model.max_length = 1024
   longer.model.rope_scaling, longer.model.rope_scaling_factor = ("ntk", 4.0) if posenc == "rope" else ("", 1.0)
   longer.model.implementation = "chunked"
   for mode in ("eval", "infer"):
     if posenc == "learned":
-      with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length=1024: the run .* made with 256"):
+      with pytest.raises(validation.ConfigError, match=rf"^config\.model\.max_length=1024: the run .* made with "
+                                                        rf"{trained.model.max_length}"):
         workdir.check_same_model(longer, str(tmp_path), mode=mode)
     else:
       workdir.check_same_model(longer, str(tmp_path), mode=mode)
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.implementation='chunked'"):  # the first
     workdir.check_same_model(longer, str(tmp_path), mode="train")
-  wider = lm_text.get_config(f"posenc={posenc}")
-  wider.model.num_layers = 3
-  with pytest.raises(validation.ConfigError, match=r"^config\.model\.num_layers"):
+  wider = module.get_config(f"posenc={posenc}")
+  wider.model.scan_layers = not wider.model.scan_layers  # the parameters' layout
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.scan_layers"):
     workdir.check_same_model(wider, str(tmp_path), mode="eval")
 
 

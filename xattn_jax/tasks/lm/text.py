@@ -66,7 +66,7 @@ from xattn_jax import decoding
 from xattn_jax.data import batching, corpus, files, image_text, splits, text, tokenizers, vlm_digits
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
-from xattn_jax.tasks import decoding_config
+from xattn_jax.tasks import decoding_config, reading_fields
 from xattn_jax.training import optim, task as task_lib, validation
 
 TOKENIZERS = ("bytes", "sentencepiece")
@@ -209,12 +209,9 @@ class LanguageModelTask(task_lib.Task):
   @classmethod
   def eval_model_fields(cls, config):
     """Eval and infer may read a run with a longer context (model.max_length, but where it sizes a learned table),
-    RoPE rescaled (position interpolation or NTK-aware scaling, applied at inference), drawn positions or another
-    attention implementation: ALiBi's "train short, test long" is `--mode=eval` with a longer
-    data.sequence_length and model.max_length."""
-    fields = ("model.rope_scaling", "model.rope_scaling_factor", "model.randomized_positions_at_eval",
-              "model.implementation")
-    return fields + (("model.max_length",) if config.model.position_encoding != "learned" else ())
+    RoPE rescaled, drawn positions or another attention implementation (tasks.reading_fields): ALiBi's "train
+    short, test long" is `--mode=eval` with a longer data.sequence_length and model.max_length."""
+    return reading_fields.position_reading_fields(config)
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)

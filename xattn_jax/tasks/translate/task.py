@@ -59,7 +59,7 @@ from xattn_jax import decoding
 from xattn_jax.data import batching, dates, splits, tokenizers, tsv
 from xattn_jax.layers import blocks
 from xattn_jax.models import translator as translator_lib
-from xattn_jax.tasks import decoding_config
+from xattn_jax.tasks import decoding_config, reading_fields
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.training import optim, sharding, task as task_lib, validation
 
@@ -262,6 +262,12 @@ class TranslateTask(task_lib.Task):
         _read_tsv("data.train_file", data.train_file)
       if data.eval_file:
         _read_tsv("data.eval_file", data.eval_file)
+
+  @classmethod
+  def eval_model_fields(cls, config):
+    """Eval and infer may read a run at a longer model.max_length (but where it sizes a learned table), RoPE
+    rescaled or with another attention implementation (tasks.reading_fields): longer sentences than it trained on."""
+    return reading_fields.position_reading_fields(config)
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
