@@ -95,6 +95,21 @@ def test_an_eval_may_lengthen_the_context_and_rescale_rope_but_not_a_learned_tab
     workdir.check_same_model(wider, str(tmp_path), mode="eval")
 
 
+def test_a_run_made_before_a_model_field_existed_is_pointed_to_its_own_config(tmp_path):
+  """Its config.json lacks the field, which the config file now sets: "made with None" read as if the run had
+  chosen None. Its own config.py reads the field as the code of then did."""
+  workdir.write_config(lm_text.get_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  recorded = json.loads((tmp_path / "config.json").read_text())
+  del recorded["model"]["norm_type"]
+  (tmp_path / "config.json").write_text(json.dumps(recorded))
+  for mode in ("train", "eval"):
+    with pytest.raises(validation.ConfigError, match=rf"^config\.model\.norm_type='rmsnorm': the run in .* was made "
+                                                      rf"before this field existed; use its own config, "
+                                                      rf"--config={tmp_path / 'config.py'}$"):
+      workdir.check_same_model(lm_text.get_config(), str(tmp_path), mode=mode)
+
+
 def test_an_eval_naming_no_file_of_a_run_trained_on_one_is_refused(tmp_path):
   """With data.train_file "" the LM scores the bundled corpus: an eval of a run trained on the user's
   text once recorded a perplexity of ~4,000 on it as the run's result."""

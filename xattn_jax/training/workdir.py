@@ -137,8 +137,12 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
       field for section in ("model", "task", "data") for field in differences
       if field.startswith(section + ".") and watched(field)]
   if reported:
-    old, new = differences[reported[0]]
-    raise validation.ConfigError(reported[0], new, f"the run in {workdir} was made with {old!r}; keep it, or use "
+    field, (old, new) = reported[0], differences[reported[0]]
+    if field not in _flat(recorded_config(workdir) or {}):
+      # The run predates the field: its config.py reads it as the code of then did (a default the code keeps).
+      raise validation.ConfigError(field, new, f"the run in {workdir} was made before this field existed; use its "
+                                   f"own config, --config={os.path.join(workdir, 'config.py')}")
+    raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; keep it, or use "
                                  "a new --workdir")
 
 
