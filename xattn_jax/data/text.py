@@ -119,13 +119,10 @@ class PackedText:
 
   def with_target_bytes(self, document_bytes: Sequence[Sequence[int]]) -> "PackedText":
     """These rows with ``target_bytes`` from each document's bytes per token (``Tokenizer.token_bytes``, one per
-    id of the document as packed; its EOS counts 1)."""
+    id of the document as packed, as TextBatches checks; its EOS counts 1)."""
     values = [np.concatenate([np.asarray(b, np.float32).reshape(-1), [1.0]]) for b in document_bytes]
     target_bytes = np.zeros(self.weights.shape, np.float32)
     for row, start, pairs, document, offset in self.segments.tolist():
-      if offset + pairs > len(values[document]):
-        raise ValueError(f"document_bytes[{document}] holds {len(values[document]) - 1} tokens, fewer than the "
-                         f"document packed")
       target_bytes[row, start:start + pairs] = values[document][offset:offset + pairs]
     return dataclasses.replace(self, target_bytes=target_bytes)
 

@@ -113,7 +113,7 @@ class AlgorithmicTask(task_lib.Task):
     if task.min_length > task.train_max_length:
       raise validation.ConfigError("task.min_length", task.min_length,
                                    f"must be <= task.train_max_length={task.train_max_length}")
-    longest = max(task.train_max_length, *(hi for _, hi in parse_bands(task.eval_bands))) + 1  # EOS included
+    longest = cls.positions_needed(config)  # EOS included
     randomized = config.model.get("randomized_positions_max", 0)
     if randomized and randomized < longest:
       raise validation.ConfigError("model.randomized_positions_max", randomized,

@@ -94,9 +94,10 @@ def config_differences(config, workdir: str) -> dict[str, tuple]:
   """{dotted field: (value in the run's config.json, value in `config`)} for every field where they
   differ, sorted by field (None for a field one side lacks); {} when the workdir holds no config.json."""
   recorded = recorded_config(workdir)
-  if recorded is None:
-    return {}
-  old = _flat(recorded)
+  return {} if recorded is None else _differences(_flat(recorded), config)
+
+
+def _differences(old: dict, config) -> dict[str, tuple]:
   new = _flat(json.loads(config.to_json_best_effort()))
   return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
 
@@ -107,21 +108,25 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   eval and infer must keep the model (but for the task's `eval_model_fields`) and the tokenizer (they may
   decode differently, e.g. another task.decoding, and evaluate other files). Eval and infer take a
   dependency's frozen parameters from the run's own checkpoint and record, so the fields naming where
-  training found them and how (the task's `Dependency.workdir_field`s and `config_field`s) may differ. An eval that names no data file where
-  the run was trained on one is refused: it would score the bundled data instead."""
+  training found them and how (the task's `Dependency.workdir_field`s and `config_field`s) may differ. An
+  eval that names no data file where the run was trained on one is refused: it would score the bundled data
+  instead. A field the run's record lacks (added to the code since) points to the run's own config.py."""
   if not checkpoints_lib.step_numbers(workdir):
     return  # no checkpoint yet (a run that failed before its first save): nothing to protect
   task_class = task_lib.get_task_class(config.task.name)
   unread = () if mode == "train" else {
       field for dependency in task_class.dependencies(config, workdir)
-      for field in (dependency.workdir_field, dependency.config_field) if field} | set(task_class.eval_model_fields(config))
+      for field in (dependency.workdir_field, dependency.config_field) if field} | set(
+          task_class.eval_model_fields(config))
 
   def watched(field):
     if mode == "train":
       return True
     return (field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
 
-  differences = config_differences(config, workdir)
+  raw = recorded_config(workdir)
+  recorded = _flat(raw or {})
+  differences = {} if raw is None else _differences(recorded, config)
   trained_on = differences.get("data.train_file", (None, None))[0]
   data = config.get("data") or {}
   if mode == "eval" and trained_on and not data.get("train_file") and not data.get("eval_file"):
@@ -138,7 +143,7 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
       if field.startswith(section + ".") and watched(field)]
   if reported:
     field, (old, new) = reported[0], differences[reported[0]]
-    if field not in _flat(recorded_config(workdir) or {}):
+    if field not in recorded:
       # The run predates the field: its config.py reads it as the code of then did (a default the code keeps).
       raise validation.ConfigError(field, new, f"the run in {workdir} was made before this field existed; use its "
                                    f"own config, --config={os.path.join(workdir, 'config.py')}")

@@ -45,9 +45,8 @@ class LMAlgorithmicTask(task_lib.Task):
     if task.min_length > task.train_max_length:
       raise validation.ConfigError("task.min_length", task.min_length,
                                    f"must be <= task.train_max_length={task.train_max_length}")
-    bands = seq2seq_algorithmic.parse_bands(task.eval_bands)
+    longest = cls.positions_needed(config)  # parses task.eval_bands
     decoding_config.decoding_options(config)
-    longest = lm_algorithmic.row_width(task.operation, max(task.train_max_length, *(hi for _, hi in bands))) + 1
     randomized = config.model.get("randomized_positions_max", 0)
     if randomized and randomized < longest:
       raise validation.ConfigError("model.randomized_positions_max", randomized,
