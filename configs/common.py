@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
+from xattn_jax.training import optim
+
 # Logical axis name -> mesh axes ("" = replicated, "a,b" = sharded over both). Layers annotate their
 # parameters with these names; `xattn_jax.training.sharding` applies the rules.
 DEFAULT_SHARDING_RULES = {
@@ -113,7 +115,7 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
       "weight_decay": 0.01,
       # Parameters whose path contains one of these substrings get no weight decay; vectors (biases,
       # norm scales) never do.
-      "weight_decay_exclude": "bias,scale,embedding",
+      "weight_decay_exclude": optim.DEFAULT_WEIGHT_DECAY_EXCLUDE,
       "grad_clip_norm": 1.0,        # global-norm clipping; 0 disables
   })
 

@@ -39,6 +39,12 @@ def test_weight_decay_spares_biases_norms_and_embeddings():
   assert not mask["embed"]["embedding"]
 
 
+def test_exclusions_naming_no_parameter_are_found_but_the_defaults_names_are_kept():
+  params = {"patch": {"kernel": np.ones((2, 2))}, "norm": {"scale": np.ones(2)}}  # no bias, no embedding
+  assert optim.unmatched_exclude_patterns(params, optim.DEFAULT_WEIGHT_DECAY_EXCLUDE) == []
+  assert optim.unmatched_exclude_patterns(params, " bias, scale,,patc , kernal,norm/scale") == ["kernal"]
+
+
 def test_cross_entropy_with_smoothing_matches_torch():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 5, 11)).astype(np.float32)

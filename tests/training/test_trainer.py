@@ -85,6 +85,26 @@ def test_a_warmup_as_long_as_the_run_is_said_once(tmp_path, caplog):
   assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
 
 
+def test_a_weight_decay_exclusion_that_names_no_parameter_is_refused_naming_it(tmp_path):
+  """'bias,scale,embeding' excluded nothing from weight decay and said nothing: a name no trainable parameter's
+  path contains is refused, naming it and the paths; the default's names are kept even where a model lacks one."""
+  config = template.get_config("size=tiny")
+  config.optimizer.weight_decay_exclude = "bias,scale,embeding,kernal"
+  with pytest.raises(validation.ConfigError, match=r"'embeding', 'kernal' is part of no trainable parameter's "
+                                                   r"path; allowed are substrings of the paths, whose parts are .*\bkernel\b") as error:
+    Trainer(config, str(tmp_path))
+  assert error.value.field == "optimizer.weight_decay_exclude" and "/.value" not in str(error.value)
+  config.optimizer.weight_decay_exclude = "bias,scale,embedding,no_such_default_name_but_unused"
+  config.optimizer.name = "sgd"  # reads no exclusions
+  Trainer(config, str(tmp_path))
+  config.optimizer.name = "adamw"
+  with pytest.raises(validation.ConfigError):
+    Trainer(config, str(tmp_path))
+  Trainer(config, str(tmp_path), mode="eval")  # eval applies no update
+  config.optimizer.weight_decay_exclude = "bias,scale,embedding,kernel"
+  Trainer(config, str(tmp_path))
+
+
 def test_a_train_call_updates_every_parameter_and_reports_its_steps(tmp_path):
   """A train step that skipped the optimizer update would leave the parameters as they were."""
   config = template.get_config("size=tiny")

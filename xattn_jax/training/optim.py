@@ -57,19 +57,38 @@ def make_schedule(optimizer_config, total_steps: int) -> optax.Schedule:
   return optax.join_schedules([warmup_schedule, decay], [warmup])
 
 
+# optimizer.weight_decay_exclude's default (configs/common.py reads it): a model need not have all three.
+DEFAULT_WEIGHT_DECAY_EXCLUDE = "bias,scale,embedding"
+
+
+def _exclude_patterns(exclude: str) -> list[str]:
+  return [p.strip() for p in exclude.split(",") if p.strip()]
+
+
+def path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def weight_decay_mask(params, exclude: str):
   """True where weight decay applies: matrices whose path contains none of the `exclude` substrings.
 
   `params` is a pytree (e.g. an nnx.State of Params); `exclude` a comma-separated list such as
   "bias,scale,embedding". Vectors and scalars (biases, norm scales) are never decayed.
   """
-  patterns = [p.strip() for p in exclude.split(",") if p.strip()]
+  patterns = _exclude_patterns(exclude)
 
   def decays(path, leaf):
-    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-    return jnp.ndim(leaf) >= 2 and not any(p in name for p in patterns)
+    return jnp.ndim(leaf) >= 2 and not any(p in path_name(path) for p in patterns)
 
   return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def unmatched_exclude_patterns(params, exclude: str) -> list[str]:
+  """The `exclude` substrings outside DEFAULT_WEIGHT_DECAY_EXCLUDE that no path of `params` contains: a
+  misspelt name would otherwise exclude nothing, silently."""
+  names = [path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  defaults = set(_exclude_patterns(DEFAULT_WEIGHT_DECAY_EXCLUDE))
+  return [p for p in _exclude_patterns(exclude) if p not in defaults and not any(p in n for n in names)]
 
 
 def _adamw(c, schedule) -> optax.GradientTransformation:

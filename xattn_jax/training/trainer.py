@@ -167,6 +167,8 @@ class Trainer:
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(init))
+    if mode == "train" and config.optimizer.name == "adamw":
+      self._check_weight_decay_exclude(config.optimizer.weight_decay_exclude)
     self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
     self.init_program = jax.jit(lambda loaded: nnx.state(init(loaded)), out_shardings=self.shardings)
     self.init_state = lambda: self.init_program(loaded)
@@ -196,6 +198,19 @@ class Trainer:
     return (f"Model: {counts['trainable']:,} trainable parameters ({size(nbytes['trainable'])}){fixed}; "
             f"mesh {mesh} over {self.mesh.devices.size} {devices} device(s) in {self.process_count} process(es); "
             f"global batch {self.config.batch_size}")
+
+  def _check_weight_decay_exclude(self, exclude: str):
+    """A name in optimizer.weight_decay_exclude that no trainable parameter's path contains is refused: a
+    misspelt one would exclude nothing, silently. The default's names are kept whether the model has them."""
+    params = nnx.filter_state(self.abstract_state[0], nnx.Param)
+    unmatched = optim.unmatched_exclude_patterns(params, exclude)
+    if unmatched:
+      parts = sorted({part for path, _ in jax.tree_util.tree_leaves_with_path(params)
+                      for part in optim.path_name(path).removesuffix("/.value").split("/") if not part.isdigit()})
+      raise validation.ConfigError(
+          "optimizer.weight_decay_exclude", exclude,
+          f"{', '.join(repr(p) for p in unmatched)} is part of no trainable parameter's path; allowed are "
+          f"substrings of the paths, whose parts are {', '.join(parts)}")
 
   def _check_process_rows(self):
     for size in (self.config.batch_size, self.config.eval_batch_size):
