@@ -114,7 +114,7 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
       "momentum": 0.9,              # sgd only
       "weight_decay": 0.01,
       # Parameters whose path contains one of these substrings get no weight decay; vectors (biases,
-      # norm scales) never do.
+      # norm scales) never do. A name in no trainable parameter's path is refused (the default's are kept).
       "weight_decay_exclude": optim.DEFAULT_WEIGHT_DECAY_EXCLUDE,
       "grad_clip_norm": 1.0,        # global-norm clipping; 0 disables
   })
