@@ -69,6 +69,11 @@ def path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def parameter_names(params) -> list[str]:
+  """Each leaf's path in `params` as "a/0/b", the names weight_decay_exclude's substrings are matched against."""
+  return [path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+
+
 def weight_decay_mask(params, exclude: str):
   """True where weight decay applies: matrices whose path contains none of the `exclude` substrings.
 
@@ -86,7 +91,7 @@ def weight_decay_mask(params, exclude: str):
 def unmatched_exclude_patterns(params, exclude: str) -> list[str]:
   """The `exclude` substrings outside DEFAULT_WEIGHT_DECAY_EXCLUDE that no path of `params` contains: a
   misspelt name would otherwise exclude nothing, silently."""
-  names = [path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  names = parameter_names(params)
   defaults = set(_exclude_patterns(DEFAULT_WEIGHT_DECAY_EXCLUDE))
   return [p for p in _exclude_patterns(exclude) if p not in defaults and not any(p in n for n in names)]
 

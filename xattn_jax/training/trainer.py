@@ -205,8 +205,8 @@ class Trainer:
     params = nnx.filter_state(self.abstract_state[0], nnx.Param)
     unmatched = optim.unmatched_exclude_patterns(params, exclude)
     if unmatched:
-      parts = sorted({part for path, _ in jax.tree_util.tree_leaves_with_path(params)
-                      for part in optim.path_name(path).removesuffix("/.value").split("/") if not part.isdigit()})
+      parts = sorted({part for name in optim.parameter_names(params)
+                      for part in name.removesuffix("/.value").split("/") if not part.isdigit()})
       raise validation.ConfigError(
           "optimizer.weight_decay_exclude", exclude,
           f"{', '.join(repr(p) for p in unmatched)} is part of no trainable parameter's path; allowed are "
