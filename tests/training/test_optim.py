@@ -39,6 +39,16 @@ def test_weight_decay_spares_biases_norms_and_embeddings():
   assert not mask["embed"]["embedding"]
 
 
+def test_exclusions_match_the_parameters_names_not_the_variables_value_attribute():
+  """optax reads an nnx.Optimizer's parameters as Variables, whose paths end in their `.value` attribute:
+  excluding "value" (the attention's value projection) excluded every parameter."""
+  model = abstract_model(TemplateTask(template.get_config("size=tiny")))
+  mask = nnx.to_pure_dict(optim.weight_decay_mask(nnx.state(model, nnx.Param), "value"))
+  assert mask["blocks"]["attention"]["query"]["kernel"] and mask["logits"]["kernel"]
+  assert not mask["blocks"]["attention"]["value"]["kernel"]
+  assert "value" not in optim.parameter_names(nnx.state(model.logits, nnx.Param))[0]
+
+
 def test_exclusions_naming_no_parameter_are_found_but_the_defaults_names_are_kept():
   params = {"patch": {"kernel": np.ones((2, 2))}, "norm": {"scale": np.ones(2)}}  # no bias, no embedding
   assert optim.unmatched_exclude_patterns(params, optim.DEFAULT_WEIGHT_DECAY_EXCLUDE) == []

@@ -66,7 +66,10 @@ def _exclude_patterns(exclude: str) -> list[str]:
 
 
 def path_name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  """A leaf's path as "a/0/b"; an nnx.Variable's own `.value` attribute, at the end of every parameter's path as
+  optax sees it, is not part of the name (a substring "value" would otherwise match every parameter)."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path
+                  if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value"))
 
 
 def parameter_names(params) -> list[str]:

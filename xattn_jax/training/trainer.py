@@ -206,7 +206,7 @@ class Trainer:
     unmatched = optim.unmatched_exclude_patterns(params, exclude)
     if unmatched:
       parts = sorted({part for name in optim.parameter_names(params)
-                      for part in name.removesuffix("/.value").split("/") if not part.isdigit()})
+                      for part in name.split("/") if not part.isdigit()})
       raise validation.ConfigError(
           "optimizer.weight_decay_exclude", exclude,
           f"{', '.join(repr(p) for p in unmatched)} is part of no trainable parameter's path; allowed are "
