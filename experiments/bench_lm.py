@@ -18,7 +18,8 @@ into the torch one (the script checks their logits agree before it times anythin
   (b) prefill: a prompt into an empty cache, logits of the last position only (what decoding needs).
   (c) decode: greedy, 128 steps from the prefilled cache, each feeding one token per row.
       JAX: LanguageModel.prefill, and LanguageModel.loop_step inside decoding.greedy_search (a
-      jitted lax.while_loop). torch: a hand-written cache from the torch model's own modules (keys /
+      jitted lax.while_loop), its kernels stored [out, in], and beside it the same decode with the
+      kernels as trained ([in, out]). torch: a hand-written cache from the torch model's own modules (keys /
       values written per token into preallocated [batch, heads, capacity, head_dim] buffers,
       F.scaled_dot_product_attention over the filled rows, logits for the last position), eager, and
       under torch.compile (dynamic shapes) where that works on this machine (a failure is recorded).
@@ -108,9 +109,10 @@ def jax_train_call(s, rng, steps_per_call):
   return bench_common.multi_step_call(step, state, batches, steps_per_call)
 
 
-def jax_decoders(model, s):
+def jax_decoders(model, s, transpose_kernels: bool = True):
   """(prefill(prompt [b, t]) -> (last logits [b, vocab], cache), decode(cache, first [b]) -> tokens
-  [b, new_tokens]), both jitted over the model's split state; each result is blocked on."""
+  [b, new_tokens]), both jitted over the model's split state; each result is blocked on. The decode's
+  kernels stored [out, in] (loop_step's default) or, with transpose_kernels=False, as trained."""
   graphdef, state = nnx.split(model)
   capacity = s["prompt"] + s["new_tokens"]
 
@@ -124,7 +126,8 @@ def jax_decoders(model, s):
   @jax.jit
   def decode(state, cache, first):  # eos_id = vocab: an id the model cannot emit, so every step runs
     model = nnx.merge(graphdef, state)
-    return decoding.greedy_search(model.loop_step(), cache, batch_size=first.shape[0], max_length=s["new_tokens"],
+    return decoding.greedy_search(model.loop_step(transpose_kernels=transpose_kernels), cache,
+                                  batch_size=first.shape[0], max_length=s["new_tokens"],
                                   bos_id=1, eos_id=s["vocab"], pad_id=0, first_tokens=first).tokens
 
   return (lambda prompt: jax.block_until_ready(prefill(state, prompt)),
@@ -394,8 +397,11 @@ def main():
   jax_first = jnp.argmax(jax_last, axis=-1).astype(jnp.int32)
   torch_prompt = torch.from_numpy(prompt).long()
   prefills = {"jax": lambda: jax_prefill(jax_prompt)}
-  decodes = {"jax": lambda: jax_decode(jax_cache, jax_first)}
-  tokens_out = {"jax": np.asarray(jax_decode(jax_cache, jax_first))}
+  _, jax_decode_in_out = jax_decoders(jax_model, s, transpose_kernels=False)
+  decodes = {"jax": lambda: jax_decode(jax_cache, jax_first),
+             "jax_kernels_in_out": lambda: jax_decode_in_out(jax_cache, jax_first)}
+  tokens_out = {"jax": np.asarray(jax_decode(jax_cache, jax_first)),
+                "jax_kernels_in_out": np.asarray(jax_decode_in_out(jax_cache, jax_first))}
   compile_note = ""
   for name, compiled in (("torch_eager", False), ("torch_compile", True)):
     prefill, decode = torch_decoders(torch_model, s, compiled)
@@ -511,16 +517,20 @@ def render(r) -> str:
                 "prefill vs torch eager", "tokens equal to JAX's"),
             row("---", "---", "---", "---", "---", "---", "---", "---")]
   labels = {"jax": "JAX LanguageModel.prefill + loop_step in decoding.greedy_search (jitted)",
+            "jax_kernels_in_out": "the same JAX decode, its kernels as trained ([in, out]; `transpose_kernels=False`)",
             "torch_eager": f"torch eager, hand-written cache, SDPA, {m['torch_threads']} threads",
             "torch_eager_1thread": "torch eager, hand-written cache, SDPA, 1 thread",
             "torch_compile": "torch.compile(dynamic=True) of each block's cached step, same cache"}
   for name, label in labels.items():
     if name not in d:
-      lines.append(row(label, "-", "-", "-", "-", "-", "-", "-"))
+      if name != "jax_kernels_in_out":  # (a record from before the row)
+        lines.append(row(label, "-", "-", "-", "-", "-", "-", "-"))
       continue
-    lines.append(row(label, f"{p[name]['seconds']:.3f}", f"{p[name]['tokens_per_s']:.0f}", f"{d[name]['seconds']:.3f}",
+    prefill = p.get(name)  # (the kernels' layout is the decode's alone)
+    lines.append(row(label, f"{prefill['seconds']:.3f}" if prefill else "-",
+                     f"{prefill['tokens_per_s']:.0f}" if prefill else "-", f"{d[name]['seconds']:.3f}",
                      f"{d[name]['new_tokens_per_s']:.0f}", f"{sm['torch_eager_decode_best_s'] / d[name]['seconds']:.2f}x",
-                     f"{sm['torch_eager_prefill_best_s'] / p[name]['seconds']:.2f}x",
+                     f"{sm['torch_eager_prefill_best_s'] / prefill['seconds']:.2f}x" if prefill else "-",
                      f"{r['decode_tokens_equal_to_jax'].get(name.replace('_1thread', ''), float('nan')):.3f}"))
   if "decode_limit" in r:
     lim = r["decode_limit"]
@@ -530,7 +540,7 @@ def render(r) -> str:
               f"at the copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s, each step the larger; both rates timed "
               "in the same rounds). Share of it reached: " + ", ".join(
                   f"{short} {fractions[name]:.2f}" for name, short in (
-                      ("jax", "JAX"), ("torch_eager", f"torch eager {m['torch_threads']} threads"),
+                      ("jax", "JAX"), ("jax_kernels_in_out", "JAX with kernels [in, out]"), ("torch_eager", f"torch eager {m['torch_threads']} threads"),
                       ("torch_eager_1thread", "torch eager 1 thread"), ("torch_compile", "torch.compile"))
                   if name in fractions) + "."]
   compile_ratio = r["summary"]["decode_vs_torch_compile"]

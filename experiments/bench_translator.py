@@ -10,7 +10,8 @@ Everything is measured in ONE process, side by side, so the ratios hold on a loa
       torch.nn.Transformer's own weights (asserted to decode the same tokens as torch.nn.Transformer
       re-running its decoder on the growing prefix, which stays as the no-cache row), eager and under
       torch.compile where that works; the once-projected cross-attention cache against projecting the
-      memory's keys/values at every step; and the machine's limit for that work (FLOPs and bytes per
+      memory's keys/values at every step; the decoder's kernels stored [out, in] (loop_step's default)
+      against as trained, [in, out]; and the machine's limit for that work (FLOPs and bytes per
       step against this process's matmul rate and copy bandwidth, timed in the decoders' interleaved rounds);
   (d) beam search (beam 4) tokens/s, against a cached torch beam search of the same algorithm;
   (e) compile time of the train step at 2, 6 and 12 layers per stack, with and without
@@ -27,6 +28,7 @@ Results go to experiments/results/translator_benchmark.{md,json}.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -134,10 +136,11 @@ def decode_functions(model, s):
     memory = model.encode(inputs)  # -> [batch, source_length, d_model]
     return model, memory, model.init_cache(memory, inputs != 0, s["new_tokens"])
 
-  @jax.jit
-  def greedy(state, inputs):
+  @functools.partial(jax.jit, static_argnames="transpose_kernels")
+  def greedy(state, inputs, transpose_kernels=True):
     model, _, cache = start(state, inputs)
-    return decoding.greedy_search(model.loop_step(), cache, batch_size=inputs.shape[0], **common).tokens
+    return decoding.greedy_search(model.loop_step(transpose_kernels=transpose_kernels), cache,
+                                  batch_size=inputs.shape[0], **common).tokens
 
   @jax.jit
   def greedy_reprojecting(state, inputs):
@@ -154,14 +157,17 @@ def decode_functions(model, s):
 
     return decoding.greedy_search(step, cache, batch_size=inputs.shape[0], **common).tokens
 
-  @jax.jit
-  def beam(state, inputs):
+  @functools.partial(jax.jit, static_argnames="transpose_kernels")
+  def beam(state, inputs, transpose_kernels=True):
     model, _, cache = start(state, inputs)
-    return decoding.beam_search(model.loop_step(), cache, batch_size=inputs.shape[0], beam_size=s["beam"],
-                                alpha=0.6, **common).tokens
+    return decoding.beam_search(model.loop_step(transpose_kernels=transpose_kernels), cache,
+                                batch_size=inputs.shape[0], beam_size=s["beam"], alpha=0.6, **common).tokens
 
-  return {name: (lambda inputs, f=f: f(state, inputs).block_until_ready())
-          for name, f in (("greedy", greedy), ("greedy_reprojecting", greedy_reprojecting), ("beam", beam))}
+  as_trained = dict(transpose_kernels=False)  # the decoder's kernels [in, out], beside loop_step's [out, in]
+  return {name: (lambda inputs, f=f, kw=kw: f(state, inputs, **kw).block_until_ready())
+          for name, f, kw in (("greedy", greedy, {}), ("greedy_reprojecting", greedy_reprojecting, {}),
+                              ("greedy_kernels_in_out", greedy, as_trained), ("beam", beam, {}),
+                              ("beam_kernels_in_out", beam, as_trained))}
 
 
 def greedy_work(s):
@@ -636,15 +642,19 @@ def render(results) -> str:
     for name, label, base in (
         ("greedy", "xattn_jax greedy, cached, jitted (cross-attention K/V projected once)", greedy_base),
         ("greedy_reprojecting", "xattn_jax greedy, cached, memory K/V re-projected every step", greedy_base),
+        ("greedy_kernels_in_out", "xattn_jax greedy, its kernels as trained ([in, out]; `transpose_kernels=False`)",
+         greedy_base),
         ("torch_greedy_cached", "torch greedy, cached, eager", greedy_base),
         ("torch_greedy_cached_compiled", "torch greedy, cached, torch.compile of the step (fixed shapes)",
          greedy_base),
         ("torch_greedy_rerun", "torch.nn.Transformer greedy, no cache (decoder re-run on the prefix; one run)",
          greedy_base),
         ("beam", f"xattn_jax beam search, beam {s['beam']} (tokens of the best beam)", beam_base),
+        ("beam_kernels_in_out", f"xattn_jax beam search, beam {s['beam']}, its kernels as trained ([in, out])",
+         beam_base),
         ("torch_beam_cached", f"torch beam search, beam {s['beam']}, cached, eager", beam_base)):
-      if name == "greedy_reprojecting" and name not in d:
-        continue
+      if name in ("greedy_reprojecting", "greedy_kernels_in_out", "beam_kernels_in_out") and name not in d:
+        continue  # (not run, or a results file from before the row)
       if name in d:
         lines.append(row(label, f"{seconds[name]:.3f}", f"{d[name]['new_tokens_per_s']:.0f}",
                          f"{base / seconds[name]:.2f}x"))

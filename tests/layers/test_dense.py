@@ -69,3 +69,42 @@ def test_kernel_gradient_needs_no_transposed_copy_of_the_cotangent():
     pytest.skip("a statement about XLA:CPU's layouts")
   assert big_copies(compiled_text(theirs)), "nnx.Linear no longer transposes: Dense may be unnecessary"
   assert not big_copies(compiled_text(ours))
+
+
+def _loop_dots(modules, transpose: bool, steps: int = 3) -> tuple[list, list[str]]:
+  """Runs `steps` applications of the modules in a jitted lax.fori_loop through loop_kernels -> (the final
+  outputs eager, the same jitted, the compiled program's computations that run a dot of the loop body)."""
+  graphdef, state = nnx.split(modules)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 6)), jnp.float32)
+
+  def run(state, x, steps):
+    layers_at = dense.loop_kernels(nnx.merge(graphdef, state), transpose=transpose)
+
+    def body(_, x):
+      first, second = layers_at(x)
+      return jnp.tanh(second(first(x)))[:, :6]
+    return jax.lax.fori_loop(0, steps, body, x)  # a traced trip count, as a search's: XLA keeps the loop
+
+  steps = jnp.asarray(steps)
+  text = jax.jit(run).lower(state, x, steps).compile().as_text()
+  # each computation (a fusion's too, whose header names its operands' shapes) holding a dot of the loop body
+  dots = [block for block in text.split("\n\n") if any(" dot(" in line and "while/body" in line
+                                                          for line in block.splitlines())]
+  return run(state, x, steps), jax.jit(run)(state, x, steps), dots
+
+
+def test_loop_kernels_give_the_modules_function_with_their_kernels_read_out_in_inside_the_loop():
+  """A decoding loop's matmuls read the kernels stored [out, in] (contracting their minor axis), which
+  XLA would otherwise hoist back to [in, out]; transpose=False leaves the loop as it was."""
+  modules = [dense.Dense(6, 24, rngs=nnx.Rngs(0)), dense.Dense(24, 10, rngs=nnx.Rngs(1))]
+  eager, transposed, dots = _loop_dots(modules, transpose=True)
+  _, as_trained, plain_dots = _loop_dots(modules, transpose=False)
+  np.testing.assert_allclose(transposed, as_trained, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(eager, as_trained, rtol=1e-5, atol=1e-6)
+  if jax.default_backend() != "cpu":
+    pytest.skip("a statement about XLA:CPU's layouts")
+  for shape in ("f32[24,6]", "f32[10,24]"):  # [out, in], contracted on in
+    assert any(shape in block and "rhs_contracting_dims={1}" in block for block in dots), (shape, dots)
+  for shape in ("f32[6,24]", "f32[24,10]"):
+    assert any(shape in block and "rhs_contracting_dims={0}" in block for block in plain_dots), (shape, plain_dots)
+    assert not any(shape in block for block in dots), (shape, dots)

@@ -267,3 +267,31 @@ def test_bad_randomized_positions_are_named():
   with pytest.raises(ValueError, match="randomized positions apply to"):
     lm.LanguageModel(VOCAB, **_options("mrope"), randomized_positions=lm.RandomizedPositions(max_position=64),
                      rngs=nnx.Rngs(0))
+
+
+def test_a_greedy_search_reads_the_mlp_kernels_stored_out_by_in():
+  """loop_step hands the search its layers with every kernel stored [out, in] (dense.loop_kernels): the
+  compiled loop contracts the MLP's kernels on their minor axis; transpose_kernels=False reads them as
+  trained, [in, out], contracted on their major axis. Both decode the same tokens."""
+  from xattn_jax import decoding
+  model = _model("rope", mlp_dim=24)  # the plain MLP: wi [16, 24], wo [24, 16]
+  graphdef, state = nnx.split(model)
+
+  def search(state, first, transpose):
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(2, 8)
+    return decoding.greedy_search(model.loop_step(transpose_kernels=transpose), cache, batch_size=2, max_length=6,
+                                  bos_id=1, eos_id=2, first_tokens=first).tokens
+
+  first = jnp.array([3, 4], jnp.int32)
+  runs = {transpose: jax.jit(search, static_argnums=2).lower(state, first, transpose).compile()
+          for transpose in (True, False)}
+  assert np.array_equal(runs[True](state, first), runs[False](state, first))
+  if jax.default_backend() != "cpu":
+    pytest.skip("a statement about XLA:CPU's layouts")
+  bodies = {transpose: [block for block in compiled.as_text().split("\n\n")
+                        if any(" dot(" in line and "while/body" in line for line in block.splitlines())]
+            for transpose, compiled in runs.items()}
+  for transpose, contracted in ((True, "rhs_contracting_dims={1}"), (False, "rhs_contracting_dims={0}")):
+    mlp = [b for b in bodies[transpose] if "f32[24,16]" in b or "f32[16,24]" in b]  # wi, wo: as trained or stored
+    assert len(mlp) >= 2 and all(contracted in b for b in mlp), (transpose, mlp)

@@ -7,8 +7,12 @@ the activation per layer (16 MB for an MLP's hidden layer at batch 32 x length 6
 sixth of an MLP block's forward + backward time. Flattening the leading axes first makes every
 matmul, forward and backward, a plain 2D one with no transposed copy. Same parameters (`kernel`,
 `bias`) and same initialisers as `nnx.Linear`, so checkpoints and weight copies carry over.
+
+`loop_kernels` prepares a decoding loop's layers: their kernels stored `[out, in]` for few-row products.
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
@@ -28,3 +32,48 @@ class Dense(nnx.Linear):
     if inputs.ndim < 1 or inputs.shape[-1] != self.in_features:
       raise ValueError(f"Dense: inputs must be [..., {self.in_features}], got inputs{list(inputs.shape)}")
     return flat_matmul(inputs, super().__call__)
+
+
+def _is_kernel(path, leaf) -> bool:
+  """A matmul kernel of a split module: a 2-D leaf at `...['kernel']` (or its Variable's `.value`)."""
+  names = [getattr(key, "key", getattr(key, "name", None)) for key in path[-2:]]
+  return getattr(leaf, "ndim", 0) == 2 and "kernel" in names
+
+
+def loop_kernels(modules: Sequence[nnx.Module], *, transpose: bool = True) -> Callable[[jax.Array], list[nnx.Module]]:
+  """For a decoding loop over `modules`: every 2-D `kernel` ([in, out]) stored transposed, [out, in], once,
+  now; returns `at(anchor)`, which gives the modules back inside the loop body, reading the stored rows.
+
+  A decoding step multiplies a few rows (batch x beams) by every weight matrix, each streamed from memory.
+  Each output's weights contiguous ([out, in], the layout of torch's and XNNPACK's fully connected
+  layers) is the layout XLA:CPU's matmul streams fastest on the AVX2 processor measured (bench_lm.py
+  compares both). Inside the body each kernel is the stored one transposed back, a transpose XLA folds
+  into the matmul's contraction. `anchor` is any value the step computes from its inputs (its tokens):
+  an optimization barrier ties the kernels to it, so XLA's loop-invariant code motion cannot hoist those
+  transposes out of the loop, where they would cancel the stored ones. `transpose=False` keeps the
+  kernels as they are ([in, out]; `at` returns the modules themselves), for comparison.
+  """
+  if not transpose:
+    modules = list(modules)
+    return lambda anchor: modules
+  pieces = []
+  for module in modules:
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    kernels = [i for i, (path, leaf) in enumerate(leaves) if _is_kernel(path, leaf)]
+    stored = [leaf for _, leaf in leaves]
+    for i in kernels:
+      stored[i] = stored[i].T
+    pieces.append((graphdef, treedef, kernels, stored))
+
+  def at(anchor: jax.Array) -> list[nnx.Module]:
+    held, _ = jax.lax.optimization_barrier(([[stored[i] for i in kernels] for _, _, kernels, stored in pieces],
+                                            anchor))
+    rebuilt = []
+    for (graphdef, treedef, kernels, stored), transposed in zip(pieces, held):
+      leaves = list(stored)
+      for i, kernel in zip(kernels, transposed):
+        leaves[i] = kernel.T
+      rebuilt.append(nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)))
+    return rebuilt
+  return at

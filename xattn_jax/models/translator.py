@@ -335,11 +335,12 @@ class Translator(nnx.Module):
 
   def decode_step(self, tokens, cache: TranslatorCache):
     """Feeds tokens [b, t] (t = 1 per step, or a prompt) -> (logits [b, t, vocab], advanced cache)."""
-    return self._decode_step(self.decoder_layers(), None, tokens, cache)
+    return self._decode_step(lambda tokens: self.decoder_layers(), None, tokens, cache)
 
-  def loop_step(self):
-    """`decode_step` with the decoder's per-layer parameters sliced out of the stack once, now, and
-    a tied output projection transposed once, to [d_model, vocab].
+  def loop_step(self, *, transpose_kernels: bool = True):
+    """`decode_step` with the decoder's per-layer parameters sliced out of the stack once, now, their
+    kernels stored [out, in] (`dense.loop_kernels`; `transpose_kernels=False` keeps them [in, out]), and a tied output projection transposed once, to
+    [d_model, vocab].
 
     Use it as the step of a decoding loop: inside `lax.while_loop` XLA does not hoist the slices of
     the loop-invariant stacked weights, so `decode_step` there would copy every decoder weight at
@@ -351,10 +352,13 @@ class Translator(nnx.Module):
       table = self._target_table()
       embedding = table.embedding[...]
       output_kernel = embedding.astype(table.dtype or embedding.dtype).T  # -> [d_model, vocab]
-    return functools.partial(self._decode_step, self.decoder_layers(), output_kernel)
+    return functools.partial(self._decode_step, dense.loop_kernels(self.decoder_layers(), transpose=transpose_kernels),
+                             output_kernel)
 
-  def _decode_step(self, layers, output_kernel, tokens, cache: TranslatorCache):
+  def _decode_step(self, layers_at, output_kernel, tokens, cache: TranslatorCache):
+    """layers_at(tokens) -> the decoder's blocks (`dense.loop_kernels`' function in a loop)."""
     _check_tokens("tokens", tokens)
+    layers = layers_at(tokens)
     positions = jax.lax.dynamic_slice_in_dim(cache.positions, cache.position, tokens.shape[1], axis=1)  # [b, t]
     x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
     # A relative bias between these queries and every cache row (rows past the fill are masked).
