@@ -540,7 +540,8 @@ def render(r) -> str:
               f"at the copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s, each step the larger; both rates timed "
               "in the same rounds). Share of it reached: " + ", ".join(
                   f"{short} {fractions[name]:.2f}" for name, short in (
-                      ("jax", "JAX"), ("jax_kernels_in_out", "JAX with kernels [in, out]"), ("torch_eager", f"torch eager {m['torch_threads']} threads"),
+                      ("jax", "JAX"), ("jax_kernels_in_out", "JAX with kernels [in, out]"),
+                      ("torch_eager", f"torch eager {m['torch_threads']} threads"),
                       ("torch_eager_1thread", "torch eager 1 thread"), ("torch_compile", "torch.compile"))
                   if name in fractions) + "."]
   compile_ratio = r["summary"]["decode_vs_torch_compile"]

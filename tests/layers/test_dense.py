@@ -108,3 +108,8 @@ def test_loop_kernels_give_the_modules_function_with_their_kernels_read_out_in_i
   for shape in ("f32[6,24]", "f32[24,10]"):
     assert any(shape in block and "rhs_contracting_dims={0}" in block for block in plain_dots), (shape, plain_dots)
     assert not any(shape in block for block in dots), (shape, dots)
+
+
+def test_loop_kernels_refuse_what_is_not_a_module():
+  with pytest.raises(ValueError, match=r"modules must be nnx.Modules, got \['Dense', 'ndarray'\]"):
+    dense.loop_kernels([dense.Dense(2, 3, rngs=nnx.Rngs(0)), np.zeros((2, 3))])

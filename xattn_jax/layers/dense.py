@@ -45,16 +45,19 @@ def loop_kernels(modules: Sequence[nnx.Module], *, transpose: bool = True) -> Ca
   now; returns `at(anchor)`, which gives the modules back inside the loop body, reading the stored rows.
 
   A decoding step multiplies a few rows (batch x beams) by every weight matrix, each streamed from memory.
-  Each output's weights contiguous ([out, in], the layout of torch's and XNNPACK's fully connected
-  layers) is the layout XLA:CPU's matmul streams fastest on the AVX2 processor measured (bench_lm.py
-  compares both). Inside the body each kernel is the stored one transposed back, a transpose XLA folds
-  into the matmul's contraction. `anchor` is any value the step computes from its inputs (its tokens):
+  Stored [out, in] (each output's weights contiguous, as torch's and XNNPACK's fully connected layers keep
+  them), a kernel streams into XLA:CPU's few-row matmuls faster on the AVX2 processor measured (bench_lm.py
+  and bench_translator.py time both layouts). Inside the body each kernel is the stored one transposed
+  back, a transpose XLA folds into the matmul's contraction. `anchor` is any value the step computes from its inputs (its tokens):
   an optimization barrier ties the kernels to it, so XLA's loop-invariant code motion cannot hoist those
   transposes out of the loop, where they would cancel the stored ones. `transpose=False` keeps the
   kernels as they are ([in, out]; `at` returns the modules themselves), for comparison.
   """
+  modules = list(modules)
+  if not all(isinstance(module, nnx.Module) for module in modules):
+    raise ValueError(f"loop_kernels: modules must be nnx.Modules, got "
+                     f"{[type(module).__name__ for module in modules]}")
   if not transpose:
-    modules = list(modules)
     return lambda anchor: modules
   pieces = []
   for module in modules:

@@ -339,8 +339,8 @@ class Translator(nnx.Module):
 
   def loop_step(self, *, transpose_kernels: bool = True):
     """`decode_step` with the decoder's per-layer parameters sliced out of the stack once, now, their
-    kernels stored [out, in] (`dense.loop_kernels`; `transpose_kernels=False` keeps them [in, out]), and a tied output projection transposed once, to
-    [d_model, vocab].
+    kernels stored [out, in] (`dense.loop_kernels`; `transpose_kernels=False` keeps them [in, out]), and a
+    tied output projection transposed once, to [d_model, vocab].
 
     Use it as the step of a decoding loop: inside `lax.while_loop` XLA does not hoist the slices of
     the loop-invariant stacked weights, so `decode_step` there would copy every decoder weight at
