@@ -48,10 +48,11 @@ def loop_kernels(modules: Sequence[nnx.Module], *, transpose: bool = True) -> Ca
   Stored [out, in] (each output's weights contiguous, as torch's and XNNPACK's fully connected layers keep
   them), a kernel streams into XLA:CPU's few-row matmuls faster on the AVX2 processor measured (bench_lm.py
   and bench_translator.py time both layouts). Inside the body each kernel is the stored one transposed
-  back, a transpose XLA folds into the matmul's contraction. `anchor` is any value the step computes from its inputs (its tokens):
-  an optimization barrier ties the kernels to it, so XLA's loop-invariant code motion cannot hoist those
-  transposes out of the loop, where they would cancel the stored ones. `transpose=False` keeps the
-  kernels as they are ([in, out]; `at` returns the modules themselves), for comparison.
+  back, a transpose XLA folds into the matmul's contraction. `anchor` is any value the step computes from
+  its inputs (its tokens): an optimization barrier ties the kernels to it, so XLA's loop-invariant code
+  motion cannot hoist those transposes out of the loop, where they would cancel the stored ones.
+  `transpose=False` keeps the kernels as they are ([in, out]; `at` returns the modules themselves), for
+  comparison.
   """
   modules = list(modules)
   if not all(isinstance(module, nnx.Module) for module in modules):
