@@ -158,17 +158,47 @@ def matmul_flops_per_second(repeats):
   return MATMUL_FLOPS / median_seconds(_matmul_2048(), max(repeats, 5))
 
 
-def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict):
-  """(args, sizes, cores) for a script comparing JAX with torch: --quick / --out parsed, the sizes it
-  picks, and torch given as many threads as XLA's CPU backend uses (every core this process may use)."""
+def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict, add_arguments=None, tensor_devices: bool = False):
+  """(args, sizes, cores) for a script comparing JAX with torch: --quick / --out parsed (and the script's own
+  flags, which add_arguments(parser) adds), the sizes it picks, and torch given as many threads as XLA's CPU
+  backend uses (every core this process may use). With tensor_devices, --tensor_devices N (default: the cores)
+  gives JAX N CPU devices for the script's tensor-parallel rows (`tensor_parallel`), set here, before JAX starts."""
   import torch  # only the JAX-vs-torch scripts need it
 
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   add_output_flags(parser)
-  args = parse_output_args(parser, pathlib.Path(sys.argv[0]).stem)
   cores = len(os.sched_getaffinity(0))
+  if tensor_devices:
+    parser.add_argument("--tensor_devices", type=int, default=cores,
+                        help="JAX CPU devices for the tensor-parallel rows, the model's heads / MLP / vocabulary split "
+                             "over them, one core each; 1 leaves those rows out (default: the cores, %(default)s)")
+  if add_arguments is not None:
+    add_arguments(parser)
+  args = parse_output_args(parser, pathlib.Path(sys.argv[0]).stem)
+  if tensor_devices:
+    if args.tensor_devices < 1:
+      parser.error(f"--tensor_devices must be >= 1, got {args.tensor_devices}")
+    if args.tensor_devices > 1:
+      import jax
+      jax.config.update("jax_num_cpu_devices", args.tensor_devices)
   torch.set_num_threads(cores)
   return args, (quick if args.quick else full), cores
+
+
+def tensor_parallel(model, devices: int):
+  """(the model placed over a (data=1, tensor=devices) mesh of CPU devices by the launcher's default rules,
+  put(x) placing an input replicated there), or None where that cannot run: devices < 2, a backend other than
+  CPU, or fewer CPU devices in this process (parse_jax_vs_torch_args(tensor_devices=True) makes them)."""
+  import jax
+  from configs import common
+  from xattn_jax.training import sharding
+
+  if devices < 2 or jax.default_backend() != "cpu" or len(jax.devices()) < devices:
+    return None
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": devices}, jax.devices()[:devices])
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return (sharding.place_model(model, mesh, common.DEFAULT_SHARDING_RULES),
+          lambda x: jax.device_put(x, replicated))
 
 
 class HostContention:
@@ -278,15 +308,3 @@ def run_record() -> dict:
   record = provenance()
   return {"commit": commit_label(record), "command": record["command"], "cpu": record["cpu"]}
 
-
-def parse_jax_vs_torch_args_with(doc: str, full: dict, quick: dict, add_arguments):
-  """parse_jax_vs_torch_args with the script's own flags: add_arguments(parser) adds them."""
-  import torch  # only the JAX-vs-torch scripts need it
-
-  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-  add_output_flags(parser)
-  add_arguments(parser)
-  args = parse_output_args(parser, pathlib.Path(sys.argv[0]).stem)
-  cores = len(os.sched_getaffinity(0))
-  torch.set_num_threads(cores)
-  return args, (quick if args.quick else full), cores

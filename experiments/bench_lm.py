@@ -19,7 +19,9 @@ into the torch one (the script checks their logits agree before it times anythin
   (c) decode: greedy, 128 steps from the prefilled cache, each feeding one token per row.
       JAX: LanguageModel.prefill, and LanguageModel.loop_step inside decoding.greedy_search (a
       jitted lax.while_loop), its kernels stored [out, in], and beside it the same decode with the
-      kernels as trained ([in, out]). torch: a hand-written cache from the torch model's own modules (keys /
+      kernels as trained ([in, out]), and the same prefill and decode tensor-parallel over --tensor_devices
+      CPU devices (default: one per core; heads, MLP and vocabulary split, `sharding.place_model`; the
+      same tokens). torch: a hand-written cache from the torch model's own modules (keys /
       values written per token into preallocated [batch, heads, capacity, head_dim] buffers,
       F.scaled_dot_product_attention over the filled rows, logits for the last position), eager, and
       under torch.compile (dynamic shapes) where that works on this machine (a failure is recorded).
@@ -53,7 +55,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 import bench_common  # noqa: E402
-from bench_common import blocked_median_seconds, parse_jax_vs_torch_args  # noqa: E402
+from bench_common import blocked_median_seconds, parse_jax_vs_torch_args, tensor_parallel  # noqa: E402
 from configs import lm_text  # noqa: E402
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import lm as lm_lib  # noqa: E402
@@ -362,7 +364,7 @@ def row(*cells):
 
 
 def main():
-  args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK)
+  args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK, tensor_devices=True)
   load_before = os.getloadavg()[0]
   start_time = time.time()
   contention = bench_common.HostContention()
@@ -370,7 +372,8 @@ def main():
   meta.update(cores=cores, platform=platform.platform(), jax=jax.__version__, torch=torch.__version__,
               torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
               jax_devices=[str(d) for d in jax.devices()], xla_flags=os.environ.get("XLA_FLAGS", ""),
-              jax_num_cpu_devices=jax.config.jax_num_cpu_devices, steps_per_call=STEPS_PER_CALL)
+              jax_num_cpu_devices=jax.config.jax_num_cpu_devices, steps_per_call=STEPS_PER_CALL,
+              tensor_devices=args.tensor_devices)
   print(f"{meta}\nsizes: {s}", flush=True)
   rng = np.random.default_rng(0)
   jax_model = make_jax_model(s)
@@ -402,6 +405,16 @@ def main():
              "jax_kernels_in_out": lambda: jax_decode_in_out(jax_cache, jax_first)}
   tokens_out = {"jax": np.asarray(jax_decode(jax_cache, jax_first)),
                 "jax_kernels_in_out": np.asarray(jax_decode_in_out(jax_cache, jax_first))}
+  placed = tensor_parallel(jax_model, args.tensor_devices)
+  if placed is not None:  # the same model, prefill and decode over the devices, heads / MLP / vocabulary split
+    placed_model, put = placed
+    tp_prefill, tp_decode = jax_decoders(placed_model, s)
+    tp_prompt = put(prompt)
+    tp_last, tp_cache = tp_prefill(tp_prompt)
+    tp_first = jnp.argmax(tp_last, axis=-1).astype(jnp.int32)
+    prefills["jax_tensor_parallel"] = lambda: tp_prefill(tp_prompt)
+    decodes["jax_tensor_parallel"] = lambda: tp_decode(tp_cache, tp_first)
+    tokens_out["jax_tensor_parallel"] = np.asarray(tp_decode(tp_cache, tp_first))
   compile_note = ""
   for name, compiled in (("torch_eager", False), ("torch_compile", True)):
     prefill, decode = torch_decoders(torch_model, s, compiled)
@@ -461,6 +474,8 @@ def main():
       "decode_vs_torch_compile": (infer_seconds["decode_torch_compile"] / infer_seconds["decode_jax"]
                                   if "decode_torch_compile" in infer_seconds else None),
       "prefill_vs_torch_eager": best_eager_prefill / infer_seconds["prefill_jax"],
+      "decode_tensor_parallel_vs_torch_eager": (best_eager / infer_seconds["decode_jax_tensor_parallel"]
+                                                if "decode_jax_tensor_parallel" in infer_seconds else None),
       "torch_eager_decode_best_s": best_eager, "torch_eager_prefill_best_s": best_eager_prefill,
   }
   meta["wall_s"] = time.time() - start_time
@@ -518,12 +533,14 @@ def render(r) -> str:
             row("---", "---", "---", "---", "---", "---", "---", "---")]
   labels = {"jax": "JAX LanguageModel.prefill + loop_step in decoding.greedy_search (jitted)",
             "jax_kernels_in_out": "the same JAX decode, its kernels as trained ([in, out]; `transpose_kernels=False`)",
+            "jax_tensor_parallel": f"the same JAX prefill and decode tensor-parallel over {m.get('tensor_devices')} CPU "
+                                   "devices (heads / MLP / vocabulary split, one core each)",
             "torch_eager": f"torch eager, hand-written cache, SDPA, {m['torch_threads']} threads",
             "torch_eager_1thread": "torch eager, hand-written cache, SDPA, 1 thread",
             "torch_compile": "torch.compile(dynamic=True) of each block's cached step, same cache"}
   for name, label in labels.items():
     if name not in d:
-      if name != "jax_kernels_in_out":  # (a record from before the row)
+      if name not in ("jax_kernels_in_out", "jax_tensor_parallel"):  # (not run, or a record from before the row)
         lines.append(row(label, "-", "-", "-", "-", "-", "-", "-"))
       continue
     prefill = p.get(name)  # (the kernels' layout is the decode's alone)
@@ -541,12 +558,17 @@ def render(r) -> str:
               "in the same rounds). Share of it reached: " + ", ".join(
                   f"{short} {fractions[name]:.2f}" for name, short in (
                       ("jax", "JAX"), ("jax_kernels_in_out", "JAX with kernels [in, out]"),
+                      ("jax_tensor_parallel", "JAX tensor-parallel"),
                       ("torch_eager", f"torch eager {m['torch_threads']} threads"),
                       ("torch_eager_1thread", "torch eager 1 thread"), ("torch_compile", "torch.compile"))
                   if name in fractions) + "."]
   compile_ratio = r["summary"]["decode_vs_torch_compile"]
+  tp_ratio = r["summary"].get("decode_tensor_parallel_vs_torch_eager")
   lines += ["", f"Target: decode >= 1.5x torch eager's cached decoder: **{r['summary']['decode_vs_torch_eager']:.2f}x**"
-            + (f"; vs torch.compile {compile_ratio:.2f}x." if compile_ratio else "."),
+            + (f"; vs torch.compile {compile_ratio:.2f}x" if compile_ratio else "")
+            + (f"; tensor-parallel over {m['tensor_devices']} CPU devices **{tp_ratio:.2f}x** (the model placed by "
+               "`sharding.place_model` on a (data=1, tensor) mesh, the launcher's default rules; torch runs its "
+               f"{m['torch_threads']} threads over the same cores)" if tp_ratio else "") + ".",
             f"torch.compile: {r['torch_compile_note'] or 'not run'}."]
   return "\n".join(lines) + "\n"
 

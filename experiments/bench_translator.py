@@ -11,9 +11,12 @@ Everything is measured in ONE process, side by side, so the ratios hold on a loa
       re-running its decoder on the growing prefix, which stays as the no-cache row), eager and under
       torch.compile where that works; the once-projected cross-attention cache against projecting the
       memory's keys/values at every step; the decoder's kernels stored [out, in] (loop_step's default)
-      against as trained, [in, out]; and the machine's limit for that work (FLOPs and bytes per
-      step against this process's matmul rate and copy bandwidth, timed in the decoders' interleaved rounds);
-  (d) beam search (beam 4) tokens/s, against a cached torch beam search of the same algorithm;
+      against as trained, [in, out]; the same decoder tensor-parallel over --tensor_devices CPU devices
+      (default: one per core; heads, MLP and vocabulary split, `sharding.place_model`); and the
+      machine's limit for that work (FLOPs and bytes per step against this process's matmul rate and copy
+      bandwidth, timed in the decoders' interleaved rounds);
+  (d) beam search (beam 4) tokens/s, one device and tensor-parallel, against a cached torch beam search of
+      the same algorithm;
   (e) compile time of the train step at 2, 6 and 12 layers per stack, with and without
       scan_layers, and the step time of both.
 Times are medians of several runs after a warm-up, each ended by block_until_ready; what is compared
@@ -49,7 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from configs import common  # noqa: E402
 from bench_common import (HostContention, interleaved_median_seconds, machine_limit_seconds,  # noqa: E402
                           machine_rate_probes, machine_rates, matmul_flops_per_second,
-                          multi_step_call, parse_jax_vs_torch_args_with, run_record, write_results)
+                          multi_step_call, parse_jax_vs_torch_args, run_record, tensor_parallel, write_results)
 from xattn_jax import decoding  # noqa: E402
 from xattn_jax.models import translator as translator_lib  # noqa: E402
 from xattn_jax.training import trainer as trainer_lib  # noqa: E402
@@ -478,10 +481,19 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
   the check that the cached torch decoder's tokens equal the re-running decoder's. The re-running
   decoder (the no-cache row, ~10x the others' time) is timed once, in that check."""
   inputs = tokens(rng, s["vocab"], s["batch"], s["length"])
-  jax_decoders = decode_functions(make_translator(s), s)
+  model = make_translator(s)
+  jax_decoders = decode_functions(model, s)
   if not reprojecting:
     del jax_decoders["greedy_reprojecting"]
   jax_inputs, torch_inputs = jnp.asarray(inputs), torch.from_numpy(inputs).long()
+  decoders = {name: (lambda f=f: f(jax_inputs)) for name, f in jax_decoders.items()}
+  placed = tensor_parallel(model, s["tensor_devices"])
+  if placed is not None:  # the same model and searches, tensor-parallel: the same tokens
+    placed_model, put = placed
+    placed_decoders, placed_inputs = decode_functions(placed_model, s), put(inputs)
+    for name in ("greedy", "beam"):
+      assert np.array_equal(placed_decoders[name](placed_inputs), jax_decoders[name](jax_inputs)), name
+      decoders[f"{name}_tensor_parallel"] = lambda f=placed_decoders[name]: f(placed_inputs)
   torch.manual_seed(0)
   torch_model = TorchTranslator(s).eval()
   cached = TorchCachedDecoder(torch_model, s["new_tokens"])
@@ -491,7 +503,6 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
   reference = rerun(torch_inputs)
   rerun_seconds = time.perf_counter() - start
   assert torch.equal(greedy(torch_inputs), reference), "cached torch decoder differs from the re-running decoder"
-  decoders = {name: (lambda f=f: f(jax_inputs)) for name, f in jax_decoders.items()}
   decoders["torch_greedy_cached"] = lambda: greedy(torch_inputs)
   decoders["torch_beam_cached"] = lambda: torch_beam_cached(cached, s["new_tokens"], s["beam"], 0.6, s["vocab"])(
       torch_inputs)
@@ -567,7 +578,9 @@ def decoding_section(s, rng, results):
   results["decode_limit"] = {
       "encode_flops": work[0], "step_flops": sum(f for f, _ in work[1]), "step_bytes": sum(b for _, b in work[1]),
       "matmul_2048_flops_per_s": matmul_rate, "copy_bytes_per_s": bandwidth, "greedy_limit_s": limit,
-      "fraction_of_limit": limit / decode_seconds["greedy"]}
+      "fraction_of_limit": limit / decode_seconds["greedy"],
+      **({"tensor_parallel_fraction_of_limit": limit / decode_seconds["greedy_tensor_parallel"],
+          "tensor_devices": s["tensor_devices"]} if "greedy_tensor_parallel" in decode_seconds else {})}
 
 
 def compile_section(s, rng, results):
@@ -644,6 +657,8 @@ def render(results) -> str:
         ("greedy_reprojecting", "xattn_jax greedy, cached, memory K/V re-projected every step", greedy_base),
         ("greedy_kernels_in_out", "xattn_jax greedy, its kernels as trained ([in, out]; `transpose_kernels=False`)",
          greedy_base),
+        ("greedy_tensor_parallel", f"xattn_jax greedy, tensor-parallel over {lim.get('tensor_devices')} CPU devices "
+         "(heads / MLP / vocabulary split, one core each)", greedy_base),
         ("torch_greedy_cached", "torch greedy, cached, eager", greedy_base),
         ("torch_greedy_cached_compiled", "torch greedy, cached, torch.compile of the step (fixed shapes)",
          greedy_base),
@@ -652,8 +667,11 @@ def render(results) -> str:
         ("beam", f"xattn_jax beam search, beam {s['beam']} (tokens of the best beam)", beam_base),
         ("beam_kernels_in_out", f"xattn_jax beam search, beam {s['beam']}, its kernels as trained ([in, out])",
          beam_base),
+        ("beam_tensor_parallel", f"xattn_jax beam search, beam {s['beam']}, tensor-parallel over "
+         f"{lim.get('tensor_devices')} CPU devices", beam_base),
         ("torch_beam_cached", f"torch beam search, beam {s['beam']}, cached, eager", beam_base)):
-      if name in ("greedy_reprojecting", "greedy_kernels_in_out", "beam_kernels_in_out") and name not in d:
+      if name in ("greedy_reprojecting", "greedy_kernels_in_out", "beam_kernels_in_out", "greedy_tensor_parallel",
+                  "beam_tensor_parallel") and name not in d:
         continue  # (not run, or a results file from before the row)
       if name in d:
         lines.append(row(label, f"{seconds[name]:.3f}", f"{d[name]['new_tokens_per_s']:.0f}",
@@ -673,8 +691,17 @@ def render(results) -> str:
         f"{lim['matmul_2048_flops_per_s'] / 1e9:.1f} GFLOP/s and copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} "
         f"GB/s (both timed in the decoders' interleaved rounds, medians), each step bounded by the larger of its two "
         f"times: **{limit:.3f} s**. Our greedy decoder reaches "
-        f"**{lim['fraction_of_limit']:.2f}** of that limit (target >= 0.5); torch cached eager "
-        f"{limit / greedy_base:.2f}.", ""]
+        f"**{lim['fraction_of_limit']:.2f}** of that limit (target >= 0.5)"
+        + (f", tensor-parallel **{lim['tensor_parallel_fraction_of_limit']:.2f}**"
+           if "tensor_parallel_fraction_of_limit" in lim else "") + f"; torch cached eager {limit / greedy_base:.2f}.",
+        ""]
+    if "greedy_tensor_parallel" in seconds:
+      lines += [
+          f"Tensor-parallel over {lim['tensor_devices']} CPU devices (the same model placed by "
+          "`sharding.place_model` on a (data=1, tensor) mesh, the launcher's default rules; the same tokens, "
+          f"asserted): greedy **{greedy_base / seconds['greedy_tensor_parallel']:.2f}x** cached torch, beam "
+          f"**{beam_base / seconds['beam_tensor_parallel']:.2f}x**. torch runs its {m['torch_threads']} threads "
+          "over the same cores.", ""]
   if "compile_s" in results:
     c, st = results["compile_s"], results["step_s_at_benchmark_depth"]
     layers = s["compile_layers"]
@@ -715,7 +742,7 @@ def keep_other_sections(path: pathlib.Path, results: dict, sections) -> dict:
 
 
 def main():
-  args, s, cores = parse_jax_vs_torch_args_with(__doc__, FULL, QUICK, add_arguments)
+  args, s, cores = parse_jax_vs_torch_args(__doc__, FULL, QUICK, add_arguments, tensor_devices=True)
   out = pathlib.Path(args.out)
   if args.render:
     results = {}
@@ -731,7 +758,7 @@ def main():
       raise SystemExit(f"--sections must name some of {SECTIONS}, got {args.sections!r}" if unknown else
                        f"--repeats must be >= 1, got {args.repeats}")
     s = dict(s, repeats=args.repeats or s["repeats"], torch_compile=not args.no_torch_compile,
-             reprojecting=not args.no_reprojecting)
+             reprojecting=not args.no_reprojecting, tensor_devices=args.tensor_devices)
     # Taken before any work: from here on the benchmark itself keeps the cores busy (load ~2).
     run = {"sections": ",".join(sections), "load_average_before": os.getloadavg()[0],
            "started": time.strftime("%Y-%m-%d %H:%M"), **run_record()}

@@ -119,19 +119,49 @@ task._generate = lambda model, rows, **kw: (seen.append(len(rows.sharding.device
 sharded = task.translate_ids(model, inputs, 12)
 task.rows_sharding = None
 replicated = task.translate_ids(model, inputs, 12)
-print("RESULT " + json.dumps({"sharded": sharded, "replicated": replicated, "devices": seen}))
+
+# A language model placed tensor-parallel on 2 of the devices (sharding.place_model, the benchmarks' placement):
+# its kernels split over the heads / MLP axes, a greedy decode the same tokens as the model on one device.
+from flax import nnx
+from configs import common
+from xattn_jax import decoding
+from xattn_jax.models import lm as lm_lib
+from xattn_jax.training import sharding
+lm = lm_lib.LanguageModel(61, d_model=32, num_heads=4, num_layers=2, mlp_dim=64, max_length=24, rngs=nnx.Rngs(3))
+nnx.update(lm, jax.tree.map(lambda x: x * 4, nnx.state(lm, nnx.Param)))  # sharper, more varied outputs
+mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 2}, jax.devices()[:2])
+placed = sharding.place_model(lm, mesh, common.DEFAULT_SHARDING_RULES)
+graphdef = nnx.graphdef(lm)
+
+@jax.jit
+def greedy(state, prompt):
+  model = nnx.merge(graphdef, state)
+  logits, cache = model.prefill(prompt, model.init_cache(prompt.shape[0], 24))
+  return decoding.greedy_search(model.loop_step(), cache, batch_size=prompt.shape[0], max_length=16, bos_id=1,
+                                eos_id=61, pad_id=0, first_tokens=jnp.argmax(logits[:, -1], -1)).tokens
+
+prompt = np.random.default_rng(0).integers(3, 61, (4, 8)).astype(np.int32)
+wi = placed.blocks.mlp.wi.kernel.get_value()  # [layers, d_model, mlp_dim]
+lm_out = {"tokens": np.asarray(greedy(nnx.state(lm), prompt)).tolist(),
+          "tensor_parallel": np.asarray(greedy(nnx.state(placed), prompt)).tolist(),
+          "mlp_devices": len(wi.sharding.device_set), "mlp_shard": list(wi.addressable_shards[0].data.shape)}
+print("RESULT " + json.dumps({"sharded": sharded, "replicated": replicated, "devices": seen, "lm": lm_out}))
 """
 
 
 @pytest.mark.slow
 def test_eval_decoding_splits_rows_over_the_data_axes_and_decodes_as_replicated(tmp_path):
-  """Host arrays made every device of the data axes decode every row; now each decodes its share."""
+  """Host arrays made every device of the data axes decode every row; now each decodes its share. And a
+  language model placed tensor-parallel (`sharding.place_model`) decodes the tokens of its one-device self."""
   result = helpers.run([sys.executable, "-c", _DECODE_SHARDED, str(tmp_path / "run")], cwd=REPO,
                        env=subprocess_env(device_count=8), timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   out = json.loads(result.stdout.split("RESULT ", 1)[1])
   assert out["devices"] == [8, 8, 1, 1]  # rows split over data x fsdp, then the replicated reference
   assert out["sharded"] == out["replicated"] and len(set(out["sharded"])) > 5, out
+  lm = out["lm"]
+  assert lm["mlp_devices"] == 2 and lm["mlp_shard"] == [2, 32, 32], lm  # half of mlp_dim 64 on each device
+  assert lm["tensor_parallel"] == lm["tokens"] and len({t for row in lm["tokens"] for t in row}) > 5, lm
 
 
 def _free_port():

@@ -88,6 +88,22 @@ def state_shardings(abstract_state, mesh: Mesh, rules):
   return shardings
 
 
+def place_model(model: nnx.Module, mesh: Mesh, rules) -> nnx.Module:
+  """The same model with every array on `mesh` as the rules place it (the trainer's placement, for a model
+  built outside the launcher: a benchmark's, a notebook's).
+
+  On one CPU, `jax.config.update("jax_num_cpu_devices", cores)` (or JAX_NUM_CPU_DEVICES) before JAX starts and
+  a (data=1, tensor=cores) mesh run a decode tensor-parallel: each device computes its heads and its share of
+  the MLP on its own core, where one device runs a decode's small per-head attention products on one core.
+  """
+  if not isinstance(model, nnx.Module):
+    raise ValueError(f"place_model: model must be an nnx.Module, got {type(model).__name__}")
+  graphdef, state = nnx.split(model)
+  shardings = state_shardings(state, mesh, rules)
+  placements = jax.tree.map(lambda v: v.get_value(), shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, jax.device_put(state, placements))
+
+
 def batch_sharding(mesh: Mesh, rules, stacked: bool = False) -> NamedSharding:
   """Sharding of a batch array: axis 0 over the `batch` rule's mesh axes, the rest replicated.
   stacked: the batch axis is axis 1, after a leading (replicated) axis of stacked steps."""
