@@ -109,7 +109,7 @@ def case_arrays(case: Case, dtype, rng):
 def default_implementation(case: Case, dtype) -> str:
   return attention.select_implementation(
       backend=jax.default_backend(), dtype=dtype, head_dim=case.head_dim, q_len=case.q_len, kv_len=case.kv_len,
-      has_mask=case.key_padding, has_bias=False, is_causal=case.is_causal)
+      has_mask=case.key_padding, has_bias=False, is_causal=case.is_causal, groups=case.heads // case.kv_heads)
 
 
 # Float32 on both sides means full float32 matmuls: XLA's GPU default for float32 is TF32, torch's is not

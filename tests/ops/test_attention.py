@@ -383,6 +383,20 @@ def test_dispatch_on_cpu_takes_chunked_only_for_the_longest_keys():
 
 
 @pytest.mark.usefixtures("real_dispatch")
+def test_dispatch_on_cpu_takes_chunked_for_causal_and_grouped_attention_from_2048():
+  """Chunked skips the key blocks above the diagonal and ran the 2048 causal and GQA rows faster than "xla" on
+  five CPUs; at 512 "xla" led or tied (experiments/results/*/attention_benchmark.md)."""
+  cpu = dict(backend="cpu", dtype=jnp.float32, is_causal=False)
+  assert _select(**cpu, q_len=2048, kv_len=2048) == "xla"
+  assert _select(**{**cpu, "is_causal": True}, q_len=2048, kv_len=2048) == "chunked"
+  assert _select(**cpu, groups=4, q_len=2048, kv_len=2048) == "chunked"
+  assert _select(**{**cpu, "is_causal": True}, q_len=512, kv_len=512) == "xla"
+  assert _select(**cpu, groups=4, q_len=512, kv_len=512) == "xla"
+  assert _select(**{**cpu, "is_causal": True}, q_len=1024, kv_len=4096) == "xla"  # fewer than 2048 queries
+  assert _select(**{**cpu, "backend": "gpu"}, groups=4, q_len=2048, kv_len=2048) == "xla"  # on CPU only
+
+
+@pytest.mark.usefixtures("real_dispatch")
 def test_dispatch_on_gpu_takes_chunked_by_scores_per_head_not_by_keys():
   """A short query over long keys stays fused on GPU: on an H200 it ran 2.3-3.9x faster than chunked at
   kv 4096 and 16384 (experiments/results/nvidia_h200/); self-attention from 4096 keys takes chunked."""

@@ -30,7 +30,8 @@ Implementations:
              NaN), so a row hidden by a -inf bias alone averages its values there: hide keys with
              `mask`.
   None:      cuDNN when allowed, otherwise "xla", or "chunked" from 4096 x 4096 scores per (batch,
-             head) (on CPU from 32768 keys) (`select_implementation`, `takes_chunked`).
+             head) (on CPU from 32768 keys, and causal or GQA attention from 2048 queries and keys)
+             (`select_implementation`, `takes_chunked`).
 """
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ _FUSED_UP_TO_SCORES = 256 * 256
 # experiments/results/*attention_benchmark*.md).
 _CHUNKED_FROM_SCORES = 4096 * 4096
 _CHUNKED_FROM_KV_LEN_CPU = 32768
+# On CPU causal and grouped-query (GQA) self-attention take "chunked" from 2048 queries and keys: its blocks
+# skip the key blocks above the diagonal, which xla's query blocks over every key cannot, and its GQA rows ran
+# faster too. On the five CPUs measured, chunked ran the 2048 causal + padding rows at 0.52-0.98x torch SDPA's
+# forward+backward time against 0.85-1.71x for "xla", the GQA rows at 0.75-1.24x against 0.95-1.65x; at 512
+# "xla" led or tied (experiments/results/*/attention_benchmark.md).
+_CHUNKED_CAUSAL_OR_GROUPED_FROM_CPU = 2048
 
 
 def _shape(x) -> list[int]:
@@ -137,8 +144,10 @@ def cudnn_unsupported_reason(*, backend: str, dtype, head_dim: int, q_len: int, 
 
 
 def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_len: int,
-                          has_mask: bool = False, has_bias: bool = False, is_causal: bool = False) -> str:
-  """The implementation `implementation=None` takes for this case (pure function of static facts).
+                          has_mask: bool = False, has_bias: bool = False, is_causal: bool = False,
+                          groups: int = 1) -> str:
+  """The implementation `implementation=None` takes for this case (pure function of static facts; groups:
+  query heads per kv head).
 
   cuDNN only above 256 x 256 scores per head: below that the fused XLA program trains faster on an
   H200 (experiments/results/attention_benchmark_gpu.md).
@@ -147,16 +156,19 @@ def select_implementation(*, backend: str, dtype, head_dim: int, q_len: int, kv_
       backend=backend, dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, has_mask=has_mask,
       has_bias=has_bias, is_causal=is_causal) is None:
     return "cudnn"
-  if q_len * kv_len > _FUSED_UP_TO_SCORES and takes_chunked(backend, q_len, kv_len):
+  if q_len * kv_len > _FUSED_UP_TO_SCORES and takes_chunked(backend, q_len, kv_len, is_causal=is_causal,
+                                                              groups=groups):
     return "chunked"
   return "xla"
 
 
-def takes_chunked(backend: str, q_len: int, kv_len: int) -> bool:
+def takes_chunked(backend: str, q_len: int, kv_len: int, *, is_causal: bool = False, groups: int = 1) -> bool:
   """Whether the default path takes "chunked" over "xla" on this backend (above the fused size): on CPU
-  from 32768 keys, elsewhere from 4096 x 4096 scores per (batch, head)."""
+  from 32768 keys, and for causal or grouped-query attention (groups > 1 query heads per kv head) from
+  2048 queries and keys; elsewhere from 4096 x 4096 scores per (batch, head)."""
   if backend == "cpu":
-    return kv_len >= _CHUNKED_FROM_KV_LEN_CPU
+    return kv_len >= _CHUNKED_FROM_KV_LEN_CPU or (
+        (is_causal or groups > 1) and min(q_len, kv_len) >= _CHUNKED_CAUSAL_OR_GROUPED_FROM_CPU)
   return q_len * kv_len >= _CHUNKED_FROM_SCORES
 
 
@@ -246,7 +258,7 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
                has_bias=bias is not None, is_causal=bool(is_causal))
   backend = jax.default_backend()
   if implementation is None:
-    implementation = select_implementation(backend=backend, **facts)
+    implementation = select_implementation(backend=backend, groups=n // kv_heads, **facts)
   if _runs_fused(implementation, backend, t, s):
     # Scaling the queries once is cheaper than scaling every score (autodiff applies it to dq).
     query = query * jnp.asarray(scale, query.dtype)
