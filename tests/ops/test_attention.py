@@ -144,6 +144,32 @@ def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups,
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_backward_with_its_own_smaller_query_blocks_matches_reference(kind, monkeypatch):
+  # Blocking.backward_block_q: 14 queries in forward blocks of 8 rows over all keys (the second padded), the
+  # backward in blocks of 4 (masks, biases and causal offsets sliced at the backward's own boundaries).
+  monkeypatch.setattr(attention, "_runs_fused", lambda implementation, *_: implementation == "dense")
+  monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(
+      block_q=8, block_k=s, backward_block_q=4))
+  backward_blocks = []
+  unit_backward = blocked_attention._unit_backward
+  monkeypatch.setattr(blocked_attention, "_unit_backward", lambda *args: (
+      backward_blocks.append(args[-1].blocking.block_q), unit_backward(*args))[1])
+  query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind), t=14)
+  assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
+  assert set(backward_blocks) == {4}
+
+
+def test_the_backward_halves_the_query_block_where_one_unit_fills_a_step():
+  choose = functools.partial(attention.choose_blocking, "xla", backend="cpu", threads=2)
+  assert choose(2048, 2048, units=16).backward_block_q == 512  # forward 1024 x 2048 scores, one unit a step
+  assert choose(1024, 2048, units=16).backward_block_q == 512
+  assert choose(1797, 1797, units=6).backward_block_q == 452  # forward blocks of 904 rows
+  assert choose(512, 512, units=64).backward_block_q is None  # 8 units a step: the backward keeps them
+  assert choose(128, 4096, units=8).backward_block_q is None
+  assert attention.choose_blocking("chunked", 8192, 8192, units=8, threads=2).backward_block_q is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monkeypatch):
   # "xla"'s blocked kernel as it runs long sequences on CPU: all keys at once, several query blocks
   # (6 queries in blocks of 4: the last one padded). Forced on other backends too ("xla" runs fused there).

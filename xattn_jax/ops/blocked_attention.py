@@ -47,11 +47,18 @@ class Blocking:
   batch * kv_heads. parallel_units=True runs all units side by side (vmapped: one batched matmul
   per key block, for GPU / TPU) with one query block spanning every query; memory stays linear in
   length through the key blocks.
+
+  backward_block_q: query rows per block in the backward pass (None: block_q). A backward block holds
+  about twice the forward's score-sized temporaries (scores, probabilities and both their gradients,
+  against scores and probabilities), so where one unit's forward block fills a step the backward can
+  take fewer rows. Used with units in a loop one per step (parallel_units=False, units_per_step=1)
+  and where it divides the padded query length; block_q otherwise.
   """
   block_q: int
   block_k: int
   parallel_units: bool = False
   units_per_step: int = 1
+  backward_block_q: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,6 +419,9 @@ def _attention_fwd(query, key, value, mask, bias, st):
 
 def _attention_bwd(st, residuals, o_grad):
   query, key, value, mask, bias, out, lse = residuals
+  if st.blocking.backward_block_q is not None:  # the backward's own query blocks (see Blocking)
+    st = dataclasses.replace(st, blocking=dataclasses.replace(
+        st.blocking, block_q=st.blocking.backward_block_q, backward_block_q=None))
   delta = jnp.einsum("btnh,btnh->btn", o_grad.astype(jnp.float32), out.astype(jnp.float32))
 
   def unit_fn(unit, q_u, k_u, v_u, o_grad_u, lse_u, delta_u):
@@ -452,7 +462,11 @@ def blocked_attention(query, key, value, *, mask, bias, is_causal: bool, blockin
   bq = t if blocking.parallel_units else min(blocking.block_q, t)
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
-  blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk)
+  bq_backward = blocking.backward_block_q
+  if (bq_backward is None or blocking.parallel_units or blocking.units_per_step != 1 or not 0 < bq_backward < bq
+      or t_pad % bq_backward):
+    bq_backward = None
+  blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk, backward_block_q=bq_backward)
   st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads,
                may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s), kv_heads_major=kv_heads_major,
                query_offset=s - t, scale=scale)
