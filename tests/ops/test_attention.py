@@ -166,7 +166,10 @@ def test_the_backward_halves_the_query_block_where_one_unit_fills_a_step():
   assert choose(1797, 1797, units=6).backward_block_q == 452  # forward blocks of 904 rows
   assert choose(512, 512, units=64).backward_block_q is None  # 8 units a step: the backward keeps them
   assert choose(128, 4096, units=8).backward_block_q is None
-  assert attention.choose_blocking("chunked", 8192, 8192, units=8, threads=2).backward_block_q is None
+  assert choose(512, 512, units=1).backward_block_q is None  # one unit a step, but 2 x 512 x 512 fits a step
+  assert choose(2048, 2048, units=4, groups=4).backward_block_q == 128  # 4 x 256 rows x 2048 keys, doubled
+  for units in (1, 8):  # chunked's 256 x 512 blocks, doubled, fit a step
+    assert attention.choose_blocking("chunked", 8192, 8192, units=units, threads=2).backward_block_q is None
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -223,10 +223,11 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   limit = min(_MAX_CHAINS if one_block else threads or _cpu_threads(),
               max(1, _STEP_SCORES // (groups * block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
-  # Where one unit's block fills a step, the backward, which holds about twice the forward's temporaries
-  # a block, takes half the query rows (at least 64): about the forward's cache budget a step.
+  # The backward holds about twice the forward's score-sized temporaries a block: where that overflows a
+  # step's budget with one unit a step, it takes half the query rows (at least 64), about the forward's budget.
   half = block_q // 2
-  backward_block_q = half if per_step == 1 and half >= 64 and block_q % 2 == 0 else None
+  overflows = 2 * groups * block_q * block_k > _STEP_SCORES
+  backward_block_q = half if per_step == 1 and overflows and half >= 64 and block_q % 2 == 0 else None
   return blocked_attention.Blocking(block_q=block_q, block_k=block_k, units_per_step=per_step,
                                     backward_block_q=backward_block_q)
 
