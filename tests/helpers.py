@@ -25,6 +25,13 @@ from ml_collections import config_flags
 from tests import xla_flags
 
 
+def loop_body_dots(compiled_text: str) -> list[str]:
+  """The computations of a compiled program's text that run a dot of a while loop's body (a fusion's too, whose
+  header names its operands' shapes and layouts)."""
+  return [block for block in compiled_text.split("\n\n")
+          if any(" dot(" in line and "while/body" in line for line in block.splitlines())]
+
+
 def load_config(*argv):
   """The config exactly as launch.py resolves it from command-line arguments."""
   flag_values = flags.FlagValues()

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import helpers
 from xattn_jax.layers import dense
 
 
@@ -86,10 +87,7 @@ def _loop_dots(modules, transpose: bool, steps: int = 3) -> tuple[list, list[str
     return jax.lax.fori_loop(0, steps, body, x)  # a traced trip count, as a search's: XLA keeps the loop
 
   steps = jnp.asarray(steps)
-  text = jax.jit(run).lower(state, x, steps).compile().as_text()
-  # each computation (a fusion's too, whose header names its operands' shapes) holding a dot of the loop body
-  dots = [block for block in text.split("\n\n") if any(" dot(" in line and "while/body" in line
-                                                          for line in block.splitlines())]
+  dots = helpers.loop_body_dots(jax.jit(run).lower(state, x, steps).compile().as_text())
   return run(state, x, steps), jax.jit(run)(state, x, steps), dots
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import helpers
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm
 
@@ -289,9 +290,7 @@ def test_a_greedy_search_reads_the_mlp_kernels_stored_out_by_in():
   assert np.array_equal(runs[True](state, first), runs[False](state, first))
   if jax.default_backend() != "cpu":
     pytest.skip("a statement about XLA:CPU's layouts")
-  bodies = {transpose: [block for block in compiled.as_text().split("\n\n")
-                        if any(" dot(" in line and "while/body" in line for line in block.splitlines())]
-            for transpose, compiled in runs.items()}
+  bodies = {transpose: helpers.loop_body_dots(compiled.as_text()) for transpose, compiled in runs.items()}
   for transpose, contracted in ((True, "rhs_contracting_dims={1}"), (False, "rhs_contracting_dims={0}")):
     mlp = [b for b in bodies[transpose] if "f32[24,16]" in b or "f32[16,24]" in b]  # wi, wo: as trained or stored
     assert len(mlp) >= 2 and all(contracted in b for b in mlp), (transpose, mlp)
