@@ -187,8 +187,9 @@ def parse_jax_vs_torch_args(doc: str, full: dict, quick: dict, add_arguments=Non
 
 def tensor_parallel(model, devices: int):
   """(the model placed over a (data=1, tensor=devices) mesh of CPU devices by the launcher's default rules,
-  put(x) placing an input replicated there), or None where that cannot run: devices < 2, a backend other than
-  CPU, or fewer CPU devices in this process (parse_jax_vs_torch_args(tensor_devices=True) makes them)."""
+  put(x) placing an input replicated there, where its logits lie: `sharding.logits_sharding`), or None where
+  that cannot run: devices < 2, a backend other than CPU, or fewer CPU devices in this process
+  (parse_jax_vs_torch_args(tensor_devices=True) makes them)."""
   import jax
   from configs import common
   from xattn_jax.training import sharding
@@ -198,7 +199,7 @@ def tensor_parallel(model, devices: int):
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": devices}, jax.devices()[:devices])
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return (sharding.place_model(model, mesh, common.DEFAULT_SHARDING_RULES),
-          lambda x: jax.device_put(x, replicated))
+          lambda x: jax.device_put(x, replicated), sharding.logits_sharding(mesh, common.DEFAULT_SHARDING_RULES))
 
 
 class HostContention:

@@ -407,7 +407,7 @@ def main():
                 "jax_kernels_in_out": np.asarray(jax_decode_in_out(jax_cache, jax_first))}
   placed = tensor_parallel(jax_model, args.tensor_devices)
   if placed is not None:  # the same model, prefill and decode over the devices, heads / MLP / vocabulary split
-    placed_model, put = placed
+    placed_model, put, _ = placed  # greedy: the argmax reduces where the vocabulary lies
     tp_prefill, tp_decode = jax_decoders(placed_model, s)
     tp_prompt = put(prompt)
     tp_last, tp_cache = tp_prefill(tp_prompt)

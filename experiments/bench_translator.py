@@ -127,9 +127,10 @@ def jax_training(s, rng, steps_per_call=None):
   return multi_step_call(step, state, batches, steps_per_call)
 
 
-def decode_functions(model, s):
+def decode_functions(model, s, logits_sharding=None):
   """Jitted greedy (cross-attention cache projected once), greedy re-projecting the memory every
-  step, and beam search: each (inputs [b, s]) -> tokens."""
+  step, and beam search (candidates ranked where logits_sharding puts the vocabulary): each
+  (inputs [b, s]) -> tokens."""
   graphdef, state = nnx.split(model)
   never_eos = s["vocab"]  # an id the model cannot emit, so every run decodes new_tokens steps
   common = dict(max_length=s["new_tokens"], bos_id=BOS, eos_id=never_eos)
@@ -164,7 +165,8 @@ def decode_functions(model, s):
   def beam(state, inputs, transpose_kernels=True):
     model, _, cache = start(state, inputs)
     return decoding.beam_search(model.loop_step(transpose_kernels=transpose_kernels), cache,
-                                batch_size=inputs.shape[0], beam_size=s["beam"], alpha=0.6, **common).tokens
+                                batch_size=inputs.shape[0], beam_size=s["beam"], alpha=0.6,
+                                logits_sharding=logits_sharding, **common).tokens
 
   as_trained = dict(transpose_kernels=False)  # the decoder's kernels [in, out], beside loop_step's [out, in]
   return {name: (lambda inputs, f=f, kw=kw: f(state, inputs, **kw).block_until_ready())
@@ -489,8 +491,8 @@ def decode_section(s, rng, repeats, torch_compile=True, reprojecting=True):
   decoders = {name: (lambda f=f: f(jax_inputs)) for name, f in jax_decoders.items()}
   placed = tensor_parallel(model, s["tensor_devices"])
   if placed is not None:  # the same model and searches, tensor-parallel: the same tokens
-    placed_model, put = placed
-    placed_decoders, placed_inputs = decode_functions(placed_model, s), put(inputs)
+    placed_model, put, logits_sharding = placed
+    placed_decoders, placed_inputs = decode_functions(placed_model, s, logits_sharding), put(inputs)
     for name in ("greedy", "beam"):
       assert np.array_equal(placed_decoders[name](placed_inputs), jax_decoders[name](jax_inputs)), name
       decoders[f"{name}_tensor_parallel"] = lambda f=placed_decoders[name]: f(placed_inputs)

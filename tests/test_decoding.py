@@ -174,6 +174,24 @@ def test_beam_search_finds_best_sequence_where_greedy_does_not():
   np.testing.assert_allclose(float(beam.scores[0, 0]), np.log(best_p), rtol=1e-5)
 
 
+@pytest.mark.parametrize("beam_size", [2, 4])  # 4: each beam's best 2 * 4 candidates exceed the vocabulary (7)
+def test_beam_search_ranking_each_beam_first_finds_the_same_beams(beam_size):
+  """With a logits_sharding, beam search ranks each beam's tokens first, then those candidates (the form a
+  split vocabulary ranks per device; tests/training/test_distributed.py splits it): on one device it must
+  find the beams and scores of ranking [batch, beams * vocab] at once, exactly."""
+  params = _random_params(3)
+  _, step = _sum_model(params)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
+  kwargs = dict(batch_size=BATCH, beam_size=beam_size, max_length=MAX_LEN, bos_id=BOS, eos_id=EOS, alpha=0.6)
+  whole = decoding.beam_search(step, _first_cache(params), **kwargs)
+  per_beam = decoding.beam_search(step, _first_cache(params), **kwargs, logits_sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, "tensor")))
+  np.testing.assert_array_equal(np.asarray(per_beam.tokens), np.asarray(whole.tokens))
+  np.testing.assert_array_equal(np.asarray(per_beam.scores), np.asarray(whole.scores))
+  with pytest.raises(ValueError, match="logits_sharding must be None or a NamedSharding"):
+    decoding.beam_search(step, _first_cache(params), **kwargs, logits_sharding=jax.sharding.PartitionSpec("tensor"))
+
+
 def test_beam_search_jits_once_for_repeated_calls():
   calls = chex.assert_max_traces(n=1)(
       lambda table: decoding.beam_search(_markov_step(table), jnp.zeros(2), batch_size=2, beam_size=2,

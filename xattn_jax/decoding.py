@@ -119,6 +119,46 @@ def _argmax_and_log_prob(logits):
   return choice, -jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1))
 
 
+def _check_logits_sharding(logits_sharding):
+  """logits_sharding as given (None or a NamedSharding of logits [rows, vocab]), or a ValueError."""
+  if logits_sharding is None:
+    return None
+  if not isinstance(logits_sharding, jax.sharding.NamedSharding) or len(logits_sharding.spec) > 2:
+    raise ValueError(f"decoding: logits_sharding must be None or a NamedSharding of logits [rows, vocab] (a spec "
+                     f"of at most 2 entries), got {logits_sharding!r}")
+  return logits_sharding
+
+
+def _split_top_k(x, k: int, logits_sharding):
+  """lax.top_k(x, k) over the last axis of x [rows, ..., vocab], the same values and indices (ties to the
+  lower index), where logits_sharding (a NamedSharding of logits [rows, vocab], or None) may split the
+  vocabulary over devices.
+
+  XLA's partitioner gathers a top-k's whole operand onto every device when its ranked axis is split; here
+  each device ranks its own part of the vocabulary (shard_map) and only those k candidates per shard are
+  gathered and ranked again. Parts hold consecutive ids, so candidates in part order tie-break as the whole
+  axis does. Rows stay split over the rows' axes where those divide them.
+  """
+  if logits_sharding is None:
+    return lax.top_k(x, k)
+  mesh, spec = logits_sharding.mesh, tuple(logits_sharding.spec) + (None,) * (2 - len(logits_sharding.spec))
+  axes = [() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry) for entry in spec]
+  shards = [math.prod(mesh.shape[a] for a in entry) for entry in axes]
+  vocab = x.shape[-1]
+  if shards[1] == 1 or vocab % shards[1]:
+    return lax.top_k(x, k)
+  rows_axes = axes[0] if x.shape[0] % shards[0] == 0 else ()
+  part_spec = jax.sharding.PartitionSpec(rows_axes or None, *(None,) * (x.ndim - 2), axes[1])
+
+  def ranked_part(part):  # -> the part's best min(k, part) values and their ids in the whole vocabulary
+    values, ids = lax.top_k(part, min(k, part.shape[-1]))
+    return values, ids + lax.axis_index(axes[1]).astype(ids.dtype) * part.shape[-1]
+
+  values, ids = jax.shard_map(ranked_part, mesh=mesh, in_specs=part_spec, out_specs=(part_spec, part_spec))(x)
+  top, pick = lax.top_k(values, k)  # values [..., shards * min(k, part)]
+  return top, jnp.take_along_axis(ids, pick, axis=-1)
+
+
 def _first_tokens(first_tokens, bos_id: int, rows: int):
   """The tokens fed at step 0: int32 [rows], BOS everywhere when first_tokens is None."""
   if first_tokens is None:
@@ -199,7 +239,7 @@ def _row_keys(rng, batch_size: int):
   return rng
 
 
-def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float):
+def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float, logits_sharding=None):
   """pick(step, logits) for `_token_by_token`: a draw from the tempered, top-k / top-p truncated softmax.
 
   The returned log-probability is the model's own (log_softmax of the raw logits at the drawn token),
@@ -214,7 +254,7 @@ def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float):
       choice = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     else:
       # Candidates sorted by descending logit; lax.top_k breaks ties by the lower index, as argmax does.
-      candidates, ids = lax.top_k(scaled, k)  # -> [batch, k]
+      candidates, ids = _split_top_k(scaled, k, logits_sharding)  # -> [batch, k]
       if top_p < 1.0:
         probs = jax.nn.softmax(candidates, axis=-1)
         # A candidate is in the nucleus when the mass above it is below top_p: the most likely always is.
@@ -232,7 +272,7 @@ def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float):
 
 def sample_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
                   eos_id: int, pad_id: int = 0, rng, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, first_tokens=None) -> GreedyOutput:
+                  top_p: float = 1.0, first_tokens=None, logits_sharding=None) -> GreedyOutput:
   """Draws every token from softmax(logits / temperature) within the top_k tokens and the top_p nucleus.
 
   top_k = 0 (or >= vocab) keeps every token; top_p = 1 keeps the whole (top-k) distribution; the
@@ -240,12 +280,14 @@ def sample_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
   [batch] (row i's draws depend only on rng[i] and its own logits), or a single key, split into
   batch_size row keys (then a row's draws depend on batch_size too). first_tokens as for greedy.
   Scores are the model's log-probabilities of the drawn tokens (temperature 1, no truncation).
-  Stops at EOS or max_length; call inside `jax.jit` with the options static.
+  logits_sharding as for beam search (the top_k candidates ranked per device). Stops at EOS or max_length;
+  call inside `jax.jit` with the options static.
   """
   batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
   options = DecodingOptions(method="sample", temperature=temperature, top_k=top_k, top_p=top_p)
   first = _first_tokens(first_tokens, bos_id, batch_size)
-  pick = _sample_pick(_row_keys(rng, batch_size), options.temperature, options.top_k, options.top_p)
+  pick = _sample_pick(_row_keys(rng, batch_size), options.temperature, options.top_k, options.top_p,
+                      _check_logits_sharding(logits_sharding))
   return _token_by_token(decode_step, cache, pick, batch_size=batch_size, max_length=max_length, first=first,
                          eos_id=eos_id, pad_id=pad_id)
 
@@ -279,7 +321,7 @@ def _reorder_beams(cache, parent, batch_size, beam_size, axis):
 
 def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: int, max_length: int,
                 bos_id: int, eos_id: int, pad_id: int = 0, alpha: float = 0.6,
-                cache_batch_axis: int = 0, first_tokens=None) -> BeamOutput:
+                cache_batch_axis: int = 0, first_tokens=None, logits_sharding=None) -> BeamOutput:
   """Beam search with GNMT length penalty and early stopping.
 
   `cache` is the cache for `batch_size` examples (it is expanded to `batch_size * beam_size` rows
@@ -291,12 +333,16 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   the worst kept finished hypothesis of any example (early stop). Finished hypotheses are
   returned first; when an example has fewer than beam_size of them, its best live beams
   (unfinished at max_length) fill the remaining slots. first_tokens: int [batch], fed first to all of
-  an example's beams (None: BOS), as for greedy.
+  an example's beams (None: BOS), as for greedy. logits_sharding: how `decode_step`'s logits [rows, vocab]
+  are placed (a NamedSharding; `sharding.logits_sharding` gives the launcher's), or None: where it splits
+  the vocabulary over devices (tensor parallelism), each device ranks its own part and only its best
+  candidates are gathered, the same beams as unsplit.
   """
   batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
   beam_size = _as_int("beam_size", beam_size, 1)
   if alpha < 0:
     raise ValueError(f"beam_search: alpha (length penalty exponent) must be >= 0, got {alpha}")
+  logits_sharding = _check_logits_sharding(logits_sharding)
   b, k = batch_size, beam_size
   rows = b * k
   first = _first_tokens(first_tokens, bos_id, b)[:, None]  # -> [batch, 1], the same for every beam
@@ -318,10 +364,18 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
     logits, cache = _next_logits(decode_step, last.reshape(rows), cache, rows)  # -> [batch * beams, vocab]
     vocab = logits.shape[-1]
     log_probs = jax.nn.log_softmax(logits).reshape(b, k, vocab)
-    candidates = (live_scores[:, :, None] + log_probs).reshape(b, k * vocab)  # -> [batch, beams * vocab]
-    top_scores, top_ids = lax.top_k(candidates, 2 * k)  # -> [batch, 2 * beams]
-    parent = top_ids // vocab  # -> [batch, 2 * beams]
-    token = (top_ids % vocab).astype(jnp.int32)
+    candidates = live_scores[:, :, None] + log_probs  # -> [batch, beams, vocab]
+    if logits_sharding is None:
+      top_scores, top_ids = lax.top_k(candidates.reshape(b, k * vocab), 2 * k)  # -> [batch, 2 * beams]
+      parent, token = top_ids // vocab, (top_ids % vocab).astype(jnp.int32)  # -> [batch, 2 * beams]
+    else:
+      # Each beam's best tokens first (ranked where the vocabulary lies), then the best of those: in
+      # (beam, rank) order, ties go to the lower beam, then the lower token, as over [batch, beams * vocab].
+      per_beam = min(2 * k, vocab)
+      beam_scores, beam_tokens = _split_top_k(candidates, per_beam, logits_sharding)  # -> [batch, beams, per_beam]
+      top_scores, pick = lax.top_k(beam_scores.reshape(b, k * per_beam), 2 * k)  # -> [batch, 2 * beams]
+      parent = pick // per_beam
+      token = jnp.take_along_axis(beam_tokens.reshape(b, k * per_beam), pick, axis=1).astype(jnp.int32)
     top_tokens = jnp.take_along_axis(live_tokens, parent[:, :, None], axis=1)  # -> [batch, 2 * beams, max_length]
     top_tokens = lax.dynamic_update_slice_in_dim(top_tokens, token[:, :, None], step, axis=2)
     is_eos = token == eos_id
@@ -426,21 +480,21 @@ def options_from_mapping(values) -> DecodingOptions:
   return DecodingOptions(**{name: values[name] for name in OPTION_FIELDS if name in values})
 
 
-def _run_greedy(decode_step, cache, options, rng, **common):
-  del options, rng  # greedy has no options and draws nothing
+def _run_greedy(decode_step, cache, options, rng, *, logits_sharding, **common):
+  del options, rng, logits_sharding  # greedy has no options, draws nothing and ranks nothing
   return greedy_search(decode_step, cache, **common)
 
 
-def _run_beam(decode_step, cache, options, rng, *, cache_batch_axis, **common):
+def _run_beam(decode_step, cache, options, rng, *, cache_batch_axis, logits_sharding, **common):
   del rng
   beams = beam_search(decode_step, cache, beam_size=options.beam_size, alpha=options.alpha,
-                      cache_batch_axis=cache_batch_axis, **common)
+                      cache_batch_axis=cache_batch_axis, logits_sharding=logits_sharding, **common)
   return GreedyOutput(beams.tokens[:, 0], beams.scores[:, 0])  # the best beam
 
 
-def _run_sample(decode_step, cache, options, rng, **common):
+def _run_sample(decode_step, cache, options, rng, *, logits_sharding, **common):
   return sample_search(decode_step, cache, rng=rng, temperature=options.temperature, top_k=options.top_k,
-                       top_p=options.top_p, **common)
+                       top_p=options.top_p, logits_sharding=logits_sharding, **common)
 
 
 # The decoding methods: the names configs choose from, and what runs each.
@@ -469,17 +523,18 @@ def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
 
 def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_size: int, max_length: int,
            bos_id: int, eos_id: int, pad_id: int = 0, rng=None, first_tokens=None,
-           cache_batch_axis: int = 0, suppress_ids: tuple[int, ...] = ()) -> GreedyOutput:
+           cache_batch_axis: int = 0, suppress_ids: tuple[int, ...] = (), logits_sharding=None) -> GreedyOutput:
   """Runs options.method: tokens [batch, max_length] and scores [batch] (beam: its best beam's).
 
   rng (one key, or one per row) is needed by method "sample" only; cache_batch_axis is beam's;
-  suppress_ids are never emitted (`suppressing`).
+  suppress_ids are never emitted (`suppressing`); logits_sharding (beam and sample's top_k: see
+  beam_search) changes where candidates are ranked, never which.
   """
   if not isinstance(options, DecodingOptions):
     raise ValueError(f"decoding: options must be a DecodingOptions, got {type(options).__name__}")
   decode_step = suppressing(decode_step, suppress_ids)
   common = dict(batch_size=batch_size, max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                first_tokens=first_tokens)
+                first_tokens=first_tokens, logits_sharding=logits_sharding)
   if options.method == "beam":
     common["cache_batch_axis"] = cache_batch_axis
   return _SEARCHES[options.method](decode_step, cache, options, rng, **common)
@@ -487,7 +542,7 @@ def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_si
 
 def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id: int = 0, beam_size: int = 1,
              alpha: float = 0.6, options: DecodingOptions | None = None, rng=None,
-             suppress_ids: tuple[int, ...] = ()):
+             suppress_ids: tuple[int, ...] = (), logits_sharding=None):
   """Encoder-decoder generation: inputs int[b, s] -> tokens [b, max_length] (EOS then padding).
 
   `model` is any encoder-decoder with `encode(inputs) -> memory`, `init_cache(memory, memory_valid,
@@ -495,8 +550,8 @@ def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id
   cross-attention keys / values projected once; the search then runs as one `lax.while_loop` over the
   step. `options` chooses the method (greedy, beam: its best beam, sample: needs `rng`, one key or one
   per row); without it, greedy when beam_size = 1 and beam search with beam_size and alpha otherwise.
-  suppress_ids are never emitted. Wrap in `nnx.jit` with max_length, the ids, beam_size, alpha, options
-  and suppress_ids static.
+  suppress_ids are never emitted; logits_sharding as for `search`. Wrap in `nnx.jit` with max_length, the
+  ids, beam_size, alpha, options, suppress_ids and logits_sharding static.
   """
   if options is None:
     options = DecodingOptions(method="greedy" if beam_size == 1 else "beam", beam_size=beam_size, alpha=alpha)
@@ -509,4 +564,5 @@ def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id
   memory = model.encode(inputs)  # -> [b, s, encoder.d_model]
   cache = model.init_cache(memory, inputs != pad_id, max_length)
   return search(model.loop_step(), cache, options, batch_size=inputs.shape[0], max_length=max_length,
-                bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, rng=rng, suppress_ids=suppress_ids).tokens
+                bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, rng=rng, suppress_ids=suppress_ids,
+                logits_sharding=logits_sharding).tokens

@@ -99,7 +99,7 @@ def test_a_run_saved_on_a_sharded_mesh_evaluates_and_resumes_on_one_device(eight
 # An untrained translator (its greedy outputs are long and varied) decoding 32 eval sources on a
 # data2_fsdp2_tensor2 mesh: rows split over the data axes, against the same decode fed replicated rows.
 _DECODE_SHARDED = """
-import json, sys
+import functools, json, sys
 import numpy as np
 from configs import translate_dates
 from xattn_jax.training.trainer import Trainer
@@ -119,6 +119,31 @@ task._generate = lambda model, rows, **kw: (seen.append(len(rows.sharding.device
 sharded = task.translate_ids(model, inputs, 12)
 task.rows_sharding = None
 replicated = task.translate_ids(model, inputs, 12)
+devices = list(seen)  # the greedy calls' (the beam calls append theirs)
+
+# Beam search with the vocabulary split over tensor (the trainer's task.logits_sharding: candidates ranked on
+# each device) against the same search ranking the whole vocabulary.
+from xattn_jax import decoding
+task.rows_sharding, task.options = trainer.batch_sharding, decoding.DecodingOptions(method="beam", beam_size=3)
+logits_sharding = task.logits_sharding
+beam_split = task.translate_ids(model, inputs, 12)
+task.logits_sharding = None
+beam_whole = task.translate_ids(model, inputs, 12)
+# The top-k itself, with ties (values on a grid of halves), rows over data x fsdp and the vocabulary over tensor:
+# the same values and ids as lax.top_k, and no all-gather of the whole vocabulary (lax.top_k gathers it).
+import re
+from jax.sharding import NamedSharding, PartitionSpec
+scores = np.round(np.random.default_rng(1).normal(size=(8, 3, 40)) * 2).astype(np.float32) / 2
+placed_scores = jax.device_put(scores, NamedSharding(logits_sharding.mesh, PartitionSpec(("data", "fsdp"), None,
+                                                                                          "tensor")))
+split_top = jax.jit(lambda x: decoding._split_top_k(x, 5, logits_sharding))
+whole_top = jax.jit(lambda x: jax.lax.top_k(x, 5))
+def gathered_widths(f):  # the last dimension of every all-gather's result
+  return sorted({int(m.group(1)) for m in re.finditer(r"= f32\\[[\\d,]*?(\\d+)\\]\\{[^}]*\\} all-gather\\(",
+                                                          f.lower(placed_scores).compile().as_text())})
+top_k = {"equal": [np.array_equal(a, b) for a, b in zip(split_top(placed_scores), whole_top(scores))],
+         "split_gathers": gathered_widths(split_top), "whole_gathers": gathered_widths(whole_top),
+         "spec": str(logits_sharding.spec)}
 
 # A language model placed tensor-parallel on 2 of the devices (sharding.place_model, the benchmarks' placement):
 # its kernels split over the heads / MLP axes, a greedy decode the same tokens as the model on one device.
@@ -145,7 +170,25 @@ wi = placed.blocks.mlp.wi.kernel.get_value()  # [layers, d_model, mlp_dim]
 lm_out = {"tokens": np.asarray(greedy(nnx.state(lm), prompt)).tolist(),
           "tensor_parallel": np.asarray(greedy(nnx.state(placed), prompt)).tolist(),
           "mlp_devices": len(wi.sharding.device_set), "mlp_shard": list(wi.addressable_shards[0].data.shape)}
-print("RESULT " + json.dumps({"sharded": sharded, "replicated": replicated, "devices": seen, "lm": lm_out}))
+
+# Beam search and top-k sampling on the tensor-parallel LM, candidates ranked per device: its one-device tokens.
+lm_sharding = sharding.logits_sharding(mesh, common.DEFAULT_SHARDING_RULES)
+
+@functools.partial(jax.jit, static_argnames="split")
+def searches(state, prompt, split):
+  model = nnx.merge(graphdef, state)
+  logits, cache = model.prefill(prompt, model.init_cache(prompt.shape[0], 24))
+  common_args = dict(batch_size=prompt.shape[0], max_length=16, bos_id=1, eos_id=61, pad_id=0,
+                     first_tokens=jnp.argmax(logits[:, -1], -1), logits_sharding=lm_sharding if split else None)
+  beams = decoding.beam_search(model.loop_step(), cache, beam_size=3, **common_args).tokens
+  drawn = decoding.sample_search(model.loop_step(), cache, rng=jax.random.key(5), top_k=4, **common_args).tokens
+  return beams, drawn
+
+lm_out["beam"], lm_out["sample"] = [np.asarray(t).tolist() for t in searches(nnx.state(lm), prompt, False)]
+lm_out["beam_tensor_parallel"], lm_out["sample_tensor_parallel"] = [
+    np.asarray(t).tolist() for t in searches(nnx.state(placed), prompt, True)]
+print("RESULT " + json.dumps({"sharded": sharded, "replicated": replicated, "devices": devices, "lm": lm_out,
+                              "beam_split": beam_split, "beam_whole": beam_whole, "top_k": top_k}))
 """
 
 
@@ -162,6 +205,13 @@ def test_eval_decoding_splits_rows_over_the_data_axes_and_decodes_as_replicated(
   lm = out["lm"]
   assert lm["mlp_devices"] == 2 and lm["mlp_shard"] == [2, 32, 32], lm  # half of mlp_dim 64 on each device
   assert lm["tensor_parallel"] == lm["tokens"] and len({t for row in lm["tokens"] for t in row}) > 5, lm
+  # Candidates ranked where the vocabulary lies: the same beams and draws as ranked whole.
+  assert lm["beam_tensor_parallel"] == lm["beam"] and lm["sample_tensor_parallel"] == lm["sample"], lm
+  assert lm["sample"] != lm["tokens"], lm  # top-4 sampling drew other tokens than greedy somewhere
+  assert out["beam_split"] == out["beam_whole"] and len(set(out["beam_split"])) > 5, out
+  top_k = out["top_k"]
+  assert top_k["spec"] == "P(('data', 'fsdp'), 'tensor')" and top_k["equal"] == [True, True], top_k
+  assert 40 in top_k["whole_gathers"] and max(top_k["split_gathers"]) < 40, top_k  # 2 shards x 5 candidates
 
 
 def _free_port():

@@ -43,3 +43,12 @@ def test_parameters_left_replicated_by_an_indivisible_mesh_axis_are_named_in_a_w
 def test_batch_rule_shards_over_data_and_fsdp():
   spec = sharding.logical_to_spec(("batch", None), (8, 5), common.DEFAULT_SHARDING_RULES, _FakeMesh)
   assert tuple(spec) == (("data", "fsdp"), None)
+
+
+def test_logits_sharding_splits_rows_by_the_batch_rule_and_the_vocabulary_by_the_vocab_rule():
+  rules = common.DEFAULT_SHARDING_RULES
+  spec = lambda shape: getattr(sharding.logits_sharding(
+      jax.sharding.AbstractMesh(shape, ("data", "fsdp", "tensor")), rules), "spec", None)
+  assert spec((2, 2, 2)) == jax.sharding.PartitionSpec(("data", "fsdp"), ("tensor",))
+  assert spec((1, 1, 4)) == jax.sharding.PartitionSpec(None, ("tensor",))
+  assert spec((4, 2, 1)) is None  # the vocabulary is whole: decoding ranks it as one

@@ -685,18 +685,19 @@ class VisionLanguageModel(nnx.Module):
 
   def generate(self, images, pixel_valid, image_valid, prompt, prompt_valid, *, max_length: int, eos_id: int,
                options: decoding.DecodingOptions | None = None, pad_id: int = lm_lib.PAD_ID, rng=None,
-               suppress_ids: tuple[int, ...] = ()):
+               suppress_ids: tuple[int, ...] = (), logits_sharding=None):
     """Continues each left-padded prompt [b, t] -> tokens [b, max_length] (EOS then padding) and scores [b].
 
-    The images are read once; the search is `options` (default greedy) and never emits suppress_ids.
-    Wrap in nnx.jit with max_length, eos_id, options, suppress_ids static.
+    The images are read once; the search is `options` (default greedy) and never emits suppress_ids
+    (logits_sharding: `decoding.search`'s). Wrap in nnx.jit with max_length, eos_id, options, suppress_ids and
+    logits_sharding static.
     """
     options = decoding.DecodingOptions() if options is None else options
     context = self.encode_images(images, pixel_valid, image_valid)
     cache, first = self.prefill(context, prompt, prompt_valid, prompt.shape[1] + max_length)
     out = decoding.search(self.loop_step(), cache, options, batch_size=prompt.shape[0], max_length=max_length,
                           bos_id=0, eos_id=eos_id, pad_id=pad_id, rng=rng, first_tokens=first,
-                          suppress_ids=suppress_ids)
+                          suppress_ids=suppress_ids, logits_sharding=logits_sharding)
     return out.tokens, out.scores
 
 

@@ -112,6 +112,18 @@ def batch_sharding(mesh: Mesh, rules, stacked: bool = False) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(*((None,) * stacked + spec)))
 
 
+def logits_sharding(mesh: Mesh, rules) -> NamedSharding | None:
+  """Where decoding's logits [rows, vocab] lie when the model is placed by the rules: rows over the `batch`
+  rule's mesh axes, the vocabulary over the `vocab` rule's (the output projection's); None when no axis of
+  the `vocab` rule splits anything (`decoding.search`'s logits_sharding: beam search and top-k sampling then
+  rank each device's part of the vocabulary where it lies)."""
+  vocab = tuple(a for a in _rule_axes(rules, "vocab") if mesh.shape[a] > 1)
+  if not vocab:
+    return None
+  rows = tuple(a for a in _rule_axes(rules, "batch") if mesh.shape[a] > 1 and a not in vocab)
+  return NamedSharding(mesh, PartitionSpec(rows or None, vocab))
+
+
 def process_rows(sharding: NamedSharding, global_batch_size: int) -> tuple[int, int]:
   """[start, stop) of the global batch rows held by this process's devices (must be contiguous)."""
   index_map = sharding.addressable_devices_indices_map((global_batch_size,))

@@ -225,6 +225,9 @@ class Task:
     # Set by the loop once its mesh exists: the sharding of a batch's rows over the data axes. A task
     # that runs its own batched computations (decoding in extra_eval / infer) may split rows with it.
     self.rows_sharding = None
+    # Set by the loop with it: where a decode step's logits [rows, vocab] lie (`sharding.logits_sharding`;
+    # None: the vocabulary is not split). Decoding ranks beam / top-k candidates there.
+    self.logits_sharding = None
     # Set by the engine's infer: the folder of the input file ("" for stdin: the current directory).
     self.input_directory = ""
 

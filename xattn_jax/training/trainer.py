@@ -174,6 +174,7 @@ class Trainer:
     self.init_state = lambda: self.init_program(loaded)
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self.task.rows_sharding = self.batch_sharding
+    self.task.logits_sharding = sharding.logits_sharding(self.mesh, self.rules)
     self.stacked_batch_sharding = sharding.batch_sharding(self.mesh, self.rules, stacked=True)
     self._eval_step = None
     self._check_process_rows()

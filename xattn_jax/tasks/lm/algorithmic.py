@@ -60,7 +60,8 @@ class LMAlgorithmicTask(task_lib.Task):
     self.options = decoding_config.decoding_options(config)
     # Positions 0 .. the longest eval row must have a row in a learned table.
     self.max_length = seq2seq_algorithmic.positions_for(config, workdir, mode, self.positions_needed)
-    self._generate = nnx.jit(text_task.generate_ids, static_argnames=("capacity", "max_new_tokens", "options"))
+    self._generate = nnx.jit(text_task.generate_ids,
+                             static_argnames=("capacity", "max_new_tokens", "options", "logits_sharding"))
 
   @staticmethod
   def positions_needed(config) -> int:
@@ -135,7 +136,7 @@ class LMAlgorithmicTask(task_lib.Task):
     tokens, valid = text_task.lm_lib.left_pad(prompts, width)
     rng = decoding_config.row_keys(self.config, len(lines))
     outputs = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng, capacity=width - 1 + new,
-                                        max_new_tokens=new, options=self.options))
+                                        max_new_tokens=new, options=self.options, logits_sharding=self.logits_sharding))
     first, last = lm_algorithmic.FIRST_SYMBOL, lm_algorithmic.FIRST_SYMBOL + task.num_symbols
     answers = []
     for row in outputs:

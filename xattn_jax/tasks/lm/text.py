@@ -139,17 +139,19 @@ def make_language_model(model_config, vocab_size: int, *, max_length: int, dtype
       implementation=m.get("implementation") or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options, suppress_ids=()):
+def generate_ids(model, tokens, valid, rng, *, capacity, max_new_tokens, options, suppress_ids=(),
+                 logits_sharding=None):
   """Left-padded prompts tokens [b, t] (t >= 2) -> continuations [b, max_new_tokens] (EOS, then padding).
 
   The prompt but its last token fills the cache; the last token is fed first (decoding.search, which
-  never emits suppress_ids).
+  never emits suppress_ids; logits_sharding: `decoding.search`'s).
   """
   cache = model.init_cache(tokens.shape[0], capacity)
   _, cache = model.prefill(tokens[:, :-1], cache, valid=valid[:, :-1])
   return decoding.search(model.loop_step(), cache, options, batch_size=tokens.shape[0],
                          max_length=max_new_tokens, bos_id=tokenizers.BOS_ID, eos_id=tokenizers.EOS_ID,
-                         rng=rng, first_tokens=tokens[:, -1], suppress_ids=suppress_ids).tokens
+                         rng=rng, first_tokens=tokens[:, -1], suppress_ids=suppress_ids,
+                         logits_sharding=logits_sharding).tokens
 
 
 @task_lib.register("lm")
@@ -240,7 +242,8 @@ class LanguageModelTask(task_lib.Task):
         self.eval_data = self.eval_data.first_rows(cap)
         logging.info("LM eval scores the first %d of those rows (%d tokens; data.max_eval_rows, 0 = all)", cap,
                      int(self.eval_data.packed.weights.sum()))
-    self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options", "suppress_ids"))
+    self._generate = nnx.jit(generate_ids, static_argnames=("capacity", "max_new_tokens", "options", "suppress_ids",
+                                                             "logits_sharding"))
 
   # --- data -------------------------------------------------------------------------------------
 
@@ -392,7 +395,8 @@ class LanguageModelTask(task_lib.Task):
     rng = decoding_config.row_keys(self.config, len(prompts))
     continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
                                               capacity=width - 1 + new, max_new_tokens=new, options=self.options,
-                                              suppress_ids=self.tokenizer.never_generated_ids))
+                                              suppress_ids=self.tokenizer.never_generated_ids,
+                                              logits_sharding=self.logits_sharding))
     return [self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0])
             for prompt, row in zip(prompts, continuations)]
 

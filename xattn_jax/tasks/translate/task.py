@@ -292,7 +292,8 @@ class TranslateTask(task_lib.Task):
     self.vocab_size = self.tokenizer.vocab_size
     self.options = decoding_config.decoding_options(config)
     self._generate = nnx.jit(decoding.generate,
-                             static_argnames=("max_length", "bos_id", "eos_id", "options", "suppress_ids"))
+                             static_argnames=("max_length", "bos_id", "eos_id", "options", "suppress_ids",
+                                              "logits_sharding"))
     self._attention = nnx.jit(lambda model, inputs, decoder_inputs: model.cross_attention_weights(
         inputs, decoder_inputs))
 
@@ -569,7 +570,8 @@ class TranslateTask(task_lib.Task):
       rng = decoding_config.row_keys(self.config, size, offset=start)
       ids = self._generate(model, sharding.rows_on_mesh(padded, self.rows_sharding), max_length=max_length,
                            bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, options=self.options,
-                           rng=rng, suppress_ids=self.tokenizer.never_generated_ids)
+                           rng=rng, suppress_ids=self.tokenizer.never_generated_ids,
+                           logits_sharding=self.logits_sharding)
       outputs += [self.tokenizer.decode(row) for row in sharding.rows_to_host(ids)[:len(chunk)]]
     return outputs
 

@@ -674,18 +674,18 @@ class VLMTask(task_lib.Task):
 
   @functools.cached_property
   def _generate(self):
-    options, suppress = self.options, self.tokenizer.never_generated_ids
+    options, suppress, placed = self.options, self.tokenizer.never_generated_ids, self.logits_sharding
     return nnx.jit(lambda model, images, pixel_valid, image_valid, prompt, valid, keys, max_new: model.generate(
         images, pixel_valid, image_valid, prompt, valid, max_length=max_new, eos_id=tokenizers.EOS_ID,
-        options=options, rng=keys, suppress_ids=suppress)[0], static_argnames="max_new")
+        options=options, rng=keys, suppress_ids=suppress, logits_sharding=placed)[0], static_argnames="max_new")
 
   @functools.cached_property
   def _generate_text(self):
     """The frozen LM alone continuing text prompts (task.describe_first's second pass: no image, no connector)."""
-    options, suppress = self.options, self.tokenizer.never_generated_ids
+    options, suppress, placed = self.options, self.tokenizer.never_generated_ids, self.logits_sharding
     return nnx.jit(lambda model, prompt, valid, keys, max_new: lm_task.generate_ids(
         model.lm, prompt, valid, keys, capacity=prompt.shape[1] + max_new, max_new_tokens=max_new, options=options,
-        suppress_ids=suppress), static_argnames="max_new")
+        suppress_ids=suppress, logits_sharding=placed), static_argnames="max_new")
 
   def _cut(self, row, stop: int) -> str:
     """The generated ids up to the token that ends a target (or EOS, a marker, an invalid id), as text."""
