@@ -17,6 +17,12 @@ per example and reorders its self-attention caches by index, copying nothing). A
 its leaves repeated, then gathered, along `cache_batch_axis`; leaves with no such axis (a scalar fill
 index, or one stacked per layer) are shared by all rows and pass through.
 
+A cache that can be cut to its first positions (`capacity`, `filled`, `head(n)` and `with_head(head)`:
+the translator's, the language model's, the vision-language model's) decodes in two loops once its
+capacity reaches 2 * HEAD_MIN_POSITIONS: while its fill stays in the first half, on that half alone
+(each step's attention reads half the rows), then on the whole cache. The steps and tokens are the
+same; the loop body is compiled twice.
+
 Sampling draws each token from the softmax of the logits divided by a temperature, restricted to the
 top_k most likely tokens and then to the nucleus (the fewest most likely tokens whose probability
 reaches top_p). Each row has its own PRNG key, folded with the step, so a row's sample depends only on
@@ -159,6 +165,32 @@ def _split_top_k(x, k: int, logits_sharding):
   return top, jnp.take_along_axis(ids, pick, axis=-1)
 
 
+# A cache of at least twice this many positions decodes its first half on that half alone (module docstring).
+HEAD_MIN_POSITIONS = 32
+
+
+def _while_in_halves(cond, body, state, at: int):
+  """lax.while_loop(cond, body, state), state[at] the cache: a cache that can be cut (`head`), with room
+  for 2 * HEAD_MIN_POSITIONS or more, runs the steps that fill its first half on that half, then the rest
+  on the whole cache. A step fills one position."""
+  cache = state[at]
+  if (not all(hasattr(cache, name) for name in ("capacity", "filled", "head", "with_head"))
+      or cache.capacity < 2 * HEAD_MIN_POSITIONS):
+    return lax.while_loop(cond, body, state)
+  half = cache.capacity // 2
+  with_cache = lambda state, cache: state[:at] + (cache,) + state[at + 1:]  # noqa: E731
+
+  def on_head(state):
+    whole = state[at]
+    state = lax.while_loop(lambda state: cond(state) & (state[at].filled < half), body,
+                           with_cache(state, whole.head(half)))
+    return with_cache(state, whole.with_head(state[at]))
+
+  # A prompt that already fills the first half (filled >= half) starts on the whole cache.
+  state = lax.cond(cache.filled < half, on_head, lambda state: state, state)
+  return lax.while_loop(cond, body, state)
+
+
 def _first_tokens(first_tokens, bos_id: int, rows: int):
   """The tokens fed at step 0: int32 [rows], BOS everywhere when first_tokens is None."""
   if first_tokens is None:
@@ -193,7 +225,7 @@ def _token_by_token(decode_step, cache, pick, *, batch_size, max_length, first, 
 
   state = (jnp.int32(0), first, jnp.full((batch_size, max_length), pad_id, jnp.int32),
            jnp.zeros((batch_size,), jnp.float32), jnp.zeros((batch_size,), bool), cache)
-  _, _, tokens, scores, _, _ = lax.while_loop(cond, body, state)
+  _, _, tokens, scores, _, _ = _while_in_halves(cond, body, state, at=5)
   return GreedyOutput(jnp.where(jnp.isnan(scores)[:, None], INVALID_TOKEN, tokens), scores)
 
 
@@ -404,8 +436,8 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   state = (jnp.int32(0), jnp.full((b, k, max_length), pad_id, jnp.int32), live_scores,
            jnp.full((b, k, max_length), pad_id, jnp.int32), jnp.full((b, k), NEG_INF, jnp.float32),
            jnp.zeros((b, k), bool), cache)
-  step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, _ = lax.while_loop(
-      cond, body, state)
+  step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, _ = _while_in_halves(
+      cond, body, state, at=6)
   # Finished hypotheses rank first; live (unfinished at max_length) ones fill the remaining slots.
   live_scores = live_scores / length_penalty(step, alpha)
   rank_key = jnp.concatenate([jnp.where(finished_any, finished_scores, -jnp.inf),

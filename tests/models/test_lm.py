@@ -294,3 +294,43 @@ def test_a_greedy_search_reads_the_mlp_kernels_stored_out_by_in():
   for transpose, contracted in ((True, "rhs_contracting_dims={1}"), (False, "rhs_contracting_dims={0}")):
     mlp = [b for b in bodies[transpose] if "f32[24,16]" in b or "f32[16,24]" in b]  # wi, wo: as trained or stored
     assert len(mlp) >= 2 and all(contracted in b for b in mlp), (transpose, mlp)
+
+
+@pytest.mark.parametrize("method", ["sample", "beam"])  # sample: greedy's loop, with more varied tokens
+def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(method, monkeypatch):
+  """A cache of 64 slots decodes while its fill stays below 32 on those 32 slots alone (LMCache.head),
+  then on the whole (with_head): the same tokens and scores as decoding on the whole cache throughout.
+  One row is left-padded and the rotary positions come from a drawn table (LMCache.position_table); a
+  prompt that already fills the first half starts on the whole cache (cutting it would lose filled slots)."""
+  from xattn_jax import decoding
+  model = lm.LanguageModel(VOCAB, **_options("rope"), rngs=nnx.Rngs(0),
+                           randomized_positions=lm.RandomizedPositions(max_position=96, at_eval=True))
+  nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))  # sharper: varied beams
+  options = decoding.DecodingOptions(method=method, beam_size=3)
+
+  def search(prompt, valid):
+    capacities = []
+
+    def run(model, prompt, valid):
+      cache = model.init_cache(prompt.shape[0], 64)
+      _, cache = model.prefill(prompt[:, :-1], cache, valid=valid[:, :-1])
+      step = model.loop_step()
+      return decoding.search(lambda tokens, cache: (capacities.append(cache.capacity), step(tokens, cache))[1],
+                             cache, options, batch_size=prompt.shape[0], max_length=64 - prompt.shape[1] + 1,
+                             bos_id=1, eos_id=VOCAB, first_tokens=prompt[:, -1],  # eos never: every step runs
+                             rng=jax.random.key(0), suppress_ids=(0,))
+    out = nnx.jit(run)(model, prompt, valid)
+    return np.asarray(out.tokens), np.asarray(out.scores), sorted(set(capacities))
+
+  # The prompt of 40 fills the first half already: the loop on the head is compiled, but never runs.
+  for width in (8, 40):
+    prompt = _tokens((2, width), seed=width)
+    valid = jnp.ones((2, width), bool).at[1, :3].set(False)  # row 1 left-padded
+    halves = search(prompt, valid)
+    monkeypatch.setattr(decoding, "HEAD_MIN_POSITIONS", 10**6)
+    whole = search(prompt, valid)
+    monkeypatch.undo()
+    assert halves[2] == [32, 64] and whole[2] == [64], (width, halves[2], whole[2])
+    np.testing.assert_array_equal(halves[0], whole[0])
+    np.testing.assert_allclose(halves[1], whole[1], rtol=1e-5)
+    assert len(np.unique(halves[0])) > 5  # a varied decode, past the boundary at slot 32

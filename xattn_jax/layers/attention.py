@@ -63,6 +63,25 @@ class KVCache:
       return self.keys.shape[-2]
     return self.ancestry.shape[-1]
 
+  def head(self, n: int) -> KVCache:
+    """The cache of its first n positions (rows, or n * beams slots in the beam layout): a smaller cache
+    that attention reads in less time, for as long as the fill stays below n (`decoding`'s first half)."""
+    if self.ancestry is None:
+      return self.replace(keys=self.keys[..., :n, :], values=self.values[..., :n, :])
+    slots = n * self.ancestry.shape[-2]
+    return self.replace(keys=self.keys[..., :slots], values=self.values[..., :slots, :],
+                        ancestry=self.ancestry[..., :n])
+
+  def with_head(self, head: KVCache) -> KVCache:
+    """This cache with its first positions, fill index (and ancestry) those of `head`, a `head(n)` of it
+    decoded further."""
+    def put(full, part, axis):
+      return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), 0, axis % full.ndim)
+    if self.ancestry is None:
+      return head.replace(keys=put(self.keys, head.keys, -2), values=put(self.values, head.values, -2))
+    return head.replace(keys=put(self.keys, head.keys, -1), values=put(self.values, head.values, -2),
+                        ancestry=put(self.ancestry, head.ancestry, -1))
+
   def expand_beams(self, beam_size: int) -> KVCache:
     """This cache in the beam layout: every example's filled rows copied to beam_size slots."""
     if self.ancestry is not None:

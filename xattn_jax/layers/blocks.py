@@ -197,6 +197,13 @@ class DecoderCache:
   self_attention: KVCache
   cross_attention: MemoryCache
 
+  def head(self, n: int) -> DecoderCache:
+    """The cache of the first n target positions (`KVCache.head`); the memory's stays whole."""
+    return self.replace(self_attention=self.self_attention.head(n))
+
+  def with_head(self, head: DecoderCache) -> DecoderCache:
+    return head.replace(self_attention=self.self_attention.with_head(head.self_attention))
+
 
 class DecoderBlock(nnx.Module):
   """Causal self-attention, cross-attention to a memory, then MLP; residuals with pre / post LayerNorm."""

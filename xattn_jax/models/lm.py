@@ -134,6 +134,28 @@ class LMCache:
   def capacity(self) -> int:
     return self.key_valid.shape[1]
 
+  @property
+  def filled(self) -> jax.Array:
+    """How many slots are in use (the next slot to fill; left padding included)."""
+    return self.layers[0].index
+
+  def head(self, n: int) -> LMCache:
+    """The cache of its first n slots (`KVCache.head`), for a decode that fills no more."""
+    table = None if self.position_table is None else self.position_table[:, :n]
+    return self.replace(layers=tuple(layer.head(n) for layer in self.layers), key_valid=self.key_valid[:, :n],
+                        key_positions=self.key_positions[:, :n], position_table=table)
+
+  def with_head(self, head: LMCache) -> LMCache:
+    """This cache continued from `head` (a `head(n)` of it, decoded further). Slots past the head are not
+    written yet and their drawn positions are the same for every beam of an example, so the head's beam
+    reorderings leave them as they are."""
+    put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 1)  # noqa: E731
+    return head.replace(layers=tuple(full.with_head(part) for full, part in zip(self.layers, head.layers)),
+                        key_valid=put(self.key_valid, head.key_valid),
+                        key_positions=put(self.key_positions, head.key_positions),
+                        position_table=None if self.position_table is None else put(self.position_table,
+                                                                                     head.position_table))
+
   def decode_room(self) -> int:
     """How many more tokens the cache holds (its capacity while traced), for decoding's check."""
     index = self.layers[0].index

@@ -69,12 +69,31 @@ class TranslatorCache:
   positions: jax.Array
   position: jax.Array
 
+  @property
+  def capacity(self) -> int:
+    """How many target positions the self-attention caches hold."""
+    return self.layers[0].self_attention.max_length
+
+  @property
+  def filled(self) -> jax.Array:
+    """How many of them are filled (the next row to fill)."""
+    return self.position
+
   def decode_room(self) -> int:
     """How many more target tokens the self-attention caches hold (their capacity while traced)."""
-    capacity = self.layers[0].self_attention.max_length
     if isinstance(self.position, jax.core.Tracer):
-      return capacity
-    return capacity - int(self.position)
+      return self.capacity
+    return self.capacity - int(self.position)
+
+  def head(self, n: int) -> TranslatorCache:
+    """The cache of the first n target positions (`KVCache.head`), for a decode that fills no more."""
+    return self.replace(layers=tuple(layer.head(n) for layer in self.layers), positions=self.positions[:, :n])
+
+  def with_head(self, head: TranslatorCache) -> TranslatorCache:
+    """This cache continued from `head` (a `head(n)` of it, decoded further). Positions past the head are
+    the same for every beam of an example, so the head's beam reorderings leave them as they are."""
+    return head.replace(layers=tuple(full.with_head(part) for full, part in zip(self.layers, head.layers)),
+                        positions=jax.lax.dynamic_update_slice_in_dim(self.positions, head.positions, 0, 1))
 
   def expand_beams(self, beam_size: int) -> TranslatorCache:
     """The cache for beam_size beams per example (rows b * beams + j): the self-attention caches in

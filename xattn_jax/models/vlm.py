@@ -121,6 +121,21 @@ class VLMCache:
   def decode_room(self) -> int:
     return self.lm.decode_room()
 
+  @property
+  def capacity(self) -> int:
+    return self.lm.capacity
+
+  @property
+  def filled(self) -> jax.Array:
+    return self.lm.filled
+
+  def head(self, n: int) -> VLMCache:
+    """The cache of the LM's first n slots (`LMCache.head`); the images' memory stays whole."""
+    return self.replace(lm=self.lm.head(n))
+
+  def with_head(self, head: VLMCache) -> VLMCache:
+    return head.replace(lm=self.lm.with_head(head.lm))
+
 
 # --- connectors ---------------------------------------------------------------------------------
 
