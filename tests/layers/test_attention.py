@@ -303,3 +303,13 @@ def test_query_rows_sharing_a_memory_row_equal_attending_to_it_repeated(transpos
   out = _run(layer, x_q, shared, mask=masks_lib.padding_mask(valid), method="attend")
   expected = _run(layer, x_q, repeated, mask=masks_lib.padding_mask(np.repeat(valid, 3, axis=0)), method="attend")
   np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def test_a_cache_head_is_refused_past_the_capacity_and_merged_back_only_into_its_own_cache():
+  cache = MultiHeadAttention(2, 8, rngs=nnx.Rngs(0)).init_cache(2, 6)
+  with pytest.raises(ValueError, match=r"KVCache.head: n must be an int in \[1, 6\]"):
+    cache.head(7)
+  head = cache.head(4)
+  assert head.keys.shape == (2, 2, 4, 4) and cache.with_head(head).keys.shape == (2, 2, 6, 4)
+  with pytest.raises(ValueError, match="head must be a head"):
+    head.with_head(cache)

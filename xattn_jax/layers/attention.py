@@ -66,6 +66,8 @@ class KVCache:
   def head(self, n: int) -> KVCache:
     """The cache of its first n positions (rows, or n * beams slots in the beam layout): a smaller cache
     that attention reads in less time, for as long as the fill stays below n (`decoding`'s first half)."""
+    if not isinstance(n, (int, np.integer)) or not 0 < n <= self.max_length:
+      raise ValueError(f"KVCache.head: n must be an int in [1, {self.max_length}] (the capacity), got n={n!r}")
     if self.ancestry is None:
       return self.replace(keys=self.keys[..., :n, :], values=self.values[..., :n, :])
     slots = n * self.ancestry.shape[-2]
@@ -75,6 +77,11 @@ class KVCache:
   def with_head(self, head: KVCache) -> KVCache:
     """This cache with its first positions, fill index (and ancestry) those of `head`, a `head(n)` of it
     decoded further."""
+    if (head.ancestry is None) != (self.ancestry is None) or head.max_length > self.max_length:
+      raise ValueError(f"KVCache.with_head: head must be a head(n) of this cache (capacity {self.max_length}, "
+                       f"{'beam' if self.ancestry is not None else 'plain'} layout), got capacity {head.max_length} "
+                       f"in the {'beam' if head.ancestry is not None else 'plain'} layout")
+
     def put(full, part, axis):
       return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), 0, axis % full.ndim)
     if self.ancestry is None:
