@@ -152,7 +152,7 @@ from configs import common
 from xattn_jax import decoding
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.training import sharding
-lm = lm_lib.LanguageModel(61, d_model=32, num_heads=4, num_layers=2, mlp_dim=64, max_length=24, rngs=nnx.Rngs(3))
+lm = lm_lib.LanguageModel(62, d_model=32, num_heads=4, num_layers=2, mlp_dim=64, max_length=24, rngs=nnx.Rngs(3))
 nnx.update(lm, jax.tree.map(lambda x: x * 4, nnx.state(lm, nnx.Param)))  # sharper, more varied outputs
 mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 2}, jax.devices()[:2])
 placed = sharding.place_model(lm, mesh, common.DEFAULT_SHARDING_RULES)
@@ -163,13 +163,14 @@ def greedy(state, prompt):
   model = nnx.merge(graphdef, state)
   logits, cache = model.prefill(prompt, model.init_cache(prompt.shape[0], 24))
   return decoding.greedy_search(model.loop_step(), cache, batch_size=prompt.shape[0], max_length=16, bos_id=1,
-                                eos_id=61, pad_id=0, first_tokens=jnp.argmax(logits[:, -1], -1)).tokens
+                                eos_id=62, pad_id=0, first_tokens=jnp.argmax(logits[:, -1], -1)).tokens
 
 prompt = np.random.default_rng(0).integers(3, 61, (4, 8)).astype(np.int32)
 wi = placed.blocks.mlp.wi.kernel.get_value()  # [layers, d_model, mlp_dim]
 lm_out = {"tokens": np.asarray(greedy(nnx.state(lm), prompt)).tolist(),
           "tensor_parallel": np.asarray(greedy(nnx.state(placed), prompt)).tolist(),
-          "mlp_devices": len(wi.sharding.device_set), "mlp_shard": list(wi.addressable_shards[0].data.shape)}
+          "mlp_devices": len(wi.sharding.device_set), "mlp_shard": list(wi.addressable_shards[0].data.shape),
+          "vocab_shard": list(placed.embed.embedding.get_value().addressable_shards[0].data.shape)}
 
 # Beam search and top-k sampling on the tensor-parallel LM, candidates ranked per device: its one-device tokens.
 lm_sharding = sharding.logits_sharding(mesh, common.DEFAULT_SHARDING_RULES)
@@ -178,7 +179,7 @@ lm_sharding = sharding.logits_sharding(mesh, common.DEFAULT_SHARDING_RULES)
 def searches(state, prompt, split):
   model = nnx.merge(graphdef, state)
   logits, cache = model.prefill(prompt, model.init_cache(prompt.shape[0], 24))
-  common_args = dict(batch_size=prompt.shape[0], max_length=16, bos_id=1, eos_id=61, pad_id=0,
+  common_args = dict(batch_size=prompt.shape[0], max_length=16, bos_id=1, eos_id=62, pad_id=0,
                      first_tokens=jnp.argmax(logits[:, -1], -1), logits_sharding=lm_sharding if split else None)
   beams = decoding.beam_search(model.loop_step(), cache, beam_size=3, **common_args).tokens
   drawn = decoding.sample_search(model.loop_step(), cache, rng=jax.random.key(5), top_k=4, **common_args).tokens
@@ -205,7 +206,10 @@ def test_eval_decoding_splits_rows_over_the_data_axes_and_decodes_as_replicated(
   lm = out["lm"]
   assert lm["mlp_devices"] == 2 and lm["mlp_shard"] == [2, 32, 32], lm  # half of mlp_dim 64 on each device
   assert lm["tensor_parallel"] == lm["tokens"] and len({t for row in lm["tokens"] for t in row}) > 5, lm
-  # Candidates ranked where the vocabulary lies: the same beams and draws as ranked whole.
+  # Candidates ranked where the vocabulary lies (the tied table split: 31 of its 62 rows a device; the
+  # translator's 259 byte ids stay whole, so its beam search above checks the trainer's wiring and the fallback):
+  # the same beams and draws as ranked whole.
+  assert lm["vocab_shard"] == [31, 32], lm
   assert lm["beam_tensor_parallel"] == lm["beam"] and lm["sample_tensor_parallel"] == lm["sample"], lm
   assert lm["sample"] != lm["tokens"], lm  # top-4 sampling drew other tokens than greedy somewhere
   assert out["beam_split"] == out["beam_whole"] and len(set(out["beam_split"])) > 5, out
