@@ -21,7 +21,9 @@ A cache that can be cut to its first positions (`capacity`, `filled`, `head(n)` 
 the translator's, the language model's, the vision-language model's) decodes in two loops once its
 capacity reaches 2 * HEAD_MIN_POSITIONS: while its fill stays in the first half, on that half alone
 (each step's attention reads half the rows), then on the whole cache. The steps and tokens are the
-same; the loop body is compiled twice.
+same; the loop body is compiled twice, and the head is a copy: while it decodes, the whole cache stays
+alive beside it (1.5x the cache's memory). Set HEAD_MIN_POSITIONS above a cache's capacity to decode it
+in one loop.
 
 Sampling draws each token from the softmax of the logits divided by a temperature, restricted to the
 top_k most likely tokens and then to the nucleus (the fewest most likely tokens whose probability
