@@ -41,7 +41,7 @@ def get_config(arg=None):
   config.task.eval_bands = "1-20,21-40,41-80"  # inclusive input-length ranges; one exact-match metric each
   config.task.num_eval_examples = 128          # per band
   config.task.decoding = ConfigDict({"method": "greedy", "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                                     "beam_size": 4, "alpha": 0.6, "seed": 0})
+                                     "beam_size": 4, "alpha": 0.6, "seed": 0, "cache_halves": True})
 
   d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
   config.model.name = "lm"

@@ -39,6 +39,7 @@ def vlm_config(args) -> ConfigDict:
       "top_k": 0,
       "top_p": 1.0,
       "seed": 0,
+      "cache_halves": True,   # a cache's first half decodes on that half alone (1.5x its memory meanwhile)
       "max_new_tokens": 8,    # a target's tokens and the token that ends it
   })
   # > 0: the LM's states reading the image are also pulled toward its states reading the image's description

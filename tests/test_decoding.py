@@ -440,6 +440,7 @@ def test_sample_search_rejects_bad_arguments(argument, kwargs):
     ("alpha", dict(method="beam", alpha=-0.5)),
     ("temperature", dict(method="sample", temperature=-1.0)),
     ("top_p", dict(method="greedy", top_p=2.0)),
+    ("cache_halves", dict(method="greedy", cache_halves="no")),
 ])
 def test_decoding_options_reject_bad_values_naming_them(argument, kwargs):
   with pytest.raises(ValueError, match=argument):
@@ -453,7 +454,8 @@ def test_options_from_a_mapping_read_only_the_option_fields():
   assert decoding.options_from_mapping({}) == decoding.DecodingOptions()
 
 
-@pytest.mark.parametrize("field, value", [("method", "nucleus"), ("beam_size", 0), ("top_k", -1), ("top_p", 0.0)])
+@pytest.mark.parametrize("field, value", [("method", "nucleus"), ("beam_size", 0), ("top_k", -1), ("top_p", 0.0),
+                                          ("cache_halves", 1)])
 def test_a_bad_option_in_a_mapping_names_its_field(field, value):
   with pytest.raises(decoding.DecodingOptionError) as error:
     decoding.options_from_mapping({"method": "beam", field: value})

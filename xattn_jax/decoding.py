@@ -22,8 +22,8 @@ the translator's, the language model's, the vision-language model's) decodes in 
 capacity reaches 2 * HEAD_MIN_POSITIONS: while its fill stays in the first half, on that half alone
 (each step's attention reads half the rows), then on the whole cache. The steps and tokens are the
 same; the loop body is compiled twice, and the head is a copy: while it decodes, the whole cache stays
-alive beside it (1.5x the cache's memory). Set HEAD_MIN_POSITIONS above a cache's capacity to decode it
-in one loop.
+alive beside it (1.5x the cache's memory). `cache_halves=False` (every search's keyword, the option
+`DecodingOptions.cache_halves`, a config's `task.decoding.cache_halves`) decodes in one loop.
 
 Sampling draws each token from the softmax of the logits divided by a temperature, restricted to the
 top_k most likely tokens and then to the nucleus (the fewest most likely tokens whose probability
@@ -49,6 +49,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 DecodeStep = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -85,6 +86,13 @@ def _as_int(name: str, value, low: int) -> int:
   if number is None or number < low:
     raise ValueError(f"decoding: {name} must be an integer >= {low}, got {value!r}")
   return number
+
+
+def _as_bool(name: str, value) -> bool:
+  """value as a Python bool (numpy bools too), or a ValueError naming the argument."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"decoding: {name} must be True or False, got {value!r}")
+  return bool(value)
 
 
 def _check_common(batch_size, max_length, bos_id, eos_id, cache):
@@ -171,12 +179,12 @@ def _split_top_k(x, k: int, logits_sharding):
 HEAD_MIN_POSITIONS = 32
 
 
-def _while_in_halves(cond, body, state, at: int):
-  """lax.while_loop(cond, body, state), state[at] the cache: a cache that can be cut (`head`), with room
-  for 2 * HEAD_MIN_POSITIONS or more, runs the steps that fill its first half on that half, then the rest
-  on the whole cache. A step fills one position."""
+def _while_in_halves(cond, body, state, at: int, enabled: bool = True):
+  """lax.while_loop(cond, body, state), state[at] the cache: where enabled, a cache that can be cut
+  (`head`), with room for 2 * HEAD_MIN_POSITIONS or more, runs the steps that fill its first half on that
+  half, then the rest on the whole cache. A step fills one position."""
   cache = state[at]
-  if (not all(hasattr(cache, name) for name in ("capacity", "filled", "head", "with_head"))
+  if (not enabled or not all(hasattr(cache, name) for name in ("capacity", "filled", "head", "with_head"))
       or cache.capacity < 2 * HEAD_MIN_POSITIONS):
     return lax.while_loop(cond, body, state)
   half = cache.capacity // 2
@@ -204,7 +212,8 @@ def _first_tokens(first_tokens, bos_id: int, rows: int):
   return first_tokens.astype(jnp.int32)
 
 
-def _token_by_token(decode_step, cache, pick, *, batch_size, max_length, first, eos_id, pad_id) -> GreedyOutput:
+def _token_by_token(decode_step, cache, pick, *, batch_size, max_length, first, eos_id, pad_id,
+                    cache_halves) -> GreedyOutput:
   """The loop greedy and sampling share: one token per row per step, chosen by
   pick(step, logits [batch, vocab]) -> (token [batch] int32, its log-probability [batch]).
 
@@ -227,22 +236,24 @@ def _token_by_token(decode_step, cache, pick, *, batch_size, max_length, first, 
 
   state = (jnp.int32(0), first, jnp.full((batch_size, max_length), pad_id, jnp.int32),
            jnp.zeros((batch_size,), jnp.float32), jnp.zeros((batch_size,), bool), cache)
-  _, _, tokens, scores, _, _ = _while_in_halves(cond, body, state, at=5)
+  _, _, tokens, scores, _, _ = _while_in_halves(cond, body, state, at=5, enabled=cache_halves)
   return GreedyOutput(jnp.where(jnp.isnan(scores)[:, None], INVALID_TOKEN, tokens), scores)
 
 
 def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
-                  eos_id: int, pad_id: int = 0, first_tokens=None) -> GreedyOutput:
+                  eos_id: int, pad_id: int = 0, first_tokens=None, cache_halves: bool = True) -> GreedyOutput:
   """Picks the most likely token at every step until each sequence emits EOS or max_length.
 
   first_tokens: int [batch], the token each row is fed first (its prompt's last token, the rest of the
   prompt already in the cache); None feeds BOS. The loop stops early once every sequence has finished.
+  cache_halves: a long cache's first half decodes on that half alone (module docstring).
   Call inside `jax.jit` (the loop is a `lax.while_loop`; `decode_step` is traced once).
   """
   batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
   first = _first_tokens(first_tokens, bos_id, batch_size)
   return _token_by_token(decode_step, cache, lambda step, logits: _argmax_and_log_prob(logits),
-                         batch_size=batch_size, max_length=max_length, first=first, eos_id=eos_id, pad_id=pad_id)
+                         batch_size=batch_size, max_length=max_length, first=first, eos_id=eos_id, pad_id=pad_id,
+                         cache_halves=_as_bool("cache_halves", cache_halves))
 
 
 def _as_float(name: str, value, requirement: str, allowed: Callable[[float], bool]) -> float:
@@ -306,7 +317,8 @@ def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float, logits_
 
 def sample_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length: int, bos_id: int,
                   eos_id: int, pad_id: int = 0, rng, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, first_tokens=None, logits_sharding=None) -> GreedyOutput:
+                  top_p: float = 1.0, first_tokens=None, logits_sharding=None,
+                  cache_halves: bool = True) -> GreedyOutput:
   """Draws every token from softmax(logits / temperature) within the top_k tokens and the top_p nucleus.
 
   top_k = 0 (or >= vocab) keeps every token; top_p = 1 keeps the whole (top-k) distribution; the
@@ -314,16 +326,17 @@ def sample_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
   [batch] (row i's draws depend only on rng[i] and its own logits), or a single key, split into
   batch_size row keys (then a row's draws depend on batch_size too). first_tokens as for greedy.
   Scores are the model's log-probabilities of the drawn tokens (temperature 1, no truncation).
-  logits_sharding as for beam search (the top_k candidates ranked per device). Stops at EOS or max_length;
-  call inside `jax.jit` with the options static.
+  logits_sharding as for beam search (the top_k candidates ranked per device), cache_halves as for greedy.
+  Stops at EOS or max_length; call inside `jax.jit` with the options static.
   """
   batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
-  options = DecodingOptions(method="sample", temperature=temperature, top_k=top_k, top_p=top_p)
+  options = DecodingOptions(method="sample", temperature=temperature, top_k=top_k, top_p=top_p,
+                            cache_halves=cache_halves)
   first = _first_tokens(first_tokens, bos_id, batch_size)
   pick = _sample_pick(_row_keys(rng, batch_size), options.temperature, options.top_k, options.top_p,
                       _check_logits_sharding(logits_sharding))
   return _token_by_token(decode_step, cache, pick, batch_size=batch_size, max_length=max_length, first=first,
-                         eos_id=eos_id, pad_id=pad_id)
+                         eos_id=eos_id, pad_id=pad_id, cache_halves=options.cache_halves)
 
 
 def length_penalty(length, alpha: float):
@@ -355,7 +368,8 @@ def _reorder_beams(cache, parent, batch_size, beam_size, axis):
 
 def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: int, max_length: int,
                 bos_id: int, eos_id: int, pad_id: int = 0, alpha: float = 0.6,
-                cache_batch_axis: int = 0, first_tokens=None, logits_sharding=None) -> BeamOutput:
+                cache_batch_axis: int = 0, first_tokens=None, logits_sharding=None,
+                cache_halves: bool = True) -> BeamOutput:
   """Beam search with GNMT length penalty and early stopping.
 
   `cache` is the cache for `batch_size` examples (it is expanded to `batch_size * beam_size` rows
@@ -370,13 +384,14 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   an example's beams (None: BOS), as for greedy. logits_sharding: how `decode_step`'s logits [rows, vocab]
   are placed (a NamedSharding; `sharding.logits_sharding` gives the launcher's), or None: where it splits
   the vocabulary over devices (tensor parallelism), each device ranks its own part and only its best
-  candidates are gathered, the same beams as unsplit.
+  candidates are gathered, the same beams as unsplit. cache_halves as for greedy.
   """
   batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
   beam_size = _as_int("beam_size", beam_size, 1)
   if alpha < 0:
     raise ValueError(f"beam_search: alpha (length penalty exponent) must be >= 0, got {alpha}")
   logits_sharding = _check_logits_sharding(logits_sharding)
+  cache_halves = _as_bool("cache_halves", cache_halves)
   b, k = batch_size, beam_size
   rows = b * k
   first = _first_tokens(first_tokens, bos_id, b)[:, None]  # -> [batch, 1], the same for every beam
@@ -439,7 +454,7 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
            jnp.full((b, k, max_length), pad_id, jnp.int32), jnp.full((b, k), NEG_INF, jnp.float32),
            jnp.zeros((b, k), bool), cache)
   step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, _ = _while_in_halves(
-      cond, body, state, at=6)
+      cond, body, state, at=6, enabled=cache_halves)
   # Finished hypotheses rank first; live (unfinished at max_length) ones fill the remaining slots.
   live_scores = live_scores / length_penalty(step, alpha)
   rank_key = jnp.concatenate([jnp.where(finished_any, finished_scores, -jnp.inf),
@@ -472,6 +487,8 @@ class DecodingOptions:
     beam    beam_size (>= 1), alpha (GNMT length-penalty exponent, >= 0)
     sample  temperature (> 0; small values approach greedy), top_k (>= 0, 0 = every token),
             top_p (in (0, 1], 1 = no nucleus cut)
+  every   cache_halves (bool: a cache of 2 * HEAD_MIN_POSITIONS positions or more decodes its first half
+          on that half alone, holding 1.5x its memory meanwhile; False: one loop on the whole cache)
   Every option is checked whatever the method, so a bad value in a config fails at once.
   """
   method: str = "greedy"
@@ -480,6 +497,7 @@ class DecodingOptions:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  cache_halves: bool = True
 
   def __post_init__(self):
     if not isinstance(self.method, str) or self.method not in DECODING_METHODS:
@@ -501,6 +519,7 @@ _OPTION_CHECKS = {
                                        lambda x: x > 0),
     "top_k": lambda v: _as_int("top_k", v, 0),
     "top_p": lambda v: _as_float("top_p", v, "a number in (0, 1]", lambda x: 0 < x <= 1),
+    "cache_halves": lambda v: _as_bool("cache_halves", v),
 }
 OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(DecodingOptions))
 
@@ -515,20 +534,22 @@ def options_from_mapping(values) -> DecodingOptions:
 
 
 def _run_greedy(decode_step, cache, options, rng, *, logits_sharding, **common):
-  del options, rng, logits_sharding  # greedy has no options, draws nothing and ranks nothing
-  return greedy_search(decode_step, cache, **common)
+  del rng, logits_sharding  # greedy draws nothing and ranks nothing
+  return greedy_search(decode_step, cache, cache_halves=options.cache_halves, **common)
 
 
 def _run_beam(decode_step, cache, options, rng, *, cache_batch_axis, logits_sharding, **common):
   del rng
   beams = beam_search(decode_step, cache, beam_size=options.beam_size, alpha=options.alpha,
-                      cache_batch_axis=cache_batch_axis, logits_sharding=logits_sharding, **common)
+                      cache_batch_axis=cache_batch_axis, logits_sharding=logits_sharding,
+                      cache_halves=options.cache_halves, **common)
   return GreedyOutput(beams.tokens[:, 0], beams.scores[:, 0])  # the best beam
 
 
 def _run_sample(decode_step, cache, options, rng, *, logits_sharding, **common):
   return sample_search(decode_step, cache, rng=rng, temperature=options.temperature, top_k=options.top_k,
-                       top_p=options.top_p, logits_sharding=logits_sharding, **common)
+                       top_p=options.top_p, logits_sharding=logits_sharding, cache_halves=options.cache_halves,
+                       **common)
 
 
 # The decoding methods: the names configs choose from, and what runs each.

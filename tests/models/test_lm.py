@@ -297,7 +297,7 @@ def test_a_greedy_search_reads_the_mlp_kernels_stored_out_by_in():
 
 
 @pytest.mark.parametrize("method", ["sample", "beam"])  # sample: greedy's loop, with more varied tokens
-def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(method, monkeypatch):
+def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(method):
   """A cache of 64 slots decodes while its fill stays below 32 on those 32 slots alone (LMCache.head),
   then on the whole (with_head): the same tokens and scores as decoding on the whole cache throughout.
   One row is left-padded and the rotary positions come from a drawn table (LMCache.position_table); a
@@ -306,10 +306,9 @@ def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(method, m
   model = lm.LanguageModel(VOCAB, **_options("rope"), rngs=nnx.Rngs(0),
                            randomized_positions=lm.RandomizedPositions(max_position=96, at_eval=True))
   nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))  # sharper: varied beams
-  options = decoding.DecodingOptions(method=method, beam_size=3)
-
-  def search(prompt, valid):
+  def search(prompt, valid, cache_halves):
     capacities = []
+    options = decoding.DecodingOptions(method=method, beam_size=3, cache_halves=cache_halves)
 
     def run(model, prompt, valid):
       cache = model.init_cache(prompt.shape[0], 64)
@@ -326,10 +325,7 @@ def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(method, m
   for width in (8, 40):
     prompt = _tokens((2, width), seed=width)
     valid = jnp.ones((2, width), bool).at[1, :3].set(False)  # row 1 left-padded
-    halves = search(prompt, valid)
-    monkeypatch.setattr(decoding, "HEAD_MIN_POSITIONS", 10**6)
-    whole = search(prompt, valid)
-    monkeypatch.undo()
+    halves, whole = search(prompt, valid, True), search(prompt, valid, False)
     assert halves[2] == [32, 64] and whole[2] == [64], (width, halves[2], whole[2])
     np.testing.assert_array_equal(halves[0], whole[0])
     np.testing.assert_allclose(halves[1], whole[1], rtol=1e-5)

@@ -190,7 +190,7 @@ def test_beam_search_over_the_index_reordered_cache_equals_gathering_its_rows(po
 
 
 @pytest.mark.parametrize("position_encoding", ["rope", "t5_bias"])
-def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(position_encoding, monkeypatch):
+def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(position_encoding):
   """Self-attention caches of 64 positions decode their first 32 on those alone (TranslatorCache.head), then on
   the whole (with_head), greedy and beam search (its caches in the beam layout, the ancestry rewritten in
   the head): the same tokens and scores as decoding on the whole caches throughout."""
@@ -198,7 +198,7 @@ def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(position_
   nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))  # sharper: varied tokens
   inputs = _tokens(5, 2, 6, pad_from=3)
 
-  def search():
+  def search(cache_halves):
     capacities = []
 
     @nnx.jit
@@ -206,15 +206,14 @@ def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(position_
       cache = model.init_cache(model.encode(inputs), inputs != 0, 64)
       step = model.loop_step()
       traced = lambda tokens, cache: (capacities.append(cache.capacity), step(tokens, cache))[1]  # noqa: E731
-      options = dict(batch_size=2, max_length=48, bos_id=1, eos_id=VOCAB)  # eos never: every step runs
+      options = dict(batch_size=2, max_length=48, bos_id=1, eos_id=VOCAB,  # eos never: every step runs
+                     cache_halves=cache_halves)
       return (decoding.greedy_search(traced, cache, **options),
               decoding.beam_search(traced, cache, beam_size=3, alpha=0.6, **options))
     (greedy, beam) = run(model, inputs)
     return [np.asarray(x) for x in (greedy.tokens, greedy.scores, beam.tokens, beam.scores)], sorted(set(capacities))
 
-  halves, capacities = search()
-  monkeypatch.setattr(decoding, "HEAD_MIN_POSITIONS", 10**6)
-  whole, whole_capacities = search()
+  (halves, capacities), (whole, whole_capacities) = search(True), search(False)
   assert capacities == [32, 64] and whole_capacities == [64]
   for got, expected in zip(halves, whole):
     np.testing.assert_allclose(got, expected, rtol=1e-5)

@@ -7,6 +7,8 @@
   task.decoding.top_k        sample: keep the k most likely tokens (0 = all)
   task.decoding.top_p        sample: nucleus mass (in (0, 1], 1 = no cut)
   task.decoding.seed         sample: the PRNG seed of the per-row keys (>= 0)
+  task.decoding.cache_halves every method: a cache of 64+ positions decodes its first half on that half alone
+                             (True, default; 1.5x the cache's memory meanwhile) or in one loop (False)
 A task may add its own fields to the section (the LM's max_new_tokens); they are not read here.
 """
 from __future__ import annotations
