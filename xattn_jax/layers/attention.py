@@ -36,6 +36,12 @@ from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import masks as masks_lib
 
 
+def write_head(full: jax.Array, head: jax.Array, axis: int) -> jax.Array:
+  """`full` with its first positions along `axis` (negative counts from the end) replaced by `head`'s: a cache
+  leaf cut by `head(n)` and decoded further, written back (`with_head`)."""
+  return jax.lax.dynamic_update_slice_in_dim(full, head.astype(full.dtype), 0, axis % full.ndim)
+
+
 @flax.struct.dataclass
 class KVCache:
   """Self-attention cache: the first `index` rows of keys / values are filled.
@@ -81,13 +87,10 @@ class KVCache:
       raise ValueError(f"KVCache.with_head: head must be a head(n) of this cache (capacity {self.max_length}, "
                        f"{'beam' if self.ancestry is not None else 'plain'} layout), got capacity {head.max_length} "
                        f"in the {'beam' if head.ancestry is not None else 'plain'} layout")
-
-    def put(full, part, axis):
-      return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), 0, axis % full.ndim)
     if self.ancestry is None:
-      return head.replace(keys=put(self.keys, head.keys, -2), values=put(self.values, head.values, -2))
-    return head.replace(keys=put(self.keys, head.keys, -1), values=put(self.values, head.values, -2),
-                        ancestry=put(self.ancestry, head.ancestry, -1))
+      return head.replace(keys=write_head(self.keys, head.keys, -2), values=write_head(self.values, head.values, -2))
+    return head.replace(keys=write_head(self.keys, head.keys, -1), values=write_head(self.values, head.values, -2),
+                        ancestry=write_head(self.ancestry, head.ancestry, -1))
 
   def expand_beams(self, beam_size: int) -> KVCache:
     """This cache in the beam layout: every example's filled rows copied to beam_size slots."""

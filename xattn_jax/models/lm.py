@@ -58,7 +58,7 @@ from xattn_jax.layers import blocks
 from xattn_jax.layers import dense
 from xattn_jax.layers import layer_stack
 from xattn_jax.layers import positions as position_layers
-from xattn_jax.layers.attention import KVCache, MultiHeadAttention
+from xattn_jax.layers.attention import KVCache, MultiHeadAttention, write_head
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
@@ -149,19 +149,16 @@ class LMCache:
     """This cache continued from `head` (a `head(n)` of it, decoded further). Slots past the head are not
     written yet and their drawn positions are the same for every beam of an example, so the head's beam
     reorderings leave them as they are."""
-    put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 1)  # noqa: E731
+    table = None if self.position_table is None else write_head(self.position_table, head.position_table, 1)
     return head.replace(layers=tuple(full.with_head(part) for full, part in zip(self.layers, head.layers)),
-                        key_valid=put(self.key_valid, head.key_valid),
-                        key_positions=put(self.key_positions, head.key_positions),
-                        position_table=None if self.position_table is None else put(self.position_table,
-                                                                                     head.position_table))
+                        key_valid=write_head(self.key_valid, head.key_valid, 1),
+                        key_positions=write_head(self.key_positions, head.key_positions, 1), position_table=table)
 
   def decode_room(self) -> int:
     """How many more tokens the cache holds (its capacity while traced), for decoding's check."""
-    index = self.layers[0].index
-    if isinstance(index, jax.core.Tracer):
+    if isinstance(self.filled, jax.core.Tracer):
       return self.capacity
-    return self.capacity - int(index)
+    return self.capacity - int(self.filled)
 
 
 def _check_tokens(where: str, tokens) -> None:

@@ -40,6 +40,7 @@ from flax import nnx
 from xattn_jax.layers import blocks
 from xattn_jax.layers import dense
 from xattn_jax.layers import positions as position_layers
+from xattn_jax.layers.attention import write_head
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
@@ -81,9 +82,9 @@ class TranslatorCache:
 
   def decode_room(self) -> int:
     """How many more target tokens the self-attention caches hold (their capacity while traced)."""
-    if isinstance(self.position, jax.core.Tracer):
+    if isinstance(self.filled, jax.core.Tracer):
       return self.capacity
-    return self.capacity - int(self.position)
+    return self.capacity - int(self.filled)
 
   def head(self, n: int) -> TranslatorCache:
     """The cache of the first n target positions (`KVCache.head`), for a decode that fills no more."""
@@ -93,7 +94,7 @@ class TranslatorCache:
     """This cache continued from `head` (a `head(n)` of it, decoded further). Positions past the head are
     the same for every beam of an example, so the head's beam reorderings leave them as they are."""
     return head.replace(layers=tuple(full.with_head(part) for full, part in zip(self.layers, head.layers)),
-                        positions=jax.lax.dynamic_update_slice_in_dim(self.positions, head.positions, 0, 1))
+                        positions=write_head(self.positions, head.positions, 1))
 
   def expand_beams(self, beam_size: int) -> TranslatorCache:
     """The cache for beam_size beams per example (rows b * beams + j): the self-attention caches in
