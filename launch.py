@@ -96,6 +96,8 @@ def main(argv):
     fail(str(e))
   try:
     validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)
+    distributed.set_cpu_devices(_CONFIG.value,  # before anything starts the backend
+                                multi_process=_NUM_PROCESSES.value > 1 or distributed.cluster_detected())
     try:
       distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                              timeout_seconds=_DISTRIBUTED_TIMEOUT.value)

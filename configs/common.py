@@ -139,6 +139,11 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
 
   # Mesh axis sizes; -1 takes the remaining devices (at most one axis may be -1).
   config.mesh = ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+  # CPU devices launch.py gives a one-process run on the CPU backend (xattn_jax.training.distributed.set_cpu_devices).
+  # XLA:CPU runs a small model's ops one after another on one core, and each device runs on its own, so N > 1
+  # splits every batch over N cores through the mesh above; 0: one a core, as many as the mesh and the batch
+  # sizes divide into. 1 leaves JAX's default (one device, or what JAX_NUM_CPU_DEVICES / XLA_FLAGS ask for).
+  config.cpu_devices = 1
   config.sharding_rules = ConfigDict(DEFAULT_SHARDING_RULES)
   # param_dtype: float32 | bfloat16 (float16 parameters underflow Adam; no loss scaling here);
   # compute_dtype: float32 | bfloat16 | float16.

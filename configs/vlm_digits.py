@@ -30,6 +30,10 @@ def vlm_config(args) -> ConfigDict:
   config = common.base_config(total_steps=args.steps, batch_size=getattr(args, "batch", 32), eval_batch_size=64,
                               log_every_steps=50, eval_every_steps=args.steps, checkpoint_every_steps=args.steps,
                               learning_rate=args.lr, warmup_steps=50)
+  # One CPU device a core: the connector's step is many small products that XLA:CPU runs on one core, and its
+  # batch splits over the cores (common.base_config's cpu_devices). Its frozen parts keep one device each: they
+  # train side by side, a process a core.
+  config.cpu_devices = 0
   config.task.name = "vlm"
   config.task.decoding = ConfigDict({
       "method": "greedy",     # greedy | beam | sample (decoding.DecodingOptions checks every option)

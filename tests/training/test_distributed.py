@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
+from xattn_jax.training import distributed
 from tests.training import test_launch
 from tests.training.test_launch import (OVERRIDES, REPO, STEPS, checkpoint_steps, launch_args, metrics_rows, train_losses,
                                         wait_for)
@@ -216,6 +217,61 @@ def test_eval_decoding_splits_rows_over_the_data_axes_and_decodes_as_replicated(
   top_k = out["top_k"]
   assert top_k["spec"] == "P(('data', 'fsdp'), 'tensor')" and top_k["equal"] == [True, True], top_k
   assert 40 in top_k["whole_gathers"] and max(top_k["split_gathers"]) < 40, top_k  # 2 shards x 5 candidates
+
+
+def _config(**fields):
+  config = helpers.load_config(f"--config={test_launch.CONFIG}")
+  config.update_from_flattened_dict({**OVERRIDES, **fields})
+  return config
+
+
+def test_cpu_devices_counts_one_a_core_as_the_mesh_and_batches_divide():
+  """config.cpu_devices = N asks for N devices; 0 for one a core, lowered until the default mesh's data axis
+  splits batch_size and eval_batch_size evenly (and each microbatch), or a fixed axis divides the count."""
+  assert distributed.cpu_device_count(_config(cpu_devices=3), cores=8) == 3
+  assert distributed.cpu_device_count(_config(cpu_devices=0), cores=8) == 8  # batches of 8
+  assert distributed.cpu_device_count(_config(cpu_devices=0), cores=3) == 2
+  assert distributed.cpu_device_count(_config(cpu_devices=0), cores=1) == 1
+  assert distributed.cpu_device_count(_config(cpu_devices=0, eval_batch_size=12), cores=8) == 4
+  assert distributed.cpu_device_count(_config(cpu_devices=0, num_microbatches=4), cores=8) == 2  # 2 rows each
+  assert distributed.cpu_device_count(_config(cpu_devices=0, **{"mesh.tensor": 4}), cores=6) == 4
+  assert distributed.cpu_device_count(_config(cpu_devices=0, **{"mesh.data": 1}), cores=8) == 1  # a fixed mesh
+  with pytest.raises(ValueError, match="cores must be >= 1"):
+    distributed.cpu_device_count(_config(cpu_devices=0), cores=0)
+
+
+def test_set_cpu_devices_leaves_a_count_set_by_the_environment_or_a_multi_process_run(monkeypatch):
+  asked = []
+  monkeypatch.setattr(distributed.jax.config, "update", lambda name, value: asked.append((name, value)))
+  monkeypatch.setattr(distributed.attention_ops, "usable_cores", lambda: 4)
+  monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  assert distributed.set_cpu_devices(_config(cpu_devices=1), multi_process=False) is None
+  assert distributed.set_cpu_devices(_config(cpu_devices=0), multi_process=True) is None
+  assert asked == []
+  assert distributed.set_cpu_devices(_config(cpu_devices=0), multi_process=False) == 4
+  assert asked == [("jax_num_cpu_devices", 4)]
+  for name, value in (("XLA_FLAGS", "--xla_force_host_platform_device_count=8"), ("JAX_NUM_CPU_DEVICES", "2")):
+    monkeypatch.setenv(name, value)
+    assert distributed.set_cpu_devices(_config(cpu_devices=2), multi_process=False) is None
+    assert distributed.environment_cpu_devices().endswith(value)
+  assert asked == [("jax_num_cpu_devices", 4)]
+
+
+@pytest.mark.slow
+def test_cpu_devices_split_each_batch_over_that_many_devices_with_the_single_device_losses(tmp_path, single_device):
+  """launch.py gives a run config.cpu_devices CPU devices before JAX starts (here the environment sets no
+  count); the default mesh's data axis takes them."""
+  env = subprocess_env()
+  env["XLA_FLAGS"] = " ".join(flag for flag in env["XLA_FLAGS"].split() if "device_count" not in flag)
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  result = helpers.run(launch_args(tmp_path / "run", "--config.cpu_devices=2"), cwd=REPO, env=env, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "mesh data=2 x fsdp=1 x tensor=1 over 2 cpu device(s)" in result.stderr, result.stderr[-3000:]
+  losses = train_losses(tmp_path / "run")
+  assert sorted(losses) == sorted(single_device)
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [single_device[s] for s in sorted(single_device)], rtol=1e-5, atol=1e-5)
 
 
 def _free_port():

@@ -96,6 +96,7 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "max_epochs", -1.0, "must be a non-negative number (0: total_steps alone)"),
     ("size=tiny", "max_epochs", float("inf"), "must be a non-negative number (0: total_steps alone)"),
     ("size=tiny", "min_steps", -3, "must be a non-negative integer"),
+    ("size=tiny", "cpu_devices", -1, "must be a non-negative integer"),
     ("size=tiny", "early_stopping.patience", -1, "must be a non-negative integer"),
     ("size=tiny", "early_stopping.min_delta", -0.5, "must be a non-negative number"),
     ("size=tiny", "debug.step_delay_s", -1.0, "must be a non-negative number of seconds"),  # time.sleep's traceback

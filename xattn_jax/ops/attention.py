@@ -179,7 +179,7 @@ def _runs_fused(implementation: str, backend: str, q_len: int, kv_len: int) -> b
   return implementation == "xla" and (backend != "cpu" or q_len * kv_len <= _FUSED_UP_TO_SCORES)
 
 
-def _cpu_threads() -> int:
+def usable_cores() -> int:
   """The cores this process may run on (XLA:CPU sizes its thread pool to them)."""
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -220,7 +220,7 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   # a share of each.
   block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
   one_block = block_q == q_len and block_k == kv_len
-  limit = min(_MAX_CHAINS if one_block else threads or _cpu_threads(),
+  limit = min(_MAX_CHAINS if one_block else threads or usable_cores(),
               max(1, _STEP_SCORES // (groups * block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
   # The backward holds about twice the forward's score-sized temporaries a block: where that overflows a

@@ -1,6 +1,6 @@
-"""Multi-host start: `jax.distributed.initialize` from flags, or automatically on a cluster.
+"""Process start: the CPU device count, and multi-host `jax.distributed.initialize` from flags or on a cluster.
 
-Call `initialize` before ANY JAX backend call (even `jax.devices()`): afterwards it fails.
+Call `set_cpu_devices` and `initialize` before ANY JAX backend call (even `jax.devices()`): afterwards they fail.
 """
 from __future__ import annotations
 
@@ -8,6 +8,55 @@ import os
 import sys
 
 import jax
+from absl import logging
+
+from xattn_jax.ops import attention as attention_ops
+from xattn_jax.training import validation
+
+
+def environment_cpu_devices() -> str | None:
+  """The environment setting that already fixes the CPU device count (JAX_NUM_CPU_DEVICES, or XLA_FLAGS'
+  --xla_force_host_platform_device_count), or None."""
+  if "JAX_NUM_CPU_DEVICES" in os.environ:
+    return f"JAX_NUM_CPU_DEVICES={os.environ['JAX_NUM_CPU_DEVICES']}"
+  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+           if flag.startswith("--xla_force_host_platform_device_count")]
+  return f"XLA_FLAGS {flags[-1]}" if flags else None
+
+
+def cpu_device_count(config, cores: int) -> int:
+  """The CPU devices `config.cpu_devices` asks for on `cores` cores: N > 0 itself; 0 the most, at most one a
+  core, that the mesh and the batch sizes divide into (validation.check_mesh), at least 1."""
+  if cores < 1:
+    raise ValueError(f"cores must be >= 1, got {cores}")
+  if config.get("cpu_devices", 1):  # a run's config.py written before the field existed has none
+    return config.cpu_devices
+  for count in range(cores, 1, -1):
+    try:
+      validation.check_mesh(config, count)
+    except validation.ConfigError:
+      continue
+    return count
+  return 1
+
+
+def set_cpu_devices(config, multi_process: bool) -> int | None:
+  """Gives this process `cpu_device_count(config, its cores)` CPU devices before its backend starts; returns
+  that count, or None where it leaves JAX's default: config.cpu_devices = 1, a multi-process run (each process's
+  devices are its environment's), or an environment that already sets the count (it wins, said in the log)."""
+  count = cpu_device_count(config, attention_ops.usable_cores())
+  if count == 1:
+    return None
+  if multi_process:
+    logging.info("cpu_devices=%d not applied: a multi-process run takes its devices from its environment",
+                 config.cpu_devices)
+    return None
+  if (setting := environment_cpu_devices()) is not None:
+    logging.info("cpu_devices=%d not applied: the environment sets the CPU device count (%s)",
+                 config.cpu_devices, setting)
+    return None
+  jax.config.update("jax_num_cpu_devices", count)
+  return count
 
 
 def cluster_detected() -> bool:

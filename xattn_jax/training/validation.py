@@ -129,6 +129,21 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   return sizes
 
 
+def check_mesh(config, device_count: int) -> dict[str, int]:
+  """The mesh's axis sizes on `device_count` devices; raises ConfigError where the mesh does not fit them or the
+  batch (and each microbatch) does not split evenly over its data x fsdp shards."""
+  sizes = mesh_shape(config.mesh, device_count)
+  batch_shards = sizes["data"] * sizes["fsdp"]
+  for field in ("batch_size", "eval_batch_size"):
+    if config[field] % batch_shards:
+      raise ConfigError(field, config[field], f"must be divisible by mesh data x fsdp = {batch_shards}")
+  microbatches = config.get("num_microbatches", 1)  # a run's config.py written before the field has none
+  if microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
+    raise ConfigError("num_microbatches", microbatches, f"leaves microbatches of "
+                      f"{config.batch_size // microbatches} rows, not divisible by mesh data x fsdp = {batch_shards}")
+  return sizes
+
+
 def _check_randomized_positions(model_config, prefix: str, encoding: position_layers.PositionEncoding | None):
   """randomized_positions_max: 0 (off) or a max_position for an encoding computed from sequence indices."""
   field = f"{prefix}.randomized_positions_max"
@@ -311,6 +326,8 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     raise ConfigError("init_from", config.init_from, "no such checkpoint directory")
   if mode == "infer" and config.infer.input_file != "-":
     require_file("infer.input_file", config.infer.input_file)
+  if "cpu_devices" in config:  # a run's config.py written before the field existed has none
+    require_positive(config, "cpu_devices", allow_zero=True)
   if config.batch_size % process_count:
     raise ConfigError("batch_size", config.batch_size,
                       f"must be divisible by the number of processes ({process_count})")
@@ -330,15 +347,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     if config.model.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
       raise ConfigError("model.implementation", "cudnn",
                         f"needs a GPU backend, this run has {jax.default_backend()!r}; use '' (the default choice)")
-    sizes = mesh_shape(config.mesh, device_count)
-    batch_shards = sizes["data"] * sizes["fsdp"]
-    for field in ("batch_size", "eval_batch_size"):
-      if config[field] % batch_shards:
-        raise ConfigError(field, config[field],
-                          f"must be divisible by mesh data x fsdp = {batch_shards}")
-    if microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
-      raise ConfigError("num_microbatches", microbatches, f"leaves microbatches of "
-                        f"{config.batch_size // microbatches} rows, not divisible by mesh data x fsdp = {batch_shards}")
+    check_mesh(config, device_count)
   else:
     _check_mesh_sizes(config.mesh)
   check_attention_dims(config.model)
