@@ -1,11 +1,11 @@
 """python launch.py --config=configs/NAME.py[:ARG] --workdir=DIR [--mode=train|eval|infer] [--config.a.b=V]
 
-Parses flags, validates the config (before any JAX computation), starts multi-host JAX when asked,
-and hands over to `xattn_jax.training.loop.run`. An invalid config or override prints one line on
-stderr naming the field and exits with status 2, as does data the task cannot build (a corpus too
-small for its vocabulary); a diverged run exits with status 1. Runs the task needs first (its dependencies)
-train before it, two or more missing ones side by side (`--dependencies`); one that fails there ends the
-job with its exit status and last line.
+Parses flags, validates the config (before any JAX computation), gives a CPU run its devices
+(`config.cpu_devices`), starts multi-host JAX when asked, and hands over to `xattn_jax.training.loop.run`.
+An invalid config or override prints one line on stderr naming the field and exits with status 2, as
+does data the task cannot build (a corpus too small for its vocabulary); a diverged run exits with
+status 1. Runs the task needs first (its dependencies) train before it, two or more missing ones side by
+side (`--dependencies`); one that fails there ends the job with its exit status and last line.
 """
 import os
 import sys

@@ -240,7 +240,7 @@ def test_cpu_devices_counts_one_a_core_as_the_mesh_and_batches_divide():
     distributed.cpu_device_count(_config(cpu_devices=0), cores=0)
 
 
-def test_set_cpu_devices_leaves_a_count_set_by_the_environment_or_a_multi_process_run(monkeypatch):
+def test_set_cpu_devices_leaves_a_count_set_by_the_environment_or_a_multi_process_run(monkeypatch, caplog):
   asked = []
   monkeypatch.setattr(distributed.jax.config, "update", lambda name, value: asked.append((name, value)))
   monkeypatch.setattr(distributed.attention_ops, "usable_cores", lambda: 4)
@@ -253,7 +253,9 @@ def test_set_cpu_devices_leaves_a_count_set_by_the_environment_or_a_multi_proces
   assert asked == [("jax_num_cpu_devices", 4)]
   for name, value in (("XLA_FLAGS", "--xla_force_host_platform_device_count=8"), ("JAX_NUM_CPU_DEVICES", "2")):
     monkeypatch.setenv(name, value)
-    assert distributed.set_cpu_devices(_config(cpu_devices=2), multi_process=False) is None
+    with caplog.at_level("INFO"):
+      assert distributed.set_cpu_devices(_config(cpu_devices=2), multi_process=False) is None
+    assert f"cpu_devices=2 not applied: the environment sets the CPU device count ({name}" in caplog.text
     assert distributed.environment_cpu_devices().endswith(value)
   assert asked == [("jax_num_cpu_devices", 4)]
 
