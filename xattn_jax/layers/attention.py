@@ -42,6 +42,14 @@ def write_head(full: jax.Array, head: jax.Array, axis: int) -> jax.Array:
   return jax.lax.dynamic_update_slice_in_dim(full, head.astype(full.dtype), 0, axis % full.ndim)
 
 
+def decode_room(capacity: int, filled) -> int:
+  """How many more positions a cache of `capacity` slots, the first `filled` in use, takes: its capacity while
+  `filled` is traced (a decode's check of max_length, `decoding._check_common`)."""
+  if isinstance(filled, jax.core.Tracer):
+    return capacity
+  return capacity - int(filled)
+
+
 @flax.struct.dataclass
 class KVCache:
   """Self-attention cache: the first `index` rows of keys / values are filled.

@@ -58,7 +58,7 @@ from xattn_jax.layers import blocks
 from xattn_jax.layers import dense
 from xattn_jax.layers import layer_stack
 from xattn_jax.layers import positions as position_layers
-from xattn_jax.layers.attention import KVCache, MultiHeadAttention, write_head
+from xattn_jax.layers.attention import KVCache, MultiHeadAttention, decode_room, write_head
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
@@ -156,9 +156,7 @@ class LMCache:
 
   def decode_room(self) -> int:
     """How many more tokens the cache holds (its capacity while traced), for decoding's check."""
-    if isinstance(self.filled, jax.core.Tracer):
-      return self.capacity
-    return self.capacity - int(self.filled)
+    return decode_room(self.capacity, self.filled)
 
 
 def _check_tokens(where: str, tokens) -> None:

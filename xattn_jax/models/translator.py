@@ -40,7 +40,7 @@ from flax import nnx
 from xattn_jax.layers import blocks
 from xattn_jax.layers import dense
 from xattn_jax.layers import positions as position_layers
-from xattn_jax.layers.attention import write_head
+from xattn_jax.layers.attention import decode_room, write_head
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
@@ -82,9 +82,7 @@ class TranslatorCache:
 
   def decode_room(self) -> int:
     """How many more target tokens the self-attention caches hold (their capacity while traced)."""
-    if isinstance(self.filled, jax.core.Tracer):
-      return self.capacity
-    return self.capacity - int(self.filled)
+    return decode_room(self.capacity, self.filled)
 
   def head(self, n: int) -> TranslatorCache:
     """The cache of the first n target positions (`KVCache.head`), for a decode that fills no more."""
