@@ -31,8 +31,8 @@ def vlm_config(args) -> ConfigDict:
                               log_every_steps=50, eval_every_steps=args.steps, checkpoint_every_steps=args.steps,
                               learning_rate=args.lr, warmup_steps=50)
   # One CPU device a core: the connector's step is many small products that XLA:CPU runs on one core, and its
-  # batch splits over the cores (common.base_config's cpu_devices). Its frozen parts keep one device each: they
-  # train side by side, a process a core.
+  # batch splits over the cores (common.base_config's cpu_devices). Its frozen parts train side by side: the
+  # image encoder on one device, the LM, which outlasts it, on one a core (configs/vlm_lm.py).
   config.cpu_devices = 0
   config.task.name = "vlm"
   config.task.decoding = ConfigDict({

@@ -50,6 +50,9 @@ def get_config(arg=None):
   config.optimizer.warmup_steps = 50
   config.eval_every_steps = 300
   config.checkpoint.every_steps = 300
+  # One CPU device a core (common.base_config's cpu_devices): in the VLM chain this LM trains side by side with
+  # the image encoder, which ends first, and the LM's two devices then use the core the encoder leaves idle.
+  config.cpu_devices = 0
   # No best checkpoint: eval/loss is lowest at step ~600 and rises after, on the marker-only texts' answers the
   # LM cannot know, while its answers from words improve to the end (experiments/results/intel_xeon_amx/
   # vlm_lm_4000_steps.md); a "best" by it would be the wrong LM. The last step is the LM a connector reads.

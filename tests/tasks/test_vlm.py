@@ -16,7 +16,7 @@ from tests import helpers
 from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import vit, vlm
 from xattn_jax.tasks.vlm import probe, task as vlm_task
-from xattn_jax.training import checkpoints, dependencies, task as task_lib, validation
+from xattn_jax.training import checkpoints, dependencies, distributed, task as task_lib, validation
 
 TINY_CHAIN = {
     # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
@@ -91,6 +91,17 @@ def test_each_connector_trains_its_own_default_steps_and_learning_rate_unless_th
     assert loaded.task.distill_weight == pairs.task.distill_weight == 0.0
   named = helpers.load_config("--config=configs/vlm_digits.py:connector=llava,steps=50,lr=0.002")
   assert (named.total_steps, named.optimizer.learning_rate) == (50, 0.002)
+
+
+@pytest.mark.parametrize("config", ["configs/vlm_digits.py:connector=flamingo", "configs/vlm_tsv.py"])
+def test_the_connector_and_the_lm_split_over_the_cores_while_the_image_encoder_keeps_one_device(config):
+  """The encoder ends first beside the LM; the LM then uses the core it leaves (configs/vlm_lm.py)."""
+  loaded = helpers.load_config(f"--config={config}")
+  lm = dependencies.load_config(loaded.model.lm_config, "model.lm_config")
+  encoder = dependencies.load_config(loaded.model.encoder_config, "model.encoder_config")
+  for cores in (2, 4):
+    assert distributed.cpu_device_count(loaded, cores) == distributed.cpu_device_count(lm, cores) == cores
+    assert distributed.cpu_device_count(encoder, cores) == 1
 
 
 def test_llava_takes_mrope_positions_and_merged_patches():
