@@ -1,7 +1,15 @@
-"""Shared pytest setup: one persistent XLA compilation cache for the session, float32 on GPU."""
+"""Shared pytest setup: cached bytecode, one persistent XLA compilation cache for the session, float32 on GPU."""
 import os
 import shutil
+import sys
 import tempfile
+
+# README's test command installs with `pip install --no-compile`: byte-compiling every installed file is half the
+# install's time, and most of those files no test imports. The modules a test imports are compiled by the first
+# process that imports them and cached beside them for every later one (the workers and launch.py subprocesses
+# inherit the environment), also where the environment asks Python not to write bytecode.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # One compilation cache for this test session, shared by every launch.py subprocess a test spawns (they
 # inherit the environment): the same small programs are compiled by many launches, and a cache hit skips
