@@ -51,7 +51,7 @@ def get_config(arg=None):
   config.eval_every_steps = 300
   config.checkpoint.every_steps = 300
   # One CPU device a core (common.base_config's cpu_devices): in the VLM chain this LM trains side by side with
-  # the image encoder, which ends first, and the LM's two devices then use the core the encoder leaves idle.
+  # the image encoder, which ends first and keeps one device; the LM's devices then use the core it leaves idle.
   config.cpu_devices = 0
   # No best checkpoint: eval/loss is lowest at step ~600 and rises after, on the marker-only texts' answers the
   # LM cannot know, while its answers from words improve to the end (experiments/results/intel_xeon_amx/
