@@ -121,6 +121,7 @@ def test_rgb_images_keep_three_channels(folder):
     (b"seven two.png\ta\nmissing.png\tb\n", 2, "missing.png' does not exist"),
     (b"sub\ta\n", 1, "is not a regular file"),
     (b"seven two.png\ta\nbroken.png\tb\n", 2, "broken.png' cannot be read as an image"),
+    (b"seven two.png\tlook at <image> here\n", 1, "holds '<image>', the language model's image marker"),
 ])
 def test_malformed_line_raises_with_file_and_line_number(folder, data, line_number, problem):
   path = write(folder, data)
@@ -167,3 +168,10 @@ def test_the_text_side_is_read_without_opening_the_images_and_bad_lines_name_fil
   with pytest.raises(ImageTextFormatError) as caught:
     read_pair_texts(path)
   assert [n for n, _ in caught.value.problems] == [2, 3] and f"{path}:2: " in str(caught.value)
+
+
+def test_an_image_over_pillows_decompression_bomb_limit_is_a_file_and_line_error(folder, monkeypatch):
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # the 16 x 32 image is over twice that: Pillow's error
+  path = write(folder, b"seven two.png\ta\n")
+  with pytest.raises(ImageTextFormatError, match=r"pairs.tsv:1: image .*seven two.png' is too large to decode"):
+    read_image_text_pairs(path, canvas=CANVAS)

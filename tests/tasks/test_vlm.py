@@ -751,3 +751,5 @@ def test_infer_reads_two_images_each_captioned_in_turn_then_the_question(connect
   assert answer == (expected[-1] or "(nothing)")
   with pytest.raises(task_lib.InputLineError, match="3 image paths: a line holds at most 2"):
     task.infer(model, [f"{paths[0]}\t{paths[1]}\t{paths[0]}\t{question}"])
+  with pytest.raises(task_lib.InputLineError, match="the question holds '<image>', the language model's image"):
+    task.infer(model, [f"{paths[0]}\twhat is in <image> ?"])  # it would read as a second image's place

@@ -34,7 +34,8 @@ def _eight_bit(image):
 def open_image(path: str, *, grey: bool = True):
   """The image file at `path` as a Pillow image of mode "L" (grey) or "RGB", decoded as the module says.
 
-  Raises OSError (missing or not a file) or ValueError (not an image Pillow can read), saying which.
+  Raises OSError (missing or not a file) or ValueError (not an image Pillow can read, or one over Pillow's
+  decompression-bomb limit of pixels), saying which.
   """
   from PIL import Image, ImageOps, UnidentifiedImageError  # Pillow only where a user's images are read
 
@@ -52,6 +53,9 @@ def open_image(path: str, *, grey: bool = True):
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(white, image.convert("RGBA"))
       return image.convert("L" if grey else "RGB")
+  except Image.DecompressionBombError as error:  # an Exception of its own, not an OSError
+    raise ValueError(f"image {path!r} is too large to decode ({error}); shrink it, or raise Pillow's "
+                     "PIL.Image.MAX_IMAGE_PIXELS where you trust the file") from None
   except (UnidentifiedImageError, OSError, ValueError) as error:
     raise ValueError(f"image {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
 

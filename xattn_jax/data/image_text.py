@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from xattn_jax.data import files, image_files, splits
-from xattn_jax.data.vlm_digits import VLMExample
+from xattn_jax.data.vlm_digits import IMAGE_TOKEN, VLMExample
 
 
 class ImageTextFormatError(files.LineFileError):
@@ -89,6 +89,8 @@ def _line_problem(raw: bytes, folder: str) -> tuple[str | None, tuple[str, str] 
   for side, value in (("image path", image_path), ("text", text)):
     if not value.strip():
       return f"empty {side}", None
+  if IMAGE_TOKEN in text:  # the LM would read it as an image's place (and never write it)
+    return f"the text holds {IMAGE_TOKEN!r}, the language model's image marker: reword it", None
   return None, (os.path.join(folder, image_path.strip()), text)
 
 

@@ -799,6 +799,9 @@ class VLMTask(task_lib.Task):
       if len(paths) > MAX_IMAGES:
         raise task_lib.InputLineError(index, f"{len(paths)} image paths: a line holds at most {MAX_IMAGES} (the "
                                              "last tab-separated field is the question)")
+      if vlm_digits.IMAGE_TOKEN in question:
+        raise task_lib.InputLineError(index, f"the question holds {vlm_digits.IMAGE_TOKEN!r}, the language "
+                                             "model's image marker: images go in the fields before it")
       images = []
       for path in paths:
         try:
