@@ -1,7 +1,9 @@
 """Tokenizers: exact round trips, special ids, and a SentencePiece model that is reproducible and reused."""
 import logging
+import os
 import random
 import re
+import shutil
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -88,14 +90,23 @@ def test_sentencepiece_training_is_deterministic(sentencepiece_model, date_text,
     assert first.read() == second.read()
 
 
-def test_existing_sentencepiece_model_is_reused(sentencepiece_model):
-  with open(sentencepiece_model.model_path, "rb") as f:
-    before = f.read()
-  reused = tokenizers.train_sentencepiece(["completely different text"], sentencepiece_model.model_path,
-                                          vocab_size=200)
-  with open(sentencepiece_model.model_path, "rb") as f:
-    assert f.read() == before
-  assert reused.encode("29. Mai 2000") == sentencepiece_model.encode("29. Mai 2000")
+def test_existing_sentencepiece_model_is_reused_for_its_texts_and_refused_for_others(sentencepiece_model, date_text,
+                                                                                     tmp_path):
+  path = tmp_path / "dates.model"
+  for suffix in ("", ".texts"):  # a copy: the fixture is shared
+    shutil.copyfile(sentencepiece_model.model_path + suffix, str(path) + suffix)
+  before = path.read_bytes()
+  reused = tokenizers.train_sentencepiece(date_text[0], path, vocab_size=200)
+  assert path.read_bytes() == before and reused.encode("29. Mai 2000") == sentencepiece_model.encode("29. Mai 2000")
+  # An earlier attempt in the same workdir read another file: its model is refused, not silently reused ...
+  with pytest.raises(tokenizers.OtherTextsError, match=rf"{len(date_text[0])} texts, not these 1\): an earlier run"):
+    tokenizers.train_sentencepiece(["completely different text"], path, vocab_size=200)
+  # ... but kept where the caller says any text goes (evaluation), and where no digest says what it was trained on
+  # (a model copied in from another run, or written before digests were kept).
+  assert tokenizers.train_sentencepiece(["other"], path, vocab_size=200, texts_must_match=False).vocab_size == 200
+  os.remove(str(path) + ".texts")
+  tokenizers.train_sentencepiece(["completely different text"], path, vocab_size=200)
+  assert path.read_bytes() == before
 
 
 def test_existing_model_with_another_vocab_size_raises(sentencepiece_model):
@@ -168,7 +179,8 @@ def test_a_cap_the_corpus_can_fill_gives_the_same_pieces_as_that_exact_size(sent
 
 
 def test_an_existing_model_within_the_cap_is_reused_and_one_above_it_refused(sentencepiece_model):
-  reused = tokenizers.train_sentencepiece(["other text"], sentencepiece_model.model_path, vocab_size=300, exact=False)
+  reused = tokenizers.train_sentencepiece(["other text"], sentencepiece_model.model_path, vocab_size=300, exact=False,
+                                          texts_must_match=False)
   assert reused.vocab_size == 200
   with pytest.raises(ValueError, match="has vocab_size 200, but the cap is vocab_size=100"):
     tokenizers.train_sentencepiece(["other text"], sentencepiece_model.model_path, vocab_size=100, exact=False)
@@ -219,6 +231,10 @@ def test_a_vocab_below_the_alphabet_spells_the_rarer_characters_in_utf8_bytes(ma
   # Every kept character is one piece (the space as "\u2581"); half the pieces or more are merges.
   assert sum(len(piece) == 1 for piece in pieces) == kept
   assert sum(len(piece) > 1 and not piece.startswith("<") for piece in pieces) == 1024 - 260 - kept >= kept
+  # A line break is spelled in bytes too, and never generated: an answer is written as one line.
+  breaks = [pieces.index(piece) for piece in ("<0x0A>", "<0x0D>")]
+  assert breaks[0] in model.encode("\n") and breaks[1] in model.encode("\r")
+  assert model.never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID, model.unk_id, *breaks)
 
 
 def test_a_continuation_keeps_the_space_its_first_word_opens_with(sentencepiece_model):
@@ -253,6 +269,13 @@ def test_unknown_characters_are_those_without_a_piece(sentencepiece_model, caplo
                                  "as its unknown piece ('⁇'); more")
 
 
-def test_the_ids_a_text_never_holds_are_padding_bos_and_the_unknown_piece(sentencepiece_model):
+def test_the_ids_a_text_never_holds_are_padding_bos_the_unknown_piece_and_line_breaks(sentencepiece_model):
   assert sentencepiece_model.never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID, sentencepiece_model.unk_id)
-  assert tokenizers.ByteTokenizer().never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID)
+  byte_tokenizer = tokenizers.ByteTokenizer()
+  assert byte_tokenizer.never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID, *byte_tokenizer.encode("\n\r"))
+
+
+def test_a_file_that_is_no_sentencepiece_model_is_named_with_the_fix(tmp_path):
+  (tmp_path / "sentencepiece.model").write_bytes(b"not a model")
+  with pytest.raises(ValueError, match=r"sentencepiece.model' is not a SentencePiece model .*delete it"):
+    tokenizers.SentencePieceTokenizer(tmp_path / "sentencepiece.model")

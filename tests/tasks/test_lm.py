@@ -336,6 +336,15 @@ def test_a_file_of_one_document_holds_out_its_tail(tmp_path):
                               str(tmp_path / "work2"), "train")
 
 
+def test_a_file_of_one_line_repeated_is_refused_not_read_as_one_document(tmp_path):
+  """100 copies of one line were taken for one document: 99 dropped, one character held out."""
+  train_file = tmp_path / "same.txt"
+  train_file.write_text("the same line again\n" * 100, encoding="utf-8")
+  with pytest.raises(validation.ConfigError, match=r"holds 100 lines, all the same text: none can be held out"):
+    lm_task.LanguageModelTask(helpers.load_config(*TINY, f"--config.data.train_file={train_file}"),
+                              str(tmp_path / "work"), "train")
+
+
 def test_an_unreadable_training_line_is_a_config_error_naming_file_and_line(tmp_path):
   train_file = tmp_path / "bad.txt"
   train_file.write_bytes(b"fine\nbad \xff byte\n")

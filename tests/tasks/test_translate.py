@@ -570,13 +570,19 @@ def test_fine_tuning_from_init_from_keeps_that_runs_tokenizer(dates_run, tmp_pat
     translate_task.TranslateTask(config, str(other))
 
 
-def test_a_kept_tokenizer_that_cannot_encode_the_corpus_is_refused(tmp_path):
-  """The tokenizer of an earlier corpus in the same workdir turned new characters into unknowns."""
-  _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(30)], ["1 cat\t1 chat"],
-            **{"data.tokenizer": "sentencepiece", "data.vocab_size": 40})
+def test_a_kept_tokenizer_of_another_corpus_is_refused(tmp_path):
+  """The tokenizer an earlier attempt in the same workdir trained on another corpus was reused: silently where it
+  encoded the new one (a run on part of the corpus kept the whole corpus's pieces), with unknowns where not."""
+  lines, sentencepiece = [f"{n} cats\t{n} chats" for n in range(30)], {"data.tokenizer": "sentencepiece",
+                                                                       "data.vocab_size": 40}
+  _tsv_task(tmp_path, lines, ["1 cat\t1 chat"], **sentencepiece)
+  _tsv_task(tmp_path, lines, ["1 cat\t1 chat"], **sentencepiece)  # the same corpus: reused
+  with pytest.raises(validation.ConfigError, match=r"config\.data\.train_file=.*train.tsv': existing SentencePiece "
+                                                   r"model .* was trained on other text \(60 texts, not these 20\)"):
+    _tsv_task(tmp_path, lines[:10], ["1 cat\t1 chat"], **sentencepiece)
+  (tmp_path / "tokenizer" / "sentencepiece.model.texts").unlink()  # a model written before digests were kept
   with pytest.raises(validation.ConfigError, match=r"cannot encode \['Z', .*e\.g\. 'Zebra'"):
-    _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(30)] + ["Zebra\tZèbre"], ["1 cat\t1 chat"],
-              **{"data.tokenizer": "sentencepiece", "data.vocab_size": 40})
+    _tsv_task(tmp_path, lines + ["Zebra\tZèbre"], ["1 cat\t1 chat"], **sentencepiece)
 
 
 def test_eval_lines_that_are_training_lines_are_reported(tmp_path, caplog):

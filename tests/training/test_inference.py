@@ -58,6 +58,12 @@ def test_a_task_that_infers_blank_lines_is_handed_every_line(tmp_path):
   assert not task_lib.Task.infers_blank_lines  # every other task: blank in, blank out (above)
 
 
+def test_an_answer_holding_line_breaks_is_written_on_its_one_line(caplog):
+  answers = inference.answer_lines(lambda lines: ["one\ntwo", "three\r\nfour", "five"], ["a", "", "b", "c"], "in.txt")
+  assert answers == ["one two", "", "three  four", "five"]
+  assert "in.txt: the answers to lines 1, 3 hold line breaks" in caplog.text
+
+
 def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
   def infer(lines):
     raise task_lib.InputLineError(1, "template input 'ab1' has a character outside a-z")

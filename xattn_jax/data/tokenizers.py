@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import hashlib
 import io
 import os
 import random
@@ -18,6 +19,10 @@ import sentencepiece
 from absl import logging
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+# What ends a line in the files this project reads and writes (Python's text mode reads a lone \r as one too).
+# Every text a model trains on is one line of a file, and generated texts are written one a line, so no id
+# whose text holds one is ever generated (never_generated_ids).
+LINE_BREAKS = "\n\r"
 
 
 class Tokenizer(abc.ABC):
@@ -68,8 +73,12 @@ class Tokenizer(abc.ABC):
 
   @property
   def never_generated_ids(self) -> tuple[int, ...]:
-    """Ids a generated text never holds (`decoding.search`'s suppress_ids): padding and BOS."""
-    return (self.pad_id, self.bos_id)
+    """Ids a generated text never holds (`decoding.search`'s suppress_ids): padding, BOS and the ids whose text
+    holds a line break (LINE_BREAKS: an answer written with one would take two lines of the output)."""
+    return (self.pad_id, self.bos_id, *self._line_break_ids())
+
+  def _line_break_ids(self) -> tuple[int, ...]:
+    return ()
 
   def unknown_characters(self, texts: Iterable[str]) -> str:
     """The characters of `texts` this tokenizer has no id for, sorted (none here: every character has bytes)."""
@@ -124,6 +133,9 @@ class ByteTokenizer(Tokenizer):
   def _decode_ids(self, ids: list[int]) -> str:
     return bytes(token_id - self._OFFSET for token_id in ids).decode("utf-8", errors="replace")
 
+  def _line_break_ids(self) -> tuple[int, ...]:
+    return tuple(ord(character) + self._OFFSET for character in LINE_BREAKS)
+
   def token_bytes(self, text: str) -> list[int]:
     return [1] * len(self.encode(text))
 
@@ -146,7 +158,12 @@ class SentencePieceTokenizer(Tokenizer):
     if not os.path.isfile(model_path):
       raise ValueError(f"model_path {model_path!r} is not a SentencePiece model file")
     self.model_path = model_path
-    self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    self._never_generated = None
+    try:
+      self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    except (RuntimeError, OSError) as error:
+      raise ValueError(f"{model_path!r} is not a SentencePiece model this project can read "
+                       f"({' '.join(str(error).split())}); delete it to train one there") from None
     ids = (self._processor.pad_id(), self._processor.bos_id(), self._processor.eos_id())
     if ids != (PAD_ID, BOS_ID, EOS_ID):
       raise ValueError(f"SentencePiece model {model_path!r} has (pad, bos, eos) ids {ids}; this project "
@@ -163,8 +180,21 @@ class SentencePieceTokenizer(Tokenizer):
 
   @property
   def never_generated_ids(self) -> tuple[int, ...]:
-    """Padding, BOS and the unknown piece: written out, it reads '⁇'."""
-    return (self.pad_id, self.bos_id, self.unk_id)
+    """Padding, BOS, the unknown piece (written out, it reads '⁇') and the pieces whose text holds a line break
+    (byte fallback's <0x0A> and <0x0D>, a piece of a text that held one)."""
+    if self._never_generated is None:
+      breaks = tuple(piece_id for piece_id in range(self.vocab_size)
+                     if any(character in LINE_BREAKS for character in self._piece_text(piece_id)))
+      self._never_generated = (self.pad_id, self.bos_id, self.unk_id, *breaks)
+    return self._never_generated
+
+  def _piece_text(self, piece_id: int) -> str:
+    """The text one piece stands for ("" for the specials and unknown; a byte piece's byte as a character)."""
+    if self._processor.is_byte(piece_id):
+      return chr(int(self._processor.id_to_piece(piece_id)[3:5], 16))
+    if self._processor.is_control(piece_id) or self._processor.is_unknown(piece_id):
+      return ""
+    return self._processor.id_to_piece(piece_id)
 
   def unknown_characters(self, texts: Iterable[str]) -> str:
     """The characters of `texts` that encode as unk_id where they stand, sorted (a character alone may have no
@@ -249,16 +279,24 @@ def _byte_fallback_sample(sample: Sequence[str], vocab_size: int) -> tuple[list[
   return [piece for text in sample for piece in re.split(rare, text) if piece.strip()], len(kept)
 
 
+class OtherTextsError(ValueError):
+  """An existing SentencePiece model was trained on other texts than the ones given (train_sentencepiece)."""
+
+
 def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, exact: bool = True,
                         model_type: str = "bpe", max_sentences: int = 100_000,
-                        single_piece_words: Sequence[str] = ()) -> SentencePieceTokenizer:
+                        single_piece_words: Sequence[str] = (), texts_must_match: bool = True
+                        ) -> SentencePieceTokenizer:
   """Trains a SentencePiece model on ``texts`` into ``model_path``; reuses the file if it exists.
 
   With ``exact=False``, ``vocab_size`` is a cap: the model gets as many pieces as the text supports,
   up to ``vocab_size`` (SentencePiece's ``hard_vocab_limit=False``, which trains the same pieces as
   asking for exactly that many), and a smaller size is logged.
 
-  Reuse makes a resumed run tokenize exactly as the run it continues. Training is deterministic
+  Reuse makes a resumed run tokenize exactly as the run it continues. A digest of the texts is kept beside the
+  model (``<model_path>.texts``), and with ``texts_must_match`` a model trained on other texts is refused rather
+  than reused (an earlier attempt in the same workdir that read another file, or a file changed since); a model
+  without the digest (copied in, or written before it existed) is reused. Training is deterministic
   (one thread, no sampling inside SentencePiece: beyond ``max_sentences`` texts a seeded random
   subset is used, topped up so that every character occurs), so two runs on the same text write
   identical models.
@@ -284,13 +322,15 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
     single_piece_words: words that are always one piece each where they start a text or follow a space
       (e.g. a multimodal model's "<image>"): SentencePiece user-defined symbols "\u2581word", so encoding
       the pieces of a text one by one, joined by single spaces, gives the ids of the whole text.
+    texts_must_match: refuse an existing model whose digest names other texts (False: evaluation, which
+      keeps the run's tokenizer whatever text it reads).
 
   Raises:
     ValueError: bad arguments; with ``exact``, a corpus too small for ``vocab_size`` (says the
       largest possible); a ``vocab_size`` below both the text's characters plus the specials and
       ``MIN_BYTE_FALLBACK_VOCAB``; an existing
-      model file whose vocabulary size differs from ``vocab_size`` (with ``exact=False``: exceeds it), or
-      in which a ``single_piece_words`` word is not one piece.
+      model file whose vocabulary size differs from ``vocab_size`` (with ``exact=False``: exceeds it), in
+      which a ``single_piece_words`` word is not one piece, or (``texts_must_match``) trained on other texts.
   """
   model_path = os.fspath(model_path)
   if isinstance(single_piece_words, str) or any(not isinstance(w, str) or not w or any(c.isspace() for c in w)
@@ -313,6 +353,14 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
     if split:
       raise ValueError(f"existing SentencePiece model {model_path!r} does not keep {split} as one piece each "
                        f"(single_piece_words); delete the file to retrain")
+    recorded = _read_digest(model_path)
+    if texts_must_match and recorded and isinstance(texts, Sequence) and texts:
+      digest = _texts_digest(texts)
+      if digest != recorded:
+        raise OtherTextsError(f"existing SentencePiece model {model_path!r} was trained on other text "
+                              f"({recorded.split()[0]} texts, not these {digest.split()[0]}): an earlier run in this "
+                              "workdir read another file, or the file changed since; delete the model (and any "
+                              "checkpoints of the run) to train on this text, or use another workdir")
     return tokenizer
   if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
     raise ValueError(f"texts must be a non-empty sequence of strings, got {type(texts).__name__}")
@@ -366,9 +414,32 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
     logging.info("SentencePiece: the training text (%d sentences) supports %d pieces, below the cap "
                  "vocab_size=%d; the model has %d", len(sample), built, vocab_size, built)
   os.makedirs(os.path.dirname(model_path) or ".", exist_ok=True)
-  # Write then rename, so an interrupted run never leaves a truncated model to be "reused".
-  partial_path = f"{model_path}.partial.{os.getpid()}"
-  with open(partial_path, "wb") as f:
-    f.write(model)
-  os.replace(partial_path, model_path)
+  # Write then rename, so an interrupted run never leaves a truncated model to be "reused"; the digest first,
+  # so a model is never there without the digest of the texts it was trained on.
+  for path, content in ((_digest_path(model_path), (_texts_digest(texts) + "\n").encode()), (model_path, model)):
+    partial_path = f"{path}.partial.{os.getpid()}"
+    with open(partial_path, "wb") as f:
+      f.write(content)
+    os.replace(partial_path, path)
   return SentencePieceTokenizer(model_path)
+
+
+def _digest_path(model_path: str) -> str:
+  return model_path + ".texts"
+
+
+def _texts_digest(texts: Sequence[str]) -> str:
+  """"<count> sha256:<hex>" of the texts, in order."""
+  digest = hashlib.sha256()
+  for text in texts:
+    digest.update(text.encode("utf-8", errors="surrogatepass") + b"\0")
+  return f"{len(texts)} sha256:{digest.hexdigest()}"
+
+
+def _read_digest(model_path: str) -> str | None:
+  """The digest kept beside a model, or None (a model copied in, or written before digests were kept)."""
+  try:
+    with open(_digest_path(model_path)) as f:
+      return f.read().strip() or None
+  except OSError:
+    return None

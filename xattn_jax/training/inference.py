@@ -3,16 +3,20 @@
 
 Input is UTF-8 (a file, or "-" for stdin); lines end at \\n or \\r\\n only. A blank input line is
 answered with a blank line by the engine (the task never sees it; a task with `infers_blank_lines`, the
-language model, answers it: a sample from nothing), so output line i always answers input line i. A line the task cannot take (`task.InputLineError`) or that is not UTF-8 is reported as
+language model, answers it: a sample from nothing), so output line i always answers input line i (an answer's line breaks, which no bundled task generates, are
+written as spaces). A line the task cannot take (`task.InputLineError`) or that is not UTF-8 is reported as
 `file:line: why` (a `DataError`).
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import jax
+from absl import logging
 
+from xattn_jax.data import tokenizers
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import task as task_lib, validation, workdir as workdir_lib
 from xattn_jax.training.errors import DataError, RunError
@@ -52,6 +56,12 @@ def answer_lines(infer, lines: list[str], name: str = "<input>", *, blank_lines:
   except task_lib.InputLineError as error:
     raise DataError(f"{name}:{numbers[error.index]}: {error.message}") from None
   by_number = dict(zip(numbers, answers))
+  broken = [number for number, answer in by_number.items() if any(c in answer for c in tokenizers.LINE_BREAKS)]
+  if broken:  # the bundled tasks never generate one (Tokenizer.never_generated_ids); a task of yours may
+    logging.warning("%s: the answers to lines %s hold line breaks; each is written as a space, so that output "
+                    "line i answers input line i", name, ", ".join(map(str, broken[:10])) + (" ..." * (len(broken) > 10)))
+    for number in broken:
+      by_number[number] = re.sub(f"[{tokenizers.LINE_BREAKS}]", " ", by_number[number])
   return [by_number.get(number, "") for number in range(1, len(lines) + 1)]
 
 

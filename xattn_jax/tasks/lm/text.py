@@ -262,8 +262,12 @@ class LanguageModelTask(task_lib.Task):
       evaluation = []
       if held_out and _file_format(data) == "image_text":  # the pairs' own split, as the VLM and its encoder
         train, evaluation = (image_text.side_of_split(train, data.train_file, eval_side=side) for side in (False, True))
-      elif held_out and len(set(train)) == 1:  # one document (a book, text8): its tail is the held-out side
+      elif held_out and len(train) == 1:  # one document (a book, text8): its tail is the held-out side
         train, evaluation = _split_tail(train[0], data.eval_fraction, data.train_file)
+      elif held_out and len(set(train)) == 1:  # held out by line, a split of one distinct line holds out nothing
+        raise validation.ConfigError("data.eval_file", data.eval_file, f"data.train_file {data.train_file} holds "
+                                     f"{len(train)} lines, all the same text: none can be held out for eval; name "
+                                     "an eval file, or give data.train_file two distinct lines")
       elif held_out:
         # At least one held-out document where the file has two: a small file's eval_fraction can round to none.
         lines = len(set(train))
@@ -297,7 +301,10 @@ class LanguageModelTask(task_lib.Task):
     try:
       tokenizer = tokenizers.train_sentencepiece(list(train_texts), path, vocab_size=data.vocab_size,
                                                  exact=data.vocab_size_exact,
-                                                 single_piece_words=tuple(data.get("single_piece_words", ())))
+                                                 single_piece_words=tuple(data.get("single_piece_words", ())),
+                                                 texts_must_match=self.mode == "train")
+    except tokenizers.OtherTextsError as error:
+      raise validation.ConfigError("data.train_file", data.train_file, str(error)) from None
     except ValueError as error:
       raise validation.ConfigError("data.vocab_size", data.vocab_size, " ".join(str(error).split())) from None
     logging.info("SentencePiece vocabulary: %d pieces (data.vocab_size=%d, exact=%s)", tokenizer.vocab_size,

@@ -342,7 +342,10 @@ class TranslateTask(task_lib.Task):
       texts = [text for pair in self.train_pairs for text in pair]
       try:
         tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size,
-                                                   exact=data.get("vocab_size_exact", False))
+                                                   exact=data.get("vocab_size_exact", False),
+                                                   texts_must_match=self.mode == "train" and not inherited)
+      except tokenizers.OtherTextsError as error:
+        raise validation.ConfigError("data.train_file", data.train_file, str(error)) from None
       except ValueError as error:  # e.g. a corpus too small for an exact vocabulary
         message = " ".join(str(error).split()).replace("exact=False", "data.vocab_size_exact=False")
         raise validation.ConfigError("data.vocab_size", data.vocab_size,
