@@ -64,9 +64,10 @@ def test_infer_writes_a_mask_png_for_clicks_on_an_image_file(trained_segmenter, 
   image[4:12, 6:9] = 1.0  # a bar, clicked on its stroke at column 7, row 8
   matplotlib.image.imsave(tmp_path / "bar.png", image, cmap="gray")
   model, task = inference.load_model(str(workdir))
-  bar = str(tmp_path / "bar.png")
-  lines = task.infer(model, [f"{bar} 7,8", "test:1", f"{bar} box=6,4,9,12", f"{bar} 7,8 2,2,-"])
-  assert [line.split("\t")[0] for line in lines] == [bar, "test:1", bar, bar]
+  bar, spaced = str(tmp_path / "bar.png"), str(tmp_path / "my bar.png")
+  shutil.copyfile(bar, spaced)  # a path with a space takes a tab before its prompt
+  lines = task.infer(model, [f"{bar} 7,8", "test:1", f"{bar} box=6,4,9,12", f"{bar} 7,8 2,2,-", f"{spaced}\t7,8"])
+  assert [line.split("\t")[0] for line in lines] == [bar, "test:1", bar, bar, spaced]
   for line in lines:
     name, png, iou, pixels = line.split("\t")
     assert png.startswith(str(workdir / "infer")) and matplotlib.image.imread(png).ndim == 3

@@ -246,10 +246,14 @@ def test_launch_ends_with_the_status_and_last_line_of_a_dependency_failing_side_
   assert "[task.second_workdir] " in result.stderr and not (tmp_path / "run").exists()
 
 
-def test_a_bad_dependency_config_fails_before_any_dependency_trains_side_by_side(tmp_path, no_training):
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_bad_dependency_config_fails_before_any_dependency_trains_naming_whose_it_is(tmp_path, no_training,
+                                                                                       side_by_side):
+  """Its field alone (`config.optimizer.learning_rate`) read as the dependent config's, which may have none."""
   config = two_dependent_config(tmp_path, second=dependency_config(**{"optimizer.learning_rate": -1.0}))
-  with pytest.raises(validation.ConfigError, match=r"learning_rate"):
-    dependencies.resolve(config, str(tmp_path / "run"), side_by_side=True)
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.second_workdir='.*': the config of the run it "
+                                                   r"names is invalid: config\.optimizer\.learning_rate=-1\.0"):
+    dependencies.resolve(config, str(tmp_path / "run"), side_by_side=side_by_side)
   assert os.listdir(tmp_path) == []
 
 

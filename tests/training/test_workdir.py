@@ -4,7 +4,8 @@ import json
 import pytest
 
 from configs import lm_text, template, translate_dates
-from xattn_jax.training import validation, workdir
+from xattn_jax.training import loop, validation, workdir
+from xattn_jax.training.errors import RunError
 
 
 def _config(**overrides):
@@ -181,3 +182,18 @@ def test_a_second_training_process_in_a_workdir_is_refused_naming_the_first_befo
     loop.run(tiny_template(), str(run / "other"), "train")  # another workdir trains
   loop.run(tiny_template(), str(run), "train")  # the lock ends with its holder
   assert (run / "checkpoints" / "2").is_dir()
+
+
+def test_training_in_a_folder_holding_a_config_file_no_run_wrote_is_refused_before_writing(tmp_path):
+  """A folder of your own given as the workdir lost its config.py to the run's record, silently."""
+  (tmp_path / "config.py").write_text("MY = 'experiment settings'\n")
+  with pytest.raises(RunError, match=r"holds config.py that no run wrote, which training would overwrite"):
+    loop.run(_config(), str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.py"]
+  assert (tmp_path / "config.py").read_text() == "MY = 'experiment settings'\n"
+  assert workdir.foreign_record_files(str(tmp_path / "new")) == []
+  (tmp_path / "run").mkdir()
+  workdir.write_config(_config(), str(tmp_path / "run"))  # a run's record: its own to rewrite
+  assert workdir.foreign_record_files(str(tmp_path / "run")) == []
+  (tmp_path / "run" / "config.json").write_text("[]")
+  assert workdir.foreign_record_files(str(tmp_path / "run")) == list(workdir.RECORD_FILES)

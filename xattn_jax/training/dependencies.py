@@ -173,8 +173,6 @@ def _relay(stream, prefix: str, last_line: list) -> None:
 
 def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
   """Trains every (dependency, config) of `todo` at once, each in a launch.py subprocess (module docstring)."""
-  for _, dependency_config in todo:  # a bad config fails before anything trains, as it does in turn
-    validation.validate_config(dependency_config, mode="train")
   folder = tempfile.mkdtemp(prefix="xattn_jax_dependencies_")
   children, relays, last_lines = [], [], [[""] for _ in todo]
   signalled = set()  # the children this process asked to stop
@@ -282,6 +280,13 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
                    dependency.workdir)
     else:
       todo.append((dependency, config_of(dependency)))
+  for dependency, dependency_config in todo:  # a bad config fails before anything trains, side by side or in turn
+    try:
+      validation.validate_config(dependency_config, mode="train")
+    except validation.ConfigError as error:  # its fields are the dependency's, not this config's: say whose
+      field = dependency.config_field or dependency.workdir_field
+      value = dependency.config if dependency.config_field else dependency.workdir
+      raise validation.ConfigError(field, value, f"the config of the run it names is invalid: {error}") from None
   chain = _chain + ((os.path.abspath(workdir),) if workdir else ())
   if side_by_side and len(todo) > 1 and side_by_side_possible():
     _train_side_by_side(todo, chain)

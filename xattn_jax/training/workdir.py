@@ -31,6 +31,21 @@ def write_config(config, workdir: str) -> None:
     f.write(config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
 
 
+RECORD_FILES = ("config.json", "config.txt", "config.py")
+
+
+def foreign_record_files(workdir: str) -> list[str]:
+  """The files among RECORD_FILES in `workdir` that no run wrote (a folder of your own given as the workdir, a
+  config.py of yours in it): training there would overwrite them. [] where config.json is a run's record."""
+  present = [name for name in RECORD_FILES if os.path.exists(os.path.join(workdir, name))]
+  try:
+    record = recorded_config(workdir)
+  except (OSError, ValueError):  # unreadable, or not JSON
+    record = None
+  is_run = isinstance(record, dict) and isinstance(record.get("task"), dict) and "name" in record["task"]
+  return [] if is_run else present
+
+
 # Held (flock) by the process that trains in the workdir; it ends with the process, however that ends.
 LOCK_FILE = ".training.lock"
 

@@ -24,7 +24,8 @@ Inference (`launch.py --mode=infer`), one line per prompt:
     IMAGE x,y[,+|-] [x,y[,+|-] ...]      clicks (x = column, y = row in IMAGE's pixels; + positive, - negative)
     IMAGE box=x0,y0,x1,y1                a box (pixel edges: the box holds columns x0..x1-1, rows y0..y1-1)
 IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resized to the canvas) or test:K
-(test prompt K's image; with no prompt after it, test prompt K's own). The answer line is IMAGE, the PNG
+(test prompt K's image; with no prompt after it, test prompt K's own); a tab after IMAGE instead of a space
+takes a path with spaces (`my scan.png<TAB>12,9`). The answer line is IMAGE, the PNG
 written to `<workdir>/infer/` (image, prompt, every mask), the predicted IoU and pixel count of the chosen mask,
 tab-separated.
 """
@@ -274,8 +275,13 @@ class SegmentTask(task_lib.Task):
   # --- inference --------------------------------------------------------------------------------
 
   def _read_line(self, line: str):
-    """(name, image [H, W] on the canvas, points [P, 2], point_labels [P]) of one inference line."""
-    name, *prompt = line.split()
+    """(name, image [H, W] on the canvas, points [P, 2], point_labels [P]) of one inference line: the image,
+    then its prompt, separated by whitespace, or by a tab where the image's path holds spaces."""
+    if "\t" in line:
+      name, rest = line.split("\t", 1)
+      name, prompt = name.strip(), rest.split()
+    else:
+      name, *prompt = line.split()
     canvas = self.options.canvas
     if name.startswith("test:"):
       index = int(name[len("test:"):]) if name[len("test:"):].isdigit() else -1
