@@ -143,13 +143,15 @@ def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups,
     assert_function_matches_reference(ours, query, key, value, {"mask": mask, "is_causal": causal}, atol=2e-5)
 
 
+@pytest.mark.parametrize("per_step", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_backward_with_its_own_smaller_query_blocks_matches_reference(kind, monkeypatch):
+def test_a_backward_with_its_own_smaller_query_blocks_matches_reference(kind, per_step, monkeypatch):
   # Blocking.backward_block_q: 14 queries in forward blocks of 8 rows over all keys (the second padded), the
-  # backward in blocks of 4 (masks, biases and causal offsets sliced at the backward's own boundaries).
+  # backward in blocks of 4 (masks, biases and causal offsets sliced at the backward's own boundaries), with one
+  # unit a step or two (their backward blocks then run vmapped).
   monkeypatch.setattr(attention, "_runs_fused", lambda implementation, *_: implementation == "dense")
   monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(
-      block_q=8, block_k=s, backward_block_q=4))
+      block_q=8, block_k=s, units_per_step=per_step, backward_block_q=4))
   backward_blocks = []
   unit_backward = blocked_attention._unit_backward
   monkeypatch.setattr(blocked_attention, "_unit_backward", lambda *args: (
@@ -159,16 +161,21 @@ def test_a_backward_with_its_own_smaller_query_blocks_matches_reference(kind, mo
   assert set(backward_blocks) == {4}
 
 
-def test_the_backward_halves_the_query_block_where_one_unit_fills_a_step():
+def test_the_backward_takes_blocks_of_256_query_rows_where_a_units_forward_block_is_large():
+  """A unit's forward block of 2^20 scores or more is split into backward blocks of 256 query rows, every query
+  head of its group counted (a multiple of 8 dividing the forward's, at least half that many); smaller units keep
+  their blocks, run side by side."""
   choose = functools.partial(attention.choose_blocking, "xla", backend="cpu", threads=2)
-  assert choose(2048, 2048, units=16).backward_block_q == 512  # forward 1024 x 2048 scores, one unit a step
-  assert choose(1024, 2048, units=16).backward_block_q == 512
-  assert choose(1797, 1797, units=6).backward_block_q == 452  # forward blocks of 904 rows
-  assert choose(512, 512, units=64).backward_block_q is None  # 8 units a step: the backward keeps them
+  assert choose(2048, 2048, units=16).backward_block_q == 256  # forward 1024 x 2048 scores, one unit a step
+  assert choose(1024, 2048, units=16).backward_block_q == 256
+  assert choose(512, 512, units=16, groups=4).backward_block_q == 64  # GQA: 4 x 512 rows x 512 keys
+  assert choose(2048, 2048, units=4, groups=4).backward_block_q == 64  # 4 x 256 rows x 2048 keys
+  assert choose(1797, 1797, units=6).backward_block_q is None  # forward blocks of 904 = 8 x 113 rows: no divisor
+  assert choose(512, 512, units=64).backward_block_q is None  # 512 x 512 scores, 8 units a step
+  assert choose(512, 512, units=1).backward_block_q is None
   assert choose(128, 4096, units=8).backward_block_q is None
-  assert choose(512, 512, units=1).backward_block_q is None  # one unit a step, but 2 x 512 x 512 fits a step
-  assert choose(2048, 2048, units=4, groups=4).backward_block_q == 128  # 4 x 256 rows x 2048 keys, doubled
-  for units in (1, 8):  # chunked's 256 x 512 blocks, doubled, fit a step
+  assert choose(512, 16384, units=8).backward_block_q is None  # forward blocks of 128 rows already
+  for units in (1, 8):  # chunked's 256 x 512 blocks
     assert attention.choose_blocking("chunked", 8192, 8192, units=units, threads=2).backward_block_q is None
 
 

@@ -187,6 +187,10 @@ def usable_cores() -> int:
 # Scores one CPU loop step holds at most (8 MiB in float32, about what stays in cache): sets the
 # query block for "xla" and how many units share a step.
 _STEP_SCORES = 2 ** 21
+# A CPU backward block of "xla" over a unit's forward block of this many scores or more takes this many query
+# rows, all of the unit's query heads counted (see _backward_block_q).
+_BACKWARD_SPLIT_SCORES = 2 ** 20
+_BACKWARD_ROWS = 256
 # Units of one block per CPU loop step, at most (see choose_blocking).
 _MAX_CHAINS = 8
 
@@ -223,13 +227,25 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   limit = min(_MAX_CHAINS if one_block else threads or usable_cores(),
               max(1, _STEP_SCORES // (groups * block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
-  # The backward holds about twice the forward's score-sized temporaries a block: where that overflows a
-  # step's budget with one unit a step, it takes half the query rows (at least 64), about the forward's budget.
-  half = block_q // 2
-  overflows = 2 * groups * block_q * block_k > _STEP_SCORES
-  backward_block_q = half if per_step == 1 and overflows and half >= 64 and block_q % 2 == 0 else None
+  backward_block_q = _backward_block_q(block_q, block_k, groups) if implementation == "xla" else None
   return blocked_attention.Blocking(block_q=block_q, block_k=block_k, units_per_step=per_step,
                                     backward_block_q=backward_block_q)
+
+
+def _backward_block_q(block_q: int, block_k: int, groups: int) -> int | None:
+  """The query rows of a CPU backward block of "xla", or None for the forward's block_q.
+
+  A backward block holds about twice the forward's score-sized temporaries (the scores, the probabilities and
+  both their gradients) and runs more matmuls over them. Where one unit's forward block holds
+  _BACKWARD_SPLIT_SCORES scores or more, the backward takes blocks of _BACKWARD_ROWS query rows, every query
+  head of the unit's group counted: the largest divisor of block_q that is a multiple of 8 and at least half
+  that many rows (a block_q with none keeps its own). Smaller units keep their blocks, which run side by side.
+  """
+  if groups * block_q * block_k < _BACKWARD_SPLIT_SCORES:
+    return None
+  target = _BACKWARD_ROWS // groups
+  rows = [d for d in range(8, target + 1, 8) if block_q % d == 0 and 2 * d >= target]
+  return max(rows) if rows and max(rows) < block_q else None
 
 
 def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False, scale=None,

@@ -50,9 +50,9 @@ class Blocking:
 
   backward_block_q: query rows per block in the backward pass (None: block_q). A backward block holds
   about twice the forward's score-sized temporaries (scores, probabilities and both their gradients,
-  against scores and probabilities), so where one unit's forward block fills a step the backward can
-  take fewer rows. Used with units in a loop one per step (parallel_units=False, units_per_step=1)
-  and where it divides the padded query length; block_q otherwise.
+  against scores and probabilities), so it can take fewer rows than the forward's. Used with units in a
+  loop (parallel_units=False) where it divides the padded query length; block_q otherwise. Units of one
+  forward block then have block loops in the backward, which runs them vmapped.
   """
   block_q: int
   block_k: int
@@ -463,8 +463,7 @@ def blocked_attention(query, key, value, *, mask, bias, is_causal: bool, blockin
   bk = min(blocking.block_k, s)
   t_pad, s_pad = math.ceil(t / bq) * bq, math.ceil(s / bk) * bk
   bq_backward = blocking.backward_block_q
-  if (bq_backward is None or blocking.parallel_units or blocking.units_per_step != 1 or not 0 < bq_backward < bq
-      or t_pad % bq_backward):
+  if bq_backward is None or blocking.parallel_units or not 0 < bq_backward < bq or t_pad % bq_backward:
     bq_backward = None
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk, backward_block_q=bq_backward)
   st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads,
