@@ -195,5 +195,5 @@ def test_training_in_a_folder_holding_a_config_file_no_run_wrote_is_refused_befo
   (tmp_path / "run").mkdir()
   workdir.write_config(_config(), str(tmp_path / "run"))  # a run's record: its own to rewrite
   assert workdir.foreign_record_files(str(tmp_path / "run")) == []
-  (tmp_path / "run" / "config.json").write_text("[]")
+  (tmp_path / "run" / "config.json").write_text('{"task": {"name": "mine"}}')  # JSON, but no run's record
   assert workdir.foreign_record_files(str(tmp_path / "run")) == list(workdir.RECORD_FILES)

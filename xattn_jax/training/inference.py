@@ -3,9 +3,9 @@
 
 Input is UTF-8 (a file, or "-" for stdin); lines end at \\n or \\r\\n only. A blank input line is
 answered with a blank line by the engine (the task never sees it; a task with `infers_blank_lines`, the
-language model, answers it: a sample from nothing), so output line i always answers input line i (an answer's line breaks, which no bundled task generates, are
-written as spaces). A line the task cannot take (`task.InputLineError`) or that is not UTF-8 is reported as
-`file:line: why` (a `DataError`).
+language model, answers it: a sample from nothing), so output line i always answers input line i (an answer's
+line breaks, which no bundled task generates, are written as spaces). A line the task cannot take
+(`task.InputLineError`) or that is not UTF-8 is reported as `file:line: why` (a `DataError`).
 """
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def answer_lines(infer, lines: list[str], name: str = "<input>", *, blank_lines:
   by_number = dict(zip(numbers, answers))
   broken = [number for number, answer in by_number.items() if any(c in answer for c in tokenizers.LINE_BREAKS)]
   if broken:  # the bundled tasks never generate one (Tokenizer.never_generated_ids); a task of yours may
+    shown = ", ".join(map(str, broken[:10])) + (" ..." if len(broken) > 10 else "")
     logging.warning("%s: the answers to lines %s hold line breaks; each is written as a space, so that output "
-                    "line i answers input line i", name, ", ".join(map(str, broken[:10])) + (" ..." * (len(broken) > 10)))
+                    "line i answers input line i", name, shown)
     for number in broken:
       by_number[number] = re.sub(f"[{tokenizers.LINE_BREAKS}]", " ", by_number[number])
   return [by_number.get(number, "") for number in range(1, len(lines) + 1)]

@@ -173,7 +173,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
     # read a finished run
     raise RunError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')} to {mode} with")
   is_writer = jax.process_index() == 0
-  if mode == "train" and (foreign := workdir_lib.foreign_record_files(workdir)):
+  if mode == "train" and not has_checkpoints and (foreign := workdir_lib.foreign_record_files(workdir)):
     raise RunError(f"{workdir} holds {', '.join(foreign)} that no run wrote, which training would overwrite: "
                    "name an empty or new folder as the workdir")
   new_workdir = is_writer and mode == "train" and not os.path.exists(workdir)

@@ -36,13 +36,14 @@ RECORD_FILES = ("config.json", "config.txt", "config.py")
 
 def foreign_record_files(workdir: str) -> list[str]:
   """The files among RECORD_FILES in `workdir` that no run wrote (a folder of your own given as the workdir, a
-  config.py of yours in it): training there would overwrite them. [] where config.json is a run's record."""
+  config.py of yours in it): training there would overwrite them. [] where config.json is a run's record (it
+  holds task and model sections). The caller asks only where no checkpoint is: a run's workdir there is one."""
   present = [name for name in RECORD_FILES if os.path.exists(os.path.join(workdir, name))]
   try:
     record = recorded_config(workdir)
   except (OSError, ValueError):  # unreadable, or not JSON
     record = None
-  is_run = isinstance(record, dict) and isinstance(record.get("task"), dict) and "name" in record["task"]
+  is_run = isinstance(record, dict) and isinstance(record.get("task"), dict) and isinstance(record.get("model"), dict)
   return [] if is_run else present
 
 
