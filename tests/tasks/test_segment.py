@@ -72,6 +72,9 @@ def test_infer_writes_a_mask_png_for_clicks_on_an_image_file(trained_segmenter, 
     name, png, iou, pixels = line.split("\t")
     assert png.startswith(str(workdir / "infer")) and matplotlib.image.imread(png).ndim == 3
     assert 0.0 <= float(iou.removeprefix("iou=")) <= 1.0 and int(pixels.removeprefix("pixels=")) >= 0
+  [again] = task.infer(model, [f"{bar} 7,8"])  # the same name: the first infer's picture is kept
+  assert lines[0].split("\t")[1].endswith("bar_0.png")
+  assert again.split("\t")[1] == str(workdir / "infer" / "bar_0-2.png")
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ Inference (`launch.py --mode=infer`), one line per prompt:
 IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resized to the canvas) or test:K
 (test prompt K's image; with no prompt after it, test prompt K's own); a tab after IMAGE instead of a space
 takes a path with spaces (`my scan.png<TAB>12,9`). The answer line is IMAGE, the PNG
-written to `<workdir>/infer/` (image, prompt, every mask), the predicted IoU and pixel count of the chosen mask,
+written to `<workdir>/infer/` (image, prompt, every mask; `<name>_<line>.png`, `-2`, `-3` ... where an earlier
+infer wrote that name), the predicted IoU and pixel count of the chosen mask,
 tab-separated.
 """
 from __future__ import annotations
@@ -86,6 +87,16 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
   x, y = np.asarray(x, np.float64) - np.mean(x), np.asarray(y, np.float64) - np.mean(y)
   denominator = np.sqrt(np.sum(x * x) * np.sum(y * y))
   return float(np.sum(x * y) / denominator) if denominator > 0 else 0.0
+
+
+def _free_path(path: str) -> str:
+  """`path`, or `<stem>-2<ext>`, `-3` ... where it is taken."""
+  stem, ext = os.path.splitext(path)
+  count = 1
+  while os.path.exists(path):
+    count += 1
+    path = f"{stem}-{count}{ext}"
+  return path
 
 
 @task_lib.register("segment")
@@ -339,7 +350,7 @@ class SegmentTask(task_lib.Task):
     for index, (name, image, point, label) in enumerate(parsed):
       best = int(np.argmax(predicted[index]))
       stem = re.sub(r"[^\w.-]", "_", os.path.splitext(os.path.basename(name))[0])
-      path = os.path.join(directory, f"{stem}_{index}.png")
+      path = _free_path(os.path.join(directory, f"{stem}_{index}.png"))  # an earlier infer's PNG is kept
       plots.plot_prediction(image, point, label, logits[index] > 0, predicted[index], path, title=name)
       outputs.append(f"{name}\t{path}\tiou={predicted[index, best]:.3f}\tpixels={int(np.sum(logits[index, best] > 0))}")
     return outputs
