@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import functools
 import hashlib
 import io
 import os
@@ -158,7 +159,6 @@ class SentencePieceTokenizer(Tokenizer):
     if not os.path.isfile(model_path):
       raise ValueError(f"model_path {model_path!r} is not a SentencePiece model file")
     self.model_path = model_path
-    self._never_generated = None
     try:
       self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
     except (RuntimeError, OSError) as error:
@@ -178,15 +178,13 @@ class SentencePieceTokenizer(Tokenizer):
     """The id of text the model has no piece for (a character absent from its training text)."""
     return self._processor.unk_id()
 
-  @property
+  @functools.cached_property
   def never_generated_ids(self) -> tuple[int, ...]:
     """Padding, BOS, the unknown piece (written out, it reads '⁇') and the pieces whose text holds a line break
     (byte fallback's <0x0A> and <0x0D>, a piece of a text that held one)."""
-    if self._never_generated is None:
-      breaks = tuple(piece_id for piece_id in range(self.vocab_size)
-                     if any(character in LINE_BREAKS for character in self._piece_text(piece_id)))
-      self._never_generated = (self.pad_id, self.bos_id, self.unk_id, *breaks)
-    return self._never_generated
+    breaks = tuple(piece_id for piece_id in range(self.vocab_size)
+                   if any(character in LINE_BREAKS for character in self._piece_text(piece_id)))
+    return (self.pad_id, self.bos_id, self.unk_id, *breaks)
 
   def _piece_text(self, piece_id: int) -> str:
     """The text one piece stands for ("" for the specials and unknown; a byte piece's byte as a character)."""

@@ -22,6 +22,8 @@ from xattn_jax.training import task as task_lib, validation, workdir as workdir_
 from xattn_jax.training.errors import DataError, RunError
 from xattn_jax.training.trainer import Trainer
 
+_LINE_BREAK = re.compile(f"[{tokenizers.LINE_BREAKS}]")
+
 
 def read_input_lines(input_file: str) -> tuple[str, list[str]]:
   """(name for messages, lines) of an inference input: a UTF-8 file, or "-" for stdin."""
@@ -56,13 +58,13 @@ def answer_lines(infer, lines: list[str], name: str = "<input>", *, blank_lines:
   except task_lib.InputLineError as error:
     raise DataError(f"{name}:{numbers[error.index]}: {error.message}") from None
   by_number = dict(zip(numbers, answers))
-  broken = [number for number, answer in by_number.items() if any(c in answer for c in tokenizers.LINE_BREAKS)]
+  broken = [number for number, answer in by_number.items() if _LINE_BREAK.search(answer)]
   if broken:  # the bundled tasks never generate one (Tokenizer.never_generated_ids); a task of yours may
     shown = ", ".join(map(str, broken[:10])) + (" ..." if len(broken) > 10 else "")
     logging.warning("%s: the answers to lines %s hold line breaks; each is written as a space, so that output "
                     "line i answers input line i", name, shown)
     for number in broken:
-      by_number[number] = re.sub(f"[{tokenizers.LINE_BREAKS}]", " ", by_number[number])
+      by_number[number] = _LINE_BREAK.sub(" ", by_number[number])
   return [by_number.get(number, "") for number in range(1, len(lines) + 1)]
 
 

@@ -21,17 +21,16 @@ from xattn_jax.training import validation
 from xattn_jax.training.errors import RunError
 
 
-def write_config(config, workdir: str) -> None:
-  """Writes the resolved `config` as `<workdir>/config.json`, `config.txt` and `config.py`."""
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-  with open(os.path.join(workdir, "config.txt"), "w") as f:
-    f.write(str(config))
-  with open(os.path.join(workdir, "config.py"), "w") as f:
-    f.write(config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
-
-
 RECORD_FILES = ("config.json", "config.txt", "config.py")
+
+
+def write_config(config, workdir: str) -> None:
+  """Writes the resolved `config` as `<workdir>/config.json`, `config.txt` and `config.py` (RECORD_FILES)."""
+  contents = (config.to_json_best_effort(indent=2, sort_keys=True) + "\n", str(config),
+              config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
+  for name, content in zip(RECORD_FILES, contents):
+    with open(os.path.join(workdir, name), "w") as f:
+      f.write(content)
 
 
 def foreign_record_files(workdir: str) -> list[str]:
