@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from configs import lm_text, template, translate_dates
+from configs import lm_text, template, translate_dates, translate_tsv, vlm_digits
 from xattn_jax.training import loop, validation, workdir
 from xattn_jax.training.errors import RunError
 
@@ -159,6 +159,36 @@ def test_eval_and_infer_may_name_other_dependency_workdirs_training_may_not(tmp_
   moved.model.num_heads += 1  # the model itself still may not change
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.num_heads"):
     workdir.check_same_model(moved, str(tmp_path), mode="infer")
+
+
+def test_paths_are_made_absolute_and_a_record_of_typed_paths_names_the_same_files(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "run").mkdir()
+  typed = translate_tsv.get_config()
+  typed.update_from_flattened_dict({"data.train_file": "train.tsv", "init_from": "runs/a"})
+  workdir.write_config(typed, str(tmp_path / "run"))  # a run recorded before its paths were made absolute
+  launched = translate_tsv.get_config()
+  launched.update_from_flattened_dict({"data.train_file": "train.tsv", "init_from": "runs/a"})
+  workdir.absolute_paths(launched, str(tmp_path / "run"))
+  assert (launched.data.train_file, launched.init_from) == (str(tmp_path / "train.tsv"), str(tmp_path / "runs/a"))
+  assert (launched.data.eval_file, launched.infer.input_file) == ("", "-")  # unset; standard input
+  assert workdir.config_differences(launched, str(tmp_path / "run")) == {}
+  launched.data.train_file = str(tmp_path / "other.tsv")
+  assert list(workdir.config_differences(launched, str(tmp_path / "run"))) == ["data.train_file"]
+  vlm = vlm_digits.get_config()  # the dependencies' workdirs are paths too
+  workdir.absolute_paths(vlm, None)
+  assert vlm.model.encoder_workdir.startswith(str(tmp_path)) and vlm.model.lm_workdir.startswith(str(tmp_path))
+
+
+def test_a_run_records_its_paths_absolute_so_its_config_py_reads_the_same_files_from_any_folder(tmp_path,
+                                                                                                monkeypatch):
+  """A run's config.py kept paths as typed: --config=<workdir>/config.py from another folder found no file."""
+  (tmp_path / "data").mkdir()
+  monkeypatch.chdir(tmp_path / "data")
+  loop.run(tiny_template(**{"infer.input_file": "questions.txt"}), "../run")
+  monkeypatch.chdir(tmp_path)
+  recorded = validation.load_config_file(str(tmp_path / "run" / "config.py"))
+  assert recorded.infer.input_file == str(tmp_path / "data" / "questions.txt")
 
 
 def tiny_template(**overrides):

@@ -23,6 +23,40 @@ from xattn_jax.training.errors import RunError
 
 RECORD_FILES = ("config.json", "config.txt", "config.py")
 
+# The fields naming a file or folder, as typed relative to the directory a run starts in, beside the
+# workdir fields of the task's dependencies. A run records them absolute (`absolute_paths`), so that its
+# config.py works from any directory; "" (unset) and "-" (standard input) are no paths.
+PATH_FIELDS = ("data.train_file", "data.eval_file", "init_from", "infer.input_file")
+
+
+def path_fields(config, workdir: str | None) -> tuple[str, ...]:
+  """The fields of `config` that name a file or folder: PATH_FIELDS it has and its dependencies' workdir fields."""
+  task_class = task_lib.get_task_class(config.task.name)
+  fields = PATH_FIELDS + tuple(dependency.workdir_field for dependency in task_class.dependencies(config, workdir))
+  return tuple(field for field in dict.fromkeys(fields) if isinstance(_field(config, field), str))
+
+
+def _field(config, field: str):
+  for key in field.split("."):
+    if key not in config:
+      return None
+    config = config[key]
+  return config
+
+
+def _absolute(value):
+  return os.path.abspath(value) if isinstance(value, str) and value not in ("", "-") else value
+
+
+def absolute_paths(config, workdir: str | None) -> None:
+  """Makes `config`'s path fields (`path_fields`) absolute, relative to the current directory, in place."""
+  for field in path_fields(config, workdir):
+    *parents, key = field.split(".")
+    section = config
+    for parent in parents:
+      section = section[parent]
+    section[key] = _absolute(section[key])
+
 
 def write_config(config, workdir: str) -> None:
   """Writes the resolved `config` as `<workdir>/config.json`, `config.txt` and `config.py` (RECORD_FILES)."""
@@ -109,12 +143,17 @@ def config_differences(config, workdir: str) -> dict[str, tuple]:
   """{dotted field: (value in the run's config.json, value in `config`)} for every field where they
   differ, sorted by field (None for a field one side lacks); {} when the workdir holds no config.json."""
   recorded = recorded_config(workdir)
-  return {} if recorded is None else _differences(_flat(recorded), config)
+  return {} if recorded is None else _differences(_flat(recorded), config, workdir)
 
 
-def _differences(old: dict, config) -> dict[str, tuple]:
+def _differences(old: dict, config, workdir: str) -> dict[str, tuple]:
+  """A path field differs where the paths, made absolute, do: a run recorded before paths were made absolute
+  (or a config not launched) names the same file relative to the current directory."""
   new = _flat(json.loads(config.to_json_best_effort()))
-  return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+  paths = path_fields(config, workdir)
+  same = lambda key: (_absolute(old.get(key)) == _absolute(new.get(key)) if key in paths
+                      else old.get(key) == new.get(key))
+  return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if not same(key)}
 
 
 def check_same_model(config, workdir: str, mode: str = "train") -> None:
@@ -141,7 +180,7 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
 
   raw = recorded_config(workdir)
   recorded = _flat(raw or {})
-  differences = {} if raw is None else _differences(recorded, config)
+  differences = {} if raw is None else _differences(recorded, config, workdir)
   trained_on = differences.get("data.train_file", (None, None))[0]
   data = config.get("data") or {}
   if mode == "eval" and trained_on and not data.get("train_file") and not data.get("eval_file"):
