@@ -333,6 +333,24 @@ def test_microbatches_give_the_whole_batchs_loss_and_update(args, tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_microbatches_of_bfloat16_parameters_keep_the_optimizer_state_in_bfloat16_from_call_to_call(tmp_path):
+  """The gradients added up over microbatches came back float32 for bfloat16 parameters: the optimizer's
+  moments turned float32 within a step, and a call of several steps (a loop whose carry keeps its types) failed."""
+  from tests import helpers
+  config = helpers.load_config(*_TEMPLATE, "--config.precision.param_dtype=bfloat16", "--config.num_microbatches=2")
+  validation.validate_config(config, mode="train", device_count=1)
+  trainer = Trainer(config, str(tmp_path / "run"), "train")
+  batches = jax.tree.map(lambda *x: np.stack(x), *(trainer.read_train_batch(step) for step in range(2)))
+  batches = trainer.batch(batches, config.batch_size, stacked=True)
+  state = trainer.init_state()
+  dtypes = lambda tree: [x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  before = dtypes(state)
+  assert jnp.bfloat16 in before
+  state, metrics = trainer.make_train_step()(state, batches, jnp.int32(0), jnp.int32(2), jax.random.key(0))
+  assert dtypes(state) == before
+  assert np.all(np.isfinite(metrics["train/loss"])) and metrics["train/loss"].shape == (2,)
+
+
 _QUICK_IMAGES = ("--config.batch_size=8", "--config.total_steps=4", "--config.steps_per_call=1",
                  "--config.logging.tensorboard=False", "--config.logging.plot=False")
 # Beside train/loss, grad_norm and learning_rate: what each logs of its own

@@ -84,21 +84,23 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
     rows, index = inputs                      # Variables at the loop's trace level
     model = nnx.merge(graphdef, params, rest)
     (total, (weight, aux)), gradient = nnx.value_and_grad(terms, has_aux=True)(model, rows, index)
-    gradient_sum = jax.tree.map(jnp.add, gradient_sum, gradient)
+    gradient_sum = jax.tree.map(lambda total, g: total + g.astype(total.dtype), gradient_sum, gradient)
     _, params, rest = nnx.split(model, nnx.Param, ...)
     return (params, rest, gradient_sum, jax.tree.map(jnp.add, sums, (total, weight, aux))), None
 
   # The sums start as zeros of the terms' structure (the aux names are the task's).
   _, (_, aux_shape) = jax.eval_shape(lambda params, rest, rows: terms(nnx.merge(graphdef, params, rest), rows, 0),
                                      params, rest, jax.tree.map(lambda x: x[0], micro))
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  # Gradients add up in float32 at least (bfloat16 parameters' too) and come back in each parameter's dtype,
+  # as the whole batch's gradient does: the optimizer's state keeps its dtype from step to step.
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
   start = (params, rest, zeros, jax.tree.map(lambda _: jnp.zeros((), jnp.float32), (0.0, 0.0, aux_shape)))
   (_, rest, gradient_sum, (loss_sum, weight_sum, aux)), _ = jax.lax.scan(
       one, start, (micro, jnp.arange(microbatches)))
   nnx.update(model, rest)
   weight = jnp.maximum(weight_sum, 1.0)
   loss, aux_means = task_lib.mean_terms(loss_sum, weight_sum, aux)
-  return (loss, jax.tree.map(lambda g: g / weight, gradient_sum)), aux_means
+  return (loss, jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), gradient_sum, params)), aux_means
 
 
 def _sized_by_epochs(config, task):
