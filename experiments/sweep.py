@@ -64,6 +64,7 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
   """Trains one cell unless its result.json exists; returns (cell, metrics or None, message). A result.json
   written before a key joined the table gains it from the run's log; a stale one (`stale`) is reported and
   left as it is."""
+  root = pathlib.Path(root).absolute()  # the cell's launch.py runs in the repository, not the caller's folder
   workdir = cell.workdir(root)
   result_path = workdir / "result.json"
   if result_path.exists():

@@ -1,6 +1,7 @@
 """What the sweep runners share (experiments/sweep.py): a cell's result, kept once it is finished."""
 import dataclasses
 import json
+import pathlib
 import sys
 
 import numpy as np
@@ -51,6 +52,15 @@ def test_a_cell_runs_once_and_keeps_its_final_metrics_in_result_json(tmp_path):
   assert {k: kept[k] for k in KEYS} == metrics and "train_seconds" in kept
   (cell.workdir(tmp_path) / "metrics.jsonl").unlink()  # a second call reads result.json, runs nothing
   assert sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)[1:] == (kept, "done before")
+
+
+def test_a_relative_root_names_the_same_folder_for_the_cells_run_as_for_its_results(tmp_path, monkeypatch):
+  """launch.py runs in the repository: a relative --workdir trained the cells there and found no results."""
+  cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},))
+  monkeypatch.chdir(tmp_path)
+  assert sweep.run_cell(cell, pathlib.Path("runs"), quick=True, keys=KEYS, single_thread=True)[1] == {
+      "eval/a": 0.5, "eval/b": 0.25}
+  assert (tmp_path / "runs" / "cell" / "result.json").is_file()
 
 
 def test_a_cell_finished_under_other_settings_is_stale_neither_reused_nor_trained_over_nor_counted(tmp_path):
