@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from xattn_jax.data import files
+from xattn_jax.data import files, image_files
 from xattn_jax.data.image_text import (ImageTextFormatError, fit_size, read_image_text_pairs, read_images,
                                        read_pair_texts)
 
@@ -74,6 +74,26 @@ def test_a_deep_image_is_scaled_from_its_own_range_not_clipped_to_8_bits(tmp_pat
   Image.fromarray(pixels).save(path)
   [read] = read_images([path], CANVAS)
   assert read[3:5, 3:5].min() - read[:, 8:].max() > 0.5  # the stroke stands out from its ground
+
+
+def test_12_bit_data_in_a_16_bit_file_is_scaled_from_0_4095(tmp_path):
+  """A 12-bit scan stored in 16 bits read at most 15/255: nearly black."""
+  pixels = np.full((16, 32), 200, np.uint16)
+  pixels[4:12, 4:12] = 4000
+  Image.fromarray(pixels).save(tmp_path / "scan.png")
+  read = np.asarray(image_files.open_image(str(tmp_path / "scan.png")))
+  assert read.max() == round(4000 / 4095 * 255) and read.min() == round(200 / 4095 * 255)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_an_image_holding_nan_or_infinite_pixels_is_refused(tmp_path, bad):
+  """One NaN made the float range NaN and the whole image read as blank, with numpy's warning only."""
+  pixels = np.full((16, 32), 0.2, np.float32)
+  pixels[4:12, 4:12] = 0.9
+  pixels[0, 0] = bad
+  Image.fromarray(pixels).save(tmp_path / "scan.tif")
+  with pytest.raises(ValueError, match=r"scan.tif' holds NaN or infinite pixel values \(1 of 512\)"):
+    image_files.open_image(str(tmp_path / "scan.tif"))
 
 
 def test_a_photos_exif_orientation_is_applied(tmp_path):

@@ -2,8 +2,8 @@
 
   * Anything Pillow opens (PNG, JPEG, TIFF, ...), grey-scale ("L") or RGB.
   * A photo's EXIF orientation is applied, so it reads as a viewer shows it.
-  * A 16-bit, 32-bit or floating-point image is scaled from its own range: Pillow's 8-bit conversion clips
-    (a 16-bit scan with a mid-grey ground came out 99.6% white).
+  * A 16-bit, 32-bit or floating-point image is scaled from its type's range (`_eight_bit`): Pillow's 8-bit
+    conversion clips (a 16-bit scan with a mid-grey ground came out 99.6% white).
   * A transparent image is laid on white first: transparent pixels carry arbitrary colour (often black, as the
     ink is), so ink on a transparent background would read as an empty image.
   * `ink_high`: a mostly light image (dark ink on paper) is inverted, so ink is high as in the bundled digits.
@@ -15,17 +15,26 @@ import os
 import numpy as np
 
 
+class _PixelError(ValueError):
+  """An image whose pixel values cannot be drawn."""
+
+
 def _eight_bit(image):
-  """A single-channel 16-bit, 32-bit integer or float image as 8-bit grey: 16-bit data over 0-65535, 32-bit
-  integers over the smallest of 0-255, 0-65535 and 0-2^31-1 that holds them, floats in [0, 1] as they are,
-  other floats stretched from their minimum to their maximum."""
+  """A single-channel 16-bit, 32-bit integer or float image as 8-bit grey: 16-bit data over the smallest of
+  0-4095 (12-bit data, as cameras and scanners store it in 16) and 0-65535 that holds them, 32-bit integers over
+  the smallest of 0-255, 0-65535 and 0-2^31-1, floats in [0, 1] as they are, other floats stretched from their
+  minimum to their maximum. NaN or infinite pixels are refused (ValueError)."""
   from PIL import Image
 
   pixels = np.asarray(image, np.float64)
+  if not np.isfinite(pixels).all():  # one NaN made the range NaN, and the whole image read as blank
+    raise _PixelError(f"holds NaN or infinite pixel values ({np.size(pixels) - np.isfinite(pixels).sum()} of "
+                      f"{np.size(pixels)})")
   if image.mode == "F":
     low, high = (0.0, 1.0) if pixels.min() >= 0 and pixels.max() <= 1 else (pixels.min(), pixels.max())
   else:
-    bits = 16 if image.mode.startswith("I;16") else next(b for b in (8, 16, 31) if pixels.max() < 2 ** b)
+    depths = (12, 16) if image.mode.startswith("I;16") else (8, 16, 31)
+    bits = next(b for b in depths if pixels.max() < 2 ** b)
     low, high = 0.0, 2.0 ** bits - 1
   scaled = (pixels - low) / max(high - low, 1e-12)
   return Image.fromarray(np.round(np.clip(scaled, 0.0, 1.0) * 255).astype(np.uint8), "L")
@@ -53,6 +62,8 @@ def open_image(path: str, *, grey: bool = True):
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(white, image.convert("RGBA"))
       return image.convert("L" if grey else "RGB")
+  except _PixelError as error:
+    raise ValueError(f"image {path!r} {error}") from None
   except Image.DecompressionBombError as error:  # an Exception of its own, not an OSError
     raise ValueError(f"image {path!r} is too large to decode ({error}); shrink it, or raise Pillow's "
                      "PIL.Image.MAX_IMAGE_PIXELS where you trust the file") from None
