@@ -85,7 +85,8 @@ def main(argv):
     fail(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]} cannot be loaded: {reason}")
   if not _WORKDIR.value:
     fail(f"--workdir is required; usage: {USAGE}")
-  problem = workdir_problem(_WORKDIR.value, _MODE.value)
+  workdir = os.path.expanduser(_WORKDIR.value)  # the shell leaves `~` after `=` as it is
+  problem = workdir_problem(workdir, _MODE.value)
   if problem:
     fail(f"--workdir={_WORKDIR.value}: {problem}")
   from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation
@@ -105,9 +106,9 @@ def main(argv):
       # At once: JAX's exit handler would wait at the shutdown barrier for peers of a group that cannot form.
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {' '.join(str(e).split())}", at_once=True)
-    dependencies.resolve(_CONFIG.value, _WORKDIR.value, _MODE.value,  # runs the task needs finished first
+    dependencies.resolve(_CONFIG.value, workdir, _MODE.value,  # runs the task needs finished first
                          side_by_side=_DEPENDENCIES.value == "side_by_side")
-    loop.run(_CONFIG.value, _WORKDIR.value, _MODE.value)
+    loop.run(_CONFIG.value, workdir, _MODE.value)
   except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))
   except dependencies.DependencyFailed as e:  # its own lines, relayed, said why; this one names it
@@ -115,7 +116,7 @@ def main(argv):
   except (loop.TrainingDiverged, loop.RunError) as e:
     fail(f"{type(e).__name__}: {e}", status=1)
   except KeyboardInterrupt:  # a second Ctrl-C: one line, not the traceback of wherever it landed
-    steps = checkpoints.step_numbers(_WORKDIR.value)
+    steps = checkpoints.step_numbers(workdir)
     fail(f"interrupted by a second Ctrl-C, without saving; last checkpoint: "
          f"{'step ' + str(steps[-1]) if steps else 'none'} (a save it cut short is cleaned up on the next start)",
          status=130)

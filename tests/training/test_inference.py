@@ -100,6 +100,12 @@ def test_load_model_of_a_directory_that_is_no_run_says_so(tmp_path):
     inference.load_model(str(tmp_path))
 
 
+def test_load_model_expands_a_workdir_under_home(tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  with pytest.raises(RunError, match=f"^{tmp_path}/run holds no config.py"):
+    inference.load_model("~/run")
+
+
 def test_load_model_names_a_mode_it_cannot_load_in(tmp_path):
   with pytest.raises(ValueError, match="mode must be 'infer' or 'eval', got mode='train'"):
     inference.load_model(str(tmp_path), mode="train")

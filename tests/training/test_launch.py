@@ -148,6 +148,17 @@ def test_a_workdir_that_cannot_hold_a_run_is_a_one_line_error(tmp_path, workdir,
   assert (tmp_path / "a_file").read_text() == "my data\n"
 
 
+def test_a_workdir_under_home_is_expanded(tmp_path):
+  """The shell leaves `~` after `=` as it is: --workdir=~/run trained into a folder named `~`."""
+  (tmp_path / "home").mkdir()
+  (tmp_path / "home" / "a_file").write_text("my data\n")
+  result = helpers.run([sys.executable, str(REPO / "launch.py"), f"--config={REPO / 'configs/template.py'}",
+                        "--workdir=~/a_file"], cwd=tmp_path, env={**subprocess_env(), "HOME": str(tmp_path / "home")},
+                       timeout=120)
+  assert result.stderr.strip() == "launch.py: --workdir=~/a_file: is a file, not a directory"
+  assert result.returncode == 2 and not (tmp_path / "~").exists()
+
+
 # --- one reference run, and what it leaves in the workdir ---------------------------------------
 
 @pytest.fixture(scope="module")

@@ -163,6 +163,7 @@ def test_eval_and_infer_may_name_other_dependency_workdirs_training_may_not(tmp_
 
 def test_paths_are_made_absolute_and_a_record_of_typed_paths_names_the_same_files(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
   (tmp_path / "run").mkdir()
   typed = translate_tsv.get_config()
   typed.update_from_flattened_dict({"data.train_file": "train.tsv", "init_from": "runs/a"})
@@ -172,6 +173,10 @@ def test_paths_are_made_absolute_and_a_record_of_typed_paths_names_the_same_file
   workdir.absolute_paths(launched, str(tmp_path / "run"))
   assert (launched.data.train_file, launched.init_from) == (str(tmp_path / "train.tsv"), str(tmp_path / "runs/a"))
   assert (launched.data.eval_file, launched.infer.input_file) == ("", "-")  # unset; standard input
+  launched.data.eval_file = "~/eval.tsv"
+  workdir.absolute_paths(launched, str(tmp_path / "run"))
+  assert launched.data.eval_file == str(tmp_path / "home" / "eval.tsv")
+  launched.data.eval_file = ""
   assert workdir.config_differences(launched, str(tmp_path / "run")) == {}
   launched.data.train_file = str(tmp_path / "other.tsv")
   assert list(workdir.config_differences(launched, str(tmp_path / "run"))) == ["data.train_file"]

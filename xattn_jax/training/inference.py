@@ -99,6 +99,7 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
   """
   if mode not in ("infer", "eval"):
     raise ValueError(f"load_model: mode must be 'infer' or 'eval', got mode={mode!r}")
+  workdir = os.path.expanduser(workdir)
   path = os.path.join(workdir, "config.py")
   if not os.path.isfile(path):
     raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")

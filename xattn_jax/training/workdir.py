@@ -45,11 +45,12 @@ def _field(config, field: str):
 
 
 def _absolute(value):
-  return os.path.abspath(value) if isinstance(value, str) and value not in ("", "-") else value
+  return os.path.abspath(os.path.expanduser(value)) if isinstance(value, str) and value not in ("", "-") else value
 
 
 def absolute_paths(config, workdir: str | None) -> None:
-  """Makes `config`'s path fields (`path_fields`) absolute, relative to the current directory, in place."""
+  """Makes `config`'s path fields (`path_fields`) absolute, relative to the current directory (`~` expanded),
+  in place."""
   for field in path_fields(config, workdir):
     *parents, key = field.split(".")
     section = config
