@@ -116,6 +116,8 @@ def test_infer_refuses_an_image_with_nan_pixels_naming_it(perceiver_workdir, tmp
   model, task = loop.load_model(str(perceiver_workdir))
   with pytest.raises(task_lib.InputLineError, match=r"input line 2: .*nan\.npy' holds NaN or infinite pixel values"):
     task.infer(model, ["test:0", str(tmp_path / "nan.npy")])
+  with pytest.raises(task_lib.InputLineError, match=r"input line 1: 'test:abc': the test set has images 0\.\."):
+    task.infer(model, ["test:abc"])
 
 
 @pytest.mark.slow

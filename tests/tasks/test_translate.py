@@ -17,6 +17,7 @@ from flax import nnx
 from configs import translate_dates, translate_tsv
 from tests import helpers
 from xattn_jax.data import batching
+from xattn_jax.models import translator
 from xattn_jax.training import loop, schedule, task as task_lib, validation
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.tasks.translate import task as translate_task
@@ -89,6 +90,13 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
 def test_invalid_fields_are_reported_by_name(field, value):
   with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):
     validation.validate_config(_config(**{field: value}))
+
+
+def test_a_position_encoding_the_translator_cannot_take_is_named_with_its_choices():
+  """mrope was refused naming model.decoder.mrope_sections, a field the translator does not have."""
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.position_encoding='mrope': allowed are "
+                     + re.escape(repr(sorted(translator.POSITION_ENCODINGS)))):
+    validation.validate_config(_config(**{"model.position_encoding": "mrope"}))
 
 
 @pytest.mark.parametrize("module, overrides, message", [
@@ -330,6 +338,20 @@ def test_each_eval_decodes_its_share_of_pairs_evenly_spaced_through_the_file_and
   config.task.num_decode_examples = 0
   assert len(translate_task.TranslateTask(config, str(tmp_path))._decoded_pairs) == 10
   assert translate_tsv.get_config().task.num_decode_examples == 1000
+
+
+def test_a_few_rows_decode_in_a_batch_of_their_own_size_not_padded_to_the_eval_batch(tmp_path):
+  """Two lines of infer ran a beam search over 256 rows (eval_batch_size): 100x the time, and with a wide beam
+  the memory of the machine."""
+  (tmp_path / "train.tsv").write_text("".join(f"{n} cats\t{n} chats\n" for n in range(40)))
+  config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"), "data.tokenizer": "bytes",
+                                     "eval_batch_size": 256})
+  task = translate_task.TranslateTask(config, str(tmp_path))
+  shapes = []
+  task._generate = lambda model, inputs, **kwargs: shapes.append(inputs.shape) or inputs
+  for rows in (2, 3, 300):
+    assert len(task.translate_ids(None, np.ones((rows, 5), np.int32), 8)) == rows
+  assert shapes == [(2, 5), (4, 5), (256, 5), (256, 5)]
 
 
 def test_a_tsv_corpus_without_an_eval_file_holds_out_a_share_of_its_sources(tmp_path):

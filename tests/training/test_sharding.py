@@ -52,3 +52,11 @@ def test_logits_sharding_splits_rows_by_the_batch_rule_and_the_vocabulary_by_the
   assert spec((2, 2, 2)) == jax.sharding.PartitionSpec(("data", "fsdp"), ("tensor",))
   assert spec((1, 1, 4)) == jax.sharding.PartitionSpec(None, ("tensor",))
   assert spec((4, 2, 1)) is None  # the vocabulary is whole: decoding ranks it as one
+
+
+def test_rows_decode_in_the_eval_batch_or_the_next_power_of_two_split_over_the_devices_the_rows_take():
+  batches = lambda shape: sharding.batch_sharding(
+      jax.sharding.AbstractMesh(shape, ("data", "fsdp", "tensor")), common.DEFAULT_SHARDING_RULES)
+  assert [sharding.rows_batch_size(n, 256, None) for n in (1, 2, 3, 5, 200, 256, 1000)] == [1, 2, 4, 8, 256, 256, 256]
+  assert [sharding.rows_batch_size(n, 256, batches((4, 2, 1))) for n in (1, 3, 9, 1000)] == [8, 8, 16, 256]
+  assert sharding.rows_batch_size(3, 256, batches((1, 1, 4))) == 4  # rows whole on every device (tensor-parallel)

@@ -136,6 +136,17 @@ def process_rows(sharding: NamedSharding, global_batch_size: int) -> tuple[int, 
   return start, stop
 
 
+def rows_batch_size(rows: int, batch_size: int, sharding: NamedSharding | None) -> int:
+  """The batch that `rows` rows are decoded in: `batch_size`, or for fewer rows the next power of two that holds
+  them, as a multiple of the devices the rows split over (`sharding`'s row axes). Few compiled shapes across
+  calls, and a search over 2 rows runs over 2, not over a padded eval batch of 256."""
+  axes = sharding.spec[0] if sharding is not None and len(sharding.spec) else None
+  split = int(np.prod([sharding.mesh.shape[axis] for axis in (axes if isinstance(axes, tuple) else (axes,))])
+              ) if axes else 1
+  size = 1 << max(rows - 1, 0).bit_length()
+  return min(batch_size, -(-size // split) * split)
+
+
 def rows_on_mesh(rows: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
   """The same global rows [n, ...] (every process holds all of them) as one array split over
   `sharding`'s row axes (n a multiple of their size, as a validated batch size is), each process

@@ -205,8 +205,8 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
         raise ConfigError(field, model_config.get(field.rsplit(".", 1)[1]),
                           f"rotary dimension {rotary_dim} must be a multiple of {rotary.multiple_of} and at "
                           f"most head_dim={head_dim} ({position_encoding})")
-      if rotary.num_sections:
-        sections = tuple(model_config.get("mrope_sections", ()))
+      if rotary.num_sections and "mrope_sections" in fields:  # a section without the field: the default split,
+        sections = tuple(model_config.mrope_sections)           # or a model that takes no M-RoPE (its task says)
         if len(sections) != rotary.num_sections or sum(sections) != rotary_dim // 2 or min(sections) < 1:
           raise ConfigError(f"{prefix}.mrope_sections", sections,
                             f"needs {rotary.num_sections} positive sections (one per position axis) summing to "

@@ -202,8 +202,8 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
       # The run predates the field: its config.py reads it as the code of then did (a default the code keeps).
       raise validation.ConfigError(field, new, f"the run in {workdir} was made before this field existed; use its "
                                    f"own config, --config={os.path.join(workdir, 'config.py')}")
-    raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; keep it, or use "
-                                 "a new --workdir")
+    advice = "keep it, or use a new --workdir" if mode == "train" else f"{mode} reads the model as it was trained: keep it"
+    raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; {advice}")
 
 
 def append_eval_result(config, workdir: str, step: int, values: dict[str, float]) -> dict:

@@ -234,7 +234,7 @@ class DigitsBase(task_lib.Task):
   def _read_input(self, line: str) -> np.ndarray:
     """Images [n, H, W] in [0, 1] named by one input line."""
     if line.startswith("test:"):
-      index = int(line[len("test:"):])
+      index = int(line[len("test:"):]) if line[len("test:"):].isdigit() else -1
       if not 0 <= index < len(self.split.test_labels):
         raise ValueError(f"{line!r}: the test set has images 0..{len(self.split.test_labels) - 1}")
       return self.split.test_images[index][None]

@@ -560,9 +560,10 @@ class TranslateTask(task_lib.Task):
   # --- decoding ---------------------------------------------------------------------------------
 
   def translate_ids(self, model, inputs: np.ndarray, max_length: int) -> list[str]:
-    """Decodes inputs [n, s] as task.decoding says, in batches of eval_batch_size (the last one padded)
-    -> n strings. Row i samples with its own key (task.decoding.seed, i), whatever the batching."""
-    size = self.config.eval_batch_size
+    """Decodes inputs [n, s] as task.decoding says, in batches of eval_batch_size (the last one padded; fewer
+    rows, a smaller batch: `sharding.rows_batch_size`) -> n strings. Row i samples with its own key
+    (task.decoding.seed, i), whatever the batching."""
+    size = sharding.rows_batch_size(len(inputs), self.config.eval_batch_size, self.rows_sharding)
     outputs = []
     for start in range(0, len(inputs), size):
       chunk = inputs[start:start + size]

@@ -86,7 +86,7 @@ from xattn_jax.tasks.lm import text as lm_task
 from xattn_jax.tasks.vlm import encoder as encoder_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
-from xattn_jax.training import optim, task as task_lib, validation
+from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 # The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
 ENCODER_TASKS = ("vlm_encoder", "vlm_pairs_encoder")
@@ -700,7 +700,7 @@ class VLMTask(task_lib.Task):
     """requests: (images, prompt ids, end token id) each -> the generated text of each, in order, at most
     max_new_tokens tokens (default task.decoding.max_new_tokens) before the end token. text_only: the frozen
     LM alone continues the prompts (their images are not read; the prompts hold no soft-token slots)."""
-    size = self.config.eval_batch_size
+    size = sharding.rows_batch_size(len(requests), self.config.eval_batch_size, self.rows_sharding)
     max_new = max_new_tokens or self.max_new_tokens
     outputs = []
     for start in range(0, len(requests), size):
