@@ -99,3 +99,24 @@ def test_a_best_result_without_ranked_checkpoints_is_refused(tmp_path):
     checkpoints_lib.result_step(str(tmp_path))
   _run_config(tmp_path, eval_from="latest", best_metric="eval/loss", best_mode="min")
   assert checkpoints_lib.result_step(str(tmp_path)) == 10
+
+
+_SAVE_OVER_TWO_DEVICES = """
+import sys, jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
+mesh = jax.make_mesh((2,), ("data",))
+w = jax.device_put(jnp.arange(8.0).reshape(4, 2), jax.sharding.NamedSharding(mesh, jax.P("data")))
+with ocp.StandardCheckpointer() as checkpointer:
+  checkpointer.save(sys.argv[1] + "/3/model", {"w": w})
+"""
+
+
+def test_a_model_saved_over_other_devices_is_read_onto_this_ones(tmp_path):
+  """A VLM's frozen LM trained over 2 CPU devices could not be read by a process with 1 (orbax: 'Topology
+  mismatch ... provide a target tree with the desired topology')."""
+  import sys  # noqa: PLC0415
+  from tests import helpers  # noqa: PLC0415
+  saved = helpers.run([sys.executable, "-c", _SAVE_OVER_TWO_DEVICES, str(tmp_path)],
+                      env=helpers.subprocess_env(device_count=2), timeout=120)
+  assert saved.returncode == 0, saved.stderr[-2000:]
+  restored = checkpoints_lib.restore_model_from(str(tmp_path), {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)})
+  assert jnp.array_equal(restored["w"], jnp.arange(8.0).reshape(4, 2))

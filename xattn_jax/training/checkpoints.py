@@ -223,5 +223,11 @@ def restore_model_from(path: str, abstract_model):
   if mismatch is not None:  # checked first: orbax would fail only after starting its reads
     raise CheckpointMismatch(f"init_from checkpoint {path} holds another model than this config builds: "
                              f"{mismatch}; initialise from a run of the same model")
+  # A leaf without a sharding is read onto this process's first device: orbax would otherwise restore the
+  # checkpoint's own layout and refuse one saved over other devices (a frozen LM trained over 2 CPU devices,
+  # read by a process with 1).
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract_model = jax.tree.map(lambda leaf: leaf if getattr(leaf, "sharding", None) is not None else
+                                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), abstract_model)
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(os.path.join(path, "model"), abstract_model)
