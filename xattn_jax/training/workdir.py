@@ -37,11 +37,10 @@ def path_fields(config, workdir: str | None) -> tuple[str, ...]:
 
 
 def _field(config, field: str):
-  for key in field.split("."):
-    if key not in config:
-      return None
-    config = config[key]
-  return config
+  try:
+    return validation._get(config, field)
+  except (KeyError, AttributeError, TypeError):  # a field this config does not have
+    return None
 
 
 def _absolute(value):
@@ -52,10 +51,8 @@ def absolute_paths(config, workdir: str | None) -> None:
   """Makes `config`'s path fields (`path_fields`) absolute, relative to the current directory (`~` expanded),
   in place."""
   for field in path_fields(config, workdir):
-    *parents, key = field.split(".")
-    section = config
-    for parent in parents:
-      section = section[parent]
+    parent, _, key = field.rpartition(".")
+    section = validation._get(config, parent) if parent else config
     section[key] = _absolute(section[key])
 
 
