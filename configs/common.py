@@ -125,7 +125,7 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   config.checkpoint = ConfigDict({
       "every_steps": checkpoint_every_steps,  # also saved at the end and on SIGTERM
       "keep": 2,                    # the last `keep` checkpoints ...
-      "best_metric": "eval/loss",   # ... plus the best by this eval metric ("" = none)
+      "best_metric": "eval/loss",   # ... plus the best by this eval metric ("" = none; of equal values the first)
       "best_mode": "min",           # min | max
       # Which checkpoint --mode=eval / infer and loop.load_model read, and a run that freezes this one: latest |
       # best (by best_metric; with early stopping the latest is `patience` evals past it) | a kept step, e.g. "4000".

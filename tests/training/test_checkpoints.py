@@ -31,6 +31,32 @@ def test_best_mode_max_keeps_the_highest_metric(tmp_path):
   checkpoints.close()
 
 
+@pytest.mark.parametrize("mode, values, min_delta", [
+    ("max", [0.5, 1.0, 1.0, 1.0, 0.9], 0.0),  # a tie: the first to reach 1.0
+    ("min", [3.0, 2.0, 2.0, 1.99, 2.5], 0.1),  # a gain under min_delta: still the best eval
+    ("min", [2.0, 2.0, 2.0], 0.0),
+])
+def test_the_best_checkpoint_is_the_eval_early_stopping_names_best(tmp_path, mode, values, min_delta):
+  """orbax alone keeps the latest of equal values, early stopping named the first: early_stop.json said 'best at
+  step 10' and checkpoint.eval_from=best read step 30."""
+  from ml_collections import ConfigDict
+
+  from xattn_jax.training import guards
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, best_metric="eval/m", best_mode=mode)
+  watcher = guards.EarlyStopping(ConfigDict({"early_stopping": {"patience": 100, "min_delta": min_delta},
+                                             "checkpoint": {"best_metric": "eval/m", "best_mode": mode}}))
+  for i, value in enumerate(values):
+    step = 10 * (i + 1)
+    checkpoints.save(step, *_tiny(step), {"step": step}, {"eval/m": value})
+    watcher.after_eval(step, {"eval/m": value})
+  assert checkpoints.best_step() == watcher.best_step
+  assert checkpoints.steps() == sorted({watcher.best_step, 10 * len(values)})
+  checkpoints.close()
+  resumed = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, best_metric="eval/m", best_mode=mode)
+  assert resumed.best_step() == watcher.best_step  # the step is stored with the metrics
+  resumed.close()
+
+
 def test_the_best_checkpoint_survives_a_resume(tmp_path):
   """A resumed run (a new manager on the same directory) still knows the earlier steps' metrics:
   they were kept only in memory, and the first save after a resume deleted the best step."""

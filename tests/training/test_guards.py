@@ -117,6 +117,21 @@ def test_early_stopping_ends_after_patience_evals_without_beating_the_best(mode,
   assert _stops(_early_stopping(2, mode, min_delta), values) == stops
 
 
+def test_a_tie_is_no_gain_and_the_best_eval_is_the_first_to_reach_the_best_value():
+  watcher = _early_stopping(2, "max")
+  assert _stops(watcher, [0.5, 1.0, 1.0, 1.0]) == [False, False, False, True]
+  assert (watcher.best, watcher.best_step) == (1.0, 8)
+  assert "eval/loss has not beaten its best 1 at step 8 by more than" in watcher.reason()
+
+
+def test_a_gain_under_min_delta_moves_the_best_eval_but_not_the_reference_patience_counts_from():
+  watcher = _early_stopping(2, "min", min_delta=0.1)
+  assert _stops(watcher, [3.0, 2.0, 1.95, 1.94]) == [False, False, False, True]
+  assert (watcher.reference, watcher.reference_step, watcher.best, watcher.best_step) == (2.0, 8, 1.94, 16)
+  assert "has not beaten step 8's 2 by more than early_stopping.min_delta=0.1" in watcher.reason()
+  assert "its best, step 16's 1.94" in watcher.reason()
+
+
 def test_early_stopping_off_never_stops():
   assert not any(_stops(_early_stopping(0), [1.0, 2.0, 3.0, 4.0]))
 
@@ -128,7 +143,7 @@ def test_a_resumed_run_replays_its_logged_evals_and_stops_where_the_whole_run_st
   rows = [{"step": 4 * (i + 1), "eval/loss": v, "train/loss": 1.0} for i, v in enumerate(values)]
   rows += [{"step": 13, "train/loss": 1.0}]  # train rows and rows past the checkpoint are not evals counted
   resumed = _early_stopping(3, rows=rows, up_to_step=12)  # checkpoint 12: evals 4, 8, 12 replayed
-  assert (resumed.best, resumed.best_step, resumed.evals_since_best) == (2.0, 8, 1)
+  assert (resumed.reference, resumed.best_step, resumed.evals_since_best) == (2.0, 8, 1)
   assert _stops(resumed, values[3:], first_step=16) == whole[3:]
   assert "eval/loss has not beaten its best 2 at step 8" in resumed.reason()
 

@@ -324,10 +324,12 @@ def test_early_stopping_ends_the_run_at_the_eval_that_exhausts_its_patience_and_
   overrides = {"total_steps": 40, "optimizer.learning_rate": 1e-9, "early_stopping.patience": 2,
                "early_stopping.min_delta": 1e-3}
   result = launch(workdir, overrides=overrides)
-  assert result.returncode == 0 and "Early stopping at step 12: eval/loss has not beaten its best" in result.stderr, \
+  assert result.returncode == 0 and "Early stopping at step 12: eval/loss has not beaten" in result.stderr, \
       result.stderr[-3000:]
   assert checkpoint_steps(workdir)[-1] == 12 and max(r["step"] for r in metrics_rows(workdir)) == 12
-  assert json.loads((workdir / "early_stop.json").read_text())["step"] == 12
+  record = json.loads((workdir / "early_stop.json").read_text())
+  losses = {row["step"]: row["eval/loss"] for row in metrics_rows(workdir) if "eval/loss" in row}
+  assert record["step"] == 12 and record["best_step"] == min(losses, key=lambda step: (losses[step], step))
   config = validation.load_config_file(str(workdir / "config.py"))
   assert task_lib.reached_total_steps(config, str(workdir))
   config.early_stopping.patience = 3  # other settings: the record is not theirs

@@ -81,6 +81,18 @@ def model_mismatch(item_directory: str, abstract_model) -> str | None:
   return None
 
 
+# The step a checkpoint's eval metrics belong to, stored beside them: equal values rank by it.
+STEP_METRIC = "checkpoint/step"
+
+
+def _ranking(best_metric: str, best_mode: str):
+  """The sort key orbax ranks checkpoints by (the best sorts last): best_metric, and of equal values the
+  earliest step, as early stopping counts a tie as no gain (`guards.EarlyStopping`). Orbax alone keeps the
+  latest of a tie. Metrics saved before the step was stored rank as step 0 (orbax's order among them)."""
+  sign = 1 if best_mode == "min" else -1  # min sorts descending, max ascending
+  return lambda metrics: (metrics[best_metric], sign * metrics.get(STEP_METRIC, 0))
+
+
 class Checkpoints:
   """The checkpoint directory of one run (`<workdir>/checkpoints`)."""
 
@@ -89,16 +101,16 @@ class Checkpoints:
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.best_metric = best_metric
     preserve = [policies.LatestN(n=keep)]
+    rank = _ranking(best_metric, best_mode)
     if best_metric:
-      preserve.append(policies.BestN(get_metric_fn=lambda metrics: metrics[best_metric],
-                                     reverse=best_mode == "min", n=1,
+      preserve.append(policies.BestN(get_metric_fn=rank, reverse=best_mode == "min", n=1,
                                      keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(preserve),
         # The policy alone keeps the best step only within one process: orbax writes a step's
         # metrics to disk (its `metrics` item) only when best_fn is set, and a resumed run's policy
         # read none back, so it deleted the best checkpoint. best_fn makes orbax store and reload them.
-        best_fn=(lambda metrics: metrics[best_metric]) if best_metric else None, best_mode=best_mode,
+        best_fn=rank if best_metric else None, best_mode=best_mode,
         # Synchronous saves: when save() returns the step is on disk, so SIGTERM / SIGKILL right
         # after can never leave a half-written "latest" behind.
         enable_async_checkpointing=False, cleanup_tmp_directories=True, create=True)
@@ -112,12 +124,15 @@ class Checkpoints:
       return
     if metrics is not None and self.best_metric not in metrics:
       metrics = None
+    if metrics is not None:
+      metrics = {**metrics, STEP_METRIC: step}
     self.manager.save(step, args=ocp.args.Composite(
         model=ocp.args.StandardSave(model_state), optimizer=ocp.args.StandardSave(optimizer_state),
         meta=ocp.args.JsonSave(meta)), metrics=metrics, force=True)
 
   def best_step(self) -> int | None:
-    """The step whose eval metrics rank best by best_metric (among those kept); None without any."""
+    """The step whose eval metrics rank best by best_metric (among those kept; of equal values the earliest);
+    None without any."""
     if not self.best_metric or not self.manager.all_steps():
       return None
     return self.manager.best_step()

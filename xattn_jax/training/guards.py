@@ -115,8 +115,10 @@ class StopRequests:
 
 
 class EarlyStopping:
-  """Watches config.checkpoint.best_metric at each eval; `after_eval` says when it has not beaten its best
-  by more than early_stopping.min_delta for early_stopping.patience evals in a row.
+  """Watches config.checkpoint.best_metric at each eval; `after_eval` says when it has not beaten its reference
+  (the value of its last gain) by more than early_stopping.min_delta for early_stopping.patience evals in a row.
+  `best_step` is the best checkpoint's step by the checkpoints' own rule (the best value, of equal values the
+  earliest), so the record and `checkpoint.eval_from=best` name one step.
 
   A resumed run first replays the evals it logged up to its checkpoint (`rows`, metrics.jsonl's), so it
   stops where the uninterrupted run stops.
@@ -126,11 +128,15 @@ class EarlyStopping:
     settings = task_lib.early_stopping_settings(config) or {"patience": 0, "min_delta": 0.0, "metric": "", "mode": ""}
     self.patience, self.min_delta = settings["patience"], settings["min_delta"]
     self.metric, self.mode = settings["metric"], settings["mode"]
-    self.best, self.best_step, self.evals_since_best = None, None, 0
+    self.reference, self.reference_step, self.evals_since_best = None, None, 0
+    self.best, self.best_step = None, None
     if self.patience:
       logged = {row["step"]: row for row in rows if row.get("step", 0) <= up_to_step and self.metric in row}
       for step in sorted(logged):
         self.after_eval(step, logged[step])
+
+  def _beats(self, value: float, other: float | None, margin: float) -> bool:
+    return other is None or (value < other - margin if self.mode == "min" else value > other + margin)
 
   def after_eval(self, step: int, values: dict) -> bool:
     """Counts the eval of `step`; True when training should end here. An eval without the metric counts as
@@ -138,15 +144,20 @@ class EarlyStopping:
     if not self.patience:
       return False
     value = values.get(self.metric)
-    gain = value is not None and (self.best is None or (
-        value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
-    if gain:
-      self.best, self.best_step, self.evals_since_best = float(value), step, 0
+    if value is not None and self._beats(value, self.best, 0.0):
+      self.best, self.best_step = float(value), step
+    if value is not None and self._beats(value, self.reference, self.min_delta):
+      self.reference, self.reference_step, self.evals_since_best = float(value), step, 0
     else:
       self.evals_since_best += 1
     return self.evals_since_best >= self.patience
 
   def reason(self) -> str:
-    best = "no value yet" if self.best is None else f"its best {self.best:.6g} at step {self.best_step}"
-    return (f"{self.metric} has not beaten {best} by more than early_stopping.min_delta={self.min_delta:g} for "
-            f"early_stopping.patience={self.patience} evals")
+    if self.reference is None:
+      return f"{self.metric} has no value after early_stopping.patience={self.patience} evals"
+    settings = (f"by more than early_stopping.min_delta={self.min_delta:g} for "
+                f"early_stopping.patience={self.patience} evals")
+    if self.best_step == self.reference_step:
+      return f"{self.metric} has not beaten its best {self.reference:.6g} at step {self.reference_step} {settings}"
+    return (f"{self.metric} has not beaten step {self.reference_step}'s {self.reference:.6g} {settings} (its best, "
+            f"step {self.best_step}'s {self.best:.6g}, gained less)")

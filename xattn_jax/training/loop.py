@@ -103,7 +103,7 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
       if stops_early:  # recorded once its checkpoint is saved
         logging.info("Early stopping at step %d: %s.", step, early_stopping.reason())
         if trainer.process_index == 0:
-          task_lib.write_early_stop(config, trainer.workdir, step, early_stopping.reason())
+          task_lib.write_early_stop(config, trainer.workdir, step, early_stopping.reason(), early_stopping.best_step)
         stopped = True
       if end.evaluate or save or stops_early:  # steps/s measures training only
         step_log.restart_timer(step)

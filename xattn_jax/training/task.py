@@ -156,9 +156,10 @@ def early_stopping_settings(config) -> dict | None:
           "patience": config.early_stopping.patience, "min_delta": config.early_stopping.min_delta}
 
 
-def write_early_stop(config, workdir: str, step: int, reason: str) -> None:
+def write_early_stop(config, workdir: str, step: int, reason: str, best_step: int | None) -> None:
+  """best_step: the best eval's step (`checkpoint.eval_from=best` reads it)."""
   with open(os.path.join(workdir, EARLY_STOP_FILE), "w") as f:
-    json.dump({"step": step, "reason": reason, **early_stopping_settings(config)}, f)
+    json.dump({"step": step, "best_step": best_step, "reason": reason, **early_stopping_settings(config)}, f)
     f.write("\n")
 
 
