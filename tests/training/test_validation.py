@@ -245,10 +245,23 @@ def test_the_translators_norm_and_activation_choices_are_the_blocks(field, regis
                   rf"^config\.{re.escape(field)}='nope': allowed are {re.escape(str(sorted(registry)))}$")
 
 
-def test_an_unknown_position_encoding_lists_exactly_the_registrys_names():
-  _assert_refused(algorithmic.get_config(), "model.position_encoding", "nope",
-                  rf"^config\.model\.position_encoding='nope': allowed are "
-                  rf"{re.escape(str(list(position_layers.POSITION_ENCODINGS)))}$")
+@pytest.mark.parametrize("config_file, task_name", [
+    ("configs/algorithmic.py", "algorithmic"), ("configs/translate_dates.py", "translate"),
+    ("configs/lm_text.py", "lm"), ("configs/lm_algorithmic.py", "lm_algorithmic"),
+    ("configs/template.py", "template")])
+def test_an_unknown_position_encoding_lists_exactly_the_encodings_the_tasks_model_builds(config_file, task_name):
+  """Every registered encoding was listed (the grid ones to a sequence model) before the task's own check ran."""
+  allowed = task_lib.get_task_class(task_name).position_encodings
+  assert allowed and set(allowed) < set(position_layers.POSITION_ENCODINGS)
+  _assert_refused(load_config(f"--config={config_file}"), "model.position_encoding", "nope",
+                  rf"^config\.model\.position_encoding='nope': allowed are {re.escape(str(sorted(allowed)))}$")
+
+
+def test_a_task_without_its_own_encodings_is_offered_every_registered_one():
+  config = algorithmic.get_config()
+  config.model.position_encoding = "nope"
+  with pytest.raises(validation.ConfigError, match=re.escape(str(sorted(position_layers.POSITION_ENCODINGS)))):
+    validation.check_attention_dims(config.model)
 
 
 def test_a_new_registry_entry_is_checked_by_the_rules_it_declares(monkeypatch):

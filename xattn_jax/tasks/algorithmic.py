@@ -99,13 +99,13 @@ def band_metrics(bands, correct, token_weights, example_weights, band_ids) -> di
 @task_lib.register("algorithmic")
 class AlgorithmicTask(task_lib.Task):
   """Copy or reverse random strings; exact match per length band (see the module docstring)."""
+  position_encodings = translator_lib.POSITION_ENCODINGS
 
   @classmethod
   def validate(cls, config, mode="train"):
     task = config.task
     validation.require_choice(config, "task.operation", algorithmic.OPERATIONS)
     validation.require_choice(config, "model.name", ("translator",))
-    validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
     validation.require_positive(config, "task.min_length", "task.train_max_length", "task.num_eval_examples",
                                 "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim")
     if not 2 <= task.num_symbols <= len(LETTERS):

@@ -68,13 +68,13 @@ class Reverser(nnx.Module):
 @task_lib.register("template")
 class TemplateTask(task_lib.Task):
   """Reverse random letter strings (see the module docstring)."""
+  position_encodings = POSITION_ENCODINGS
 
   @classmethod
   def validate(cls, config, mode="train"):
     # Every task field, before anything is built: one ConfigError naming the field. The shared fields
     # (and d_model / num_heads / rotary dims) are checked by validation.validate_config.
     validation.require_choice(config, "model.name", MODELS)
-    validation.require_choice(config, "model.position_encoding", POSITION_ENCODINGS)
     validation.require_positive(config, "model.num_layers", "model.mlp_dim", "task.min_length",
                                 "task.max_length", "task.num_eval_examples")
     if config.task.min_length > config.task.max_length:

@@ -218,6 +218,8 @@ class Task:
   # True: a blank input line reaches infer as "" (a language model samples from nothing for it); False:
   # the engine answers it with a blank line.
   infers_blank_lines: ClassVar[bool] = False
+  # The model.position_encoding values the task's model builds (validation names them; None: any registered).
+  position_encodings: ClassVar[tuple[str, ...] | None] = None
 
   def __init__(self, config, workdir: str | None = None, mode: str = "train"):
     self.config = config

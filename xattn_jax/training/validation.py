@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Sequence
 
 import jax
 from ml_collections import ConfigDict
@@ -159,17 +160,19 @@ def _check_randomized_positions(model_config, prefix: str, encoding: position_la
                       "sequence the model sees (or 0 = off)")
 
 
-def check_attention_dims(model_config, prefix: str = "model", position_encoding: str = ""):
-  """d_model divisible by num_heads; a registered position encoding and its declared rules (rotary
-  width multiple, mrope sections, randomized positions only where it applies).
+def check_attention_dims(model_config, prefix: str = "model", position_encoding: str = "",
+                         allowed_encodings: Sequence[str] | None = None):
+  """d_model divisible by num_heads; a registered position encoding (one of `allowed_encodings`, the task's,
+  where it names them) and its declared rules (rotary width multiple, mrope sections, randomized positions only
+  where it applies).
 
   `position_encoding` is read from the section itself or inherited from the enclosing one, so an
   encoder-decoder's `model.position_encoding` applies to `model.encoder` and `model.decoder`.
   """
   fields = model_config.keys()
-  if "position_encoding" in fields and model_config.position_encoding not in position_layers.POSITION_ENCODINGS:
-    raise ConfigError(f"{prefix}.position_encoding", model_config.position_encoding,
-                      f"allowed are {list(position_layers.POSITION_ENCODINGS)}")
+  allowed = sorted(allowed_encodings or position_layers.POSITION_ENCODINGS)
+  if "position_encoding" in fields and model_config.position_encoding not in allowed:
+    raise ConfigError(f"{prefix}.position_encoding", model_config.position_encoding, f"allowed are {allowed}")
   position_encoding = model_config.get("position_encoding", position_encoding)
   encoding = position_layers.POSITION_ENCODINGS.get(position_encoding)
   rotary = encoding.rotary_kind if encoding is not None else None
@@ -350,5 +353,5 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     check_mesh(config, device_count)
   else:
     _check_mesh_sizes(config.mesh)
-  check_attention_dims(config.model)
+  check_attention_dims(config.model, allowed_encodings=task_class.position_encodings)
   task_class.validate(config, mode)

@@ -107,7 +107,6 @@ def validate_model(config) -> None:
   """The model.* fields of a LanguageModel config, as ConfigErrors."""
   model = config.model
   validation.require_choice(config, "model.name", ("lm",))
-  validation.require_choice(config, "model.position_encoding", lm_lib.POSITION_ENCODINGS)
   validation.require_choice(config, "model.norm_type", blocks.NORM_TYPES)
   validation.require_choice(config, "model.mlp_type", blocks.MLP_TYPES)
   validation.require_choice(config, "model.activation", blocks.ACTIVATIONS)
@@ -159,6 +158,7 @@ class LanguageModelTask(task_lib.Task):
   """Next-token prediction on packed documents (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity", "eval/bits_per_byte")
   infers_blank_lines = True  # a blank line is an empty prompt: a sample from BOS alone
+  position_encodings = lm_lib.POSITION_ENCODINGS
 
   @classmethod
   def validate(cls, config, mode="train"):

@@ -178,12 +178,12 @@ def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.
 class TranslateTask(task_lib.Task):
   """English -> target-locale dates, or any parallel corpus (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf")
+  position_encodings = translator_lib.POSITION_ENCODINGS
 
   @classmethod
   def validate(cls, config, mode="train"):
     data, model, task = config.data, config.model, config.task
     validation.require_choice(config, "model.name", ("translator",))
-    validation.require_choice(config, "model.position_encoding", translator_lib.POSITION_ENCODINGS)
     validation.require_choice(config, "model.norm", blocks.NORM_PLACEMENTS)
     validation.require_choice(config, "model.activation", blocks.ACTIVATIONS)
     # validation.check_attention_dims has already checked each side's head_dim for rope.
