@@ -99,6 +99,33 @@ def test_a_finished_dependency_differing_only_in_its_unchecked_fields_is_loaded(
   dependencies.check(dataclasses.replace(declared, unchecked_fields=("task.num_eval_examples",)))
 
 
+def test_a_dependency_run_its_own_config_finished_is_not_trained_on_by_another_total_steps(tmp_path, no_training):
+  """A user's 2-step run named as the dependency of a config declaring 4 steps was trained on to 4 and its
+  record rewritten; now it is refused, naming how to use it as it is (its own config.py) or train it on."""
+  run = tmp_path / "dependency"
+  fake_run(str(run), dependency_config(), steps=[2])  # QUICK's total_steps=2: ended there
+  declared = dependency_config(**{"total_steps": 4})
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.dependency_workdir=.*ended at its own "
+                     r"total_steps=2, where this config trains it on to total_steps=4.*--config\.total_steps=4"):
+    dependencies.resolve(dependent_config(run, declared), str(tmp_path / "run"))
+  (run / "config.py").write_text(workdir_lib.config_file_text(dependency_config(), "the run's own config"))
+  by_file = task_lib.Dependency(workdir=str(run), config=str(run / "config.py"), config_field="task.dependency",
+                                workdir_field="task.dependency_workdir")
+  dependencies.check(by_file)  # its own config: finished, loaded as it is
+  assert dependencies.is_finished(by_file)
+  (run / task_lib.EARLY_STOP_FILE).write_text("{}")  # stopped early under settings the declared config lacks
+  with pytest.raises(validation.ConfigError, match=r"stopped early at step 2"):
+    dependencies.check(dataclasses.replace(by_file, config=declared))
+
+
+def test_an_interrupted_dependency_run_is_resumed_to_the_declared_steps(tmp_path, no_training):
+  fake_run(str(tmp_path / "dependency"), dependency_config(**{"total_steps": 4}), steps=[2])
+  declared = task_lib.Dependency(workdir=str(tmp_path / "dependency"), config=dependency_config(total_steps=4),
+                                 workdir_field="task.dependency_workdir")
+  dependencies.check(declared)
+  assert not dependencies.is_finished(declared)
+
+
 @pytest.mark.parametrize("mode", ["eval", "infer"])
 def test_eval_and_infer_resolve_no_dependency(tmp_path, no_training, mode):
   config = dependent_config(tmp_path / "dependency")

@@ -7,7 +7,9 @@ calls it) and, for a train run, makes every one of them finished:
   1. every dependency whose workdir holds a run (a checkpoint) is checked first: that run must have
      been made with the declared config's model, task and data sections (the ones a resumed run may
      not change either), else a ConfigError names the first field that differs; nothing has trained;
-  2. a finished run is left as it is (the task's constructor loads it);
+  2. a finished run is left as it is (the task's constructor loads it); a run its own recorded config ended
+     (its total_steps, an early stop) that the declared config would train on is refused too, naming the
+     run's own config.py (declared, it loads the run as it is) and the command that trains it on;
   3. any other is trained, or resumed, there by `loop.run` with the declared config, after its own
      dependencies. When SIGTERM or Ctrl-C stops it (it saves a checkpoint), `DependencyStopped` ends
      the whole job with status 0, as a stopped run ends; the same command resumes it.
@@ -138,15 +140,37 @@ def check(dependency: task_lib.Dependency) -> None:
   differing = [key for key in differences if key.split(".")[0] in RUN_SECTIONS
                and key not in dependency.unchecked_fields]
   differing = [key for key in ("task.name", "model.name") if key in differing] + differing
+  field, value = ((dependency.config_field, dependency.config) if dependency.config_field
+                  else (dependency.workdir_field, dependency.workdir))
   if differing:
     key = differing[0]
     old, new = differences[key]
-    field, value = ((dependency.config_field, dependency.config) if dependency.config_field
-                    else (dependency.workdir_field, dependency.workdir))
     raise validation.ConfigError(
         field, value, f"its {key}={new!r}, but the run in {dependency.workdir} "
         f"({dependency.workdir_field}) was made with {old!r}; use a config that matches that run, "
         f"or another {dependency.workdir_field}")
+  ended = _ended_by_its_own_config(dependency.workdir)
+  if ended and not is_finished(dependency):  # training it on would rewrite a run its own config finished
+    declared = config_of(dependency).total_steps
+    use = (f"name its config ({dependency.config_field}={os.path.join(dependency.workdir, 'config.py')})"
+           if dependency.config_field else "declare its config (config.py in its workdir)")
+    raise validation.ConfigError(
+        field, value, f"the run in {dependency.workdir} ({dependency.workdir_field}) {ended}, where this "
+        f"config trains it on to total_steps={declared}; to use that run as it is, {use}; to train it on, "
+        f"resume it with launch.py --config={os.path.join(dependency.workdir, 'config.py')} "
+        f"--workdir={dependency.workdir} --config.total_steps={declared}; or name another {dependency.workdir_field}")
+
+
+def _ended_by_its_own_config(workdir: str) -> str | None:
+  """How the run in workdir ended by its recorded config ('ended at its total_steps=N' or 'stopped early at
+  step N'); None when it did not (or keeps no record to say)."""
+  recorded = workdir_lib.recorded_config(workdir) or {}
+  steps = checkpoints_lib.step_numbers(workdir)
+  if os.path.isfile(os.path.join(workdir, task_lib.EARLY_STOP_FILE)):
+    return f"stopped early at step {steps[-1]} (its {task_lib.EARLY_STOP_FILE})"
+  if steps and steps[-1] == recorded.get("total_steps"):
+    return f"ended at its own total_steps={steps[-1]}"
+  return None
 
 
 def _stopped_message(stopped) -> str:
