@@ -26,6 +26,13 @@ _DEPENDENCIES = flags.DEFINE_enum(
     "dependencies", "side_by_side", ["side_by_side", "in_turn"],
     "How the runs a task needs first train when two or more are missing: side_by_side (each in a launch.py "
     "subprocess; one process on CPU only, else in turn) or in_turn (one after the other, in this process).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None,
+    "Directory of JAX's persistent compilation cache: an eval, an infer, a resumed run or a sweep's next cell reads "
+    "the programs an earlier run compiled instead of compiling them again; '' turns it off. Default: "
+    "$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/xattn_jax/xla (~/.cache/xattn_jax/xla). Only programs "
+    "that took JAX over a second to compile are kept (jax_persistent_cache_min_compile_time_secs); delete the "
+    "folder to empty it.")
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "distributed_timeout", 300, "Seconds a process waits for all processes to connect (multi-host); "
     "after that JAX aborts it.", lower_bound=1)
@@ -54,6 +61,30 @@ def parse_flags(argv):
       hint = " ".join(text.splitlines()[1:]).rstrip("'") or "the config has no such field"
       text = f"unknown config field {' '.join(overrides) or key}: {hint}"
     fail(" ".join(text.split()))
+
+
+def compilation_cache(flag: str | None, environ) -> str:
+  """The persistent compilation cache's directory: --compilation_cache when given ('' for none), else
+  JAX_COMPILATION_CACHE_DIR as JAX reads it, else the user's cache folder."""
+  if flag is not None:
+    return os.path.abspath(os.path.expanduser(flag)) if flag else ""
+  if environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return environ["JAX_COMPILATION_CACHE_DIR"]
+  base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "xattn_jax", "xla")
+
+
+def use_compilation_cache(directory: str) -> None:
+  """Points this process's JAX, and the launch.py subprocesses it starts (dependencies side by side), at the
+  cache before anything compiles; '' turns it off. JAX_ENABLE_COMPILATION_CACHE=false still turns it off. A cache
+  that cannot be written costs a warning, not the run (JAX's own handling)."""
+  import jax
+  if not directory:
+    jax.config.update("jax_enable_compilation_cache", False)
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return
+  jax.config.update("jax_compilation_cache_dir", directory)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
 
 
 def workdir_problem(workdir: str, mode: str) -> str | None:
@@ -90,6 +121,7 @@ def main(argv):
   if problem:
     fail(f"--workdir={_WORKDIR.value}: {problem}")
   from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation
+  use_compilation_cache(compilation_cache(_COMPILATION_CACHE.value, os.environ))
   dependencies.watch_launcher()  # a side-by-side dependency stops when the launcher that started it ends
   try:
     distributed.check_flags(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
