@@ -176,7 +176,7 @@ def test_the_compilation_cache_defaults_to_the_users_cache_folder_unless_jax_or_
 
 @pytest.mark.slow
 def test_a_second_eval_reads_every_program_from_the_compilation_cache_the_first_wrote(reference, tmp_path):
-  """A second eval or infer of a run compiled everything again (the dates eval: 15.7 s, 8.9 s from the cache).
+  """A second eval or infer of a run compiled everything again (the dates eval: 15.0 s, 9.1 s from the cache).
   The tests' launches keep every program they compile (no minimum compile time): the second eval writes none."""
   cache, run = tmp_path / "xla", tmp_path / "run"
   shutil.copytree(reference, run)  # eval records its result in the run
