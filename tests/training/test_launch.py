@@ -369,6 +369,10 @@ def test_early_stopping_ends_the_run_at_the_eval_that_exhausts_its_patience_and_
   more = launch(workdir, overrides={**overrides, "early_stopping.patience": 3})  # replays 4, 8, 12: one more eval
   assert more.returncode == 0 and "Early stopping at step 16" in more.stderr, more.stderr[-3000:]
   assert checkpoint_steps(workdir)[-1] == 16
+  # trained on past its stop without early stopping: the record said 'stopped at 16' and blocked any later run
+  on = launch(workdir, overrides={**overrides, "early_stopping.patience": 0, "total_steps": 20})
+  assert on.returncode == 0 and checkpoint_steps(workdir)[-1] == 20, on.stderr[-3000:]
+  assert not (workdir / "early_stop.json").exists()
 
 
 @pytest.mark.slow

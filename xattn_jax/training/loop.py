@@ -58,6 +58,8 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   if ended:
     logging.info("The run stopped early at step %d (%s): nothing to train.", *stopped_early)
     return {}
+  if trainer.process_index == 0:  # training on: an earlier stop's record (other settings) no longer holds
+    task_lib.clear_early_stop(trainer.workdir)
   logging.info(trainer.summary())
   early_stopping = guards.EarlyStopping(
       config, metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl")), up_to_step=step)

@@ -163,6 +163,13 @@ def write_early_stop(config, workdir: str, step: int, reason: str, best_step: in
     f.write("\n")
 
 
+def clear_early_stop(workdir: str) -> None:
+  """Removes the record of an early stop that the run trains on past (under other settings)."""
+  path = os.path.join(workdir, EARLY_STOP_FILE)
+  if os.path.exists(path):
+    os.remove(path)
+
+
 def read_early_stop(config, workdir: str) -> tuple[int, str] | None:
   """(step, reason) of the early stop recorded in workdir under config's early-stopping settings; None when
   early stopping is off, or the run recorded no stop under these settings (a larger patience trains on)."""
