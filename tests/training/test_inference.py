@@ -30,16 +30,43 @@ def test_a_line_that_is_not_utf8_is_reported_as_file_and_line(tmp_path):
     inference.read_input_lines(str(path))
 
 
-def test_blank_lines_are_answered_blank_and_never_reach_the_task():
-  seen = []
+class Upper(task_lib.Task):
+  """Answers each line in capitals; records what reached infer_lines."""
 
-  def infer(lines):
-    seen.append(lines)
+  def __init__(self):
+    super().__init__(None)
+    self.seen = []
+
+  def infer_lines(self, model, lines):
+    self.seen.append(lines)
+    for index, line in enumerate(lines):
+      if not line.isalpha():
+        raise task_lib.InputLineError(index, f"{line!r} has a character outside a-z")
     return [line.upper() for line in lines]
 
-  assert inference.answer_lines(infer, ["ab", "", "  ", "cd"]) == ["AB", "", "", "CD"]
-  assert seen == [["ab", "cd"]]
-  assert inference.answer_lines(infer, ["", ""]) == ["", ""] and len(seen) == 1  # nothing to ask
+
+def test_blank_lines_are_answered_blank_and_never_reach_the_task():
+  """Task.infer, what the launcher and a notebook call: before, only the launcher answered blank lines and an
+  empty list, and a notebook's task.infer(model, ['', 'x']) failed on the blank line."""
+  task = Upper()
+  assert task.infer(None, ["ab", "", "  ", "cd"]) == ["AB", "", "", "CD"]
+  assert task.seen == [["ab", "cd"]]
+  assert task.infer(None, ["", ""]) == ["", ""] and task.infer(None, []) == [] and len(task.seen) == 1
+  assert task.infer(None, (line for line in ("ab",))) == ["AB"]  # any iterable of lines
+
+
+def test_a_line_the_task_cannot_take_is_named_by_its_position_among_the_lines_given():
+  with pytest.raises(task_lib.InputLineError, match=r"^input line 3: 'ab1' has a character outside a-z$"):
+    Upper().infer(None, ["abc", "", "ab1"])  # index 1 of the non-blank lines
+
+
+@pytest.mark.parametrize("lines, message", [("Dec 25, 1999", r"^lines: an iterable of input lines, got str "
+                                                             r"\(one line is \[line\]\)$"),
+                                            (["ab", 3], r"^lines\[1\]: a str, got int$"), (None, "got NoneType")])
+def test_lines_that_are_not_strings_are_refused_naming_the_argument(lines, message):
+  """A str was read as one line per character (12 'translations' of one date)."""
+  with pytest.raises(ValueError, match=message):
+    Upper().infer(None, lines)
 
 
 def test_a_task_that_infers_blank_lines_is_handed_every_line(tmp_path):
@@ -48,7 +75,7 @@ def test_a_task_that_infers_blank_lines_is_handed_every_line(tmp_path):
   class Samples(task_lib.Task):
     infers_blank_lines = True
 
-    def infer(self, model, lines):
+    def infer_lines(self, model, lines):
       return [line or f"sample {index}" for index, line in enumerate(lines)]
 
   trainer = type("FakeTrainer", (), {"task": Samples(None), "model": lambda self, state: None})()
@@ -59,17 +86,15 @@ def test_a_task_that_infers_blank_lines_is_handed_every_line(tmp_path):
 
 
 def test_an_answer_holding_line_breaks_is_written_on_its_one_line(caplog):
-  answers = inference.answer_lines(lambda lines: ["one\ntwo", "three\r\nfour", "five"], ["a", "", "b", "c"], "in.txt")
+  answers = inference.answer_lines(lambda lines: ["one\ntwo", "", "three\r\nfour", "five"], ["a", "", "b", "c"],
+                                   "in.txt")
   assert answers == ["one two", "", "three  four", "five"]
   assert "in.txt: the answers to lines 1, 3 hold line breaks" in caplog.text
 
 
 def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
-  def infer(lines):
-    raise task_lib.InputLineError(1, "template input 'ab1' has a character outside a-z")
-
-  with pytest.raises(DataError, match=r"^inputs.txt:3: template input 'ab1' has"):
-    inference.answer_lines(infer, ["abc", "", "ab1"], "inputs.txt")  # index 1 of the non-blank lines
+  with pytest.raises(DataError, match=r"^inputs.txt:3: 'ab1' has a character outside a-z$"):
+    inference.answer_lines(lambda lines: Upper().infer(None, lines), ["abc", "", "ab1"], "inputs.txt")
 
 
 def test_paths_in_an_input_file_are_read_relative_to_its_folder(tmp_path, monkeypatch):
@@ -77,7 +102,7 @@ def test_paths_in_an_input_file_are_read_relative_to_its_folder(tmp_path, monkey
   any other current directory."""
 
   class Paths(task_lib.Task):
-    def infer(self, model, lines):
+    def infer_lines(self, model, lines):
       return [self.input_path(line) for line in lines]
 
   trainer = type("FakeTrainer", (), {"task": Paths(None), "model": lambda self, state: None})()

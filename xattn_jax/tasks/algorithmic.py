@@ -191,7 +191,7 @@ class AlgorithmicTask(task_lib.Task):
     metrics.update(band_metrics(self.bands, correct, token_weights, batch["weights"], batch["band"]))
     return metrics
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """Each line of letters (one symbol each) copied or reversed by greedy decoding."""
     num_symbols = self.config.task.num_symbols
     rows = []

@@ -136,7 +136,7 @@ class TemplateTask(task_lib.Task):
     return {"loss": (loss_sum, weight_sum), "token_accuracy": (jnp.sum(correct * token_weights), weight_sum),
             "exact_match": (jnp.sum(jnp.all(correct, axis=-1) * batch["weights"]), jnp.sum(batch["weights"]))}
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """One output line per input line: the letters reversed by the model."""
     max_length = self.config.task.max_length
     inputs = np.zeros((len(lines), max_length), np.int32)

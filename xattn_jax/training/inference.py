@@ -2,8 +2,9 @@
 `load_model`, the newest checkpoint of a run as (model, task) for notebooks and scripts.
 
 Input is UTF-8 (a file, or "-" for stdin); lines end at \\n or \\r\\n only. A blank input line is
-answered with a blank line by the engine (the task never sees it; a task with `infers_blank_lines`, the
-language model, answers it: a sample from nothing), so output line i always answers input line i (an answer's
+answered with a blank line (`Task.infer`: the task's `infer_lines` never sees it; a task with
+`infers_blank_lines`, the language model, answers it: a sample from nothing), so output line i always answers
+input line i (an answer's
 line breaks, which no bundled task generates, are written as spaces). A line the task cannot take
 (`task.InputLineError`) or that is not UTF-8 is reported as `file:line: why` (a `DataError`).
 """
@@ -47,17 +48,14 @@ def read_input_lines(input_file: str) -> tuple[str, list[str]]:
   return name, lines
 
 
-def answer_lines(infer, lines: list[str], name: str = "<input>", *, blank_lines: bool = False) -> list[str]:
-  """One answer per line of `lines`, in order: `infer(non-blank lines) -> answers` (a task's infer
-  with its model bound) answers the non-blank ones, a blank (or whitespace-only) line gets "" (with
-  `blank_lines`, `infer` answers every line). An InputLineError from `infer` becomes a DataError
-  "`name`:<line number>: why"."""
-  numbers = [number for number, line in enumerate(lines, 1) if blank_lines or line.strip()]
+def answer_lines(infer, lines: list[str], name: str = "<input>") -> list[str]:
+  """`infer(lines)` (a task's `infer` with its model bound: one answer per line, blank ones included), each
+  answer on one line. An InputLineError from `infer` becomes a DataError "`name`:<line number>: why"."""
   try:
-    answers = infer([lines[number - 1] for number in numbers]) if numbers else []
+    answers = infer(lines)
   except task_lib.InputLineError as error:
-    raise DataError(f"{name}:{numbers[error.index]}: {error.message}") from None
-  by_number = dict(zip(numbers, answers))
+    raise DataError(f"{name}:{error.index + 1}: {error.message}") from None
+  by_number = dict(enumerate(answers, 1))
   broken = [number for number, answer in by_number.items() if _LINE_BREAK.search(answer)]
   if broken:  # the bundled tasks never generate one (Tokenizer.never_generated_ids); a task of yours may
     shown = ", ".join(map(str, broken[:10])) + (" ..." if len(broken) > 10 else "")
@@ -74,8 +72,7 @@ def infer(trainer: Trainer, state, input_file: str, output=None) -> list[str]:
   name, lines = read_input_lines(input_file)
   trainer.task.input_directory = "" if input_file == "-" else os.path.dirname(os.path.abspath(input_file))
   model = trainer.model(state)
-  outputs = answer_lines(lambda batch: trainer.task.infer(model, batch), lines, name,
-                         blank_lines=trainer.task.infers_blank_lines)
+  outputs = answer_lines(lambda batch: trainer.task.infer(model, batch), lines, name)
   if jax.process_index() == 0:
     stream = output or sys.stdout
     for line in outputs:

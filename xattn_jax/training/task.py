@@ -70,11 +70,12 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   over the eval data; logged as `eval/<name>`. Default: none.
 - `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
   of generated text); logged as `eval/<name>`. Default: none.
-- `infer(model, lines: list[str]) -> list[str]`: one output line per input line (never blank: the
-  loop answers blank input lines itself, unless the task sets `infers_blank_lines`); a line the task cannot take raises `InputLineError` with
-  its index, which the loop reports as the file name and line number. A file path in a line is read
-  through `self.input_path(path)`: relative to the input file's folder, as the paths in a pairs file
-  are relative to that file (stdin: the current directory).
+- `infer_lines(model, lines: list[str]) -> list[str]`: one output line per input line, for a non-empty list
+  of non-blank lines (`Task.infer`, what the launcher and a notebook call, answers an empty list and blank lines
+  itself, unless the task sets `infers_blank_lines`); a line the task cannot take raises `InputLineError` with
+  its index, which `infer` maps to the caller's lines and the launcher reports as the file name and line number.
+  A file path in a line is read through `self.input_path(path)`: relative to the input file's folder, as the
+  paths in a pairs file are relative to that file (stdin: the current directory).
 """
 from __future__ import annotations
 
@@ -301,7 +302,28 @@ class Task:
   def extra_eval(self, model) -> dict[str, float]:
     return {}
 
-  def infer(self, model, lines: list[str]) -> list[str]:
+  def infer(self, model, lines: Iterable[str]) -> list[str]:
+    """One answer per line of `lines` (a list, or any iterable of str), in order: `infer_lines` answers the
+    non-blank ones, a blank (or whitespace-only) line gets "" (a task with `infers_blank_lines` answers every
+    line). InputLineError names the line's position in `lines`; ValueError for a str or a non-str line."""
+    if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
+      raise ValueError(f"lines: an iterable of input lines, got {type(lines).__name__}"
+                       + (" (one line is [line])" if isinstance(lines, (str, bytes)) else ""))
+    lines = list(lines)
+    for index, line in enumerate(lines):
+      if not isinstance(line, str):
+        raise ValueError(f"lines[{index}]: a str, got {type(line).__name__}")
+    asked = [index for index, line in enumerate(lines) if self.infers_blank_lines or line.strip()]
+    if not asked:
+      return [""] * len(lines)
+    try:
+      answers = self.infer_lines(model, [lines[index] for index in asked])
+    except InputLineError as error:
+      raise InputLineError(asked[error.index], error.message) from None
+    by_index = dict(zip(asked, answers, strict=True))
+    return [by_index.get(index, "") for index in range(len(lines))]
+
+  def infer_lines(self, model, lines: list[str]) -> list[str]:
     raise NotImplementedError
 
   def input_path(self, path: str) -> str:

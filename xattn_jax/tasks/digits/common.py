@@ -244,7 +244,7 @@ class DigitsBase(task_lib.Task):
         return digits.to_unit_range(array)
     return digits.read_image_file(self.input_path(line))[None]
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """One line per input: the input name, a tab, the predicted digit (several for a stack)."""
     outputs = []
     for index, line in enumerate(lines):

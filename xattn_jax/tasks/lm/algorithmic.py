@@ -119,7 +119,7 @@ class LMAlgorithmicTask(task_lib.Task):
                                                     batch["band"]))
     return metrics
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """Each line of letters -> the operation's output letters, decoded with task.decoding."""
     task = self.config.task
     symbols = LETTERS[:task.num_symbols]

@@ -375,7 +375,7 @@ class LanguageModelTask(task_lib.Task):
 
   # --- inference --------------------------------------------------------------------------------
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """Each line continued by task.decoding's method: the prompt, then the model's continuation (a blank line:
     what the model writes after BOS alone). A prompt longer than the model's context (model.max_length less BOS
     and task.decoding.max_new_tokens) is continued from its last tokens that fit, as a causal LM reads a long

@@ -332,7 +332,7 @@ class SegmentTask(task_lib.Task):
       image = digits.resize_images(image[None], (canvas, canvas))[0]
     return name, np.clip(image, 0.0, 1.0), points, labels
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """One answer line per prompt line (module docstring); the PNG of each into `<workdir>/infer/`."""
     parsed = []
     for index, line in enumerate(lines):

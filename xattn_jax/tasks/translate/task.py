@@ -622,7 +622,7 @@ class TranslateTask(task_lib.Task):
                                                     path, per_head=self.config.task.attention_per_head)
       translate_plots.close(figure)
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """One translation per input line."""
     limit = self.config.model.max_length
     self.tokenizer.warn_unknown_characters(lines, "the input lines")

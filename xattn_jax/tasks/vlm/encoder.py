@@ -252,7 +252,7 @@ class StripEncoderTask(task_lib.Task):
       read.append(tuple(int(d) for d in row[:stop[0] if len(stop) else len(row)]))
     return read
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     images = []
     for index, line in enumerate(lines):
       name = line.strip()

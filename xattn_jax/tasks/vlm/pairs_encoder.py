@@ -187,7 +187,7 @@ class CaptionWordsEncoderTask(task_lib.Task):
   def _probabilities(self):
     return nnx.jit(lambda model, images: jax.nn.sigmoid(self._logits(model, images)))
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     images = []
     for index, line in enumerate(lines):
       try:

@@ -786,7 +786,7 @@ class VLMTask(task_lib.Task):
       metrics[f"exact_match_{n}digits"] = float(correct[digits == n].mean())
     return metrics
 
-  def infer(self, model, lines):
+  def infer_lines(self, model, lines):
     """A line is `image_path` (its caption) or image paths then a question, tab-separated: the last field is the
     question. One image: the answer after the image and the question (`a.png<TAB>what is their sum ?`). Two:
     each image followed by the model's caption of it, then the question, as the two-image examples are laid out
