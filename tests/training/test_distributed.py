@@ -97,6 +97,15 @@ def test_a_run_saved_on_a_sharded_mesh_evaluates_and_resumes_on_one_device(eight
   assert checkpoint_steps(run)[-1] == STEPS + 4 and max(train_losses(run)) == STEPS + 4
 
 
+def test_load_model_reads_a_run_of_a_larger_mesh_onto_this_process_s_devices(eight_devices):
+  """From a notebook (this process: one device) the 8-device run's own mesh was refused, with launch.py's flags."""
+  from xattn_jax.training import inference
+  model, task = inference.load_model(str(eight_devices / "data2_fsdp2_tensor2"))
+  assert dict(task.config.mesh) == {"data": -1, "fsdp": 1, "tensor": 1}
+  answers = task.infer(model, ["abc", "", "hello"])  # 8 steps of training: letters, not yet the reversal
+  assert answers[1] == "" and all(answer.isalpha() for answer in (answers[0], answers[2])), answers
+
+
 # An untrained translator (its greedy outputs are long and varied) decoding 32 eval sources on a
 # data2_fsdp2_tensor2 mesh: rows split over the data axes, against the same decode fed replicated rows.
 _DECODE_SHARDED = """

@@ -145,3 +145,5 @@ def test_load_model_takes_eval_overrides_and_refuses_a_model_change_or_an_unknow
     inference.load_model(str(trained_translator), mode="eval", overrides={"model.decoder.mlp_dim": 96})
   with pytest.raises(validation.ConfigError, match=r"^config\.data\.no_such_field=3: is not a field of the run"):
     inference.load_model(str(trained_translator), overrides={"data.no_such_field": 3})
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length='abc': "):  # ml_collections' TypeError
+    inference.load_model(str(trained_translator), overrides={"model.max_length": "abc"})

@@ -91,8 +91,10 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
   The run's resolved config (`<workdir>/config.py`) rebuilds the task in `mode`: "infer" reads the
   workdir's tokenizer, not the training data; "eval" reads the eval data too (the task's eval examples).
   `overrides` ({dotted field: value}) changes that config first, as `--config.a.b=V` does for
-  `launch.py --mode=eval`, e.g. {"data.num_eval_examples": 2000}; a change to the model is refused
-  (ConfigError naming the field). The model is `task.config`'s, restored in place.
+  `launch.py --mode=eval`, e.g. {"data.num_eval_examples": 2000}; a change to the model, or a value the field
+  cannot take, is refused (ConfigError naming the field). A run trained on a mesh of more devices than this
+  process has is read onto all of its devices (mesh data=-1, fsdp=1, tensor=1; logged), as a checkpoint restores
+  onto any mesh; `overrides` may name another mesh. The model is `task.config`'s, restored in place.
   """
   if mode not in ("infer", "eval"):
     raise ValueError(f"load_model: mode must be 'infer' or 'eval', got mode={mode!r}")
@@ -101,13 +103,22 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
   if not os.path.isfile(path):
     raise RunError(f"{workdir} holds no config.py: is it a run's workdir?")
   config = validation.load_config_file(path)
-  if overrides:
-    for field, value in overrides.items():
-      try:
-        validation._get(config, field)
-      except (KeyError, TypeError):
-        raise validation.ConfigError(field, value, f"is not a field of the run's config ({path})") from None
-    config.update_from_flattened_dict(dict(overrides))
+  for field, value in (overrides or {}).items():
+    try:
+      validation._get(config, field)
+    except (KeyError, TypeError):
+      raise validation.ConfigError(field, value, f"is not a field of the run's config ({path})") from None
+    try:
+      config.update_from_flattened_dict({field: value})
+    except (TypeError, ValueError) as error:  # ml_collections keeps each field's type
+      raise validation.ConfigError(field, value, " ".join(str(error).split())) from None
+  if not any(field.startswith("mesh.") for field in overrides or {}):
+    try:
+      validation.mesh_shape(config.mesh, jax.device_count())
+    except validation.ConfigError:
+      logging.info("load_model: the run's mesh %s does not fit this process's %d device(s): reading it onto "
+                   "all of them (mesh data=-1, fsdp=1, tensor=1)", dict(config.mesh), jax.device_count())
+      config.mesh.update({axis: -1 if axis == "data" else 1 for axis in validation.MESH_AXES})
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count())
   if overrides:
