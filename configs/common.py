@@ -36,9 +36,10 @@ def parse_arg(arg: str | None, **defaults) -> ConfigDict:
 
   Each value is converted to the type of its default (bool accepts true/false/1/0/yes/no); a bare
   `flag` sets a bool default to True. An unknown key raises a ValueError listing the known ones, so
-  a misspelt variant fails as loudly as a misspelt `--config.x` override.
+  a misspelt variant fails as loudly as a misspelt `--config.x` override; so does a key given twice.
   """
   result = ConfigDict(dict(defaults))
+  seen = set()
   for item in (arg or "").split(","):
     item = item.strip()
     if not item:
@@ -47,6 +48,9 @@ def parse_arg(arg: str | None, **defaults) -> ConfigDict:
     key = key.strip()
     if key not in defaults:
       raise ValueError(f"config argument {key!r} in {arg!r}: allowed keys are {sorted(defaults)}")
+    if key in seen:
+      raise ValueError(f"config argument {key!r} in {arg!r} is given twice")
+    seen.add(key)
     default = defaults[key]
     if not has_value:
       if not isinstance(default, bool):

@@ -23,6 +23,12 @@ def test_parse_arg_converts_values_to_the_default_types():
   assert (args.size, args.layers, args.rate, args.scan) == ("tiny", 3, 0.5, True)
 
 
+def test_parse_arg_rejects_a_key_given_twice():
+  """'size=tiny,size=base' built the base model (the last won) without a word."""
+  with pytest.raises(ValueError, match=r"^config argument 'size' in 'size=tiny,scan,size=base' is given twice$"):
+    common.parse_arg("size=tiny,scan,size=base", size="small", scan=False)
+
+
 def test_parse_arg_rejects_an_unknown_key_listing_the_allowed_ones():
   with pytest.raises(ValueError, match=r"'sise'.*\['scan', 'size'\]"):
     common.parse_arg("sise=tiny", size="small", scan=False)
