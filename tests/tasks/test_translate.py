@@ -198,13 +198,15 @@ def test_randomized_positions_reach_both_sides_of_the_translator(tmp_path):
   assert losses[0] == losses[1] != losses[2]
 
 
-@pytest.mark.parametrize("overrides", [{"model.randomized_positions_max": 16},  # < model.max_length 32
-                                       {"model.randomized_positions_max": 128, "data.packing": True},
-                                       {"model.randomized_positions_max": 128, "model.position_encoding": "rope_2d"}])
-def test_bad_randomized_positions_for_the_translator_are_a_config_error_naming_the_field(overrides):
+@pytest.mark.parametrize("overrides, field", [
+    ({"model.randomized_positions_max": 16}, "model.randomized_positions_max"),  # < model.max_length 32
+    ({"model.randomized_positions_max": 128, "data.packing": True}, "model.randomized_positions_max"),
+    # a grid encoding, which the translator does not build, is named first (Task.position_encodings)
+    ({"model.randomized_positions_max": 128, "model.position_encoding": "rope_2d"}, "model.position_encoding")])
+def test_bad_randomized_positions_for_the_translator_are_a_config_error_naming_the_field(overrides, field):
   with pytest.raises(validation.ConfigError) as error:
     validation.validate_config(_config(**overrides))
-  assert error.value.field == "model.randomized_positions_max"
+  assert error.value.field == field
 
 
 @pytest.mark.slow
