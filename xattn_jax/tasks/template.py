@@ -68,7 +68,7 @@ class Reverser(nnx.Module):
 @task_lib.register("template")
 class TemplateTask(task_lib.Task):
   """Reverse random letter strings (see the module docstring)."""
-  position_encodings = POSITION_ENCODINGS
+  position_encodings = POSITION_ENCODINGS  # what validation accepts (and names) for model.position_encoding
 
   @classmethod
   def validate(cls, config, mode="train"):
@@ -137,7 +137,8 @@ class TemplateTask(task_lib.Task):
             "exact_match": (jnp.sum(jnp.all(correct, axis=-1) * batch["weights"]), jnp.sum(batch["weights"]))}
 
   def infer_lines(self, model, lines):
-    """One output line per input line: the letters reversed by the model."""
+    """One output line per input line: the letters reversed by the model (`Task.infer`, what the launcher and a
+    notebook call, hands on the non-blank lines)."""
     max_length = self.config.task.max_length
     inputs = np.zeros((len(lines), max_length), np.int32)
     for row, text in enumerate(line.strip() for line in lines):
