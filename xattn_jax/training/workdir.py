@@ -203,11 +203,20 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
     raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; {advice}")
 
 
+# Fields (and sections) that only training reads: an eval's row does not list them as changed.
+TRAINING_ONLY_FIELDS = ("batch_size", "total_steps", "max_epochs", "min_steps", "steps_per_call", "num_microbatches",
+                        "log_every_steps", "eval_every_steps", "init_from", "optimizer.", "early_stopping.",
+                        "checkpoint.every_steps", "checkpoint.keep", "logging.", "profile.", "debug.")
+
+
 def append_eval_result(config, workdir: str, step: int, values: dict[str, float]) -> dict:
   """Appends `{"step", **values, "changed"}` to `<workdir>/eval_results.jsonl` and returns the row;
   `changed` holds the fields this eval's config changed from the run's (another data.grid,
-  task.decoding ...), so a row evaluated with other settings says so."""
-  changed = {field: new for field, (_, new) in config_differences(config, workdir).items()}
+  task.decoding ...), so a row evaluated with other settings says so; fields only training reads are left out."""
+  training_only = lambda field: any(field == name or (name.endswith(".") and field.startswith(name))
+                                    for name in TRAINING_ONLY_FIELDS)
+  changed = {field: new for field, (_, new) in config_differences(config, workdir).items()
+             if not training_only(field)}
   row = {"step": step, **values, "changed": changed}
   with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:
     f.write(json.dumps(row) + "\n")
