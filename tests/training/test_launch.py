@@ -186,6 +186,9 @@ def test_a_second_eval_reads_every_program_from_the_compilation_cache_the_first_
     assert result.returncode == 0, result.stderr[-3000:]
     written.append({entry.name: entry.stat().st_mtime_ns for entry in cache.iterdir()})
   assert written[0] and written[1] == written[0]
+  (tmp_path / "a_file").write_text("")  # a cache that cannot be made: a warning, and the eval runs
+  unwritable = launch(run, "--mode=eval", f"--compilation_cache={tmp_path / 'a_file' / 'xla'}")
+  assert unwritable.returncode == 0 and "persistent compilation cache" in unwritable.stderr, unwritable.stderr[-3000:]
 
 
 # --- one reference run, and what it leaves in the workdir ---------------------------------------
