@@ -172,6 +172,14 @@ def test_the_compilation_cache_defaults_to_the_users_cache_folder_unless_jax_or_
   monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")  # restored after the test
   launcher.use_compilation_cache("")
   assert os.environ["JAX_ENABLE_COMPILATION_CACHE"] == "false" and not jax.config.jax_enable_compilation_cache
+  # A folder: this process's JAX and, through the environment, the launch.py subprocesses it starts.
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    launcher.use_compilation_cache("/some/cache")
+    assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"] == "/some/cache"
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
 
 
 @pytest.mark.slow
