@@ -72,9 +72,12 @@ def test_infer_writes_a_mask_png_for_clicks_on_an_image_file(trained_segmenter, 
     name, png, iou, pixels = line.split("\t")
     assert png.startswith(str(workdir / "infer")) and matplotlib.image.imread(png).ndim == 3
     assert 0.0 <= float(iou.removeprefix("iou=")) <= 1.0 and int(pixels.removeprefix("pixels=")) >= 0
-  [again] = task.infer(model, [f"{bar} 7,8"])  # the same name: the first infer's picture is kept
-  assert lines[0].split("\t")[1].endswith("bar_0.png")
-  assert again.split("\t")[1] == str(workdir / "infer" / "bar_0-2.png")
+  _, again = task.infer(model, ["", f"{bar} 7,8"])  # line 2 after a blank line, the name of the first's line 1
+  assert [line.split("\t")[1].rsplit("/", 1)[1] for line in lines] == ["bar_1.png", "test_1_2.png", "bar_3.png",
+                                                                       "bar_4.png", "my_bar_5.png"]
+  assert again.split("\t")[1] == str(workdir / "infer" / "bar_2.png")  # its own line's number, not its place
+  [third] = task.infer(model, [f"{bar} 7,8"])  # the same name again: the first infer's picture is kept
+  assert third.split("\t")[1] == str(workdir / "infer" / "bar_1-2.png")
 
 
 @pytest.mark.slow

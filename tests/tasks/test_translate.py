@@ -168,6 +168,8 @@ def test_sampled_translations_with_a_fixed_seed_repeat_and_differ_from_greedy(tm
   assert sampler.infer(model, lines) == sampled
   greedy = _infer_task(tmp_path, method="greedy").infer(model, lines)
   assert len(sampled) == len(greedy) == 3 and sampled != greedy
+  # a line samples by its own number: after a blank line as after another line (it took the blank's key before)
+  assert sampler.infer(model, ["", lines[1]])[1] == sampler.infer(model, lines[:2])[1] == sampled[1]
 
 
 @pytest.mark.parametrize("field, value", [("method", "nucleus"), ("temperature", 0.0), ("top_p", 1.5),

@@ -702,6 +702,32 @@ def test_describe_first_answers_from_the_models_own_descriptions_through_the_fro
                                 + task.tokenizer.encode("what is their sum ?"), tokenizers.EOS_ID) or "(nothing)")
 
 
+@pytest.mark.parametrize("describe_first", [False, True])
+def test_a_sampled_answer_depends_on_its_own_line_not_on_the_lines_before_it(describe_first, tmp_path):
+  """A line's sampling key was its request's place in each round of generation: the same question read
+  differently after a blank line than after a two-image caption line (two requests). Keyed by its line number
+  and its place in the line, it reads the same; at another line number, another draw."""
+  import jax.numpy as jnp
+  chain = tiny_chain()
+  overrides = {**TINY_CHAIN, "model.encoder_workdir": chain / "encoder", "model.lm_workdir": chain / "lm",
+               "data.num_eval_examples": 8, "task.describe_first": describe_first, "task.decoding.max_new_tokens": 6,
+               "task.decoding.method": "sample", "task.decoding.temperature": 3.0}
+  config = helpers.load_config("--config=configs/vlm_digits.py:connector=llava",
+                               *(f"--config.{field}={value}" for field, value in overrides.items()))
+  task = vlm_task.VLMTask(config, None, "train")
+  model = task.make_model(nnx.Rngs(params=0), dtype=jnp.float32, param_dtype=jnp.float32)
+  _random_lm_weights(model)
+  example = next(e for e in task.eval_examples if len(e.images) == 2)
+  paths = [tmp_path / f"{i}.png" for i in range(2)]
+  for path, image in zip(paths, example.images):
+    Image.fromarray((255 * (1 - image)).astype(np.uint8)).save(path)
+  question = f"{paths[0]}\twhat is their sum ?"
+  after_blank = task.infer(model, ["", question])
+  after_two = task.infer(model, [f"{paths[0]}\t{paths[1]}\t", question])
+  assert after_blank[1] == after_two[1] and after_blank[1], (after_blank, after_two)
+  assert task.infer(model, [question])[0] != after_blank[1]  # line 1: another key
+
+
 @pytest.mark.parametrize("connector,describe_first", [("flamingo", False), ("llava", False), ("llava", True)])
 def test_infer_reads_two_images_each_captioned_in_turn_then_the_question(connector, describe_first, tmp_path,
                                                                        monkeypatch):

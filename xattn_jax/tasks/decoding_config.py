@@ -14,6 +14,7 @@ A task may add its own fields to the section (the LM's max_new_tokens); they are
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from xattn_jax import decoding
 from xattn_jax.training import validation
@@ -38,8 +39,19 @@ def decoding_options(config) -> decoding.DecodingOptions:
   return options
 
 
-def row_keys(config, rows: int, offset: int = 0) -> jax.Array:
+def row_keys(config, rows: int, offset: int = 0, ids=None) -> jax.Array:
   """PRNG keys [rows] for sampling rows offset .. offset + rows - 1 of a decode: key i depends only on
-  task.decoding.seed and i, so a row's sample does not depend on how the rows are batched."""
+  task.decoding.seed and i, so a row's sample does not depend on how the rows are batched. `ids` ([rows] or
+  [rows, n] ints) names each row instead (an inference's input line, and the row's place in it): then a row's
+  sample does not depend on the other rows either."""
   base = jax.random.key(config.task.decoding.get("seed", 0))
-  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jax.numpy.arange(offset, offset + rows))
+  ids = np.arange(offset, offset + rows) if ids is None else np.asarray(ids)
+  ids = ids.reshape(rows, -1).astype(np.uint32)
+
+  def key(row):
+    out = base
+    for index in range(ids.shape[1]):
+      out = jax.random.fold_in(out, row[index])
+    return out
+
+  return jax.vmap(key)(jax.numpy.asarray(ids))

@@ -73,7 +73,8 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 - `infer_lines(model, lines: list[str]) -> list[str]`: one output line per input line, for a non-empty list
   of non-blank lines (`Task.infer`, what the launcher and a notebook call, answers an empty list and blank lines
   itself, unless the task sets `infers_blank_lines`); a line the task cannot take raises `InputLineError` with
-  its index, which `infer` maps to the caller's lines and the launcher reports as the file name and line number.
+  its index, which `infer` maps to the caller's lines and the launcher reports as the file name and line number;
+  `self.line_number(index)` is that line's number among the caller's lines (for output names, sampling keys).
   A file path in a line is read through `self.input_path(path)`: relative to the input file's folder, as the
   paths in a pairs file are relative to that file (stdin: the current directory).
 """
@@ -316,12 +317,21 @@ class Task:
     asked = [index for index, line in enumerate(lines) if self.infers_blank_lines or line.strip()]
     if not asked:
       return [""] * len(lines)
+    self._line_numbers = [index + 1 for index in asked]
     try:
       answers = self.infer_lines(model, [lines[index] for index in asked])
     except InputLineError as error:
       raise InputLineError(asked[error.index], error.message) from None
+    finally:
+      self._line_numbers = None
     by_index = dict(zip(asked, answers, strict=True))
     return [by_index.get(index, "") for index in range(len(lines))]
+
+  def line_number(self, index: int) -> int:
+    """The 1-based number, among the lines `infer` was given (blank ones counted), of `infer_lines`' line
+    `index`: what names a line's outputs and keys its samples, whatever lines come before it."""
+    numbers = getattr(self, "_line_numbers", None)
+    return numbers[index] if numbers else index + 1
 
   def infer_lines(self, model, lines: list[str]) -> list[str]:
     raise NotImplementedError

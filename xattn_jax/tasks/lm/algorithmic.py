@@ -135,7 +135,8 @@ class LMAlgorithmicTask(task_lib.Task):
     width = max(map(len, prompts))
     new = self.max_length - width
     tokens, valid = text_task.lm_lib.left_pad(prompts, width)
-    rng = decoding_config.row_keys(self.config, len(lines))
+    rng = decoding_config.row_keys(self.config, len(lines),  # by line number, whatever lines come before it
+                                   ids=[self.line_number(index) - 1 for index in range(len(lines))])
     outputs = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng, capacity=width - 1 + new,
                                         max_new_tokens=new, options=self.options, logits_sharding=self.logits_sharding))
     first, last = lm_algorithmic.FIRST_SYMBOL, lm_algorithmic.FIRST_SYMBOL + task.num_symbols

@@ -26,7 +26,8 @@ Inference (`launch.py --mode=infer`), one line per prompt:
 IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resized to the canvas) or test:K
 (test prompt K's image; with no prompt after it, test prompt K's own); a tab after IMAGE instead of a space
 takes a path with spaces (`my scan.png<TAB>12,9`). The answer line is IMAGE, the PNG
-written to `<workdir>/infer/` (image, prompt, every mask; `<name>_<line>.png`, `-2`, `-3` ... where an earlier
+written to `<workdir>/infer/` (image, prompt, every mask; `<name>_<line>.png`, the input line's number from 1 as
+errors give it, blank lines counted; `-2`, `-3` ... where an earlier
 infer wrote that name), the predicted IoU and pixel count of the chosen mask,
 tab-separated.
 """
@@ -350,7 +351,8 @@ class SegmentTask(task_lib.Task):
     for index, (name, image, point, label) in enumerate(parsed):
       best = int(np.argmax(predicted[index]))
       stem = re.sub(r"[^\w.-]", "_", os.path.splitext(os.path.basename(name))[0])
-      path = _free_path(os.path.join(directory, f"{stem}_{index}.png"))  # an earlier infer's PNG is kept
+      # named by the input line's number (as errors name it); an earlier infer's PNG is kept
+      path = _free_path(os.path.join(directory, f"{stem}_{self.line_number(index)}.png"))
       plots.plot_prediction(image, point, label, logits[index] > 0, predicted[index], path, title=name)
       outputs.append(f"{name}\t{path}\tiou={predicted[index, best]:.3f}\tpixels={int(np.sum(logits[index, best] > 0))}")
     return outputs

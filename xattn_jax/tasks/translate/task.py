@@ -559,10 +559,10 @@ class TranslateTask(task_lib.Task):
 
   # --- decoding ---------------------------------------------------------------------------------
 
-  def translate_ids(self, model, inputs: np.ndarray, max_length: int) -> list[str]:
+  def translate_ids(self, model, inputs: np.ndarray, max_length: int, row_ids=None) -> list[str]:
     """Decodes inputs [n, s] as task.decoding says, in batches of eval_batch_size (the last one padded; fewer
     rows, a smaller batch: `sharding.rows_batch_size`) -> n strings. Row i samples with its own key
-    (task.decoding.seed, i), whatever the batching."""
+    (task.decoding.seed, row_ids[i], default i), whatever the batching."""
     size = sharding.rows_batch_size(len(inputs), self.config.eval_batch_size, self.rows_sharding)
     outputs = []
     for start in range(0, len(inputs), size):
@@ -571,7 +571,8 @@ class TranslateTask(task_lib.Task):
       padded[len(chunk):, 0] = self.tokenizer.eos_id  # padding rows need one real source token
       # Rows split over the data axes (each device decodes its share; with host arrays every device
       # and every process decoded every row), gathered back whole on every process.
-      rng = decoding_config.row_keys(self.config, size, offset=start)
+      ids = None if row_ids is None else [*row_ids[start:start + size], *[0] * (size - len(chunk))]
+      rng = decoding_config.row_keys(self.config, size, offset=start, ids=ids)
       ids = self._generate(model, sharding.rows_on_mesh(padded, self.rows_sharding), max_length=max_length,
                            bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, options=self.options,
                            rng=rng, suppress_ids=self.tokenizer.never_generated_ids,
@@ -633,4 +634,6 @@ class TranslateTask(task_lib.Task):
     inputs = np.zeros((len(lines), batching.round_up(max(map(len, encoded)), 8)), np.int32)
     for row, ids in enumerate(encoded):
       inputs[row, :len(ids)] = ids
-    return self.translate_ids(model, inputs, self._max_decode_length())
+    # a line samples by its own number among the caller's lines, whatever lines come before it
+    return self.translate_ids(model, inputs, self._max_decode_length(),
+                              row_ids=[self.line_number(index) - 1 for index in range(len(lines))])

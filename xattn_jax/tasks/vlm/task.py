@@ -696,10 +696,12 @@ class VLMTask(task_lib.Task):
       kept.append(token)
     return _normalise(self.tokenizer.decode(kept))
 
-  def generate(self, model, requests, max_new_tokens: int | None = None, *, text_only: bool = False) -> list[str]:
+  def generate(self, model, requests, max_new_tokens: int | None = None, *, text_only: bool = False,
+               ids=None) -> list[str]:
     """requests: (images, prompt ids, end token id) each -> the generated text of each, in order, at most
     max_new_tokens tokens (default task.decoding.max_new_tokens) before the end token. text_only: the frozen
-    LM alone continues the prompts (their images are not read; the prompts hold no soft-token slots)."""
+    LM alone continues the prompts (their images are not read; the prompts hold no soft-token slots). ids: each
+    request's sampling key ids (`decoding_config.row_keys`; default its position)."""
     size = sharding.rows_batch_size(len(requests), self.config.eval_batch_size, self.rows_sharding)
     max_new = max_new_tokens or self.max_new_tokens
     outputs = []
@@ -708,7 +710,8 @@ class VLMTask(task_lib.Task):
       padded = chunk + [chunk[-1]] * (size - len(chunk))  # one batch shape: one compiled program
       prompt_length = max(self.prompt_length, max(len(ids) for _, ids, _ in padded))
       tokens, valid = lm_lib.left_pad([ids for _, ids, _ in padded], prompt_length)
-      keys = decoding_config.row_keys(self.config, size, offset=start)
+      chunk_ids = None if ids is None else [*ids[start:start + size], *[ids[start]] * (size - len(chunk))]
+      keys = decoding_config.row_keys(self.config, size, offset=start, ids=chunk_ids)
       if text_only:
         generated = self._generate_text(model, tokens, valid, keys, max_new=max_new)
       else:
@@ -722,11 +725,11 @@ class VLMTask(task_lib.Task):
     """BOS, then one image: its soft-token slots and its marker (what a caption or a question follows)."""
     return [self.tokenizer.bos_id] + [vlm.SOFT_TOKEN] * self.slots(image) + [self.marker]
 
-  def describe(self, model, images, max_new_tokens: int | None = None) -> list[str]:
+  def describe(self, model, images, max_new_tokens: int | None = None, ids=None) -> list[str]:
     """Each image's description: the text the model generates after the image alone (its caption, no
-    question), at most max_new_tokens tokens (generate's default)."""
+    question), at most max_new_tokens tokens (generate's default); ids: generate's."""
     prompts = [((image,), self._image_prompt(image), tokenizers.EOS_ID) for image in images]
-    return self.generate(model, prompts, max_new_tokens) if prompts else []
+    return self.generate(model, prompts, max_new_tokens, ids=ids) if prompts else []
 
   def eval_answers(self, model) -> list[tuple[str, int, str, str]]:
     """(kind, digits in the largest image, reference, generated answer) of every eval target, in eval order:
@@ -792,7 +795,7 @@ class VLMTask(task_lib.Task):
     each image followed by the model's caption of it, then the question, as the two-image examples are laid out
     (`a.png<TAB>b.png<TAB>which is larger ?`); with an empty question, each image's caption alone, joined by
     " | " (in training a caption before another image's text ends where that text begins, unknown here)."""
-    examples, groups = [], []  # groups: the examples whose answers make line i's
+    examples, groups, names = [], [], []  # groups: the examples whose answers make line i's; names: (line, j)
     for index, line in enumerate(lines):
       fields = line.rstrip("\n").split("\t")
       paths, question = (fields, "") if len(fields) == 1 else (fields[:-1], fields[-1].strip())
@@ -809,26 +812,33 @@ class VLMTask(task_lib.Task):
                                               grey=encoder_task.grey(self.config)))
         except (OSError, ValueError) as error:
           raise task_lib.InputLineError(index, str(error)) from None
+      number = self.line_number(index)  # what a line's samples are keyed by, whatever lines come before it
       if not question:  # each image's caption
         groups.append(range(len(examples), len(examples) + len(images)))
         examples += [((image,), [("image", 0), ("target", None)]) for image in images]
+        names += [(number, j) for j in range(len(images))]
         continue
       segments = [("image", 0)] if len(images) == 1 else [s for i in range(len(images))
                                                           for s in (("image", i), ("target", None))]
       groups.append(range(len(examples), len(examples) + 1))
       examples.append((tuple(images), segments + [("text", question), ("target", None)]))
+      names.append((number, 0))
     self.tokenizer.warn_unknown_characters([line.split("\t")[-1] if "\t" in line else "" for line in lines],
                                            "the questions")
-    answers = self._generate_in_turn(model, examples)
+    answers = self._generate_in_turn(model, examples, names)
     return [" | ".join(answers[k][-1] or "(nothing)" for k in group) for group in groups]
 
-  def _generate_in_turn(self, model, examples) -> list[list[str]]:
+  def _generate_in_turn(self, model, examples, names=None) -> list[list[str]]:
     """examples: (images, segments as VLMExample's, each target None) -> each example's targets, generated in
     turn from the prefix before it with the earlier ones in place (with task.describe_first: a target right after
-    an image is that image's description, the others the frozen LM's from the described text)."""
+    an image is that image's description, the others the frozen LM's from the described text). names: each
+    example's sampling ids (its input line, its place there); a target samples by (*name, its index), an image's
+    description by (*name, the image, 1 << 16), whatever other examples are generated beside it."""
     described = self.config.task.get("describe_first", False)
     if described:
-      words = iter(self.describe(model, [image for images, _ in examples for image in images]))
+      words = iter(self.describe(model, [image for images, _ in examples for image in images],
+                                 ids=None if names is None else [(*names[k], i, 1 << 16) for k, (images, _) in
+                                                                 enumerate(examples) for i in range(len(images))]))
       descriptions = [[next(words) for _ in images] for images, _ in examples]
     prefixes, done, answers = [[self.tokenizer.bos_id] for _ in examples], [0] * len(examples), [[] for _ in examples]
     while True:
@@ -858,7 +868,8 @@ class VLMTask(task_lib.Task):
           done[k] += 1
       if not requests:
         return answers
-      for k, answer in zip(asking, self.generate(model, requests, text_only=described)):
+      ids = None if names is None else [(*names[k], len(answers[k]), 0) for k in asking]
+      for k, answer in zip(asking, self.generate(model, requests, text_only=described, ids=ids)):
         answers[k].append(answer)
         prefixes[k] += self.tokenizer.encode(answer)
         done[k] += 1
