@@ -459,3 +459,18 @@ def test_microbatches_hold_a_fraction_of_the_whole_batchs_temporaries(tmp_path):
                                                jnp.int32(0), jnp.int32(1), jax.random.key(0)).compile()
     temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
   assert temporaries[1] < 0.5 * temporaries[0], temporaries
+
+
+@pytest.mark.parametrize("total_steps, min_steps, bound", [(1000, 10, "the passes"), (100, 10, "total_steps"),
+                                                           (30, 300, "total_steps, which comes before min_steps"),
+                                                           (1000, 500, "min_steps")])
+def test_the_end_step_line_says_which_bound_set_it(total_steps, min_steps, bound, caplog):
+  """'Training ends at step 30: ... at least min_steps=300, at most total_steps=30' read as a contradiction."""
+  from ml_collections import ConfigDict
+
+  from xattn_jax.training import trainer as trainer_lib
+  config = ConfigDict({"max_epochs": 2.0, "min_steps": min_steps, "total_steps": total_steps})
+  task = type("Counted", (), {"steps_per_epoch": lambda self: 97})()
+  with caplog.at_level(logging.INFO):
+    sized = trainer_lib._sized_by_epochs(config, task)
+  assert f"Training ends at step {sized.total_steps}, set by {bound}:" in caplog.text, caplog.text

@@ -114,8 +114,14 @@ def _sized_by_epochs(config, task):
     raise validation.ConfigError("max_epochs", config.max_epochs, f"task {config.task.name!r} does not count "
                                  "the steps of a pass over its training data: leave it 0 (total_steps alone)")
   end = schedule.end_step(config, per_epoch)
-  logging.info("Training ends at step %d: max_epochs=%g passes of %d steps, at least min_steps=%d, at most "
-               "total_steps=%d", end, config.max_epochs, per_epoch, config.min_steps, config.total_steps)
+  if end == int(np.ceil(config.max_epochs * per_epoch)):
+    bound = "the passes"
+  elif end == config.total_steps:  # it caps min_steps too
+    bound = "total_steps" + (", which comes before min_steps" if config.total_steps < config.min_steps else "")
+  else:
+    bound = "min_steps"
+  logging.info("Training ends at step %d, set by %s: max_epochs=%g passes of %d steps, at least min_steps=%d, at "
+               "most total_steps=%d", end, bound, config.max_epochs, per_epoch, config.min_steps, config.total_steps)
   if end == config.total_steps:
     return config
   sized = config.copy_and_resolve_references()
