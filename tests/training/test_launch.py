@@ -178,6 +178,7 @@ def test_the_compilation_cache_defaults_to_the_users_cache_folder_unless_jax_or_
   try:
     launcher.use_compilation_cache("/some/cache")
     assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"] == "/some/cache"
+    assert not jax.config.jax_enable_compilation_cache  # turned off (here, above) stays off: a folder does not enable it
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
 
