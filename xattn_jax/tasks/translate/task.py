@@ -571,8 +571,8 @@ class TranslateTask(task_lib.Task):
       padded[len(chunk):, 0] = self.tokenizer.eos_id  # padding rows need one real source token
       # Rows split over the data axes (each device decodes its share; with host arrays every device
       # and every process decoded every row), gathered back whole on every process.
-      ids = None if row_ids is None else [*row_ids[start:start + size], *[0] * (size - len(chunk))]
-      rng = decoding_config.row_keys(self.config, size, offset=start, ids=ids)
+      chunk_ids = None if row_ids is None else [*row_ids[start:start + size], *[0] * (size - len(chunk))]
+      rng = decoding_config.row_keys(self.config, size, offset=start, ids=chunk_ids)
       ids = self._generate(model, sharding.rows_on_mesh(padded, self.rows_sharding), max_length=max_length,
                            bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id, options=self.options,
                            rng=rng, suppress_ids=self.tokenizer.never_generated_ids,
