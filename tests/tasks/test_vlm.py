@@ -314,25 +314,25 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("colour", ["false", "true"])
-def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colour):
+def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
   """configs/vlm_tsv.py read every user's pictures with the digits' strip reader, fitted into its grey 8 x 32
   canvas: now its default encoder is trained first on the pairs' own images (configs/vlm_encoder.py:data=pairs),
   at the VLM's canvas, to name each caption's words; then the connector (on the LM that pairs_chain() trained
-  on their text)."""
+  on their text). Grey, the default (RGB: the encoder's training in test_trainer's microbatch test, its reading
+  colour in test_vlm_encoder, the setting reaching both in test_colour_is_one_setting_of_the_vlm_and_its_encoder)."""
   pairs = shape_pairs()
   train, evaluation = pairs / "train.tsv", pairs / "eval.tsv"
   overrides = {**TINY_CHAIN, "model.encoder_workdir": tmp_path / "encoder", "model.lm_workdir": pairs_chain() / "lm",
                # sized by its 48 images as the default is: fewer than a batch, one step a pass, 80 passes of 200 steps
                "model.encoder_config": "configs/vlm_encoder.py:data=pairs,canvas=16x16,steps=200,epochs=80,"
-                                       f"min_steps=10,width=32,blocks=1,warmup=10,color={colour}",
+                                       "min_steps=10,width=32,blocks=1,warmup=10",
                "model.lm_config": PAIRS_LM_CONFIG, "data.train_file": train, "data.eval_file": evaluation}
-  result = helpers.launch(f"configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16,color={colour}",
+  result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16",
                           tmp_path / "vlm", overrides=overrides)
   assert result.returncode == 0, result.stderr[-3000:]
   encoder_run = json.loads((tmp_path / "encoder" / "config.json").read_text())
   assert encoder_run["task"]["name"] == "vlm_pairs_encoder" and encoder_run["data"]["canvas"] == "16x16"
-  assert encoder_run["model"]["channels"] == (3 if colour == "true" else 1)
+  assert encoder_run["model"]["channels"] == 1
   assert (encoder_run["data"]["train_file"], encoder_run["data"]["eval_file"]) == (str(train), str(evaluation))
   assert checkpoints.step_numbers(str(tmp_path / "encoder"))[-1] == 80 and encoder_run["total_steps"] == 200
   # every caption is "a black <shape>": naming its shared terms alone ("a", "black", "a black") is F1 0.75
@@ -348,7 +348,7 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path, colou
   assert inferred.returncode == 0, inferred.stderr[-2000:]
   assert "cross" in inferred.stdout.strip().split("\t")[-1].split(" | "), inferred.stdout
   # another pairs file with the same encoder workdir: named before anything trains
-  config = helpers.load_config(f"--config=configs/vlm_tsv.py:connector=qformer,canvas=16x16,color={colour}", *(
+  config = helpers.load_config("--config=configs/vlm_tsv.py:connector=qformer,canvas=16x16", *(
       f"--config.{field}={value}" for field, value in {**overrides, "data.train_file": evaluation}.items()))
   with pytest.raises(validation.ConfigError, match="data.train_file") as error:
     dependencies.resolve(config, str(tmp_path / "vlm2"), "train")

@@ -368,7 +368,7 @@ def _image_args(name, tmp_path):
     return ("--config=configs/vlm_digits.py:connector=qformer,queries=4",
             *(f"--config.{field}={value}" for field, value in frozen.items()), *_QUICK_IMAGES)
   from PIL import Image
-  Image.fromarray(np.full((12, 20), 40, np.uint8)).save(tmp_path / "a.png")
+  Image.fromarray(np.stack([np.full((12, 20), v, np.uint8) for v in (40, 160, 250)], axis=-1)).save(tmp_path / "a.png")
   Image.fromarray(np.eye(16, dtype=np.uint8) * 255).save(tmp_path / "b.png")
   (tmp_path / "pairs.tsv").write_text("a.png\ta dark box\nb.png\ta white line\n" * 4)
   pairs = (f"--config.data.train_file={tmp_path / 'pairs.tsv'}", f"--config.data.eval_file={tmp_path / 'pairs.tsv'}")
@@ -381,8 +381,8 @@ def _image_args(name, tmp_path):
                   "--config.model.encoder.num_blocks=1", *_QUICK_IMAGES),
       "vlm_encoder": ("--config=configs/vlm_encoder.py:steps=4,width=16,blocks=1,patch=4,max_digits=2",
                       *_QUICK_IMAGES),
-      "vlm_pairs_encoder": ("--config=configs/vlm_encoder.py:data=pairs,canvas=16x16,width=16,blocks=1", *pairs,
-                            *_QUICK_IMAGES),
+      "vlm_pairs_encoder": ("--config=configs/vlm_encoder.py:data=pairs,canvas=16x16,width=16,blocks=1,color=true",
+                            *pairs, *_QUICK_IMAGES),  # RGB: the VLM chain test trains a grey one
   }[name]
 
 
