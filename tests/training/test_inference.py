@@ -138,8 +138,10 @@ def test_load_model_names_a_mode_it_cannot_load_in(tmp_path):
 
 def test_load_model_takes_eval_overrides_and_refuses_a_model_change_or_an_unknown_field(trained_translator):
   model, task = inference.load_model(str(trained_translator), mode="eval",
-                                     overrides={"task.decoding.method": "beam", "data.eval_fraction": 0.5})
-  assert task.config.task.decoding.method == "beam" and task.config.data.eval_fraction == 0.5
+                                     overrides={"task.decoding.method": "beam", "task.num_decode_examples": 8})
+  assert task.config.task.decoding.method == "beam" and task.config.task.num_decode_examples == 8
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.eval_fraction=0\.5: .* it chooses the held-out"):
+    inference.load_model(str(trained_translator), mode="eval", overrides={"data.eval_fraction": 0.5})
   with pytest.raises(validation.ConfigError,
                      match=r"^config\.model\.decoder\.mlp_dim=96: the run in .* was made with"):
     inference.load_model(str(trained_translator), mode="eval", overrides={"model.decoder.mlp_dim": 96})

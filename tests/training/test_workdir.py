@@ -128,6 +128,24 @@ def test_an_eval_naming_no_file_of_a_run_trained_on_one_is_refused(tmp_path):
   workdir.check_same_model(lm_text.get_config(), str(tmp_path), mode="infer")  # infer reads no data file
 
 
+@pytest.mark.parametrize("field, value", [("data.eval_fraction", 0.5), ("data.corpus_seed", 5)])
+def test_an_eval_scoring_the_held_out_part_keeps_the_fields_that_chose_it(tmp_path, field, value):
+  """Another eval_fraction or corpus_seed at eval scored documents the run trained on, as eval/* metrics."""
+  trained = lm_text.get_config()
+  trained.data.train_file = "/data/mine.txt"
+  workdir.write_config(trained, str(tmp_path))
+  _with_checkpoint(tmp_path)
+  changed = lm_text.get_config()
+  changed.data.train_file = "/data/mine.txt"
+  changed.update_from_flattened_dict({field: value})
+  with pytest.raises(validation.ConfigError, match=rf"^config\.{field.replace('.', r'[.]')}={value}: the run in .* was "
+                     r"made with .*it chooses the held-out part this eval scores"):
+    workdir.check_same_model(changed, str(tmp_path), mode="eval")
+  workdir.check_same_model(changed, str(tmp_path), mode="infer")  # infer reads no eval data
+  changed.data.eval_file = "/data/other.txt"  # another file scored: its held-out part is not read
+  workdir.check_same_model(changed, str(tmp_path), mode="eval")
+
+
 def test_a_workdir_without_checkpoints_protects_nothing(tmp_path):
   workdir.write_config(_config(), str(tmp_path))
   workdir.check_same_model(_config(**{"model.d_model": 48}), str(tmp_path))

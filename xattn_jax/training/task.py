@@ -229,6 +229,9 @@ class Task:
   infers_blank_lines: ClassVar[bool] = False
   # The model.position_encoding values the task's model builds (validation names them; None: any registered).
   position_encodings: ClassVar[tuple[str, ...] | None] = None
+  # The data fields that choose the part of the training data held out for eval: an eval that scores that part
+  # (names no data.eval_file) must keep them, or it would score examples the run trained on.
+  held_out_fields: ClassVar[tuple[str, ...]] = ()
 
   def __init__(self, config, workdir: str | None = None, mode: str = "train"):
     self.config = config

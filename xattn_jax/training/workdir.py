@@ -171,16 +171,20 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
       for field in (dependency.workdir_field, dependency.config_field) if field} | set(
           task_class.eval_model_fields(config))
 
+  data = config.get("data") or {}
+  # an eval scoring the part the run held out of its training data must hold out the same part
+  held_out = set(task_class.held_out_fields) if mode == "eval" and not data.get("eval_file") else set()
+
   def watched(field):
     if mode == "train":
       return True
-    return (field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
+    return ((field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
+            or field in held_out)
 
   raw = recorded_config(workdir)
   recorded = _flat(raw or {})
   differences = {} if raw is None else _differences(recorded, config, workdir)
   trained_on = differences.get("data.train_file", (None, None))[0]
-  data = config.get("data") or {}
   if mode == "eval" and trained_on and not data.get("train_file") and not data.get("eval_file"):
     # "" names the bundled data where a task has some: scoring it instead of the run's held-out text
     # would look like a result.
@@ -199,7 +203,9 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
       # The run predates the field: its config.py reads it as the code of then did (a default the code keeps).
       raise validation.ConfigError(field, new, f"the run in {workdir} was made before this field existed; use its "
                                    f"own config, --config={os.path.join(workdir, 'config.py')}")
-    advice = "keep it, or use a new --workdir" if mode == "train" else f"{mode} reads the model as it was trained: keep it"
+    advice = ("keep it, or use a new --workdir" if mode == "train" else
+              "it chooses the held-out part this eval scores (another would hold training examples): keep it, or "
+              "name data.eval_file" if field in held_out else f"{mode} reads the model as it was trained: keep it")
     raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; {advice}")
 
 

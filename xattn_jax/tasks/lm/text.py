@@ -159,6 +159,7 @@ class LanguageModelTask(task_lib.Task):
   eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity", "eval/bits_per_byte")
   infers_blank_lines = True  # a blank line is an empty prompt: a sample from BOS alone
   position_encodings = lm_lib.POSITION_ENCODINGS
+  held_out_fields = ("data.eval_fraction", "data.corpus_seed")
 
   @classmethod
   def validate(cls, config, mode="train"):

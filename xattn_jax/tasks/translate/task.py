@@ -179,6 +179,7 @@ class TranslateTask(task_lib.Task):
   """English -> target-locale dates, or any parallel corpus (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf")
   position_encodings = translator_lib.POSITION_ENCODINGS
+  held_out_fields = ("data.eval_fraction", "data.test_fraction", "data.split_seed")
 
   @classmethod
   def validate(cls, config, mode="train"):
