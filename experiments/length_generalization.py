@@ -331,6 +331,8 @@ def main(argv=None):
                     else str(REPOSITORY / "experiments" / "results"))
   meta = run_metadata(argv)
   seeds = 1 if args.quick else args.seeds
+  if args.quick and args.seeds != parser.get_default("seeds"):
+    print(f"--quick runs 1 seed a cell: --seeds={args.seeds} is not used", flush=True)
   randomized = randomized_supported()
   notes = list(NOTES)
   if not randomized:
@@ -341,6 +343,9 @@ def main(argv=None):
     notes.append(f"- **{message}.**")
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
   todo = cells(args.quick, seeds, only, randomized)
+  if not todo:  # an empty table and plot read as a result
+    parser.error(f"--only={','.join(sorted(only))} selects none of the {'--quick ' if args.quick else ''}cells "
+                 f"({', '.join(sorted({f'{c.task}/{c.encoding}' for c in cells(args.quick, 1)}))})")
   failures, start = 0, time.time()
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
     futures = [pool.submit(run_cell, cell, root, args.quick, args.jobs > 1) for cell in todo]

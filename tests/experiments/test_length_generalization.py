@@ -67,6 +67,15 @@ def test_only_refuses_an_unknown_name():
     lg.cells(quick=False, seeds=1, only={"copy", "ropes"})
 
 
+def test_an_only_that_selects_no_cell_is_refused_before_anything_runs(tmp_path, capsys):
+  """--quick --only=alibi,sort ran 0/0 cells and wrote an empty table and plot with status 0."""
+  with pytest.raises(SystemExit) as stopped:
+    lg.main(["--quick", "--only=alibi,sort", f"--workdir={tmp_path / 'w'}", f"--results={tmp_path / 'r'}"])
+  assert stopped.value.code == 2 and "--only=alibi,sort selects none of the --quick cells (copy/rope)" in \
+      capsys.readouterr().err
+  assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists()
+
+
 def test_without_randomized_support_no_randomized_cell_is_made():
   assert not any(cell.randomized for cell in lg.cells(quick=False, seeds=1, randomized=False))
   assert [c for c in lg.cells(quick=True, seeds=1, randomized=False)] == [lg.Cell("copy", "rope", False, 0)]

@@ -62,7 +62,8 @@ def test_a_line_the_task_cannot_take_is_named_by_its_position_among_the_lines_gi
 
 @pytest.mark.parametrize("lines, message", [("Dec 25, 1999", r"^lines: an iterable of input lines, got str "
                                                              r"\(one line is \[line\]\)$"),
-                                            (["ab", 3], r"^lines\[1\]: a str, got int$"), (None, "got NoneType")])
+                                            (["ab", 3], r"^lines\[1\]: a str, got int$"), (None, "got NoneType"),
+                                            (["ab", "c\nd"], r"^lines\[1\]: holds a line break")])
 def test_lines_that_are_not_strings_are_refused_naming_the_argument(lines, message):
   """A str was read as one line per character (12 'translations' of one date)."""
   with pytest.raises(ValueError, match=message):

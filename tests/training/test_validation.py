@@ -88,6 +88,7 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny,posenc=rope", "model.rotary_dim", -2, "must be a positive integer, or 0"),
     ("algorithmic:posenc=rope", "model.rope_scaling_factor", -4.0, "must be > 0"),
     ("algorithmic:posenc=sinusoidal", "model.rope_scaling_factor", 0.0, "must be > 0"),  # was ignored
+    ("algorithmic:posenc=rope", "model.rope_scaling_factor", 0.5, "scales nothing without model.rope_scaling"),
     ("size=tiny", "optimizer.grad_clip_norm", -1.0, "must be >= 0"),
     ("size=tiny", "optimizer.weight_decay", -1.0, "must be >= 0"),
     ("size=tiny", "optimizer.b1", 1.5, "must be in [0, 1)"),

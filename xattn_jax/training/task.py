@@ -309,7 +309,8 @@ class Task:
   def infer(self, model, lines: Iterable[str]) -> list[str]:
     """One answer per line of `lines` (a list, or any iterable of str), in order: `infer_lines` answers the
     non-blank ones, a blank (or whitespace-only) line gets "" (a task with `infers_blank_lines` answers every
-    line). InputLineError names the line's position in `lines`; ValueError for a str or a non-str line."""
+    line). InputLineError names the line's position in `lines`; ValueError for a str, a non-str line or a line
+    holding a line break."""
     if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
       raise ValueError(f"lines: an iterable of input lines, got {type(lines).__name__}"
                        + (" (one line is [line])" if isinstance(lines, (str, bytes)) else ""))
@@ -317,6 +318,8 @@ class Task:
     for index, line in enumerate(lines):
       if not isinstance(line, str):
         raise ValueError(f"lines[{index}]: a str, got {type(line).__name__}")
+      if "\n" in line:  # its answer would be two output lines (a file's lines end at \n)
+        raise ValueError(f"lines[{index}]: holds a line break; give each input line as its own item")
     asked = [index for index, line in enumerate(lines) if self.infers_blank_lines or line.strip()]
     if not asked:
       return [""] * len(lines)

@@ -180,6 +180,10 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
     _check_randomized_positions(model_config, prefix, encoding)
   if "rope_scaling_factor" in fields and not model_config.rope_scaling_factor > 0:
     raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor, "must be > 0")
+  if "rope_scaling_factor" in fields and model_config.rope_scaling_factor != 1.0 and not model_config.get(
+      "rope_scaling"):  # the factor alone changes nothing, and an eval's row would record it as a change
+    raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor,
+                      f"scales nothing without {prefix}.rope_scaling (one of {[s for s in position_ops.ROPE_SCALINGS if s]})")
   if model_config.get("rope_scaling") and model_config.rope_scaling not in position_ops.ROPE_SCALINGS:
     raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
                       f"allowed are '' (none) or {[s for s in position_ops.ROPE_SCALINGS if s]}")
