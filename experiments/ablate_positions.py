@@ -246,10 +246,8 @@ def main(argv=None):
   if args.results is None:
     args.results = (tempfile.mkdtemp(prefix="ablation_quick_") if args.quick
                     else str(REPOSITORY / "experiments" / "results"))
-  if args.quick and args.seeds != parser.get_default("seeds"):
-    print(f"--quick runs 1 seed a cell: --seeds={args.seeds} is not used", flush=True)
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
-  todo = cells(args.quick, 1 if args.quick else args.seeds, only)
+  todo = cells(args.quick, sweep.seeds_to_run(args, parser), only)
   results, failures, start = {}, 0, time.time()
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
     futures = [pool.submit(run_cell, cell, root, args.quick, args.jobs > 1) for cell in todo]

@@ -330,9 +330,7 @@ def main(argv=None):
     args.results = (tempfile.mkdtemp(prefix="length_generalization_quick_") if args.quick
                     else str(REPOSITORY / "experiments" / "results"))
   meta = run_metadata(argv)
-  seeds = 1 if args.quick else args.seeds
-  if args.quick and args.seeds != parser.get_default("seeds"):
-    print(f"--quick runs 1 seed a cell: --seeds={args.seeds} is not used", flush=True)
+  seeds = sweep.seeds_to_run(args, parser)
   randomized = randomized_supported()
   notes = list(NOTES)
   if not randomized:

@@ -97,6 +97,15 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
   return cell, metrics, f"{seconds:.0f}s"
 
 
+def seeds_to_run(args, parser) -> int:
+  """The seeds a runner trains: 1 with --quick (saying so where --seeds asked for others), else --seeds."""
+  if not args.quick:
+    return args.seeds
+  if args.seeds != parser.get_default("seeds"):
+    print(f"--quick runs 1 seed a cell: --seeds={args.seeds} is not used", flush=True)
+  return 1
+
+
 def mean_std(runs: list[dict], keys) -> dict[str, dict]:
   """{key: {"mean", "std", "seeds"}} over runs (std: the sample std, 0 for one seed), for each key every run has."""
   return {key: {"mean": statistics.fmean(r[key] for r in runs),

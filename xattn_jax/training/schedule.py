@@ -29,8 +29,12 @@ def end_step(config, steps_per_epoch: int | None) -> int:
   if steps_per_epoch is None or steps_per_epoch < 1:
     raise ValueError(f"steps_per_epoch={steps_per_epoch}: max_epochs={epochs} needs the task's count of steps "
                      "in one pass over its training data")
-  by_epochs = int(np.ceil(epochs * steps_per_epoch))
-  return min(config.total_steps, max(by_epochs, config.get("min_steps", 0)))
+  return min(config.total_steps, max(passes_step(epochs, steps_per_epoch), config.get("min_steps", 0)))
+
+
+def passes_step(epochs: float, steps_per_epoch: int) -> int:
+  """The step that completes `epochs` passes of `steps_per_epoch` steps."""
+  return int(np.ceil(epochs * steps_per_epoch))
 
 
 def stack_depth(config) -> int:

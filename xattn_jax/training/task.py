@@ -232,6 +232,8 @@ class Task:
   # The data fields that choose the part of the training data held out for eval: an eval that scores that part
   # (names no data.eval_file) must keep them, or it would score examples the run trained on.
   held_out_fields: ClassVar[tuple[str, ...]] = ()
+  # While `infer` runs: the caller's 1-based numbers of the lines handed to `infer_lines` (`line_number`).
+  _line_numbers: list[int] | None = None
 
   def __init__(self, config, workdir: str | None = None, mode: str = "train"):
     self.config = config
@@ -336,8 +338,7 @@ class Task:
   def line_number(self, index: int) -> int:
     """The 1-based number, among the lines `infer` was given (blank ones counted), of `infer_lines`' line
     `index`: what names a line's outputs and keys its samples, whatever lines come before it."""
-    numbers = getattr(self, "_line_numbers", None)
-    return numbers[index] if numbers else index + 1
+    return self._line_numbers[index] if self._line_numbers else index + 1
 
   def infer_lines(self, model, lines: list[str]) -> list[str]:
     raise NotImplementedError

@@ -114,7 +114,7 @@ def _sized_by_epochs(config, task):
     raise validation.ConfigError("max_epochs", config.max_epochs, f"task {config.task.name!r} does not count "
                                  "the steps of a pass over its training data: leave it 0 (total_steps alone)")
   end = schedule.end_step(config, per_epoch)
-  if end == int(np.ceil(config.max_epochs * per_epoch)):
+  if end == schedule.passes_step(config.max_epochs, per_epoch):
     bound = "the passes"
   elif end == config.total_steps:  # it caps min_steps too
     bound = "total_steps" + (", which comes before min_steps" if config.total_steps < config.min_steps else "")

@@ -203,9 +203,13 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
       # The run predates the field: its config.py reads it as the code of then did (a default the code keeps).
       raise validation.ConfigError(field, new, f"the run in {workdir} was made before this field existed; use its "
                                    f"own config, --config={os.path.join(workdir, 'config.py')}")
-    advice = ("keep it, or use a new --workdir" if mode == "train" else
-              "it chooses the held-out part this eval scores (another would hold training examples): keep it, or "
-              "name data.eval_file" if field in held_out else f"{mode} reads the model as it was trained: keep it")
+    if mode == "train":
+      advice = "keep it, or use a new --workdir"
+    elif field in held_out:
+      advice = ("it chooses the held-out part this eval scores (another would hold training examples): keep it, or "
+                "name data.eval_file")
+    else:
+      advice = f"{mode} reads the model as it was trained: keep it"
     raise validation.ConfigError(field, new, f"the run in {workdir} was made with {old!r}; {advice}")
 
 
