@@ -243,15 +243,40 @@ def test_extend_with_cache_of_other_batch_raises_value_error_naming_cache():
     layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(3, 8))
 
 
-@pytest.mark.parametrize("mask, needle", [
-    (np.ones((2, 1, 1, 4), bool),
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(mask=np.ones((2, 1, 1, 4), bool)),
      r"extend: mask must broadcast to \[batch, heads, q_len, max_length\] = \[2, 4, 6, 10\]"),
-    (np.ones((2, 1, 1, 10), np.float32), "extend: mask must be boolean"),
+    (dict(mask=np.ones((2, 1, 1, 10), np.float32)), "extend: mask must be boolean"),
+    (dict(bias=np.ones((2, 4, 1, 8), np.float32)),
+     r"extend: bias must broadcast to \[batch, heads, q_len, max_length\] = \[2, 4, 6, 10\]"),
 ])
-def test_extend_with_a_bad_mask_names_extend_and_max_length(mask, needle):
+def test_extend_with_a_bad_mask_or_bias_names_extend_and_max_length(kwargs, needle):
   layer = _layer()
   with pytest.raises(ValueError, match=needle):
-    layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(2, 10), mask=mask)
+    layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(2, 10), **kwargs)
+
+
+@pytest.mark.parametrize("kind, call, needle", [
+    ("rope", "call", r"MultiHeadAttention: query_positions do not fit the \[batch, length\] = \[2, 6\]"),
+    ("rope", "extend", r"MultiHeadAttention.extend: positions do not fit the \[batch, length\] = \[2, 6\]"),
+    ("rope_2d", "extend", r"MultiHeadAttention.extend: rotary kind 'rope_2d' needs explicit positions "),
+])
+def test_rotary_position_errors_name_the_layers_own_argument(kind, call, needle):
+  layer = MultiHeadAttention(4, 16, rotary=RotarySpec(kind=kind), rngs=nnx.Rngs(0))
+  x, wrong = _normal(0, (2, 6, 16)), np.arange(5)[None] if kind == "rope" else None
+  with pytest.raises(ValueError, match=needle):
+    if call == "call":
+      layer(x, query_positions=wrong, key_positions=np.arange(6)[None])
+    else:
+      layer.extend(x, layer.init_cache(2, 10), positions=wrong)
+
+
+def test_sizes_may_be_numpy_integers_and_are_stored_as_python_ints():
+  layer = MultiHeadAttention(np.int64(4), np.int32(16), num_kv_heads=np.int64(2), rngs=nnx.Rngs(0))
+  assert (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.in_features) == (4, 2, 4, 16)
+  assert all(type(size) is int for size in (layer.num_heads, layer.num_kv_heads, layer.head_dim))
+  with pytest.raises(ValueError, match="num_heads must be a positive int, got num_heads=True"):
+    MultiHeadAttention(True, 16, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("batch_size, max_length", [(2, 3.5), (0, 4), (2, -1)])

@@ -99,6 +99,16 @@ def test_learned_2d_on_another_grid_uses_the_resized_table():
   np.testing.assert_allclose(out[0], resized, atol=1e-6)
 
 
+@pytest.mark.parametrize("cell", [(0, 4), (1, -1), (3, 0), (-1, 2)])
+def test_learned_2d_refuses_a_cell_off_its_grid_and_reads_nan_under_jit(cell):
+  # flattened as row * width + column, (0, 4) would read the row of (1, 0)
+  encoding, x = _make("learned_2d"), np.zeros((1, 1, 16), np.float32)
+  with pytest.raises(ValueError, match=rf"cells of the 3x4 grid, got \({cell[0]}, {cell[1]}\)"):
+    encoding.add_to_inputs(x, np.array([[cell]]))
+  assert np.isnan(_add(encoding, x, np.array([[cell]]))).all()
+  np.testing.assert_array_equal(_add(encoding, x, np.array([[(1, 3)]]))[0, 0], encoding.table[...][7])
+
+
 def test_fourier_encoding_projects_fourier_features_of_the_normalized_grid():
   encoding = _make("fourier", num_fourier_bands=4)
   out = _add(encoding, np.zeros((1, 12, 16), np.float32))

@@ -138,3 +138,21 @@ def test_grad_of_grad_matches_reference_hessian_vector_product(implementation, m
   for name, g, w in zip(("query", "key", "value", "bias"), jax.tree.leaves(got), jax.tree.leaves(want)):
     assert float(jnp.max(jnp.abs(w))) > 0.1, f"the reference's second derivative w.r.t. {name} is trivial"
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"second derivative w.r.t. {name}")
+
+
+@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+def test_hessian_is_forward_over_reverse_and_plain_forward_mode_raises(implementation, monkeypatch):
+  # The module docstring's promise: jax.hessian (jacfwd of jacrev) differentiates the hand-written
+  # backward in forward mode and works; jvp of the custom_vjp forward itself raises.
+  query, key, value, kwargs = make_case("bias_mask_causal", seed=92, b=1, t=3, s=4, heads=1, kv_heads=1, h=2)
+  attend = attend_as(implementation, monkeypatch)
+
+  def loss(attend, q):
+    return jnp.sum(jnp.sin(attend(q, key, value, **kwargs)))
+
+  got = jax.jit(jax.hessian(functools.partial(loss, attend)))(query)
+  want = jax.jit(jax.hessian(functools.partial(loss, reference_attention)))(query)
+  assert float(jnp.max(jnp.abs(want))) > 0.01, "the reference's Hessian is trivial"
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(functools.partial(loss, attend), (query,), (jnp.ones_like(query),))

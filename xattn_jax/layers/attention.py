@@ -148,6 +148,16 @@ def _check_features(name: str, x, features: int) -> None:
     raise ValueError(f"MultiHeadAttention: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
 
 
+# extend's positions argument, as its errors name it
+EXTEND_NAMES = dict(name="positions", where="MultiHeadAttention.extend")
+
+
+def _check_positive_int(name: str, value) -> None:
+  """A size argument: a Python or numpy integer (not a bool) above 0."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+    raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {name}={value!r}")
+
+
 def _check_broadcastable(name: str, array, target: tuple[int, ...], method: str = "__call__"):
   """array (rank <= 4, numpy broadcasting from the right) as rank 4 broadcasting to target =
   (batch, heads, q_len, kv_len); raises ValueError naming the method and the shapes otherwise."""
@@ -200,8 +210,7 @@ class MultiHeadAttention(nnx.Module):
     out_features = in_features if out_features is None else out_features
     for name, value in (("num_heads", num_heads), ("in_features", in_features), ("kv_features", kv_features),
                         ("num_kv_heads", num_kv_heads), ("out_features", out_features)):
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {name}={value!r}")
+      _check_positive_int(name, value)
     if num_heads % num_kv_heads:
       raise ValueError(
           f"MultiHeadAttention: num_heads must be divisible by num_kv_heads, got num_heads={num_heads}, "
@@ -212,8 +221,9 @@ class MultiHeadAttention(nnx.Module):
             f"MultiHeadAttention: in_features must be divisible by num_heads when head_dim is None, got "
             f"in_features={in_features}, num_heads={num_heads}")
       head_dim = in_features // num_heads
-    if not isinstance(head_dim, int) or head_dim <= 0:
-      raise ValueError(f"MultiHeadAttention: head_dim must be a positive int, got head_dim={head_dim!r}")
+    _check_positive_int("head_dim", head_dim)
+    num_heads, num_kv_heads, head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
+    in_features, kv_features, out_features = int(in_features), int(kv_features), int(out_features)
     if not 0.0 <= dropout_rate < 1.0:
       raise ValueError(f"MultiHeadAttention: dropout_rate must be in [0, 1), got dropout_rate={dropout_rate}")
     if rotary is not None:
@@ -241,33 +251,37 @@ class MultiHeadAttention(nnx.Module):
 
   # --- projections ---------------------------------------------------------------------------
 
-  def _default_positions(self, name: str, positions, batch: int, length: int, start=0):
+  def _default_positions(self, name: str, positions, batch: int, length: int, start=0, where="MultiHeadAttention"):
     """Positions for the rotary spec: given ones, or start + arange(length) for 1D RoPE."""
     if self.rotary is None or positions is not None:
       return positions
     if self.rotary.kind != "rope":
       raise ValueError(
-          f"MultiHeadAttention: rotary kind {self.rotary.kind!r} needs explicit {name} "
+          f"{where}: rotary kind {self.rotary.kind!r} needs explicit {name} "
           f"({'[batch, length, 2]' if self.rotary.kind == 'rope_2d' else '[3, batch, length]'}), got None")
     return jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
 
-  def _split_heads(self, x, num_heads: int, positions):
+  def _split_heads(self, x, num_heads: int, positions, name: str, where: str):
     x = einops.rearrange(x, "b t (n h) -> b t n h", n=num_heads)
     if self.rotary is not None:
-      x = self.rotary.apply(x, positions)
+      try:
+        x = self.rotary.apply(x, positions)
+      except ValueError as error:  # the op names its own argument; say which of the layer's it was
+        raise ValueError(f"{where}: {name} do not fit the [batch, length] = {list(x.shape[:2])} they rotate: "
+                         f"{error}") from error
     return x
 
-  def _project_query(self, x_q, query_positions, start=0):
+  def _project_query(self, x_q, query_positions, start=0, name="query_positions", where="MultiHeadAttention"):
     """x_q [b, t, in_features] -> q [b, t, heads, head_dim], rotated if the layer is rotary."""
     _check_features("x_q", x_q, self.in_features)
-    positions = self._default_positions("query_positions", query_positions, x_q.shape[0], x_q.shape[1], start)
-    return self._split_heads(self.query(x_q), self.num_heads, positions)
+    positions = self._default_positions(name, query_positions, x_q.shape[0], x_q.shape[1], start, where)
+    return self._split_heads(self.query(x_q), self.num_heads, positions, name, where)
 
-  def _project_key_value(self, x_kv, key_positions, start=0):
+  def _project_key_value(self, x_kv, key_positions, start=0, name="key_positions", where="MultiHeadAttention"):
     """x_kv [b, s, kv_features] -> keys, values [b, s, kv_heads, head_dim] (keys rotated if rotary)."""
     _check_features("x_kv", x_kv, self.kv_features)
-    positions = self._default_positions("key_positions", key_positions, x_kv.shape[0], x_kv.shape[1], start)
-    keys = self._split_heads(self.key(x_kv), self.num_kv_heads, positions)
+    positions = self._default_positions(name, key_positions, x_kv.shape[0], x_kv.shape[1], start, where)
+    keys = self._split_heads(self.key(x_kv), self.num_kv_heads, positions, name, where)
     values = einops.rearrange(self.value(x_kv), "b s (k h) -> b s k h", k=self.num_kv_heads)
     return keys, values
 
@@ -431,11 +445,14 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"MultiHeadAttention.extend: cache of max_length={max_length} cannot take {length} more tokens at "
           f"index={cache.index if not _is_traced(cache.index) else 'traced'}")
-    if mask is not None:  # named here: once ANDed with the causal mask, a bad shape would blame combine_masks
+    # named here: once ANDed with the causal mask, a bad mask would blame combine_masks
+    if mask is not None:
       mask = _check_broadcastable("mask", mask, (batch, self.num_heads, length, max_length), "extend")
+    if bias is not None:
+      bias = _check_broadcastable("bias", bias, (batch, self.num_heads, length, max_length), "extend")
     index = cache.index
-    q = self._project_query(x, positions, start=index)
-    new_keys, new_values = self._project_key_value(x, positions, start=index)
+    q = self._project_query(x, positions, start=index, **EXTEND_NAMES)
+    new_keys, new_values = self._project_key_value(x, positions, start=index, **EXTEND_NAMES)
     def write(rows, new):  # new [b, t, k, h] into rows [b, k, max_length, h] at index
       return jax.lax.dynamic_update_slice(rows, _swap_length_and_heads(new).astype(rows.dtype), (0, 0, index, 0))
     keys, values = write(cache.keys, new_keys), write(cache.values, new_values)
@@ -468,8 +485,8 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"MultiHeadAttention.extend: cache of max_length={max_length} cannot take 1 more token "
                        f"at index={int(cache.index)}")
     index = cache.index
-    q = self._project_query(x, positions, start=index)  # -> [rows, 1, heads, head_dim]
-    new_keys, new_values = self._project_key_value(x, positions, start=index)
+    q = self._project_query(x, positions, start=index, **EXTEND_NAMES)  # -> [rows, 1, heads, head_dim]
+    new_keys, new_values = self._project_key_value(x, positions, start=index, **EXTEND_NAMES)
     # This position of every beam: slots index * beams .. (index + 1) * beams - 1.
     new_keys = new_keys.reshape(batch, beams, kv_heads, head_dim).transpose(0, 2, 3, 1)  # -> [b, k, h, beams]
     new_values = new_values.reshape(batch, beams, kv_heads, head_dim).transpose(0, 2, 1, 3)  # -> [b, k, beams, h]

@@ -7,9 +7,10 @@ queries to the LAST q_len keys (see `masks.causal_mask`): with q_len < kv_len th
 step's queries after a cache; `jax.nn.dot_product_attention` aligns them to the first keys instead.
 Differentiation is reverse mode: grad and vjp everywhere, grad of grad in "dense", "xla" and
 "chunked" (cuDNN's backward has no derivative of its own). The dense and blocked kernels are
-`jax.custom_vjp` functions, so forward mode (jvp, jacfwd, hessian) raises; use `jax.jacrev` or
-`jax.nn.dot_product_attention` for those. Softmax runs in float32; a query that may attend to no
-key returns zeros with finite gradients, in every implementation.
+`jax.custom_vjp` functions, so forward mode of the forward pass (jvp, jacfwd) raises; use `jax.jacrev`
+or `jax.nn.dot_product_attention` for those; `jax.hessian` (forward mode over the hand-written backward)
+works where grad of grad does. Softmax runs in float32; a query that may attend to no key returns zeros
+with finite gradients, in every implementation.
 
 Implementations:
   "dense":   the whole [q, kv] score matrix as one fused XLA program with a hand-written VJP
