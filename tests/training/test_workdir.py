@@ -251,3 +251,59 @@ def test_training_in_a_folder_holding_a_config_file_no_run_wrote_is_refused_befo
   assert workdir.foreign_record_files(str(tmp_path / "run")) == []
   (tmp_path / "run" / "config.json").write_text('{"task": {"name": "mine"}}')  # JSON, but no run's record
   assert workdir.foreign_record_files(str(tmp_path / "run")) == list(workdir.RECORD_FILES)
+
+
+def test_training_in_a_folder_holding_a_log_or_plot_no_run_wrote_is_refused_before_writing(tmp_path):
+  """A folder holding your own metrics.jsonl and loss.png had them rewritten by the run's."""
+  (tmp_path / "metrics.jsonl").write_text("my notes, not JSON\n")
+  (tmp_path / "loss.png").write_bytes(b"my plot")
+  with pytest.raises(RunError, match=r"holds metrics.jsonl, loss.png that no run wrote"):
+    loop.run(_config(), str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]
+  assert (tmp_path / "metrics.jsonl").read_text() == "my notes, not JSON\n"
+
+
+def test_a_run_trained_on_with_other_settings_keeps_the_record_it_started_with(tmp_path):
+  """The record claimed the resumed settings (another learning rate, batch size) for every step of the run, and a
+  command that trained nothing rewrote it too."""
+  run = str(tmp_path / "run")
+  loop.run(tiny_template(), run)
+  started = (tmp_path / "run" / "config.json").read_text()
+  loop.run(tiny_template(**{"optimizer.learning_rate": 0.5, "seed": 7}), run)  # at step 2 = total_steps: nothing
+  assert (tmp_path / "run" / "config.json").read_text() == started
+  assert not list(tmp_path.glob("run/*.before_step_*"))
+  loop.run(tiny_template(total_steps=4, batch_size=8), run)
+  assert sorted(p.name for p in tmp_path.glob("run/*.before_step_*")) == sorted(
+      f"{name}.before_step_2" for name in workdir.RECORD_FILES)
+  assert (tmp_path / "run" / "config.json.before_step_2").read_text() == started
+  recorded = workdir.recorded_config(run)
+  assert (recorded["total_steps"], recorded["batch_size"]) == (4, 8)
+  loop.run(tiny_template(total_steps=6, batch_size=8), run)  # the same settings but the steps: a record of 4 kept
+  assert json.loads((tmp_path / "run" / "config.json.before_step_4").read_text())["total_steps"] == 4
+  assert json.loads((tmp_path / "run" / "config.json.before_step_2").read_text())["total_steps"] == 2
+
+
+def _truncate_model_files(run, step):
+  for path in (run / "checkpoints" / str(step) / "model").rglob("*"):
+    if path.is_file():
+      path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])
+
+
+def test_eval_reads_past_an_unreadable_checkpoint_and_moves_nothing(tmp_path):
+  """An eval moved a damaged checkpoint aside (eval only reads), so the next training run, finding none,
+  started again from step 0 without a word."""
+  run = tmp_path / "run"
+  loop.run(tiny_template(total_steps=4, **{"checkpoint.keep": 2}), str(run))
+  _truncate_model_files(run, 4)
+  assert loop.run(tiny_template(total_steps=4), str(run), "eval")  # the metrics of step 2
+  assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+  _truncate_model_files(run, 2)
+  with pytest.raises(RunError, match=r"no checkpoint in .* could be read \(step 4: .*; step 2: .*\); the unreadable "
+                                     r"steps were left as they are$"):
+    loop.run(tiny_template(total_steps=4), str(run), "eval")
+  assert not (run / "corrupt_checkpoints").exists()
+  with pytest.raises(RunError, match=r"moved to .*corrupt_checkpoints; run again to train from step 0$"):
+    loop.run(tiny_template(total_steps=4), str(run))
+  assert len(list((run / "corrupt_checkpoints").iterdir())) == 2
+  loop.run(tiny_template(total_steps=4), str(run))  # from step 0, the earlier log kept aside
+  assert (run / "metrics.jsonl.before_step_0").exists() and (run / "checkpoints" / "4").is_dir()

@@ -4,8 +4,9 @@ Each step directory holds three items: `model` (the nnx.State of the model), `op
 nnx.State) and `meta` (JSON: step, the run's RNG key data, the metrics at that step). `init_from`
 reads only `model`, so a different optimizer does not stop it.
 
-A checkpoint that cannot be read (truncated files) is reported, moved to
-`<workdir>/corrupt_checkpoints/`, and the next older one is tried. A readable checkpoint whose
+A checkpoint that cannot be read (truncated files) is reported and the next older one is tried; training
+moves it to `<workdir>/corrupt_checkpoints/` (so that saving that step again does not collide), eval and
+infer only read and leave it where it is. A readable checkpoint whose
 parameters have other names or shapes than the config builds (another vocabulary, another size) is
 not damaged: restoring stops with a `CheckpointMismatch` naming the first differing parameter, and
 the checkpoints stay where they are.
@@ -137,9 +138,10 @@ class Checkpoints:
       return None
     return self.manager.best_step()
 
-  def restore_latest(self, abstract_model, abstract_optimizer, *, steps=None):
+  def restore_latest(self, abstract_model, abstract_optimizer, *, steps=None, quarantine: bool = True):
     """(model_state, optimizer_state, meta) of the newest readable step (of `steps`, else of all), or None if
-    there is none."""
+    there is none; RunError when there are steps and none can be read. An unreadable step is moved to
+    corrupt_checkpoints/ when `quarantine` (training), else left where it is (eval and infer only read)."""
     failures = []
     for step in reversed(self.steps() if steps is None else sorted(steps)):
       # Checked before restoring: orbax fails on another model's shapes only after starting its
@@ -160,15 +162,21 @@ class Checkpoints:
         logging.error("Checkpoint step %d in %s cannot be read (%s); trying an older one.",
                       step, self.directory, message)
         failures.append(f"step {step}: {message}")
-        self._quarantine(step)
+        if quarantine:
+          self._quarantine(step)
         continue
       if failures:
-        logging.warning("Resuming from step %d; unreadable steps were moved to %s", step,
-                        os.path.join(self.workdir, "corrupt_checkpoints"))
+        logging.warning("Reading step %d; %s", step, self._unreadable_note(quarantine))
       return restored.model, restored.optimizer, restored.meta
     if failures:
-      raise RuntimeError(f"no checkpoint in {self.directory} could be read: " + "; ".join(failures))
+      raise RunError(f"no checkpoint in {self.directory} could be read ({'; '.join(failures)}); "
+                     + self._unreadable_note(quarantine)
+                     + ("; run again to train from step 0" if quarantine else ""))
     return None
+
+  def _unreadable_note(self, quarantined: bool) -> str:
+    corrupt = os.path.join(self.workdir, "corrupt_checkpoints")
+    return f"the unreadable steps were moved to {corrupt}" if quarantined else "the unreadable steps were left as they are"
 
   def _quarantine(self, step: int):
     """Moves an unreadable step aside so that saving that step again later does not collide."""

@@ -42,7 +42,8 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   saved); returns the last eval metrics.
 
   `make_writer(start_step)` returns the MetricsWriter (which drops rows past start_step);
-  `after_restore()` runs once the checkpoint (if any) has been restored into this config's model.
+  `after_restore(step)` runs once the checkpoint (if any) has been restored into this config's model, where
+  training goes on from it.
   Each call runs a few steps (`schedule`); after it come the log rows, an eval and a checkpoint
   where due, and the stop checks: a non-finite loss raises TrainingDiverged, SIGTERM or a first
   Ctrl-C saves a checkpoint and returns (on every process at the same step).
@@ -53,16 +54,19 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   ended = stopped_early is not None and step >= stopped_early[0]  # where early stopping ended it before
   if not ended:
     _check_start_step(step, config, trainer.workdir, ended_by_epochs=trainer.ended_by_epochs)
-  if after_restore is not None:
-    after_restore()
+  if after_restore is not None and not ended and step < config.total_steps:
+    after_restore(step)
   if ended:
     logging.info("The run stopped early at step %d (%s): nothing to train.", *stopped_early)
     return {}
   if trainer.process_index == 0:  # training on: an earlier stop's record (other settings) no longer holds
     task_lib.clear_early_stop(trainer.workdir)
   logging.info(trainer.summary())
-  early_stopping = guards.EarlyStopping(
-      config, metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl")), up_to_step=step)
+  logged = metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl"))
+  if step == 0 and any(row.get("step", 0) > 0 for row in logged) and trainer.process_index == 0:
+    logging.warning("%s logs an earlier run but holds no checkpoint to resume from: training starts again at "
+                    "step 0 (the earlier log is kept in metrics.jsonl.before_step_0)", trainer.workdir)
+  early_stopping = guards.EarlyStopping(config, logged, up_to_step=step)
   writer = make_writer(step)
   train_step = trainer.make_train_step()
   feed = schedule.CallFeed(trainer.read_train_batch, config)
@@ -111,6 +115,16 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
         step_log.restart_timer(step)
     step_log.flush()
   return last_eval
+
+
+def _record_resumed_config(config, workdir: str, step: int) -> None:
+  """The record of a run that trains on from `step`: this config, the settings it started with kept aside."""
+  changed = workdir_lib.record_resumed_config(config, workdir, step)
+  if changed:
+    logging.warning("Training on from step %d with settings the run did not start with (%s); the record of those "
+                    "it started with is kept as %s.before_step_%d", step,
+                    ", ".join(f"{field}: {old!r} -> {new!r}" for field, (old, new) in changed.items()),
+                    "/".join(workdir_lib.RECORD_FILES), step)
 
 
 def _check_start_step(step: int, config, workdir: str, ended_by_epochs: bool = False) -> None:
@@ -215,7 +229,7 @@ def _run_in(config, workdir: str, mode: str, output, *, is_writer: bool, new_wor
     if mode == "train":
       result = train(trainer, checkpoints, lambda start_step: metrics_lib.MetricsWriter(
           workdir, active=is_writer, tensorboard=config.logging.tensorboard, resume_step=start_step),
-          after_restore=(lambda: workdir_lib.write_config(config, workdir)) if resumed and is_writer else None)
+          after_restore=(lambda step: _record_resumed_config(config, workdir, step)) if resumed and is_writer else None)
       if is_writer and config.logging.plot:
         metrics_lib.plot_losses(workdir)
       return result

@@ -340,7 +340,7 @@ class Trainer:
     if steps is not None:
       logging.info("Reading checkpoint step %d (checkpoint.eval_from=%r%s)", steps[0], eval_from,
                    f", the best by {checkpoints.best_metric}" if eval_from == "best" else "")
-    restored = checkpoints.restore_latest(*self.abstract_pure(), steps=steps)
+    restored = checkpoints.restore_latest(*self.abstract_pure(), steps=steps, quarantine=False)  # only reads
     if restored is None:
       raise RunError(f"no checkpoint in {checkpoints.directory} to {purpose} with")
     return self.from_pure(restored[0], restored[1]), restored[2]["step"]

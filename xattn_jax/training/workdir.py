@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 
 from absl import logging
@@ -65,11 +66,31 @@ def write_config(config, workdir: str) -> None:
       f.write(content)
 
 
+def record_resumed_config(config, workdir: str, step: int) -> dict[str, tuple]:
+  """Records `config` for a run that trains on from checkpoint `step`; returns the fields that differ from its
+  record (`config_differences`). Where any do, the record as it was is kept beside it as
+  `<name>.before_step_<step>` (the first such copy, which holds the settings the steps up to `step` ran with):
+  the record alone would claim this config for every step of the run."""
+  changed = config_differences(config, workdir)
+  if changed:
+    for name in RECORD_FILES:
+      path = os.path.join(workdir, name)
+      if os.path.exists(path) and not os.path.exists(f"{path}.before_step_{step}"):
+        shutil.copyfile(path, f"{path}.before_step_{step}")
+  write_config(config, workdir)
+  return changed
+
+
+# What a run writes beside its record: a folder holding these but no run's record is someone else's.
+OUTPUT_FILES = ("metrics.jsonl", "loss.png", "eval_results.jsonl", "tensorboard")
+
+
 def foreign_record_files(workdir: str) -> list[str]:
-  """The files among RECORD_FILES in `workdir` that no run wrote (a folder of your own given as the workdir, a
-  config.py of yours in it): training there would overwrite them. [] where config.json is a run's record (it
-  holds task and model sections). The caller asks only where no checkpoint is: a run's workdir there is one."""
-  present = [name for name in RECORD_FILES if os.path.exists(os.path.join(workdir, name))]
+  """The files among RECORD_FILES and OUTPUT_FILES in `workdir` that no run wrote (a folder of your own given as
+  the workdir, a config.py or metrics.jsonl of yours in it): training there would overwrite them. [] where
+  config.json is a run's record (it holds task and model sections). The caller asks only where no checkpoint is: a
+  run's workdir there is one."""
+  present = [name for name in RECORD_FILES + OUTPUT_FILES if os.path.exists(os.path.join(workdir, name))]
   try:
     record = recorded_config(workdir)
   except (OSError, ValueError):  # unreadable, or not JSON
