@@ -287,6 +287,20 @@ def test_eval_without_an_eval_file_scores_the_documents_training_held_out(tmp_pa
   assert not set(evaluated.eval_texts) & set(trained.train_texts)
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_an_eval_file_holding_training_documents_is_said_not_held_out(tmp_path, caplog, mode):
+  """The training file named as the eval file scored as held-out text, without a word (the translator warned)."""
+  caplog.set_level(logging.WARNING)
+  train_file = tmp_path / "mine.txt"
+  train_file.write_text("".join(f"{n} is {corpus.english_number(n)}.\n" for n in range(40)), encoding="utf-8")
+  (tmp_path / "eval.txt").write_text("3 is three.\nnew text.\n")
+  for eval_file, shared in ((train_file, "40 of the 40"), (tmp_path / "eval.txt", "1 of the 2")):
+    config = helpers.load_config(*TINY, f"--config.data.train_file={train_file}", f"--config.data.eval_file={eval_file}")
+    lm_task.LanguageModelTask(config, str(tmp_path / "work"), mode)
+    assert any(f"{shared} eval documents in {eval_file} are also training documents in {train_file}: eval metrics "
+               "are not held-out scores" in record.getMessage() for record in caplog.records)
+
+
 def test_a_long_eval_document_is_scored_by_a_sliding_window_of_half_a_row_by_default(tmp_path):
   """Eval chunks of a long document after its first read data.eval_context tokens of it (weight 0) before the
   ones they score: half of data.sequence_length unless set; 0 scores the training chunks."""

@@ -172,6 +172,22 @@ def test_sampled_translations_with_a_fixed_seed_repeat_and_differ_from_greedy(tm
   assert sampler.infer(model, ["", lines[1]])[1] == sampler.infer(model, lines[:2])[1] == sampled[1]
 
 
+def test_infer_strips_a_line_and_crops_an_over_long_one_answering_every_line(tmp_path, caplog):
+  """One line past model.max_length stopped the whole batch (nothing written for the lines before it); spaces
+  around a line, absent from the training pairs, changed its translation."""
+  caplog.set_level(logging.WARNING)
+  task = _infer_task(tmp_path)
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)  # untrained
+  limit = task.config.model.max_length
+  long_line = "1" * (limit + 20)  # bytes: one token a character
+  answers = task.infer(model, ["Jan 4, 2001", "", long_line, "  Jan 4, 2001 \t"])
+  assert len(answers) == 4 and answers[1] == "" and answers[3] == answers[0]
+  assert answers[2] == task.infer(model, [long_line[:limit]])[0]
+  assert any(f"1 line(s) hold more tokens than the model's sources take (model.max_length={limit}): each is "
+             f"translated from its first {limit} tokens (line 3: {limit + 20} tokens)"
+             in record.getMessage() for record in caplog.records)
+
+
 @pytest.mark.parametrize("field, value", [("method", "nucleus"), ("temperature", 0.0), ("top_p", 1.5),
                                           ("top_k", -1), ("beam_size", 0), ("alpha", -0.5), ("seed", -1)])
 def test_a_bad_decoding_option_is_one_config_error_line_naming_it(field, value):
@@ -434,12 +450,27 @@ def _tsv_task(tmp_path, train_lines, eval_lines, **overrides):
   return translate_task.TranslateTask(config, str(tmp_path))
 
 
-def test_training_rows_never_exceed_model_max_length(tmp_path):
-  # model.max_length is 32 bytes here; one training line is 80: it is truncated, with a warning.
-  with pytest.warns(UserWarning, match="1 of 21 examples"):  # warned when the task is built
-    task = _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(20)] + ["x" * 80 + "\ty"], ["1 cat\t1 chat"])
+def test_training_rows_never_exceed_model_max_length(tmp_path, caplog):
+  # model.max_length is 32 bytes here; one training line is 80: it is truncated, with a warning naming its line.
+  caplog.set_level(logging.WARNING)
+  task = _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(20)] + ["x" * 80 + "\ty"], ["1 cat\t1 chat"])
   assert task.train_batches.max_source_length == 32
+  assert any(re.search(r"1 of the 21 training pairs are longer than the rows \(tokens, the target's EOS included: "
+                       r"source 32, within model.max_length=32; target \d+, within model.max_length=32\) and are "
+                       r"cropped to them: .*train.tsv:21$", record.getMessage()) for record in caplog.records)
   assert task.train_batch(0, process_index=0, process_count=1)["inputs"].shape[1] <= 32
+
+
+def test_an_eval_of_training_pairs_says_its_scores_are_not_held_out(tmp_path, caplog):
+  """Training warned; --mode=eval of the same pairs reported exact match 1.0 as a held-out score."""
+  caplog.set_level(logging.WARNING)
+  _tsv_task(tmp_path, [f"{n} cats\t{n} chats" for n in range(20)], ["3 cats\t3 chats", "30 cats\t30 chats"])
+  config = _config(translate_tsv, **{"data.train_file": str(tmp_path / "train.tsv"),
+                                     "data.eval_file": str(tmp_path / "eval.tsv"), "data.tokenizer": "bytes"})
+  caplog.clear()
+  translate_task.TranslateTask(config, str(tmp_path), mode="eval")
+  assert any(f"1 of the 2 eval sources in {tmp_path / 'eval.tsv'} are also training sources in "
+             f"{tmp_path / 'train.tsv'}" in record.getMessage() for record in caplog.records)
 
 
 def test_an_eval_line_longer_than_model_max_length_stops_before_training_naming_file_and_line(tmp_path):

@@ -187,7 +187,8 @@ class TranslationBatches:
     if self.max_target_length < 2:
       raise ValueError(f"max_target_length must be >= 2 (one target token plus EOS), got {self.max_target_length}")
     truncated = (source.lengths > self.max_source_length) | (target.lengths + 1 > self.max_target_length)
-    self.num_truncated = int(np.sum(truncated))
+    self.truncated = np.flatnonzero(truncated)  # indices into examples
+    self.num_truncated = len(self.truncated)
     if self.num_truncated:
       first = int(np.argmax(truncated))
       warnings.warn(f"{self.num_truncated} of {len(examples)} examples are longer than max_source_length="

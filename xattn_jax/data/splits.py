@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
+from absl import logging
+
 # What a bundled task's run may evaluate on (its data.eval_split): validation while training (what a best
 # checkpoint, early stopping and any choice of settings read), test once for the final score.
 EVAL_SPLITS = ("validation", "test")
@@ -61,3 +63,14 @@ def split_by_key(items, key_fn, *, seed: int = 0, eval_fraction: float = 0.05, m
   train = [item for item, key in zip(items, keys) if key not in chosen]
   evaluation = [item for item, key in zip(items, keys) if key in chosen]
   return train, evaluation
+
+
+def warn_shared(evaluation, train, eval_file: str, train_file: str, what: str) -> int:
+  """Logs how many of the eval items (keys: a pair's source, a document) are training items too, and returns
+  the count: allowed (a check of memorisation), but the eval's scores are then not held-out scores."""
+  seen = set(train)
+  shared = sum(item in seen for item in evaluation)
+  if shared:
+    logging.warning("%d of the %d eval %s in %s are also training %s in %s: eval metrics are not held-out scores",
+                    shared, len(evaluation), what, eval_file, what, train_file)
+  return shared

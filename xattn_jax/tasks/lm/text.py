@@ -283,6 +283,10 @@ class LanguageModelTask(task_lib.Task):
                           data.eval_fraction, round(data.eval_fraction * lines), data.corpus_seed)
     if data.eval_file:
       evaluation = _read("data.eval_file", data.eval_file, _file_format(data))
+      if data.train_file:  # an eval reads the training file where it is still there, to say so too
+        trained_on = train or (_read("data.train_file", data.train_file, _file_format(data))
+                               if os.path.isfile(data.train_file) else [])
+        splits.warn_shared(evaluation, trained_on, data.eval_file, data.train_file, "documents")
     if data.num_eval_documents:
       evaluation = evaluation[:data.num_eval_documents]
     if not evaluation:
@@ -388,7 +392,7 @@ class LanguageModelTask(task_lib.Task):
     if cropped:
       logging.warning("infer: %d line(s) (the first: line %d, %d tokens) hold more tokens than the %d the model "
                       "reads before task.decoding.max_new_tokens=%d new ones (model.max_length=%d): each is "
-                      "continued from its last %d tokens", len(cropped), cropped[0] + 1, len(prompts[cropped[0]]),
+                      "continued from its last %d tokens", len(cropped), self.line_number(cropped[0]), len(prompts[cropped[0]]),
                       budget, self.config.task.decoding.max_new_tokens, self.config.model.max_length, budget)
     prompts = [ids[len(ids) - budget:] if len(ids) > budget else ids for ids in prompts]
     return [_continue(line, added) for line, added in zip(lines, self._continuations(model, prompts))]

@@ -45,6 +45,7 @@ import filecmp
 import functools
 import os
 import shutil
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -317,17 +318,18 @@ class TranslateTask(task_lib.Task):
                                      "which training needs; name an eval file, or give pairs of two sources at least "
                                      "(one is held out)")
       self._eval_lines = (data.train_file, [line for line, _ in eval_rows])
+      self._train_lines = (data.train_file, [line for line, _ in train_rows])
       logging.info("No data.eval_file: %d of the %d pairs of %s (data.eval_fraction=%g of the sources, by a stable "
                    "hash) are held out for eval", len(eval_rows), len(rows), data.train_file, data.eval_fraction)
       return [pair for _, pair in train_rows] if self.mode == "train" else [], [pair for _, pair in eval_rows]
     train = _read_tsv("data.train_file", data.train_file) if self.mode == "train" else []
     evaluation = _read_tsv("data.eval_file", data.eval_file)
     self._eval_lines = (data.eval_file, range(1, len(evaluation) + 1))
-    seen = {source for source, _ in train}
-    overlap = sum(source in seen for source, _ in evaluation)
-    if overlap:  # allowed (a sanity check of memorisation), but the scores then are not held-out
-      logging.warning("%d of the %d eval sources in %s are also training sources in %s: eval metrics "
-                      "are not held-out scores", overlap, len(evaluation), data.eval_file, data.train_file)
+    self._train_lines = (data.train_file, range(1, len(train) + 1))
+    # an eval reads the training file where it is still there, to say so too
+    trained_on = train or (_read_tsv("data.train_file", data.train_file) if os.path.isfile(data.train_file) else [])
+    splits.warn_shared([source for source, _ in evaluation], [source for source, _ in trained_on], data.eval_file,
+                       data.train_file, "sources")
     return train, evaluation
 
   def _tokenizer(self) -> tokenizers.Tokenizer:
@@ -502,7 +504,30 @@ class TranslateTask(task_lib.Task):
 
   @functools.cached_property
   def train_batches(self) -> batching.TranslationBatches:
-    return self._batches(self.train_pairs)
+    with warnings.catch_warnings():  # said below, naming the corpus's lines
+      warnings.filterwarnings("ignore", message=r".* examples are longer than max_source_length")
+      batches = self._batches(self.train_pairs)
+    self._note_truncated(batches)
+    return batches
+
+  def _note_truncated(self, batches):
+    """Training pairs longer than the rows are cropped to them, not the run stopped; said once, naming the
+    first few by file and line and the setting that sets each row length."""
+    if not batches.num_truncated:
+      return
+    data, limit = self.config.data, self.config.model.max_length
+    def row(side, length):
+      set_by = f"data.max_{side}_length" if data.get(f"max_{side}_length") else f"within model.max_length={limit}"
+      return f"{side} {length}, {set_by}"
+    rows = "; ".join((row("source", batches.max_source_length), row("target", batches.max_target_length)))
+    if data.source == "dates":
+      where = [f"date pair {index}" for index in batches.truncated[:3]]
+    else:
+      path, lines = self._train_lines
+      where = [f"{path}:{lines[index]}" for index in batches.truncated[:3]]
+    logging.warning("%d of the %d training pairs are longer than the rows (tokens, the target's EOS included: %s) and "
+                    "are cropped to them: %s%s", batches.num_truncated, len(self.train_pairs), rows, ", ".join(where),
+                    ", ..." if batches.num_truncated > 3 else "")
 
   @functools.cached_property
   def eval_data(self) -> batching.TranslationBatches:
@@ -625,13 +650,23 @@ class TranslateTask(task_lib.Task):
       translate_plots.close(figure)
 
   def infer_lines(self, model, lines):
-    """One translation per input line."""
+    """One translation per input line, with the whitespace around it removed as the training pairs' is (`tsv`).
+    A line longer than the model's sources (model.max_length tokens) is translated from its first ones, as
+    training crops a long pair, and logged: the other lines' translations do not wait on it."""
     limit = self.config.model.max_length
+    lines = [line.strip() for line in lines]
     self.tokenizer.warn_unknown_characters(lines, "the input lines")
     encoded = self.tokenizer.encode_batch(lines)
     for index, ids in enumerate(encoded):
-      if not ids or len(ids) > limit:
-        raise task_lib.InputLineError(index, f"{len(ids)} tokens; the model takes 1 to {limit} (model.max_length)")
+      if not ids:
+        raise task_lib.InputLineError(index, "0 tokens; the model takes 1 or more")
+    cropped = [index for index, ids in enumerate(encoded) if len(ids) > limit]
+    if cropped:
+      logging.warning("infer: %d line(s) hold more tokens than the model's sources take (model.max_length=%d): "
+                      "each is translated from its first %d tokens (%s)", len(cropped), limit, limit,
+                      ", ".join(f"line {self.line_number(index)}: {len(encoded[index])} tokens"
+                                for index in cropped[:5]) + (", ..." if len(cropped) > 5 else ""))
+      encoded = [ids[:limit] for ids in encoded]
     inputs = np.zeros((len(lines), batching.round_up(max(map(len, encoded)), 8)), np.int32)
     for row, ids in enumerate(encoded):
       inputs[row, :len(ids)] = ids
