@@ -73,3 +73,37 @@ def test_mismatched_positional_encodings_raise_naming_them(transformer, name, ch
   arguments[name] = change(arguments[name])
   with pytest.raises(ValueError, match=name):
     transformer(tokens, image, **arguments)
+
+
+def _sam_attention(attention, q, k, v):
+  """SAM's `Attention.forward`: project, split heads, softmax(q k^T / sqrt(head_dim)) v, recombine, project out."""
+  split = lambda x, n: x.reshape(x.shape[0], x.shape[1], n, -1)
+  q, k, v = (split(attention.query(q), attention.num_heads), split(attention.key(k), attention.num_kv_heads),
+             split(attention.value(v), attention.num_kv_heads))
+  weights = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1]), axis=-1)
+  return attention.out(jnp.einsum("bhts,bshd->bthd", weights, v).reshape(q.shape[0], q.shape[1], -1))
+
+
+def _sam_block(block, queries, keys, query_pe, key_pe):
+  """SAM's `TwoWayAttentionBlock.forward`, line for line (segment_anything/modeling/transformer.py)."""
+  if block.skip_first_layer_pe:
+    queries = _sam_attention(block.self_attention, queries, queries, queries)
+  else:
+    q = queries + query_pe
+    queries = queries + _sam_attention(block.self_attention, q, q, queries)
+  queries = block.norms[0](queries)
+  queries = block.norms[1](queries + _sam_attention(block.token_to_image, queries + query_pe, keys + key_pe, keys))
+  queries = block.norms[2](queries + block.mlp(queries))
+  keys = block.norms[3](keys + _sam_attention(block.image_to_token, keys + key_pe, queries + query_pe, queries))
+  return queries, keys
+
+
+@pytest.mark.parametrize("skip_first_layer_pe", [False, True])
+def test_a_block_computes_what_sams_block_computes(skip_first_layer_pe):
+  # SAM's first block has no residual around its self-attention: a residual there once made it another model.
+  block = TwoWayAttentionBlock(WIDTH, 2, 32, skip_first_layer_pe=skip_first_layer_pe, rngs=nnx.Rngs(3))
+  tokens, token_pe, image, image_pe = _inputs(4)
+  got = block(tokens, image, token_pe=token_pe, image_pe=image_pe)
+  want = _sam_block(block, tokens, image, token_pe, image_pe)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5)

@@ -7,7 +7,9 @@ Segment Anything's decoder (Kirillov et al. 2023, `TwoWayTransformer`) runs a fe
   tokens <- LayerNorm(tokens + MLP(tokens))
   image  <- LayerNorm(image + CrossAttention(image + image_pe, tokens + token_pe, tokens))  # image -> token
 
-then one last token -> image attention. Positional encodings are added to queries and keys only, never
+then one last token -> image attention. The first block's self-attention adds no token_pe and no residual,
+`tokens <- LayerNorm(SelfAttention(tokens, tokens, tokens))`, as SAM's (`skip_first_layer_pe`): the tokens
+are their own encoding there. Positional encodings are added to queries and keys only, never
 to values, and re-added at every layer (the streams themselves carry no position): `token_pe` is the
 tokens' own initial embedding (the prompt encoding), `image_pe` the dense encoding of the image grid.
 Every attention is a `layers.attention.MultiHeadAttention`; its keys and values are projected from
@@ -72,8 +74,8 @@ class TwoWayAttentionBlock(nnx.Module):
     mlp_features: hidden width of the tokens' MLP.
     cross_attention_downsample: the cross-attentions work at width / this (SAM: 2), the self-attention
       at the full width.
-    skip_first_layer_pe: the first block of a stack adds no token_pe before its self-attention (the
-      tokens ARE their encoding there), as SAM's.
+    skip_first_layer_pe: the first block of a stack: its self-attention adds no token_pe (the tokens ARE
+      their encoding there) and replaces the tokens by its output, no residual, as SAM's.
   """
 
   def __init__(self, width: int, num_heads: int, mlp_features: int, *, cross_attention_downsample: int = 2,
@@ -95,8 +97,11 @@ class TwoWayAttentionBlock(nnx.Module):
     """(tokens [b, T, d], image [b, M, d]) -> both updated, same shapes; see the module docstring."""
     _check_inputs("TwoWayAttentionBlock", tokens, token_pe, token_valid, image, image_pe, self.width)
     token_keys = None if token_valid is None else masks_lib.padding_mask(token_valid)  # [b, 1, 1, T]
-    queries = tokens if self.skip_first_layer_pe else tokens + token_pe
-    tokens = self.norms[0](tokens + _attend(self.self_attention, queries, queries, tokens, token_keys))
+    if self.skip_first_layer_pe:
+      tokens = self.norms[0](_attend(self.self_attention, tokens, tokens, tokens, token_keys))
+    else:
+      queries = tokens + token_pe
+      tokens = self.norms[0](tokens + _attend(self.self_attention, queries, queries, tokens, token_keys))
     tokens = self.norms[1](tokens + _attend(self.token_to_image, tokens + token_pe, image + image_pe, image))
     tokens = self.norms[2](tokens + self.mlp(tokens))
     image = self.norms[3](image + _attend(self.image_to_token, image + image_pe, tokens + token_pe, tokens,
