@@ -40,10 +40,12 @@ REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY))
 
 from experiments import bench_common, sweep  # noqa: E402
+from xattn_jax.layers import positions as position_layers  # noqa: E402
 
 CONFIG = "configs/lm_algorithmic.py"
 TASKS = ("copy", "reverse", "sort", "duplicate")
-ENCODINGS = ("none", "learned", "sinusoidal", "rope", "alibi", "t5_bias")
+# Every 1D encoding of the registry: one registered there is a column here.
+ENCODINGS = position_layers.names(layout="sequence")
 # NoPE has no positions to randomize.
 RANDOMIZED_ENCODINGS = tuple(encoding for encoding in ENCODINGS if encoding != "none")
 # Positions are drawn from [0, RANDOMIZED_MAX): it covers the longest eval row of every task

@@ -164,10 +164,30 @@ def test_positions_may_be_python_lists(name):
 
 # --- the registry's declarations --------------------------------------------------------------
 
-def test_every_registered_encoding_builds_from_its_entry():
-  for name in position_layers.POSITION_ENCODINGS:
-    encoding = _make(name, num_heads=2)
-    assert (encoding.rotary is not None) == (position_layers.get(name).role == "rotary")
+@pytest.mark.parametrize("name", list(position_layers.POSITION_ENCODINGS))
+def test_every_registered_encoding_acts_as_its_declared_role(name):
+  """What the models rely on from an entry's role, for every entry (one registered later too): "none" changes
+  nothing, "additive" changes the inputs only, "rotary" hands the attention layers a rotary spec only, "bias" adds
+  [.., q, k] scores that depend on the positions only."""
+  entry, encoding = position_layers.get(name), _make(name, num_heads=2)
+  tokens = 6 if "sequence" in entry.layouts else 12  # the grid encodings' 3 x 4 grid
+  x = _normal(7, (2, tokens, 16))
+  added = np.asarray(encoding.add_to_inputs(x))
+  assert added.shape == x.shape
+  assert (encoding.rotary is not None) == (entry.role == "rotary")
+  assert np.array_equal(added, x) == (entry.role != "additive"), "only an additive encoding changes the inputs"
+  if "sequence" not in entry.layouts:
+    return
+  positions = np.broadcast_to(np.arange(tokens, dtype=np.int32), (2, tokens))
+  params = nnx.state(encoding, nnx.Param)  # a learned bias may start at zero (T5's): random values, as trained
+  nnx.update(encoding, jax.tree.map(lambda p: jnp.asarray(_normal(8, p.shape)), params))
+  bias = encoding.attention_bias(positions, positions)
+  assert (bias is not None) == (entry.role == "bias"), "only a bias encoding adds to the scores"
+  if bias is not None:
+    bias = np.broadcast_to(np.asarray(bias), (2, 2, tokens, tokens))
+    assert np.ptp(bias) > 0, "a bias the same for every offset changes no attention weight"
+    shifted = np.asarray(encoding.attention_bias(positions + 5, positions + 5))
+    np.testing.assert_allclose(np.broadcast_to(shifted, bias.shape), bias, atol=1e-6)  # offsets, not positions
 
 
 @pytest.mark.parametrize("kind", ["rope", "rope_2d"])

@@ -106,3 +106,17 @@ def test_an_unregistered_name_raises_listing_the_registry(field, key, registry):
   config[key] = "nope"
   with pytest.raises(ValueError, match=re.escape(f"{field}='nope': allowed are {sorted(registry)}")):
     optim.make_optimizer(config, total_steps=10)
+
+
+@pytest.mark.parametrize("name, schedule, unread", [
+    ("adamw", "cosine", ["momentum"]),
+    ("adam", "rsqrt", ["final_learning_rate_fraction", "momentum", "weight_decay", "weight_decay_exclude"]),
+    ("sgd", "constant", ["b1", "b2", "eps", "final_learning_rate_fraction", "weight_decay", "weight_decay_exclude"]),
+])
+def test_the_fields_a_choice_does_not_read_are_named_from_the_registries(name, schedule, unread):
+  """adam took optimizer.weight_decay silently; weight_decay_exclude was checked only for the name "adamw"."""
+  config = template.get_config("size=tiny").optimizer
+  config.name, config.schedule = name, schedule
+  assert optim.unread_fields(config) == unread
+  assert optim.reads(config, "weight_decay_exclude") == (name == "adamw")
+

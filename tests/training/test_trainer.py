@@ -11,7 +11,7 @@ from flax import nnx
 from configs import template
 from xattn_jax.tasks import template as template_task
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import schedule, task as task_lib, validation
+from xattn_jax.training import optim, schedule, task as task_lib, validation
 from xattn_jax.training.errors import DataError, RunError
 from xattn_jax.training.trainer import Trainer, multi_step
 
@@ -85,7 +85,7 @@ def test_a_warmup_as_long_as_the_run_is_said_once(tmp_path, caplog):
   assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
 
 
-def test_a_weight_decay_exclusion_that_names_no_parameter_is_refused_naming_it(tmp_path):
+def test_a_weight_decay_exclusion_that_names_no_parameter_is_refused_naming_it(tmp_path, monkeypatch):
   """'bias,scale,embeding' excluded nothing from weight decay and said nothing: a name no trainable parameter's
   path contains is refused, naming it and the paths; the default's names are kept even where a model lacks one."""
   config = template.get_config("size=tiny")
@@ -100,6 +100,12 @@ def test_a_weight_decay_exclusion_that_names_no_parameter_is_refused_naming_it(t
   config.optimizer.name = "adamw"
   with pytest.raises(validation.ConfigError):
     Trainer(config, str(tmp_path))
+  # checked for any optimizer whose registry entry reads the field (it was the name "adamw" only)
+  monkeypatch.setitem(optim.OPTIMIZERS, "adamw_of_yours", optim.OPTIMIZERS["adamw"])
+  config.optimizer.name = "adamw_of_yours"
+  with pytest.raises(validation.ConfigError):
+    Trainer(config, str(tmp_path))
+  config.optimizer.name = "adamw"
   Trainer(config, str(tmp_path), mode="eval")  # eval applies no update
   config.optimizer.weight_decay_exclude = "bias,scale,embedding,kernel"
   Trainer(config, str(tmp_path))
@@ -394,8 +400,14 @@ def test_microbatches_of_the_image_tasks_give_the_whole_batchs_loss_update_and_t
   own = {f"train/{metric}" for metric in _IMAGE_TRAIN_METRICS[name]}
   assert set(parts) == set(whole) == {"train/loss", "train/grad_norm", "train/learning_rate", *own}, whole
   assert whole["train/learning_rate"] > 0  # so that the parameters below moved
+  # The segmenter thresholds its masks (its IoUs, and the IoU head's target inside its loss): float32's order of
+  # additions flips the odd pixel whose mask logit sits within ~1e-6 of 0. A wrong sum over the microbatches moves
+  # every metric far more than these bounds.
+  loose = name == "segment"
   for metric, value in whole.items():
-    assert parts[metric] == pytest.approx(value, rel=1e-5, abs=1e-6), metric
+    rel, abs_ = ((0, 2e-3) if loose and "iou" in metric else (1e-4, 1e-6) if loose or metric == "train/grad_norm"
+                 else (1e-5, 1e-6))
+    assert parts[metric] == pytest.approx(value, rel=rel, abs=abs_), metric
   for a, b in zip(params_k, params, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

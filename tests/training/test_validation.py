@@ -229,6 +229,19 @@ def test_unknown_task_name_lists_the_registered_tasks():
     task_lib.get_task_class("no_such_task")
 
 
+def test_every_task_module_registers_the_name_it_is_listed_under():
+  for name in task_lib.TASK_MODULES:
+    assert task_lib.get_task_class(name).name == name
+
+
+def test_a_task_module_registering_another_name_is_said_so(monkeypatch):
+  """TASK_MODULES 'sort_letters' with @register("sort_leters") was refused while 'sort_letters' was listed as allowed."""
+  monkeypatch.setitem(task_lib.TASK_MODULES, "templat", "xattn_jax.tasks.template")
+  with pytest.raises(KeyError, match=r"xattn_jax.tasks.template registers no task 'templat' \(TASK_MODULES names it "
+                                     r"so\): its @register\(...\) name must be the same"):
+    task_lib.get_task_class("templat")
+
+
 def test_task_can_be_named_by_module_path():
   assert task_lib.get_task_class("xattn_jax.tasks.template:TemplateTask") is TemplateTask
 

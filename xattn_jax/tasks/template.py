@@ -1,8 +1,10 @@
 """The template task: reverse strings of lowercase letters with a small bidirectional transformer.
 
-Copy this file to start a task. It is built from the real parts (`xattn_jax.layers` blocks, a position
-encoding from the registry in `layers/positions.py`, `layer_stack` for the depth); the loop does the
-rest. Each method says what the Task contract (`xattn_jax.training.task`) asks of it.
+Copy this file to start a task (and `configs/template.py` for its config), give `@task_lib.register` your name,
+and add that name and module to `TASK_MODULES` in `xattn_jax/training/task.py`, or set `task.name` to
+"package.module:YourTask". It is built from the real parts (`xattn_jax.layers` blocks, a position encoding from
+the registry in `layers/positions.py`, `layer_stack` for the depth); the loop does the rest. Each method says what
+the Task contract (`xattn_jax.training.task`) asks of it.
 
 Tokens: 0 = padding, 1..26 = 'a'..'z'. An example of length n (padded to task.max_length) has
 targets[i] = inputs[n - 1 - i] for i < n and 0 after: every position is tagged in one forward pass.

@@ -1,10 +1,11 @@
 """Optimizer, learning-rate schedule, weight-decay mask and the shared cross-entropy loss.
 
 OPTIMIZERS and SCHEDULES are the one list of each choice (config validation reads them): adding
-one is one function and one entry.
+one is one function and one entry, which names the optimizer.* fields the choice reads.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -36,8 +37,18 @@ def _constant(optimizer_config, total_steps: int) -> optax.Schedule:
   return optax.constant_schedule(optimizer_config.learning_rate)
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """One entry of OPTIMIZERS or SCHEDULES. build: (optimizer config, schedule or total_steps) -> the update rule or
+  the decay; reads: the optimizer.* fields it uses beyond learning_rate, warmup_steps and grad_clip_norm, which every
+  choice uses (the others are said to be unused, and weight_decay_exclude is checked only where it is read)."""
+  build: Callable
+  reads: tuple[str, ...] = ()
+
+
 # optimizer.schedule -> (optimizer config, total_steps) -> the decay after warmup.
-SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {"cosine": _cosine, "rsqrt": _rsqrt, "constant": _constant}
+SCHEDULES: dict[str, Choice] = {"cosine": Choice(_cosine, ("final_learning_rate_fraction",)),
+                                "rsqrt": Choice(_rsqrt), "constant": Choice(_constant)}
 
 
 def _chosen(registry: dict, field: str, name: str):
@@ -50,7 +61,7 @@ def make_schedule(optimizer_config, total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to `learning_rate` over `warmup_steps`, then the SCHEDULES decay named
   by `optimizer_config.schedule`."""
   warmup = optimizer_config.warmup_steps
-  decay = _chosen(SCHEDULES, "optimizer.schedule", optimizer_config.schedule)(optimizer_config, total_steps)
+  decay = _chosen(SCHEDULES, "optimizer.schedule", optimizer_config.schedule).build(optimizer_config, total_steps)
   if warmup == 0:
     return decay
   warmup_schedule = optax.linear_schedule(0.0, optimizer_config.learning_rate, warmup)
@@ -113,14 +124,31 @@ def _sgd(c, schedule) -> optax.GradientTransformation:
 
 
 # optimizer.name -> (optimizer config, learning-rate schedule) -> the update rule.
-OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adamw": _adamw, "adam": _adam, "sgd": _sgd}
+OPTIMIZERS: dict[str, Choice] = {
+    "adamw": Choice(_adamw, ("b1", "b2", "eps", "weight_decay", "weight_decay_exclude")),
+    "adam": Choice(_adam, ("b1", "b2", "eps")),
+    "sgd": Choice(_sgd, ("momentum",)),
+}
+
+
+def reads(optimizer_config, field: str) -> bool:
+  """Whether the chosen optimizer or schedule uses optimizer.<field> (one that only some choices read)."""
+  return any(field in registry[name].reads for registry, name in ((OPTIMIZERS, optimizer_config.name),
+                                                                  (SCHEDULES, optimizer_config.schedule)))
+
+
+def unread_fields(optimizer_config) -> list[str]:
+  """The optimizer.* fields some choice reads that the chosen optimizer and schedule do not: their values are
+  unused (adam takes no weight decay; only the cosine schedule ends at final_learning_rate_fraction)."""
+  fields = {field for registry in (OPTIMIZERS, SCHEDULES) for choice in registry.values() for field in choice.reads}
+  return sorted(field for field in fields if field in optimizer_config and not reads(optimizer_config, field))
 
 
 def make_optimizer(optimizer_config, total_steps: int) -> optax.GradientTransformation:
   """Global-norm clipping, then the OPTIMIZERS entry named by `optimizer_config.name` with the
   configured schedule."""
   schedule = make_schedule(optimizer_config, total_steps)
-  tx = _chosen(OPTIMIZERS, "optimizer.name", optimizer_config.name)(optimizer_config, schedule)
+  tx = _chosen(OPTIMIZERS, "optimizer.name", optimizer_config.name).build(optimizer_config, schedule)
   if optimizer_config.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(optimizer_config.grad_clip_norm), tx)
   return tx

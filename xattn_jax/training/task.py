@@ -382,6 +382,9 @@ def get_task_class(name: str) -> type[Task]:
       raise KeyError(f"task {name!r} needs {TASK_MODULES[name]}, which cannot be imported ({e})") from None
   if name in _REGISTRY:
     return _REGISTRY[name]
+  if name in TASK_MODULES:  # imported, yet no class registered under the name TASK_MODULES gives it
+    raise KeyError(f"{TASK_MODULES[name]} registers no task {name!r} (TASK_MODULES names it so): its @register(...) "
+                   f"name must be the same; registered: {sorted(_REGISTRY)}")
   module_name, colon, class_name = name.partition(":")
   if colon:
     try:

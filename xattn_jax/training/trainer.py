@@ -175,8 +175,11 @@ class Trainer:
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     self.graphdef, self.abstract_state = nnx.split(nnx.eval_shape(init))
-    if mode == "train" and config.optimizer.name == "adamw":
+    if mode == "train" and optim.reads(config.optimizer, "weight_decay_exclude"):
       self._check_weight_decay_exclude(config.optimizer.weight_decay_exclude)
+    if mode == "train" and (unread := optim.unread_fields(config.optimizer)):
+      logging.info("optimizer.name=%r with schedule %r reads no %s: their values are unused", config.optimizer.name,
+                   config.optimizer.schedule, ", ".join(f"optimizer.{field}" for field in unread))
     self.shardings = sharding.state_shardings(self.abstract_state, self.mesh, self.rules)
     self.init_program = jax.jit(lambda loaded: nnx.state(init(loaded)), out_shardings=self.shardings)
     self.init_state = lambda: self.init_program(loaded)

@@ -145,7 +145,8 @@ def check_mesh(config, device_count: int) -> dict[str, int]:
   return sizes
 
 
-def _check_randomized_positions(model_config, prefix: str, encoding: position_layers.PositionEncoding | None):
+def _check_randomized_positions(model_config, prefix: str, encoding: position_layers.PositionEncoding | None,
+                                allowed: Sequence[str]):
   """randomized_positions_max: 0 (off) or a max_position for an encoding computed from sequence indices."""
   field = f"{prefix}.randomized_positions_max"
   value = model_config.randomized_positions_max
@@ -153,7 +154,7 @@ def _check_randomized_positions(model_config, prefix: str, encoding: position_la
     raise ConfigError(field, value, "must be an integer >= 0 (0 = off; else positions are drawn from [0, value))")
   if value and (encoding is None or not encoding.randomizable):
     raise ConfigError(field, value, f"randomizes sequence positions: needs position_encoding in "
-                      f"{list(position_layers.names(randomizable=True))}, this model has "
+                      f"{[name for name in position_layers.names(randomizable=True) if name in allowed]}, this model has "
                       f"{model_config.get('position_encoding')!r}; leave it 0 otherwise")
   if value and "max_length" in model_config and value < model_config.max_length:
     raise ConfigError(field, value, f"must be >= {prefix}.max_length={model_config.max_length}, the longest "
@@ -177,7 +178,7 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
   encoding = position_layers.POSITION_ENCODINGS.get(position_encoding)
   rotary = encoding.rotary_kind if encoding is not None else None
   if "randomized_positions_max" in fields:
-    _check_randomized_positions(model_config, prefix, encoding)
+    _check_randomized_positions(model_config, prefix, encoding, allowed)
   if "rope_scaling_factor" in fields and not model_config.rope_scaling_factor > 0:
     raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor, "must be > 0")
   if "rope_scaling_factor" in fields and model_config.rope_scaling_factor != 1.0 and not model_config.get(
@@ -191,7 +192,8 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
     # Without a rotary encoding the scaling would be ignored: a length ablation would measure nothing.
     raise ConfigError(f"{prefix}.rope_scaling", model_config.rope_scaling,
                       f"scales rotary positions: needs position_encoding in "
-                      f"{list(position_layers.names(role='rotary'))}, this model has {position_encoding!r}; "
+                      f"{[name for name in position_layers.names(role='rotary') if name in allowed]}, this model has "
+                      f"{position_encoding!r}; "
                       f"leave it '' otherwise")
   if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
     raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
