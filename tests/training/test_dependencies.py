@@ -83,6 +83,29 @@ def test_a_dependency_run_made_with_another_config_is_refused_naming_the_field(t
   assert refused.value.field == "task.dependency_workdir"
 
 
+def test_a_dependency_run_whose_data_file_was_edited_in_place_is_refused_naming_it(tmp_path, no_training):
+  """Captions rewritten in the same pairs file: the VLM loaded the encoder and LM trained on the old ones (exact
+  match 0, one warning about unknown characters)."""
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("a.png\ta cat\n")
+  def with_file():  # the template task reads no file: a data section as a task that reads one has
+    config = dependency_config()
+    config.data = {"train_file": str(pairs)}
+    return config
+
+  fake_run(str(tmp_path / "dependency"), with_file(), steps=[2])
+  workdir_lib.record_data_files(with_file(), str(tmp_path / "dependency"))
+  config = dependent_config(tmp_path / "dependency", with_file())
+  dependencies.resolve(config, str(tmp_path / "run"))  # unchanged: loaded
+  pairs.write_text("a.png\ta dog\n")  # the same size, other contents
+  with pytest.raises(validation.ConfigError, match=r"was trained on data\.train_file .*pairs\.tsv \(same size, other "
+                                                   r"contents\): the file changed since"):
+    dependencies.resolve(config, str(tmp_path / "run"))
+  pairs.write_text("a.png\ta zebra quokka\n")
+  with pytest.raises(validation.ConfigError, match=r"\(12 bytes then, 21 now\)"):
+    dependencies.resolve(config, str(tmp_path / "run"))
+
+
 def test_a_finished_dependency_run_with_other_optimizer_settings_is_loaded(tmp_path, no_training):
   """Only the model, task and data sections define a run (as for resuming one); the rest may differ."""
   fake_run(str(tmp_path / "dependency"), dependency_config(**{"optimizer.learning_rate": 0.1}), steps=[2])

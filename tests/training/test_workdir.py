@@ -267,8 +267,10 @@ def test_a_run_trained_on_with_other_settings_keeps_the_record_it_started_with(t
   """The record claimed the resumed settings (another learning rate, batch size) for every step of the run, and a
   command that trained nothing rewrote it too."""
   run = str(tmp_path / "run")
-  loop.run(tiny_template(), run)
+  (tmp_path / "notes.txt").write_text("a file of yours\n")
+  loop.run(tiny_template(**{"infer.input_file": str(tmp_path / "notes.txt")}), run)
   started = (tmp_path / "run" / "config.json").read_text()
+  assert json.loads((tmp_path / "run" / workdir.DATA_RECORD).read_text()) == {}  # no data file: only DATA_FIELDS
   loop.run(tiny_template(**{"optimizer.learning_rate": 0.5, "seed": 7}), run)  # at step 2 = total_steps: nothing
   assert (tmp_path / "run" / "config.json").read_text() == started
   assert not list(tmp_path.glob("run/*.before_step_*"))

@@ -6,7 +6,8 @@ calls it) and, for a train run, makes every one of them finished:
 
   1. every dependency whose workdir holds a run (a checkpoint) is checked first: that run must have
      been made with the declared config's model, task and data sections (the ones a resumed run may
-     not change either), else a ConfigError names the first field that differs; nothing has trained;
+     not change either), and its data files must hold what they held when it started (`DATA_RECORD`: a pairs
+     file edited in place), else a ConfigError names the first field that differs; nothing has trained;
   2. a finished run is left as it is (the task's constructor loads it); a run its own recorded config ended
      (its total_steps, an early stop) that the declared config would train on is refused too, naming the
      run's own config.py (declared, it loads the run as it is) and the command that trains it on;
@@ -149,6 +150,12 @@ def check(dependency: task_lib.Dependency) -> None:
         field, value, f"its {key}={new!r}, but the run in {dependency.workdir} "
         f"({dependency.workdir_field}) was made with {old!r}; use a config that matches that run, "
         f"or another {dependency.workdir_field}")
+  changed = workdir_lib.changed_data_files(config_of(dependency), dependency.workdir)
+  if changed:  # the same path, edited since: loading or resuming that run would read other data than it trained on
+    raise validation.ConfigError(
+        field, value, f"the run in {dependency.workdir} ({dependency.workdir_field}) was trained on "
+        f"{'; '.join(changed)}: the file changed since; train that run again in another {dependency.workdir_field}, "
+        "or restore the file")
   ended = _ended_by_its_own_config(dependency.workdir)
   if ended and not is_finished(dependency):  # training it on would rewrite a run its own config finished
     declared = config_of(dependency).total_steps

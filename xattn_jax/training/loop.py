@@ -208,6 +208,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
         held.enter_context(workdir_lib.training_lock(workdir))
       if mode == "train" and not resumed:
         workdir_lib.write_config(config, workdir)
+        workdir_lib.record_data_files(config, workdir)
     return _run_in(config, workdir, mode, output, is_writer=is_writer, new_workdir=new_workdir, resumed=resumed)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,51 @@ RECORD_FILES = ("config.json", "config.txt", "config.py")
 # workdir fields of the task's dependencies. A run records them absolute (`absolute_paths`), so that its
 # config.py works from any directory; "" (unset) and "-" (standard input) are no paths.
 PATH_FIELDS = ("data.train_file", "data.eval_file", "init_from", "infer.input_file")
+
+
+# The data files a run trains on: their contents are recorded when it starts (DATA_RECORD), so that a run that
+# declares it as a dependency does not load it after the file was edited in place.
+DATA_FIELDS = ("data.train_file", "data.eval_file")
+DATA_RECORD = "data_files.json"
+
+
+def _digest(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def record_data_files(config, workdir: str) -> None:
+  """Writes DATA_RECORD: each DATA_FIELDS file of `config` (a regular file) as {field: {path, bytes, sha256}}."""
+  record = {}
+  for field in DATA_FIELDS:
+    path = _field(config, field)
+    if isinstance(path, str) and os.path.isfile(path):
+      record[field] = {"path": _absolute(path), "bytes": os.path.getsize(path), "sha256": _digest(path)}
+  with open(os.path.join(workdir, DATA_RECORD), "w") as f:
+    json.dump(record, f, indent=2)
+
+
+def changed_data_files(config, workdir: str) -> list[str]:
+  """The DATA_FIELDS whose file `config` names as the run in `workdir` recorded it (DATA_RECORD) but whose
+  contents differ now, each as "field path (what changed)"; [] without a record (a run from before it)."""
+  path = os.path.join(workdir, DATA_RECORD)
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    record = json.load(f)
+  changed = []
+  for field, was in record.items():
+    now = _field(config, field)
+    if not (isinstance(now, str) and _absolute(now) == was["path"] and os.path.isfile(now)):
+      continue  # another file (the config check names it) or gone (reading it will)
+    size = os.path.getsize(now)
+    if size != was["bytes"] or _digest(now) != was["sha256"]:
+      changed.append(f"{field} {now} ({was['bytes']:,} bytes then, {size:,} now)" if size != was["bytes"]
+                     else f"{field} {now} (same size, other contents)")
+  return changed
 
 
 def path_fields(config, workdir: str | None) -> tuple[str, ...]:
