@@ -239,9 +239,8 @@ class DigitsBase(task_lib.Task):
         raise ValueError(f"{line!r}: the test set has images 0..{len(self.split.test_labels) - 1}")
       return self.split.test_images[index][None]
     if line.endswith(".npy"):
-      array = np.load(self.input_path(line)).astype(np.float32)
-      if array.ndim == 3:  # a stack of images, each read like a single one
-        return digits.to_unit_range(array)
+      array = digits.read_npy(self.input_path(line))
+      return array if array.ndim == 3 else array[None]  # a stack of images, or one
     return digits.read_image_file(self.input_path(line))[None]
 
   def infer_lines(self, model, lines):
