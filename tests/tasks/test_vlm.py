@@ -444,6 +444,15 @@ def test_eval_chrf_is_on_the_translators_0_to_100_scale(tmp_path):
   assert metrics["exact_match"] == 0.5
 
 
+def test_an_eval_file_showing_training_images_is_said_not_held_out(tmp_path, caplog):
+  """An eval file drawn from the training pairs (189 of its 200 images trained on) was scored without a word."""
+  import logging
+  caplog.set_level(logging.WARNING)
+  _pairs_task(tmp_path, "".join(f"ok.png\t{vlm_digits.number_words(n)}\n" for n in range(20)), "./ok.png\tseven\n")
+  assert any(f"1 of the 1 eval images in {tmp_path / 'eval.tsv'} are also training images in "
+             f"{tmp_path / 'train.tsv'}: eval metrics are not held-out scores" in r.getMessage() for r in caplog.records)
+
+
 def test_a_users_pairs_come_shuffled_every_epoch_each_once(tmp_path):
   """The pairs were cycled in file order, so a file sorted by subject made one-subject batches."""
   task = _pairs_task(tmp_path, "".join(f"ok.png\t{vlm_digits.number_words(n)}\n" for n in range(40)),
@@ -779,3 +788,8 @@ def test_infer_reads_two_images_each_captioned_in_turn_then_the_question(connect
     task.infer(model, [f"{paths[0]}\t{paths[1]}\t{paths[0]}\t{question}"])
   with pytest.raises(task_lib.InputLineError, match="the question holds '<image>', the language model's image"):
     task.infer(model, [f"{paths[0]}\twhat is in <image> ?"])  # it would read as a second image's place
+  with pytest.raises(task_lib.InputLineError, match=r"input line 1: the last field, the question, is the file .*: "
+                                                    "two images take a question after them"):
+    task.infer(model, [f"{paths[0]}\t{paths[1]}"])  # was asked as a question: 32 characters of 'g'
+  with pytest.raises(task_lib.InputLineError, match="input line 1: field 1 is an empty image path"):
+    task.infer(model, [f"\t{question}"])

@@ -181,6 +181,11 @@ def side_of_split(items: Sequence, path, *, eval_side: bool) -> list:
   return [item for index, item in enumerate(items) if (index in held) == eval_side]
 
 
+def read_pair_images(path) -> list[str]:
+  """The image path of each well-formed ``image_path<TAB>text`` line (resolved, symlinks too), images not opened."""
+  return [os.path.realpath(pair[0]) for _, problem, pair in _pair_lines(path) if problem is None]
+
+
 def read_pair_texts(path) -> list[str]:
   """The text side of each ``image_path<TAB>text`` line, in file order, the images not opened: what a
   language model pretrains on before it reads the images (the VLM task's LM for a user's pairs).

@@ -79,7 +79,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
-from xattn_jax.data import batching, image_text, tokenizers, vlm_digits
+from xattn_jax.data import batching, image_text, splits, tokenizers, vlm_digits
 from xattn_jax.models import lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
@@ -377,6 +377,9 @@ class VLMTask(task_lib.Task):
   def _examples(self, side: str) -> list[vlm_digits.VLMExample]:
     data = self.config.data
     if data.source == "tsv":
+      if side == "eval" and data.eval_file and os.path.isfile(data.train_file):  # in --mode=eval too
+        splits.warn_shared(image_text.read_pair_images(data.eval_file), image_text.read_pair_images(data.train_file),
+                           data.eval_file, data.train_file, "images")
       return encoder_task.read_pairs_field(self.config, "data.train_file" if side == "train" else "data.eval_file")
     kinds = tuple(k.strip() for k in data.kinds.split(",") if k.strip())
     split, count = (("train", data.num_train_examples) if side == "train" else
@@ -805,6 +808,11 @@ class VLMTask(task_lib.Task):
       if vlm_digits.IMAGE_TOKEN in question:
         raise task_lib.InputLineError(index, f"the question holds {vlm_digits.IMAGE_TOKEN!r}, the language "
                                              "model's image marker: images go in the fields before it")
+      if question and os.path.isfile(self.input_path(question)):  # `a.png<TAB>b.png` asked b.png as a question
+        raise task_lib.InputLineError(index, f"the last field, the question, is the file {question!r}: two images "
+                                             "take a question after them, or an empty last field for their captions")
+      if empty := [k + 1 for k, path in enumerate(paths) if not path.strip()]:
+        raise task_lib.InputLineError(index, f"field {empty[0]} is an empty image path")
       images = []
       for path in paths:
         try:
