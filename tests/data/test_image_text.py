@@ -1,4 +1,6 @@
 """A user's image-caption pairs: good files read, every malformed case refused naming file and line."""
+import warnings
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -74,6 +76,27 @@ def test_a_deep_image_is_scaled_from_its_own_range_not_clipped_to_8_bits(tmp_pat
   Image.fromarray(pixels).save(path)
   [read] = read_images([path], CANVAS)
   assert read[3:5, 3:5].min() - read[:, 8:].max() > 0.5  # the stroke stands out from its ground
+
+
+def test_a_transparent_value_of_a_16_bit_image_is_laid_on_white_as_an_8_bit_ones_is(tmp_path):
+  """The 16-bit conversion dropped the tRNS value: the transparent ground read black, the picture inverted."""
+  pixels = np.zeros((16, 32), np.uint16)  # a transparent 0 ground ...
+  pixels[4:12, 4:12] = 1000  # ... under a dark stroke
+  Image.fromarray(pixels).save(tmp_path / "deep.png", transparency=0)
+  [read] = read_images([tmp_path / "deep.png"], CANVAS)
+  assert read[3:5, 3:5].min() > 0.5 and read[:, 8:].max() < 0.1  # ink high on a white (then inverted) ground
+
+
+def test_an_image_past_pillows_warning_limit_is_logged_naming_it(tmp_path, monkeypatch, caplog):
+  """Pillow's DecompressionBombWarning printed its own source line, naming neither the file nor the line."""
+  import logging
+  caplog.set_level(logging.WARNING)
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 400)  # the 16 x 32 image is over it but under twice it
+  Image.fromarray(np.zeros((16, 32), np.uint8)).save(tmp_path / "big.png")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    image_files.open_image(str(tmp_path / "big.png"))
+  assert any("big.png' is 32 x 16 pixels, past Pillow's warning limit" in r.getMessage() for r in caplog.records)
 
 
 def test_12_bit_data_in_a_16_bit_file_is_scaled_from_0_4095(tmp_path):

@@ -88,6 +88,12 @@ def test_infer_refuses_a_click_outside_the_image_naming_the_line(trained_segment
   with pytest.raises(task_lib.InputLineError, match="outside") as error:
     task.infer(model, ["test:0", "test:0 99,3"])
   assert error.value.index == 1
+  # a number like 1.2.3 was Python's "could not convert string to float"; a path with a space its first word
+  with pytest.raises(task_lib.InputLineError, match="'1.2.3,4' is no click: write x,y"):
+    task.infer(model, ["test:0 1.2.3,4"])
+  with pytest.raises(task_lib.InputLineError, match="no such file 'my'; a path holding spaces takes a tab"):
+    task.infer(model, ["my scan.png 8,6"])
+  assert len(task.infer(model, ["test:0 .5,3.", "test:0 box=1,2,10.5,12"])) == 2
 
 
 @pytest.mark.parametrize("field, value", [

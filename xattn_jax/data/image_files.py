@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
+from absl import logging
 
 
 class _PixelError(ValueError):
@@ -23,10 +25,12 @@ def _eight_bit(image):
   """A single-channel 16-bit, 32-bit integer or float image as 8-bit grey: 16-bit data over the smallest of
   0-4095 (12-bit data, as cameras and scanners store it in 16) and 0-65535 that holds them, 32-bit integers over
   the smallest of 0-255, 0-65535 and 0-2^31-1, floats in [0, 1] as they are, other floats stretched from their
-  minimum to their maximum. NaN or infinite pixels are refused (ValueError)."""
+  minimum to their maximum. A transparent value (a PNG's tRNS) becomes white, as a transparent pixel is laid on
+  white paper. NaN or infinite pixels are refused (ValueError)."""
   from PIL import Image
 
   pixels = np.asarray(image, np.float64)
+  transparent = pixels == image.info["transparency"] if isinstance(image.info.get("transparency"), int) else None
   if not np.isfinite(pixels).all():  # one NaN made the range NaN, and the whole image read as blank
     raise _PixelError(f"holds NaN or infinite pixel values ({np.size(pixels) - np.isfinite(pixels).sum()} of "
                       f"{np.size(pixels)})")
@@ -37,6 +41,8 @@ def _eight_bit(image):
     bits = next(b for b in depths if pixels.max() < 2 ** b)
     low, high = 0.0, 2.0 ** bits - 1
   scaled = (pixels - low) / max(high - low, 1e-12)
+  if transparent is not None:
+    scaled[transparent] = 1.0
   return Image.fromarray(np.round(np.clip(scaled, 0.0, 1.0) * 255).astype(np.uint8), "L")
 
 
@@ -53,15 +59,20 @@ def open_image(path: str, *, grey: bool = True):
   if not os.path.isfile(path):
     raise OSError(f"image {path!r} is not a regular file")
   try:
-    with Image.open(path) as opened:
-      opened.load()
-      image = ImageOps.exif_transpose(opened)
-      if image.mode in ("I", "F") or image.mode.startswith("I;16"):
-        image = _eight_bit(image)
-      if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(white, image.convert("RGBA"))
-      return image.convert("L" if grey else "RGB")
+    with warnings.catch_warnings(record=True) as said:  # Pillow's own warning would name neither file nor line
+      warnings.simplefilter("always", Image.DecompressionBombWarning)
+      with Image.open(path) as opened:
+        opened.load()
+        if any(issubclass(w.category, Image.DecompressionBombWarning) for w in said):
+          logging.warning("image %r is %d x %d pixels, past Pillow's warning limit for untrusted files: decoding "
+                          "it takes time and memory before it is fitted to the canvas", path, *opened.size)
+        image = ImageOps.exif_transpose(opened)
+        if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+          image = _eight_bit(image)  # lays a transparent value on white itself
+        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+          white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+          image = Image.alpha_composite(white, image.convert("RGBA"))
+        return image.convert("L" if grey else "RGB")
   except _PixelError as error:
     raise ValueError(f"image {path!r} {error}") from None
   except Image.DecompressionBombError as error:  # an Exception of its own, not an OSError

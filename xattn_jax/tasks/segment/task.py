@@ -53,8 +53,9 @@ PROMPTED = ("click", "box")  # the prompt kinds with per-kind IoU metrics
 _PER_KIND = ("mean_iou", "iou50_rate", "iou75_rate", "oracle_iou")
 METRIC_NAMES = (("loss",) + tuple(f"{kind}_{name}" for kind in PROMPTED for name in _PER_KIND)
                 + ("ambiguous_both_iou", "iou_head_pearson"))
-_BOX = re.compile(r"box=(-?[\d.]+),(-?[\d.]+),(-?[\d.]+),(-?[\d.]+)$")
-_CLICK = re.compile(r"(-?[\d.]+),(-?[\d.]+)(?:,([+-]))?$")
+_NUMBER = r"(-?(?:\d+(?:\.\d*)?|\.\d+))"  # 12, 12.5, .5, -3 (not 1.2.3)
+_BOX = re.compile(rf"box={_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}$")
+_CLICK = re.compile(rf"{_NUMBER},{_NUMBER}(?:,([+-]))?$")
 
 
 def scene_options(config) -> segment_digits.SceneOptions:
@@ -305,6 +306,9 @@ class SegmentTask(task_lib.Task):
       if not prompt:
         return name, image, test["points"][index], test["point_labels"][index]
     else:
+      if not os.path.exists(self.input_path(name)) and "\t" not in line and prompt and not (
+          _CLICK.match(prompt[0]) or _BOX.match(prompt[0])):  # `my scan.png 8,6` read the path as 'my'
+        raise ValueError(f"no such file {name!r}; a path holding spaces takes a tab before its prompt")
       image = digits.read_image_file(self.input_path(name))
       if not np.isfinite(image).all():
         raise ValueError(f"{name!r} holds NaN or infinite pixel values")
