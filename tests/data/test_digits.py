@@ -178,3 +178,14 @@ def test_resize_of_a_large_image_is_two_matrix_products():
   image = np.random.default_rng(0).random((1, 600, 450))
   rows, cols = digits._linear_resize_matrix(600, 32), digits._linear_resize_matrix(450, 32)
   np.testing.assert_allclose(digits.resize_images(image, (32, 32))[0], rows @ image[0] @ cols.T, rtol=1e-6)
+
+
+def test_shrinking_with_antialias_keeps_a_thin_stroke_and_the_mean():
+  """A 320 x 320 '7' drawn with 4-pixel strokes lost its top bar on the 32 x 32 canvas (samples between rows)."""
+  image = np.zeros((1, 320, 320), np.float32)
+  image[0, 97:101, 40:280] = 1.0  # a bar 4 pixels thick, between the rows bilinear sampling reads (94-95, 104-105)
+  plain, smooth = digits.resize_images(image, (32, 32)), digits.resize_images(image, (32, 32), antialias=True)
+  assert plain.max() == 0.0  # dropped
+  assert smooth.max() > 0.15 and abs(smooth.mean() - image.mean()) < 1e-3
+  np.testing.assert_array_equal(digits.resize_images(image[:, ::10, ::10], (64, 64), antialias=True),
+                                digits.resize_images(image[:, ::10, ::10], (64, 64)))  # enlarging: the same

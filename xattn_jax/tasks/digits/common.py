@@ -253,6 +253,6 @@ class DigitsBase(task_lib.Task):
           raise ValueError(f"{line.strip()!r} holds NaN or infinite pixel values")
       except (ValueError, OSError) as e:
         raise task_lib.InputLineError(index, str(e)) from None
-      predictions = self._classify(model, digits.resize_images(images, self.grid))
+      predictions = self._classify(model, digits.resize_images(images, self.grid, antialias=True))
       outputs.append(f"{line.strip()}\t{' '.join(str(p) for p in predictions)}")
     return outputs

@@ -334,7 +334,7 @@ class SegmentTask(task_lib.Task):
         clicks.append((float(match.group(1)), float(match.group(2)), label))
       points, labels = segment_digits.click_points(clicks, self.options, height=height, width=width)
     if image.shape != (canvas, canvas):
-      image = digits.resize_images(image[None], (canvas, canvas))[0]
+      image = digits.resize_images(image[None], (canvas, canvas), antialias=True)[0]
     return name, np.clip(image, 0.0, 1.0), points, labels
 
   def infer_lines(self, model, lines):
