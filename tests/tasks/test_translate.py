@@ -172,6 +172,15 @@ def test_sampled_translations_with_a_fixed_seed_repeat_and_differ_from_greedy(tm
   assert sampler.infer(model, ["", lines[1]])[1] == sampler.infer(model, lines[:2])[1] == sampled[1]
 
 
+def test_a_top_k_keeping_the_whole_vocabulary_is_said(tmp_path, caplog):
+  caplog.set_level(logging.WARNING)
+  _infer_task(tmp_path, method="sample", top_k=300)  # bytes: 259 tokens
+  assert any("task.decoding.top_k=300 keeps every one of the vocabulary's" in r.getMessage() for r in caplog.records)
+  caplog.clear()
+  _infer_task(tmp_path, method="sample", top_k=40)
+  assert not [r for r in caplog.records if "top_k" in r.getMessage()]
+
+
 def test_infer_strips_a_line_and_crops_an_over_long_one_answering_every_line(tmp_path, caplog):
   """One line past model.max_length stopped the whole batch (nothing written for the lines before it); spaces
   around a line, absent from the training pairs, changed its translation."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from absl import logging
 
 from xattn_jax import decoding
 from xattn_jax.training import validation
@@ -22,9 +23,9 @@ from xattn_jax.training import validation
 SECTION = "task.decoding"
 
 
-def decoding_options(config) -> decoding.DecodingOptions:
+def decoding_options(config, vocab_size: int | None = None) -> decoding.DecodingOptions:
   """config.task.decoding as a DecodingOptions; a bad field (or a missing section) is one ConfigError
-  line naming task.decoding.<field>."""
+  line naming task.decoding.<field>. With the model's `vocab_size`, a top_k that keeps every token is said."""
   if "decoding" not in config.task:
     raise validation.ConfigError(SECTION, None, "is required: a section with method (greedy | beam | sample) and "
                                  "its options (beam_size, alpha, temperature, top_k, top_p, seed)")
@@ -36,6 +37,10 @@ def decoding_options(config) -> decoding.DecodingOptions:
                                  str(error).removeprefix("decoding: ")) from None
   if "seed" in section:
     validation.require_positive(config, f"{SECTION}.seed", allow_zero=True)
+  top_k = section.get("top_k", 0)
+  if vocab_size is not None and section.get("method") == "sample" and top_k and top_k >= vocab_size:
+    logging.warning("%s.top_k=%d keeps every one of the vocabulary's %d tokens: no top-k cut", SECTION, top_k,
+                    vocab_size)
   return options
 
 
