@@ -293,22 +293,31 @@ def main(argv=None):
       config.batch_size, config.eval_batch_size = 16, 32
     return config
 
-  connectors, seeds = args.connectors.split(","), [int(s) for s in args.seeds.split(",")]
-  scales = [int(s) for s in args.scales.split(",")]
+  from xattn_jax.training import checkpoints, validation
+  connectors = args.connectors.split(",")
+  try:
+    seeds, scales = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.scales.split(",")]
+  except ValueError as error:
+    parser.error(f"--seeds / --scales: comma-separated integers ({error})")
+  for connector in connectors:  # before the frozen parts train: a bad name fails in seconds, in one line
+    try:
+      validation.validate_config(run_config(connector, seeds[0]))
+    except (validation.ConfigError, ValueError, KeyError) as error:
+      parser.error(f"--connectors {connector}: {error}")
   workdir_of = lambda connector, seed: str(workdirs / f"{connector.replace('/', '_')}_seed{seed}")
   first = run_config(connectors[0], seeds[0])
   args.encoder = first.model.encoder_workdir
   patch = dependencies.load_config(first.model.encoder_config, "model.encoder_config").model.patch_size
   record["scale"], record["patches_per_digit"] = args.scale, (8 * args.scale // patch) ** 2
-  dependencies.resolve(first, workdir_of(connectors[0], seeds[0]), "train",  # the frozen parts, as launch.py does
-                       side_by_side=True)
   record["cost"] = {}
-  if args.cost_only:
+  if args.cost_only:  # random weights shaped as the frozen parts: nothing trains
     for connector in connectors:
       record["cost"][connector] = _cost(run_config(connector, seeds[0]), scales)
       print(json.dumps({connector: record["cost"][connector]}), flush=True)
       _write(record, args, stem="vlm_cost_by_scale")
     return
+  dependencies.resolve(first, workdir_of(connectors[0], seeds[0]), "train",  # the frozen parts, as launch.py does
+                       side_by_side=True)
   workdirs.mkdir(parents=True, exist_ok=True)
   probe_file = workdirs / "probe.json"  # the probe of these frozen parts, measured once
   # by default the largest of the connectors' budgets
@@ -338,10 +347,17 @@ def main(argv=None):
       if mismatch:
         parser.error(f"--connectors {connector}: {mismatch}")
       if not wall_file.is_file():
-        start = time.perf_counter()
+        partial_file = pathlib.Path(workdir, "wall_seconds_so_far.json")  # a run stopped and resumed: its parts
+        start = time.perf_counter() - (json.loads(partial_file.read_text()) if partial_file.is_file() else 0.0)
         dependencies.resolve(config, workdir, "train")
         loop.run(config, workdir, "train")
+        if checkpoints.step_numbers(workdir)[-1:] != [config.total_steps]:  # stopped (SIGTERM, Ctrl-C): resumable
+          partial_file.write_text(json.dumps(time.perf_counter() - start))
+          print(f"compare_connectors.py: the run in {workdir} stopped before its {config.total_steps} steps; the "
+                "same command resumes it", file=sys.stderr)
+          return
         wall_file.write_text(json.dumps(time.perf_counter() - start))
+        partial_file.unlink(missing_ok=True)
       metrics = _final_metrics(workdir)  # the training's own: its last eval is on validation
       run = {"connector": connector, "seed": seed, "steps": config.total_steps,
              "wall_seconds": json.loads(wall_file.read_text()),
@@ -360,7 +376,8 @@ def main(argv=None):
 
 def _write(record: dict, args, stem: str = "compare_connectors"):
   """experiments/results/<stem>.{json,md} (or under --out) of the runs so far."""
-  record["encoder_strip_accuracy"] = test_metrics(args.encoder).get("eval/strip_accuracy")
+  if record["runs"]:  # the cost rows alone read random weights: no encoder to score
+    record["encoder_strip_accuracy"] = test_metrics(args.encoder).get("eval/strip_accuracy")
   record["load_average_after"] = os.getloadavg()[0]
   stem = os.path.join(args.out, stem)
   with open(stem + ".json", "w") as f:

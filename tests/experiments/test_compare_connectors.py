@@ -39,6 +39,22 @@ def test_a_scale_inside_a_connector_is_refused_for_one_encoder_and_probe_a_compa
   assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def test_a_bad_connector_or_seed_is_one_line_before_anything_trains_and_cost_rows_train_nothing(tmp_path, capsys,
+                                                                                                 monkeypatch):
+  """--connectors bogus trained the frozen parts for minutes first; --cost_only ('no training') trained them too."""
+  from xattn_jax.training import dependencies
+  monkeypatch.setattr(dependencies, "resolve", lambda *a, **k: pytest.fail("the frozen parts were resolved"))
+  for argv, said in ((["--connectors", "bogus"], "--connectors bogus: config.model.connector='bogus'"),
+                     (["--seeds", "0,a"], "--seeds / --scales: comma-separated integers")):
+    with pytest.raises(SystemExit) as exit_:
+      compare_connectors.main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+  row = {"digits": 1, "M": 17, "tokens_to_lm": 33, "trainable_parameters": 9, "forward_ms": 1.0, "train_step_ms": 2.0}
+  monkeypatch.setattr(compare_connectors, "_cost", lambda config, scales: [{"scale": s, **row} for s in scales])
+  compare_connectors.main(["--cost_only", "--scales", "1", "--connectors", "qformer", "--out", str(tmp_path)])
+  assert (tmp_path / "vlm_cost_by_scale.json").is_file()
+
+
 def test_a_finished_run_evaluated_on_another_number_of_test_examples_cannot_join(tmp_path):
   run = tmp_path / "qformer_seed0"
   assert compare_connectors.other_test_set(str(run), 2000) == ""  # not trained yet: it trains with this config
