@@ -21,7 +21,6 @@ ablation_rope_scores.png.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import pathlib
@@ -249,16 +248,17 @@ def main(argv=None):
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
   todo = cells(args.quick, sweep.seeds_to_run(args, parser), only)
   results, failures, start = {}, 0, time.time()
-  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    futures = [pool.submit(run_cell, cell, root, args.quick, args.jobs > 1) for cell in todo]
-    for future in concurrent.futures.as_completed(futures):
-      cell, metrics, message = future.result()
-      print(f"[{time.time() - start:6.0f}s] {cell.experiment.name}/{cell.encoding}/seed{cell.seed}: {message}",
-            flush=True)
-      if metrics is None:
-        failures += 1
-      else:
-        results.setdefault((cell.experiment.name, cell.encoding), []).append(metrics)
+
+  def report(cell, metrics, message):
+    nonlocal failures
+    print(f"[{time.time() - start:6.0f}s] {cell.experiment.name}/{cell.encoding}/seed{cell.seed}: {message}",
+          flush=True)
+    if metrics is None:
+      failures += 1
+    else:
+      results.setdefault((cell.experiment.name, cell.encoding), []).append(metrics)
+
+  sweep.run_cells(todo, lambda cell: run_cell(cell, root, args.quick, args.jobs > 1), args.jobs, report)
   write_outputs(results, root, pathlib.Path(args.results), NOTES, args.quick)
   print(f"wrote {args.results}/ablation_positions.md ({len(todo) - failures}/{len(todo)} cells)")
   return 1 if failures else 0

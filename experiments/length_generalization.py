@@ -27,7 +27,6 @@ records the commit, date, load average before the start and the exact command.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -347,12 +346,13 @@ def main(argv=None):
     parser.error(f"--only={','.join(sorted(only))} selects none of the {'--quick ' if args.quick else ''}cells "
                  f"({', '.join(sorted({f'{c.task}/{c.encoding}' for c in cells(args.quick, 1)}))})")
   failures, start = 0, time.time()
-  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    futures = [pool.submit(run_cell, cell, root, args.quick, args.jobs > 1) for cell in todo]
-    for future in concurrent.futures.as_completed(futures):
-      cell, metrics, message = future.result()
-      print(f"[{time.time() - start:6.0f}s] {cell.task}/{cell.variant}/seed{cell.seed}: {message}", flush=True)
-      failures += metrics is None
+
+  def report(cell, metrics, message):
+    nonlocal failures
+    print(f"[{time.time() - start:6.0f}s] {cell.task}/{cell.variant}/seed{cell.seed}: {message}", flush=True)
+    failures += metrics is None
+
+  sweep.run_cells(todo, lambda cell: run_cell(cell, root, args.quick, args.jobs > 1), args.jobs, report)
   summary = summarize(finished_results(cells(args.quick, seeds, randomized=randomized), root, args.quick))
   write_outputs(summary, meta, pathlib.Path(args.results), notes, args.quick)
   print(f"wrote {args.results}/length_generalization.md ({len(todo) - failures}/{len(todo)} cells this run)")

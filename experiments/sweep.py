@@ -10,11 +10,15 @@ metric over the seeds that finished.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
+import sys
+import threading
 import time
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
@@ -76,6 +80,8 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
       result.update(final_metrics(workdir, keys))
       result_path.write_text(json.dumps(result, indent=1) + "\n")
     return cell, result, "done before"
+  if _STOPPING.is_set():  # Ctrl-C or SIGTERM came while this cell waited in the queue
+    return cell, None, "not started: the runner was stopped"
   workdir.mkdir(parents=True, exist_ok=True)
   environment = dict(os.environ, PYTHONPATH=str(REPOSITORY))
   if single_thread:
@@ -83,8 +89,15 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
     environment["XLA_FLAGS"] = (environment.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
   start = time.time()
   with open(workdir / "log.txt", "a") as log:
-    status = subprocess.call(cell.command(root, quick), stdout=log, stderr=subprocess.STDOUT, env=environment,
-                             cwd=REPOSITORY)
+    process = subprocess.Popen(cell.command(root, quick), stdout=log, stderr=subprocess.STDOUT, env=environment,
+                               cwd=REPOSITORY)
+    with _LOCK:
+      _RUNNING.add(process)
+    try:
+      status = process.wait()
+    finally:
+      with _LOCK:
+        _RUNNING.discard(process)
   seconds = time.time() - start
   if status != 0:
     return cell, None, f"FAILED (exit {status}, {seconds:.0f}s): see {workdir / 'log.txt'}"
@@ -95,6 +108,42 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
   result_path.write_text(json.dumps({**metrics, "train_seconds": seconds,
                                      "settings": settings(cell.command(root, quick))}, indent=1) + "\n")
   return cell, metrics, f"{seconds:.0f}s"
+
+
+_STOPPING = threading.Event()
+_RUNNING: set[subprocess.Popen] = set()
+_LOCK = threading.Lock()
+
+
+def run_cells(todo, run, jobs: int, report) -> None:
+  """run(cell) for every cell, `jobs` at a time, report(cell, metrics, message) as each ends. Ctrl-C or SIGTERM
+  starts no further cell and passes SIGTERM to the running ones' launch.py (each saves a checkpoint; the same
+  command resumes it), then exits 130 / 143 in one line, the results files left as the last run wrote them."""
+  def stop(signum, frame):
+    del frame
+    _STOPPING.set()
+    with _LOCK:
+      for process in _RUNNING:
+        process.send_signal(signal.SIGTERM)
+    raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+  previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+  pool = concurrent.futures.ThreadPoolExecutor(jobs)
+  try:
+    futures = [pool.submit(run, cell) for cell in todo]
+    for future in concurrent.futures.as_completed(futures):
+      report(*future.result())
+  except (KeyboardInterrupt, SystemExit) as stopped:
+    pool.shutdown(wait=True, cancel_futures=True)  # the running cells save and end
+    code = stopped.code if isinstance(stopped, SystemExit) else 130
+    print(f"{pathlib.Path(sys.argv[0]).name}: stopped; the running cells saved a checkpoint and the same command "
+          "resumes them", file=sys.stderr, flush=True)
+    sys.exit(code)
+  finally:
+    pool.shutdown(wait=True)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    _STOPPING.clear()
 
 
 def seeds_to_run(args, parser) -> int:

@@ -108,3 +108,30 @@ def test_mean_std_is_the_mean_and_sample_std_of_the_keys_every_run_has():
   assert summary["eval/a"]["mean"] == pytest.approx(0.5)
   assert summary["eval/a"]["std"] == pytest.approx(np.std([.2, .4, .9, .5], ddof=1))
   assert sweep.mean_std(runs[:1], KEYS)["eval/a"]["std"] == 0.0
+
+
+def test_ctrl_c_starts_no_further_cell_and_exits_130(capsys):
+  """The runners' pool went on starting every queued cell after Ctrl-C (a whole grid would still train)."""
+  import os
+  import signal
+  import time
+  started, reported = [], []
+
+  def run(cell):  # as sweep.run_cell does: a cell the stop finds queued does not start
+    if sweep._STOPPING.is_set():
+      return cell, None, "not started"
+    started.append(cell)
+    time.sleep(0.2)
+    return cell, {}, "done"
+
+  def report(cell, metrics, message):
+    reported.append(cell)
+    if len(reported) == 1:
+      os.kill(os.getpid(), signal.SIGINT)
+
+  before = signal.getsignal(signal.SIGINT)
+  with pytest.raises(SystemExit) as stopped:
+    sweep.run_cells(list(range(6)), run, 1, report)
+  assert stopped.value.code == 130 and len(started) <= 2
+  assert "stopped; the running cells saved a checkpoint" in capsys.readouterr().err
+  assert signal.getsignal(signal.SIGINT) is before and not sweep._STOPPING.is_set()
