@@ -245,6 +245,7 @@ def main(argv=None):
   if args.results is None:
     args.results = (tempfile.mkdtemp(prefix="ablation_quick_") if args.quick
                     else str(REPOSITORY / "experiments" / "results"))
+  sweep.check_folders(args, parser)
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
   todo = cells(args.quick, sweep.seeds_to_run(args, parser), only)
   results, failures, start = {}, 0, time.time()

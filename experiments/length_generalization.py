@@ -340,6 +340,7 @@ def main(argv=None):
                "so --config.model.randomized_positions_max cannot be passed")
     print(message, flush=True)
     notes.append(f"- **{message}.**")
+  sweep.check_folders(args, parser)
   root = pathlib.Path(args.workdir) / ("quick" if args.quick else "full")
   todo = cells(args.quick, seeds, only, randomized)
   if not todo:  # an empty table and plot read as a result

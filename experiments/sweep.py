@@ -146,6 +146,19 @@ def run_cells(todo, run, jobs: int, report) -> None:
     _STOPPING.clear()
 
 
+def check_folders(args, parser) -> None:
+  """--workdir and --results made absolute (a cell's launch.py runs in the repository: a relative workdir failed in
+  orbax after training) and refused in one line, before any cell trains, where either is a file."""
+  for flag in ("workdir", "results"):
+    value = getattr(args, flag)
+    if value is None:
+      continue
+    path = pathlib.Path(value).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+      parser.error(f"--{flag}={value}: is a file; name a folder (it is made if missing)")
+    setattr(args, flag, str(path))
+
+
 def seeds_to_run(args, parser) -> int:
   """The seeds a runner trains: 1 with --quick (saying so where --seeds asked for others), else --seeds."""
   if not args.quick:

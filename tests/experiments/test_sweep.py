@@ -135,3 +135,18 @@ def test_ctrl_c_starts_no_further_cell_and_exits_130(capsys):
   assert stopped.value.code == 130 and len(started) <= 2
   assert "stopped; the running cells saved a checkpoint" in capsys.readouterr().err
   assert signal.getsignal(signal.SIGINT) is before and not sweep._STOPPING.is_set()
+
+
+def test_a_file_as_workdir_or_results_is_refused_before_any_cell_and_a_relative_one_made_absolute(tmp_path,
+                                                                                                  monkeypatch):
+  """Both failed only after every cell trained: a file with a traceback, a relative workdir in orbax."""
+  import argparse
+  (tmp_path / "notes.txt").write_text("mine\n")
+  monkeypatch.chdir(tmp_path)
+  parser = argparse.ArgumentParser()
+  with pytest.raises(SystemExit) as refused:
+    sweep.check_folders(argparse.Namespace(workdir="runs", results="notes.txt"), parser)
+  assert refused.value.code == 2
+  args = argparse.Namespace(workdir="runs", results=None)
+  sweep.check_folders(args, parser)
+  assert args.workdir == str(tmp_path / "runs") and args.results is None
