@@ -146,6 +146,21 @@ def run_cells(todo, run, jobs: int, report) -> None:
     _STOPPING.clear()
 
 
+def run_metadata(script: str, argv: list[str]) -> dict:
+  """What a runner's results file records of its run: bench_common.provenance as the results print it (the commit
+  by `commit_label`, whose local changes leave results files aside, so a resumed run that wrote its tables is still
+  of its commit; the UTC date; the exact command of `script`), with the 1, 5 and 15-minute load averages now."""
+  from experiments import bench_common
+  record = bench_common.provenance([os.path.relpath(script, REPOSITORY), *argv])
+  return {"commit": bench_common.commit_label(record, None), "date": record["date"],
+          "load_average": [round(x, 2) for x in os.getloadavg()], "command": record["command"]}
+
+
+def provenance_lines(meta: dict) -> list[str]:
+  return [f"- commit `{meta['commit']}`, {meta['date']}, load average before the start "
+          f"{meta['load_average']} (1, 5, 15 min)", f"- command: `{meta['command']}`"]
+
+
 def check_folders(args, parser) -> None:
   """--workdir and --results made absolute (a cell's launch.py runs in the repository: a relative workdir failed in
   orbax after training) and refused in one line, before any cell trains, where either is a file."""

@@ -73,7 +73,10 @@ def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path
   assert ablate_positions.main(argv) == 0, capsys.readouterr().out
   capsys.readouterr()
   summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
-  assert set(summary) == {"dates", "length", "resolution"}
+  assert set(summary) == {"dates", "length", "resolution", "provenance"}
+  assert summary["provenance"]["command"].startswith("python experiments/ablate_positions.py --quick")
+  assert "- command: `python experiments/ablate_positions.py --quick" in (
+      tmp_path / "results" / "ablation_positions.md").read_text()
   for name in ("length_bands", "resolution", "dot_products", "rope_scores"):
     assert (tmp_path / "results" / f"ablation_{name}.png").stat().st_size > 1000
   assert ablate_positions.main(argv) == 0

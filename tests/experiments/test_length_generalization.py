@@ -10,6 +10,7 @@ REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPOSITORY / "experiments"))
 
 import length_generalization as lg  # noqa: E402
+from experiments import bench_common  # noqa: E402
 from tests import helpers  # noqa: E402
 from xattn_jax.layers import positions as position_layers  # noqa: E402
 
@@ -151,7 +152,7 @@ def test_run_metadata_marks_local_changes_as_every_results_file_does(monkeypatch
   # it ran its own `git status`, which counted the tables a resumed run had just written as local changes
   record = {"commit": "0123456789abcdef", "dirty": True, "date": "2026-12-04 19:00 UTC", "command": "python x"}
   seen = []
-  monkeypatch.setattr(lg.bench_common, "provenance", lambda argv: seen.append(argv) or record)
+  monkeypatch.setattr(bench_common, "provenance", lambda argv: seen.append(argv) or record)
   meta = lg.run_metadata(["--quick"])
   assert meta["commit"] == "0123456789abcdef+changes" and meta["date"] == record["date"]
   assert seen == [["experiments/length_generalization.py", "--quick"]] and len(meta["load_average"]) == 3
