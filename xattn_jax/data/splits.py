@@ -65,12 +65,11 @@ def split_by_key(items, key_fn, *, seed: int = 0, eval_fraction: float = 0.05, m
   return train, evaluation
 
 
-def warn_shared(evaluation, train, eval_file: str, train_file: str, what: str) -> int:
-  """Logs how many of the eval items (keys: a pair's source, a document) are training items too, and returns
-  the count: allowed (a check of memorisation), but the eval's scores are then not held-out scores."""
+def warn_shared(evaluation, train, eval_file: str, train_file: str, what: str) -> None:
+  """Logs how many of the eval items (keys: a pair's source, a document) are training items too: allowed (a check
+  of memorisation), but the eval's scores are then not held-out scores."""
   seen = set(train)
   shared = sum(item in seen for item in evaluation)
   if shared:
     logging.warning("%d of the %d eval %s in %s are also training %s in %s: eval metrics are not held-out scores",
                     shared, len(evaluation), what, eval_file, what, train_file)
-  return shared

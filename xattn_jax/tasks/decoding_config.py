@@ -23,9 +23,9 @@ from xattn_jax.training import validation
 SECTION = "task.decoding"
 
 
-def decoding_options(config, vocab_size: int | None = None) -> decoding.DecodingOptions:
+def decoding_options(config) -> decoding.DecodingOptions:
   """config.task.decoding as a DecodingOptions; a bad field (or a missing section) is one ConfigError
-  line naming task.decoding.<field>. With the model's `vocab_size`, a top_k that keeps every token is said."""
+  line naming task.decoding.<field>."""
   if "decoding" not in config.task:
     raise validation.ConfigError(SECTION, None, "is required: a section with method (greedy | beam | sample) and "
                                  "its options (beam_size, alpha, temperature, top_k, top_p, seed)")
@@ -37,11 +37,16 @@ def decoding_options(config, vocab_size: int | None = None) -> decoding.Decoding
                                  str(error).removeprefix("decoding: ")) from None
   if "seed" in section:
     validation.require_positive(config, f"{SECTION}.seed", allow_zero=True)
+  return options
+
+
+def note_top_k(config, vocab_size: int) -> None:
+  """Says where sampling's top_k keeps every one of the model's `vocab_size` tokens (it cuts nothing)."""
+  section = config.task.decoding
   top_k = section.get("top_k", 0)
-  if vocab_size is not None and section.get("method") == "sample" and top_k and top_k >= vocab_size:
+  if section.get("method") == "sample" and top_k and top_k >= vocab_size:
     logging.warning("%s.top_k=%d keeps every one of the vocabulary's %d tokens: no top-k cut", SECTION, top_k,
                     vocab_size)
-  return options
 
 
 def row_keys(config, rows: int, offset: int = 0, ids=None) -> jax.Array:

@@ -222,7 +222,7 @@ class LanguageModelTask(task_lib.Task):
     self.train_texts, self.eval_texts = self._texts() if mode != "infer" else ((), ())
     self.tokenizer = self._tokenizer(self.train_texts if mode == "train" else None)
     self.vocab_size = self.tokenizer.vocab_size
-    decoding_config.decoding_options(config, self.vocab_size)  # a top_k past the vocabulary is said
+    decoding_config.note_top_k(config, self.vocab_size)
     length = config.data.sequence_length
     if mode == "train":
       self.train_data = text.TextBatches.from_texts(self.train_texts, self.tokenizer, length=length,

@@ -292,7 +292,8 @@ class TranslateTask(task_lib.Task):
         logging.info("Each eval decodes %d of the %d eval pairs, evenly spaced (task.num_decode_examples; 0 = all); "
                      "eval/loss and eval/accuracy read them all", len(self._decoded_indices), len(self.eval_pairs))
     self.vocab_size = self.tokenizer.vocab_size
-    self.options = decoding_config.decoding_options(config, self.vocab_size)
+    self.options = decoding_config.decoding_options(config)
+    decoding_config.note_top_k(config, self.vocab_size)
     self._generate = nnx.jit(decoding.generate,
                              static_argnames=("max_length", "bos_id", "eos_id", "options", "suppress_ids",
                                               "logits_sharding"))

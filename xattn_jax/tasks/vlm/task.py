@@ -338,7 +338,7 @@ class VLMTask(task_lib.Task):
     self.encoder_model = ConfigDict(record["encoder_model"])
     self.lm_model = _lm_model_config(ConfigDict(record["lm_model"]), config.model.image_positions)
     self.vocab_size = record["vocab_size"]
-    decoding_config.decoding_options(config, self.vocab_size)  # a top_k past the vocabulary is said
+    decoding_config.note_top_k(config, self.vocab_size)
     self.tokenizer = tokenizers.SentencePieceTokenizer(tokenizer_path)
     marker = self.tokenizer.encode(vlm_digits.IMAGE_TOKEN)
     if len(marker) != 1:
