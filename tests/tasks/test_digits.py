@@ -118,6 +118,10 @@ def test_infer_refuses_an_image_with_nan_pixels_naming_it(perceiver_workdir, tmp
     task.infer(model, ["test:0", str(tmp_path / "nan.npy")])
   with pytest.raises(task_lib.InputLineError, match=r"input line 1: 'test:abc': the test set has images 0\.\."):
     task.infer(model, ["test:abc"])
+  # every bad line in one go, not the first alone (a missing file after the NaN one)
+  with pytest.raises(task_lib.InputLineError) as error:
+    task.infer(model, [str(tmp_path / "nan.npy"), "test:0", "", str(tmp_path / "missing.png")])
+  assert [index for index, _ in error.value.problems] == [0, 3], error.value.problems
 
 
 @pytest.mark.slow

@@ -39,10 +39,11 @@ class Upper(task_lib.Task):
 
   def infer_lines(self, model, lines):
     self.seen.append(lines)
-    for index, line in enumerate(lines):
+    def read(index, line):
       if not line.isalpha():
-        raise task_lib.InputLineError(index, f"{line!r} has a character outside a-z")
-    return [line.upper() for line in lines]
+        raise ValueError(f"{line!r} has a character outside a-z")
+      return line.upper()
+    return task_lib.read_each(lines, read)
 
 
 def test_blank_lines_are_answered_blank_and_never_reach_the_task():
@@ -96,6 +97,20 @@ def test_an_answer_holding_line_breaks_is_written_on_its_one_line(caplog):
 def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
   with pytest.raises(DataError, match=r"^inputs.txt:3: 'ab1' has a character outside a-z$"):
     inference.answer_lines(lambda lines: Upper().infer(None, lines), ["abc", "", "ab1"], "inputs.txt")
+
+
+def test_every_line_the_task_cannot_take_is_named_at_once_by_its_number_in_the_file():
+  """The first bad line alone stopped the run: a user mended an input one line a run."""
+  lines = ["ab1", "", "cd", "e f", *[f"{k}" for k in range(12)]]
+  with pytest.raises(task_lib.InputLineError) as error:
+    Upper().infer(None, lines)
+  assert [index for index, _ in error.value.problems] == [0, 3, *range(4, 16)]  # past the blank line
+  with pytest.raises(DataError) as error:
+    inference.answer_lines(lambda batch: Upper().infer(None, batch), lines, "in.txt")
+  assert str(error.value).splitlines() == [
+      "in.txt: 14 input lines the task cannot take:", "  in.txt:1: 'ab1' has a character outside a-z",
+      "  in.txt:4: 'e f' has a character outside a-z",
+      *(f"  in.txt:{5 + k}: '{k}' has a character outside a-z" for k in range(8)), "  ... and 4 more"]
 
 
 def test_paths_in_an_input_file_are_read_relative_to_its_folder(tmp_path, monkeypatch):

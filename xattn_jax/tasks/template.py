@@ -142,12 +142,15 @@ class TemplateTask(task_lib.Task):
     """One output line per input line: the letters reversed by the model (`Task.infer`, what the launcher and a
     notebook call, hands on the non-blank lines)."""
     max_length = self.config.task.max_length
-    inputs = np.zeros((len(lines), max_length), np.int32)
-    for row, text in enumerate(line.strip() for line in lines):
+    def ids(index, line):
+      text = line.strip()
       if not text or len(text) > max_length or any(ch not in ALPHABET for ch in text):
-        # The loop reports it with the input file's name and line number.
-        raise task_lib.InputLineError(row, f"template input {text!r}: needs 1 to {max_length} letters a-z")
-      inputs[row, :len(text)] = [ALPHABET.index(ch) + 1 for ch in text]
+        # read_each names every such line; the launcher adds the input file's name and line numbers
+        raise ValueError(f"template input {text!r}: needs 1 to {max_length} letters a-z")
+      return [ALPHABET.index(ch) + 1 for ch in text]
+    inputs = np.zeros((len(lines), max_length), np.int32)
+    for row, line_ids in enumerate(task_lib.read_each(lines, ids)):
+      inputs[row, :len(line_ids)] = line_ids
     predictions = np.asarray(jnp.argmax(nnx.jit(lambda m, x: m(x))(model, inputs), axis=-1))
     return ["".join(ALPHABET[i - 1] for i in pred[:np.count_nonzero(ids)] if i > 0)
             for pred, ids in zip(predictions, inputs)]

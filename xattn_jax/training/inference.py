@@ -24,6 +24,7 @@ from xattn_jax.training.errors import DataError, RunError
 from xattn_jax.training.trainer import Trainer
 
 _LINE_BREAK = re.compile(f"[{tokenizers.LINE_BREAKS}]")
+_MAX_REPORTED = 10  # bad input lines named in an error; the rest are counted
 
 
 def read_input_lines(input_file: str) -> tuple[str, list[str]]:
@@ -50,11 +51,17 @@ def read_input_lines(input_file: str) -> tuple[str, list[str]]:
 
 def answer_lines(infer, lines: list[str], name: str = "<input>") -> list[str]:
   """`infer(lines)` (a task's `infer` with its model bound: one answer per line, blank ones included), each
-  answer on one line. An InputLineError from `infer` becomes a DataError "`name`:<line number>: why"."""
+  answer on one line. An InputLineError from `infer` becomes a DataError "`name`:<line number>: why", a line for
+  each bad input line (the first _MAX_REPORTED)."""
   try:
     answers = infer(lines)
   except task_lib.InputLineError as error:
-    raise DataError(f"{name}:{error.index + 1}: {error.message}") from None
+    shown = [f"{name}:{index + 1}: {message}" for index, message in error.problems[:_MAX_REPORTED]]
+    if len(error.problems) > 1:
+      more = len(error.problems) - len(shown)
+      shown = [f"{name}: {len(error.problems)} input lines the task cannot take:",
+               *(f"  {line}" for line in shown), *([f"  ... and {more} more"] if more else [])]
+    raise DataError("\n".join(shown)) from None
   by_number = dict(enumerate(answers, 1))
   broken = [number for number, answer in by_number.items() if _LINE_BREAK.search(answer)]
   if broken:  # the bundled tasks never generate one (Tokenizer.never_generated_ids); a task of yours may

@@ -72,8 +72,9 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   of generated text); logged as `eval/<name>`. Default: none.
 - `infer_lines(model, lines: list[str]) -> list[str]`: one output line per input line, for a non-empty list
   of non-blank lines (`Task.infer`, what the launcher and a notebook call, answers an empty list and blank lines
-  itself, unless the task sets `infers_blank_lines`); a line the task cannot take raises `InputLineError` with
-  its index, which `infer` maps to the caller's lines and the launcher reports as the file name and line number;
+  itself, unless the task sets `infers_blank_lines`); lines the task cannot take raise one `InputLineError` with
+  their indices (`read_each(lines, read)` reads every line and names every bad one), which `infer` maps to the
+  caller's lines and the launcher reports as the file name and line numbers;
   `self.line_number(index)` is that line's number among the caller's lines (for output names, sampling keys).
   A file path in a line is read through `self.input_path(path)`: relative to the input file's folder, as the
   paths in a pairs file are relative to that file (stdin: the current directory).
@@ -84,7 +85,7 @@ import dataclasses
 import importlib
 import json
 import os
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
 
@@ -92,11 +93,30 @@ _REGISTRY: dict[str, type["Task"]] = {}
 
 
 class InputLineError(ValueError):
-  """An inference input the task cannot take; `index` is its 0-based position in `infer`'s lines."""
+  """Inference inputs the task cannot take: `problems`, (index, message) for each, index its 0-based position in
+  `infer`'s lines; `index` and `message` are the first's."""
 
-  def __init__(self, index: int, message: str):
-    super().__init__(f"input line {index + 1}: {message}")
+  def __init__(self, index: int, message: str, *, more: Sequence[tuple[int, str]] = ()):
+    self.problems = [(index, message), *more]
     self.index, self.message = index, message
+    super().__init__("; ".join(f"input line {i + 1}: {m}" for i, m in self.problems))
+
+
+def read_each(lines: Sequence[str], read: Callable[[int, str], Any]) -> list:
+  """[read(index, line) for each line], every line read first: the ValueError, OSError or InputLineError of each
+  line that fails are raised together, one InputLineError naming every bad line (a user mends the whole input in
+  one go, not a line a run)."""
+  values, problems = [], []
+  for index, line in enumerate(lines):
+    try:
+      values.append(read(index, line))
+    except InputLineError as error:
+      problems += error.problems
+    except (ValueError, OSError) as error:
+      problems.append((index, str(error)))
+  if problems:
+    raise InputLineError(*problems[0], more=problems[1:])
+  return values
 
 # Short names whose module is imported on first use (so importing this file stays cheap).
 TASK_MODULES = {
@@ -329,7 +349,8 @@ class Task:
     try:
       answers = self.infer_lines(model, [lines[index] for index in asked])
     except InputLineError as error:
-      raise InputLineError(asked[error.index], error.message) from None
+      raise InputLineError(asked[error.index], error.message,
+                           more=[(asked[index], message) for index, message in error.problems[1:]]) from None
     finally:
       self._line_numbers = None
     by_index = dict(zip(asked, answers, strict=True))

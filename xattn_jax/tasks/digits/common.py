@@ -245,14 +245,13 @@ class DigitsBase(task_lib.Task):
 
   def infer_lines(self, model, lines):
     """One line per input: the input name, a tab, the predicted digit (several for a stack)."""
+    def read(index, line):
+      images = self._read_input(line.strip())
+      if not np.isfinite(images).all():
+        raise ValueError(f"{line.strip()!r} holds NaN or infinite pixel values")
+      return images
     outputs = []
-    for index, line in enumerate(lines):
-      try:
-        images = self._read_input(line.strip())
-        if not np.isfinite(images).all():
-          raise ValueError(f"{line.strip()!r} holds NaN or infinite pixel values")
-      except (ValueError, OSError) as e:
-        raise task_lib.InputLineError(index, str(e)) from None
+    for line, images in zip(lines, task_lib.read_each(lines, read)):
       predictions = self._classify(model, digits.resize_images(images, self.grid, antialias=True))
       outputs.append(f"{line.strip()}\t{' '.join(str(p) for p in predictions)}")
     return outputs

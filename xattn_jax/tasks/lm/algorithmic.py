@@ -123,15 +123,15 @@ class LMAlgorithmicTask(task_lib.Task):
     """Each line of letters -> the operation's output letters, decoded with task.decoding."""
     task = self.config.task
     symbols = LETTERS[:task.num_symbols]
-    prompts = []
-    for index, line in enumerate(lines):
+    def prompt(index, line):
       text = line.strip()
       if not text or lm_algorithmic.row_width(task.operation, len(text)) >= self.max_length or \
           any(ch not in symbols for ch in text):
-        raise task_lib.InputLineError(index, f"needs letters from {symbols!r}, short enough for the model's "
-                                      f"{self.max_length} positions, got {text!r}")
+        raise ValueError(f"needs letters from {symbols!r}, short enough for the model's {self.max_length} "
+                         f"positions, got {text!r}")
       ids = [lm_algorithmic.FIRST_SYMBOL + symbols.index(ch) for ch in text]
-      prompts.append([lm_algorithmic.BOS_ID, *ids, lm_algorithmic.sep_id(task.num_symbols)])
+      return [lm_algorithmic.BOS_ID, *ids, lm_algorithmic.sep_id(task.num_symbols)]
+    prompts = task_lib.read_each(lines, prompt)
     width = max(map(len, prompts))
     new = self.max_length - width
     tokens, valid = text_task.lm_lib.left_pad(prompts, width)

@@ -339,12 +339,7 @@ class SegmentTask(task_lib.Task):
 
   def infer_lines(self, model, lines):
     """One answer line per prompt line (module docstring); the PNG of each into `<workdir>/infer/`."""
-    parsed = []
-    for index, line in enumerate(lines):
-      try:
-        parsed.append(self._read_line(line.strip()))
-      except (ValueError, OSError) as e:
-        raise task_lib.InputLineError(index, str(e)) from None
+    parsed = task_lib.read_each(lines, lambda index, line: self._read_line(line.strip()))
     images = np.stack([p[1] for p in parsed])[..., None].astype(np.float32)
     points, labels = np.stack([p[2] for p in parsed]), np.stack([p[3] for p in parsed])
     logits, predicted = self._predict_rows(model, images, points, labels)

@@ -253,20 +253,16 @@ class StripEncoderTask(task_lib.Task):
     return read
 
   def infer_lines(self, model, lines):
-    images = []
-    for index, line in enumerate(lines):
+    def read(index, line):
       name = line.strip()
-      try:
-        split, _, number = name.partition(":")
-        if split in vlm_digits.EVAL_SPLITS and number.isdigit():
-          k = int(number)
-          strips = self.eval_set(split)[0]
-          if not 0 <= k < len(strips):
-            raise ValueError(f"{name!r}: the eval strips are 0..{len(strips) - 1}")
-          images.append(strips[k, ..., 0])
-        else:
-          images.append(image_text.load_image(self.input_path(name), self.canvas))
-      except (ValueError, OSError) as error:
-        raise task_lib.InputLineError(index, str(error)) from None
+      split, _, number = name.partition(":")
+      if split in vlm_digits.EVAL_SPLITS and number.isdigit():
+        k = int(number)
+        strips = self.eval_set(split)[0]
+        if not 0 <= k < len(strips):
+          raise ValueError(f"{name!r}: the eval strips are 0..{len(strips) - 1}")
+        return strips[k, ..., 0]
+      return image_text.load_image(self.input_path(name), self.canvas)
+    images = task_lib.read_each(lines, read)
     return [f"{line.strip()}\t{' '.join(map(str, digits)) or '(none)'}"
             for line, digits in zip(lines, self.read(model, images))]

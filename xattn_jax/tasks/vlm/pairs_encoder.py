@@ -188,13 +188,8 @@ class CaptionWordsEncoderTask(task_lib.Task):
     return nnx.jit(lambda model, images: jax.nn.sigmoid(self._logits(model, images)))
 
   def infer_lines(self, model, lines):
-    images = []
-    for index, line in enumerate(lines):
-      try:
-        images.append(image_text.load_image(self.input_path(line.strip()), self.canvas,
-                                            grey=encoder_lib.grey(self.config)))
-      except (ValueError, OSError) as error:
-        raise task_lib.InputLineError(index, str(error)) from None
+    images = task_lib.read_each(lines, lambda index, line: image_text.load_image(
+        self.input_path(line.strip()), self.canvas, grey=encoder_lib.grey(self.config)))
     batch = vlm_digits.collate_images([(image,) for image in images], canvas=self.canvas, max_images=1)
     probabilities = np.asarray(self._probabilities(model, batch["images"][:, 0]))[:, :len(self.words)]
     outputs = []

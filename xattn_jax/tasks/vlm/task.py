@@ -799,28 +799,25 @@ class VLMTask(task_lib.Task):
     each image followed by the model's caption of it, then the question, as the two-image examples are laid out
     (`a.png<TAB>b.png<TAB>which is larger ?`); with an empty question, each image's caption alone, joined by
     " | " (in training a caption before another image's text ends where that text begins, unknown here)."""
-    examples, groups, names = [], [], []  # groups: the examples whose answers make line i's; names: (line, j)
-    for index, line in enumerate(lines):
+    def read(index, line):  # (the line's images, its question)
       fields = line.rstrip("\n").split("\t")
       paths, question = (fields, "") if len(fields) == 1 else (fields[:-1], fields[-1].strip())
       if len(paths) > MAX_IMAGES:
-        raise task_lib.InputLineError(index, f"{len(paths)} image paths: a line holds at most {MAX_IMAGES} (the "
-                                             "last tab-separated field is the question)")
+        raise ValueError(f"{len(paths)} image paths: a line holds at most {MAX_IMAGES} (the last tab-separated "
+                         "field is the question)")
       if vlm_digits.IMAGE_TOKEN in question:
-        raise task_lib.InputLineError(index, f"the question holds {vlm_digits.IMAGE_TOKEN!r}, the language "
-                                             "model's image marker: images go in the fields before it")
+        raise ValueError(f"the question holds {vlm_digits.IMAGE_TOKEN!r}, the language model's image marker: "
+                         "images go in the fields before it")
       if question and os.path.isfile(self.input_path(question)):  # `a.png<TAB>b.png` asked b.png as a question
-        raise task_lib.InputLineError(index, f"the last field, the question, is the file {question!r}: two images "
-                                             "take a question after them, or an empty last field for their captions")
+        raise ValueError(f"the last field, the question, is the file {question!r}: two images take a question "
+                         "after them, or an empty last field for their captions")
       if empty := [k + 1 for k, path in enumerate(paths) if not path.strip()]:
-        raise task_lib.InputLineError(index, f"field {empty[0]} is an empty image path")
-      images = []
-      for path in paths:
-        try:
-          images.append(image_text.load_image(self.input_path(path.strip()), self.canvas,
-                                              grey=encoder_task.grey(self.config)))
-        except (OSError, ValueError) as error:
-          raise task_lib.InputLineError(index, str(error)) from None
+        raise ValueError(f"field {empty[0]} is an empty image path")
+      return [image_text.load_image(self.input_path(path.strip()), self.canvas, grey=encoder_task.grey(self.config))
+              for path in paths], question
+
+    examples, groups, names = [], [], []  # groups: the examples whose answers make line i's; names: (line, j)
+    for index, (images, question) in enumerate(task_lib.read_each(lines, read)):
       number = self.line_number(index)  # what a line's samples are keyed by, whatever lines come before it
       if not question:  # each image's caption
         groups.append(range(len(examples), len(examples) + len(images)))
