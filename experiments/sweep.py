@@ -3,14 +3,16 @@
 A cell is one `launch.py` subprocess in its own workdir (the runner's Cell gives `workdir(root)` and
 `command(root, quick)`); its result is the final eval's metrics, read from the run's metrics.jsonl and kept in
 result.json, so a finished cell is never trained again and an interrupted one resumes from its checkpoint
-(launch.py's own resume). result.json also keeps the cell's settings (its launch arguments); a finished cell
-whose settings differ from what the runner would launch now (another budget, another commit's grid) is stale:
-it is neither reused nor trained over, and no table counts it. A table row is the mean and sample std of a
-metric over the seeds that finished.
+(launch.py's own resume). result.json also keeps the cell's settings (its launch arguments) and the commit it
+trained at. A finished cell is stale when its settings differ from what the runner would launch now (another
+budget, another commit's grid) or when the config its workdir recorded (config.json) differs from the one its
+command resolves to now (another commit's config file or defaults): it is neither reused nor trained over, and no
+table counts it. A table row is the mean and sample std of a metric over every seed that finished on disk.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -44,15 +46,68 @@ def settings(command: list[str]) -> list[str]:
   return [argument.replace(prefix, "") for argument in command[1:] if not argument.startswith("--workdir=")]
 
 
+def resolved_config(command: list[str]):
+  """The config launch.py would train `command` with: its --config flags parsed as launch.py parses them (the
+  config file's get_config, then the overrides), nothing built or trained; None for a command not launch.py's."""
+  from absl import flags
+  from ml_collections import config_flags
+  if len(command) < 2 or pathlib.Path(command[1]).name != "launch.py":
+    return None
+  argv = ["launch.py", *(argument for argument in command[2:] if argument.startswith("--config"))]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True, sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+def config_changes(command: list[str], workdir: pathlib.Path) -> dict[str, tuple]:
+  """{field: (value the run in workdir recorded, value `command` resolves to now)} where they differ; {} without a
+  recorded config.json or for a command not launch.py's. A field one side lacks is not compared (a run older than
+  the field, as compare_connectors.other_run does)."""
+  from xattn_jax.training import workdir as workdir_lib
+  if not (workdir / "config.json").is_file():
+    return {}
+  config = resolved_config(command)
+  if config is None:
+    return {}
+  return {field: values for field, values in workdir_lib.config_differences(config, str(workdir)).items()
+          if None not in values}
+
+
 def stale(cell, root: pathlib.Path, quick: bool, result: dict) -> str:
-  """Why a finished cell's result is not the cell's under the current settings ("" if it is; a result.json
-  written before settings were kept is taken as it is)."""
-  recorded, current = result.get("settings"), settings(cell.command(root, quick))
-  if recorded is None or recorded == current:
+  """Why a finished cell's result is not the cell's under the current settings ("" if it is): other launch
+  arguments, or a recorded config that differs from what the command resolves to now (`config_changes`). A
+  result.json written before settings were kept is compared on its config alone."""
+  workdir, command = cell.workdir(root), cell.command(root, quick)
+  recorded, current = result.get("settings"), settings(command)
+  if recorded is not None and recorded != current:
+    differences = sorted(set(recorded) ^ set(current)) or ["the order of the arguments"]
+    return (f"STALE: {workdir} was trained with other settings ({', '.join(differences[:4])}); delete it "
+            f"to train the cell again, or use another --workdir")
+  changes = config_changes(command, workdir)
+  if not changes:
     return ""
-  differences = sorted(set(recorded) ^ set(current)) or ["the order of the arguments"]
-  return (f"STALE: {cell.workdir(root)} was trained with other settings ({', '.join(differences[:4])}); delete it "
-          f"to train the cell again, or use another --workdir")
+  fields = ", ".join(f"{field}={old!r}, now {new!r}" for field, (old, new) in list(changes.items())[:4])
+  trained_at = f" at commit {result['commit']}" if result.get("commit") else ""
+  return (f"STALE: {workdir} was trained{trained_at} with a config the same command no longer resolves to "
+          f"({fields}); delete it to train the cell again, or use another --workdir")
+
+
+@functools.cache
+def head_commit() -> str:
+  """The commit the cells train at, as results files name it (bench_common.commit_label: the whole hash, then
+  "+changes" for local changes)."""
+  from experiments import bench_common
+  return bench_common.commit_label(bench_common.provenance([]), None)
+
+
+def other_commit(result: dict) -> str:
+  """A note where a reused result was trained at another commit than HEAD ("" where not, or where it predates
+  the record): its config resolves the same (else it is `stale`), but the code may differ."""
+  trained = result.get("commit")
+  if not trained or trained.split("+")[0] == head_commit().split("+")[0]:
+    return ""
+  return f" (trained at commit {trained[:10]}, HEAD is {head_commit()[:10]}: same config, maybe other code)"
 
 
 def finished_result(cell, root: pathlib.Path, quick: bool) -> dict | None:
@@ -79,7 +134,7 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
     if any(key not in result for key in keys):
       result.update(final_metrics(workdir, keys))
       result_path.write_text(json.dumps(result, indent=1) + "\n")
-    return cell, result, "done before"
+    return cell, result, "done before" + other_commit(result)
   if _STOPPING.is_set():  # Ctrl-C or SIGTERM came while this cell waited in the queue
     return cell, None, "not started: the runner was stopped"
   workdir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +160,7 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
     metrics = final_metrics(workdir, keys)
   except (OSError, RuntimeError) as e:
     return cell, None, f"FAILED: {e}"
-  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds,
+  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds, "commit": head_commit(),
                                      "settings": settings(cell.command(root, quick))}, indent=1) + "\n")
   return cell, metrics, f"{seconds:.0f}s"
 

@@ -49,7 +49,7 @@ def test_a_cell_runs_once_and_keeps_its_final_metrics_in_result_json(tmp_path):
   _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
   assert metrics == {"eval/a": 0.5, "eval/b": 0.25} and message.endswith("s")
   kept = json.loads((cell.workdir(tmp_path) / "result.json").read_text())
-  assert {k: kept[k] for k in KEYS} == metrics and "train_seconds" in kept
+  assert {k: kept[k] for k in KEYS} == metrics and "train_seconds" in kept and kept["commit"] == sweep.head_commit()
   (cell.workdir(tmp_path) / "metrics.jsonl").unlink()  # a second call reads result.json, runs nothing
   assert sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)[1:] == (kept, "done before")
 
@@ -78,6 +78,64 @@ def test_a_cell_finished_under_other_settings_is_stale_neither_reused_nor_traine
   # a result.json written before settings were kept is taken as it is
   result_path.write_text(json.dumps({"eval/a": 0.5, "eval/b": 0.25, "train_seconds": 1.0}))
   assert sweep.run_cell(other, tmp_path, quick=True, keys=KEYS, single_thread=True)[2] == "done before"
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaunchCell:
+  """A cell as the runners make it: a launch.py command on a config file, with overrides."""
+  overrides: tuple = ("--config.total_steps=6",)
+
+  def workdir(self, root):
+    return root / "cell"
+
+  def command(self, root, quick):
+    return [sys.executable, str(sweep.REPOSITORY / "launch.py"),
+            f"--config={sweep.REPOSITORY / 'configs/algorithmic.py'}:posenc=rope,operation=copy",
+            f"--workdir={self.workdir(root)}", *self.overrides]
+
+
+def _finished(cell, root, result, **recorded_fields):
+  """A finished cell's workdir: config.json as launch.py records it (the command's config, `recorded_fields` set
+  as an older commit resolved them) and `result` as result.json."""
+  config = json.loads(sweep.resolved_config(cell.command(root, True)).to_json_best_effort())
+  for field, value in recorded_fields.items():
+    *sections, key = field.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[key] = value
+  workdir = cell.workdir(root)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(json.dumps(config))
+  (workdir / "result.json").write_text(json.dumps(result))
+
+
+def test_a_cell_whose_recorded_config_resolves_differently_now_is_stale_and_names_the_fields(tmp_path):
+  """Same launch arguments, another commit's config file: its result was reused silently."""
+  cell = _LaunchCell()
+  result = {"eval/a": 0.5, "eval/b": 0.25, "commit": "0123456789ab",
+            "settings": sweep.settings(cell.command(tmp_path, True))}
+  current = sweep.resolved_config(cell.command(tmp_path, True)).model.d_model
+  _finished(cell, tmp_path, result, **{"model.d_model": current * 2})
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics is None and message.startswith("STALE: ") and "at commit 0123456789ab" in message
+  assert f"model.d_model={current * 2}, now {current}" in message
+  assert sweep.finished_result(cell, tmp_path, quick=True) is None
+
+
+def test_a_result_of_the_same_config_at_another_commit_is_reused_with_a_note_and_old_results_stay_readable(
+    tmp_path, monkeypatch):
+  cell = _LaunchCell()
+  monkeypatch.setattr(sweep, "head_commit", lambda: "fedcba9876543210")
+  result = {"eval/a": 0.5, "eval/b": 0.25, "commit": "0123456789abcdef",
+            "settings": sweep.settings(cell.command(tmp_path, True))}
+  _finished(cell, tmp_path, result)
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics == result and message == ("done before (trained at commit 0123456789, HEAD is fedcba9876: same "
+                                           "config, maybe other code)")
+  old = {"eval/a": 0.5, "eval/b": 0.25, "train_seconds": 1.0}  # before settings and the commit were kept
+  (cell.workdir(tmp_path) / "result.json").write_text(json.dumps(old))
+  assert sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)[1:] == (old, "done before")
 
 
 def test_settings_leave_out_the_interpreter_the_repository_and_the_workdir():
