@@ -11,7 +11,9 @@ sys.path.insert(0, str(REPOSITORY / "experiments"))
 
 import ablate_positions  # noqa: E402
 import plot_encodings  # noqa: E402
-from tests import helpers  # noqa: E402
+from experiments import sweep  # noqa: E402
+from tests.experiments import fake_launch  # noqa: E402
+from xattn_jax.training import validation  # noqa: E402
 from xattn_jax.ops import positions as positions_ops  # noqa: E402
 
 
@@ -64,21 +66,30 @@ def test_every_cell_has_its_own_workdir_and_seed():
   assert all(f"--config.seed={cell.seed}" in cell.command(pathlib.Path("/w"), False) for cell in todo)
 
 
-@pytest.mark.slow
 def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path, monkeypatch, capsys):
-  # The runner runs in this process; its cells (launch.py commands) fork from the launch server
-  # (helpers.served_call) instead of each importing everything in a fresh interpreter.
-  monkeypatch.setattr(ablate_positions.sweep, "subprocess", helpers.subprocess_serving_calls())
+  # Each cell's launch.py is a stand-in that writes a finished run's record (fake_launch): the runner's own work
+  # is tested here, the training of these configs with launch.py itself.
+  launch = fake_launch.FakeLaunch(key for experiment in ablate_positions.EXPERIMENTS for key, _ in experiment.metrics)
+  monkeypatch.setattr(ablate_positions.sweep, "subprocess", launch)
   argv = ["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
   assert ablate_positions.main(argv) == 0, capsys.readouterr().out
   capsys.readouterr()
   summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
   assert set(summary) == {"dates", "length", "resolution", "provenance"}
+  assert summary["length"]["learned"]["eval/exact_match_1_32"] == {"mean": 0.5, "std": 0.0, "seeds": 1}
   assert summary["provenance"]["command"].startswith("python experiments/ablate_positions.py --quick")
   assert "- command: `python experiments/ablate_positions.py --quick" in (
       tmp_path / "results" / "ablation_positions.md").read_text()
   for name in ("length_bands", "resolution", "dot_products", "rope_scores"):
     assert (tmp_path / "results" / f"ablation_{name}.png").stat().st_size > 1000
+  result = json.loads((tmp_path / "work" / "quick" / "dates" / "rope" / "seed0" / "result.json").read_text())
+  assert result["commit"] == ablate_positions.sweep.head_commit() and "--config.seed=0" in result["settings"]
   assert ablate_positions.main(argv) == 0
   second = capsys.readouterr().out
-  assert second.count("done before") == 3, second
+  assert second.count("done before") == 3 and len(launch.commands) == 3, second
+
+
+def test_every_quick_cell_resolves_to_a_valid_config():
+  """What --quick launches parses and validates as launch.py would, before any training (which the fake skips)."""
+  for cell in ablate_positions.cells(quick=True, seeds=1, only=set()):
+    validation.validate_config(sweep.resolved_config(cell.command(pathlib.Path("/w"), quick=True)))
