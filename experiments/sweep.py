@@ -11,7 +11,9 @@ table counts it. A table row is the mean and sample std of a metric over every s
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -117,6 +119,45 @@ def finished_result(cell, root: pathlib.Path, quick: bool) -> dict | None:
     return None
   result = json.loads(path.read_text())
   return None if stale(cell, root, quick, result) else result
+
+
+def finished_cells(rows, root: pathlib.Path, quick: bool) -> list[tuple]:
+  """(cell, result) for every seed that finished on disk of each table row: `rows` holds a cell of each row (any
+  seed), and every seed<k> folder beside its workdir with a result that is not stale (`finished_result`) counts,
+  whatever seeds or rows this run asked for. The cells are dataclasses with a `seed` field."""
+  by_folder = {row.workdir(root).parent: row for row in rows}
+  finished = []
+  for folder, row in by_folder.items():
+    seeds = sorted(int(p.name[4:]) for p in folder.glob("seed*") if p.name[4:].isdigit())
+    for seed in seeds:
+      cell = dataclasses.replace(row, seed=seed)
+      result = finished_result(cell, root, quick)
+      if result is not None:
+        finished.append((cell, result))
+  return finished
+
+
+def grouped(finished: list[tuple], key) -> dict:
+  """{key(cell): [result of each seed]} of finished_cells."""
+  results = {}
+  for cell, result in finished:
+    results.setdefault(key(cell), []).append(result)
+  return results
+
+
+def taken_from_disk(finished: list[tuple], todo, root: pathlib.Path, label) -> str:
+  """The line saying which finished cells the tables count that this run did not launch (rows --only left out,
+  seeds beyond --seeds), by label(cell) (experiment or task) with their seeds; "" where there are none."""
+  launched = {cell.workdir(root) for cell in todo}
+  seeds = collections.defaultdict(list)
+  for cell, _ in finished:
+    if cell.workdir(root) not in launched:
+      seeds[label(cell)].append(cell.seed)
+  if not seeds:
+    return ""
+  return (f"the tables also count finished cells this run did not launch, read from their result.json under {root}: "
+          + "; ".join(f"{name} ({len(found)} cell{'s' * (len(found) != 1)}, seeds "
+                      f"{', '.join(map(str, sorted(set(found))))})" for name, found in seeds.items()))
 
 
 def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):

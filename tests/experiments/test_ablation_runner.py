@@ -89,6 +89,26 @@ def test_quick_ablation_writes_table_and_plots_and_skips_finished_cells(tmp_path
   assert second.count("done before") == 3 and len(launch.commands) == 3, second
 
 
+def test_an_only_run_keeps_the_other_experiments_and_every_finished_seed_in_the_tables(tmp_path, monkeypatch,
+                                                                                       capsys):
+  """--only=length rewrote the tables with the length experiment alone, and fewer --seeds hid finished seeds."""
+  monkeypatch.setattr(ablate_positions.sweep, "subprocess", fake_launch.FakeLaunch(
+      key for experiment in ablate_positions.EXPERIMENTS for key, _ in experiment.metrics))
+  argv = ["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
+  assert ablate_positions.main(argv) == 0
+  dates = ablate_positions.EXPERIMENTS[0]
+  extra = ablate_positions.Cell(dates, "rope", 1)  # a second seed, finished earlier
+  assert ablate_positions.run_cell(extra, tmp_path / "work" / "quick", quick=True, single_thread=True)[1] is not None
+  capsys.readouterr()
+  assert ablate_positions.main([*argv, "--only=length"]) == 0
+  summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
+  assert set(summary) == {"dates", "length", "resolution", "provenance"}
+  assert summary["dates"]["rope"]["eval/exact_match"]["seeds"] == 2
+  said = capsys.readouterr().out
+  assert "dates (2 cells, seeds 0, 1); resolution (1 cell, seeds 0)" in said
+  assert "dates (2 cells, seeds 0, 1)" in (tmp_path / "results" / "ablation_positions.md").read_text()
+
+
 def test_every_quick_cell_resolves_to_a_valid_config():
   """What --quick launches parses and validates as launch.py would, before any training (which the fake skips)."""
   for cell in ablate_positions.cells(quick=True, seeds=1, only=set()):

@@ -10,7 +10,7 @@ REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPOSITORY / "experiments"))
 
 import length_generalization as lg  # noqa: E402
-from experiments import bench_common  # noqa: E402
+from experiments import bench_common, sweep  # noqa: E402
 from tests.experiments import fake_launch  # noqa: E402
 from xattn_jax.layers import positions as position_layers  # noqa: E402
 from xattn_jax.training import validation  # noqa: E402
@@ -97,7 +97,7 @@ def test_finished_results_collect_only_cells_with_a_result(tmp_path):
   done, pending = lg.Cell("copy", "alibi", True, 0), lg.Cell("copy", "alibi", True, 1)
   done.workdir(tmp_path).mkdir(parents=True)
   (done.workdir(tmp_path) / "result.json").write_text(json.dumps(_result(1.0)))
-  assert lg.finished_results([done, pending], tmp_path, quick=True) == {("copy", "alibi+randomized"): [_result(1.0)]}
+  assert sweep.finished_cells([done, pending], tmp_path, quick=True) == [(done, _result(1.0))]
 
 
 def test_summary_is_mean_and_sample_std_over_the_seeds_that_finished():
@@ -148,6 +148,22 @@ def test_quick_run_launches_its_cells_and_writes_table_json_and_plot(tmp_path, m
                                                                                       "seeds": 1}
   assert len(launch.commands) == 2 and (tmp_path / "work" / "quick" / "copy" / "rope" / "seed0" / "result.json").exists()
   assert (tmp_path / "results" / "length_generalization.png").stat().st_size > 1000
+
+
+def test_the_table_counts_every_finished_seed_on_disk_not_only_the_seeds_asked_for(tmp_path, monkeypatch, capsys):
+  """--seeds=1 after 3 finished seeds showed n = 1: the table narrowed to the seeds asked for."""
+  monkeypatch.setattr(lg.sweep, "subprocess", fake_launch.FakeLaunch(lg.METRICS))
+  root = tmp_path / "work" / "quick"
+  for seed in (1, 2):  # two more seeds of the plain cell, finished earlier (--quick itself runs seed 0)
+    assert lg.run_cell(lg.Cell("copy", "rope", False, seed), root, quick=True, single_thread=True)[1] is not None
+  argv = ["--quick", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
+  assert lg.main(argv) == 0
+  summary = json.loads((tmp_path / "results" / "length_generalization.json").read_text())["summary"]["copy"]
+  assert summary["rope"]["eval/exact_match_1_20"]["seeds"] == 3
+  assert summary["rope+randomized"]["eval/exact_match_1_20"]["seeds"] == 1
+  said = capsys.readouterr().out
+  assert "the tables also count finished cells this run did not launch" in said and "copy (2 cells, seeds 1, 2)" in said
+  assert "copy (2 cells, seeds 1, 2)" in (tmp_path / "results" / "length_generalization.md").read_text()
 
 
 def test_every_quick_cell_resolves_to_a_valid_config():
