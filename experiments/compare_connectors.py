@@ -50,6 +50,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from experiments import bench_common  # noqa: E402
 
 CONNECTORS = ("flamingo", "qformer", "llava")
+# The flags --quick sets itself (its tiny chain in --out, seed 0, 40 steps, a 30-step probe, 32 test examples).
+QUICK_SETS = ("seeds", "steps", "workdirs", "encoder", "lm", "probe_steps", "eval_examples")
 
 
 def other_test_set(workdir: str, eval_examples: int) -> str:
@@ -266,6 +268,10 @@ def main(argv=None):
                       help="only the cost rows, at random weights (no training, no probe): vlm_cost_by_scale.{md,json}")
   bench_common.add_output_flags(parser)
   args = bench_common.parse_output_args(parser, "compare_connectors", argv)
+  unused = [f"--{flag}={getattr(args, flag)}" for flag in QUICK_SETS
+            if args.quick and getattr(args, flag) != parser.get_default(flag)]
+  if unused:  # as sweep.seeds_to_run says of --seeds
+    print(f"--quick sets its own tiny chain, seed and budget: {' '.join(unused)} not used", flush=True)
   record = {"provenance": bench_common.provenance(argv), "runs": []}
   if any(option.startswith("scale=") for connector in args.connectors.split(",") for option in connector.split("/")):
     parser.error("--connectors: set the image scale with --scale (one frozen encoder and probe a comparison)")

@@ -55,6 +55,23 @@ def test_a_bad_connector_or_seed_is_one_line_before_anything_trains_and_cost_row
   assert (tmp_path / "vlm_cost_by_scale.json").is_file()
 
 
+def test_quick_names_each_flag_set_by_the_user_that_it_overrides(tmp_path, capsys, monkeypatch):
+  """--quick silently ignored --seeds / --steps / --workdirs / --encoder / --lm."""
+  from xattn_jax.training import dependencies
+
+  class Stop(Exception):
+    pass
+
+  def stop(*args, **kwargs):
+    raise Stop
+  monkeypatch.setattr(dependencies, "resolve", stop)  # before the frozen parts train
+  with pytest.raises(Stop):
+    compare_connectors.main(["--quick", "--seeds", "4", "--steps", "7", "--lm", "mine", "--connectors", "llava",
+                             "--out", str(tmp_path)])
+  said = capsys.readouterr().out
+  assert "--quick sets its own tiny chain, seed and budget: --seeds=4 --steps=7 --lm=mine not used" in said
+
+
 def test_a_finished_run_evaluated_on_another_number_of_test_examples_cannot_join(tmp_path):
   run = tmp_path / "qformer_seed0"
   assert compare_connectors.other_test_set(str(run), 2000) == ""  # not trained yet: it trains with this config
