@@ -1,10 +1,16 @@
-"""Pictures of the sequence position encodings themselves (used by ablate_positions.py).
+"""Pictures of the sequence position encodings themselves (used by ablate_positions.py, runnable alone).
+
+    python experiments/plot_encodings.py --out /tmp/encodings   # the two PNGs, no training
 
   dot_products(table, anchor)  -> [positions]: table[anchor] . table[p] for every row p
   rope_scores(...)             -> [offsets]: <RoPE(q, m), RoPE(k, n)> as a function of n - m
-  plot_dot_products(...), plot_rope_scores(...): the PNGs.
+  plot_dot_products(...), plot_rope_scores(...): the PNGs (ablate_positions.py adds a trained learned table).
 """
 from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
 
 import jax.numpy as jnp
 import matplotlib
@@ -13,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run as a script: the repository's package
 from xattn_jax.ops import positions as positions_ops  # noqa: E402
 
 
@@ -69,3 +76,32 @@ def plot_rope_scores(path: str, *, max_offset: int = 128, scaling_factor: float 
   figure.tight_layout()
   figure.savefig(path, dpi=110)
   plt.close(figure)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", required=True,
+                      help="folder for encoding_dot_products.png and encoding_rope_scores.png (made if missing)")
+  parser.add_argument("--anchor", type=int, default=64, help="the position every sinusoidal row is dotted with")
+  parser.add_argument("--max_offset", type=int, default=128, help="RoPE offsets from -max_offset to max_offset")
+  parser.add_argument("--scaling_factor", type=float, default=4.0, help="the linear / NTK RoPE scaling curves' factor")
+  args = parser.parse_args(argv)
+  if args.max_offset < 1 or args.scaling_factor <= 0:
+    parser.error(f"--max_offset must be >= 1 and --scaling_factor > 0, got --max_offset={args.max_offset} "
+                 f"--scaling_factor={args.scaling_factor}")
+  out = pathlib.Path(args.out)
+  if out.exists() and not out.is_dir():
+    parser.error(f"--out={args.out}: is a file; name a folder (it is made if missing)")
+  out.mkdir(parents=True, exist_ok=True)
+  try:
+    plot_dot_products(str(out / "encoding_dot_products.png"), anchor=args.anchor)
+  except ValueError as error:  # an anchor outside the table's rows
+    parser.error(f"--anchor={args.anchor}: {error}")
+  plot_rope_scores(str(out / "encoding_rope_scores.png"), max_offset=args.max_offset,
+                   scaling_factor=args.scaling_factor)
+  print(f"wrote {out}/encoding_dot_products.png, {out}/encoding_rope_scores.png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

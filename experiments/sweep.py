@@ -11,6 +11,7 @@ table counts it. A table row is the mean and sample std of a metric over every s
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import concurrent.futures
 import dataclasses
@@ -284,3 +285,18 @@ def mean_std(runs: list[dict], keys) -> dict[str, dict]:
   return {key: {"mean": statistics.fmean(r[key] for r in runs),
                 "std": statistics.stdev([r[key] for r in runs]) if len(runs) > 1 else 0.0, "seeds": len(runs)}
           for key in keys if all(key in r for r in runs)}
+
+
+def main(argv=None) -> int:
+  """`python experiments/sweep.py --help` prints what this library holds; it runs nothing itself."""
+  parser = argparse.ArgumentParser(
+      prog="experiments/sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="A library the runners import, nothing to run: python experiments/ablate_positions.py --help or "
+             "python experiments/length_generalization.py --help.")
+  parser.parse_args(argv)
+  parser.error("a library the runners import, nothing to run: use experiments/ablate_positions.py or "
+               "experiments/length_generalization.py")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

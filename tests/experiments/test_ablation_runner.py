@@ -40,6 +40,16 @@ def test_linear_rope_scaling_stretches_the_score_curve_by_its_factor():
                              plot_encodings.rope_scores(offsets), rtol=1e-4, atol=1e-3)
 
 
+def test_plot_encodings_runs_alone_with_a_help_and_writes_its_two_pictures(tmp_path, capsys):
+  """`python experiments/plot_encodings.py --help` printed nothing."""
+  with pytest.raises(SystemExit) as shown:
+    plot_encodings.main(["--help"])
+  assert shown.value.code == 0 and "Pictures of the sequence position encodings" in capsys.readouterr().out
+  assert plot_encodings.main(["--out", str(tmp_path), "--max_offset", "16"]) == 0
+  for name in ("dot_products", "rope_scores"):
+    assert (tmp_path / f"encoding_{name}.png").stat().st_size > 1000
+
+
 def test_summary_is_mean_and_sample_std_over_the_seeds_that_finished():
   keys = [key for key, _ in ablate_positions.EXPERIMENTS[1].metrics]
   runs = [{key: value for key in keys} for value in (0.2, 0.4, 0.9)]

@@ -208,3 +208,15 @@ def test_a_file_as_workdir_or_results_is_refused_before_any_cell_and_a_relative_
   args = argparse.Namespace(workdir="runs", results=None)
   sweep.check_folders(args, parser)
   assert args.workdir == str(tmp_path / "runs") and args.results is None
+
+
+def test_help_says_what_the_library_holds_and_running_it_names_the_runners():
+  """`python experiments/sweep.py --help` printed nothing."""
+  import subprocess
+  script = str(sweep.REPOSITORY / "experiments" / "sweep.py")
+  shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+  assert shown.returncode == 0 and "What the sweep runners share" in shown.stdout
+  assert "experiments/ablate_positions.py --help" in shown.stdout
+  ran = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+  assert ran.returncode == 2 and "a library the runners import, nothing to run" in ran.stderr
+
