@@ -123,3 +123,19 @@ def test_every_quick_cell_resolves_to_a_valid_config():
   """What --quick launches parses and validates as launch.py would, before any training (which the fake skips)."""
   for cell in ablate_positions.cells(quick=True, seeds=1, only=set()):
     validation.validate_config(sweep.resolved_config(cell.command(pathlib.Path("/w"), quick=True)))
+
+
+def test_the_learned_table_is_read_from_a_translators_checkpoint(tmp_path):
+  """The dot-product plot's learned panel: the runner's test launches no training (fake_launch), so the table is
+  read here from a checkpoint of a real Translator's state, saved as training saves it."""
+  from flax import nnx
+  from xattn_jax.models import translator
+  from xattn_jax.training import checkpoints
+  size = translator.StackSize(d_model=8, num_heads=2, num_layers=1, mlp_dim=16)
+  model = translator.Translator(11, encoder=size, decoder=size, position_encoding="learned", max_length=20,
+                                rngs=nnx.Rngs(0))
+  stored = checkpoints.Checkpoints(str(tmp_path), keep=2, best_metric="eval/loss", best_mode="min")
+  stored.save(6, nnx.to_pure_dict(nnx.state(model)), {"count": np.zeros((), np.int32)}, {"step": 6})
+  stored.close()
+  np.testing.assert_array_equal(ablate_positions.learned_table(tmp_path), model.target_positions.table[...])
+  assert ablate_positions.learned_table(tmp_path / "none") is None
