@@ -325,7 +325,8 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
   canvas: now its default encoder is trained first on the pairs' own images (configs/vlm_encoder.py:data=pairs),
   at the VLM's canvas, to name each caption's words; then the connector (pairs_chain(): the same launch trained
   the LM on their text). Grey, the default (RGB: the encoder's training in test_trainer's microbatch test, its
-  reading colour in test_vlm_encoder, the setting reaching both in test_colour_is_one_setting_of_the_vlm_and_its_encoder)."""
+  reading colour in test_vlm_encoder, the setting reaching both in
+  test_colour_is_one_setting_of_the_vlm_and_its_encoder)."""
   pairs, run = shape_pairs(), pairs_chain()
   train, evaluation = pairs / "train.tsv", pairs / "eval.tsv"
   encoder_run = json.loads((run / "encoder" / "config.json").read_text())
