@@ -2,5 +2,6 @@
 from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention
 from xattn_jax.layers.blocks import (MLP, CrossAttentionBlock, DecoderBlock, DecoderCache, EncoderBlock,
                                      GatedCrossAttentionBlock, LearnedQueryPooling)
-from xattn_jax.layers.positions import POSITION_ENCODINGS, make_position_encoding
+from xattn_jax.layers.positions import (POSITION_ENCODINGS, PositionEncoding, make_position_encoding,
+                                        register_position_encoding)
 from xattn_jax.layers.rotary import RotarySpec

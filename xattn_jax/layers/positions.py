@@ -23,7 +23,7 @@ POSITION_ENCODINGS is the one list of encodings: each entry builds its module an
 rules configs are checked against (which positions it takes, whether it is additive, rotary or a
 score bias, which rotary op, whether randomized positions apply). Models, tasks, config checks and
 the ablation runner read names and rules from it. Adding an encoding means one op, one entry in
-POSITION_ENCODINGS and one test.
+POSITION_ENCODINGS (register_position_encoding, from outside the package) and one test.
 """
 from __future__ import annotations
 
@@ -418,10 +418,33 @@ POSITION_ENCODINGS: dict[str, PositionEncoding] = {
 }
 
 
-def names(*, layout: str | None = None, role: str | None = None, randomizable: bool | None = None) -> tuple[str, ...]:
-  """The registered encodings (registry order) that take `layout`, act as `role`, are randomizable."""
+def register_position_encoding(name: str, entry: PositionEncoding, *, replace: bool = False) -> None:
+  """Adds `entry` to POSITION_ENCODINGS as `name`: models, tasks and config validation accept it from then on.
+
+  The entry provides `build(options, rngs)`, returning a module with NoPositions' interface (subclass it:
+  sequence_positions, check_fits, add_to_inputs, rotary, attention_bias; see the module docstring), and
+  declares the rules configs are checked by: `layouts` (a model takes the encodings of its layout), `role`,
+  `rotary` (its ROTARY_KINDS name, if rotary), `randomizable`. Register it before the config is validated:
+  a run of launch.py registers it from a module its config file imports.
+  ValueError for a name that is not a non-empty str, or is registered already (unless replace), or an entry
+  that is not a PositionEncoding.
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"register_position_encoding: name must be a non-empty str, got name={name!r}")
+  if name in POSITION_ENCODINGS and not replace:
+    raise ValueError(f"register_position_encoding: {name!r} is registered already (replace=True overrides it)")
+  if not isinstance(entry, PositionEncoding):
+    raise ValueError(f"register_position_encoding: entry must be a PositionEncoding, got {type(entry).__name__}")
+  POSITION_ENCODINGS[name] = entry
+
+
+def names(*, layout: str | tuple[str, ...] | None = None, role: str | None = None,
+          randomizable: bool | None = None) -> tuple[str, ...]:
+  """The registered encodings (registry order) that take `layout` (or any of several), act as `role`, are
+  randomizable. Read when called: encodings registered since count."""
+  layouts = (layout,) if isinstance(layout, str) else layout
   return tuple(name for name, entry in POSITION_ENCODINGS.items()
-               if (layout is None or layout in entry.layouts) and (role is None or entry.role == role)
+               if (layouts is None or set(layouts) & set(entry.layouts)) and (role is None or entry.role == role)
                and (randomizable is None or entry.randomizable == randomizable))
 
 
