@@ -44,7 +44,7 @@ def get_config(arg=None):
 
   d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]
   config.model.name = "translator"
-  config.model.position_encoding = args.posenc  # one of xattn_jax.models.translator.POSITION_ENCODINGS
+  config.model.position_encoding = args.posenc  # one of xattn_jax.models.translator.position_encodings()
   config.model.d_model = d_model
   config.model.num_heads = num_heads
   config.model.num_layers = num_layers

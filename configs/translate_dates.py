@@ -57,7 +57,7 @@ def translator_config(args) -> ConfigDict:
   config.model.name = "translator"
   config.model.encoder = ConfigDict(side)  # the two sides may be given different sizes
   config.model.decoder = ConfigDict(side)
-  config.model.position_encoding = args.posenc  # xattn_jax.models.translator.POSITION_ENCODINGS
+  config.model.position_encoding = args.posenc  # xattn_jax.models.translator.position_encodings()
   config.model.max_length = 64 if args.size == "tiny" else 256
   config.model.rope_scaling = ""        # "" or ops.positions.ROPE_SCALINGS: RoPE length scaling (rope)
   config.model.rope_scaling_factor = 1.0

@@ -35,9 +35,10 @@ sys.path.insert(0, str(REPOSITORY))
 from experiments import sweep  # noqa: E402
 from xattn_jax.models import latent_reader, translator  # noqa: E402
 
-# What each model accepts, as the position registry (xattn_jax.layers.positions) lists it.
-SEQUENCE_ENCODINGS = translator.POSITION_ENCODINGS
-IMAGE_ENCODINGS = latent_reader.GRID_ENCODINGS
+# What each model accepts, as the position registry (xattn_jax.layers.positions) lists it at import: the cells'
+# launch.py runs register nothing more.
+SEQUENCE_ENCODINGS = translator.position_encodings()
+IMAGE_ENCODINGS = latent_reader.grid_encodings()
 
 
 @dataclasses.dataclass(frozen=True)

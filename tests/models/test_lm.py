@@ -14,7 +14,7 @@ from xattn_jax.layers import blocks
 from xattn_jax.models import lm
 
 VOCAB, D_MODEL, LENGTH = 32, 16, 8
-ENCODINGS = lm.POSITION_ENCODINGS
+ENCODINGS = lm.position_encodings()
 
 
 def _options(encoding: str) -> dict:

@@ -66,7 +66,7 @@ def test_shapes_of_memory_and_logits_with_different_widths():
   assert logits.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("position_encoding", translator_lib.POSITION_ENCODINGS)
+@pytest.mark.parametrize("position_encoding", translator_lib.position_encodings())
 def test_cached_decode_steps_equal_full_forward(position_encoding):
   _compare_cached(_model(position_encoding))
 

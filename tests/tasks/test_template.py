@@ -37,7 +37,7 @@ def test_template_infers_one_string_of_the_input_length_per_line(trained):
   assert all(set(answer) <= set("abcdefghijklmnopqrstuvwxyz") for answer in answers)
 
 
-@pytest.mark.parametrize("name", sorted(template_task.POSITION_ENCODINGS))
+@pytest.mark.parametrize("name", sorted(TemplateTask.position_encodings()))
 def test_every_position_encoding_the_template_accepts_builds_a_model_that_tags_each_position(name):
   config = template.get_config(f"size=tiny,posenc={name}")
   validation.validate_config(config)

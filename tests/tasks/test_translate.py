@@ -95,7 +95,7 @@ def test_invalid_fields_are_reported_by_name(field, value):
 def test_a_position_encoding_the_translator_cannot_take_is_named_with_its_choices():
   """mrope was refused naming model.decoder.mrope_sections, a field the translator does not have."""
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.position_encoding='mrope': allowed are "
-                     + re.escape(repr(sorted(translator.POSITION_ENCODINGS)))):
+                     + re.escape(repr(sorted(translator.position_encodings())))):
     validation.validate_config(_config(**{"model.position_encoding": "mrope"}))
 
 

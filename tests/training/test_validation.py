@@ -271,7 +271,7 @@ def test_the_translators_norm_and_activation_choices_are_the_blocks(field, regis
     ("configs/template.py", "template")])
 def test_an_unknown_position_encoding_lists_exactly_the_encodings_the_tasks_model_builds(config_file, task_name):
   """Every registered encoding was listed (the grid ones to a sequence model) before the task's own check ran."""
-  allowed = task_lib.get_task_class(task_name).position_encodings
+  allowed = task_lib.get_task_class(task_name).position_encodings()
   assert allowed and set(allowed) < set(position_layers.POSITION_ENCODINGS)
   _assert_refused(load_config(f"--config={config_file}"), "model.position_encoding", "nope",
                   rf"^config\.model\.position_encoding='nope': allowed are {re.escape(str(sorted(allowed)))}$")

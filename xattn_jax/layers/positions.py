@@ -21,9 +21,10 @@ and the extra tokens get their own learned rows (learned_2d) or nothing (fixed e
 
 POSITION_ENCODINGS is the one list of encodings: each entry builds its module and declares the
 rules configs are checked against (which positions it takes, whether it is additive, rotary or a
-score bias, which rotary op, whether randomized positions apply). Models, tasks, config checks and
-the ablation runner read names and rules from it. Adding an encoding means one op, one entry in
-POSITION_ENCODINGS (register_position_encoding, from outside the package) and one test.
+score bias, which rotary op, whether randomized positions apply). Models, tasks and config checks
+read names and rules from it when they run, so an encoding registered from outside the package
+(register_position_encoding) counts as a built-in one. Adding an encoding means one op, one entry
+and one test.
 """
 from __future__ import annotations
 

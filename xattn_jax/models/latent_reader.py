@@ -38,8 +38,12 @@ from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
 CONNECTORS = ("qformer", "llava")
-# Encodings of a 2D grid of elements (the Perceiver's); 1D ones (rope, sinusoidal, ...) do not apply.
-GRID_ENCODINGS = position_layers.names(layout="grid")
+
+
+def grid_encodings() -> tuple[str, ...]:
+  """The registry's encodings of a 2D grid of elements (the Perceiver's), read when called; 1D ones (rope,
+  sinusoidal, ...) do not apply."""
+  return position_layers.names(layout="grid")
 
 
 class FrozenParam(nnx.Variable):
@@ -146,7 +150,7 @@ class Perceiver(nnx.Module):
     width: latent and element width; num_latents: N; num_heads: heads of every attention.
     num_blocks: latent self-attention blocks per repeat; num_repeats: how many times the latent stack
       runs with the SAME weights (Perceiver IO style weight sharing).
-    position_encoding: a name in GRID_ENCODINGS (the registry's encodings of grid positions).
+    position_encoding: a name in grid_encodings() (the registry's encodings of grid positions).
     scan_layers / remat: run the latent stack with nnx.scan, under a remat policy by name.
   """
 
@@ -159,8 +163,8 @@ class Perceiver(nnx.Module):
                         ("num_repeats", num_repeats), ("patch_size", patch_size)):
       if value < 1:
         raise ValueError(f"Perceiver: {name} must be positive, got {name}={value}")
-    if position_encoding not in GRID_ENCODINGS:
-      raise ValueError(f"Perceiver: position_encoding must be one of {GRID_ENCODINGS} (2D grid encodings), "
+    if position_encoding not in grid_encodings():
+      raise ValueError(f"Perceiver: position_encoding must be one of {grid_encodings()} (2D grid encodings), "
                        f"got position_encoding={position_encoding!r}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.patch_size, self.num_repeats, self.scan_layers, self.remat = patch_size, num_repeats, scan_layers, remat

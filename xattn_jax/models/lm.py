@@ -11,7 +11,7 @@ and a final norm before the output. The norm type (`layernorm` | `rmsnorm`) and 
 (`mlp` with an activation, or `swiglu`) are config choices; grouped-query attention by
 num_kv_heads; the output layer is the transposed embedding (tied) or its own.
 
-Positions, one option (`POSITION_ENCODINGS`, from layers.positions): `none`, `learned`,
+Positions, one option (`position_encodings()`, from layers.positions): `none`, `learned`,
 `sinusoidal` (added to the embeddings), `rope` (optionally scaled) and `mrope` (rotating q and k;
 text-only M-RoPE positions are the 1D positions on all three axes, which is 1D RoPE exactly),
 `alibi` and `t5_bias` (causal-form biases on the scores). The norm type and MLP kind are the
@@ -63,11 +63,15 @@ from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
 PAD_ID = 0
-# The registry's text encodings: sequence positions, and M-RoPE with text positions on all three axes.
-POSITION_ENCODINGS = position_layers.names(layout="sequence") + position_layers.names(layout="multimodal")
 RandomizedPositions = position_layers.RandomizedPositions
 
 Insert = Mapping[int, Callable[[jax.Array], jax.Array]]
+
+
+def position_encodings() -> tuple[str, ...]:
+  """The registry's text encodings, read when called: sequence positions, and M-RoPE with text positions on all
+  three axes."""
+  return position_layers.names(layout=("sequence", "multimodal"))
 
 
 def _partitioned(init, axes):
@@ -194,7 +198,7 @@ class LanguageModel(nnx.Module):
     vocab_size: number of token ids.
     d_model, num_heads, num_layers, mlp_dim: width, query heads, depth, MLP hidden width.
     num_kv_heads: key / value heads (GQA; 1 = MQA); None = num_heads. head_dim: None = d_model // num_heads.
-    position_encoding: one of POSITION_ENCODINGS.
+    position_encoding: one of position_encodings().
     max_length: rows of the learned position table (the longest position it covers).
     randomized_positions: a RandomizedPositions (default off; see the module docstring): max_position
       must cover max_length.
@@ -222,7 +226,7 @@ class LanguageModel(nnx.Module):
                         ("mlp_dim", mlp_dim), ("max_length", max_length)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"LanguageModel: {name} must be a positive int, got {name}={value!r}")
-    for name, value, allowed in (("position_encoding", position_encoding, POSITION_ENCODINGS),
+    for name, value, allowed in (("position_encoding", position_encoding, position_encodings()),
                                  ("norm_type", norm_type, blocks.NORM_TYPES),
                                  ("mlp_type", mlp_type, blocks.MLP_TYPES)):
       if value not in allowed:

@@ -45,10 +45,13 @@ from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
 PAD_ID = 0
-# The encodings of layers.positions that take sequence positions [b, t]: additive, rotary, or a
-# relative bias on the self-attention scores.
-POSITION_ENCODINGS = position_layers.names(layout="sequence")
 RandomizedPositions = position_layers.RandomizedPositions
+
+
+def position_encodings() -> tuple[str, ...]:
+  """The encodings of layers.positions that take sequence positions [b, t] (additive, rotary, or a relative bias
+  on the self-attention scores), read from the registry when called."""
+  return position_layers.names(layout="sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +140,7 @@ class Translator(nnx.Module):
     vocab_size: number of token ids (source and target share the id space).
     encoder, decoder: StackSize of each side; their widths may differ (the decoder's
       cross-attention reads encoder.d_model-wide memories).
-    position_encoding: a name in POSITION_ENCODINGS (added to the embeddings, rotating the
+    position_encoding: a name in position_encodings() (added to the embeddings, rotating the
       self-attention queries and keys, or biasing the self-attention scores; the decoder's relative
       biases use the causal form).
     max_length: longest sequence the learned position table covers (and the rope/sinusoidal
@@ -164,8 +167,8 @@ class Translator(nnx.Module):
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     if not isinstance(vocab_size, int) or vocab_size < 2:
       raise ValueError(f"Translator: vocab_size must be an int >= 2, got vocab_size={vocab_size!r}")
-    if position_encoding not in POSITION_ENCODINGS:
-      raise ValueError(f"Translator: position_encoding must be one of {POSITION_ENCODINGS}, "
+    if position_encoding not in position_encodings():
+      raise ValueError(f"Translator: position_encoding must be one of {position_encodings()}, "
                        f"got position_encoding={position_encoding!r}")
     if share_embeddings and encoder.d_model != decoder.d_model:
       raise ValueError(f"Translator: share_embeddings needs encoder.d_model == decoder.d_model, got "

@@ -46,11 +46,12 @@ sampling) runs over `loop_step`. A prompt ends with a text token (it is fed firs
 comes after its soft tokens, so a prompt may end with an image.
 
 Feature positions: before any connector reads them, the features get the connector's own position
-encoding of the encoder's patch grid (`feature_positions`, FEATURE_POSITIONS: "learned_2d" by default, a
-trained table of 1 + P rows, class token included, as Flamingo's and BLIP-2's encoders hand on features
-that carry their positions). An encoder trained with a position-blind objective (one head shared by every
-place, as the digits' encoder) keeps little of where a feature sits, and a connector that reads features by
-content alone then confuses the order of the digits (experiments/results/compare_connectors.md).
+encoding of the encoder's patch grid (`feature_positions`, one of feature_position_encodings():
+"learned_2d" by default, a trained table of 1 + P rows, class token included, as Flamingo's and BLIP-2's
+encoders hand on features that carry their positions). An encoder trained with a position-blind objective
+(one head shared by every place, as the digits' encoder) keeps little of where a feature sits, and a
+connector that reads features by content alone then confuses the order of the digits
+(experiments/results/compare_connectors.md).
 
 Canvas padding: with `hide_padding` the padded patches are hidden from the encoder's attention and from
 the connector; without it (an encoder trained on padded canvases, which reads padding as "empty") every
@@ -80,9 +81,13 @@ from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops import masks as masks_lib
 
 IMAGE_POSITIONS = ("sequence", "mrope")
-# The encodings a connector may add to the features of the encoder's patch grid (read from the registry).
-FEATURE_POSITIONS = tuple(n for n in positions_lib.names(layout="grid") if positions_lib.get(n).role != "rotary")
 SOFT_TOKEN = -1  # the id of a soft-token slot in `tokens` (never embedded: the connector's token replaces it)
+
+
+def feature_position_encodings() -> tuple[str, ...]:
+  """The encodings a connector may add to the features of the encoder's patch grid: the registry's grid
+  encodings that are not rotary, read when called."""
+  return tuple(n for n in positions_lib.names(layout="grid") if positions_lib.get(n).role != "rotary")
 
 
 @flax.struct.dataclass
@@ -143,9 +148,9 @@ class _Connector(nnx.Module):
   """What every connector shares: its position encoding of the features' patch grid."""
 
   def _init_feature_positions(self, name: str, feature_width: int, grid, *, param_dtype, rngs):
-    if name not in FEATURE_POSITIONS:
-      raise ValueError(f"{type(self).__name__}: feature_positions must be one of {FEATURE_POSITIONS}, got "
-                       f"feature_positions={name!r}")
+    if name not in feature_position_encodings():
+      raise ValueError(f"{type(self).__name__}: feature_positions must be one of {feature_position_encodings()}, "
+                       f"got feature_positions={name!r}")
     options = {} if name == "none" else dict(grid=tuple(grid), num_extra_tokens=1, param_dtype=param_dtype)
     self.feature_positions = positions_lib.make_position_encoding(name, features=feature_width, rngs=rngs,
                                                                   **options)
@@ -368,8 +373,8 @@ class VisionLanguageModel(nnx.Module):
     num_queries, qformer_width, qformer_blocks, qformer_cross_attention_every: qformer.
     image_positions: a name in IMAGE_POSITIONS (llava only; the others hand the LM no spatial tokens).
     spatial_merge: llava: m x m blocks of patches make one soft token (Qwen2-VL: 2); 1 = one per patch.
-    feature_positions: a name in FEATURE_POSITIONS, the connector's encoding of the features' patch grid
-      (module docstring); feature_grid: the grid it is built for (default: the encoder's `positions.grid`).
+    feature_positions: a name in feature_position_encodings(), the connector's encoding of the features' patch
+      grid (module docstring); feature_grid: the grid it is built for (default: the encoder's `positions.grid`).
   """
 
   def __init__(self, encoder: nnx.Module, lm: lm_lib.LanguageModel, *, connector: str, image_token_id: int,
@@ -393,8 +398,8 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with "
                        f"position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
                        f"{lm.position_encoding!r}")
-    if feature_positions not in FEATURE_POSITIONS:
-      raise ValueError(f"VisionLanguageModel: feature_positions must be one of {FEATURE_POSITIONS}, got "
+    if feature_positions not in feature_position_encodings():
+      raise ValueError(f"VisionLanguageModel: feature_positions must be one of {feature_position_encodings()}, got "
                        f"feature_positions={feature_positions!r}")
     if isinstance(spatial_merge, bool) or not isinstance(spatial_merge, int) or spatial_merge < 1:
       raise ValueError(f"VisionLanguageModel: spatial_merge must be a positive int, got "

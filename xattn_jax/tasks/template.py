@@ -28,11 +28,6 @@ MODELS = ("reverser",)
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1  # seeds of the train batches and of the eval set never collide
 
 
-# Text takes the registry's sequence encodings, and M-RoPE with every axis the token index (text-only
-# M-RoPE is 1D RoPE); the registry declares which positions each takes.
-POSITION_ENCODINGS = position_layers.names(layout="sequence") + position_layers.names(layout="multimodal")
-
-
 class Reverser(nnx.Module):
   """Embedding + position encoding -> stacked EncoderBlocks -> LayerNorm -> logits [b, t, vocab]."""
 
@@ -70,7 +65,13 @@ class Reverser(nnx.Module):
 @task_lib.register("template")
 class TemplateTask(task_lib.Task):
   """Reverse random letter strings (see the module docstring)."""
-  position_encodings = POSITION_ENCODINGS  # what validation accepts (and names) for model.position_encoding
+
+  @staticmethod
+  def position_encodings():
+    # What validation accepts (and names) for model.position_encoding, read from the registry when it runs (so
+    # encodings registered since count): text takes the sequence encodings, and M-RoPE with every axis the token
+    # index (text-only M-RoPE is 1D RoPE).
+    return position_layers.names(layout=("sequence", "multimodal"))
 
   @classmethod
   def validate(cls, config, mode="train"):

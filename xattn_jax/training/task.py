@@ -247,8 +247,6 @@ class Task:
   # True: a blank input line reaches infer as "" (a language model samples from nothing for it); False:
   # the engine answers it with a blank line.
   infers_blank_lines: ClassVar[bool] = False
-  # The model.position_encoding values the task's model builds (validation names them; None: any registered).
-  position_encodings: ClassVar[tuple[str, ...] | None] = None
   # The data fields that choose the part of the training data held out for eval: an eval that scores that part
   # (names no data.eval_file) must keep them, or it would score examples the run trained on.
   held_out_fields: ClassVar[tuple[str, ...]] = ()
@@ -267,6 +265,12 @@ class Task:
     self.logits_sharding = None
     # Set by the engine's infer: the folder of the input file ("" for stdin: the current directory).
     self.input_directory = ""
+
+  @staticmethod
+  def position_encodings() -> tuple[str, ...] | None:
+    """The model.position_encoding values the task's model builds, read from the position registry when called
+    (validation names them); None: any registered."""
+    return None
 
   @classmethod
   def validate(cls, config, mode: str = "train") -> None:

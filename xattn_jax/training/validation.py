@@ -359,5 +359,5 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     check_mesh(config, device_count)
   else:
     _check_mesh_sizes(config.mesh)
-  check_attention_dims(config.model, allowed_encodings=task_class.position_encodings)
+  check_attention_dims(config.model, allowed_encodings=task_class.position_encodings())
   task_class.validate(config, mode)

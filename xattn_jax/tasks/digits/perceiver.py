@@ -16,7 +16,7 @@ class PerceiverTask(common.DigitsBase):
   def validate(cls, config, mode="train"):
     super().validate(config, mode)
     common.check_patch_size(config)
-    validation.require_choice(config, "model.position_encoding", latent_reader.GRID_ENCODINGS)
+    validation.require_choice(config, "model.position_encoding", latent_reader.grid_encodings())
     validation.require_positive(config, "model.num_latents", "model.num_repeats")
 
   def make_model(self, rngs, *, dtype, param_dtype):

@@ -33,7 +33,7 @@ LETTERS = string.ascii_lowercase
 class LMAlgorithmicTask(task_lib.Task):
   """Decoder-only algorithmic sequences; exact match per length band (see the module docstring)."""
   name = "lm_algorithmic"
-  position_encodings = text_task.LanguageModelTask.position_encodings
+  position_encodings = staticmethod(text_task.LanguageModelTask.position_encodings)
 
   @classmethod
   def validate(cls, config, mode="train"):

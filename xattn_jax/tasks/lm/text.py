@@ -158,7 +158,7 @@ class LanguageModelTask(task_lib.Task):
   """Next-token prediction on packed documents (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/token_accuracy", "eval/perplexity", "eval/bits_per_byte")
   infers_blank_lines = True  # a blank line is an empty prompt: a sample from BOS alone
-  position_encodings = lm_lib.POSITION_ENCODINGS
+  position_encodings = staticmethod(lm_lib.position_encodings)
   held_out_fields = ("data.eval_fraction", "data.corpus_seed")
 
   @classmethod

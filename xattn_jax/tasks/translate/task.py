@@ -10,7 +10,7 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
   data.tokenizer       "sentencepiece" (trained on both sides of the training text into
                        <workdir>/tokenizer/, reused on resume and in eval / infer) or "bytes"
   model.*              Translator sizes and options; model.position_encoding one of
-                       translator.POSITION_ENCODINGS, norm / activation from layers.blocks;
+                       translator.position_encodings(), norm / activation from layers.blocks;
                        model.randomized_positions_max / _at_eval: randomized positions (0 = off; drawn
                        from the step's rngs in training, unpacked rows only)
   task.decoding.*      how eval and infer decode: method greedy | beam | sample and its options
@@ -179,7 +179,7 @@ def stack_sizes(model_config) -> tuple[translator_lib.StackSize, translator_lib.
 class TranslateTask(task_lib.Task):
   """English -> target-locale dates, or any parallel corpus (see the module docstring)."""
   eval_metric_names = ("eval/loss", "eval/accuracy", "eval/exact_match", "eval/bleu", "eval/chrf")
-  position_encodings = translator_lib.POSITION_ENCODINGS
+  position_encodings = staticmethod(translator_lib.position_encodings)
   held_out_fields = ("data.eval_fraction", "data.test_fraction", "data.split_seed")
 
   @classmethod

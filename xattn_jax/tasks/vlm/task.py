@@ -175,7 +175,7 @@ class VLMTask(task_lib.Task):
     validation.require_choice(config, "model.name", ("vlm",))
     validation.require_choice(config, "model.connector", vlm.CONNECTORS)
     validation.require_choice(config, "model.image_positions", vlm.IMAGE_POSITIONS)
-    validation.require_choice(config, "model.feature_positions", vlm.FEATURE_POSITIONS)
+    validation.require_choice(config, "model.feature_positions", vlm.feature_position_encodings())
     if model.image_positions == "mrope" and not vlm.CONNECTORS[model.connector].spatial:
       raise validation.ConfigError("model.image_positions", model.image_positions,
                                    f"'mrope' places soft tokens on their patch grid: connector=llava only, got "
