@@ -21,10 +21,10 @@ and the extra tokens get their own learned rows (learned_2d) or nothing (fixed e
 
 POSITION_ENCODINGS is the one list of encodings: each entry builds its module and declares the
 rules configs are checked against (which positions it takes, whether it is additive, rotary or a
-score bias, which rotary op, whether randomized positions apply). Models, tasks and config checks
-read names and rules from it when they run, so an encoding registered from outside the package
-(register_position_encoding) counts as a built-in one. Adding an encoding means one op, one entry
-and one test.
+score bias, which rotary op, whether randomized positions apply, whether it is a table of max_length
+rows). Models, tasks and config checks read names and rules from it when they run, so an encoding
+registered from outside the package (register_position_encoding) counts as a built-in one. Adding an
+encoding means one op, one entry and one test.
 """
 from __future__ import annotations
 
@@ -355,12 +355,15 @@ class PositionEncoding:
   rotary: for role "rotary", its ROTARY_KINDS name (which carries the rotary width rules).
   randomizable: computed from integer position indices, so randomized positions apply (a no-op
     for "none").
+  max_length_table: a trained table of max_length rows (or max_position's, randomized): a position
+    past them has no row, and eval must build the rows training did, so max_length is fixed by the run.
   """
   build: Callable[[PositionOptions, nnx.Rngs], nnx.Module]
   layouts: tuple[str, ...]
   role: str
   rotary: str | None = None
   randomizable: bool = False
+  max_length_table: bool = False
 
   def __post_init__(self):
     if not set(self.layouts) <= set(POSITION_LAYOUTS) or self.role not in ROLES:
@@ -390,7 +393,7 @@ POSITION_ENCODINGS: dict[str, PositionEncoding] = {
     "none": PositionEncoding(lambda o, rngs: NoPositions(), ("sequence", "grid"), "none", randomizable=True),
     "learned": PositionEncoding(
         lambda o, rngs: LearnedPositions(_table_rows(o), o.features, param_dtype=o.param_dtype, rngs=rngs),
-        ("sequence",), "additive", randomizable=True),
+        ("sequence",), "additive", randomizable=True, max_length_table=True),
     "sinusoidal": PositionEncoding(lambda o, rngs: SinusoidalPositions(o.features, base=o.base),
                                    ("sequence",), "additive", randomizable=True),
     "rope": _rotary("rope"),
@@ -425,8 +428,8 @@ def register_position_encoding(name: str, entry: PositionEncoding, *, replace: b
   The entry provides `build(options, rngs)`, returning a module with NoPositions' interface (subclass it:
   sequence_positions, check_fits, add_to_inputs, rotary, attention_bias; see the module docstring), and
   declares the rules configs are checked by: `layouts` (a model takes the encodings of its layout), `role`,
-  `rotary` (its ROTARY_KINDS name, if rotary), `randomizable`. Register it before the config is validated:
-  a run of launch.py registers it from a module its config file imports.
+  `rotary` (its ROTARY_KINDS name, if rotary), `randomizable`, `max_length_table`. Register it before the
+  config is validated: a run of launch.py registers it from a module its config file imports.
   ValueError for a name that is not a non-empty str, or is registered already (unless replace), or an entry
   that is not a PositionEncoding.
   """

@@ -241,6 +241,9 @@ class LanguageModel(nnx.Module):
     head_dim = d_model // num_heads if head_dim is None else head_dim
     self.vocab_size, self.d_model, self.num_layers, self.max_length = vocab_size, d_model, num_layers, max_length
     self.position_encoding, self.scan_layers, self.remat, self.dtype = position_encoding, scan_layers, remat, dtype
+    entry = position_layers.get(position_encoding)
+    # Multimodal positions [3, b, t] (M-RoPE); a table of max_length rows bounds the cache.
+    self.multimodal_positions, self.max_length_table = "multimodal" in entry.layouts, entry.max_length_table
     common = dict(dtype=dtype, param_dtype=param_dtype)
 
     self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs, **common,
@@ -281,15 +284,15 @@ class LanguageModel(nnx.Module):
 
   def _rotary_positions(self, positions):
     """What the rotary layers take: [b, t] for rope, [3, b, t] for mrope (text: the same on every axis)."""
-    if self.position_encoding == "mrope" and positions.ndim == 2:
+    if self.multimodal_positions and positions.ndim == 2:
       return jnp.broadcast_to(positions[None], (3, *positions.shape))
     return positions if self.positions.rotary is not None else None
 
   def _check_positions(self, where, positions, shape):
     positions = jnp.asarray(positions)
-    ok = positions.shape == shape or (self.position_encoding == "mrope" and positions.shape == (3, *shape))
+    ok = positions.shape == shape or (self.multimodal_positions and positions.shape == (3, *shape))
     if not ok or not jnp.issubdtype(positions.dtype, jnp.integer):
-      also = f" (or [3, {shape[0]}, {shape[1]}] for mrope)" if self.position_encoding == "mrope" else ""
+      also = f" (or [3, {shape[0]}, {shape[1]}] for {self.position_encoding})" if self.multimodal_positions else ""
       raise ValueError(f"LanguageModel.{where}: positions must be int {list(shape)}{also}, got "
                        f"{positions.dtype}{list(positions.shape)}")
     return positions.astype(jnp.int32)
@@ -379,7 +382,7 @@ class LanguageModel(nnx.Module):
     if drawn and capacity > randomized.max_position:
       raise ValueError(f"LanguageModel.init_cache: capacity={capacity} tokens need as many distinct randomized "
                        f"positions, more than max_position={randomized.max_position}")
-    if not drawn and self.position_encoding == "learned" and capacity > self.max_length:
+    if not drawn and self.max_length_table and capacity > self.max_length:
       raise ValueError(f"LanguageModel.init_cache: capacity={capacity} positions do not fit the learned position "
                        f"table of {self.max_length} rows (max_length)")
     # At eval with randomized positions: one sorted draw for the whole capacity (a step reads its prefix).

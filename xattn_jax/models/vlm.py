@@ -23,7 +23,7 @@ the same frozen `lm.LanguageModel`:
   positions follow `image_positions` (`IMAGE_POSITIONS`): "sequence" (1D, one position per token) or
   "mrope" (Qwen2-VL: image token (row, col) of an image starting at s sits at (s, s + row, s + col);
   text after it resumes at the image's maximum position + 1, as
-  `ops.positions.mrope_position_ids`). "mrope" needs an LM built with position_encoding="mrope"; an LM
+  `ops.positions.mrope_position_ids`). "mrope" needs an LM built with a multimodal encoding ("mrope"); an LM
   pretrained with 1D RoPE runs with it unchanged (text-only M-RoPE positions are 1D RoPE exactly).
 
 Inputs (the task turns a VLMExample's segments into them):
@@ -394,9 +394,9 @@ class VisionLanguageModel(nnx.Module):
       raise ValueError(f"VisionLanguageModel: image_positions='mrope' places soft tokens on their patch grid, "
                        f"which connector={connector!r} does not hand the LM (only "
                        f"{tuple(n for n, k in CONNECTORS.items() if k.spatial)})")
-    if image_positions == "mrope" and lm.position_encoding != "mrope":
-      raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with "
-                       f"position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
+    if image_positions == "mrope" and not lm.multimodal_positions:
+      raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with a multimodal "
+                       f"encoding, position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
                        f"{lm.position_encoding!r}")
     if feature_positions not in feature_position_encodings():
       raise ValueError(f"VisionLanguageModel: feature_positions must be one of {feature_position_encodings()}, got "

@@ -12,10 +12,10 @@ returning the target: if every teacher-forced prediction is right, each greedy s
 prefix and picks the gold token; if greedy returns the target, its prefixes were the gold ones. So
 no decoding loop is needed for the metric.
 
-Position tables: the model's `max_length` (and so a "learned" table) covers the longest eval band
-plus EOS, but training only ever reaches rows 0..train_max_length, so rows past it stay at their
-random initialisation (std 0.02). The learned encoding's long-band scores measure exactly that, and
-the ablation's table says so.
+Position tables: the model's `max_length` (and so a "learned" table, or any max_length_table encoding's)
+covers the longest eval band plus EOS, but training only ever reaches rows 0..train_max_length, so rows
+past it stay at their random initialisation (std 0.02). The learned encoding's long-band scores measure
+exactly that, and the ablation's table says so.
 
 Symbols print as letters 'a', 'b', ... for `launch.py --mode=infer` (one string per line).
 """
@@ -29,6 +29,7 @@ from flax import nnx
 
 from xattn_jax import decoding
 from xattn_jax.data import algorithmic
+from xattn_jax.layers import positions as position_layers
 from xattn_jax.models import translator as translator_lib
 from xattn_jax.training import optim, task as task_lib, validation, workdir as workdir_lib
 
@@ -49,12 +50,12 @@ def parse_bands(text: str, field: str = "task.eval_bands") -> list[tuple[int, in
 
 def positions_for(config, workdir, mode: str, positions_needed) -> int:
   """The positions the model is built with: `positions_needed(config)`, which follows task.eval_bands, a field
-  eval and infer may change. A learned table, though, was trained with the rows the run's own bands needed: eval
-  and infer build it as trained (the workdir's recorded config) and refuse bands beyond it, naming the field;
-  other encodings read any position."""
+  eval and infer may change. A learned table (max_length_table), though, was trained with the rows the run's own
+  bands needed: eval and infer build it as trained (the workdir's recorded config) and refuse bands beyond it,
+  naming the field; other encodings read any position."""
   needed = positions_needed(config)
   recorded = workdir_lib.recorded_config(workdir) if workdir and mode != "train" else None
-  if not recorded or config.model.position_encoding != "learned":
+  if not recorded or not position_layers.get(config.model.position_encoding).max_length_table:
     return needed
   trained = positions_needed(recorded)
   if needed > trained:
