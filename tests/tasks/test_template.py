@@ -45,3 +45,28 @@ def test_every_position_encoding_the_template_accepts_builds_a_model_that_tags_e
   model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   inputs = task.train_batch(0, process_index=0, process_count=1)["inputs"][:2]
   assert model(inputs).shape == (2, config.task.max_length, template_task.VOCAB_SIZE)
+
+
+@pytest.mark.slow
+def test_launch_trains_an_encoding_that_a_module_imported_by_the_config_file_registers(tmp_path):
+  """README: a researcher's own encoding joins the registry from a module their config file imports."""
+  import json
+  from tests import helpers
+  (tmp_path / "my_encoding.py").write_text(
+      "from xattn_jax.layers import positions\n"
+      "positions.register_position_encoding('my_sinusoidal', positions.PositionEncoding(\n"
+      "    lambda o, rngs: positions.SinusoidalPositions(o.features, base=o.base), ('sequence',), 'additive'))\n")
+  (tmp_path / "my_config.py").write_text(
+      "import os, sys\n"
+      "sys.path.insert(0, os.path.dirname(__file__))\n"
+      "import my_encoding  # noqa: F401 - registers my_sinusoidal\n"
+      "from configs import template\n\n\n"
+      "def get_config(arg=None):\n"
+      "  config = template.get_config('size=tiny')\n"
+      "  config.model.position_encoding = 'my_sinusoidal'\n"
+      "  return config\n")
+  overrides = {"total_steps": 2, "eval_every_steps": 2, "checkpoint.every_steps": 2, "logging.plot": False,
+               "logging.tensorboard": False, "task.num_eval_examples": 8}
+  result = helpers.launch(str(tmp_path / "my_config.py"), tmp_path / "run", overrides=overrides)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["position_encoding"] == "my_sinusoidal"
