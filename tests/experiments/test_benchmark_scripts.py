@@ -18,7 +18,7 @@ def _run(script, *args):
 
 @pytest.mark.parametrize("script", ["bench_attention.py", "bench_latent_reader.py", "bench_translator.py",
                                     "bench_matmul_shapes.py", "bench_lm.py", "bench_segment.py",
-                                    "compare_connectors.py", "vlm_lm_skills.py"])
+                                    "compare_connectors.py", "vlm_lm_skills.py", "bench_backward_blocks.py"])
 def test_an_output_directory_that_cannot_be_made_fails_before_measuring(script, tmp_path):
   """It was made after the measurements: minutes of a full run lost to a typo in --out."""
   (tmp_path / "a_file").write_text("")
@@ -87,9 +87,10 @@ def test_a_partial_translator_run_keeps_the_other_sections_of_the_file_it_rewrit
 
 
 @pytest.mark.parametrize("script, stem", [("bench_matmul_shapes.py", "matmul_shapes"),
-                                          ("bench_segment.py", "segment_benchmark")])
+                                          ("bench_segment.py", "segment_benchmark"),
+                                          ("bench_backward_blocks.py", "attention_backward_blocks")])
 def test_a_quick_run_writes_its_tables_and_provenance(script, stem, tmp_path):
-  """The two benchmarks quick enough to run whole here (seconds at --quick); the others' writers are below."""
+  """The benchmarks quick enough to run whole here (seconds at --quick); the others' writers are below."""
   result = _run(script, "--quick", f"--out={tmp_path}")
   assert result.returncode == 0, result.stderr[-2000:]
   record = json.loads((tmp_path / f"{stem}.json").read_text())

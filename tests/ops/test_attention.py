@@ -164,8 +164,8 @@ def test_a_backward_with_its_own_smaller_query_blocks_matches_reference(kind, pe
 def test_the_backward_takes_blocks_of_256_query_rows_where_a_units_forward_block_is_large():
   """A unit's forward block of 2^20 scores or more is split into backward blocks of 256 query rows, every query
   head of its group counted (a multiple of 8 dividing the forward's, at least half that many); smaller units keep
-  their blocks, run side by side."""
-  choose = functools.partial(attention.choose_blocking, "xla", backend="cpu", threads=2)
+  their blocks, run side by side. On a core of 512 KiB of L2, where these sizes were measured."""
+  choose = functools.partial(attention.choose_blocking, "xla", backend="cpu", threads=2, l2_bytes=512 * 1024)
   assert choose(2048, 2048, units=16).backward_block_q == 256  # forward 1024 x 2048 scores, one unit a step
   assert choose(1024, 2048, units=16).backward_block_q == 256
   assert choose(512, 512, units=16, groups=4).backward_block_q == 64  # GQA: 4 x 512 rows x 512 keys
@@ -177,6 +177,26 @@ def test_the_backward_takes_blocks_of_256_query_rows_where_a_units_forward_block
   assert choose(512, 16384, units=8).backward_block_q is None  # forward blocks of 128 rows already
   for units in (1, 8):  # chunked's 256 x 512 blocks
     assert attention.choose_blocking("chunked", 8192, 8192, units=units, threads=2).backward_block_q is None
+
+
+def test_a_larger_l2_cache_keeps_larger_backward_blocks(tmp_path):
+  """Both the split's threshold and its rows grow with the L2: at 2 MiB (an Intel Xeon's) GQA at 512 and the
+  2048 rows keep their forward blocks, faster there (experiments/bench_backward_blocks.py); an unknown L2 reads as
+  the 512 KiB the rule was measured on."""
+  choose = functools.partial(attention.choose_blocking, "xla", backend="cpu", threads=2, l2_bytes=2 << 20)
+  assert choose(512, 512, units=16, groups=4).backward_block_q is None  # 4 x 512 x 512 = 2^20 scores
+  assert choose(2048, 2048, units=16).backward_block_q is None  # 1024 x 2048
+  assert attention._backward_block_q(2048, 2048, 1, 2 << 20) == 1024  # 4 x 2^20 scores: 4 x 256 rows
+  assert attention._backward_block_q(2048, 2048, 1, 512 * 1024) == 256
+  assert choose(512, 512, units=16, groups=4, l2_bytes=1 << 18).backward_block_q == 64  # smaller: as at 512 KiB
+  for level, kind, size in (("1", "Data", "48K"), ("1", "Instruction", "64K"), ("2", "Unified", "2048K")):
+    folder = tmp_path / f"index{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    for name, value in (("level", level), ("type", kind), ("size", size)):
+      (folder / name).write_text(value + "\n")
+  assert attention.l2_cache_bytes(str(tmp_path)) == 2 << 20
+  assert attention.l2_cache_bytes(str(tmp_path / "missing")) == 512 * 1024  # unknown: the tuned size
+  assert attention.l2_cache_bytes() > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

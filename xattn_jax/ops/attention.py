@@ -36,6 +36,7 @@ Implementations:
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -189,15 +190,35 @@ def usable_cores() -> int:
 # query block for "xla" and how many units share a step.
 _STEP_SCORES = 2 ** 21
 # A CPU backward block of "xla" over a unit's forward block of this many scores or more takes this many query
-# rows, all of the unit's query heads counted (see _backward_block_q).
+# rows, all of the unit's query heads counted (see _backward_block_q), on a core with _TUNED_L2_BYTES of L2 cache
+# (the Zen 2 EPYC's, where they were measured); both grow with a larger L2, where larger backward blocks run
+# faster (experiments/results/intel_xeon_amx/attention_backward_blocks.md).
 _BACKWARD_SPLIT_SCORES = 2 ** 20
 _BACKWARD_ROWS = 256
+_TUNED_L2_BYTES = 512 * 1024
 # Units of one block per CPU loop step, at most (see choose_blocking).
 _MAX_CHAINS = 8
 
 
+@functools.cache
+def l2_cache_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+  """This CPU's per-core L2 cache in bytes, as Linux's sysfs gives it (`base`: its first core's cache folder);
+  _TUNED_L2_BYTES where it cannot be read."""
+  units = {"K": 1 << 10, "M": 1 << 20}
+  try:
+    for index in sorted(os.listdir(base)):
+      read = lambda name: open(os.path.join(base, index, name)).read().strip()  # noqa: B023 - read at once
+      if index.startswith("index") and read("level") == "2" and read("type") in ("Unified", "Data"):
+        size = read("size")  # e.g. "2048K"
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+  except (OSError, ValueError):
+    pass
+  return _TUNED_L2_BYTES
+
+
 def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str = "cpu", units: int = 1,
-                    threads: int | None = None, groups: int = 1) -> blocked_attention.Blocking:
+                    threads: int | None = None, groups: int = 1,
+                    l2_bytes: int | None = None) -> blocked_attention.Blocking:
   """Block sizes and schedule by length, tuned by measurement on a 2-core CPU (the resulting speeds:
   experiments/results/attention_benchmark.md).
 
@@ -205,7 +226,8 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   blocks, and a loop step takes several units while their score blocks stay within _STEP_SCORES.
   GPU / TPU: all units side by side, 512 keys per step. units: batch * kv_heads; threads: CPU
   cores (default: this process's); groups: query heads per kv head (a unit's score block holds
-  groups * block_q rows, so GQA takes proportionally fewer query rows per block and units per step).
+  groups * block_q rows, so GQA takes proportionally fewer query rows per block and units per step);
+  l2_bytes: a core's L2 cache (default: this CPU's, `l2_cache_bytes`), which sizes the backward's blocks.
   """
   if backend != "cpu":
     return blocked_attention.Blocking(block_q=q_len, block_k=512, parallel_units=True)
@@ -228,12 +250,13 @@ def choose_blocking(implementation: str, q_len: int, kv_len: int, backend: str =
   limit = min(_MAX_CHAINS if one_block else threads or usable_cores(),
               max(1, _STEP_SCORES // (groups * block_q * block_k)))
   per_step = max(d for d in range(1, limit + 1) if units % d == 0)
-  backward_block_q = _backward_block_q(block_q, block_k, groups) if implementation == "xla" else None
+  backward_block_q = (_backward_block_q(block_q, block_k, groups, l2_bytes or l2_cache_bytes())
+                      if implementation == "xla" else None)
   return blocked_attention.Blocking(block_q=block_q, block_k=block_k, units_per_step=per_step,
                                     backward_block_q=backward_block_q)
 
 
-def _backward_block_q(block_q: int, block_k: int, groups: int) -> int | None:
+def _backward_block_q(block_q: int, block_k: int, groups: int, l2_bytes: int = _TUNED_L2_BYTES) -> int | None:
   """The query rows of a CPU backward block of "xla", or None for the forward's block_q.
 
   A backward block holds about twice the forward's score-sized temporaries (the scores, the probabilities and
@@ -241,10 +264,12 @@ def _backward_block_q(block_q: int, block_k: int, groups: int) -> int | None:
   _BACKWARD_SPLIT_SCORES scores or more, the backward takes blocks of _BACKWARD_ROWS query rows, every query
   head of the unit's group counted: the largest divisor of block_q that is a multiple of 8 and at least half
   that many rows (a block_q with none keeps its own). Smaller units keep their blocks, which run side by side.
+  Both sizes are for a core of _TUNED_L2_BYTES of L2 and grow in proportion to a larger one (`l2_bytes`).
   """
-  if groups * block_q * block_k < _BACKWARD_SPLIT_SCORES:
+  scale = max(1, l2_bytes // _TUNED_L2_BYTES)
+  if groups * block_q * block_k < _BACKWARD_SPLIT_SCORES * scale:
     return None
-  target = _BACKWARD_ROWS // groups
+  target = _BACKWARD_ROWS * scale // groups
   rows = [d for d in range(8, target + 1, 8) if block_q % d == 0 and 2 * d >= target]
   return max(rows) if rows and max(rows) < block_q else None
 
