@@ -196,6 +196,29 @@ def test_a_stopped_dependency_ends_the_job_with_status_zero(tmp_path, monkeypatc
   assert "\n" not in str(stopped.value) and checkpoints.step_numbers(str(tmp_path / "dependency")) == [1]
 
 
+def test_a_stop_asked_in_a_dependencys_last_call_lets_it_finish_and_trains_nothing_after_it(tmp_path, monkeypatch):
+  """The last call's SIGTERM or Ctrl-C was lost: the dependency finished, and the run that needs it trained to its
+  end (in a README trial, 1000 VLM steps after a SIGTERM)."""
+  dependency = dependency_config(**{"total_steps": 3, "steps_per_call": 1, "debug.step_delay_s": 0.001,
+                                    "checkpoint.every_steps": 3, "eval_every_steps": 3})
+  pauses = []
+
+  def ctrl_c_in_the_last_call(seconds):  # the loop's pause after each call
+    pauses.append(seconds)
+    if len(pauses) == 3:
+      signal.raise_signal(signal.SIGINT)
+
+  monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=loop.time.perf_counter,
+                                                          sleep=ctrl_c_in_the_last_call))
+  with pytest.raises(SystemExit) as stopped:
+    dependencies.resolve(dependent_config(tmp_path / "dependency", dependency), str(tmp_path / "run"))
+  assert stopped.value.code == 0 and checkpoints.step_numbers(str(tmp_path / "dependency")) == [3]
+  assert str(stopped.value).startswith("Stopped (SIGTERM or Ctrl-C) as task.dependency_workdir finished: run the "
+                                       "same command again to train the run that needs it"), str(stopped.value)
+  monkeypatch.undo()  # the next start trains nothing more here, and is not stopped by the signal of the last one
+  assert dependencies.resolve(dependent_config(tmp_path / "dependency", dependency), str(tmp_path / "run"))
+
+
 class TwoDependencyTask(TemplateTask):
   """The template task, needing two runs: `task.dependency` and `task.second`, independent of each other."""
 

@@ -43,7 +43,7 @@ from absl import logging
 from ml_collections import ConfigDict
 
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import loop, task as task_lib, validation, workdir as workdir_lib
+from xattn_jax.training import guards, loop, task as task_lib, validation, workdir as workdir_lib
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LAUNCH = os.path.join(_REPOSITORY, "launch.py")
@@ -184,13 +184,29 @@ def _stopped_message(stopped) -> str:
   """One line for the dependencies (dependency, config) in `stopped` that a signal stopped unfinished."""
   def where(dependency, config):
     step = max(checkpoints_lib.step_numbers(dependency.workdir), default=0)
-    return f"saved at step {step} of {config.total_steps}" if step else "stopped before its first checkpoint"
+    end = task_lib.read_end_step(config, dependency.workdir) or config.total_steps  # max_epochs may end it early
+    return f"saved at step {step} of {end}" if step else "stopped before its first checkpoint"
 
   runs = ", ".join(f"the run in {dependency.workdir} ({dependency.workdir_field}) {where(dependency, config)}"
                    for dependency, config in stopped)
   return (f"Stopped (SIGTERM or Ctrl-C): {runs}; run the same command again to resume "
           f"{'it' if len(stopped) == 1 else 'them'}, then train the run that needs "
           f"{'it' if len(stopped) == 1 else 'them'}")
+
+
+def _stop_before_the_next_run(todo) -> None:
+  """Raises DependencyStopped where a signal asked this process to stop while the dependencies in `todo` trained:
+  one that came in a run's last call let it finish, and nothing queued after it may start."""
+  if not guards.stop_requested():
+    return
+  stopped = [(dependency, config) for dependency, config in todo if not is_finished(dependency)]
+  if stopped:
+    message = _stopped_message(stopped)
+  else:
+    message = (f"Stopped (SIGTERM or Ctrl-C) as {', '.join(d.workdir_field for d, _ in todo)} finished: run the "
+               f"same command again to train the run that needs {'it' if len(todo) == 1 else 'them'}")
+  logging.warning("%s", message)
+  raise DependencyStopped(message)
 
 
 def _relay(stream, prefix: str, last_line: list) -> None:
@@ -224,6 +240,7 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
       interrupted = True
     logging.warning("%s received: stopping the dependencies training side by side (each saves a checkpoint)",
                     signal.Signals(signum).name)
+    guards.note_stop_request()
     stop(range(len(children)))
 
   previous = {}
@@ -272,11 +289,9 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
     raise DependencyFailed(f"the training of {dependency.workdir_field} in {dependency.workdir} failed "
                            f"(exit status {status}): {last_lines[failed][0] or 'no output'}",
                            status if status > 0 else 1)
-  stopped = [(dependency, config) for dependency, config in todo if not is_finished(dependency)]
-  if stopped:
-    message = _stopped_message(stopped)
-    logging.warning("%s", message)
-    raise DependencyStopped(message)
+  if not all(is_finished(dependency) for dependency, _ in todo):  # only a signal ends a child unfinished
+    guards.note_stop_request()
+  _stop_before_the_next_run(todo)
 
 
 def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: bool = False,
@@ -288,8 +303,9 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
   """
   if mode != "train":
     return []
-  if _chain is None:  # in a side-by-side subprocess: the runs waiting on this one
+  if _chain is None:  # this process's own call (in a side-by-side subprocess: the runs waiting on this one)
     _chain = tuple(filter(None, os.environ.get(CHAIN_VARIABLE, "").split(os.pathsep)))
+    guards.clear_stop_request()  # what stops this process's queue from here on
   task_class = task_lib.get_task_class(config.task.name)
   dependencies = task_class.dependencies(config, workdir)
   for index, dependency in enumerate(dependencies):
@@ -327,7 +343,6 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
     logging.info("Dependency %s: training it first in %s", dependency.workdir_field, dependency.workdir)
     loop.run(dependency_config, dependency.workdir, "train")
     if not is_finished(dependency):  # the loop returns early only when stopped by a signal
-      message = _stopped_message([(dependency, dependency_config)])
-      logging.warning("%s", message)
-      raise DependencyStopped(message)
+      guards.note_stop_request()
+    _stop_before_the_next_run([(dependency, dependency_config)])
   return dependencies

@@ -43,6 +43,24 @@ def check_finite(step: int, values: dict, saved_steps: Callable[[], Sequence[int
                              f"Last checkpoint: {last} (left untouched)")
 
 
+# Whether SIGTERM or Ctrl-C reached this process since `clear_stop_request`, whichever handler took it: a stop
+# asked during a run's last call ends that run normally, and the runs queued after it (dependencies, then the
+# run that needs them) must not start.
+_STOP_ASKED = [False]
+
+
+def note_stop_request() -> None:
+  _STOP_ASKED[0] = True
+
+
+def stop_requested() -> bool:
+  return _STOP_ASKED[0]
+
+
+def clear_stop_request() -> None:
+  _STOP_ASKED[0] = False
+
+
 class StopFlag:
   """`requested` turns True on SIGTERM or a first Ctrl-C (while `stop_flag()` is active)."""
 
@@ -58,6 +76,7 @@ class StopFlag:
     logging.warning("%s received: saving a checkpoint at the end of the current call (or of the next one, "
                     "already queued).", name)
     self.requested = True
+    note_stop_request()
 
 
 @contextlib.contextmanager
