@@ -435,6 +435,10 @@ def test_sigterm_saves_a_checkpoint_mid_run_and_exits_zero(sigterm_run):
   _, stopped = sigterm_run
   assert stopped["returncode"] == 0, stopped["stderr"][-3000:]
   assert stopped["steps"] and stopped["steps"][-1] < STEPS
+  # its last line says where it stopped and how to go on (it ended on the signal's notice alone)
+  last = stopped["stderr"].strip().splitlines()[-1]
+  assert f"Stopped at step {stopped['steps'][-1]} of {STEPS} (SIGTERM or Ctrl-C)" in last, last
+  assert "run the same command again to resume" in last
 
 
 @pytest.mark.slow

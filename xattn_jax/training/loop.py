@@ -114,6 +114,9 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
       if end.evaluate or save or stops_early:  # steps/s measures training only
         step_log.restart_timer(step)
     step_log.flush()
+  if flag.requested and step < config.total_steps:  # where it stopped, and how to pick it up
+    logging.warning("Stopped at step %d of %d (SIGTERM or Ctrl-C), its checkpoint saved in %s: run the same "
+                    "command again to resume.", step, config.total_steps, trainer.workdir)
   return last_eval
 
 
