@@ -57,6 +57,40 @@ def test_the_best_checkpoint_is_the_eval_early_stopping_names_best(tmp_path, mod
   resumed.close()
 
 
+@pytest.mark.parametrize("mode, values, improving", [
+    ("min", [3.0, 2.0, 2.0, 2.5, 1.0], [True, True, False, False, True]),  # a tie is no gain
+    ("max", [0.5, 0.4, 0.9], [True, False, True])])
+def test_an_eval_improves_on_the_best_only_where_it_beats_every_kept_step(tmp_path, mode, values, improving):
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, best_metric="eval/m", best_mode=mode)
+  assert not checkpoints.improves_on_best({"eval/other": 1.0}) and not checkpoints.improves_on_best(None)
+  for step, (value, expected) in enumerate(zip(values, improving), 1):
+    assert checkpoints.improves_on_best({"eval/m": value}) is expected, step
+    checkpoints.save(step, *_tiny(step), {"step": step}, {"eval/m": value})
+  checkpoints.close()
+
+
+def test_an_eval_between_checkpoint_steps_that_beats_the_best_is_saved_so_eval_from_best_reads_it(tmp_path):
+  """early_stop.json named the best eval's step, but eval_from=best read the best among the checkpoint steps
+  alone: an eval between them that beat it had no checkpoint (a README trial: best at 200, read 400)."""
+  from configs import template
+  from xattn_jax.training import loop
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({  # the worst loss ranks best here: the first eval, step 2, between saves
+      "total_steps": 6, "log_every_steps": 2, "eval_every_steps": 2, "checkpoint.every_steps": 6,
+      "checkpoint.best_metric": "eval/loss", "checkpoint.best_mode": "max", "eval_batch_size": 8,
+      "task.num_eval_examples": 8, "optimizer.warmup_steps": 1, "logging.tensorboard": False,
+      "logging.plot": False})
+  loop.run(config, str(tmp_path))
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  losses = {row["step"]: row["eval/loss"] for row in rows if "eval/loss" in row}
+  best = max(losses, key=lambda step: (losses[step], -step))
+  assert best == 2, losses  # the model learns: its first eval's loss is the highest
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, best_metric="eval/loss", best_mode="max")
+  assert best in checkpoints.steps() and checkpoints.best_step() == best
+  assert checkpoints_lib.steps_to_read(checkpoints, "best") == [best]
+  checkpoints.close()
+
+
 def test_the_best_checkpoint_survives_a_resume(tmp_path):
   """A resumed run (a new manager on the same directory) still knows the earlier steps' metrics:
   they were kept only in memory, and the first save after a resume deleted the best step."""

@@ -100,7 +100,7 @@ class Checkpoints:
   def __init__(self, workdir: str, *, keep: int, best_metric: str = "", best_mode: str = "min"):
     self.workdir = workdir
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self.best_metric = best_metric
+    self.best_metric, self.best_mode = best_metric, best_mode
     preserve = [policies.LatestN(n=keep)]
     rank = _ranking(best_metric, best_mode)
     if best_metric:
@@ -137,6 +137,20 @@ class Checkpoints:
     if not self.best_metric or not self.manager.all_steps():
       return None
     return self.manager.best_step()
+
+  def improves_on_best(self, metrics: dict | None) -> bool:
+    """Whether eval `metrics` rank better by best_metric than every kept step's (a tie does not: the earliest
+    keeps it, as early stopping counts a tie as no gain); False without a best_metric or that metric. The loop
+    saves a checkpoint at such an eval between its checkpoint steps, so that the best eval is the best
+    checkpoint (`eval_from=best`, early_stop.json's step)."""
+    if not self.best_metric or not metrics or self.best_metric not in metrics:
+      return False
+    best = self.best_step()
+    stored = self.manager.metrics(best) if best is not None else None
+    if not stored or self.best_metric not in stored:
+      return True
+    value, kept = float(metrics[self.best_metric]), float(stored[self.best_metric])
+    return value < kept if self.best_mode == "min" else value > kept
 
   def restore_latest(self, abstract_model, abstract_optimizer, *, steps=None, quarantine: bool = True):
     """(model_state, optimizer_state, meta) of the newest readable step (of `steps`, else of all), or None if

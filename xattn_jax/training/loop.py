@@ -104,7 +104,7 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
         last_eval = _evaluate(trainer, checkpoints, state, step, rng_key)
         writer.write(step, {**train_row, **last_eval})
         stops_early = early_stopping.after_eval(step, last_eval)
-      if save or stops_early:
+      if save or stops_early or (end.evaluate and checkpoints.improves_on_best(last_eval)):
         trainer.save(checkpoints, step, state, rng_key, last_eval if end.evaluate else None)
       if stops_early:  # recorded once its checkpoint is saved
         logging.info("Early stopping at step %d: %s.", step, early_stopping.reason())
