@@ -111,15 +111,9 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
       "learning_rate": learning_rate,  # peak, reached at the end of warmup
       "warmup_steps": warmup_steps,
       "schedule": "cosine",         # optim.SCHEDULES, after linear warmup
-      "final_learning_rate_fraction": 0.0,  # cosine ends at learning_rate * this
-      "b1": 0.9,
-      "b2": 0.98,
-      "eps": 1e-9,
-      "momentum": 0.9,              # sgd only
-      "weight_decay": 0.01,
-      # Parameters whose path contains one of these substrings get no weight decay; vectors (biases,
-      # norm scales) never do. A name in no trainable parameter's path is refused (the default's are kept).
-      "weight_decay_exclude": optim.DEFAULT_WEIGHT_DECAY_EXCLUDE,
+      # final_learning_rate_fraction, b1, b2, eps, momentum, weight_decay, weight_decay_exclude: the fields
+      # only some optimizers or schedules read, with their defaults and what reads each
+      **optim.CHOICE_FIELD_DEFAULTS,
       "grad_clip_norm": 1.0,        # global-norm clipping; 0 disables
   })
 

@@ -137,11 +137,25 @@ def reads(optimizer_config, field: str) -> bool:
                                                                   (SCHEDULES, optimizer_config.schedule)))
 
 
+# The defaults of the optimizer.* fields only some choices read (configs/common.py takes them from here).
+CHOICE_FIELD_DEFAULTS = {
+    "final_learning_rate_fraction": 0.0,  # cosine ends at learning_rate * this
+    "b1": 0.9, "b2": 0.98, "eps": 1e-9,  # adam, adamw
+    "momentum": 0.9,  # sgd
+    "weight_decay": 0.01,  # adamw
+    # adamw: parameters whose path contains one of these substrings get no weight decay; vectors (biases, norm
+    # scales) never do. A name in no trainable parameter's path is refused (the default's are kept).
+    "weight_decay_exclude": DEFAULT_WEIGHT_DECAY_EXCLUDE,
+}
+
+
 def unread_fields(optimizer_config) -> list[str]:
-  """The optimizer.* fields some choice reads that the chosen optimizer and schedule do not: their values are
-  unused (adam takes no weight decay; only the cosine schedule ends at final_learning_rate_fraction)."""
+  """The optimizer.* fields some choice reads that the chosen optimizer and schedule do not, set otherwise than
+  their defaults (CHOICE_FIELD_DEFAULTS): a value the run does not use (adam takes no weight decay; only the
+  cosine schedule ends at final_learning_rate_fraction). A default left as it is is no news."""
   fields = {field for registry in (OPTIMIZERS, SCHEDULES) for choice in registry.values() for field in choice.reads}
-  return sorted(field for field in fields if field in optimizer_config and not reads(optimizer_config, field))
+  return sorted(field for field in fields if field in optimizer_config and not reads(optimizer_config, field)
+                and optimizer_config[field] != CHOICE_FIELD_DEFAULTS.get(field))
 
 
 def make_optimizer(optimizer_config, total_steps: int) -> optax.GradientTransformation:
