@@ -136,3 +136,10 @@ def test_launch_stops_a_best_metric_bleu_the_corpus_cannot_define_in_one_line(tm
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("launch.py: config.checkpoint.best_metric='eval/bleu'"), lines
   assert not workdir.exists()
+
+
+def test_a_perfect_corpus_scores_bleu_100_not_above():
+  """sacrebleu's geometric mean read 100.00000000000004, stored so in metrics.jsonl against README's 0-100."""
+  references = ["dimanche 29 novembre 2026", "29 nov. 2026", "jeudi 7 mars 2024"]
+  assert translate_task.corpus_bleu(references, references, "13a") == 100.0
+  assert translate_task.corpus_bleu(["dimanche 30 novembre 2026"] + references[1:], references, "13a") < 100.0

@@ -119,6 +119,11 @@ def _short_references(references, tokenize: str) -> int:
   return sum(len(tokenizer(text).split()) < BLEU_MAX_ORDER for text in references)
 
 
+def corpus_bleu(hypotheses: list[str], references: list[str], tokenize: str) -> float:
+  """sacrebleu's corpus BLEU, at most 100: its geometric mean reads 100.00000000000004 for a perfect corpus."""
+  return min(100.0, sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize).score)
+
+
 def bleu_choice(references, setting: str = "auto") -> BleuChoice:
   """The sacrebleu tokenizer for these reference texts, and whether corpus BLEU is defined for them.
 
@@ -626,7 +631,7 @@ class TranslateTask(task_lib.Task):
       self._plot_attention(model, inputs[:task.num_attention_plots])
     metrics = {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
     if self._bleu.defined:
-      metrics["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=self._bleu.tokenize).score
+      metrics["bleu"] = corpus_bleu(hypotheses, references, self._bleu.tokenize)
     else:
       logging.info("eval/bleu left out: undefined for this corpus (%s)", self._bleu.reason)
     metrics["chrf"] = sacrebleu.corpus_chrf(hypotheses, [references]).score
