@@ -552,8 +552,8 @@ def render(r) -> str:
   if "decode_limit" in r:
     lim = r["decode_limit"]
     fractions = lim["fraction_of_limit"]
-    lines += ["", f"This machine's limit for the decode: {lim['limit_s']:.3f} s ({lim['step_flops'] / 1e9:.0f} GFLOP at "
-              f"the 2048^3 matmul's {lim['matmul_2048_flops_per_s'] / 1e9:.0f} GFLOP/s, {lim['step_bytes'] / 1e9:.1f} GB "
+    lines += ["", f"This machine's limit for the decode: {lim['limit_s']:.3g} s ({lim['step_flops'] / 1e9:.3g} GFLOP at "
+              f"the 2048^3 matmul's {lim['matmul_2048_flops_per_s'] / 1e9:.0f} GFLOP/s, {lim['step_bytes'] / 1e9:.3g} GB "
               f"at the copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s, each step the larger; both rates timed "
               "in the same rounds). Share of it reached: " + ", ".join(
                   f"{short} {fractions[name]:.2f}" for name, short in (
