@@ -71,6 +71,11 @@ STEPS_PER_CALL = lm_text.get_config().steps_per_call
 ADAMW = dict(learning_rate=1e-4, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.01)
 
 
+def _figure(value: float, decimals: int) -> str:
+  """value to `decimals` places, or to two significant digits where those places would read 0 (a --quick run)."""
+  return f"{value:.{decimals}f}" if round(value, decimals) else f"{value:.2g}"
+
+
 def random_tokens(rng, vocab, batch, length):
   """Ids >= 3 (no padding, BOS or EOS) int32 [batch, length]."""
   return rng.integers(3, vocab, (batch, length)).astype(np.int32)
@@ -552,8 +557,9 @@ def render(r) -> str:
   if "decode_limit" in r:
     lim = r["decode_limit"]
     fractions = lim["fraction_of_limit"]
-    lines += ["", f"This machine's limit for the decode: {lim['limit_s']:.3g} s ({lim['step_flops'] / 1e9:.3g} GFLOP at "
-              f"the 2048^3 matmul's {lim['matmul_2048_flops_per_s'] / 1e9:.0f} GFLOP/s, {lim['step_bytes'] / 1e9:.3g} GB "
+    lines += ["", f"This machine's limit for the decode: {_figure(lim['limit_s'], 3)} s "
+              f"({_figure(lim['step_flops'] / 1e9, 0)} GFLOP at the 2048^3 matmul's "
+              f"{lim['matmul_2048_flops_per_s'] / 1e9:.0f} GFLOP/s, {_figure(lim['step_bytes'] / 1e9, 1)} GB "
               f"at the copy bandwidth {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s, each step the larger; both rates timed "
               "in the same rounds). Share of it reached: " + ", ".join(
                   f"{short} {fractions[name]:.2f}" for name, short in (
