@@ -263,6 +263,27 @@ def test_training_in_a_folder_holding_a_log_or_plot_no_run_wrote_is_refused_befo
   assert (tmp_path / "metrics.jsonl").read_text() == "my notes, not JSON\n"
 
 
+def test_training_on_over_an_edited_data_file_says_so_and_keeps_the_record_it_started_on(tmp_path, caplog):
+  """A resumed run read an edited train file without a word (only a run depending on it checked the record)."""
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("a.png\ta cat\n")
+  def with_file(**overrides):  # the template task reads no file: a data section as a task that reads one has
+    config = tiny_template(**overrides)
+    config.data = {"train_file": str(pairs)}
+    return config
+
+  run = tmp_path / "run"
+  loop.run(with_file(), str(run))
+  recorded = (run / workdir.DATA_RECORD).read_text()
+  loop.run(with_file(total_steps=4), str(run))
+  assert "edited since the run started" not in caplog.text
+  pairs.write_text("a.png\ta dog\n")
+  loop.run(with_file(total_steps=6), str(run))
+  assert "Training on over data files edited since the run started: data.train_file" in caplog.text
+  assert "(same size, other contents)" in caplog.text
+  assert (run / workdir.DATA_RECORD).read_text() == recorded
+
+
 def test_a_run_trained_on_with_other_settings_keeps_the_record_it_started_with(tmp_path):
   """The record claimed the resumed settings (another learning rate, batch size) for every step of the run, and a
   command that trained nothing rewrote it too."""

@@ -212,6 +212,11 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       if mode == "train" and not resumed:
         workdir_lib.write_config(config, workdir)
         workdir_lib.record_data_files(config, workdir)
+      elif mode == "train" and (changed := workdir_lib.changed_data_files(config, workdir)):
+        # the record keeps the contents the run started on; a run that depends on this one refuses it
+        logging.warning("Training on over data files edited since the run started: %s. The steps from here read "
+                        "the new contents; a run that depends on this one will refuse it (train into a new "
+                        "workdir to start over on them)", "; ".join(changed))
     return _run_in(config, workdir, mode, output, is_writer=is_writer, new_workdir=new_workdir, resumed=resumed)
 
 
