@@ -280,7 +280,7 @@ def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connect
 
 def test_mrope_needs_an_mrope_lm_and_a_spatial_connector():
   encoder, lm = make_parts("rope")
-  with pytest.raises(ValueError, match="position_encoding='mrope'"):
+  with pytest.raises(ValueError, match="a multimodal position encoding such as 'mrope'"):
     vlm.VisionLanguageModel(encoder, lm, connector="llava", image_token_id=IMAGE, image_positions="mrope",
                             rngs=nnx.Rngs(0))
   encoder, lm = make_parts("mrope")

@@ -395,9 +395,9 @@ class VisionLanguageModel(nnx.Module):
                        f"which connector={connector!r} does not hand the LM (only "
                        f"{tuple(n for n, k in CONNECTORS.items() if k.spatial)})")
     if image_positions == "mrope" and not lm.multimodal_positions:
-      raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with a multimodal "
-                       f"encoding, position_encoding='mrope' (the 1D-RoPE weights load unchanged), got "
-                       f"{lm.position_encoding!r}")
+      raise ValueError(f"VisionLanguageModel: image_positions='mrope' needs an LM built with a multimodal position "
+                       f"encoding such as 'mrope' (the 1D-RoPE weights load unchanged), got "
+                       f"position_encoding={lm.position_encoding!r}")
     if feature_positions not in feature_position_encodings():
       raise ValueError(f"VisionLanguageModel: feature_positions must be one of {feature_position_encodings()}, got "
                        f"feature_positions={feature_positions!r}")

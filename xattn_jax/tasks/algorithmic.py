@@ -195,12 +195,12 @@ class AlgorithmicTask(task_lib.Task):
   def infer_lines(self, model, lines):
     """Each line of letters (one symbol each) copied or reversed by greedy decoding."""
     num_symbols = self.config.task.num_symbols
-    def row(index, line):
+    def symbol_ids(index, line):
       text = line.strip()
       if not text or len(text) >= self.max_length or any(ch not in LETTERS[:num_symbols] for ch in text):
         raise ValueError(f"needs 1 to {self.max_length - 1} letters from {LETTERS[:num_symbols]!r}, got {text!r}")
       return [algorithmic.FIRST_SYMBOL + LETTERS.index(ch) for ch in text]
-    rows = task_lib.read_each(lines, row)
+    rows = task_lib.read_each(lines, symbol_ids)
     inputs = np.zeros((len(rows), max(map(len, rows))), np.int32)
     for row, ids in zip(inputs, rows):
       row[:len(ids)] = ids
