@@ -277,6 +277,19 @@ def test_an_unknown_position_encoding_lists_exactly_the_encodings_the_tasks_mode
                   rf"^config\.model\.position_encoding='nope': allowed are {re.escape(str(sorted(allowed)))}$")
 
 
+def test_a_task_of_yours_may_list_its_encodings_as_a_tuple(monkeypatch):
+  """Task.position_encodings became a method (read when validating); a tuple, as a task may have set it, works."""
+  from xattn_jax.tasks.template import TemplateTask
+
+  class RopeOnly(TemplateTask):
+    position_encodings = ("rope",)
+
+  monkeypatch.setattr(task_lib, "get_task_class", lambda name: RopeOnly)
+  config = load_config("--config=configs/template.py")
+  _assert_refused(config, "model.position_encoding", "learned",
+                  r"^config\.model\.position_encoding='learned': allowed are \['rope'\]$")
+
+
 def test_a_task_without_its_own_encodings_is_offered_every_registered_one():
   config = algorithmic.get_config()
   config.model.position_encoding = "nope"

@@ -269,7 +269,7 @@ class Task:
   @staticmethod
   def position_encodings() -> tuple[str, ...] | None:
     """The model.position_encoding values the task's model builds, read from the position registry when called
-    (validation names them); None: any registered."""
+    (validation names them); None: any registered. A task may set a tuple instead (fixed when its class is made)."""
     return None
 
   @classmethod

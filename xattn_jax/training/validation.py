@@ -359,5 +359,6 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     check_mesh(config, device_count)
   else:
     _check_mesh_sizes(config.mesh)
-  check_attention_dims(config.model, allowed_encodings=task_class.position_encodings())
+  allowed = task_class.position_encodings  # a task of yours may give a tuple, read once, instead of the method
+  check_attention_dims(config.model, allowed_encodings=allowed() if callable(allowed) else allowed)
   task_class.validate(config, mode)
