@@ -238,6 +238,23 @@ def test_a_second_training_process_in_a_workdir_is_refused_naming_the_first_befo
   assert (run / "checkpoints" / "2").is_dir()
 
 
+def test_eval_and_infer_read_a_workdir_while_a_process_trains_there_and_the_lock_file_names_its_last_holder(
+    tmp_path):
+  """README: eval and infer take no lock; the file stays after the run, naming the process that last held it."""
+  import io
+  import os
+  import socket
+  from xattn_jax.training import loop  # noqa: PLC0415 - jax only for this test
+  run = tmp_path / "run"
+  loop.run(tiny_template(), str(run))
+  assert (run / workdir.LOCK_FILE).read_text() == f"process {os.getpid()} on {socket.gethostname()}\n"
+  (tmp_path / "lines.txt").write_text("abc\n")
+  with workdir.training_lock(str(run)):  # as another process training there would hold it
+    assert "eval/loss" in loop.run(tiny_template(), str(run), "eval")
+    assert loop.run(tiny_template(**{"infer.input_file": str(tmp_path / "lines.txt")}), str(run), "infer",
+                    output=io.StringIO())
+
+
 def test_training_in_a_folder_holding_a_config_file_no_run_wrote_is_refused_before_writing(tmp_path):
   """A folder of your own given as the workdir lost its config.py to the run's record, silently."""
   (tmp_path / "config.py").write_text("MY = 'experiment settings'\n")
