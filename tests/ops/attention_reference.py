@@ -59,6 +59,8 @@ BLOCKINGS = {
     "chunked_2_units_per_step": lambda s, units: Blocking(block_q=4, block_k=8, units_per_step=math.gcd(2, units)),
     "xla_4_units_per_step": lambda s, units: Blocking(block_q=1024, block_k=s, units_per_step=math.gcd(4, units)),
     "xla_one_block": lambda s, units: Blocking(block_q=1024, block_k=s),
+    # CPU "xla" past 256 x 256 scores: query blocks over all keys, the backward in blocks of its own
+    "xla_backward_blocks": lambda s, units: Blocking(block_q=4, block_k=s, backward_block_q=2),
 }
 
 

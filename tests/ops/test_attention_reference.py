@@ -118,9 +118,10 @@ reference_hessian_vector_product = jax.jit(functools.partial(hessian_vector_prod
 
 
 # "chunked" runs its causal key loops inside the loop over query blocks, whose start is traced: the
-# case that needs static trip counts. "xla_one_block" is the one-pass kernel without block loops
-# (its loop over query blocks is the same as chunked's).
-@pytest.mark.parametrize("implementation", ["dense", "xla_one_block", "chunked"])
+# case that needs static trip counts. "xla_one_block" is the one-pass kernel without block loops;
+# "xla" and "xla_backward_blocks" loop over query blocks, the latter with backward blocks of their own
+# (as CPU "xla" runs past 256 x 256 scores).
+@pytest.mark.parametrize("implementation", ["dense", "xla_one_block", "xla", "xla_backward_blocks", "chunked"])
 def test_grad_of_grad_matches_reference_hessian_vector_product(implementation, monkeypatch):
   # One unit (1 batch, 1 kv head) keeps the compile time of the twice-differentiated loops down.
   # Causal, a mask that hides query 0 from every key, and a bias.
@@ -140,7 +141,7 @@ def test_grad_of_grad_matches_reference_hessian_vector_product(implementation, m
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"second derivative w.r.t. {name}")
 
 
-@pytest.mark.parametrize("implementation", ["dense", "chunked"])
+@pytest.mark.parametrize("implementation", ["dense", "xla_backward_blocks", "chunked"])
 def test_hessian_is_forward_over_reverse_and_plain_forward_mode_raises(implementation, monkeypatch):
   # The module docstring's promise: jax.hessian (jacfwd of jacrev) differentiates the hand-written
   # backward in forward mode and works; jvp of the custom_vjp forward itself raises.
