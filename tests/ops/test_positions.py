@@ -160,6 +160,18 @@ def test_rope_computes_in_float32_and_returns_input_dtype():
   np.testing.assert_array_equal(out, rope(x.astype(jnp.float32), positions).astype(jnp.bfloat16))
 
 
+@pytest.mark.parametrize("apply, positions", [
+    (lambda x, p: P.apply_rope_2d(x, p), jnp.array([[[3, 1000], [2001, 5]]])),
+    (lambda x, p: P.apply_mrope(x, p, (2, 1, 1)), jnp.array([[[1000, 2001]], [[3, 7]], [[5, 9]]]))],
+    ids=["apply_rope_2d", "apply_mrope"])
+def test_the_other_rotary_ops_compute_in_float32_and_return_the_input_dtype(apply, positions):
+  """The module docstring's promise for every apply_*: bfloat16 in, bfloat16 out, rotated at float32."""
+  x = _normal(19, (1, 2, 1, 8), jnp.bfloat16)
+  out = apply(x, positions)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, apply(x.astype(jnp.float32), positions).astype(jnp.bfloat16))
+
+
 def test_rope_length_only_positions_broadcast_over_batch():
   x = _normal(10, (3, 4, 2, 8))
   np.testing.assert_array_equal(rope(x, jnp.arange(4)), rope(x, jnp.tile(jnp.arange(4), (3, 1))))
