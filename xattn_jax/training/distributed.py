@@ -1,6 +1,7 @@
 """Process start: the CPU device count, and multi-host `jax.distributed.initialize` from flags or on a cluster.
 
-Call `set_cpu_devices` and `initialize` before ANY JAX backend call (even `jax.devices()`): afterwards they fail.
+Call `set_cpu_devices` and `initialize` before ANY JAX backend call (even `jax.devices()`): JAX fixes its devices
+and processes when its backend starts, so they cannot take effect afterwards (launch.py calls them first).
 """
 from __future__ import annotations
 
