@@ -164,6 +164,29 @@ def test_init_from_loads_parameters_at_step_zero(saved_run, tmp_path):
   assert step == 0 and _all_ones(state)
 
 
+@pytest.mark.parametrize("saved_optimizer", ["adamw", "sgd"])
+def test_init_from_takes_the_parameters_alone_with_a_fresh_optimizer_whatever_the_saved_one(saved_optimizer,
+                                                                                             tmp_path):
+  """No saved optimizer value reaches the new run (the saved run above stores a fresh optimizer: that test could
+  not tell), and another optimizer (sgd's momentum trace against adamw's moments) does not stop it."""
+  source = template.get_config("size=tiny")
+  source.optimizer.name = saved_optimizer
+  trainer = Trainer(source, str(tmp_path / "source"))
+  model_dict, optimizer_dict = trainer.split_pure(trainer.init_state())
+  moved = lambda x: x + 5 if jnp.issubdtype(x.dtype, jnp.floating) else x  # a trained optimizer's values
+  stored = checkpoints_lib.Checkpoints(str(tmp_path / "source"), keep=2)
+  stored.save(3, jax.tree.map(jnp.ones_like, model_dict), jax.tree.map(moved, optimizer_dict),
+              {"step": 3, "rng": [0, 7]})
+  stored.close()
+  config = template.get_config("size=tiny")  # adamw
+  config.init_from = str(tmp_path / "source" / "checkpoints")
+  state, step, _ = _restore(config, str(tmp_path / "run"))
+  assert step == 0 and _all_ones(state)
+  fresh = Trainer(config, str(tmp_path / "fresh"))
+  want, got = (fresh.split_pure(s)[1] for s in (fresh.init_state(), state))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_checkpoint_in_the_workdir_wins_over_init_from(saved_run, tmp_path):
   config, _, saved_workdir = saved_run
   config = config.copy_and_resolve_references()
