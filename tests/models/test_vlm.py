@@ -278,6 +278,28 @@ def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connect
   np.testing.assert_allclose(scores, log_probs.sum(axis=1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("connector,image_positions", [("flamingo", "sequence"), ("qformer", "sequence"),
+                                                     ("llava", "mrope")])
+def test_a_long_cache_decodes_its_first_half_on_that_half_with_the_same_tokens_and_scores(connector, image_positions):
+  """decoding.py's promise for the VLM's cache (VLMCache.head keeps Flamingo's image memory and the latest image
+  whole): a beam search over 64 positions with cache_halves gives what the whole cache gives."""
+  from xattn_jax import decoding
+  model = make_vlm(connector, image_positions=image_positions, gates=0.7 if connector == "flamingo" else None)
+  nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))  # sharper: varied beams
+  images = make_images()
+  prompt, prompt_valid = batch_of([interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])])
+  cache, _ = model.prefill(model.encode_images(*images), prompt, prompt_valid, 64)
+  assert cache.capacity == 64 and int(cache.filled) < 32  # the search starts on the first half
+  def search(cache_halves):
+    options = decoding.DecodingOptions(method="beam", beam_size=3, cache_halves=cache_halves)
+    generate = nnx.jit(lambda m, *a: m.generate(*a, max_length=64 - prompt.shape[1], eos_id=VOCAB + 1,
+                                                options=options))
+    return [np.asarray(x) for x in generate(model, *images, prompt, prompt_valid)]
+  (halves, halves_scores), (whole, whole_scores) = search(True), search(False)
+  np.testing.assert_array_equal(halves, whole)
+  np.testing.assert_allclose(halves_scores, whole_scores, rtol=1e-5, atol=1e-5)
+
+
 def test_mrope_needs_an_mrope_lm_and_a_spatial_connector():
   encoder, lm = make_parts("rope")
   with pytest.raises(ValueError, match="a multimodal position encoding such as 'mrope'"):
