@@ -221,9 +221,17 @@ def _differences(old: dict, config, workdir: str) -> dict[str, tuple]:
   return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if not same(key)}
 
 
+# Fields that choose how the model computes, not what its parameters are or how they are stored: a resumed run,
+# an eval or an infer may set them otherwise (another attention kernel, rematerialization to fit memory).
+COMPUTE_FIELDS = ("model.implementation", "model.remat")
+# Fields that choose how the parameters are stored: a resumed run keeps them (eval and infer may read otherwise).
+STORAGE_FIELDS = ("precision.param_dtype",)
+
+
 def check_same_model(config, workdir: str, mode: str = "train") -> None:
   """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
-  model, task and data sections (resuming on other data or another tokenizer is another experiment);
+  model, task and data sections (resuming on other data or another tokenizer is another experiment) but for
+  COMPUTE_FIELDS, and the parameters' STORAGE_FIELDS;
   eval and infer must keep the model (but for the task's `eval_model_fields`) and the tokenizer (they may
   decode differently, e.g. another task.decoding, and evaluate other files). Eval and infer take a
   dependency's frozen parameters from the run's own checkpoint and record, so the fields naming where
@@ -243,6 +251,8 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   held_out = set(task_class.held_out_fields) if mode == "eval" and not data.get("eval_file") else set()
 
   def watched(field):
+    if field in COMPUTE_FIELDS:
+      return False
     if mode == "train":
       return True
     return ((field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
@@ -263,7 +273,8 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   # other fields differ too, and the alphabetically first of them would hide why), then by section.
   reported = [field for field in ("task.name", "model.name") if field in differences] + [
       field for section in ("model", "task", "data") for field in differences
-      if field.startswith(section + ".") and watched(field)]
+      if field.startswith(section + ".") and watched(field)] + [
+      field for field in STORAGE_FIELDS if field in differences and mode == "train"]
   if reported:
     field, (old, new) = reported[0], differences[reported[0]]
     if field not in recorded:
