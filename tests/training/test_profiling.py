@@ -42,6 +42,18 @@ def test_the_window_ends_where_the_run_evaluates(tmp_path):
   assert (directory / profiling.SUMMARY_FILE).read_text().startswith("# Profile of steps 3-4 (2 steps)")
 
 
+@pytest.mark.parametrize("first_step, warned", [
+    (0, "starts with this process's first training call, which compiles"),  # its op times read near 0
+    (3, "profile.first_step=3 falls inside a call of several steps (steps_per_call): the trace starts with the next "
+        "call, at step 5"),
+    (2, None)])
+def test_a_window_that_starts_at_the_compiling_call_or_inside_a_call_says_so(tmp_path, caplog, first_step, warned):
+  """Both ran without a word: a trial read the near-zero op times of the compiling call as a profile."""
+  _run(tmp_path, total_steps=8, first_step=first_step, num_steps=2)
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "profile" in r.getMessage()]
+  assert [m for m in warnings if warned and warned in m] if warned else not warnings, warnings
+
+
 def test_no_profile_is_written_by_default(tmp_path):
   assert not _run(tmp_path, total_steps=2, first_step=0, num_steps=0).exists()
 

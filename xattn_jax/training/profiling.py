@@ -56,6 +56,7 @@ class StepProfiler:
     self.is_writer = process_index == 0
     self.started_at: int | None = None
     self.done = self.num_steps == 0
+    self.calls = 0  # train calls this process has run (its first compiles)
 
   def before_call(self, step: int, state) -> None:
     if self.done or self.started_at is not None or step < self.first_step:
@@ -65,10 +66,18 @@ class StepProfiler:
     jax.profiler.start_trace(self.traces, create_perfetto_trace=True)
     self.started_at = step
     logging.info("Profiling from step %d (%s)", step + 1, self.traces)
+    if step > self.first_step:  # whole calls are traced: the one holding first_step + 1 had begun already
+      logging.warning("profile.first_step=%d falls inside a call of several steps (steps_per_call): the trace starts "
+                      "with the next call, at step %d", self.first_step, step + 1)
+    if self.calls == 0:
+      logging.warning("The profile starts with this process's first training call, which compiles: the trace holds "
+                      "the compilation and its op times read near 0; start it at or past the first call "
+                      "(profile.first_step >= steps_per_call, counted from where a resumed run starts)")
 
   def after_call(self, step: int, outputs, *, window_ends: bool = False) -> bool:
     """Stops the trace once the window's steps have run, or where the loop evaluates or saves next
     (`window_ends`: the trace holds training calls only); True if it stopped (the summary is written)."""
+    self.calls += 1
     if self.started_at is not None and (window_ends or step - self.started_at >= self.num_steps):
       self._stop(step, outputs)
       return True
