@@ -345,3 +345,28 @@ def test_randomized_positions_with_a_2d_encoding_are_a_config_error():
 
 
 # --- optimizer and loss -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"cpu_devices": 4, "mesh.data": 2}, r"^config\.mesh=.*needs 2 devices, but 4 are available .*; these 4 devices "
+                                         r"are the ones config\.cpu_devices=4 asks for$"),
+    ({"cpu_devices": 3, "batch_size": 64}, r"^config\.batch_size=64: must be divisible by mesh data x fsdp = 3; "
+                                           r"these 3 devices are the ones config\.cpu_devices=3 asks for$")])
+def test_a_mesh_that_does_not_fit_the_devices_cpu_devices_asked_for_names_that_field_too(overrides, message):
+  """The mesh or the batch alone was named, though the devices were the config's own cpu_devices."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict(overrides)
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(config, device_count=overrides["cpu_devices"])
+  config.cpu_devices = 1  # the same devices from the environment: the mesh alone is named
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, device_count=overrides["cpu_devices"])
+  assert "cpu_devices" not in str(error.value)
+
+
+def test_cudnn_on_a_cpu_run_names_the_backend_before_the_dtype_it_would_need():
+  """A float32 CPU run was told to switch to bfloat16, then, once it had, that cuDNN needs a GPU."""
+  config = template.get_config("size=tiny")
+  config.model.implementation = "cudnn"
+  with pytest.raises(validation.ConfigError, match=r"needs a GPU backend, this run has 'cpu'"):
+    validation.validate_config(config, device_count=1)

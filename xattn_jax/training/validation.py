@@ -36,6 +36,7 @@ class ConfigError(ValueError):
     super().__init__(f"config.{field}={value!r}: {allowed}")
     self.field = field
     self.value = value
+    self.allowed = allowed
 
 
 def _get(config, field: str):
@@ -348,15 +349,23 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                         f"(Task.loss_terms); task {config.task.name!r} gives only its mean: use 1")
     if config.batch_size % microbatches:
       raise ConfigError("num_microbatches", microbatches, f"must divide batch_size={config.batch_size}")
+  # the backend is up where device_count is given (asking for it earlier would start it before
+  # jax.distributed.initialize): a CPU run hears of the GPU first, not of the dtype cuDNN would need next
+  if device_count is not None and config.model.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
+    raise ConfigError("model.implementation", "cudnn",
+                      f"needs a GPU backend, this run has {jax.default_backend()!r}; use '' (the default choice)")
   if config.model.get("implementation") == "cudnn" and config.precision.compute_dtype not in ("bfloat16", "float16"):
     raise ConfigError("model.implementation", "cudnn",
                       f"needs precision.compute_dtype bfloat16 or float16, got {config.precision.compute_dtype!r}")
-  if device_count is not None:  # the backend is up (asking for it earlier would start it before
-    # jax.distributed.initialize)
-    if config.model.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
-      raise ConfigError("model.implementation", "cudnn",
-                        f"needs a GPU backend, this run has {jax.default_backend()!r}; use '' (the default choice)")
-    check_mesh(config, device_count)
+  if device_count is not None:
+    try:
+      check_mesh(config, device_count)
+    except ConfigError as error:  # devices the config itself asked for: say so, or the mesh looks to blame alone
+      asked = config.get("cpu_devices", 1)
+      if asked == device_count != 1:
+        raise ConfigError(error.field, error.value, f"{error.allowed}; these {device_count} devices are the ones "
+                          f"config.cpu_devices={asked} asks for") from None
+      raise
   else:
     _check_mesh_sizes(config.mesh)
   allowed = task_class.position_encodings  # a task of yours may give a tuple, read once, instead of the method
