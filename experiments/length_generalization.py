@@ -18,7 +18,8 @@ Cell workdirs are `<workdir>/<task>/<encoding>[+randomized]/seed<k>`; a finished
 result.json there and is never re-run; an interrupted one resumes from its last checkpoint
 (launch.py's own resume). The tables count every finished cell of the grid on disk, every seed, so a
 run with --only or fewer --seeds adds to the earlier ones (it says which); a cell finished under other
-settings (another budget) is stale: reported, not counted, not trained over (experiments/sweep.py). Cells run --jobs at a time, each on a single-threaded XLA.
+settings (another budget) is stale: reported, not counted, not trained over (experiments/sweep.py). Cells run
+--jobs at a time, each on a single-threaded XLA.
 
 Writes to --results: length_generalization.md (mean +- std of exact match per band over the seeds,
 the papers' numbers beside ours), length_generalization.json and length_generalization.png; each
