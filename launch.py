@@ -104,6 +104,17 @@ def workdir_problem(workdir: str, mode: str) -> str | None:
   return None
 
 
+def config_error_line(error, workdir: str, mode: str) -> str:
+  """The line for a ConfigError; for a data field refused in eval or infer of a run in `workdir`, a pointer to the
+  run's own config, which names the files it was trained on (the bundled config names none)."""
+  line = str(error)
+  own = os.path.join(workdir, "config.py")
+  if (mode != "train" and getattr(error, "field", "").startswith("data.") and os.path.isfile(own)
+      and own not in line):
+    line += f" (the run in {workdir} names its files in --config={own})"
+  return line
+
+
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; usage: {USAGE}")
@@ -141,7 +152,9 @@ def main(argv):
     dependencies.resolve(_CONFIG.value, workdir, _MODE.value,  # runs the task needs finished first
                          side_by_side=_DEPENDENCIES.value == "side_by_side")
     loop.run(_CONFIG.value, workdir, _MODE.value)
-  except (validation.ConfigError, loop.DataError, checkpoints.CheckpointMismatch) as e:
+  except validation.ConfigError as e:
+    fail(config_error_line(e, workdir, _MODE.value))
+  except (loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))
   except dependencies.DependencyFailed as e:  # its own lines, relayed, said why; this one names it
     fail(str(e), status=e.code)

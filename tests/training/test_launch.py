@@ -159,6 +159,24 @@ def test_a_workdir_under_home_is_expanded(tmp_path):
   assert result.returncode == 2 and not (tmp_path / "~").exists()
 
 
+def test_a_data_field_refused_in_eval_of_a_run_points_to_the_runs_own_config(tmp_path):
+  """`--mode=eval --config=configs/translate_tsv.py` without the train file said only "is required", where the
+  dates config's refusal named the run's config.py."""
+  sys.path.insert(0, str(REPO))
+  import launch as launcher
+  from xattn_jax.training import validation
+  error = validation.ConfigError("data.train_file", "", "is required: the path of a file")
+  (tmp_path / "config.py").write_text("")
+  own = tmp_path / "config.py"
+  assert launcher.config_error_line(error, str(tmp_path), "eval") == (
+      f"config.data.train_file='': is required: the path of a file (the run in {tmp_path} names its files in "
+      f"--config={own})")
+  assert launcher.config_error_line(error, str(tmp_path), "train") == str(error)  # training names its own files
+  assert launcher.config_error_line(error, str(tmp_path / "new"), "infer") == str(error)  # no run there
+  named = validation.ConfigError("data.train_file", "", f"... or use --config={own}")
+  assert launcher.config_error_line(named, str(tmp_path), "eval") == str(named)  # said once
+
+
 def test_the_compilation_cache_defaults_to_the_users_cache_folder_unless_jax_or_the_flag_names_one(monkeypatch):
   sys.path.insert(0, str(REPO))
   import launch as launcher
