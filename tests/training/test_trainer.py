@@ -156,12 +156,14 @@ def _all_ones(state):
   return bool(leaves) and all(np.all(np.asarray(x) == 1) for x in leaves)
 
 
-def test_init_from_loads_parameters_at_step_zero(saved_run, tmp_path):
+def test_init_from_loads_parameters_at_step_zero(saved_run, tmp_path, caplog):
   config, _, saved_workdir = saved_run
   config = config.copy_and_resolve_references()
   config.init_from = f"{saved_workdir}/checkpoints"
+  caplog.set_level("INFO")
   state, step, _ = _restore(config, str(tmp_path))
   assert step == 0 and _all_ones(state)
+  assert "init_from: reading the parameters of checkpoint step 3" in caplog.text  # which step it took
 
 
 @pytest.mark.parametrize("saved_optimizer", ["adamw", "sgd"])

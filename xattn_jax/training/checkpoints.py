@@ -256,6 +256,7 @@ def restore_model_from(path: str, abstract_model):
     if not steps:
       raise FileNotFoundError(f"init_from={path!r}: no checkpoint step directories in it")
     path = os.path.join(path, str(max(steps)))
+  logging.info("init_from: reading the parameters of checkpoint step %s (%s)", os.path.basename(path), path)
   mismatch = model_mismatch(os.path.join(path, "model"), abstract_model)
   if mismatch is not None:  # checked first: orbax would fail only after starting its reads
     raise CheckpointMismatch(f"init_from checkpoint {path} holds another model than this config builds: "
