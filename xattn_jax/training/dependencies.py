@@ -195,11 +195,12 @@ def _stopped_message(stopped) -> str:
 
 
 def _stop_before_the_next_run(todo) -> None:
-  """Raises DependencyStopped where a signal asked this process to stop while the dependencies in `todo` trained:
-  one that came in a run's last call let it finish, and nothing queued after it may start."""
-  if not guards.stop_requested():
-    return
+  """Raises DependencyStopped where a signal stopped a dependency in `todo` unfinished (only a signal ends one
+  early), or asked this process to stop while they trained: one that came in a run's last call let it finish,
+  and nothing queued after it may start."""
   stopped = [(dependency, config) for dependency, config in todo if not is_finished(dependency)]
+  if not stopped and not guards.stop_requested():
+    return
   if stopped:
     message = _stopped_message(stopped)
   else:
@@ -289,8 +290,6 @@ def _train_side_by_side(todo, chain: tuple[str, ...]) -> None:
     raise DependencyFailed(f"the training of {dependency.workdir_field} in {dependency.workdir} failed "
                            f"(exit status {status}): {last_lines[failed][0] or 'no output'}",
                            status if status > 0 else 1)
-  if not all(is_finished(dependency) for dependency, _ in todo):  # only a signal ends a child unfinished
-    guards.note_stop_request()
   _stop_before_the_next_run(todo)
 
 
@@ -342,7 +341,5 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
     resolve(dependency_config, dependency.workdir, "train", side_by_side=side_by_side, _chain=chain)
     logging.info("Dependency %s: training it first in %s", dependency.workdir_field, dependency.workdir)
     loop.run(dependency_config, dependency.workdir, "train")
-    if not is_finished(dependency):  # the loop returns early only when stopped by a signal
-      guards.note_stop_request()
     _stop_before_the_next_run([(dependency, dependency_config)])
   return dependencies

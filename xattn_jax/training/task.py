@@ -101,6 +101,11 @@ class InputLineError(ValueError):
     self.index, self.message = index, message
     super().__init__("; ".join(f"input line {i + 1}: {m}" for i, m in self.problems))
 
+  @classmethod
+  def of(cls, problems: Sequence[tuple[int, str]]) -> "InputLineError":
+    """One error naming every (index, message) of `problems` (at least one)."""
+    return cls(*problems[0], more=problems[1:])
+
 
 def read_each(lines: Sequence[str], read: Callable[[int, str], Any]) -> list:
   """[read(index, line) for each line], every line read first: the ValueError, OSError or InputLineError of each
@@ -115,7 +120,7 @@ def read_each(lines: Sequence[str], read: Callable[[int, str], Any]) -> list:
     except (ValueError, OSError) as error:
       problems.append((index, str(error)))
   if problems:
-    raise InputLineError(*problems[0], more=problems[1:])
+    raise InputLineError.of(problems)
   return values
 
 # Short names whose module is imported on first use (so importing this file stays cheap).
@@ -353,8 +358,7 @@ class Task:
     try:
       answers = self.infer_lines(model, [lines[index] for index in asked])
     except InputLineError as error:
-      raise InputLineError(asked[error.index], error.message,
-                           more=[(asked[index], message) for index, message in error.problems[1:]]) from None
+      raise InputLineError.of([(asked[index], message) for index, message in error.problems]) from None
     finally:
       self._line_numbers = None
     by_index = dict(zip(asked, answers, strict=True))

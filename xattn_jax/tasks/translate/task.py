@@ -664,8 +664,7 @@ class TranslateTask(task_lib.Task):
     self.tokenizer.warn_unknown_characters(lines, "the input lines")
     encoded = self.tokenizer.encode_batch(lines)
     if empty := [index for index, ids in enumerate(encoded) if not ids]:
-      problems = [(index, "0 tokens; the model takes 1 or more") for index in empty]
-      raise task_lib.InputLineError(*problems[0], more=problems[1:])
+      raise task_lib.InputLineError.of([(index, "0 tokens; the model takes 1 or more") for index in empty])
     cropped = [index for index, ids in enumerate(encoded) if len(ids) > limit]
     if cropped:
       logging.warning("infer: %d line(s) hold more tokens than the model's sources take (model.max_length=%d): "
