@@ -572,3 +572,19 @@ def test_a_generated_corpus_with_a_training_file_is_a_config_error(tmp_path):
   with pytest.raises(validation.ConfigError) as error:
     validation.validate_config(config, mode="train")
   assert error.value.field == "data.source"
+
+
+def test_infer_never_continues_with_a_suppressed_id_even_where_the_model_ranks_it_first(tmp_path):
+  """The output layer ranks padding, BOS and the bytes of line breaks (never_generated_ids) above every other
+  id, 'x' next: infer (the config's decoding method) continues each prompt with 'x' alone."""
+  config = helpers.load_config(*TINY, "--config.model.tie_output=False")
+  task = lm_task.LanguageModelTask(config, str(tmp_path), "infer")
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  never = list(task.tokenizer.never_generated_ids)
+  assert len(never) >= 4  # padding, BOS, "\n", "\r"
+  preference = np.zeros(task.vocab_size, np.float32)  # the logits of every position, whatever it reads
+  preference[never], preference[task.tokenizer.encode("x")] = 60.0, 30.0
+  model.output.kernel[...] = jnp.zeros_like(model.output.kernel[...])
+  model.output.bias[...] = jnp.asarray(preference)
+  new = config.task.decoding.max_new_tokens
+  assert task.infer(model, ["dimanche", ""]) == ["dimanche" + "x" * new, "x" * new]

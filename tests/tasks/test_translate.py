@@ -197,6 +197,21 @@ def test_infer_strips_a_line_and_crops_an_over_long_one_answering_every_line(tmp
              in record.getMessage() for record in caplog.records)
 
 
+def test_infer_never_writes_a_suppressed_id_even_where_the_model_ranks_it_first(tmp_path):
+  """The output layer ranks padding, BOS and the bytes of line breaks (never_generated_ids) above every other
+  id, 'x' next: infer (the config's decoding method) translates every line to 'x's alone."""
+  overrides = {"data.tokenizer": "bytes", "task.max_decode_length": 12, "model.tie_output": False}
+  task = translate_task.TranslateTask(_config(**overrides), str(tmp_path), mode="infer")
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  never = list(task.tokenizer.never_generated_ids)
+  assert len(never) >= 4  # padding, BOS, "\n", "\r"
+  preference = np.zeros(model.output.bias[...].shape, np.float32)  # the logits of every position
+  preference[never], preference[task.tokenizer.encode("x")] = 60.0, 30.0
+  model.output.kernel[...] = jnp.zeros_like(model.output.kernel[...])
+  model.output.bias[...] = jnp.asarray(preference)
+  assert task.infer(model, ["Jan 4, 2001", "May 1, 2000"]) == ["x" * 12] * 2
+
+
 @pytest.mark.parametrize("field, value", [("method", "nucleus"), ("temperature", 0.0), ("top_p", 1.5),
                                           ("top_k", -1), ("beam_size", 0), ("alpha", -0.5), ("seed", -1)])
 def test_a_bad_decoding_option_is_one_config_error_line_naming_it(field, value):
