@@ -3,6 +3,7 @@ missing, loaded when finished, refused when made with another config, and never 
 The dependent task here is the template task declaring one template run (`task.dependency`)."""
 import dataclasses
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -237,6 +238,15 @@ class UnreadableDataTask(TemplateTask):
     raise DataError("pairs.tsv:3: no tab between the image path and the text")
 
 
+class FailingOnceTheOtherTrainsTask(TemplateTask):
+  """The template task whose data cannot be read, found once the run in `config.task.other_workdir` has logged a
+  training step (in the subprocess that trains it): the other has work to keep by then."""
+
+  def __init__(self, config, workdir=None, mode="train"):
+    wait_until_training(pathlib.Path(config.task.other_workdir))
+    raise DataError("pairs.tsv:3: no tab between the image path and the text")
+
+
 def two_dependent_config(folder, first=None, second=None):
   config = dependent_config(folder / "first", first)
   config.task.name = f"{__name__}:TwoDependencyTask"
@@ -295,16 +305,21 @@ def test_sigterm_stops_the_dependencies_training_side_by_side_each_saving_and_th
     assert f"{tmp_path / name} ({field}) saved at step {step} of 10000" in str(stopped.value)
 
 
-def test_a_dependency_failing_side_by_side_stops_the_other_and_ends_the_job_with_its_status_and_line(tmp_path):
-  failing = dependency_config(**{"task.name": f"{__name__}:UnreadableDataTask"})
-  slow = dependency_config(seed=1, **{"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05})
+def test_a_dependency_failing_side_by_side_stops_the_other_with_a_checkpoint_and_ends_the_job_with_its_status_and_line(
+    tmp_path):
+  """The other run is mid-training when the first fails: it saves where it is (its work kept for the next start,
+  which resumes it there), and is not trained on to its end."""
+  failing = dependency_config(**{"task.name": f"{__name__}:FailingOnceTheOtherTrainsTask"})
+  failing.task.other_workdir = str(tmp_path / "second")
+  slow = dependency_config(seed=1, **{"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05,
+                                      "checkpoint.every_steps": 10_000, "eval_every_steps": 10_000})
   with pytest.raises(dependencies.DependencyFailed) as failed:
     dependencies.resolve(two_dependent_config(tmp_path, failing, slow), str(tmp_path / "run"), side_by_side=True)
   assert failed.value.code == 2
   assert str(failed.value).startswith(f"the training of task.dependency_workdir in {tmp_path / 'first'} failed "
                                       "(exit status 2): launch.py: ")
   assert str(failed.value).endswith("pairs.tsv:3: no tab between the image path and the text")  # its last line
-  assert max(checkpoints.step_numbers(str(tmp_path / "second")), default=0) < 10_000  # stopped, not trained on
+  assert 0 < max(checkpoints.step_numbers(str(tmp_path / "second")), default=0) < 10_000  # saved where it stopped
 
 
 def test_launch_ends_with_the_status_and_last_line_of_a_dependency_failing_side_by_side(tmp_path):
