@@ -5,6 +5,7 @@ import dataclasses
 import os
 import pathlib
 import signal
+import sys
 import threading
 import time
 import types
@@ -390,3 +391,51 @@ def test_dependencies_side_by_side_stop_with_a_checkpoint_when_their_launcher_is
     else:
       pytest.fail(f"the {name} dependency still trains after its launcher was killed")
     assert 0 < max(checkpoints.step_numbers(str(tmp_path / name))) < 10_000  # saved where it stopped
+
+
+# A stand-in for launch.py in the side-by-side subprocesses: it "trains" until asked to stop, then "saves" for
+# longer than the test waits (a run finishes its call first); a second SIGTERM ends it.
+SLOW_TO_SAVE = """
+import pathlib, signal, sys, time
+workdir = pathlib.Path(next(a for a in sys.argv if a.startswith("--workdir=")).split("=", 1)[1])
+workdir.mkdir(parents=True, exist_ok=True)
+
+def stop(signum, frame):
+  if (workdir / "stopping").exists():
+    sys.exit(0)
+  (workdir / "stopping").touch()
+
+signal.signal(signal.SIGTERM, stop)
+(workdir / "training").touch()
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+  time.sleep(0.05)
+"""
+
+
+def test_a_second_ctrl_c_while_dependencies_train_side_by_side_ends_the_job_at_once_with_status_130(tmp_path):
+  """The first Ctrl-C asks each subprocess to save; the second ends the launcher without waiting for their saves,
+  in one line (a terminal's Ctrl-C reaches the subprocesses too; here the launcher's own SIGTERM ends them)."""
+  (tmp_path / "slow_to_save.py").write_text(SLOW_TO_SAVE)
+  config_file = tmp_path / "config.py"
+  config_file.write_text(workdir_lib.config_file_text(two_dependent_config(tmp_path), "two dependencies"))
+  launch = ("import runpy, sys\nfrom xattn_jax.training import dependencies\n"
+            f"dependencies._LAUNCH = {str(tmp_path / 'slow_to_save.py')!r}\n"
+            f"sys.argv = {helpers.launch_command(str(config_file), tmp_path / 'run')[1:]!r}\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+  launcher = helpers.start([sys.executable, "-c", launch], env=helpers.subprocess_env())
+
+  def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / run / name).exists() for run in ("first", "second")):
+      assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+      time.sleep(0.05)
+
+  wait_for("training")
+  launcher.send_signal(signal.SIGINT)
+  wait_for("stopping")
+  launcher.send_signal(signal.SIGINT)
+  _, stderr = launcher.communicate(timeout=60)
+  assert launcher.returncode == 130, stderr[-3000:]
+  assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith(
+      "launch.py: interrupted by a second Ctrl-C, without saving"), stderr[-3000:]
