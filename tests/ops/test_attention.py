@@ -279,6 +279,36 @@ def test_cudnn_wrapper_semantics_with_xla_standing_in_for_cudnn(kind, monkeypatc
   assert_function_matches_reference(wrapper, query, key, value, kwargs, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_cudnn_wrapper_in_half_precision_leaves_a_row_hidden_by_a_minus_inf_bias_finite(dtype, monkeypatch):
+  # jax.nn's cuDNN path adds a mask to the bias as -0.7 x the dtype's max, in the dtype: the stand-in does
+  # that before jax.nn's "xla" implementation. Unclipped, a -inf (or the dtype's min) bias plus it is -inf,
+  # and a row of -inf is NaN. Clipped at a quarter of the range, a key hidden by the bias in a row that sees
+  # others gets no weight, and a row hidden by its bias alone attends to the keys its mask leaves it.
+  original = jax.nn.dot_product_attention
+
+  def cudnn_like(query, key, value, *, bias, mask, scale, is_causal, implementation):
+    bias = bias + jnp.where(mask, 0, -0.7 * jnp.finfo(dtype).max).astype(dtype)
+    return original(query, key, value, bias=bias, scale=scale, is_causal=is_causal, implementation="xla")
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn_like)
+  query, key, value = (jax.random.normal(jax.random.key(i), shape, dtype)  # [batch, length, heads, head_dim]
+                       for i, shape in enumerate([(1, 2, 1, 8), (1, 4, 1, 8), (1, 4, 1, 8)]))
+  bias = jnp.asarray([[0, -jnp.inf, 0, -jnp.inf], [-jnp.inf] * 4], dtype)[None, None]  # [1, 1, q 2, kv 4]
+  mask = jnp.asarray([True, True, False, True])[None, None, None]  # key 2 masked for both rows
+  out = attention._cudnn_attention(query, key, value, mask, bias, 8 ** -0.5, False)
+  out = np.asarray(out.astype(jnp.float32))[0, :, 0]  # -> [q 2, head_dim 8]
+  values = np.asarray(value.astype(jnp.float32))[0, :, 0]  # -> [kv 4, head_dim 8]
+  assert np.isfinite(out).all(), out
+  np.testing.assert_allclose(out[0], values[0], atol=1e-2)  # keys 1 and 3 hidden by the bias, 2 by the mask
+  # Row 1 is a mix of keys 0, 1 and 3 (weights >= 0 summing to 1): its scores decide them, or in bfloat16,
+  # whose clipped bias swamps float32 scores, it is their mean.
+  seen = values[[0, 1, 3]]
+  weights, *_ = np.linalg.lstsq(np.concatenate([seen.T, np.ones((1, 3))]), np.append(out[1], 1.0), rcond=None)
+  np.testing.assert_allclose(weights @ seen, out[1], atol=1e-2)
+  assert (weights > -1e-2).all() and abs(weights.sum() - 1) < 1e-2, weights
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="cuDNN needs a GPU")
 @pytest.mark.parametrize("kind", [*KINDS, "causal_left_padding"])
 def test_cudnn_matches_reference(kind):

@@ -28,8 +28,9 @@ Implementations:
              bias there, and causal masks with q_len != kv_len become such masks (cuDNN aligns them
              top-left); rows that see no key are set to zero afterwards, as everywhere. A bias is
              clipped at a quarter of the dtype's range (half precision would overflow to -inf and
-             NaN), so a row hidden by a -inf bias alone averages its values there: hide keys with
-             `mask`.
+             NaN), so a row hidden by a -inf bias alone is not hidden there: it attends to the keys
+             its mask leaves it (evenly only where the clipped bias swamps the scores, as bfloat16's
+             does): hide keys with `mask`.
   None:      cuDNN when allowed, otherwise "xla", or "chunked" from 4096 x 4096 scores per (batch,
              head) (on CPU from 32768 keys, and causal or GQA attention from 2048 queries and keys)
              (`select_implementation`, `takes_chunked`).
