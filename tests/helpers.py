@@ -3,8 +3,10 @@ import atexit
 import fcntl
 import functools
 import json
+import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +32,18 @@ def loop_body_dots(compiled_text: str) -> list[str]:
   header names its operands' shapes and layouts)."""
   return [block for block in compiled_text.split("\n\n")
           if any(" dot(" in line and "while/body" in line for line in block.splitlines())]
+
+
+def full_size_relayouts(compiled_text: str, min_elements: int, kept_shapes) -> list[str]:
+  """The transposes and copies of a compiled program (fused ones included) that write at least min_elements
+  values in another shape than kept_shapes' or another layout than row-major."""
+  found = []
+  for dtype_shape, layout, op in re.findall(r"= (\w+\[[\d,]*\])(\{[\d,]*\})? (transpose|copy)\(", compiled_text):
+    shape = tuple(int(d) for d in dtype_shape.split("[")[1][:-1].split(",") if d)
+    row_major = "{" + ",".join(map(str, reversed(range(len(shape))))) + "}"
+    if math.prod(shape) >= min_elements and (shape not in kept_shapes or layout not in ("", row_major)):
+      found.append(f"{op} {dtype_shape}{layout}")
+  return found
 
 
 def load_config(*argv):

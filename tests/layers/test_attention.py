@@ -14,6 +14,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests import helpers
 from xattn_jax.layers.attention import KVCache, MultiHeadAttention
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
@@ -165,6 +166,17 @@ def test_init_cache_is_empty_with_declared_shapes():
   assert isinstance(cache, KVCache)
   chex.assert_shape([cache.keys, cache.values], (3, 2, 5, 4))  # [b, kv_heads, max_length, h]
   assert cache.keys.dtype == jnp.bfloat16 and int(cache.index) == 0
+
+
+@pytest.mark.parametrize("implementation", [None, "chunked"])
+def test_a_decode_step_reads_the_heads_major_cache_without_a_transposed_copy(implementation):
+  layer = _layer(num_kv_heads=2, implementation=implementation)
+  cache = layer.init_cache(3, 40)  # [b, kv_heads, max_length, h] = [3, 2, 40, 4]
+  graphdef, state = nnx.split(layer)
+  step = jax.jit(lambda state, x, cache: nnx.merge(graphdef, state).extend(x, cache))
+  compiled = step.lower(state, _normal(0, (3, 1, 16)), cache).compile().as_text()
+  # The advanced cache is written in place or copied whole in its own layout; no other cache-sized array.
+  assert helpers.full_size_relayouts(compiled, cache.keys.size, {cache.keys.shape}) == []
 
 
 def test_jit_and_grad_do_not_retrace_on_second_call():

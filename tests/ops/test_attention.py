@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.ops.attention_reference import (KINDS, make_case, output_and_grads, random_inputs, reference_attention,
                                           reference_output_and_grads)
+from tests import helpers
 from xattn_jax.ops import attention, blocked_attention, masks
 
 HAS_GPU = jax.default_backend() == "gpu"
@@ -121,6 +122,28 @@ def test_heads_major_key_value_layout_matches_reference(implementation, kind, mo
                                            kv_layout="bksh", **kw)
 
   assert_function_matches_reference(heads_major, query, key, value, kwargs, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv_heads_major", [False, True])
+def test_blocked_attention_on_cpu_makes_no_head_major_copy_forward_or_backward(kv_heads_major):
+  # The units in a loop read and write [batch, length, heads, head_dim] rows in place (and a cache's
+  # [batch, kv_heads, length, head_dim] keys as they are); the vmapped GPU / TPU schedule transposes, which
+  # shows the check sees a head-major copy where one is made.
+  b, t, s, n, k, h = 2, 48, 40, 4, 2, 16  # distinct sizes, so a shape names its axes
+  kv_shape = (b, k, s, h) if kv_heads_major else (b, s, k, h)
+  query, key, value = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+                       enumerate([(b, t, n, h), kv_shape, kv_shape]))
+
+  def compiled(blocking):
+    def loss(q, k, v):
+      return blocked_attention.blocked_attention(q, k, v, mask=None, bias=None, is_causal=True, blocking=blocking,
+                                                 kv_heads_major=kv_heads_major, scale=h ** -0.5).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(query, key, value).compile().as_text()
+
+  relayouts = functools.partial(helpers.full_size_relayouts, min_elements=b * s * k * h, kept_shapes={(b, t, n, h), kv_shape})
+  for blocking in (blocked_attention.Blocking(16, 40), blocked_attention.Blocking(16, 8, units_per_step=2)):
+    assert relayouts(compiled(blocking)) == [], blocking
+  assert relayouts(compiled(blocked_attention.Blocking(16, 8, parallel_units=True)))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
