@@ -362,3 +362,18 @@ def test_processes_given_different_process_counts_are_stopped_in_one_line(tmp_pa
   assert "Traceback" not in second.stderr
   # Both announced what they wait for, so a process left waiting says why.
   assert f"process 0 of 2: waiting up to 60 s for all 2 processes to connect to {address}" in first_stderr
+
+
+def test_a_process_whose_peer_never_connects_is_aborted_after_the_distributed_timeout(tmp_path):
+  """Process 0 of 2 alone, --distributed_timeout=1: JAX's coordination client aborts it (a fatal error, no
+  Python exception) a few seconds later, before it trains or writes anything; without the flag it waits 300 s."""
+  address = f"127.0.0.1:{_free_port()}"
+  lone = helpers.start(launch_args(tmp_path / "run", f"--coordinator_address={address}", "--num_processes=2",
+                                   "--process_id=0", "--distributed_timeout=1"), cwd=REPO, env=subprocess_env())
+  try:
+    _, stderr = lone.communicate(timeout=30)
+  finally:
+    lone.kill()
+  assert lone.returncode not in (0, 1, 2), stderr[-3000:]  # aborted, not ended by launch.py
+  assert f"process 0 of 2: waiting up to 1 s for all 2 processes to connect to {address}" in stderr
+  assert not (tmp_path / "run").exists()
