@@ -4,6 +4,7 @@ infer modes. Expensive runs are module-scoped fixtures shared between assertions
 with dropout, so determinism and exact resume cover the dropout keys too."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -538,8 +539,10 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_lock_the_workdir
   result = launch(workdir, overrides={"total_steps": 2})
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / "config.json").read_text())["model"]["d_model"] != 999
-  # The first logged row has no steps/s yet: the key is left out rather than written as NaN.
+  # The first logged row has no steps/s yet: the key is left out rather than written as NaN. The run's one
+  # call still logs its rate at the end, compile included.
   assert "train/steps_per_second" not in metrics_rows(workdir)[0]
+  assert re.search(r"Trained 2 steps at [\d.]+ steps/s \([\d.]+ s from the first call's dispatch", result.stderr)
   assert all(value == value for row in metrics_rows(workdir) for value in row.values())
 
 

@@ -1,5 +1,6 @@
 """The metrics of dispatched calls: read in step order, checked, written at the logged steps."""
 import math
+import types
 
 import numpy as np
 import pytest
@@ -58,6 +59,26 @@ def test_the_first_calls_rows_have_no_rate_and_later_rows_do():
   step_log.add(3, 2, _call([3.0, 4.0]))
   step_log.flush()
   assert ["train/steps_per_second" in row for _, row in writer.rows] == [False, False, True, True]
+
+
+def test_every_run_that_trains_has_a_rate_timed_from_its_first_dispatch_less_evals(monkeypatch):
+  """A run of one call logs no steps/s in its rows (that call compiles); trained() times it, compile
+  included, and leaves out what restart_timer leaves out (evals, checkpoints)."""
+  now = [0.0]
+  monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+  step_log, writer = _log(total=4, log_every=1)  # created at 0 s, just before the first dispatch
+  now[0] = 5.0  # compiled and ran
+  step_log.add(1, 2, _call([1.0, 2.0]))
+  now[0] = 6.0
+  step_log.flush()
+  assert not any("train/steps_per_second" in row for _, row in writer.rows)
+  assert step_log.trained() == (2, 6.0)
+  now[0] = 10.0  # after an eval
+  step_log.restart_timer(2)
+  step_log.add(3, 2, _call([3.0, 4.0]))
+  now[0] = 11.0
+  step_log.flush()
+  assert step_log.trained() == (4, 7.0)
 
 
 def test_the_first_non_finite_step_stops_the_run_and_nothing_after_it_is_written():

@@ -114,6 +114,10 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
       if end.evaluate or save or stops_early:  # steps/s measures training only
         step_log.restart_timer(step)
     step_log.flush()
+  trained, seconds = step_log.trained()
+  if trained:  # every run that trains says how fast, a run of one call included (its rows have no steps/s)
+    logging.info("Trained %d steps at %.1f steps/s (%.1f s from the first call's dispatch, its compile included; "
+                 "evals and checkpoints left out)", trained, trained / seconds, seconds)
   if flag.requested and step < config.total_steps:  # where it stopped, and how to pick it up
     logging.warning("Stopped at step %d of %d (SIGTERM or Ctrl-C), its checkpoint saved in %s: run the same "
                     "command again to resume.", step, config.total_steps, trainer.workdir)

@@ -3,6 +3,10 @@
 A call's metrics come back as device arrays. They are held here unread, so that JAX can dispatch
 the next call while this one runs, and read (`flush`) only where the loop needs them: at a logged
 step, before an eval or a checkpoint.
+
+Two rates: `train/steps_per_second` of the logged rows times the calls after the first (which compiles),
+so a run of one call has none; `trained()` counts every step from the first call's dispatch, its compile
+included, so every run that trains has one (the loop logs it at the end).
 """
 from __future__ import annotations
 
@@ -32,18 +36,31 @@ class StepLog:
     self.pending: list[tuple[int, int, dict]] = []  # (first step, count, {name: [K] array})
     self.timer_step: int | None = None  # steps/s counts from here, at timer_start
     self.timer_start = 0.0
+    # trained(): the steps and seconds of the windows of training read so far, and the open window's start
+    # (from here, the first call's dispatch, its compile included; then each restart_timer).
+    self.trained_steps, self.trained_seconds = 0, 0.0
+    self.window_step: int | None = None
+    self.window_start = time.perf_counter()
 
   def add(self, first_step: int, count: int, stacked_metrics: dict) -> None:
     """Holds the metrics of a call that ran steps first_step ... first_step + count - 1. The first
     call's (which compiles) is waited for, and the rate is timed from its end on."""
     self.pending.append((first_step, count, stacked_metrics))
+    if self.window_step is None:
+      self.window_step = first_step - 1
     if self.timer_step is None:
       jax.block_until_ready(stacked_metrics)
-      self.restart_timer(first_step + count - 1)
+      self.timer_step, self.timer_start = first_step + count - 1, time.perf_counter()
 
   def restart_timer(self, step: int) -> None:
     """Times the rate from now, at `step` (after an eval or a checkpoint: steps/s measures training)."""
     self.timer_step, self.timer_start = step, time.perf_counter()
+    self.window_step, self.window_start = step, self.timer_start
+
+  def trained(self) -> tuple[int, float]:
+    """(steps, seconds) trained in the windows read so far: from the first call's dispatch (its compile
+    included) to the last flush, less the evals, checkpoints and traced calls (restart_timer) between."""
+    return self.trained_steps, self.trained_seconds
 
   def _rate(self, newest: int) -> float:
     """Steps per second since the timer started, up to `newest` (a call's steps finish together)."""
@@ -61,6 +78,10 @@ class StepLog:
     if not per_step:
       return {}
     rate = self._rate(per_step[-1][0])
+    now = time.perf_counter()
+    self.trained_steps += per_step[-1][0] - self.window_step
+    self.trained_seconds += now - self.window_start
+    self.window_step, self.window_start = per_step[-1][0], now
     held = {}
     for step, values in per_step:
       guards.check_finite(step, values, self.saved_steps)
