@@ -37,7 +37,7 @@ filling the cache with all of it but its last token, which is then fed first (`f
 `DecodingOptions` names one of `DECODING_METHODS` and its options, validated once (a bad field is a
 `DecodingOptionError` naming it); `options_from_mapping` reads them from a plain mapping (a config
 section); `search` and `generate` run them. `suppress_ids` (of `search` and `generate`) are ids no
-search may emit: a task passes its tokenizer's padding, BOS and unknown piece
+search may emit: a task passes its tokenizer's padding, BOS, unknown piece and line breaks
 (`Tokenizer.never_generated_ids`), which a model that has seen little text may otherwise rank first.
 """
 from __future__ import annotations
