@@ -529,3 +529,17 @@ def test_suppress_ids_are_checked():
   step = decoding.suppressing(_constant_step([0.0, 1.0]), (5,))
   with pytest.raises(ValueError, match=r"suppress_ids \(5,\) reach past the vocabulary of 2"):
     step(jnp.zeros((1, 1), jnp.int32), None)
+
+
+@pytest.mark.parametrize("max_length, beam_size, alpha", [(5, 8, 2.0), (20, 24, 0.6)])
+def test_beam_slots_no_sequence_can_fill_stay_impossible_under_a_length_penalty(max_length, beam_size, alpha):
+  """Vocabulary {0, EOS=1}: max_length + 1 sequences exist. The dead slots' -1e7 was divided by the length
+  penalty before being told apart from real scores, so past a penalty of 2 they came back as beams of
+  garbage tokens scored about -4e6."""
+  step = _constant_step(np.log([0.5, 0.5]))
+  beam = decoding.beam_search(step, jnp.zeros(1), batch_size=1, beam_size=beam_size, max_length=max_length,
+                              bos_id=0, eos_id=1, alpha=alpha)
+  scores, tokens = np.asarray(beam.scores[0]), np.asarray(beam.tokens[0])
+  real = max_length + 1
+  assert np.isfinite(scores[:real]).all() and (scores[:real] > -100).all()
+  assert np.all(scores[real:] == -np.inf) and np.all(tokens[real:] == 0)

@@ -456,6 +456,9 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   step, live_tokens, live_scores, finished_tokens, finished_scores, finished_any, _ = _while_in_halves(
       cond, body, state, at=6, enabled=cache_halves)
   # Finished hypotheses rank first; live (unfinished at max_length) ones fill the remaining slots.
+  # A dead live beam is told by its score before the length penalty divides it: NEG_INF / penalty may
+  # rise above NEG_INF / 2 (a penalty over 2: alpha 0.6 from length 15 on).
+  live_any = ~(live_scores <= NEG_INF / 2)  # -> [batch, beams]; a NaN one stays, to come back invalid
   live_scores = live_scores / length_penalty(step, alpha)
   rank_key = jnp.concatenate([jnp.where(finished_any, finished_scores, -jnp.inf),
                               live_scores + 2 * NEG_INF], axis=1)  # -> [batch, 2 * beams]
@@ -464,7 +467,7 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   scores = jnp.take_along_axis(jnp.concatenate([finished_scores, live_scores], axis=1), order, axis=1)
   # Slots no hypothesis could fill (beam_size above the number of distinct sequences there are, e.g.
   # a vocabulary of 5 and max_length 1) carry -inf and padding instead of repeats of real beams.
-  impossible = scores <= NEG_INF / 2
+  impossible = ~jnp.take_along_axis(jnp.concatenate([finished_any, live_any], axis=1), order, axis=1)
   tokens = jnp.where(impossible[:, :, None], pad_id, tokens)
   return BeamOutput(jnp.where(jnp.isnan(scores)[:, :, None], INVALID_TOKEN, tokens),
                     jnp.where(impossible, -jnp.inf, scores))
