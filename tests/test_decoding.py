@@ -543,3 +543,33 @@ def test_beam_slots_no_sequence_can_fill_stay_impossible_under_a_length_penalty(
   real = max_length + 1
   assert np.isfinite(scores[:real]).all() and (scores[:real] > -100).all()
   assert np.all(scores[real:] == -np.inf) and np.all(tokens[real:] == 0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "0.6", None])
+def test_beam_search_refuses_an_alpha_that_is_not_a_finite_number(value):
+  """A NaN alpha made every beam's tokens INVALID_TOKEN and a string raised a bare TypeError; DecodingOptions
+  already refused both."""
+  with pytest.raises(ValueError, match=r"alpha must be a finite number >= 0, got"):
+    decoding.beam_search(_markov_step(_TRAP), jnp.zeros(1), batch_size=1, beam_size=2, max_length=3, bos_id=BOS,
+                         eos_id=EOS, alpha=value)
+
+
+@pytest.mark.parametrize("search, argument, value", [
+    *[(search, "pad_id", value) for search in ("greedy", "beam", "sample") for value in (-1, True, 1.5)],
+    ("beam", "cache_batch_axis", -1), ("beam", "cache_batch_axis", 1.0)])
+def test_searches_refuse_a_bad_pad_id_or_cache_batch_axis(search, argument, value):
+  """pad_id -1 is INVALID_TOKEN, so padding read as a failed sequence; cache_batch_axis -1 repeated the beams
+  along each leaf's last axis."""
+  args = dict(batch_size=1, max_length=3, bos_id=BOS, eos_id=EOS, **{argument: value})
+  run = {"greedy": decoding.greedy_search,
+         "beam": functools.partial(decoding.beam_search, beam_size=2),
+         "sample": functools.partial(decoding.sample_search, rng=jax.random.key(0))}[search]
+  with pytest.raises(ValueError, match=rf"{argument} must be an integer >= 0, got {value!r}"):
+    run(_markov_step(_TRAP), jnp.zeros(1), **args)
+
+
+def test_expand_beams_checks_its_arguments():
+  with pytest.raises(ValueError, match="beam_size must be an integer >= 1, got 0"):
+    decoding.expand_beams(jnp.zeros((2, 3)), 0)
+  with pytest.raises(ValueError, match="cache_batch_axis must be an integer >= 0, got -1"):
+    decoding.expand_beams(jnp.zeros((2, 3)), 2, cache_batch_axis=-1)

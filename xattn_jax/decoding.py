@@ -95,8 +95,9 @@ def _as_bool(name: str, value) -> bool:
   return bool(value)
 
 
-def _check_common(batch_size, max_length, bos_id, eos_id, cache):
-  """The integer arguments as Python ints; raises if the cache cannot take max_length more tokens.
+def _check_common(batch_size, max_length, bos_id, eos_id, cache, pad_id=0):
+  """The integer arguments as Python ints (pad_id's too: checked, not returned); raises if the cache cannot
+  take max_length more tokens. pad_id must be a real id: INVALID_TOKEN (-1) marks a failed sequence.
 
   A cache may say how many more tokens it accepts with a `decode_room()` method (the translator's
   does); past that, attention reads no keys and the logits are NaN, which argmax would turn into
@@ -105,6 +106,7 @@ def _check_common(batch_size, max_length, bos_id, eos_id, cache):
   values = tuple(_as_int(name, value, low) for name, value, low in (
       ("batch_size", batch_size, 1), ("max_length", max_length, 1), ("bos_id", bos_id, 0),
       ("eos_id", eos_id, 0)))
+  _as_int("pad_id", pad_id, 0)
   room = cache.decode_room() if hasattr(cache, "decode_room") else None
   if room is not None and values[1] > room:
     raise ValueError(f"decoding: max_length={values[1]} needs {values[1]} more tokens of cache, but the "
@@ -249,7 +251,7 @@ def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
   cache_halves: a long cache's first half decodes on that half alone (module docstring).
   Call inside `jax.jit` (the loop is a `lax.while_loop`; `decode_step` is traced once).
   """
-  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache, pad_id)
   first = _first_tokens(first_tokens, bos_id, batch_size)
   return _token_by_token(decode_step, cache, lambda step, logits: _argmax_and_log_prob(logits),
                          batch_size=batch_size, max_length=max_length, first=first, eos_id=eos_id, pad_id=pad_id,
@@ -329,7 +331,7 @@ def sample_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
   logits_sharding as for beam search (the top_k candidates ranked per device), cache_halves as for greedy.
   Stops at EOS or max_length; call inside `jax.jit` with the options static.
   """
-  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache, pad_id)
   options = DecodingOptions(method="sample", temperature=temperature, top_k=top_k, top_p=top_p,
                             cache_halves=cache_halves)
   first = _first_tokens(first_tokens, bos_id, batch_size)
@@ -352,6 +354,8 @@ def _map_rows(fn, cache, axis: int):
 def expand_beams(cache, beam_size: int, *, cache_batch_axis: int = 0):
   """The cache for beam_size beams per example: the cache's own `expand_beams(beam_size)` where it has
   one, else each example's rows repeated: [..., batch, ...] -> [..., batch * beams, ...]."""
+  beam_size = _as_int("beam_size", beam_size, 1)
+  cache_batch_axis = _as_int("cache_batch_axis", cache_batch_axis, 0)
   if hasattr(cache, "expand_beams"):
     return cache.expand_beams(beam_size)
   return _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, cache_batch_axis)
@@ -386,10 +390,10 @@ def beam_search(decode_step: DecodeStep, cache, *, batch_size: int, beam_size: i
   the vocabulary over devices (tensor parallelism), each device ranks its own part and only its best
   candidates are gathered, the same beams as unsplit. cache_halves as for greedy.
   """
-  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache)
+  batch_size, max_length, bos_id, eos_id = _check_common(batch_size, max_length, bos_id, eos_id, cache, pad_id)
   beam_size = _as_int("beam_size", beam_size, 1)
-  if alpha < 0:
-    raise ValueError(f"beam_search: alpha (length penalty exponent) must be >= 0, got {alpha}")
+  alpha = _as_float("alpha", alpha, "a finite number >= 0", lambda x: x >= 0)  # the length penalty's exponent
+  cache_batch_axis = _as_int("cache_batch_axis", cache_batch_axis, 0)
   logits_sharding = _check_logits_sharding(logits_sharding)
   cache_halves = _as_bool("cache_halves", cache_halves)
   b, k = batch_size, beam_size
