@@ -573,3 +573,33 @@ def test_expand_beams_checks_its_arguments():
     decoding.expand_beams(jnp.zeros((2, 3)), 0)
   with pytest.raises(ValueError, match="cache_batch_axis must be an integer >= 0, got -1"):
     decoding.expand_beams(jnp.zeros((2, 3)), 2, cache_batch_axis=-1)
+
+
+def test_decoding_options_take_numpy_floats_as_they_take_numpy_ints():
+  """np.float32(0.5) (a value read from an array) was refused as 'must be a finite number > 0'."""
+  options = decoding.DecodingOptions(method="sample", temperature=np.float32(0.5), top_p=np.float32(1.0),
+                                     alpha=np.float16(0.25), top_k=np.int32(3))
+  assert options == decoding.DecodingOptions(method="sample", temperature=0.5, top_p=1.0, alpha=0.25, top_k=3)
+  assert type(options.temperature) is float and type(options.top_p) is float
+
+
+def test_suppress_ids_take_numpy_integers_and_refuse_a_bare_id():
+  step = decoding.suppressing(_constant_step([0.0, 1.0, 2.0]), np.array([2]))
+  logits, _ = step(jnp.zeros((1, 1), jnp.int32), None)
+  assert np.asarray(logits)[0, 0, 2] == -np.inf and np.isfinite(np.asarray(logits)[0, 0, :2]).all()
+  with pytest.raises(ValueError, match=r"suppress_ids must be a collection of ids \(ints >= 0\), got 2"):
+    decoding.suppressing(_constant_step([0.0, 1.0]), 2)
+
+
+def test_suppress_ids_that_leave_no_token_are_refused():
+  """Every id suppressed made every logit -inf: the searches returned rows of INVALID_TOKEN with no reason."""
+  step = decoding.suppressing(_constant_step([0.0, 1.0]), (0, 1))
+  with pytest.raises(ValueError, match=r"suppress_ids \(0, 1\) leave none of the vocabulary's 2 ids to emit"):
+    step(jnp.zeros((1, 1), jnp.int32), None)
+
+
+@pytest.mark.parametrize("rng", [np.zeros(4, np.uint32), np.zeros((2, 3), np.uint32)])
+def test_raw_keys_of_the_wrong_shape_are_refused_naming_the_shape(rng):
+  with pytest.raises(ValueError, match=r"rng must be .*, got uint32\[" + ", ".join(map(str, rng.shape)) + r"\]"):
+    decoding.sample_search(_markov_step(_TRAP), jnp.zeros(()), batch_size=2, max_length=3, bos_id=BOS, eos_id=EOS,
+                           rng=rng)

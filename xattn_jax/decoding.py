@@ -31,7 +31,8 @@ reaches top_p). Each row has its own PRNG key, folded with the step, so a row's 
 its key and its logits, never on the other rows of the batch.
 
 Sequences: `tokens[:, t]` is the token generated at step t (the first token fed, BOS or the last
-prompt token, is not included); after EOS every position holds `pad_id`. A prompt is decoded by
+prompt token, is not included); after EOS every position holds `pad_id`. An eos_id past the vocabulary
+is never emitted: every row runs to max_length (what the benchmarks and tests use to time whole decodes). A prompt is decoded by
 filling the cache with all of it but its last token, which is then fed first (`first_tokens`).
 
 `DecodingOptions` names one of `DECODING_METHODS` and its options, validated once (a bad field is a
@@ -260,7 +261,8 @@ def greedy_search(decode_step: DecodeStep, cache, *, batch_size: int, max_length
 
 def _as_float(name: str, value, requirement: str, allowed: Callable[[float], bool]) -> float:
   """value as a finite Python float that satisfies allowed, or a ValueError naming the argument."""
-  number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+  real = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+  number = float(value) if real else None
   if number is None or not math.isfinite(number) or not allowed(number):
     raise ValueError(f"decoding: {name} must be {requirement}, got {value!r}")
   return number
@@ -275,9 +277,9 @@ def _row_keys(rng, batch_size: int):
     raise ValueError("decoding: rng is required for sampling (one PRNG key, or one per row [batch])")
   rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
   if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    if rng.dtype != jnp.uint32 or rng.ndim not in (1, 2):
-      raise ValueError(f"decoding: rng must be a PRNG key (jax.random.key) or one per row, got "
-                       f"{rng.dtype}{list(rng.shape)}")
+    if rng.dtype != jnp.uint32 or rng.ndim not in (1, 2) or rng.shape[-1] != 2:
+      raise ValueError(f"decoding: rng must be a PRNG key (jax.random.key) or one per row [{batch_size}], or raw "
+                       f"uint32 key data [2] or [{batch_size}, 2], got {rng.dtype}{list(rng.shape)}")
     rng = jax.random.wrap_key_data(rng)
   if rng.ndim == 0:
     return jax.random.split(rng, batch_size)
@@ -567,9 +569,13 @@ DECODING_METHODS = tuple(_SEARCHES)
 def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
   """decode_step whose logits at `suppress_ids` are -inf: no search picks them, and the others'
   probabilities are renormalized without them."""
-  ids = tuple(suppress_ids)
-  if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+  try:
+    ids = tuple(suppress_ids)
+  except TypeError:
+    raise ValueError(f"decoding: suppress_ids must be a collection of ids (ints >= 0), got {suppress_ids!r}") from None
+  if any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or i < 0 for i in ids):
     raise ValueError(f"decoding: suppress_ids must be non-negative ints, got {ids!r}")
+  ids = tuple(int(i) for i in ids)  # numpy integers (an array's ids) as plain ints
   if not ids:
     return decode_step
   banned = sorted(set(ids))
@@ -578,6 +584,8 @@ def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
     logits, cache = decode_step(tokens, cache)  # -> [batch, 1, vocab]
     if banned[-1] >= logits.shape[-1]:
       raise ValueError(f"decoding: suppress_ids {ids!r} reach past the vocabulary of {logits.shape[-1]}")
+    if len(banned) == logits.shape[-1]:  # every logit -inf: each row would come back INVALID_TOKEN
+      raise ValueError(f"decoding: suppress_ids {ids!r} leave none of the vocabulary's {logits.shape[-1]} ids to emit")
     return logits.at[..., jnp.asarray(banned, jnp.int32)].set(-jnp.inf), cache
 
   return step
