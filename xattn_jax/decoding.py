@@ -32,8 +32,9 @@ its key and its logits, never on the other rows of the batch.
 
 Sequences: `tokens[:, t]` is the token generated at step t (the first token fed, BOS or the last
 prompt token, is not included); after EOS every position holds `pad_id`. An eos_id past the vocabulary
-is never emitted: every row runs to max_length (what the benchmarks and tests use to time whole decodes). A prompt is decoded by
-filling the cache with all of it but its last token, which is then fed first (`first_tokens`).
+is never emitted: every row runs to max_length (what the benchmarks and tests use to time whole decodes).
+A prompt is decoded by filling the cache with all of it but its last token, which is then fed first
+(`first_tokens`).
 
 `DecodingOptions` names one of `DECODING_METHODS` and its options, validated once (a bad field is a
 `DecodingOptionError` naming it); `options_from_mapping` reads them from a plain mapping (a config
@@ -111,7 +112,7 @@ def _check_common(batch_size, max_length, bos_id, eos_id, cache, pad_id=0):
   room = cache.decode_room() if hasattr(cache, "decode_room") else None
   if room is not None and values[1] > room:
     raise ValueError(f"decoding: max_length={values[1]} needs {values[1]} more tokens of cache, but the "
-                     f"cache has room for {room}; build it with a larger capacity (init_cache's max_length)")
+                     f"cache has room for {room}; build it with a larger capacity (the model's init_cache)")
   return values
 
 
