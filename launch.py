@@ -8,6 +8,7 @@ status 1. Runs the task needs first (its dependencies) train before it, two or m
 side (`--dependencies`); one that fails there ends the job with its exit status and last line.
 """
 import os
+import re
 import sys
 
 from absl import app, flags
@@ -54,6 +55,8 @@ def parse_flags(argv):
     text = str(e).replace("\\n", "\n").strip()
     if "Traceback" in text:  # an error inside get_config(): its last line says what went wrong
       text = text.splitlines()[-1]
+    # absl's bool parser raises a bare tuple: say what a boolean field takes
+    text = re.sub(r"\('Non-boolean argument to boolean flag', (.*)\)", r"needs true or false (t / f, 1 / 0), got \1", text)
     if isinstance(e, (AttributeError, KeyError)):  # unknown --config.key: name the override
       key = text.splitlines()[0].strip("'\"\\ ")
       overrides = [a.split("=")[0] for a in argv

@@ -97,6 +97,8 @@ def wait_for(predicate, process, timeout=240):
     (["--config.model.position_encoding=mrope", "--config.model.mrope_sections=(1,2,2)"], "model.mrope_sections"),
     (["--config.model.position_encoding=fourier"], "model.position_encoding"),
     (["--config.task.name=nope"], "task.name"),
+    (["--config.model.scan_layers=maybe"],
+     "--config.model.scan_layers=maybe: needs true or false (t / f, 1 / 0), got 'maybe'"),
     (["--config.mesh.data=3"], "mesh"),
     (["--mode=infer", "--config.infer.input_file=/nonexistent/inputs.txt"], "infer.input_file"),
     # Multi-host flags: checked before the config (its batch check divides by --num_processes).
