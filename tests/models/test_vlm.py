@@ -288,7 +288,9 @@ def test_a_long_cache_decodes_its_first_half_on_that_half_with_the_same_tokens_a
   nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))  # sharper: varied beams
   images = make_images()
   prompt, prompt_valid = batch_of([interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])])
-  cache, _ = model.prefill(model.encode_images(*images), prompt, prompt_valid, 64)
+  # jitted: run eagerly, the prefill compiled each op on its own, most of this test's time
+  prefill = nnx.jit(lambda m, *a: m.prefill(m.encode_images(*a[:3]), *a[3:], 64))
+  cache, _ = prefill(model, *images, prompt, prompt_valid)
   assert cache.capacity == 64 and int(cache.filled) < 32  # the search starts on the first half
   def search(cache_halves):
     options = decoding.DecodingOptions(method="beam", beam_size=3, cache_halves=cache_halves)
