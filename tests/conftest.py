@@ -53,7 +53,8 @@ if jax.default_backend() == "gpu":
   jax.config.update("jax_default_matmul_precision", "highest")
 
 # The persistent cache is for the launch.py subprocesses, which compile the same programs again and again;
-# this process's tests compile programs no other process compiles, so writing them out only costs time.
+# this process's tests compile programs no other process compiles, so writing them out only costs time (a module
+# whose tests compile the same programs run after run opts in: compilation_cache_in_process below).
 jax.config.update("jax_enable_compilation_cache", False)
 
 
@@ -73,6 +74,19 @@ def trained_translator():
     result = helpers.launch("configs/translate_dates.py", workdir, overrides=helpers.TINY_DATES)
     assert result.returncode == 0, result.stderr[-3000:]
   return helpers.build_once("trained_translator", build)
+
+
+@pytest.fixture(scope="module")
+def compilation_cache_in_process():
+  """The persistent compilation cache for this process too, while a module runs: for the modules whose tests run
+  the same programs run after run (loop.run of one small config, again and again), each a cache hit after its first
+  compile. JAX decides once whether a process uses the cache: reset, it decides again."""
+  from jax.experimental.compilation_cache import compilation_cache
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
 
 
 def pytest_configure(config):

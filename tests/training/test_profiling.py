@@ -9,6 +9,9 @@ import pytest
 from configs import template
 from xattn_jax.training import loop, profiling, validation
 
+# Their runs compile the same programs again and again: each a cache hit after the first (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_in_process")
+
 # A 2-step call at a time; no checkpoint or eval inside the runs below but the last step's.
 OVERRIDES = {"batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 8, "log_every_steps": 2,
              "steps_per_call": 2, "logging.tensorboard": False, "logging.plot": False}

@@ -7,6 +7,9 @@ from configs import lm_text, template, translate_dates, translate_tsv, vlm_digit
 from xattn_jax.training import loop, validation, workdir
 from xattn_jax.training.errors import RunError
 
+# Their runs compile the same programs again and again: each a cache hit after the first (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_in_process")
+
 
 def _config(**overrides):
   config = template.get_config("size=tiny")
