@@ -128,6 +128,17 @@ def test_a_negative_seed_anywhere_is_a_config_error_naming_the_field(config_file
   _assert_refused(config, field, -1, rf"^config\.{re.escape(field)}=-1: must be a non-negative integer")
 
 
+@pytest.mark.parametrize("config_file, field", [
+    ("vit_digits.py", "data.split_seed"),      # was sklearn's InvalidParameterError, raised inside validation
+    ("segment_digits.py", "data.split_seed"),
+    ("translate_dates.py", "seed"),
+])
+def test_a_seed_past_2_to_the_32_is_a_config_error_naming_the_field(config_file, field):
+  config = validation.load_config_file(f"configs/{config_file}")
+  _assert_refused(config, field, 2**32, rf"^config\.{re.escape(field)}={2**32}: must be a non-negative integer below "
+                  r"2\*\*32")
+
+
 def test_eval_from_is_latest_best_or_a_step_number():
   for good in ("latest", "best", "4000"):
     config = template.get_config("size=tiny")

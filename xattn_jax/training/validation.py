@@ -283,8 +283,12 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if "steps_per_call" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "steps_per_call")
   require_positive(config, "optimizer.warmup_steps", allow_zero=True)
-  # Every seed (seed, data.split_seed, task.decoding.seed, ...): numpy and sklearn take non-negative integers.
-  require_positive(config, *_fields_named(config, lambda key: key == "seed" or key.endswith("_seed")), allow_zero=True)
+  # Every seed (seed, data.split_seed, task.decoding.seed, ...): numpy's legacy seeding and sklearn take integers in
+  # [0, 2**32) (sklearn's train_test_split raised its own InvalidParameterError from inside a task's check).
+  for field in _fields_named(config, lambda key: key == "seed" or key.endswith("_seed")):
+    seed = _get(config, field)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+      raise ConfigError(field, seed, "must be a non-negative integer below 2**32 (numpy's and sklearn's seed range)")
   if "max_epochs" in config:  # a run's config.py written before the fields existed has neither
     require_non_negative_number(config, "max_epochs", "must be a non-negative number (0: total_steps alone)")
     require_positive(config, "min_steps", allow_zero=True)  # capped by total_steps, as every end is
