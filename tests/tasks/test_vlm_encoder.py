@@ -161,6 +161,7 @@ def test_the_pairs_encoder_config_validates_and_names_each_bad_field(tmp_path):
   assert _pairs_config(tmp_path, "data=pairs,canvas=32x24,patch=8").model.grid == "4x3"
   (tmp_path / "bad.tsv").write_text("a.png\ta dark box\nmissing.png\tnothing\n")
   for arg, overrides, field in [("data=pairs,canvas=16", {}, "data.canvas"),
+                                ("data=pairs", {"data.canvas": ""}, "data.canvas"),  # was AttributeError 'max_digits'
                                 ("data=pairs,canvas=16x0", {}, "data.canvas"),
                                 ("data=pairs,canvas=18x18", {}, "model.patch_size"),
                                 ("data=pairs", {"model.grid": "2x2"}, "model.grid"),

@@ -52,9 +52,9 @@ def canvas(config) -> tuple[int, int]:
   """The (height, width) canvas of the run's images: data.canvas ("HxW") where a config sets it (a user's
   pairs), else the digit strips' canvas of data.max_digits and data.scale. Raises ConfigError naming
   data.canvas when it is not two positive integers."""
-  spec = config.data.get("canvas", "")
-  if not spec:
+  if "canvas" not in config.data:  # an empty data.canvas is malformed, not the strips' (a pairs config has no max_digits)
     return vlm_digits.canvas_for(config.data.max_digits, config.data.scale)
+  spec = config.data.canvas
   parts = str(spec).lower().split("x")
   if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
     raise validation.ConfigError("data.canvas", spec, "must be 'HxW', two positive integers (e.g. '32x32')")
