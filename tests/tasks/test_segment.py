@@ -101,7 +101,12 @@ def test_infer_refuses_a_click_outside_the_image_naming_the_line(trained_segment
     ("model.d_model", 68), ("model.fourier_scale", 0.0), ("task.prompt_mix.scribble", 1.0),
     ("task.prompt_mix.box", -1.0), ("task.num_masks", 0), ("model.name", "unet"), ("task.iou_loss_weight", -1.0),
     ("task.all_masks_loss_weight", -0.5), ("data.eval_split", "train"), ("data.validation_fraction", 1.0),
-    ("data.validation_fraction", 0.0), ("data.validation_fraction", 0.999)])
+    ("data.validation_fraction", 0.0), ("data.validation_fraction", 0.999),
+    # infinite ones were accepted: an inf loss weight or Fourier scale trains on NaN, an inf prompt weight draws
+    # from NaN probabilities; a NaN prompt weight was named as the whole task.prompt_mix
+    ("model.fourier_scale", float("inf")), ("task.iou_loss_weight", float("inf")),
+    ("task.all_masks_loss_weight", float("inf")), ("task.prompt_mix.box", float("inf")),
+    ("task.prompt_mix.click", float("nan"))])
 def test_a_bad_config_field_is_refused_by_name_before_anything_builds(field, value):
   with pytest.raises(validation.ConfigError) as error:
     validation.validate_config(_config(**{field: value}))

@@ -146,21 +146,21 @@ class SegmentTask(task_lib.Task):
                                    "cross-attentions work at half the width; the Fourier features pair sin / cos)")
     if not isinstance(model.encoder.freeze, bool):
       raise validation.ConfigError("model.encoder.freeze", model.encoder.freeze, "must be True or False")
-    if not model.fourier_scale > 0:
-      raise validation.ConfigError("model.fourier_scale", model.fourier_scale, "must be > 0")
+    if not 0 < model.fourier_scale < float("inf"):
+      raise validation.ConfigError("model.fourier_scale", model.fourier_scale, "must be a finite number > 0")
     mix = task.prompt_mix
     unknown = sorted(set(mix) - set(segment_digits.PROMPT_KINDS))
     if unknown:
       raise validation.ConfigError(f"task.prompt_mix.{unknown[0]}", mix[unknown[0]],
                                    f"is no prompt kind: allowed are {list(segment_digits.PROMPT_KINDS)}")
     for kind, weight in mix.items():
-      if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
-        raise validation.ConfigError(f"task.prompt_mix.{kind}", weight, "must be a non-negative number")
+      if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight < float("inf"):
+        raise validation.ConfigError(f"task.prompt_mix.{kind}", weight, "must be a finite non-negative number")
     if not sum(mix.values()) > 0:
       raise validation.ConfigError("task.prompt_mix", mix.to_dict(), "needs a positive weight on some prompt kind")
     for field in ("iou_loss_weight", "all_masks_loss_weight"):
-      if not task[field] >= 0:
-        raise validation.ConfigError(f"task.{field}", task[field], "must be >= 0")
+      if not 0 <= task[field] < float("inf"):
+        raise validation.ConfigError(f"task.{field}", task[field], "must be a finite number >= 0")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
