@@ -86,6 +86,9 @@ def test_packed_batches_give_each_example_its_unpacked_logits(tmp_path):
     ("checkpoint.best_metric", "eval/bleuu"),
     ("task.bleu_tokenize", "ja-mecab"),
     ("data.vocab_size_exact", None),
+    ("data.vocab_size", 0),  # reached sentencepiece after the dates were built
+    ("data.train_file", "my.tsv"),  # ignored by the generated dates: trained on dates without a word
+    ("data.eval_file", "my_eval.tsv"),
 ])
 def test_invalid_fields_are_reported_by_name(field, value):
   with pytest.raises(validation.ConfigError, match=field.replace(".", r"\.")):

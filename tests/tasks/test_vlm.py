@@ -63,6 +63,7 @@ def config_error_field(*argv):
     ("--config.task.decoding.method=nucleus", "config.task.decoding.method"),
     ("--config.task.distill_weight=-1.0", "config.task.distill_weight"),
     ("--config.data.eval_split=train", "config.data.eval_split"),  # evaluating on training examples
+    ("--config.data.train_file=pairs.tsv", "config.data.train_file"),  # ignored by the strips: trained on them
 ])
 def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field

@@ -220,6 +220,13 @@ class TranslateTask(task_lib.Task):
       validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
+    if data.tokenizer == "sentencepiece":  # 0 or -1 reached sentencepiece after the corpus was built (as lm_text's does)
+      validation.require_positive(config, "data.vocab_size")
+    if data.source == "dates":  # a file named here was ignored: the run trained on the dates without a word
+      for field in ("train_file", "eval_file"):
+        if data.get(field):
+          raise validation.ConfigError(f"data.{field}", data[field], "the generated dates (data.source='dates') "
+                                       "read no file: set data.source='tsv' (configs/translate_tsv.py), or '' here")
     if "vocab_size_exact" in data:  # absent from configs written before it existed: False
       validation.require_choice(config, "data.vocab_size_exact", (True, False))
     if data.length_bucketing and data.packing:
