@@ -343,8 +343,8 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError("MultiHeadAttention.attend: is_causal needs one memory row per query row and keys not "
                        f"transposed, got {group} query rows per memory row")
     if group > 1:
-      # Query rows r * batch .. share one memory row (a beam search's beams of one source): they attend
-      # as more queries of that row, so the memory's keys / values are read once, never copied per row.
+      # Query rows r * group .. (r + 1) * group - 1 share memory row r (a beam search's beams of one
+      # source): they attend as more queries of that row, so its keys / values are read once, never copied.
       for name, array in (("mask", mask), ("bias", bias)):
         if array is not None and not (jnp.ndim(array) <= 4 and jnp.shape(array)[-2:-1] in ((), (1,))
                                       and (jnp.ndim(array) < 4 or jnp.shape(array)[0] in (1, batch))):
