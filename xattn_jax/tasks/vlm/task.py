@@ -356,8 +356,8 @@ class VLMTask(task_lib.Task):
     self.eval_examples = self._examples("eval") if mode != "infer" else []
     self.train_layouts = [self.layout(e, teacher=bool(self.distill_weight)) for e in self.train_examples]
     self.length_bucketing = bool(config.data.get("length_bucketing", False))  # absent from older runs' configs
-    # Bucketed, each epoch is sorted by image count only: sorted by length too, the bundled batches held one
-    # kind of question each, and the Q-Former fell from 0.920 to 0.779 exact match.
+    # Bucketed, each epoch is sorted by image count only: sorted by length too, the bundled batches hold one
+    # kind of question each and exact match falls (experiments/results/intel_xeon_amx/vlm_length_bucketing.md).
     sort_keys = np.asarray([len(e.images) for e in self.train_examples]) if self.length_bucketing else None
     self._train_order = batching.EpochOrder(len(self.train_examples), sort_keys)  # a user's pairs: shuffled
     self.eval_layouts = [self.layout(e) for e in self.eval_examples]
