@@ -289,7 +289,7 @@ class Task:
   @classmethod
   def eval_model_fields(cls, config) -> tuple[str, ...]:
     """The model.* fields eval and infer may set otherwise than training did (`config` is theirs): they change
-    how the trained parameters are read, not the parameters (a language model's context at eval). None by
+    how the trained parameters are read, not the parameters (a language model's context at eval). Empty by
     default: eval and infer keep the model."""
     return ()
 
