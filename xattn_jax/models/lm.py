@@ -121,7 +121,7 @@ class LMBlock(nnx.Module):
 class LMCache:
   """Decode state: a KVCache per layer (one shared fill index), and per row
 
-  key_valid       bool [b, capacity]: the slot holds a real token (not left padding, not yet unfilled)
+  key_valid       bool [b, capacity]: the slot holds a real token (False on left padding and unfilled slots)
   key_positions   int32 [b, capacity]: the position of the token in each slot (relative biases)
   next_position   int32 [b]: the index (real tokens so far) of the row's next token; its position
                   unless position_table is set
