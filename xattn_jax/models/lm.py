@@ -409,15 +409,14 @@ class LanguageModel(nnx.Module):
     """tokens [b, t] (t = 1 per step) continue every row -> (logits [b, t, vocab], cache)."""
     return self._extend(self.layers(), tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert)
 
-  def loop_step(self, *, insert: Insert | None = None, transpose_kernels: bool = True):
+  def loop_step(self, *, transpose_kernels: bool = True):
     """`decode_step` with the per-layer parameters sliced out of the stack once, now (for search loops:
     inside `lax.while_loop` XLA would otherwise copy every stacked weight at every step), their kernels
     stored [out, in] (`dense.loop_kernels`; `transpose_kernels=False` keeps them [in, out]). The step
-    takes `insert=` per call too (a host model whose inserted layers read state carried in its cache)."""
+    takes `insert=` per call (a host model whose inserted layers read state carried in its cache)."""
     layers_at = dense.loop_kernels(self.layers(), transpose=transpose_kernels)
     table = None if self.output is not None else self.embed.embedding[...].T.astype(self.dtype)
-    default_insert = insert
-    def step(tokens, cache, *, insert=default_insert):
+    def step(tokens, cache, *, insert=None):
       return self._extend(layers_at(tokens), tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert,
                           output_table=table)
     return step
