@@ -205,9 +205,13 @@ class LanguageModel(nnx.Module):
     rope_scaling, rope_scaling_factor: RoPE length scaling, None | "linear" | "ntk".
     mrope_sections: frequency pairs per (time, height, width) axis for mrope; None = Qwen2-VL's split.
     norm_type: "layernorm" | "rmsnorm"; mlp_type: "mlp" (with activation) | "swiglu".
+    activation: the "mlp" MLP's activation (layers.blocks).
     tie_output: the output projection is the transposed embedding.
     use_bias: biases on the attention projections.
+    dropout_rate: dropout on the embeddings, the residual branches and inside the MLP; attention_dropout_rate:
+      on the attention probabilities.
     scan_layers, remat: how the training pass runs the stack (layer_stack; remat by policy name).
+    implementation: the attention kernel (`ops.attention.dot_product_attention`'s; None = its default).
     dtype: compute dtype; param_dtype: storage dtype. Logits are float32.
   """
 
