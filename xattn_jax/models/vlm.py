@@ -375,6 +375,7 @@ class VisionLanguageModel(nnx.Module):
     spatial_merge: llava: m x m blocks of patches make one soft token (Qwen2-VL: 2); 1 = one per patch.
     feature_positions: a name in feature_position_encodings(), the connector's encoding of the features' patch
       grid (module docstring); feature_grid: the grid it is built for (default: the encoder's `positions.grid`).
+    dropout_rate: the connector's dropout. dtype: compute dtype; param_dtype: the connector's storage dtype.
   """
 
   def __init__(self, encoder: nnx.Module, lm: lm_lib.LanguageModel, *, connector: str, image_token_id: int,
