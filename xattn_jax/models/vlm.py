@@ -290,11 +290,11 @@ class LlavaConnector(_Connector):
   prefix_tokens = True
   spatial = True
 
-  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, patch_size: int, merge: int = 1,
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, merge: int = 1,
                feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
                rngs: nnx.Rngs):
     self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
-    self.patch_size, self.merge = patch_size, merge
+    self.merge = merge
     self.projector = MLP(feature_width * merge * merge, lm.d_model, lm.d_model, activation="gelu",
                          dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -429,7 +429,7 @@ class VisionLanguageModel(nnx.Module):
                          num_latents=num_latents, resampler_blocks=resampler_blocks),
         "qformer": dict(num_heads=num_heads, mlp_ratio=mlp_ratio, num_queries=num_queries, width=qformer_width,
                         num_blocks=qformer_blocks, cross_attention_every=qformer_cross_attention_every),
-        "llava": dict(patch_size=encoder.patch_size, merge=spatial_merge),
+        "llava": dict(merge=spatial_merge),
     }[connector]
     self.connector = kind(encoder.width, lm, feature_positions=feature_positions, feature_grid=feature_grid,
                           dropout_rate=dropout_rate, **options, **common)
