@@ -14,7 +14,7 @@ Config (see configs/translate_dates.py and configs/translate_tsv.py):
                        model.randomized_positions_max / _at_eval: randomized positions (0 = off; drawn
                        from the step's rngs in training, unpacked rows only)
   task.decoding.*      how eval and infer decode: method greedy | beam | sample and its options
-                       (tasks.decoding_config: beam_size, alpha, temperature, top_k, top_p, seed)
+                       (tasks.decoding_config lists them)
   task.*               label smoothing, how many eval sentences to decode, log and plot
 
 Metrics, logged as eval/<name> at every eval ("decoded pairs": while training, task.num_decode_examples of
