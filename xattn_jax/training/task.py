@@ -7,8 +7,10 @@ optimizer, jit, sharding, checkpoints, logging. Data flows one way: config -> ta
 To add a task, copy `xattn_jax/tasks/template.py` (the smallest complete task, built from the real
 layers), subclass `Task` and register it:
 
-    @tasks.register("translate")
-    class TranslateTask(tasks.Task):
+    from xattn_jax.training import task as task_lib
+
+    @task_lib.register("translate")
+    class TranslateTask(task_lib.Task):
       ...
 
 and make sure its module is imported: either add `"translate": "xattn_jax.tasks.translate.task"`
