@@ -842,8 +842,8 @@ class VLMTask(task_lib.Task):
     """examples: (images, segments as VLMExample's, each target None) -> each example's targets, generated in
     turn from the prefix before it with the earlier ones in place (with task.describe_first: a target right after
     an image is that image's description, the others the frozen LM's from the described text). names: each
-    example's sampling ids (its input line, its place there); a target samples by (*name, its index), an image's
-    description by (*name, the image, 1 << 16), whatever other examples are generated beside it."""
+    example's sampling ids (its input line, its place there); a target samples by (*name, its index, 0), an
+    image's description by (*name, the image, 1 << 16), whatever other examples are generated beside it."""
     described = self.config.task.get("describe_first", False)
     if described:
       words = iter(self.describe(model, [image for images, _ in examples for image in images],
