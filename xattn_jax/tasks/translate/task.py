@@ -220,9 +220,9 @@ class TranslateTask(task_lib.Task):
       validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
-    if data.tokenizer == "sentencepiece":  # 0 or -1 reached sentencepiece after the corpus was built (as lm_text's does)
+    if data.tokenizer == "sentencepiece":  # else 0 or -1 reaches sentencepiece only after the corpus is built
       validation.require_positive(config, "data.vocab_size")
-    if data.source == "dates":  # a file named here was ignored: the run trained on the dates without a word
+    if data.source == "dates":  # a file named here would be ignored without a word
       for field in ("train_file", "eval_file"):
         if data.get(field):
           raise validation.ConfigError(f"data.{field}", data[field], "the generated dates (data.source='dates') "

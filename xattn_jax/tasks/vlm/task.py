@@ -218,7 +218,7 @@ class VLMTask(task_lib.Task):
       raise validation.ConfigError("data.max_digits", data.max_digits, f"must be in [1, {vlm_digits.MAX_DIGITS}]")
     if data.source == "digits":
       validation.require_positive(config, "data.num_train_examples", "data.num_eval_examples")
-      for field in ("train_file", "eval_file"):  # a file named here was ignored: the run trained on the strips
+      for field in ("train_file", "eval_file"):  # a file named here would be ignored without a word
         if data.get(field):
           raise validation.ConfigError(f"data.{field}", data[field], "the bundled strips (data.source='digits') read "
                                        "no file: set data.source='tsv' (configs/vlm_tsv.py), or '' here")
