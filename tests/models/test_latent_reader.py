@@ -185,3 +185,16 @@ def test_repeated_blocks_with_dropout_are_the_same_function_scanned_or_unrolled(
   for unrolled, scanned in zip(*outputs):
     np.testing.assert_allclose(unrolled, scanned, atol=1e-5)
   assert not np.allclose(*outputs[0])  # and a second call draws other masks
+
+
+@pytest.mark.parametrize("make", [lambda: make_perceiver("fourier", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+                                  lambda: vit.ViT(num_classes=10, grid=(8, 8), width=WIDTH, num_heads=HEADS,
+                                                  num_blocks=1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                                  rngs=nnx.Rngs(0))],
+                         ids=["perceiver_fourier", "vit_learned_2d"])
+def test_param_dtype_reaches_every_parameter_position_encodings_included(make):
+  """A bfloat16-parameter run kept its position encodings' parameters (the Fourier projection, ViT's learned
+  table) in float32, as were they never told param_dtype."""
+  model = nnx.eval_shape(make)
+  dtypes = {jax.tree_util.keystr(path): x.dtype for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  assert {path: d for path, d in dtypes.items() if d != jnp.bfloat16} == {}

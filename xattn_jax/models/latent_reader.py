@@ -172,7 +172,7 @@ class Perceiver(nnx.Module):
     self.embed = _linear(channels * patch_size ** 2, width, (None, "embed"), **common)
     self.positions = make_position_encoding(
         position_encoding, features=width, grid=tuple(grid), num_heads=num_heads, head_dim=width // num_heads,
-        rngs=rngs)
+        param_dtype=param_dtype, rngs=rngs)
     self.latents = LearnedQueries(num_latents, width, param_dtype=param_dtype, rngs=rngs)
     self.cross = ReaderBlock(width, width, num_heads, mlp_ratio * width, rotary=self.positions.rotary,
                              dropout_rate=dropout_rate, **common)

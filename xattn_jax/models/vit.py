@@ -84,7 +84,7 @@ class ViT(nnx.Module):
     self.class_token = nnx.Param(nnx.with_partitioning(
         nnx.initializers.normal(0.02), (None, "embed"), eager_sharding=False)(rngs.params(), (1, width), param_dtype))
     self.positions = make_position_encoding("learned_2d", features=width, grid=tuple(grid), num_extra_tokens=1,
-                                            rngs=rngs)
+                                            param_dtype=param_dtype, rngs=rngs)
     self.blocks = layer_stack.create_stack(
         lambda r: EncoderBlock(width, num_heads, mlp_ratio * width, dropout_rate=dropout_rate, dtype=dtype,
                                param_dtype=param_dtype, rngs=r), num_blocks, rngs)
