@@ -103,6 +103,23 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
   return (loss, jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), gradient_sum, params)), aux_means
 
 
+
+def initial_model(task, seed: int, *, dtype, param_dtype) -> nnx.Module:
+  """The task's model from `seed`, its parameters in param_dtype: drawn in float32 and rounded to a narrower
+  param_dtype, so that a bfloat16-parameter run starts from the float32 run's weights. (JAX draws bfloat16
+  random numbers from other bits: they are other weights altogether, which would make a param_dtype ablation
+  compare two initializations as well as two precisions.) Parameters that the model keeps in float32 whatever
+  param_dtype says stay float32."""
+  if jnp.dtype(param_dtype) == jnp.float32:
+    return task.make_model(rng.model_rngs(seed), dtype=dtype, param_dtype=param_dtype)
+  model = task.make_model(rng.model_rngs(seed), dtype=dtype, param_dtype=jnp.float32)
+  wanted = nnx.state(nnx.eval_shape(lambda: task.make_model(rng.model_rngs(seed), dtype=dtype,
+                                                             param_dtype=param_dtype)), nnx.Param)
+  params = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree.map(lambda x, like: x.astype(like.dtype), params, wanted))
+  return model
+
+
 def _sized_by_epochs(config, task):
   """`config` ending where `schedule.end_step` says: as it is, or a copy whose total_steps is the step that
   completes config.max_epochs passes over the task's training data, so that the schedule, the loop and the
@@ -167,7 +184,7 @@ class Trainer:
 
     def init(loaded=None):
       with nnx.use_eager_sharding(False):  # placement comes from our rules, below
-        model = self.task.make_model(rng.model_rngs(config.seed), dtype=dtype, param_dtype=param_dtype)
+        model = initial_model(self.task, config.seed, dtype=dtype, param_dtype=param_dtype)
         if loaded is not None:  # the values make_model set, as the program's arguments instead of its constants
           state = nnx.state(model)
           nnx.replace_by_pure_dict(state, loaded)
