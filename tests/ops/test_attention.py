@@ -152,6 +152,28 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference(implementation
   assert_matches_reference(implementation, query, key, value, kwargs, atol=3e-2)
 
 
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_half_precision_scores_are_scaled_in_float32(implementation, dtype):
+  """head_dim 24: a scale 24 ** -0.5 that the dtype cannot hold. The queries were multiplied by it in their own
+  dtype, one more rounding of every score: at scores ~60, bfloat16 outputs 0.09 off the float32 attention of
+  the same inputs (the output's own rounding is below 0.01)."""
+  query, key, value, rng = random_inputs(seed=3, t=6, s=11, h=24)
+  query, key, value = (x.astype(dtype) for x in (query * 18, key, value))  # scores up to ~60
+  mask = jnp.asarray(rng.random((2, 1, 6, 11)) < 0.8).at[0, :, 1].set(False)  # query 1 of batch 0 sees no key
+  cotangent = jnp.asarray(rng.normal(size=query.shape), jnp.float32)
+  out, grads = output_and_grads(functools.partial(attention.dot_product_attention, implementation=implementation),
+                                query, key, value, {"mask": mask}, cotangent)
+  upcast = [x.astype(jnp.float32) for x in (query, key, value)]
+  expected, want = output_and_grads(functools.partial(attention.dot_product_attention, implementation="dense"),
+                                    *upcast, {"mask": mask}, cotangent)
+  atol = float(jnp.finfo(dtype).eps) * float(jnp.abs(value.astype(jnp.float32)).max())  # the output's rounding
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=atol)
+  for got, wanted in zip(grads[:3], want[:3]):
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(got, np.float32), wanted, atol=0.05 * float(jnp.abs(wanted).max()))
+
 @settings(max_examples=3, deadline=None)
 @given(b=st.integers(1, 2), t=st.integers(1, 13), s=st.integers(1, 19), kv_heads=st.sampled_from([1, 2]),
        groups=st.sampled_from([1, 2]), causal=st.booleans(), per_step=st.sampled_from([1, 2, 4]),

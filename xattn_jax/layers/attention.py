@@ -528,10 +528,15 @@ def _attention_keys_transposed(q, keys, values, mask, bias):
   b, beams, heads, head_dim = q.shape
   kv_heads, slots = keys.shape[1], keys.shape[3]
   groups = heads // kv_heads
-  q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
+  out_dtype, scale = q.dtype, head_dim ** -0.5
+  on_scores = attention_ops.scale_on_scores(q.dtype, scale)  # a half-precision copy would round the scores again
+  if not on_scores:
+    q = q * jnp.asarray(scale, q.dtype)
   q = q.reshape(b, beams, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)  # -> [b, k, g, beams, h]
   logits = jnp.einsum("bkqh,bkhs->bkqs", q.reshape(b, kv_heads, groups * beams, head_dim), keys,
                       preferred_element_type=jnp.float32).reshape(b, kv_heads, groups, beams, slots)
+  if on_scores:
+    logits = logits * scale
 
   def grouped(x):  # [B, 1 | heads, beams | 1, slots] -> [B, 1 | k, 1 | g, beams | 1, slots]
     x = jnp.broadcast_to(x, x.shape[:3] + (slots,))
@@ -548,4 +553,4 @@ def _attention_keys_transposed(q, keys, values, mask, bias):
   out = jnp.einsum("bkqs,bksh->bkqh", weights.reshape(b, kv_heads, groups * beams, slots).astype(values.dtype),
                    values, preferred_element_type=jnp.float32)  # -> [b, k, g * beams, h]
   out = out.reshape(b, kv_heads, groups, beams, head_dim).transpose(0, 3, 1, 2, 4)
-  return out.reshape(b, beams, heads, head_dim).astype(q.dtype)
+  return out.reshape(b, beams, heads, head_dim).astype(out_dtype)

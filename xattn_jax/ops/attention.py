@@ -9,8 +9,9 @@ Differentiation is reverse mode: grad and vjp everywhere, grad of grad in "dense
 "chunked" (cuDNN's backward has no derivative of its own). The dense and blocked kernels are
 `jax.custom_vjp` functions, so forward mode of the forward pass (jvp, jacfwd) raises; use `jax.jacrev`
 or `jax.nn.dot_product_attention` for those; `jax.hessian` (forward mode over the hand-written backward)
-works where grad of grad does. Softmax runs in float32; a query that may attend to no key returns zeros
-with finite gradients, in every implementation.
+works where grad of grad does. Scores and softmax run in float32 (a half-precision query is not scaled in its
+own dtype where the scale is not exact in it: `scale_on_scores`); a query that may attend to no key returns
+zeros with finite gradients, in every implementation.
 
 Implementations:
   "dense":   the whole [q, kv] score matrix as one fused XLA program with a hand-written VJP
@@ -309,6 +310,9 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
   if implementation is None:
     implementation = select_implementation(backend=backend, groups=n // kv_heads, **facts)
   if _runs_fused(implementation, backend, t, s):
+    if scale_on_scores(query.dtype, scale):
+      return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh",
+                                             float(scale))
     # Scaling the queries once is cheaper than scaling every score (autodiff applies it to dq).
     query = query * jnp.asarray(scale, query.dtype)
     return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh")
@@ -327,7 +331,16 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       query, key, value, mask=mask, bias=bias, is_causal=bool(is_causal),
       blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads, groups=n // kv_heads),
       kv_heads_major=kv_layout == "bksh",
-      scale=scale)
+      scale=scale, scale_scores=scale_on_scores(query.dtype, scale))
+
+
+def scale_on_scores(dtype, scale) -> bool:
+  """Whether the scale multiplies the float32 scores rather than the queries (of `dtype`): for half-precision queries and
+  a number that their dtype cannot hold exactly (head_dim not a power of 4), whose scaled copy would round
+  every score once more (at scores ~60, bfloat16 outputs ten times their own rounding off). float32 queries
+  are scaled as they are; a traced scale scales them in any dtype."""
+  return (jnp.dtype(dtype).itemsize < 4 and isinstance(scale, (int, float, np.floating))
+          and float(np.asarray(scale, jnp.dtype(dtype))) != float(scale))
 
 
 def _cudnn_attention(query, key, value, mask, bias, scale, is_causal: bool):
@@ -367,5 +380,7 @@ def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scal
   mask = _validate_broadcast("mask", mask, (b, n, t, s))
   bias = _validate_broadcast("bias", bias, (b, n, t, s))
   scale = _validate_scale(scale, h)
+  if scale_on_scores(query.dtype, scale):
+    return dense_attention.probabilities(query, key, mask, bias, bool(is_causal), float(scale))
   query = query * jnp.asarray(scale, query.dtype)
   return dense_attention.probabilities(query, key, mask, bias, bool(is_causal))

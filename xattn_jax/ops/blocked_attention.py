@@ -71,6 +71,7 @@ class _Static:
   kv_heads_major: bool = False  # key / value (and their gradients) [batch, kv_heads, kv_len, head_dim]
   query_offset: int = 0  # causal: query i sits at key position query_offset + i (kv_len - q_len)
   scale: float = 1.0  # score scale, applied to each block's query rows (1.0: the query came scaled)
+  scale_scores: bool = False  # apply scale to the float32 scores instead (half-precision queries)
 
   @property
   def one_block(self) -> bool:
@@ -118,6 +119,8 @@ def _scores(q_rows, k_blk, mask_u, bias_u, q_start, k_start, st: _Static, keys_f
     s = jnp.einsum("kh,qh->kq", k_blk, q_rows, preferred_element_type=jnp.float32)
   else:
     s = jnp.einsum("qh,kh->qk", q_rows, k_blk, preferred_element_type=jnp.float32)
+  if st.scale_scores:
+    s = s * st.scale
   if bias_u is None and mask_u is None and not st.is_causal and st.kv_len % bk == 0:
     return s
   # Masks and bias come as [G' | 1, block_q | 1, block_k | 1] blocks; keys_first puts keys first.
@@ -173,7 +176,7 @@ def _query_rows(q_blk, st: _Static):
   """A query block's rows, times the score scale (XLA drops a scale of 1.0): scaled block by block,
   the queries need no scaled copy, nor the backward a separate dq * scale pass."""
   rows = _rows(q_blk)
-  return rows * jnp.asarray(st.scale, rows.dtype)
+  return rows if st.scale_scores else rows * jnp.asarray(st.scale, rows.dtype)
 
 
 def _unrows(rows, groups: int):
@@ -273,6 +276,8 @@ def _unit_backward(q_u, o_grad_u, lse_u, delta_u, k_u, v_u, mask_u, bias_u, st: 
     dq_t = dq_t + jnp.einsum("kq,kh->hq", ds_low, k_blk, preferred_element_type=jnp.float32)
     dv_blk = jnp.einsum("kq,qh->kh", p_t.astype(do_rows.dtype), do_rows, preferred_element_type=jnp.float32)
     dk_blk = jnp.einsum("kq,qh->kh", ds_low, q_rows, preferred_element_type=jnp.float32)
+    if st.scale_scores:  # the rows came unscaled
+      dk_blk = dk_blk * st.scale
     add = lambda acc, blk: lax.dynamic_update_slice_in_dim(
         acc, lax.dynamic_slice_in_dim(acc, k_start, bk) + blk, k_start, axis=0)
     dk_u, dv_u = add(dk_u, dk_blk), add(dv_u, dv_blk)
@@ -441,14 +446,15 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # Jitted so that eager calls compile the block loops once per shape instead of op by op.
-@functools.partial(jax.jit, static_argnames=("is_causal", "blocking", "kv_heads_major", "scale"))
+@functools.partial(jax.jit, static_argnames=("is_causal", "blocking", "kv_heads_major", "scale", "scale_scores"))
 def blocked_attention(query, key, value, *, mask, bias, is_causal: bool, blocking: Blocking,
-                      kv_heads_major: bool = False, scale: float = 1.0):
+                      kv_heads_major: bool = False, scale: float = 1.0, scale_scores: bool = False):
   """Attention over blocks; shapes as `dot_product_attention` (inputs already validated).
 
   Args:
     query: [batch, q_len, heads, head_dim]; the scores are scale * query . key (scale=1.0 for
-      a query already multiplied by a traced scale);
+      a query already multiplied by a traced scale): each block's query rows are scaled in their dtype, or
+      with scale_scores the float32 scores (`attention.scale_on_scores`);
       key, value: [batch, kv_len, kv_heads, head_dim], or [batch, kv_heads, kv_len, head_dim] if
       kv_heads_major (read in that layout, no transposed copy).
     mask: None or bool [B', heads | 1, T', S'] with B' in {1, batch}, T' in {1, q_len}, S' in {1, kv_len}.
@@ -468,7 +474,7 @@ def blocked_attention(query, key, value, *, mask, bias, is_causal: bool, blockin
   blocking = dataclasses.replace(blocking, block_q=bq, block_k=bk, backward_block_q=bq_backward)
   st = _Static(blocking=blocking, is_causal=is_causal, kv_len=s, kv_heads=kv_heads,
                may_hide_rows=masks_lib.may_hide_rows(mask, bias, is_causal, t, s), kv_heads_major=kv_heads_major,
-               query_offset=s - t, scale=scale)
+               query_offset=s - t, scale=scale, scale_scores=scale_scores)
 
   def five_d(x, pad_value):  # [B', N', T', S'] -> [B', K', G', T', S'], padded to the block grid
     if x is None:

@@ -8,7 +8,8 @@ normalized float32 probabilities as the residual and the backward is the textboo
 without recomputation. On CPU this is the fastest path up to 256 x 256 scores per head; beyond,
 the score tensor leaves the cache and the blocked kernel wins (experiments/results/attention_benchmark.md).
 
-Inputs are validated by `attention.dot_product_attention`; queries arrive already scaled.
+Inputs are validated by `attention.dot_product_attention`; queries arrive already scaled, or (half-precision
+queries, whose scaled copy would round every score once more) `scale` multiplies the float32 scores.
 """
 from __future__ import annotations
 
@@ -51,11 +52,14 @@ def _grouped(x, kv_heads: int):
   return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
 
 
-def _scores(query, key, mask, bias, is_causal: bool, q_len: int):
-  """Masked float32 scores [b, k, g*t, s] (-inf where masked) from head-major query [b, k, g*t, h]."""
+def _scores(query, key, mask, bias, is_causal: bool, q_len: int, scale: float = 1.0):
+  """Masked float32 scores [b, k, g*t, s] (-inf where masked) from head-major query [b, k, g*t, h], times
+  scale (1.0: the query came scaled)."""
   b, k, gt, _ = query.shape
   s = key.shape[2]
   logits = jnp.einsum("bkqh,bksh->bkqs", query, key, preferred_element_type=jnp.float32)
+  if scale != 1.0:
+    logits = logits * scale
   if bias is None and mask is None and not is_causal:
     return logits
   logits = logits.reshape(b, k, gt // q_len, q_len, s)  # free: splits the (g t) axis
@@ -88,44 +92,45 @@ def _safe_divide(x, row_sum, hide: bool):
   return jnp.where(row_sum > 0, x / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
 
 
-def _unnormalized(query, key, mask, bias, is_causal: bool, kv_heads_major: bool):
+def _unnormalized(query, key, mask, bias, is_causal: bool, kv_heads_major: bool, scale: float = 1.0):
   """(head-major q [b, k, g*t, h], k [b, k, s, h], exp'd scores [b, k, g*t, s], row sums, hide)."""
   q, k = _query_head_major(query, key.shape[1 if kv_heads_major else 2]), _kv_head_major(key, kv_heads_major)
   t, s = query.shape[1], k.shape[2]
   hide = masks_lib.may_hide_rows(mask, bias, is_causal, t, s)
-  p, row_sum = _exp_and_sums(_scores(q, k, mask, bias, is_causal, t), hide)
+  p, row_sum = _exp_and_sums(_scores(q, k, mask, bias, is_causal, t, scale), hide)
   return q, k, p, row_sum, hide
 
 
-def probabilities(query, key, mask, bias, is_causal: bool):
-  """Normalized float32 probabilities [b, heads, t, s]; query pre-scaled (for `attention_weights`)."""
-  _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, False)
+def probabilities(query, key, mask, bias, is_causal: bool, scale: float = 1.0):
+  """Normalized float32 probabilities [b, heads, t, s]; query pre-scaled or scores times `scale` (for
+  `attention_weights`)."""
+  _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, False, scale)
   b, t, n, _ = query.shape
   return _safe_divide(p, row_sum, hide).reshape(b, n, t, key.shape[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def dense_attention(query, key, value, mask, bias, is_causal: bool, kv_heads_major: bool):
-  """softmax(query key^T + bias, masked) value; query pre-scaled. Shapes as `dot_product_attention`;
-  key / value [b, kv_heads, s, h] if kv_heads_major, else [b, s, kv_heads, h]."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def dense_attention(query, key, value, mask, bias, is_causal: bool, kv_heads_major: bool, scale: float = 1.0):
+  """softmax(scale * query key^T + bias, masked) value; query pre-scaled where scale is 1.0. Shapes as
+  `dot_product_attention`; key / value [b, kv_heads, s, h] if kv_heads_major, else [b, s, kv_heads, h]."""
   if jax.default_backend() != "cpu":
-    return _dense_fwd(query, key, value, mask, bias, is_causal, kv_heads_major)[0]
-  _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major)
+    return _dense_fwd(query, key, value, mask, bias, is_causal, kv_heads_major, scale)[0]
+  _, _, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major, scale)
   v = _kv_head_major(value, kv_heads_major)
   out = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out = _safe_divide(out, row_sum, hide)
   return _from_head_major(out, query.shape).astype(query.dtype)
 
 
-def _dense_fwd(query, key, value, mask, bias, is_causal, kv_heads_major):
-  q, k, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major)
+def _dense_fwd(query, key, value, mask, bias, is_causal, kv_heads_major, scale=1.0):
+  q, k, p, row_sum, hide = _unnormalized(query, key, mask, bias, is_causal, kv_heads_major, scale)
   v = _kv_head_major(value, kv_heads_major)
   p = _safe_divide(p, row_sum, hide)
   out = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return _from_head_major(out, query.shape).astype(query.dtype), (q, k, v, bias, p)
 
 
-def _dense_bwd(is_causal, kv_heads_major, residuals, out_grad):
+def _dense_bwd(is_causal, kv_heads_major, scale, residuals, out_grad):
   del is_causal  # already applied: masked probabilities are exactly zero
   q, k, v, bias, p = residuals
   b, t, n, h = out_grad.shape
@@ -133,8 +138,9 @@ def _dense_bwd(is_causal, kv_heads_major, residuals, out_grad):
   dv = jnp.einsum("bkqs,bkqh->bksh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
   dp = jnp.einsum("bkqh,bksh->bkqs", do, v, preferred_element_type=jnp.float32)
   ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True))  # d loss / d scores
-  dq = jnp.einsum("bkqs,bksh->bkqh", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
-  dk = jnp.einsum("bkqs,bkqh->bksh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+  dscaled = ds if scale == 1.0 else ds * scale  # d loss / d (query key^T)
+  dq = jnp.einsum("bkqs,bksh->bkqh", dscaled.astype(k.dtype), k, preferred_element_type=jnp.float32)
+  dk = jnp.einsum("bkqs,bkqh->bksh", dscaled.astype(q.dtype), q, preferred_element_type=jnp.float32)
   dbias = None
   if bias is not None:
     ds = ds.reshape(b, n, t, -1)  # [b, k, (g t), s] -> [b, (k g), t, s]
