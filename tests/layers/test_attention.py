@@ -369,3 +369,17 @@ def test_beam_cache_attention_scales_half_precision_scores_in_float32():
   assert out.dtype == jnp.bfloat16
   atol = float(jnp.finfo(jnp.bfloat16).eps) * float(jnp.abs(values.astype(jnp.float32)).max())
   np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=atol)
+
+
+def test_beam_cache_attention_gives_a_query_that_sees_no_slot_zeros_and_finite_gradients():
+  """The docstring's "returns zeros, as in ops.attention": a beam whose mask hides every slot."""
+  from xattn_jax.layers.attention import _attention_keys_transposed
+  rng = np.random.default_rng(5)
+  q, keys, values = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                     for shape in ((1, 2, 2, 8), (1, 1, 8, 4), (1, 1, 4, 8)))  # 2 beams, 4 slots
+  mask = jnp.asarray([[True, False, True, True], [False] * 4])[None, None]  # beam 1 sees nothing
+  loss = lambda *args: jnp.sum(_attention_keys_transposed(*args, mask, None).astype(jnp.float32) ** 2)
+  out = _attention_keys_transposed(q, keys, values, mask, None)
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, keys, values)
+  np.testing.assert_array_equal(np.asarray(out[0, 1], np.float32), 0.0)
+  assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)

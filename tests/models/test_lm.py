@@ -330,3 +330,13 @@ def test_searches_over_a_long_cache_decode_its_first_half_on_that_half(method):
     np.testing.assert_array_equal(halves[0], whole[0])
     np.testing.assert_allclose(halves[1], whole[1], rtol=1e-5)
     assert len(np.unique(halves[0])) > 5  # a varied decode, past the boundary at slot 32
+
+
+@pytest.mark.parametrize("encoding", ["rope", "learned"])  # tied and untied output
+def test_bfloat16_compute_returns_float32_logits_in_every_pass(encoding):
+  """The docstring's "Logits are float32": the training pass, the pre-fill and the search loops' step."""
+  model = _model(encoding, dtype=jnp.bfloat16)
+  tokens = _tokens((2, 6))
+  logits, cache = _prefill(model, tokens[:, :5], jnp.ones((2, 5), bool), model.init_cache(2, 12))
+  step_logits, _ = _loop_step(model, tokens[:, 5:], cache)
+  assert [x.dtype for x in (_plain_forward(model, tokens), logits, step_logits)] == [jnp.float32] * 3
