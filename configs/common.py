@@ -143,8 +143,11 @@ def base_config(*, total_steps: int = 1000, batch_size: int = 32, eval_batch_siz
   # sizes divide into. 1 leaves JAX's default (one device, or what JAX_NUM_CPU_DEVICES / XLA_FLAGS ask for).
   config.cpu_devices = 1
   config.sharding_rules = ConfigDict(DEFAULT_SHARDING_RULES)
-  # param_dtype: float32 | bfloat16 (float16 parameters underflow Adam; no loss scaling here);
-  # compute_dtype: float32 | bfloat16 | float16.
+  # param_dtype: float32 | bfloat16 (float16 parameters underflow Adam; no loss scaling here). bfloat16
+  # parameters start as the float32 run's draws rounded and are the only copy (no float32 master weights):
+  # the optimizer's moments are bfloat16 too, and an update under half a bfloat16 step of its weight
+  # (about |w| / 256) rounds away. compute_dtype: float32 | bfloat16 | float16 (attention scores, softmax and
+  # losses run in float32; logits come back float32).
   config.precision = ConfigDict({"param_dtype": "float32", "compute_dtype": "float32"})
 
   config.infer = ConfigDict({"input_file": "-"})  # "-" reads stdin; one input per line
