@@ -80,6 +80,7 @@ def test_cross_entropy_of_bfloat16_logits_is_the_float32_one_of_the_same_values(
   assert loss.dtype == jnp.float32 and float(weight) == 6
   np.testing.assert_allclose(loss, real((0, slice(None))) + real((1, slice(0, 2))), rtol=1e-6)
 
+
 def test_cross_entropy_rejects_mismatched_targets():
   with pytest.raises(ValueError, match=r"targets must be logits.shape\[:-1\]=\[2, 3\]"):
     optim.cross_entropy(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4), jnp.int32))

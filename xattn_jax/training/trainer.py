@@ -103,7 +103,6 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
   return (loss, jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), gradient_sum, params)), aux_means
 
 
-
 def initial_model(task, seed: int, *, dtype, param_dtype) -> nnx.Module:
   """The task's model from `seed`, its parameters in param_dtype: drawn in float32 and rounded to a narrower
   param_dtype, so that a bfloat16-parameter run starts from the float32 run's weights. (JAX draws bfloat16
