@@ -81,6 +81,20 @@ def test_cross_entropy_of_bfloat16_logits_is_the_float32_one_of_the_same_values(
   np.testing.assert_allclose(loss, real((0, slice(None))) + real((1, slice(0, 2))), rtol=1e-6)
 
 
+def test_bfloat16_parameters_have_no_master_copy_so_an_update_under_half_their_step_rounds_away():
+  """README's limit of precision.param_dtype=bfloat16: the optimizer updates the bfloat16 values themselves."""
+  config = template.get_config("size=tiny").optimizer
+  config.learning_rate, config.warmup_steps, config.schedule, config.weight_decay = 1e-3, 0, "constant", 0.0
+  tx = optim.make_optimizer(config, total_steps=100)
+  for dtype, moved in ((jnp.bfloat16, False), (jnp.float32, True)):
+    params = {"w": jnp.ones((4,), dtype)}
+    state = tx.init(params)
+    for _ in range(10):  # each Adam step moves w by about the learning rate, under half of bfloat16's 2 ** -7 at 1.0
+      updates, state = tx.update({"w": jnp.ones((4,), dtype)}, state, params)
+      params = optax.apply_updates(params, updates)
+    assert params["w"].dtype == dtype and bool((params["w"] != 1.0).all()) == moved, (dtype, params["w"])
+
+
 def test_cross_entropy_rejects_mismatched_targets():
   with pytest.raises(ValueError, match=r"targets must be logits.shape\[:-1\]=\[2, 3\]"):
     optim.cross_entropy(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4), jnp.int32))
