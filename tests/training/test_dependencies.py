@@ -439,3 +439,14 @@ def test_a_second_ctrl_c_while_dependencies_train_side_by_side_ends_the_job_at_o
   assert launcher.returncode == 130, stderr[-3000:]
   assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith(
       "launch.py: interrupted by a second Ctrl-C, without saving"), stderr[-3000:]
+
+
+def test_resuming_a_run_whose_dependency_workdir_is_gone_is_refused_not_trained_there_again(tmp_path, no_training):
+  # A run copied or moved elsewhere (its dependency moved too, or deleted): training it on must not train a new
+  # frozen part at the old path recorded for it; its checkpoints hold the frozen weights it trained with.
+  config = dependent_config(tmp_path / "moved_away")
+  fake_run(str(tmp_path / "run"), config, steps=[2])
+  with pytest.raises(validation.ConfigError, match=r"^config\.task\.dependency_workdir=.*moved_away.*holds no "
+                     r"checkpoint.*moved or deleted.*eval and infer need only .*run"):
+    dependencies.resolve(config, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "moved_away")

@@ -318,6 +318,17 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
       if other.workdir == dependency.workdir:
         raise validation.ConfigError(dependency.workdir_field, dependency.workdir,
                                      f"is {other.workdir_field} too: each run needs a workdir of its own")
+    if workdir and checkpoints_lib.step_numbers(workdir) and not checkpoints_lib.step_numbers(dependency.workdir):
+      # The run in workdir trained on this one, finished then: it was moved or deleted since (a workdir copied
+      # elsewhere names it at its old path). Training a new one there would train what this run never read.
+      where = (f"in {os.path.join(os.path.abspath(workdir), dependency.record)}" if dependency.record
+               else "in its config")
+      raise validation.ConfigError(
+          dependency.workdir_field, dependency.workdir,
+          f"holds no checkpoint, but the run in {workdir} froze the run there (moved or deleted?): eval and infer "
+          f"need only {workdir}, whose checkpoints hold the frozen weights; to train it on, put that run back there"
+          + (f" or write its new path as {dependency.workdir_field.rpartition('.')[2]} {where}" if dependency.record
+             else ""))
     check(dependency)
   todo = []
   for dependency in dependencies:

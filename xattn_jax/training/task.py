@@ -231,6 +231,8 @@ class Dependency:
     finished: (config, workdir) -> whether the run there is finished; `config` is the loaded one.
     unchecked_fields: fields of `config` that do not change what the run trains (a file it only evaluates
       on): a run there that differs only in them is the run declared.
+    record: the file in the dependent run's workdir that records `workdir` once it trained (read before
+      `workdir_field`), for messages ("" when there is none).
   """
   workdir: str
   config: Any
@@ -238,6 +240,7 @@ class Dependency:
   config_field: str = ""
   finished: Callable[[Any, str], bool] = reached_total_steps
   unchecked_fields: tuple[str, ...] = ()
+  record: str = ""
 
   def __post_init__(self):
     if self.workdir.strip():  # "" stays "" (not the current directory): dependencies.resolve refuses it

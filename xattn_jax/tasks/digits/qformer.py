@@ -106,7 +106,7 @@ class QFormerTask(common.DigitsBase):
     record = _read_record(workdir)
     return [task_lib.Dependency(
         workdir=record["encoder_workdir"] if record else config.model.encoder_workdir,
-        config=config.model.encoder_config, workdir_field="model.encoder_workdir",
+        config=config.model.encoder_config, workdir_field="model.encoder_workdir", record=ENCODER_RECORD,
         config_field="model.encoder_config")]
 
   def __init__(self, config, workdir=None, mode="train"):

@@ -313,12 +313,12 @@ class VLMTask(task_lib.Task):
     lm_config, encoder_config = cls.lm_config(config), cls.encoder_config(config)
     return [
         task_lib.Dependency(workdir=record["encoder_workdir"] if record else config.model.encoder_workdir,
-                            config=encoder_config, workdir_field="model.encoder_workdir",
+                            config=encoder_config, workdir_field="model.encoder_workdir", record=FROZEN_RECORD,
                             config_field="model.encoder_config" if isinstance(encoder_config, str) else "",
                             # the pairs encoder only evaluates on the VLM's eval file: another one is the same
                             unchecked_fields=() if isinstance(encoder_config, str) else ("data.eval_file",)),
         task_lib.Dependency(workdir=record["lm_workdir"] if record else config.model.lm_workdir,
-                            config=lm_config, workdir_field="model.lm_workdir",
+                            config=lm_config, workdir_field="model.lm_workdir", record=FROZEN_RECORD,
                             config_field="model.lm_config" if isinstance(lm_config, str) else "",
                             # the pairs LM only evaluates on the VLM's eval file: another one is the same LM
                             unchecked_fields=() if isinstance(lm_config, str) else ("data.eval_file",)),
