@@ -91,10 +91,15 @@ def use_compilation_cache(directory: str) -> None:
 
 
 def workdir_problem(workdir: str, mode: str) -> str | None:
-  """Why `workdir` cannot hold a run (a file; a folder training cannot create or write), or None."""
+  """Why `workdir` cannot hold a run (a file; a folder training cannot create or write; a run that eval cannot
+  record its result in), or None."""
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     return "is a file, not a directory"
+  if mode == "eval" and os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+    # Told before evaluating: the writes come after it (a run on read-only storage, a colleague's folder).
+    return ("is not writable, and eval records its result there (eval_results.jsonl, plots): copy the run to a "
+            "folder you can write, or use --mode=infer, which only reads")
   if mode != "train":
     return None  # eval / infer read a run there and say so when there is none
   existing = path

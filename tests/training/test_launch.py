@@ -643,3 +643,19 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_older_one(tmp_path, repea
   assert list((workdir / "corrupt_checkpoints").iterdir())
   assert train_losses(workdir) == train_losses(reference)
   helpers.assert_same_arrays(helpers.checkpoint_item(workdir, STEPS), helpers.checkpoint_item(reference, STEPS))
+
+
+def test_eval_of_a_run_in_a_folder_it_cannot_write_is_a_one_line_error_and_infer_is_not(tmp_path, monkeypatch):
+  """Eval of a run on read-only storage wrote its plots and eval_results.jsonl only after evaluating, and ended in
+  an OSError traceback; infer only reads."""
+  sys.path.insert(0, str(REPO))
+  import launch as launcher
+  run = tmp_path / "run"
+  run.mkdir()
+  writable = os.access
+  monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK and writable(path, mode))
+  assert launcher.workdir_problem(str(run), "eval") == (
+      f"is not writable, and eval records its result there (eval_results.jsonl, plots): copy the run to a folder "
+      f"you can write, or use --mode=infer, which only reads")
+  assert launcher.workdir_problem(str(run), "infer") is None
+  assert launcher.workdir_problem(str(tmp_path / "none"), "eval") is None  # no run there: eval says so
