@@ -367,3 +367,27 @@ def test_eval_reads_past_an_unreadable_checkpoint_and_moves_nothing(tmp_path):
   assert len(list((run / "corrupt_checkpoints").iterdir())) == 2
   loop.run(tiny_template(total_steps=4), str(run))  # from step 0, the earlier log kept aside
   assert (run / "metrics.jsonl.before_step_0").exists() and (run / "checkpoints" / "4").is_dir()
+
+
+def test_a_run_moved_with_its_data_file_trains_on_reading_the_file_at_its_new_path(tmp_path):
+  """A run and its data file copied elsewhere (shared storage, a colleague's machine) could not be trained on:
+  its config.py names the file's old path, and naming the new one was refused as another data section. The same
+  contents (data_files.json holds their SHA-256) at another path are the same data."""
+  def with_file(path, **overrides):  # the template task reads no file: a data section as a task that reads one has
+    config = tiny_template(**overrides)
+    config.data = {"train_file": str(path)}
+    return config
+
+  (tmp_path / "pairs.tsv").write_text("a.png\ta cat\n")
+  loop.run(with_file(tmp_path / "pairs.tsv"), str(tmp_path / "run"))
+  (tmp_path / "shared").mkdir()
+  (tmp_path / "run").rename(tmp_path / "shared" / "run")
+  (tmp_path / "pairs.tsv").rename(tmp_path / "shared" / "pairs.tsv")
+  moved = tmp_path / "shared" / "pairs.tsv"
+  run = str(tmp_path / "shared" / "run")
+  loop.run(with_file(moved, total_steps=4), run)
+  assert json.loads((tmp_path / "shared" / "run" / workdir.DATA_RECORD).read_text())[
+      "data.train_file"]["path"] == str(moved)  # a run depending on this one checks the file where it is now
+  (tmp_path / "other.tsv").write_text("a.png\ta dog\n")
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.train_file=.*other\.tsv.*was made with"):
+    loop.run(with_file(tmp_path / "other.tsv", total_steps=6), run)  # other contents: another data section

@@ -216,7 +216,10 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
       if mode == "train" and not resumed:
         workdir_lib.write_config(config, workdir)
         workdir_lib.record_data_files(config, workdir)
-      elif mode == "train" and (changed := workdir_lib.changed_data_files(config, workdir)):
+      elif mode == "train" and (moved := workdir_lib.record_moved_data_files(config, workdir)):
+        logging.info("Data files read at a new path, with the contents the run started on: %s",
+                     "; ".join(f"{field} {path}" for field, path in moved.items()))
+      if mode == "train" and resumed and (changed := workdir_lib.changed_data_files(config, workdir)):
         # the record keeps the contents the run started on; a run that depends on this one refuses it
         logging.warning("Training on over data files edited since the run started: %s. The steps from here read "
                         "the new contents; a run that depends on this one will refuse it (train into a new "

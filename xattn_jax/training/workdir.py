@@ -76,6 +76,39 @@ def changed_data_files(config, workdir: str) -> list[str]:
   return changed
 
 
+def moved_data_files(config, workdir: str) -> dict[str, str]:
+  """{field: new path} for the DATA_FIELDS whose file `config` names at another path than the run in `workdir`
+  recorded (DATA_RECORD) but with the contents recorded: the run and its files copied or moved elsewhere. {}
+  without a record."""
+  path = os.path.join(workdir, DATA_RECORD)
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    record = json.load(f)
+  moved = {}
+  for field, was in record.items():
+    now = _field(config, field)
+    if (isinstance(now, str) and now not in ("", "-") and _absolute(now) != was["path"] and os.path.isfile(now)
+        and os.path.getsize(now) == was["bytes"] and _digest(now) == was["sha256"]):
+      moved[field] = _absolute(now)
+  return moved
+
+
+def record_moved_data_files(config, workdir: str) -> dict[str, str]:
+  """Writes the new paths of `moved_data_files` into DATA_RECORD (the contents recorded stay) and returns them,
+  so that a run depending on this one checks the files where they are now."""
+  moved = moved_data_files(config, workdir)
+  if moved:
+    path = os.path.join(workdir, DATA_RECORD)
+    with open(path) as f:
+      record = json.load(f)
+    for field, now in moved.items():
+      record[field]["path"] = now
+    with open(path, "w") as f:
+      json.dump(record, f, indent=2)
+  return moved
+
+
 def path_fields(config, workdir: str | None) -> tuple[str, ...]:
   """The fields of `config` that name a file or folder: PATH_FIELDS it has and its dependencies' workdir fields."""
   task_class = task_lib.get_task_class(config.task.name)
@@ -261,6 +294,8 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   raw = recorded_config(workdir)
   recorded = _flat(raw or {})
   differences = {} if raw is None else _differences(recorded, config, workdir)
+  for field in moved_data_files(config, workdir):  # the file the run read, at another path: the same data
+    differences.pop(field, None)
   trained_on = differences.get("data.train_file", (None, None))[0]
   if mode == "eval" and trained_on and not data.get("train_file") and not data.get("eval_file"):
     # "" names the bundled data where a task has some: scoring it instead of the run's held-out text
