@@ -659,3 +659,19 @@ def test_eval_of_a_run_in_a_folder_it_cannot_write_is_a_one_line_error_and_infer
       f"you can write, or use --mode=infer, which only reads")
   assert launcher.workdir_problem(str(run), "infer") is None
   assert launcher.workdir_problem(str(tmp_path / "none"), "eval") is None  # no run there: eval says so
+
+
+def test_a_data_file_a_moved_run_names_at_its_old_path_is_refused_saying_how_to_name_it_where_it_is(tmp_path):
+  """A run copied elsewhere without its data file at the old path: eval told to use the run's own config.py, the
+  one that named the missing file, and training said only "no such file"."""
+  sys.path.insert(0, str(REPO))
+  import launch as launcher
+  from xattn_jax.training import validation
+  (tmp_path / "config.py").write_text("")
+  (tmp_path / "data_files.json").write_text(json.dumps(
+      {"data.train_file": {"path": "/old/corpus.txt", "bytes": 3, "sha256": "0" * 64}}))
+  error = validation.ConfigError("data.train_file", "/old/corpus.txt", "no such file")
+  for mode in ("train", "eval"):
+    assert launcher.config_error_line(error, str(tmp_path), mode) == (
+        f"config.data.train_file='/old/corpus.txt': no such file (the run in {tmp_path} read it there; if it moved, "
+        f"name it where it is now: --config.data.train_file=PATH)")
