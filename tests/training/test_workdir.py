@@ -391,3 +391,33 @@ def test_a_run_moved_with_its_data_file_trains_on_reading_the_file_at_its_new_pa
   (tmp_path / "other.tsv").write_text("a.png\ta dog\n")
   with pytest.raises(validation.ConfigError, match=r"^config\.data\.train_file=.*other\.tsv.*was made with"):
     loop.run(with_file(tmp_path / "other.tsv", total_steps=6), run)  # other contents: another data section
+
+
+def test_a_record_write_cut_short_leaves_the_record_it_replaces(tmp_path, monkeypatch):
+  """config.json and data_files.json were rewritten in place: a process killed (or a disk filling) mid-write left
+  an empty record, and every later start of the run ended in a JSONDecodeError traceback."""
+  config = _config()
+  workdir.write_config(config, str(tmp_path))
+  workdir.record_data_files(config, str(tmp_path))
+  before = {name: (tmp_path / name).read_text() for name in (*workdir.RECORD_FILES, workdir.DATA_RECORD)}
+  real_open = open
+
+  class DiskFull:
+    def __init__(self, path, mode="r", *args, **kwargs):
+      self.file = real_open(path, mode, *args, **kwargs)  # truncates what it opens for writing
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.file.close()
+
+    def write(self, text):
+      raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(workdir, "open", DiskFull, raising=False)
+  with pytest.raises(OSError):
+    workdir.write_config(_config(total_steps=7), str(tmp_path))
+  with pytest.raises(OSError):
+    workdir.record_data_files(config, str(tmp_path))
+  assert {name: (tmp_path / name).read_text() for name in before} == before

@@ -37,6 +37,20 @@ DATA_FIELDS = ("data.train_file", "data.eval_file")
 DATA_RECORD = "data_files.json"
 
 
+def _write_atomically(path: str, text: str) -> None:
+  """Writes `text` to `path` through a temporary file beside it: a process killed mid-write (or a full disk)
+  leaves the file it replaces, never an empty or cut-off record that every later start would fail to read."""
+  temporary = f"{path}.tmp"
+  try:
+    with open(temporary, "w") as f:
+      f.write(text)
+    os.replace(temporary, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(temporary)
+    raise
+
+
 def _digest(path: str) -> str:
   digest = hashlib.sha256()
   with open(path, "rb") as f:
@@ -52,8 +66,7 @@ def record_data_files(config, workdir: str) -> None:
     path = _field(config, field)
     if isinstance(path, str) and os.path.isfile(path):
       record[field] = {"path": _absolute(path), "bytes": os.path.getsize(path), "sha256": _digest(path)}
-  with open(os.path.join(workdir, DATA_RECORD), "w") as f:
-    json.dump(record, f, indent=2)
+  _write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
 
 
 def changed_data_files(config, workdir: str) -> list[str]:
@@ -104,8 +117,7 @@ def record_moved_data_files(config, workdir: str) -> dict[str, str]:
       record = json.load(f)
     for field, now in moved.items():
       record[field]["path"] = now
-    with open(path, "w") as f:
-      json.dump(record, f, indent=2)
+    _write_atomically(path, json.dumps(record, indent=2))
   return moved
 
 
@@ -141,8 +153,7 @@ def write_config(config, workdir: str) -> None:
   contents = (config.to_json_best_effort(indent=2, sort_keys=True) + "\n", str(config),
               config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
   for name, content in zip(RECORD_FILES, contents):
-    with open(os.path.join(workdir, name), "w") as f:
-      f.write(content)
+    _write_atomically(os.path.join(workdir, name), content)
 
 
 def record_resumed_config(config, workdir: str, step: int) -> dict[str, tuple]:
