@@ -381,3 +381,14 @@ def test_cudnn_on_a_cpu_run_names_the_backend_before_the_dtype_it_would_need():
   config.model.implementation = "cudnn"
   with pytest.raises(validation.ConfigError, match=r"needs a GPU backend, this run has 'cpu'"):
     validation.validate_config(config, device_count=1)
+
+
+@pytest.mark.parametrize("mode", ["eval", "infer"])
+def test_eval_and_infer_of_a_fine_tuned_run_do_not_need_the_run_it_started_from(tmp_path, mode):
+  """A run trained from init_from, moved elsewhere or kept after the run it started from was deleted, could not be
+  evaluated or run with its own config.py: init_from's folder was required, though only a fresh training reads it."""
+  config = template.get_config("size=tiny")
+  config.init_from = str(tmp_path / "deleted" / "checkpoints")
+  validation.validate_config(config, mode=mode)
+  with pytest.raises(validation.ConfigError, match=r"^config\.init_from=.*no such checkpoint directory"):
+    validation.validate_config(config, mode="train")

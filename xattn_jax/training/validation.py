@@ -336,7 +336,8 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
       if axis.strip() not in MESH_AXES:
         raise ConfigError(f"sharding_rules.{name}", axes,
                           f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
-  if config.init_from and not os.path.isdir(config.init_from):
+  # Only a training reads it (eval and infer read the run's own checkpoints, which may outlive it).
+  if mode == "train" and config.init_from and not os.path.isdir(config.init_from):
     raise ConfigError("init_from", config.init_from, "no such checkpoint directory")
   if mode == "infer" and config.infer.input_file != "-":
     require_file("infer.input_file", config.infer.input_file)
