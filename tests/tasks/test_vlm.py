@@ -796,3 +796,19 @@ def test_infer_reads_two_images_each_captioned_in_turn_then_the_question(connect
     task.infer(model, [f"{paths[0]}\t{paths[1]}"])  # was asked as a question: 32 characters of 'g'
   with pytest.raises(task_lib.InputLineError, match="input line 1: field 1 is an empty image path"):
     task.infer(model, [f"\t{question}"])
+
+
+def test_training_on_refuses_a_frozen_part_whose_recorded_workdir_now_holds_other_weights(tmp_path):
+  """A VLM trained on after another run was trained at its encoder's recorded path (a copied run, whose original
+  folder was reused) cached that run's features without a word, while its checkpoints held the encoder it froze."""
+  chain = tiny_chain()
+  for part in ("encoder", "lm", "vlm"):
+    shutil.copytree(chain / part, tmp_path / part)
+  record = json.loads((tmp_path / "vlm" / vlm_task.FROZEN_RECORD).read_text())
+  record.update(encoder_workdir=str(tmp_path / "encoder"), lm_workdir=str(tmp_path / "lm"))
+  (tmp_path / "vlm" / vlm_task.FROZEN_RECORD).write_text(json.dumps(record))
+  config = helpers.load_config(f"--config={tmp_path / 'vlm' / 'config.py'}")
+  vlm_task.VLMTask(config, str(tmp_path / "vlm"), "train")  # the runs it froze, moved: read as they were
+  _with_a_worse_newer_checkpoint(tmp_path / "encoder", "eval/position_accuracy", -1.0)
+  with pytest.raises(validation.ConfigError, match=r"^config\.model\.encoder_workdir=.*holds other weights"):
+    vlm_task.VLMTask(config, str(tmp_path / "vlm"), "train")

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -90,8 +91,8 @@ from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 # The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
 ENCODER_TASKS = ("vlm_encoder", "vlm_pairs_encoder")
-FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_step", "encoder_model", "lm_workdir", "lm_step",
-#                                  "lm_model", "vocab_size"}
+FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_step", "encoder_model", "encoder_digest", "lm_workdir",
+#                                  "lm_step", "lm_model", "lm_digest", "vocab_size"}
 TOKENIZER_FILE = lm_task.SPM_FILE
 SOURCES = ("digits", "tsv")
 MAX_IMAGES = 2  # image slots per example: the two-image "larger" kind
@@ -121,6 +122,17 @@ def _read_record(workdir: str | None) -> dict | None:
     return None
   with open(path) as f:
     return json.load(f)
+
+
+def _weights_digest(weights: dict) -> str:
+  """SHA-256 of nested dict `weights` (as `_select` returns them): each array's path, dtype, shape and bytes."""
+  digest = hashlib.sha256()
+  leaves = {jax.tree_util.keystr(path): value for path, value in jax.tree_util.tree_leaves_with_path(weights)}
+  for name in sorted(leaves):
+    value = np.ascontiguousarray(leaves[name])
+    digest.update(f"{name} {value.dtype} {value.shape}".encode())
+    digest.update(value.tobytes())
+  return digest.hexdigest()
 
 
 def _select(tree: dict, template: dict) -> dict:
@@ -407,9 +419,6 @@ class VLMTask(task_lib.Task):
     # Each frozen part is read at the step its run names as its result (checkpoint.eval_from), as its
     # --mode=eval reads it: an early-stopped LM with eval_from='best' hands on its best weights.
     encoder_step, lm_step = (checkpoints_lib.result_step(d.workdir) for d in (encoder_dep, lm_dep))
-    record = {"encoder_workdir": encoder_dep.workdir, "encoder_step": encoder_step,
-              "encoder_model": encoder_model.to_dict(), "lm_workdir": lm_dep.workdir, "lm_step": lm_step,
-              "lm_model": lm_config.model.to_dict(), "vocab_size": vocab_size}
     weights = {
         "encoder": self._restore(encoder_dep.workdir, encoder_step, lambda: encoder_task.make_encoder(
             encoder_model, rngs=nnx.Rngs(params=0, dropout=0))),
@@ -417,6 +426,11 @@ class VLMTask(task_lib.Task):
             lm_config.model, vocab_size, max_length=lm_config.model.max_length, dtype=jnp.float32,
             param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))),
     }
+    record = {"encoder_workdir": encoder_dep.workdir, "encoder_step": encoder_step,
+              "encoder_model": encoder_model.to_dict(), "encoder_digest": _weights_digest(weights["encoder"]),
+              "lm_workdir": lm_dep.workdir, "lm_step": lm_step, "lm_model": lm_config.model.to_dict(),
+              "lm_digest": _weights_digest(weights["lm"]), "vocab_size": vocab_size}
+    self._check_same_frozen_parts(record, {"encoder": encoder_dep, "lm": lm_dep})
     if self.workdir and jax.process_index() == 0:
       os.makedirs(os.path.join(self.workdir, os.path.dirname(TOKENIZER_FILE)), exist_ok=True)
       shutil.copyfile(tokenizer_path, os.path.join(self.workdir, TOKENIZER_FILE))
@@ -426,6 +440,24 @@ class VLMTask(task_lib.Task):
           json.dump(record, f, indent=2, sort_keys=True)
         os.replace(path + ".tmp", path)
     return record, tokenizer_path, weights
+
+  def _check_same_frozen_parts(self, record: dict, dependencies: dict) -> None:
+    """A run trained on from its checkpoints must read the frozen weights it froze: the training features it
+    caches (and distills from) come from the runs it loads, its checkpoints hold the weights it froze. Another run
+    at a recorded path (trained there again after the run was copied or moved, or trained on since) is refused in
+    one line. A record from before the digests were kept cannot say, and is not checked."""
+    if not self.workdir or not checkpoints_lib.step_numbers(self.workdir):
+      return  # nothing trained yet: this run freezes what it loads now
+    previous = _read_record(self.workdir) or {}
+    for part, dependency in dependencies.items():
+      was = previous.get(f"{part}_digest")
+      if was is not None and was != record[f"{part}_digest"]:
+        raise validation.ConfigError(
+            dependency.workdir_field, dependency.workdir,
+            f"holds other weights (step {record[f'{part}_step']}) than the run in {self.workdir} froze (step "
+            f"{previous.get(f'{part}_step')}, {FROZEN_RECORD}): another run was trained there since; put back the "
+            f"run it froze, or write its path as {part}_workdir in {os.path.join(self.workdir, FROZEN_RECORD)}; "
+            "eval and infer read only this run's checkpoints")
 
   @staticmethod
   def _restore(workdir, step, build):
