@@ -603,3 +603,58 @@ def test_raw_keys_of_the_wrong_shape_are_refused_naming_the_shape(rng):
   with pytest.raises(ValueError, match=r"rng must be .*, got uint32\[" + ", ".join(map(str, rng.shape)) + r"\]"):
     decoding.sample_search(_markov_step(_TRAP), jnp.zeros(()), batch_size=2, max_length=3, bos_id=BOS, eos_id=EOS,
                            rng=rng)
+
+
+def _reference_beam_search(table, example, beam_size, max_length, alpha, bos, eos):
+  """Beam search written out in Python over a table model (logits = table[example, step, last token]): each step
+  ranks every (beam, token) continuation by log-probability, keeps the best 2k, continues the best k without EOS
+  and finishes those ending in EOS among the best k (scored with the GNMT length penalty); it stops once k finished
+  hypotheses beat the best live one could reach. -> [(score, tokens)], finished first, then live, best first."""
+  penalty = lambda length: ((5.0 + length) / 6.0) ** alpha
+  live, finished, steps = [(0.0, [])], [], 0
+  for step in range(max_length):
+    candidates = []
+    for index, (score, tokens) in enumerate(live):
+      logits = table[example, step, tokens[-1] if tokens else bos].astype(np.float64)
+      log_probs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+      candidates += [(score + log_probs[token], index, token, tokens + [token]) for token in range(len(logits))]
+    top = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[:2 * beam_size]
+    finished += [(c[0] / penalty(step + 1), c[3]) for c in top[:beam_size] if c[2] == eos]
+    finished = sorted(finished, key=lambda f: -f[0])[:beam_size]
+    live, steps = [(c[0], c[3]) for c in top if c[2] != eos][:beam_size], step + 1
+    reach = live[0][0] / penalty(max_length) if live else -np.inf
+    if len(finished) == beam_size and not reach > finished[-1][0]:
+      break
+  live = sorted(((score / penalty(steps), tokens) for score, tokens in live), key=lambda f: -f[0])
+  return (finished + live)[:beam_size]
+
+
+@pytest.mark.parametrize("vocab,beam_size,max_length,alpha", [(3, 2, 5, 0.6), (3, 4, 4, 2.0), (5, 3, 6, 0.0),
+                                                              (2, 7, 5, 2.0), (6, 1, 5, 0.6)])
+def test_beam_search_returns_the_beams_of_a_beam_search_written_out_in_python(vocab, beam_size, max_length, alpha):
+  """Every returned beam (tokens, padding after EOS, score) against the reference on a table model whose logits
+  depend on the example, the step and the last token; EOS made likely enough that beams finish at different steps.
+  Slots the reference cannot fill are -inf."""
+  bos, eos, pad, batch = 0, 1, 0, 2
+  rng = np.random.default_rng(vocab * 100 + beam_size)
+  table = (2 * rng.standard_normal((batch, max_length, vocab, vocab))).astype(np.float32)
+  table[..., eos] += 0.5
+
+  def step(tokens, cache):  # cache: (step, example ids [batch * beams])
+    position, examples = cache
+    return jnp.asarray(table)[examples, position, tokens[:, 0]][:, None], (position + 1, examples)
+
+  out = jax.jit(lambda: decoding.beam_search(step, (jnp.int32(0), jnp.arange(batch)), batch_size=batch,
+                                             beam_size=beam_size, max_length=max_length, bos_id=bos, eos_id=eos,
+                                             pad_id=pad, alpha=alpha))()
+  tokens, scores = np.asarray(out.tokens), np.asarray(out.scores)
+  for example in range(batch):
+    reference = _reference_beam_search(table, example, beam_size, max_length, alpha, bos, eos)
+    for slot in range(beam_size):
+      if slot >= len(reference):
+        assert scores[example, slot] == -np.inf, (example, slot, scores[example])
+        continue
+      score, expected = reference[slot]
+      assert list(tokens[example, slot, :len(expected)]) == expected, (example, slot, tokens[example], reference)
+      assert (tokens[example, slot, len(expected):] == pad).all(), tokens[example, slot]
+      np.testing.assert_allclose(scores[example, slot], score, rtol=1e-4, atol=1e-4)
