@@ -37,7 +37,7 @@ DATA_FIELDS = ("data.train_file", "data.eval_file")
 DATA_RECORD = "data_files.json"
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
   """Writes `text` to `path` through a temporary file beside it: a process killed mid-write (or a full disk)
   leaves the file it replaces, never an empty or cut-off record that every later start would fail to read."""
   temporary = f"{path}.tmp"
@@ -66,19 +66,23 @@ def record_data_files(config, workdir: str) -> None:
     path = _field(config, field)
     if isinstance(path, str) and os.path.isfile(path):
       record[field] = {"path": _absolute(path), "bytes": os.path.getsize(path), "sha256": _digest(path)}
-  _write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
+  write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
+
+
+def _data_record(workdir: str) -> dict:
+  """DATA_RECORD of the run in `workdir`: {field: {path, bytes, sha256}}; {} without one (a run from before it)."""
+  path = os.path.join(workdir, DATA_RECORD)
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
 
 
 def changed_data_files(config, workdir: str) -> list[str]:
   """The DATA_FIELDS whose file `config` names as the run in `workdir` recorded it (DATA_RECORD) but whose
   contents differ now, each as "field path (what changed)"; [] without a record (a run from before it)."""
-  path = os.path.join(workdir, DATA_RECORD)
-  if not os.path.isfile(path):
-    return []
-  with open(path) as f:
-    record = json.load(f)
   changed = []
-  for field, was in record.items():
+  for field, was in _data_record(workdir).items():
     now = _field(config, field)
     if not (isinstance(now, str) and _absolute(now) == was["path"] and os.path.isfile(now)):
       continue  # another file (the config check names it) or gone (reading it will)
@@ -93,13 +97,8 @@ def moved_data_files(config, workdir: str) -> dict[str, str]:
   """{field: new path} for the DATA_FIELDS whose file `config` names at another path than the run in `workdir`
   recorded (DATA_RECORD) but with the contents recorded: the run and its files copied or moved elsewhere. {}
   without a record."""
-  path = os.path.join(workdir, DATA_RECORD)
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    record = json.load(f)
   moved = {}
-  for field, was in record.items():
+  for field, was in _data_record(workdir).items():
     now = _field(config, field)
     if (isinstance(now, str) and now not in ("", "-") and _absolute(now) != was["path"] and os.path.isfile(now)
         and os.path.getsize(now) == was["bytes"] and _digest(now) == was["sha256"]):
@@ -112,12 +111,10 @@ def record_moved_data_files(config, workdir: str) -> dict[str, str]:
   so that a run depending on this one checks the files where they are now."""
   moved = moved_data_files(config, workdir)
   if moved:
-    path = os.path.join(workdir, DATA_RECORD)
-    with open(path) as f:
-      record = json.load(f)
+    record = _data_record(workdir)
     for field, now in moved.items():
       record[field]["path"] = now
-    _write_atomically(path, json.dumps(record, indent=2))
+    write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
   return moved
 
 
@@ -153,7 +150,7 @@ def write_config(config, workdir: str) -> None:
   contents = (config.to_json_best_effort(indent=2, sort_keys=True) + "\n", str(config),
               config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
   for name, content in zip(RECORD_FILES, contents):
-    _write_atomically(os.path.join(workdir, name), content)
+    write_atomically(os.path.join(workdir, name), content)
 
 
 def record_resumed_config(config, workdir: str, step: int) -> dict[str, tuple]:

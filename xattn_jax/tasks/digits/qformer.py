@@ -29,6 +29,7 @@ from xattn_jax.tasks.digits import common, vit as vit_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
 from xattn_jax.training import task as task_lib, validation
+from xattn_jax.training import workdir as workdir_lib
 
 ENCODER_RECORD = "encoder.json"  # in a Q-Former workdir: {"encoder_workdir": absolute path, "encoder_step", "model"}
 
@@ -127,10 +128,9 @@ class QFormerTask(common.DigitsBase):
     record = {"encoder_workdir": encoder_workdir, "encoder_step": step, "model": encoder_config.to_dict()}
     if not self.workdir or jax.process_index() != 0 or _read_record(self.workdir) == record:
       return
-    path = os.path.join(self.workdir, ENCODER_RECORD)
-    with open(path + ".tmp", "w") as f:
-      json.dump(record, f, indent=2, sort_keys=True)
-    os.replace(path + ".tmp", path)  # never half-written for a process that reads it
+    # never half-written for a process that reads it
+    workdir_lib.write_atomically(os.path.join(self.workdir, ENCODER_RECORD),
+                                 json.dumps(record, indent=2, sort_keys=True))
 
   def _recorded_encoder_config(self) -> ConfigDict:
     """The encoder's model config for eval and infer, without training or reading the encoder run: from

@@ -88,6 +88,7 @@ from xattn_jax.tasks.vlm import encoder as encoder_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
 from xattn_jax.training import optim, sharding, task as task_lib, validation
+from xattn_jax.training import workdir as workdir_lib
 
 # The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
 ENCODER_TASKS = ("vlm_encoder", "vlm_pairs_encoder")
@@ -435,10 +436,8 @@ class VLMTask(task_lib.Task):
       os.makedirs(os.path.join(self.workdir, os.path.dirname(TOKENIZER_FILE)), exist_ok=True)
       shutil.copyfile(tokenizer_path, os.path.join(self.workdir, TOKENIZER_FILE))
       if _read_record(self.workdir) != record:
-        path = os.path.join(self.workdir, FROZEN_RECORD)
-        with open(path + ".tmp", "w") as f:
-          json.dump(record, f, indent=2, sort_keys=True)
-        os.replace(path + ".tmp", path)
+        workdir_lib.write_atomically(os.path.join(self.workdir, FROZEN_RECORD),
+                                     json.dumps(record, indent=2, sort_keys=True))
     return record, tokenizer_path, weights
 
   def _check_same_frozen_parts(self, record: dict, dependencies: dict) -> None:
