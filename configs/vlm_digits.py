@@ -15,7 +15,7 @@ The frozen parts are trained first when their workdirs hold no finished run (tas
 they train side by side: launch.py's --dependencies): the image
 encoder by configs/vlm_encoder.py in workdirs/vlm_encoder (at `scale=s`, digits of 8s x 8s pixels, by
 configs/vlm_encoder.py:scale=s in workdirs/vlm_encoder_xs) and the LM by configs/vlm_lm.py in workdirs/vlm_lm,
-shared by all three connectors (see xattn_jax/tasks/vlm/task.py). `distill=W` adds description distillation
+shared by all three connectors (see xattn_jax/tasks/vlm/frozen.py). `distill=W` adds description distillation
 (task.distill_weight; experiments/results/intel_xeon_amx/vlm_description_distillation.md).
 """
 from __future__ import annotations

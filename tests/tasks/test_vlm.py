@@ -15,7 +15,7 @@ from configs import vlm_digits as vlm_digits_config
 from tests import helpers
 from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import vit, vlm
-from xattn_jax.tasks.vlm import probe, task as vlm_task
+from xattn_jax.tasks.vlm import frozen as vlm_frozen, probe, task as vlm_task
 from xattn_jax.training import checkpoints, dependencies, distributed, task as task_lib, validation
 
 TINY_CHAIN = {
@@ -224,7 +224,7 @@ def test_each_frozen_part_is_read_at_the_checkpoint_its_run_names_as_its_result(
                                  *(f"--config.{field}={value}" for field, value in overrides.items()))
     workdir = tmp_path / f"vlm_{eval_from}"
     task = vlm_task.VLMTask(config, str(workdir), "train")
-    return task.weights, json.loads((workdir / vlm_task.FROZEN_RECORD).read_text())
+    return task.weights, json.loads((workdir / vlm_frozen.FROZEN_RECORD).read_text())
 
   for eval_from, step, weights in (("latest", encoder_step + 1, encoder_shifted), ("best", encoder_step,
                                                                                    encoder_original)):
@@ -297,7 +297,7 @@ def test_a_users_pairs_train_their_own_lm_first_so_their_words_can_be_written(tm
   assert (lm_config["total_steps"], lm_config["max_epochs"], lm_config["min_steps"]) == (400, 40.0, 10)
   assert json.loads((run / "lm" / task_lib.END_STEP_FILE).read_text())["end_step"] == 40
   assert checkpoints.step_numbers(str(run / "lm"))[-1] == 40
-  tokenizer = tokenizers.SentencePieceTokenizer(run / "vlm" / vlm_task.TOKENIZER_FILE)
+  tokenizer = tokenizers.SentencePieceTokenizer(run / "vlm" / vlm_frozen.TOKENIZER_FILE)
   assert tokenizer.decode(tokenizer.encode("a black cross")) == "a black cross"
   rows = helpers.metric_rows(run / "vlm")
   losses = [row["train/loss"] for row in rows if "train/loss" in row]
@@ -338,7 +338,7 @@ def test_a_users_pairs_train_an_image_encoder_of_their_own_first(tmp_path):
   # every caption is "a black <shape>": naming its shared terms alone ("a", "black", "a black") is F1 0.75
   encoder_eval = [row for row in helpers.metric_rows(run / "encoder") if "eval/word_f1" in row][-1]
   assert encoder_eval["eval/word_f1"] > 0.9, encoder_eval
-  frozen = json.loads((run / "vlm" / vlm_task.FROZEN_RECORD).read_text())
+  frozen = json.loads((run / "vlm" / vlm_frozen.FROZEN_RECORD).read_text())
   # the one it trained (the chain was built in a folder since renamed: compare within it)
   built = pathlib.Path(frozen["encoder_workdir"])
   assert built.name == "encoder" and pathlib.Path(frozen["lm_workdir"]) == built.parent / "lm", frozen
@@ -415,7 +415,7 @@ def test_without_an_eval_file_the_encoder_the_lm_and_the_vlm_hold_out_the_same_p
   assert list(task.eval_texts) == [f"{vlm_digits.IMAGE_TOKEN} {caption}" for caption in held_captions]
 
   pairs = helpers.load_config("--config=configs/vlm_tsv.py", f"--config.data.train_file={tmp_path / 'train.tsv'}")
-  assert vlm_task.VLMTask.lm_config(pairs).data.eval_file == vlm_task.VLMTask.encoder_config(pairs).data.eval_file == ""
+  assert vlm_frozen.lm_config(pairs).data.eval_file == vlm_frozen.encoder_config(pairs).data.eval_file == ""
 
 
 def _write(path, text: str):
@@ -804,9 +804,9 @@ def test_training_on_refuses_a_frozen_part_whose_recorded_workdir_now_holds_othe
   chain = tiny_chain()
   for part in ("encoder", "lm", "vlm"):
     shutil.copytree(chain / part, tmp_path / part)
-  record = json.loads((tmp_path / "vlm" / vlm_task.FROZEN_RECORD).read_text())
+  record = json.loads((tmp_path / "vlm" / vlm_frozen.FROZEN_RECORD).read_text())
   record.update(encoder_workdir=str(tmp_path / "encoder"), lm_workdir=str(tmp_path / "lm"))
-  (tmp_path / "vlm" / vlm_task.FROZEN_RECORD).write_text(json.dumps(record))
+  (tmp_path / "vlm" / vlm_frozen.FROZEN_RECORD).write_text(json.dumps(record))
   config = helpers.load_config(f"--config={tmp_path / 'vlm' / 'config.py'}")
   vlm_task.VLMTask(config, str(tmp_path / "vlm"), "train")  # the runs it froze, moved: read as they were
   _with_a_worse_newer_checkpoint(tmp_path / "encoder", "eval/position_accuracy", -1.0)

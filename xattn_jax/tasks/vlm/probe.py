@@ -176,14 +176,14 @@ def load_encoder(workdir: str):
   """The ViT of a finished vlm_encoder run in workdir, with the weights a VLM freezing it reads (those of
   the checkpoint its run names as its result, `checkpoints.result_step`)."""
   from ml_collections import ConfigDict
-  from xattn_jax.tasks.vlm import task as vlm_task  # the VLM task's checkpoint restore
+  from xattn_jax.tasks.vlm import frozen  # the VLM's frozen-part restore
   from xattn_jax.training import checkpoints
   with open(os.path.join(workdir, "config.json")) as f:
     model_config = ConfigDict(json.load(f)).model
   build = lambda: encoder_task.make_encoder(model_config, rngs=nnx.Rngs(params=0, dropout=0))
   encoder = build()
   state = nnx.state(encoder, nnx.Param)
-  nnx.replace_by_pure_dict(state, vlm_task.VLMTask._restore(workdir, checkpoints.result_step(workdir), build))
+  nnx.replace_by_pure_dict(state, frozen.restore(workdir, checkpoints.result_step(workdir), build))
   nnx.update(encoder, state)
   return encoder
 

@@ -1,20 +1,8 @@
 """Image-to-text with a frozen language model: `models.vlm.VisionLanguageModel` (`configs/vlm_digits.py`,
 `configs/vlm_tsv.py`; task "vlm").
 
-The frozen parts are two finished runs, declared as dependencies that launch.py trains first when their
-workdirs hold no finished run: the image encoder (`model.encoder_config`, e.g. configs/vlm_encoder.py, in
-`model.encoder_workdir`) and the language model pretrained on the task's text alone (`model.lm_config`,
-e.g. configs/vlm_lm.py, in `model.lm_workdir`; SentencePiece with IMAGE_TOKEN one piece), each read at the
-checkpoint its run names as its result (`checkpoints.result_step`: its newest, or its best where its
-checkpoint.eval_from is "best"). Training records in this run's workdir where they are, the steps read and
-their model configs (FROZEN_RECORD) and copies the LM's tokenizer
-there: eval and infer read only this workdir (its checkpoints hold the frozen weights too).
-
-A user's pairs (data.source="tsv") come with their own LM and image encoder: configs/vlm_tsv.py's
-model.lm_config (configs/vlm_lm.py:text=pairs) pretrains the LM on the text of data.train_file, so it can write
-the captions' words (`lm_config`; the digits' LM knows only the digits' 39 words), and its
-model.encoder_config (configs/vlm_encoder.py:data=pairs, task vlm_pairs_encoder) trains the encoder on its
-images (`encoder_config`), at the canvas data.canvas, grey or RGB (data.color).
+The frozen parts, the image encoder and the language model, are finished runs of their own (`frozen`: their
+configs, records and weights); eval and infer read only this run's workdir.
 
 Data (`data.source`, SOURCES):
   digits  the bundled strips of data.vlm_digits (data.kinds, data.max_digits, data.scale):
@@ -68,10 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -84,17 +69,9 @@ from xattn_jax.data import batching, image_text, splits, tokenizers, vlm_digits
 from xattn_jax.models import lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
-from xattn_jax.tasks.vlm import encoder as encoder_task
-from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import dependencies as dependencies_lib
+from xattn_jax.tasks.vlm import encoder as encoder_task, frozen
 from xattn_jax.training import optim, sharding, task as task_lib, validation
-from xattn_jax.training import workdir as workdir_lib
 
-# The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
-ENCODER_TASKS = ("vlm_encoder", "vlm_pairs_encoder")
-FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_step", "encoder_model", "encoder_digest", "lm_workdir",
-#                                  "lm_step", "lm_model", "lm_digest", "vocab_size"}
-TOKENIZER_FILE = lm_task.SPM_FILE
 SOURCES = ("digits", "tsv")
 MAX_IMAGES = 2  # image slots per example: the two-image "larger" kind
 EVAL_METRICS = ("eval/loss", "eval/token_accuracy", "eval/exact_match", "eval/chrf")
@@ -112,53 +89,8 @@ def canvas(config) -> tuple[int, int]:
   return encoder_task.canvas(config)
 
 
-def _stored_config(workdir: str) -> ConfigDict:
-  with open(os.path.join(workdir, "config.json")) as f:
-    return ConfigDict(json.load(f))
-
-
-def _read_record(workdir: str | None) -> dict | None:
-  path = os.path.join(workdir, FROZEN_RECORD) if workdir else ""
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def _weights_digest(weights: dict) -> str:
-  """SHA-256 of nested dict `weights` (as `_select` returns them): each array's path, dtype, shape and bytes."""
-  digest = hashlib.sha256()
-  leaves = {jax.tree_util.keystr(path): value for path, value in jax.tree_util.tree_leaves_with_path(weights)}
-  for name in sorted(leaves):
-    value = np.ascontiguousarray(leaves[name])
-    digest.update(f"{name} {value.dtype} {value.shape}".encode())
-    digest.update(value.tobytes())
-  return digest.hexdigest()
-
-
-def _select(tree: dict, template: dict) -> dict:
-  """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
-  return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
-          for key, sub in template.items()}
-
-
-def _set_params(module: nnx.Module, weights: dict) -> None:
-  """Loads nested dict `weights` (as `_select` returns them) into the module's `nnx.Param`s."""
-  state = nnx.state(module, nnx.Param)
-  nnx.replace_by_pure_dict(state, weights)
-  nnx.update(module, state)
-
-
 def _normalise(text: str) -> str:
   return " ".join(text.split())
-
-
-def _lm_model_config(lm_model: ConfigDict, image_positions: str) -> ConfigDict:
-  """The frozen LM's model config as the VLM builds it: M-RoPE (same weights) when the images take it."""
-  lm_model = ConfigDict(lm_model.to_dict())
-  if image_positions == "mrope":
-    lm_model.position_encoding = "mrope"
-  return lm_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,101 +173,16 @@ class VLMTask(task_lib.Task):
         raise validation.ConfigError("data.kinds", data.kinds, f"a comma-separated subset of {tuple(vlm_digits.KINDS)}")
     decoding_config.decoding_options(config)
     if mode == "train":  # eval and infer take the frozen parts from the run's record
-      cls._check_frozen(config)
+      frozen.check_configs(config)
     if data.source == "tsv":
       fields = (("data.train_file",) if mode == "train" else ()) + (("data.eval_file",) if mode != "infer" else ())
       for field in fields:
         encoder_task.read_pairs_field(config, field)
 
   @classmethod
-  def _check_frozen(cls, config):
-    encoder = dependencies_lib.load_config(config.model.encoder_config, "model.encoder_config")
-    lm = dependencies_lib.load_config(config.model.lm_config, "model.lm_config")
-    if encoder.task.name not in ENCODER_TASKS:
-      raise validation.ConfigError("model.encoder_config", config.model.encoder_config,
-                                   f"must train a run of task {' or '.join(ENCODER_TASKS)}, got "
-                                   f"task.name={encoder.task.name!r}")
-    if encoder.task.name == "vlm_pairs_encoder" and config.data.source != "tsv":
-      raise validation.ConfigError("model.encoder_config", config.model.encoder_config,
-                                   "an encoder trained on a user's pairs reads a user's pairs: data.source='tsv' "
-                                   f"only, got data.source={config.data.source!r}")
-    encoder_canvas = encoder_task.canvas(encoder)
-    if encoder_task.grey(encoder) != encoder_task.grey(config):
-      raise validation.ConfigError("data.color", config.data.get("color", False),
-                                   f"must be the frozen encoder's data.color, {not encoder_task.grey(encoder)} "
-                                   f"({config.model.encoder_config})")
-    if encoder.data.get("canvas"):  # a user's pairs: the VLM's canvas is the encoder's
-      if encoder_canvas != canvas(config):
-        raise validation.ConfigError("data.canvas", config.data.get("canvas", ""),
-                                     f"must be the frozen encoder's canvas, {encoder.data.canvas!r} "
-                                     f"({config.model.encoder_config})")
-    elif config.data.get("canvas"):
-      raise validation.ConfigError("data.canvas", config.data.canvas,
-                                   f"the digits' encoder reads its strips' canvas {encoder_canvas}: must be empty "
-                                   f"with {config.model.encoder_config} (configs/vlm_tsv.py:image_encoder=digits)")
-    elif encoder.data.scale != config.data.scale:
-      raise validation.ConfigError("data.scale", config.data.scale,
-                                   f"must be the frozen encoder's, {encoder.data.scale} "
-                                   f"({config.model.encoder_config}; configs/vlm_digits.py:scale=S names the encoder "
-                                   f"trained at S)")
-    elif encoder_canvas != canvas(config):
-      raise validation.ConfigError("data.max_digits", config.data.max_digits,
-                                   f"the canvas {canvas(config)} (data.max_digits, data.scale) must be the frozen "
-                                   f"encoder's {encoder_canvas} ({config.model.encoder_config})")
-    if lm.task.name != "lm" or lm.data.tokenizer != "sentencepiece" or \
-        vlm_digits.IMAGE_TOKEN not in tuple(lm.data.get("single_piece_words", ())):
-      raise validation.ConfigError("model.lm_config", config.model.lm_config,
-                                   f"must train an lm run with data.tokenizer='sentencepiece' and "
-                                   f"{vlm_digits.IMAGE_TOKEN!r} in data.single_piece_words (one marker id)")
-    if config.model.image_positions == "mrope" and lm.model.position_encoding not in ("rope", "mrope"):
-      raise validation.ConfigError("model.image_positions", "mrope", f"needs a rope or mrope LM, got "
-                                   f"position_encoding={lm.model.position_encoding!r} ({config.model.lm_config})")
-
-  @staticmethod
-  def _on_the_pairs(config, field: str, reads_pairs):
-    """The frozen part's declared config `field` (a file spec), or, for a user's pairs and a config that
-    trains on pairs (`reads_pairs(loaded)`) but names no files, that config loaded with this run's
-    data.train_file / data.eval_file (absolute)."""
-    spec = validation._get(config, field)
-    if config.data.source != "tsv":
-      return spec
-    loaded = dependencies_lib.load_config(spec, field)
-    if not reads_pairs(loaded) or loaded.data.train_file or loaded.data.eval_file:
-      return spec
-    loaded.data.train_file = os.path.abspath(config.data.train_file)
-    # none: each holds out the same pairs of the training file (image_text.held_out_pairs)
-    loaded.data.eval_file = os.path.abspath(config.data.eval_file) if config.data.eval_file else ""
-    return loaded
-
-  @classmethod
-  def lm_config(cls, config):
-    """The frozen LM's declared config (`_on_the_pairs`): configs/vlm_lm.py:text=pairs learns the words of the
-    user's captions."""
-    return cls._on_the_pairs(config, "model.lm_config", lambda lm: lm.data.get("file_format") == "image_text")
-
-  @classmethod
-  def encoder_config(cls, config):
-    """The frozen encoder's declared config (`_on_the_pairs`): configs/vlm_encoder.py:data=pairs learns the
-    user's images."""
-    return cls._on_the_pairs(config, "model.encoder_config", lambda encoder: encoder.task.name == "vlm_pairs_encoder")
-
-  @classmethod
   def dependencies(cls, config, workdir):
-    """The frozen encoder and LM runs: those recorded in this run's workdir, else the configured ones."""
-    record = _read_record(workdir)
-    lm_config, encoder_config = cls.lm_config(config), cls.encoder_config(config)
-    return [
-        task_lib.Dependency(workdir=record["encoder_workdir"] if record else config.model.encoder_workdir,
-                            config=encoder_config, workdir_field="model.encoder_workdir", record=FROZEN_RECORD,
-                            config_field="model.encoder_config" if isinstance(encoder_config, str) else "",
-                            # the pairs encoder only evaluates on the VLM's eval file: another one is the same
-                            unchecked_fields=() if isinstance(encoder_config, str) else ("data.eval_file",)),
-        task_lib.Dependency(workdir=record["lm_workdir"] if record else config.model.lm_workdir,
-                            config=lm_config, workdir_field="model.lm_workdir", record=FROZEN_RECORD,
-                            config_field="model.lm_config" if isinstance(lm_config, str) else "",
-                            # the pairs LM only evaluates on the VLM's eval file: another one is the same LM
-                            unchecked_fields=() if isinstance(lm_config, str) else ("data.eval_file",)),
-    ]
+    """The frozen encoder and LM runs (`frozen.dependencies`)."""
+    return frozen.dependencies(config, workdir)
 
   # --- setup ------------------------------------------------------------------------------------
 
@@ -344,16 +191,11 @@ class VLMTask(task_lib.Task):
     self.canvas = canvas(config)
     self.options = decoding_config.decoding_options(config)
     self.max_new_tokens = config.task.decoding.max_new_tokens
-    self.weights = None
-    if mode == "train":
-      record, tokenizer_path, self.weights = self._load_frozen()
-    else:
-      record = _read_record(workdir)
-      if record is None:
-        raise validation.ConfigError("workdir", workdir, f"holds no {FROZEN_RECORD}: train the VLM there first")
-      tokenizer_path = os.path.join(workdir, TOKENIZER_FILE)
+    # in training the frozen weights, {"encoder": params, "lm": params}; None in eval / infer (the checkpoint
+    # restore sets them)
+    record, tokenizer_path, self.weights = frozen.load(config, workdir, mode)
     self.encoder_model = ConfigDict(record["encoder_model"])
-    self.lm_model = _lm_model_config(ConfigDict(record["lm_model"]), config.model.image_positions)
+    self.lm_model = frozen.lm_model_config(ConfigDict(record["lm_model"]), config.model.image_positions)
     self.vocab_size = record["vocab_size"]
     decoding_config.note_top_k(config, self.vocab_size)
     self.tokenizer = tokenizers.SentencePieceTokenizer(tokenizer_path)
@@ -405,81 +247,15 @@ class VLMTask(task_lib.Task):
     return vlm_digits.make_examples(split, count, data.seed if side == "train" else data.eval_seed,
                                     max_digits=data.max_digits, kinds=kinds, scale=data.scale)
 
-  def _load_frozen(self):
-    """(record, tokenizer path, {"encoder": params, "lm": params}) of the finished dependency runs."""
-    encoder_dep, lm_dep = self.dependencies(self.config, self.workdir)
-    for dependency in (encoder_dep, lm_dep):
-      if not dependencies_lib.is_finished(dependency):
-        raise validation.ConfigError(
-            dependency.workdir_field, dependency.workdir, "holds no finished run; launch.py trains it first (from "
-            "Python, call xattn_jax.training.dependencies.resolve(config, workdir) before loop.run)")
-    encoder_model = _stored_config(encoder_dep.workdir).model
-    lm_config = _stored_config(lm_dep.workdir)
-    tokenizer_path = os.path.join(lm_dep.workdir, TOKENIZER_FILE)
-    vocab_size = tokenizers.SentencePieceTokenizer(tokenizer_path).vocab_size
-    # Each frozen part is read at the step its run names as its result (checkpoint.eval_from), as its
-    # --mode=eval reads it: an early-stopped LM with eval_from='best' hands on its best weights.
-    encoder_step, lm_step = (checkpoints_lib.result_step(d.workdir) for d in (encoder_dep, lm_dep))
-    weights = {
-        "encoder": self._restore(encoder_dep.workdir, encoder_step, lambda: encoder_task.make_encoder(
-            encoder_model, rngs=nnx.Rngs(params=0, dropout=0))),
-        "lm": self._restore(lm_dep.workdir, lm_step, lambda: lm_task.make_language_model(
-            lm_config.model, vocab_size, max_length=lm_config.model.max_length, dtype=jnp.float32,
-            param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))),
-    }
-    record = {"encoder_workdir": encoder_dep.workdir, "encoder_step": encoder_step,
-              "encoder_model": encoder_model.to_dict(), "encoder_digest": _weights_digest(weights["encoder"]),
-              "lm_workdir": lm_dep.workdir, "lm_step": lm_step, "lm_model": lm_config.model.to_dict(),
-              "lm_digest": _weights_digest(weights["lm"]), "vocab_size": vocab_size}
-    self._check_same_frozen_parts(record, {"encoder": encoder_dep, "lm": lm_dep})
-    if self.workdir and jax.process_index() == 0:
-      os.makedirs(os.path.join(self.workdir, os.path.dirname(TOKENIZER_FILE)), exist_ok=True)
-      shutil.copyfile(tokenizer_path, os.path.join(self.workdir, TOKENIZER_FILE))
-      if _read_record(self.workdir) != record:
-        workdir_lib.write_atomically(os.path.join(self.workdir, FROZEN_RECORD),
-                                     json.dumps(record, indent=2, sort_keys=True))
-    return record, tokenizer_path, weights
-
-  def _check_same_frozen_parts(self, record: dict, dependencies: dict) -> None:
-    """A run trained on from its checkpoints must read the frozen weights it froze: the training features it
-    caches (and distills from) come from the runs it loads, its checkpoints hold the weights it froze. Another run
-    at a recorded path (trained there again after the run was copied or moved, or trained on since) is refused in
-    one line. A record from before the digests were kept cannot say, and is not checked."""
-    if not self.workdir or not checkpoints_lib.step_numbers(self.workdir):
-      return  # nothing trained yet: this run freezes what it loads now
-    previous = _read_record(self.workdir) or {}
-    for part, dependency in dependencies.items():
-      was = previous.get(f"{part}_digest")
-      if was is not None and was != record[f"{part}_digest"]:
-        raise validation.ConfigError(
-            dependency.workdir_field, dependency.workdir,
-            f"holds other weights (step {record[f'{part}_step']}) than the run in {self.workdir} froze (step "
-            f"{previous.get(f'{part}_step')}, {FROZEN_RECORD}): another run was trained there since; put back the "
-            f"run it froze, or write its path as {part}_workdir in {os.path.join(self.workdir, FROZEN_RECORD)}; "
-            "eval and infer read only this run's checkpoints")
-
-  @staticmethod
-  def _restore(workdir, step, build):
-    abstract = nnx.eval_shape(build)
-    restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints", str(step)),
-                                                  nnx.to_pure_dict(nnx.state(abstract)))
-    return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
-
-  def _frozen_lm(self, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None):
+  def _frozen_lm(self, **kwargs):
     """The language model of the frozen record, with the frozen weights when this task loaded them."""
-    lm = lm_task.make_language_model(self.lm_model, self.vocab_size, max_length=self.lm_model.max_length,
-                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs or nnx.Rngs(params=0, dropout=0))
-    if self.weights is not None:  # None in eval / infer: the checkpoint restore sets them
-      _set_params(lm, self.weights["lm"])
-    return lm
+    weights = None if self.weights is None else self.weights["lm"]  # None in eval / infer: the restore sets them
+    return frozen.make_lm(self.lm_model, self.vocab_size, weights, **kwargs)
 
-  def _frozen_encoder(self, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None):
+  def _frozen_encoder(self, **kwargs):
     """The image encoder of the frozen record, with the frozen weights when this task loaded them."""
-    encoder = encoder_task.make_encoder(self.encoder_model, dtype=dtype, param_dtype=param_dtype,
-                                        rngs=rngs or nnx.Rngs(params=0, dropout=0))
-    if self.weights is not None:
-      _set_params(encoder, self.weights["encoder"])
-    return encoder
+    weights = None if self.weights is None else self.weights["encoder"]
+    return frozen.make_encoder(self.encoder_model, weights, **kwargs)
 
   def _cache_features(self, chunk: int = 256):
     """The frozen encoder's features of every training image (data.cache_features), computed once as each
