@@ -52,7 +52,7 @@ def vlm_config(args) -> ConfigDict:
   config.task.distill_blocks = getattr(args, "distill_blocks", 0)  # the first n LM blocks' outputs (0: all)
   # True: eval and infer answer in two passes: the model describes each image alone, then the frozen LM answers
   # from the text with the description before the image's marker, as it learned from the described texts
-  # (digits only; tasks.vlm.task.VLMTask.described_answers). An eval-time choice: --mode=eval may set it.
+  # (digits only; tasks.vlm.answers.described_answers). An eval-time choice: --mode=eval may set it.
   config.task.describe_first = False
   config.checkpoint.best_metric = "eval/exact_match"
   config.checkpoint.best_mode = "max"

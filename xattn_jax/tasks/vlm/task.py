@@ -31,14 +31,8 @@ it (EOS, the next image's marker, or the next text's first token). With task.dis
 strips only) the loss adds W times `description_distillation`: the LM's residual stream after each block (the
 first task.distill_blocks; 0: all) at every image marker and every text token after the first image, against
 the same LM's on the example's text with each image described in words (`vlm_digits.described_text_of`),
-computed once before training. Eval generates every target in turn from
-the prefix before it (earlier targets given), cut at the token that ends it (or EOS, or a marker), up to
-`eval_new_tokens`: the longest eval target's tokens + 1, at least task.decoding.max_new_tokens, so no reference
-is cut short by the limit. Infer generates up to task.decoding.max_new_tokens. With task.describe_first
-(the bundled strips, whose LM learned their described texts) eval and infer answer in two passes: the model
-describes each image alone (its caption), then the frozen LM alone, no image and no connector, answers from the
-text with each image's description before its marker (`described_answers`); a target right after an image is
-that image's description. It is an eval-time choice: `--mode=eval` may set it on a finished run.
+computed once before training. Eval and infer generate each target in turn from the prefix before it (`answers`;
+with task.describe_first, in two passes through the images' descriptions).
 
 Metrics, logged as eval/<name>:
   loss, token_accuracy    cross-entropy / argmax accuracy per target token (the end token included)
@@ -48,7 +42,7 @@ Metrics, logged as eval/<name>:
   exact_match_<kind>      per kind of example (data.vlm_digits.KINDS, or "user")
 Infer: each line is `image_path` (generate its caption), `image_path<TAB>question`, or two images and a question,
 `a.png<TAB>b.png<TAB>which is larger ?` (the last tab field is the question): each image of two is followed by
-the model's own caption of it, as the two-image examples are laid out (`_generate_in_turn`). The output is the
+the model's own caption of it, as the two-image examples are laid out (`answers.generate_in_turn`). The output is the
 answer, or the caption (two images and an empty question: each image's caption alone, joined by " | "); with
 task.describe_first, the frozen LM's answer from the images' descriptions.
 """
@@ -69,7 +63,7 @@ from xattn_jax.data import batching, image_text, splits, tokenizers, vlm_digits
 from xattn_jax.models import lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
-from xattn_jax.tasks.vlm import encoder as encoder_task, frozen
+from xattn_jax.tasks.vlm import answers as answers_lib, encoder as encoder_task, frozen
 from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 SOURCES = ("digits", "tsv")
@@ -87,10 +81,6 @@ def canvas(config) -> tuple[int, int]:
   """The images' canvas: data.canvas ("HxW", a user's pairs read by an encoder trained on them), else the
   digit strips' of data.max_digits and data.scale; the frozen encoder's either way."""
   return encoder_task.canvas(config)
-
-
-def _normalise(text: str) -> str:
-  return " ".join(text.split())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,7 +499,7 @@ class VLMTask(task_lib.Task):
       if token in (stop, tokenizers.EOS_ID, self.marker, lm_lib.PAD_ID) or token < 0:
         break
       kept.append(token)
-    return _normalise(self.tokenizer.decode(kept))
+    return answers_lib.normalise(self.tokenizer.decode(kept))
 
   def generate(self, model, requests, max_new_tokens: int | None = None, *, text_only: bool = False,
                ids=None) -> list[str]:
@@ -547,62 +537,13 @@ class VLMTask(task_lib.Task):
     return self.generate(model, prompts, max_new_tokens, ids=ids) if prompts else []
 
   def eval_answers(self, model) -> list[tuple[str, int, str, str]]:
-    """(kind, digits in the largest image, reference, generated answer) of every eval target, in eval order:
-    each generated from the prefix before it (earlier targets given), both sides whitespace-normalised
-    (with task.describe_first: `described_answers`)."""
-    if self.config.task.get("describe_first", False):
-      return self.described_answers(model)
-    requests, rows = [], []
-    for example, layout in zip(self.eval_examples, self.eval_layouts):
-      for prefix, stop, reference in layout.targets:
-        requests.append((example.images, layout.ids[:prefix].tolist(), stop))
-        rows.append((example.kind, example.num_digits, _normalise(reference)))
-    if not requests:
-      return []
-    return [row + (answer,) for row, answer in zip(rows, self.generate(model, requests, self.eval_new_tokens))]
-
-  def described_answers(self, model) -> list[tuple[str, int, str, str]]:
-    """eval_answers in two passes (task.describe_first): the model describes each image alone (`describe`);
-    then the frozen LM alone answers every other target from the example's text with each image replaced by
-    its description and marker, as it read the described texts in pretraining ("seven two <image> what is
-    their sum ?"; earlier targets given). A target right after an image is that image's description."""
-    described = iter(self.describe(model, [image for example in self.eval_examples for image in example.images],
-                                   self.eval_new_tokens))
-    requests, rows = [], []
-    for example, layout in zip(self.eval_examples, self.eval_layouts):
-      words = [next(described) for _ in example.images]
-      ids, previous, targets = [self.tokenizer.bos_id], ("text", None), iter(layout.targets)
-      for role, value in example.segments:
-        if role == "image":
-          ids += self.tokenizer.encode(words[value]) + [self.marker]
-        elif role == "text":
-          ids += self.tokenizer.encode(str(value))
-        else:
-          _, stop, reference = next(targets)
-          answer = words[previous[1]] if previous[0] == "image" else None
-          if answer is None:
-            requests.append(((), list(ids), stop))
-          rows.append((example.kind, example.num_digits, _normalise(reference), answer))
-          ids += self.tokenizer.encode(str(value))
-        previous = (role, value)
-    answers = iter(self.generate(model, requests, self.eval_new_tokens, text_only=True))
-    return [row[:3] + (next(answers) if row[3] is None else row[3],) for row in rows]
+    """(kind, digits in the largest image, reference, generated answer) of every eval target, in eval order
+    (`answers.eval_answers`)."""
+    return answers_lib.eval_answers(self, model)
 
   def extra_eval(self, model):
     answers = self.eval_answers(model)
-    if not answers:
-      return {}
-    kinds, digits, references, hypotheses = (list(column) for column in zip(*answers))
-    correct = np.array([h == r for h, r in zip(hypotheses, references)], float)
-    import sacrebleu  # imported here: only evaluation needs it
-    metrics = {"exact_match": float(correct.mean()),
-               "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score}
-    kinds, digits = np.array(kinds), np.array(digits)
-    for kind in sorted(set(kinds)):
-      metrics[f"exact_match_{kind}"] = float(correct[kinds == kind].mean())
-    for n in sorted(set(digits) - {0}):
-      metrics[f"exact_match_{n}digits"] = float(correct[digits == n].mean())
-    return metrics
+    return answers_lib.answer_metrics(answers) if answers else {}
 
   def infer_lines(self, model, lines):
     """A line is `image_path` (its caption) or image paths then a question, tab-separated: the last field is the
@@ -642,54 +583,9 @@ class VLMTask(task_lib.Task):
       names.append((number, 0))
     self.tokenizer.warn_unknown_characters([line.split("\t")[-1] if "\t" in line else "" for line in lines],
                                            "the questions")
-    answers = self._generate_in_turn(model, examples, names)
+    answers = answers_lib.generate_in_turn(self, model, examples, names)
     return [" | ".join(answers[k][-1] or "(nothing)" for k in group) for group in groups]
 
-  def _generate_in_turn(self, model, examples, names=None) -> list[list[str]]:
-    """examples: (images, segments as VLMExample's, each target None) -> each example's targets, generated in
-    turn from the prefix before it with the earlier ones in place (with task.describe_first: a target right after
-    an image is that image's description, the others the frozen LM's from the described text). names: each
-    example's sampling ids (its input line, its place there); a target samples by (*name, its index, 0), an
-    image's description by (*name, the image, 1 << 16), whatever other examples are generated beside it."""
-    described = self.config.task.get("describe_first", False)
-    if described:
-      words = iter(self.describe(model, [image for images, _ in examples for image in images],
-                                 ids=None if names is None else [(*names[k], i, 1 << 16) for k, (images, _) in
-                                                                 enumerate(examples) for i in range(len(images))]))
-      descriptions = [[next(words) for _ in images] for images, _ in examples]
-    prefixes, done, answers = [[self.tokenizer.bos_id] for _ in examples], [0] * len(examples), [[] for _ in examples]
-    while True:
-      requests, asking = [], []
-      for k, (images, segments) in enumerate(examples):
-        while done[k] < len(segments):
-          role, value = segments[done[k]]
-          if role == "image":
-            prefixes[k] += (self.tokenizer.encode(descriptions[k][value]) if described
-                            else [vlm.SOFT_TOKEN] * self.slots(images[value])) + [self.marker]
-          elif role == "text":
-            prefixes[k] += self.tokenizer.encode(value)
-          elif described and segments[done[k] - 1][0] == "image":  # a caption: the image's description
-            answers[k].append(descriptions[k][segments[done[k] - 1][1]])
-            prefixes[k] += self.tokenizer.encode(answers[k][-1])
-          else:  # generated: cut where the training layout ends this target (Layout's end token)
-            after = segments[done[k] + 1] if done[k] + 1 < len(segments) else ("end", None)
-            if after[0] == "image":
-              stop = self.marker
-            elif after[0] == "text":
-              stop = self.tokenizer.encode(after[1])[0]  # a question is never blank
-            else:
-              stop = tokenizers.EOS_ID
-            requests.append(((() if described else images), list(prefixes[k]), stop))
-            asking.append(k)
-            break
-          done[k] += 1
-      if not requests:
-        return answers
-      ids = None if names is None else [(*names[k], len(answers[k]), 0) for k in asking]
-      for k, answer in zip(asking, self.generate(model, requests, text_only=described, ids=ids)):
-        answers[k].append(answer)
-        prefixes[k] += self.tokenizer.encode(answer)
-        done[k] += 1
 
 
 def description_distillation(student, target, mask) -> jax.Array:
