@@ -47,7 +47,7 @@ def vlm_config(args) -> ConfigDict:
       "max_new_tokens": 8,    # a target's tokens and the token that ends it
   })
   # > 0: the LM's states reading the image are also pulled toward its states reading the image's description
-  # in words (digits only; tasks.vlm.task.description_distillation), with this weight beside the cross-entropy
+  # in words (digits only; tasks.vlm.distillation.description_distillation), with this weight beside the cross-entropy
   config.task.distill_weight = getattr(args, "distill", 0.0)  # configs/vlm_tsv.py: no descriptions
   config.task.distill_blocks = getattr(args, "distill_blocks", 0)  # the first n LM blocks' outputs (0: all)
   # True: eval and infer answer in two passes: the model describes each image alone, then the frozen LM answers

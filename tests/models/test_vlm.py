@@ -334,7 +334,7 @@ def test_forward_records_the_residual_after_each_lm_block_without_changing_the_l
 def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
   """At initialisation flamingo is the frozen LM: its states on a text equal `lm_hidden_states` of that text,
   so the description distillation of a text against itself is 0."""
-  from xattn_jax.tasks.vlm import task as vlm_task
+  from xattn_jax.tasks.vlm import distillation
   model = make_vlm("flamingo")
   rows = [[1, 5, IMAGE, 6, 7, 8, EOS], [1, IMAGE, 9, 10, EOS, 0, 0]]
   tokens = jnp.asarray(rows)
@@ -344,9 +344,9 @@ def test_with_closed_gates_flamingo_records_the_lm_states_of_its_text_alone():
   for h, t in zip(hidden, text, strict=True):
     np.testing.assert_allclose(np.asarray(h)[valid], np.asarray(t)[valid], rtol=1e-5, atol=1e-5)
   target = jnp.stack(text, axis=2)
-  assert float(vlm_task.description_distillation(hidden, target, tokens != 0)) < 1e-9
-  assert float(vlm_task.description_distillation(hidden, target + 1.0, tokens != 0)) > 0.1
+  assert float(distillation.description_distillation(hidden, target, tokens != 0)) < 1e-9
+  assert float(distillation.description_distillation(hidden, target + 1.0, tokens != 0)) > 0.1
   with pytest.raises(ValueError, match="target must be"):
-    vlm_task.description_distillation(hidden, target[:, :, :1], tokens != 0)
+    distillation.description_distillation(hidden, target[:, :, :1], tokens != 0)
   with pytest.raises(ValueError, match="tokens must be int"):
     vlm.lm_hidden_states(model.lm, tokens.astype(jnp.float32))

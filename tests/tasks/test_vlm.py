@@ -15,7 +15,7 @@ from configs import vlm_digits as vlm_digits_config
 from tests import helpers
 from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import vit, vlm
-from xattn_jax.tasks.vlm import frozen as vlm_frozen, probe, task as vlm_task
+from xattn_jax.tasks.vlm import distillation, frozen as vlm_frozen, probe, task as vlm_task
 from xattn_jax.training import checkpoints, dependencies, distributed, task as task_lib, validation
 
 TINY_CHAIN = {
@@ -626,7 +626,7 @@ def test_distillation_refuses_more_blocks_than_the_lm_has_and_states_that_do_not
   with pytest.raises(validation.ConfigError, match="task.distill_blocks"):
     vlm_task.VLMTask(config, None, "train")
   config.task.distill_blocks = 0
-  monkeypatch.setattr(vlm_task, "DESCRIBED_STATES_MAX_BYTES", 1000)
+  monkeypatch.setattr(distillation, "DESCRIBED_STATES_MAX_BYTES", 1000)
   with pytest.raises(validation.ConfigError, match="task.distill_weight.*GiB"):
     vlm_task.VLMTask(config, None, "train")
 

@@ -28,9 +28,9 @@ SentencePiece ids (segments encoded one by one give the ids of the LM's pretrain
 `slots_per_image` SOFT_TOKEN slots (the connector's soft tokens; none for flamingo) and then the IMAGE_TOKEN
 marker. The loss is on the target segments only: each target token, and after a target the token that ends
 it (EOS, the next image's marker, or the next text's first token). With task.distill_weight W > 0 (the bundled
-strips only) the loss adds W times `description_distillation`: the LM's residual stream after each block (the
-first task.distill_blocks; 0: all) at every image marker and every text token after the first image, against
-the same LM's on the example's text with each image described in words (`vlm_digits.described_text_of`),
+strips only) the loss adds W times `distillation.description_distillation`: the LM's residual stream after each
+block (the first task.distill_blocks; 0: all) at every image marker and every text token after the first image,
+against the same LM's on the example's text with each image described in words (`vlm_digits.described_text_of`),
 computed once before training. Eval and infer generate each target in turn from the prefix before it (`answers`;
 with task.describe_first, in two passes through the images' descriptions).
 
@@ -52,7 +52,6 @@ import dataclasses
 import functools
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
@@ -63,7 +62,7 @@ from xattn_jax.data import batching, image_text, splits, tokenizers, vlm_digits
 from xattn_jax.models import lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
-from xattn_jax.tasks.vlm import answers as answers_lib, encoder as encoder_task, frozen
+from xattn_jax.tasks.vlm import answers as answers_lib, distillation, encoder as encoder_task, frozen
 from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 SOURCES = ("digits", "tsv")
@@ -72,9 +71,6 @@ EVAL_METRICS = ("eval/loss", "eval/token_accuracy", "eval/exact_match", "eval/ch
 # data.cache_features holds the training images' frozen features in host memory up to this size; a larger
 # training set runs the encoder in every step instead (logged).
 FEATURE_CACHE_MAX_BYTES = 2 << 30
-# task.distill_weight holds the frozen LM's states on the described training texts in host memory, up to this
-# size; a larger training set is refused before training (those states are what the distillation reads).
-DESCRIBED_STATES_MAX_BYTES = 2 << 30
 
 
 def canvas(config) -> tuple[int, int]:
@@ -213,7 +209,10 @@ class VLMTask(task_lib.Task):
     self._train_features = None  # (table [images, 1 + P, width], example i's images at offsets[i]:offsets[i + 1])
     if mode == "train" and config.data.get("cache_features", False):
       self._train_features = self._cache_features()
-    self._described_states = self._described_states_of_training_texts() if self.distill_weight else None
+    self._described_states = None  # task.distill_weight: the frozen LM's states on the described training texts
+    if self.distill_weight:
+      self._described_states = distillation.described_states(self.train_layouts, self.lm_model, self._frozen_lm,
+                                                             blocks=self.distill_blocks, weight=self.distill_weight)
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
     prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
@@ -277,37 +276,6 @@ class VLMTask(task_lib.Task):
     logging.info("data.cache_features: %d training images' frozen features cached (%.0f MiB)", len(images),
                  table.nbytes / 2**20)
     return table, offsets
-
-  def _described_states_of_training_texts(self, chunk: int = 256) -> list[np.ndarray]:
-    """task.distill_weight: the frozen LM's residual stream on each training example's described text (Layout
-    teacher_ids), after its first task.distill_blocks blocks (0: all), computed once (the LM is frozen) ->
-    per example float32 [positions compared, blocks, d_lm], the positions where its teacher_index >= 0."""
-    blocks = self.distill_blocks or self.lm_model.num_layers
-    if blocks > self.lm_model.num_layers:
-      raise validation.ConfigError("task.distill_blocks", blocks,
-                                   f"must be at most the frozen LM's {self.lm_model.num_layers} blocks (0: all)")
-    compared = sum(int(np.sum(layout.teacher_index >= 0)) for layout in self.train_layouts)
-    size = compared * blocks * self.lm_model.d_model * 4
-    if size > DESCRIBED_STATES_MAX_BYTES:
-      raise validation.ConfigError("task.distill_weight", self.distill_weight,
-                                   f"the frozen LM's states on the {len(self.train_layouts)} described training "
-                                   f"texts would take {size / 2**30:.1f} GiB (at most "
-                                   f"{DESCRIBED_STATES_MAX_BYTES / 2**30:.1f}): fewer data.num_train_examples, fewer "
-                                   f"task.distill_blocks, or 0")
-    lm = self._frozen_lm()
-    read = nnx.jit(lambda lm, tokens: jnp.stack(vlm.lm_hidden_states(lm, tokens)[:blocks], axis=2))
-    width = batching.round_up(max(len(layout.teacher_ids) for layout in self.train_layouts), 8)
-    states = []
-    for start in range(0, len(self.train_layouts), chunk):
-      part = self.train_layouts[start:start + chunk]
-      tokens = np.zeros((chunk, width), np.int32)  # one shape: one compiled program
-      for row, layout in enumerate(part):
-        tokens[row, :len(layout.teacher_ids)] = layout.teacher_ids
-      hidden = np.asarray(read(lm, tokens))  # [chunk, width, blocks, d]
-      states += [hidden[row, layout.teacher_index[layout.teacher_index >= 0]] for row, layout in enumerate(part)]
-    logging.info("task.distill_weight: the frozen LM's states on %d described texts cached (%.0f MiB)",
-                 len(states), size / 2**20)
-    return states
 
   # --- token layout -----------------------------------------------------------------------------
 
@@ -466,7 +434,7 @@ class VLMTask(task_lib.Task):
     loss_sum, weight_sum = optim.cross_entropy(logits, batch["labels"], batch["weights"])
     loss = loss_sum / jnp.maximum(weight_sum, 1.0)
     target = batch["distill_target"]
-    distill = description_distillation(hidden[:target.shape[2]], target, batch["distill_mask"])
+    distill = distillation.description_distillation(hidden[:target.shape[2]], target, batch["distill_mask"])
     return loss + self.distill_weight * distill, {"cross_entropy": loss, "distill": distill}
 
   def eval_metrics(self, model, batch):
@@ -585,27 +553,3 @@ class VLMTask(task_lib.Task):
                                            "the questions")
     answers = answers_lib.generate_in_turn(self, model, examples, names)
     return [" | ".join(answers[k][-1] or "(nothing)" for k in group) for group in groups]
-
-
-
-def description_distillation(student, target, mask) -> jax.Array:
-  """How far the LM's residual stream reading the images is from the same LM's reading their descriptions.
-
-  student: the residual after each of the LM's first n blocks with the images, [b, T, d] each
-  (`VisionLanguageModel.forward`'s hidden); target [b, T, n, d]: the same LM's states on the described texts
-  (`vlm.lm_hidden_states`), each at the position of the same token; mask bool [b, T]: the positions compared
-  (an image's marker and the text after it). -> the mean over blocks of the squared error relative to the
-  target's squared norm, both summed over the compared positions (0 when none).
-  """
-  if not student or target.ndim != 4 or target.shape[2] != len(student) or \
-      target.shape[:2] + target.shape[3:] != student[0].shape or mask.shape != target.shape[:2]:
-    raise ValueError(f"description_distillation: target must be [b, T, blocks, d] = "
-                     f"{list(student[0].shape[:2]) + [len(student)] + list(student[0].shape[2:]) if student else '?'} "
-                     f"and mask [b, T], got target{list(target.shape)}, mask{list(mask.shape)}")
-  weight = mask.astype(jnp.float32)[..., None]
-  errors = []
-  for block, states in enumerate(student):
-    reference = target[:, :, block].astype(jnp.float32)
-    error = jnp.sum(weight * jnp.square(states.astype(jnp.float32) - reference))
-    errors.append(error / jnp.maximum(jnp.sum(weight * jnp.square(reference)), 1e-6))
-  return sum(errors) / len(errors)
