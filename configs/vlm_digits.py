@@ -58,7 +58,7 @@ def vlm_config(args) -> ConfigDict:
   config.checkpoint.best_mode = "max"
   config.optimizer.weight_decay = 0.01
   config.model.name = "vlm"
-  config.model.connector = args.connector     # flamingo | qformer | llava (models.vlm.CONNECTORS)
+  config.model.connector = args.connector     # flamingo | qformer | llava (models.connectors.CONNECTORS)
   # the encoder at the images' scale, trained first when its workdir is empty (workdirs/vlm_encoder_xS by default)
   scaled = args.scale != 1
   config.model.encoder_workdir = args.encoder or "workdirs/vlm_encoder" + (f"_x{args.scale}" if scaled else "")
@@ -79,7 +79,7 @@ def vlm_config(args) -> ConfigDict:
   config.model.qformer_cross_attention_every = 2
   config.model.image_positions = args.positions  # llava: sequence | mrope (Qwen2-VL)
   config.model.spatial_merge = args.merge     # llava: m x m patches per soft token (Qwen2-VL's merger: 2)
-  config.model.feature_positions = "learned_2d"  # vlm.feature_position_encodings(): the connector's grid positions
+  config.model.feature_positions = "learned_2d"  # connectors.feature_position_encodings(): the connector's grid positions
   config.data = ConfigDict({
       "source": "digits",                     # digits | tsv (tasks.vlm.task.SOURCES)
       "max_digits": 4,                        # the canvas: 8 x (8 * max_digits), times scale (the encoder's)

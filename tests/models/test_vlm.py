@@ -6,7 +6,7 @@ import optax
 import pytest
 from flax import nnx
 
-from xattn_jax.models import lm as lm_lib, vit, vlm
+from xattn_jax.models import connectors, lm as lm_lib, vit, vlm
 from xattn_jax.ops import positions as positions_ops
 
 IMAGE, EOS, VOCAB = 3, 2, 24
@@ -73,7 +73,7 @@ def batch_of(rows):
   return jnp.asarray(tokens), jnp.asarray(valid)
 
 
-@pytest.mark.parametrize("connector", sorted(vlm.CONNECTORS))
+@pytest.mark.parametrize("connector", sorted(connectors.CONNECTORS))
 def test_training_changes_only_the_connector(connector):
   model = make_vlm(connector, gates=0.5 if connector == "flamingo" else None)
   images = make_images()
@@ -319,7 +319,7 @@ def test_unknown_connector_raises_naming_it():
     vlm.VisionLanguageModel(encoder, lm, connector="mlp", image_token_id=IMAGE, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("connector", sorted(vlm.CONNECTORS))
+@pytest.mark.parametrize("connector", sorted(connectors.CONNECTORS))
 def test_forward_records_the_residual_after_each_lm_block_without_changing_the_logits(connector):
   model = make_vlm(connector, gates=0.5 if connector == "flamingo" else None)
   tokens, valid = batch_of([interleaved(model)] * 2)

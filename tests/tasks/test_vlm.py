@@ -14,7 +14,7 @@ from PIL import Image
 from configs import vlm_digits as vlm_digits_config
 from tests import helpers
 from xattn_jax.data import tokenizers, vlm_digits
-from xattn_jax.models import vit, vlm
+from xattn_jax.models import connectors, vit, vlm
 from xattn_jax.tasks.vlm import distillation, frozen as vlm_frozen, probe, task as vlm_task
 from xattn_jax.training import checkpoints, dependencies, distributed, task as task_lib, validation
 
@@ -82,7 +82,7 @@ def test_microbatches_are_refused_with_distillation_whose_term_is_a_mean_of_its_
 
 
 def test_each_connector_trains_its_own_default_steps_and_learning_rate_unless_the_config_names_them():
-  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(vlm.CONNECTORS)
+  assert set(vlm_digits_config.DEFAULT_STEPS) == set(vlm_digits_config.DEFAULT_LR) == set(connectors.CONNECTORS)
   for connector, steps in vlm_digits_config.DEFAULT_STEPS.items():
     loaded = helpers.load_config(f"--config=configs/vlm_digits.py:connector={connector}")
     assert (loaded.total_steps, loaded.eval_every_steps, loaded.checkpoint.every_steps) == (steps,) * 3

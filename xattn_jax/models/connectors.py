@@ -1,0 +1,229 @@
+"""The connectors of `vlm.VisionLanguageModel`: what turns a frozen image encoder's features into what a
+frozen language model reads (the `vlm` module docstring says how the model lays them out in the text).
+
+`CONNECTORS` is the one list of them, by name:
+
+- "flamingo" (`FlamingoConnector`, Alayrac et al. 2022): gated cross-attention dense blocks that the model
+  inserts before LM layers 0, k, 2k, ...; they read the features, or the latents of an optional Perceiver
+  resampler (`memory`). It hands the LM no soft tokens.
+- "qformer" (`QFormerConnector`, BLIP-2, Li et al. 2023): N learned queries read the features in Q-Former
+  blocks and a linear maps them to the LM width: N soft tokens whatever the image's size.
+- "llava" (`LlavaConnector`, LLaVA-1.5, Liu et al. 2023): Linear-GELU-Linear on every patch feature, one soft
+  token per patch; with merge m > 1 on every m x m block of patches concatenated (Qwen2-VL's merger).
+
+What the model reads of a connector: `prefix_tokens` (it hands the LM soft tokens, `tokens`, each placed by
+`slot_token`; else the LM reads its `memory` through the gated `blocks` inserted before `layers`), `spatial` (its
+soft tokens sit on the image's patch grid, which M-RoPE positions and spatial merging need), `slots` (how many
+soft-token slots an image takes in the text) and `positioned` (the features with the connector's own position
+encoding of the encoder's patch grid, one of `feature_position_encodings()`).
+
+Shapes: features [B, 1 + P, w] (the class token, then P = gh * gw patches row-major), valid [B, 1 + P],
+soft tokens [B, K, d_lm].
+"""
+from __future__ import annotations
+
+import math
+
+import einops
+import jax.numpy as jnp
+from flax import nnx
+
+from xattn_jax.layers import MLP, blocks
+from xattn_jax.layers import positions as positions_lib
+from xattn_jax.models import latent_reader
+from xattn_jax.models import lm as lm_lib
+from xattn_jax.ops import masks as masks_lib
+
+
+def feature_position_encodings() -> tuple[str, ...]:
+  """The encodings a connector may add to the features of the encoder's patch grid: the registry's grid
+  encodings that are not rotary, read when called."""
+  return tuple(n for n in positions_lib.names(layout="grid") if positions_lib.get(n).role != "rotary")
+
+
+class _Connector(nnx.Module):
+  """What every connector shares: its position encoding of the features' patch grid."""
+
+  def _init_feature_positions(self, name: str, feature_width: int, grid, *, param_dtype, rngs):
+    if name not in feature_position_encodings():
+      raise ValueError(f"{type(self).__name__}: feature_positions must be one of {feature_position_encodings()}, "
+                       f"got feature_positions={name!r}")
+    options = {} if name == "none" else dict(grid=tuple(grid), num_extra_tokens=1, param_dtype=param_dtype)
+    self.feature_positions = positions_lib.make_position_encoding(name, features=feature_width, rngs=rngs,
+                                                                  **options)
+
+  def positioned(self, features, grid):
+    """features [B, 1 + P, w] of the patch grid (gh, gw), P = gh * gw -> the same with their positions added."""
+    return self.feature_positions.add_to_inputs(features, grid=tuple(grid))
+
+
+def _resampler_keys(features, valid, latents):
+  """What a resampler block's latents attend to: the features [B, M, w] then themselves [B, S, w] -> (keys
+  [B, M + S, w], padding mask over them)."""
+  key_valid = jnp.concatenate([valid, jnp.ones(latents.shape[:2], bool)], axis=1)
+  return jnp.concatenate([features, latents], axis=1), masks_lib.padding_mask(key_valid)
+
+
+class FlamingoConnector(_Connector):
+  """Gated cross-attention dense blocks before LM layers 0, k, 2k, ... and an optional resampler."""
+  prefix_tokens = False  # reads the image through inserted layers, not soft tokens
+  spatial = False
+
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
+               cross_attention_every: int = 1, num_latents: int = 0, resampler_blocks: int = 1,
+               feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    if cross_attention_every < 1 or num_latents < 0 or resampler_blocks < 1:
+      raise ValueError(f"FlamingoConnector: cross_attention_every and resampler_blocks must be positive and "
+                       f"num_latents >= 0, got cross_attention_every={cross_attention_every}, "
+                       f"num_latents={num_latents}, resampler_blocks={resampler_blocks}")
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
+    self.layers = tuple(range(0, lm.num_layers, cross_attention_every))
+    self.latents = (latent_reader.LearnedQueries(num_latents, feature_width, param_dtype=param_dtype, rngs=rngs)
+                    if num_latents else None)
+    self.resampler = nnx.List([
+        latent_reader.ReaderBlock(feature_width, feature_width, num_heads, mlp_ratio * feature_width,
+                                  dropout_rate=dropout_rate, **common)
+        for _ in range(resampler_blocks if num_latents else 0)])
+    self.resampler_norm = blocks.layer_norm(feature_width, **common) if num_latents else None
+    self.blocks = nnx.List([
+        blocks.GatedCrossAttentionBlock(lm.d_model, feature_width, num_heads, mlp_ratio * lm.d_model,
+                                        dropout_rate=dropout_rate, **common)
+        for _ in self.layers])
+
+  @staticmethod
+  def slots(grid, num_queries: int, merge: int = 1) -> int:
+    return 0
+
+  def memory(self, features, valid, *, deterministic):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> (memory [B, S, w], memory_valid [B, S])."""
+    if self.latents is None:
+      return features, valid
+    latents = self.latents(features.shape[0], features.dtype)  # [B, N, w]
+    for block in self.resampler:  # Flamingo: the latents read the features and themselves
+      keys, mask = _resampler_keys(features, valid, latents)
+      latents = block(latents, keys, input_mask=mask, deterministic=deterministic)
+    latents = self.resampler_norm(latents)
+    return latents, jnp.ones(latents.shape[:2], bool)
+
+  def feature_weights(self, features, valid):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> float32 [B, S, 1 + P]: how much of each memory row's attention
+    reaches each feature through the resampler (needs num_latents > 0), composed through its blocks (mean over
+    heads): R = F + L @ R_before, F and L a block's weights over the features and over the latents it starts from
+    (R_before = 0 for the learned initial latents, which hold no image); the residual paths are not counted, so a
+    row's mass is the share of its reading that came from the image."""
+    if self.latents is None:
+      raise ValueError("FlamingoConnector.feature_weights: without a resampler (num_latents=0) the memory rows are "
+                       "the features themselves")
+    m = features.shape[1]
+    latents = self.latents(features.shape[0], features.dtype)
+    reach = jnp.zeros((features.shape[0], latents.shape[1], m), jnp.float32)
+    for block in self.resampler:
+      keys, mask = _resampler_keys(features, valid, latents)
+      weights = jnp.mean(block.cross_attention_weights(latents, keys, input_mask=mask), axis=1)  # [B, S, M + S]
+      reach = weights[..., :m] + jnp.einsum("bst,btm->bsm", weights[..., m:], reach)
+      latents = block(latents, keys, input_mask=mask, deterministic=True)
+    return reach
+
+
+class QFormerConnector(_Connector):
+  """BLIP-2: N learned queries read the features in ReaderBlocks, then a linear to the LM width."""
+  prefix_tokens = True
+  spatial = False
+
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
+               num_queries: int = 32, width: int = 64, num_blocks: int = 2, cross_attention_every: int = 2,
+               feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    if num_blocks < 1 or cross_attention_every < 1:
+      raise ValueError(f"QFormerConnector: num_blocks and cross_attention_every must be positive, got "
+                       f"num_blocks={num_blocks}, cross_attention_every={cross_attention_every}")
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
+    self.num_queries = num_queries
+    self.queries = latent_reader.LearnedQueries(num_queries, width, param_dtype=param_dtype, rngs=rngs)
+    self.blocks = nnx.List([
+        latent_reader.ReaderBlock(width, feature_width, num_heads, mlp_ratio * width, self_attention=True,
+                                  cross_attention=i % cross_attention_every == 0, dropout_rate=dropout_rate,
+                                  **common)
+        for i in range(num_blocks)])
+    self.norm = blocks.layer_norm(width, **common)
+    self.projection = latent_reader._linear(width, lm.d_model, ("embed", "embed"), **common)
+
+  @staticmethod
+  def slots(grid, num_queries: int, merge: int = 1) -> int:
+    return num_queries
+
+  def tokens(self, features, valid, *, grid, deterministic):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> soft tokens [B, N, d_lm] (N whatever the grid)."""
+    mask = masks_lib.padding_mask(valid)
+    x = self.queries(features.shape[0], features.dtype)
+    for block in self.blocks:
+      x = block(x, features if block.cross_attention is not None else None, input_mask=mask,
+                deterministic=deterministic)
+    return self.projection(self.norm(x))
+
+  def slot_token(self, k, grid_width, canvas_width):
+    """The index into `tokens`' K axis of an image's k-th soft token."""
+    return k
+
+  def cross_attention_weights(self, features, valid):
+    """features [B, 1 + P, w], valid [B, 1 + P] -> float32 [B, C, heads, N, 1 + P]: each query's attention over
+    the features in each of the C blocks that cross-attend, as `tokens` computes it."""
+    mask = masks_lib.padding_mask(valid)
+    x = self.queries(features.shape[0], features.dtype)
+    weights = []
+    for block in self.blocks:
+      if block.cross_attention is not None:
+        weights.append(block.cross_attention_weights(x, features, input_mask=mask))
+      x = block(x, features if block.cross_attention is not None else None, input_mask=mask)
+    return jnp.stack(weights, axis=1)
+
+
+class LlavaConnector(_Connector):
+  """LLaVA-1.5's projector: Linear-GELU-Linear on every patch feature, one LM token per patch; with merge
+  m > 1, on every m x m block of patches concatenated (Qwen2-VL's merger), one LM token per block."""
+  prefix_tokens = True
+  spatial = True
+
+  def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, merge: int = 1,
+               feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
+    self.merge = merge
+    self.projector = MLP(feature_width * merge * merge, lm.d_model, lm.d_model, activation="gelu",
+                         dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  @staticmethod
+  def token_grid(grid, merge: int) -> tuple[int, int]:
+    """The soft-token grid of a patch grid (gh, gw): (ceil(gh / merge), ceil(gw / merge))."""
+    return -(-grid[0] // merge), -(-grid[1] // merge)
+
+  @staticmethod
+  def slots(grid, num_queries: int, merge: int = 1) -> int:
+    return math.prod(LlavaConnector.token_grid(grid, merge))
+
+  def tokens(self, features, valid, *, grid, deterministic):
+    """features [B, 1 + P, w] of the canvas patch grid (gh, gw) -> soft tokens [B, K, d_lm], the canvas's
+    patches (merge 1: K = P) or m x m blocks (K = ceil(gh / m) * ceil(gw / m)), row-major."""
+    patches = features[:, 1:]
+    if self.merge > 1:
+      m = self.merge
+      height, width = self.token_grid(grid, m)
+      patches = patches.reshape(patches.shape[0], grid[0], grid[1], patches.shape[-1])
+      patches = jnp.pad(patches, ((0, 0), (0, height * m - grid[0]), (0, width * m - grid[1]), (0, 0)))
+      patches = einops.rearrange(patches, "b (h i) (w j) c -> b (h w) (i j c)", i=m, j=m)
+    return self.projector(patches, deterministic=deterministic)
+
+  def slot_token(self, k, grid_width, canvas_width):
+    """The image's k-th soft token (row-major on its own token grid, grid_width wide) on the canvas's."""
+    return (k // grid_width) * canvas_width + k % grid_width
+
+
+CONNECTORS = {"flamingo": FlamingoConnector, "qformer": QFormerConnector, "llava": LlavaConnector}
+
+
+def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int = 32, spatial_merge: int = 1) -> int:
+  """How many `vlm.SOFT_TOKEN` slots `connector` gives an image whose real patch grid is grid = (gh, gw)."""
+  return CONNECTORS[connector].slots(tuple(grid), num_queries, spatial_merge)
