@@ -19,6 +19,7 @@ from tests import helpers
 from xattn_jax.data import batching
 from xattn_jax.models import translator
 from xattn_jax.training import loop, schedule, task as task_lib, validation
+from xattn_jax.tasks.translate import bleu
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.tasks.translate import task as translate_task
 
@@ -461,11 +462,11 @@ def test_bleu_of_exact_translations_is_100_in_scripts_written_without_spaces():
   import sacrebleu
   for references in (["一五", "五七", "五五九〇二"], ["にじゅうきゅうにち", "十一月二十九日"],
                      ["หนึ่งสอง", "สามสี่ห้า"]):
-    assert translate_task.bleu_tokenizer(references) == "char"
+    assert bleu.bleu_tokenizer(references) == "char"
     assert sacrebleu.corpus_bleu(references, [references], tokenize="char").score == pytest.approx(100)
-  assert translate_task.bleu_tokenizer(["dimanche 29 novembre 2026", "29 nov. 2026"]) == "13a"
-  assert translate_task.bleu_tokenizer(["29 ноября 2026 г."]) == "13a"
-  assert translate_task.bleu_tokenizer(["一五"], "13a") == "13a"  # an explicit choice wins
+  assert bleu.bleu_tokenizer(["dimanche 29 novembre 2026", "29 nov. 2026"]) == "13a"
+  assert bleu.bleu_tokenizer(["29 ноября 2026 г."]) == "13a"
+  assert bleu.bleu_tokenizer(["一五"], "13a") == "13a"  # an explicit choice wins
 
 
 def _tsv_task(tmp_path, train_lines, eval_lines, **overrides):

@@ -8,7 +8,7 @@ import pytest
 
 from configs import translate_tsv
 from tests import helpers
-from xattn_jax.tasks.translate import task as translate_task
+from xattn_jax.tasks.translate import bleu, task as translate_task
 from xattn_jax.training import loop, validation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,29 +53,29 @@ def _perfect_eval(task, monkeypatch):
 
 
 def test_auto_scores_space_free_single_word_targets_by_characters():
-  choice = translate_task.bleu_choice([target for _, target in COMPOUND_WORDS])
+  choice = bleu.bleu_choice([target for _, target in COMPOUND_WORDS])
   assert (choice.tokenize, choice.defined) == ("char", True)
   assert "fewer than 4 '13a' tokens" in choice.reason
 
 
 def test_auto_keeps_13a_for_references_that_are_mostly_long_space_separated_text():
-  choice = translate_task.bleu_choice(SENTENCES + ["yes"])
+  choice = bleu.bleu_choice(SENTENCES + ["yes"])
   assert (choice.tokenize, choice.defined) == ("13a", True)
 
 
 def test_auto_keeps_char_for_scripts_written_without_spaces():
   for references in (["我们明天早上见面", "今天天气很好"], ["สวัสดีครับ", "ขอบคุณมากครับ"]):
-    assert translate_task.bleu_choice(references)[:2] == ("char", True)
+    assert bleu.bleu_choice(references)[:2] == ("char", True)
 
 
 def test_references_too_short_for_any_4_grams_leave_bleu_undefined():
   for references, setting in (([t for _, t in COMPOUND_WORDS], "13a"), (["ja", "gut", "nie", "sehr"], "auto"),
                               (["你好", "谢谢", "再见"], "auto")):
-    choice = translate_task.bleu_choice(references, setting)
+    choice = bleu.bleu_choice(references, setting)
     assert not choice.defined and "fewer than 4" in choice.reason, (references, setting)
 
 
-@pytest.mark.parametrize("setting", translate_task.BLEU_TOKENIZERS)
+@pytest.mark.parametrize("setting", bleu.BLEU_TOKENIZERS)
 def test_bleu_of_exact_single_word_translations_is_100_or_undefined_never_0(tmp_path, monkeypatch, setting):
   task = translate_task.TranslateTask(_config(tmp_path, COMPOUND_WORDS, COMPOUND_WORDS,
                                               **{"task.bleu_tokenize": setting}), str(tmp_path))
@@ -141,5 +141,5 @@ def test_launch_stops_a_best_metric_bleu_the_corpus_cannot_define_in_one_line(tm
 def test_a_perfect_corpus_scores_bleu_100_not_above():
   """sacrebleu's geometric mean read 100.00000000000004, stored so in metrics.jsonl against README's 0-100."""
   references = ["dimanche 29 novembre 2026", "29 nov. 2026", "jeudi 7 mars 2024"]
-  assert translate_task.corpus_bleu(references, references, "13a") == 100.0
-  assert translate_task.corpus_bleu(["dimanche 30 novembre 2026"] + references[1:], references, "13a") < 100.0
+  assert bleu.corpus_bleu(references, references, "13a") == 100.0
+  assert bleu.corpus_bleu(["dimanche 30 novembre 2026"] + references[1:], references, "13a") < 100.0

@@ -27,7 +27,7 @@ pair; decoded by the model alone as task.decoding says, greedy by default):
   eval/exact_match  share of the decoded pairs whose output string equals the reference
   eval/bleu         sacrebleu corpus BLEU (0-100: brevity penalty x geometric mean of the 1- to 4-gram
                     precisions) of the decoded pairs, tokenized by task.bleu_tokenize. "auto" (see
-                    bleu_choice) reads the references: "char" for scripts written without spaces
+                    bleu.bleu_choice) reads the references: "char" for scripts written without spaces
                     (Chinese, Japanese, Thai, ...) and where most references have under four "13a"
                     tokens (compound words, one-word answers: "13a" leaves them no word 4-grams, so BLEU
                     would be 0 even for exact translations), "13a" otherwise. Where most references
@@ -46,7 +46,6 @@ import functools
 import os
 import shutil
 import warnings
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +60,12 @@ from xattn_jax.data import batching, dates, splits, tokenizers, tsv
 from xattn_jax.layers import blocks
 from xattn_jax.models import translator as translator_lib
 from xattn_jax.tasks import decoding_config, reading_fields
+from xattn_jax.tasks.translate import bleu
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 DATA_SOURCES = ("dates", "tsv")
 TOKENIZERS = ("sentencepiece", "bytes")
-BLEU_TOKENIZERS = ("auto", "13a", "intl", "char", "zh", "none")  # sacrebleu's, with no extra installs
 SPM_FILE = os.path.join("tokenizer", "sentencepiece.model")
 # Packed batches' keys -> the translator's keyword arguments.
 _PACKING_KEYS = {"inputs_segmentation": "inputs_segmentation", "inputs_position": "inputs_positions",
@@ -91,80 +90,6 @@ def _read_tsv(field: str, path: str):
 def _parse_tsv(path: str, size: int, mtime_ns: int) -> tuple:
   del size, mtime_ns  # part of the cache key only
   return tuple(tsv.read_parallel_tsv(path))
-
-
-def _written_without_spaces(char: str) -> bool:
-  """Han, kana, Thai, Lao, Tibetan, Myanmar, Khmer: scripts that do not separate words by spaces."""
-  code = ord(char)
-  return (0x3040 <= code <= 0x30FF or 0x3400 <= code <= 0x4DBF or 0x4E00 <= code <= 0x9FFF
-          or 0xF900 <= code <= 0xFAFF or 0x20000 <= code <= 0x3134F or 0x0E00 <= code <= 0x0EFF
-          or 0x0F00 <= code <= 0x0FFF or 0x1000 <= code <= 0x109F or 0x1780 <= code <= 0x17FF)
-
-
-# Corpus BLEU multiplies the 1- to BLEU_MAX_ORDER-gram precisions: a corpus whose references mostly have
-# fewer tokens than that has (almost) no 4-grams, and its BLEU is 0 or rests on the few that do.
-BLEU_MAX_ORDER = 4
-
-
-class BleuChoice(NamedTuple):
-  """How eval/bleu scores a corpus: sacrebleu's `tokenize`, whether BLEU is `defined` there, and why."""
-  tokenize: str
-  defined: bool
-  reason: str
-
-
-def _short_references(references, tokenize: str) -> int:
-  """How many references have fewer than BLEU_MAX_ORDER tokens under sacrebleu's `tokenize`."""
-  tokenizer = sacrebleu.BLEU(tokenize=tokenize).tokenizer
-  return sum(len(tokenizer(text).split()) < BLEU_MAX_ORDER for text in references)
-
-
-def corpus_bleu(hypotheses: list[str], references: list[str], tokenize: str) -> float:
-  """sacrebleu's corpus BLEU, at most 100: its geometric mean reads 100.00000000000004 for a perfect corpus."""
-  return min(100.0, sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize).score)
-
-
-def bleu_choice(references, setting: str = "auto") -> BleuChoice:
-  """The sacrebleu tokenizer for these reference texts, and whether corpus BLEU is defined for them.
-
-  `setting` is task.bleu_tokenize. "auto" picks "char" when most of the references' letters are in
-  scripts written without spaces; else "13a" when at least half the references have 4 or more "13a"
-  tokens (words and punctuation); else "char" (single words, compound words, short answers: "13a"
-  would give them no word 4-grams). With the tokenizer chosen, BLEU is defined when at least half
-  the references have 4 or more tokens; otherwise its 4-gram precision would rest on the few that do
-  (and be 0 when none does, even for exact translations), so it is reported as undefined.
-  """
-  references = list(references)
-  count = len(references)
-  if not count:
-    return BleuChoice("13a" if setting == "auto" else setting, False, "there are no references")
-  if setting != "auto":
-    tokenize, why = setting, f"task.bleu_tokenize={setting!r}"
-  else:
-    letters = [c for text in references for c in text if c.isalpha()]
-    if letters and sum(map(_written_without_spaces, letters)) > len(letters) / 2:
-      tokenize, why = "char", ("most of the references' letters are in scripts written without spaces, which "
-                               "'13a' splits only at spaces")
-    else:
-      short = _short_references(references, "13a")
-      if 2 * short <= count:
-        return BleuChoice("13a", True, f"{count - short} of the {count} references have {BLEU_MAX_ORDER} or more "
-                          "'13a' tokens (words and punctuation)")
-      tokenize, why = "char", (f"{short} of the {count} references have fewer than {BLEU_MAX_ORDER} '13a' tokens "
-                               "(words and punctuation), so word 4-grams mostly do not exist; characters are scored")
-  short = _short_references(references, tokenize)
-  if 2 * short > count:
-    return BleuChoice(tokenize, False, f"{why}, and {short} of the {count} references have fewer than "
-                      f"{BLEU_MAX_ORDER} {tokenize!r} tokens: most have no {BLEU_MAX_ORDER}-grams for BLEU to count, "
-                      "and with none at all BLEU is 0 even for exact translations")
-  if setting != "auto":
-    why = f"{count - short} of the {count} references have {BLEU_MAX_ORDER} or more {tokenize!r} tokens"
-  return BleuChoice(tokenize, True, why)
-
-
-def bleu_tokenizer(references, setting: str = "auto") -> str:
-  """The sacrebleu tokenizer bleu_choice picks for these reference texts."""
-  return bleu_choice(references, setting).tokenize
 
 
 def _upward(path: str, levels: int):
@@ -217,7 +142,7 @@ class TranslateTask(task_lib.Task):
                                    "packed rows keep their positions as given, so nothing would be randomized: "
                                    "set data.packing=False, or 0 = off")
     if "bleu_tokenize" in task:
-      validation.require_choice(config, "task.bleu_tokenize", BLEU_TOKENIZERS)
+      validation.require_choice(config, "task.bleu_tokenize", bleu.BLEU_TOKENIZERS)
     validation.require_choice(config, "data.source", DATA_SOURCES)
     validation.require_choice(config, "data.tokenizer", TOKENIZERS)
     if data.tokenizer == "sentencepiece":  # else 0 or -1 reaches sentencepiece only after the corpus is built
@@ -392,11 +317,11 @@ class TranslateTask(task_lib.Task):
   def _decoded_pairs(self):
     return [self.eval_pairs[i] for i in self._decoded_indices]
 
-  def _choose_bleu(self) -> BleuChoice:
+  def _choose_bleu(self) -> bleu.BleuChoice:
     """eval/bleu's tokenizer for the decoded references (logged once by _log_bleu_choice). In training, a best
     checkpoint kept by an eval/bleu this corpus cannot define stops the run, naming the field."""
     setting = self.config.task.get("bleu_tokenize", "auto")
-    choice = bleu_choice([target for _, target in self._decoded_pairs], setting)
+    choice = bleu.bleu_choice([target for _, target in self._decoded_pairs], setting)
     best = self.config.checkpoint.best_metric
     if not choice.defined and self.mode == "train" and best == "eval/bleu":
       others = [name for name in self.eval_metric_names if name != best]
@@ -638,7 +563,7 @@ class TranslateTask(task_lib.Task):
       self._plot_attention(model, inputs[:task.num_attention_plots])
     metrics = {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
     if self._bleu.defined:
-      metrics["bleu"] = corpus_bleu(hypotheses, references, self._bleu.tokenize)
+      metrics["bleu"] = bleu.corpus_bleu(hypotheses, references, self._bleu.tokenize)
     else:
       logging.info("eval/bleu left out: undefined for this corpus (%s)", self._bleu.reason)
     metrics["chrf"] = sacrebleu.corpus_chrf(hypotheses, [references]).score
