@@ -49,6 +49,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from experiments import bench_common  # noqa: E402
 
+# The default comparison: every connector of models/connectors.py, named here so that --help imports no JAX (a test
+# keeps the two lists equal).
 CONNECTORS = ("flamingo", "qformer", "llava")
 # The flags --quick sets itself (its tiny chain in --out, seed 0, 40 steps, a 30-step probe, 32 test examples).
 QUICK_SETS = ("seeds", "steps", "workdirs", "encoder", "lm", "probe_steps", "eval_examples")

@@ -10,6 +10,7 @@ from flax import nnx
 
 from experiments import compare_connectors
 from xattn_jax.data import vlm_digits
+from xattn_jax.models import connectors
 from xattn_jax.tasks.vlm import probe
 from xattn_jax.training import inference
 from tests import helpers
@@ -30,6 +31,11 @@ def test_cost_rows_count_what_an_image_hands_the_lm_at_each_scale():
     assert r["forward_ms"] > 0 and r["train_step_ms"] > 0 and r["cached_step_ms"] > 0
   # the connector's own 2D position table is sized to the grid; nothing else in it grows with the image
   assert rows[1]["trainable_parameters"] > rows[0]["trainable_parameters"]
+
+
+def test_the_default_comparison_is_every_connector_the_model_has():
+  """The script names its default list before importing JAX (--help stays fast): the model's registry owns it."""
+  assert compare_connectors.CONNECTORS == tuple(connectors.CONNECTORS)
 
 
 def test_a_scale_inside_a_connector_is_refused_for_one_encoder_and_probe_a_comparison(tmp_path, capsys):

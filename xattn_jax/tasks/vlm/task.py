@@ -59,7 +59,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from xattn_jax.data import batching, image_text, splits, tokenizers, vlm_digits
-from xattn_jax.models import lm as lm_lib, vlm
+from xattn_jax.models import connectors, lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
 from xattn_jax.tasks.vlm import answers as answers_lib, distillation, encoder as encoder_task, frozen
@@ -104,10 +104,10 @@ class VLMTask(task_lib.Task):
   def validate(cls, config, mode="train"):
     model, data = config.model, config.data
     validation.require_choice(config, "model.name", ("vlm",))
-    validation.require_choice(config, "model.connector", vlm.CONNECTORS)
+    validation.require_choice(config, "model.connector", connectors.CONNECTORS)
     validation.require_choice(config, "model.image_positions", vlm.IMAGE_POSITIONS)
-    validation.require_choice(config, "model.feature_positions", vlm.feature_position_encodings())
-    if model.image_positions == "mrope" and not vlm.CONNECTORS[model.connector].spatial:
+    validation.require_choice(config, "model.feature_positions", connectors.feature_position_encodings())
+    if model.image_positions == "mrope" and not connectors.CONNECTORS[model.connector].spatial:
       raise validation.ConfigError("model.image_positions", model.image_positions,
                                    f"'mrope' places soft tokens on their patch grid: connector=llava only, got "
                                    f"model.connector={model.connector!r}")
@@ -137,7 +137,7 @@ class VLMTask(task_lib.Task):
                                    f"only (or False), got data.source={data.source!r}")
     if "distill_blocks" in config.task:
       validation.require_positive(config, "task.distill_blocks", allow_zero=True)
-    if model.spatial_merge > 1 and not vlm.CONNECTORS[model.connector].spatial:
+    if model.spatial_merge > 1 and not connectors.CONNECTORS[model.connector].spatial:
       raise validation.ConfigError("model.spatial_merge", model.spatial_merge,
                                    f"merges the patches that become soft tokens: connector=llava only (or 1), got "
                                    f"model.connector={model.connector!r}")
@@ -283,7 +283,8 @@ class VLMTask(task_lib.Task):
     """SOFT_TOKEN slots of one image [h, w] (its real patch grid)."""
     grid = (-(-image.shape[0] // self.patch_size), -(-image.shape[1] // self.patch_size))
     model = self.config.model
-    return vlm.slots_per_image(model.connector, grid, num_queries=model.num_queries, spatial_merge=model.spatial_merge)
+    return connectors.slots_per_image(model.connector, grid, num_queries=model.num_queries,
+                                      spatial_merge=model.spatial_merge)
 
   def layout(self, example: vlm_digits.VLMExample, *, teacher: bool = False) -> Layout:
     """The example's token layout (see the module docstring); teacher: with its described text (Layout)."""
