@@ -19,8 +19,10 @@ import shutil
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
@@ -246,6 +248,22 @@ def result_step(workdir: str) -> int:
     raise RunError(f"the run in {workdir}: {error}") from None
   finally:
     checkpoints.close()
+
+
+def _select(tree: dict, template: dict) -> dict:
+  """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
+  return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
+          for key, sub in template.items()}
+
+
+def restore_params(workdir: str, step: int, build) -> dict:
+  """The parameters (`nnx.Param` leaves) of the model `build()` makes, as a pure dict of numpy arrays, from the
+  checkpoint of `step` in run `workdir`: what a model that freezes that run reads (its RNG state, dropout keys,
+  plays no part in a frozen model)."""
+  abstract = nnx.eval_shape(build)
+  restored = restore_model_from(os.path.join(workdir, "checkpoints", str(step)),
+                                nnx.to_pure_dict(nnx.state(abstract)))
+  return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
 
 def restore_model_from(path: str, abstract_model):

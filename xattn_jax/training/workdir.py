@@ -16,6 +16,7 @@ import shutil
 import socket
 
 from absl import logging
+from ml_collections import ConfigDict
 
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import task as task_lib
@@ -234,6 +235,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     else:
       out[prefix + key] = value
   return out
+
+
+def stored_config(workdir: str) -> ConfigDict:
+  """The config of the run in `workdir` (its config.json) as a ConfigDict: what a run that reads that one (a
+  frozen part, an encoder) builds it from."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    return ConfigDict(json.load(f))
 
 
 def recorded_config(workdir: str) -> dict | None:

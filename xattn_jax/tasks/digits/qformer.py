@@ -19,7 +19,6 @@ import os
 from typing import Callable
 
 import jax
-import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -76,17 +75,6 @@ def _check_encoder_patch(config, encoder_model, source: str):
             f"(model.patch_size of {source}), got {height}x{width}")
 
 
-def _select(tree: dict, template: dict) -> dict:
-  """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
-  return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
-          for key, sub in template.items()}
-
-
-def _stored_config(workdir: str) -> ConfigDict:
-  with open(os.path.join(workdir, "config.json")) as f:
-    return ConfigDict(json.load(f))
-
-
 class QFormerTask(common.DigitsBase):
   """Classify the digits from a frozen ViT's features, read by learned queries or an MLP connector."""
 
@@ -140,7 +128,7 @@ class QFormerTask(common.DigitsBase):
     if record is not None:
       encoder_config, source = ConfigDict(record["model"]), os.path.join(self.workdir, ENCODER_RECORD)
     elif os.path.isfile(os.path.join(self.config.model.encoder_workdir, "config.json")):
-      encoder_config = _stored_config(self.config.model.encoder_workdir).model
+      encoder_config = workdir_lib.stored_config(self.config.model.encoder_workdir).model
       source = f"the run in {self.config.model.encoder_workdir}"
     else:
       source = self.config.model.encoder_config
@@ -156,15 +144,12 @@ class QFormerTask(common.DigitsBase):
           "model.encoder_workdir", self.config.model.encoder_workdir,
           f"{dependency.workdir} holds no finished encoder run; launch.py trains it first (from Python, call "
           "xattn_jax.training.dependencies.resolve(config, workdir) before loop.run)")
-    encoder_config = _stored_config(dependency.workdir).model
+    encoder_config = workdir_lib.stored_config(dependency.workdir).model
     _check_encoder_patch(self.config, encoder_config, f"the run in {dependency.workdir}")
     step = checkpoints_lib.result_step(dependency.workdir)  # what its --mode=eval reads (checkpoint.eval_from)
     self._write_record(dependency.workdir, encoder_config, step)
-    abstract = nnx.eval_shape(lambda: vit_task.make_vit(encoder_config, rngs=nnx.Rngs(params=0, dropout=0)))
-    restored = checkpoints_lib.restore_model_from(os.path.join(dependency.workdir, "checkpoints", str(step)),
-                                                  nnx.to_pure_dict(nnx.state(abstract)))
-    # Only the parameters: the encoder's RNG state (dropout keys) plays no part in a frozen encoder.
-    return encoder_config, _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    return encoder_config, checkpoints_lib.restore_params(
+        dependency.workdir, step, lambda: vit_task.make_vit(encoder_config, rngs=nnx.Rngs(params=0, dropout=0)))
 
   # --- the model --------------------------------------------------------------------------------
 

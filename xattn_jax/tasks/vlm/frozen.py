@@ -43,11 +43,6 @@ FROZEN_RECORD = "frozen.json"  # {"encoder_workdir", "encoder_step", "encoder_mo
 TOKENIZER_FILE = lm_task.SPM_FILE
 
 
-def _stored_config(workdir: str) -> ConfigDict:
-  with open(os.path.join(workdir, "config.json")) as f:
-    return ConfigDict(json.load(f))
-
-
 def _read_record(workdir: str | None) -> dict | None:
   path = os.path.join(workdir, FROZEN_RECORD) if workdir else ""
   if not os.path.isfile(path):
@@ -57,7 +52,8 @@ def _read_record(workdir: str | None) -> dict | None:
 
 
 def _weights_digest(weights: dict) -> str:
-  """SHA-256 of nested dict `weights` (as `_select` returns them): each array's path, dtype, shape and bytes."""
+  """SHA-256 of nested dict `weights` (as `checkpoints.restore_params` returns them): each array's path, dtype,
+  shape and bytes."""
   digest = hashlib.sha256()
   leaves = {jax.tree_util.keystr(path): value for path, value in jax.tree_util.tree_leaves_with_path(weights)}
   for name in sorted(leaves):
@@ -67,14 +63,8 @@ def _weights_digest(weights: dict) -> str:
   return digest.hexdigest()
 
 
-def _select(tree: dict, template: dict) -> dict:
-  """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
-  return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
-          for key, sub in template.items()}
-
-
 def _set_params(module: nnx.Module, weights: dict) -> None:
-  """Loads nested dict `weights` (as `_select` returns them) into the module's `nnx.Param`s."""
+  """Loads nested dict `weights` (as `checkpoints.restore_params` returns them) into the module's `nnx.Param`s."""
   state = nnx.state(module, nnx.Param)
   nnx.replace_by_pure_dict(state, weights)
   nnx.update(module, state)
@@ -206,17 +196,17 @@ def _load_runs(config, workdir):
       raise validation.ConfigError(
           dependency.workdir_field, dependency.workdir, "holds no finished run; launch.py trains it first (from "
           "Python, call xattn_jax.training.dependencies.resolve(config, workdir) before loop.run)")
-  encoder_model = _stored_config(encoder_dep.workdir).model
-  lm_run = _stored_config(lm_dep.workdir)
+  encoder_model = workdir_lib.stored_config(encoder_dep.workdir).model
+  lm_run = workdir_lib.stored_config(lm_dep.workdir)
   tokenizer_path = os.path.join(lm_dep.workdir, TOKENIZER_FILE)
   vocab_size = tokenizers.SentencePieceTokenizer(tokenizer_path).vocab_size
   # Each frozen part is read at the step its run names as its result (checkpoint.eval_from), as its
   # --mode=eval reads it: an early-stopped LM with eval_from='best' hands on its best weights.
   encoder_step, lm_step = (checkpoints_lib.result_step(d.workdir) for d in (encoder_dep, lm_dep))
   weights = {
-      "encoder": restore(encoder_dep.workdir, encoder_step, lambda: encoder_task.make_encoder(
+      "encoder": checkpoints_lib.restore_params(encoder_dep.workdir, encoder_step, lambda: encoder_task.make_encoder(
           encoder_model, rngs=nnx.Rngs(params=0, dropout=0))),
-      "lm": restore(lm_dep.workdir, lm_step, lambda: lm_task.make_language_model(
+      "lm": checkpoints_lib.restore_params(lm_dep.workdir, lm_step, lambda: lm_task.make_language_model(
           lm_run.model, vocab_size, max_length=lm_run.model.max_length, dtype=jnp.float32,
           param_dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=0))),
   }
@@ -251,14 +241,6 @@ def _check_same_frozen_parts(workdir: str | None, record: dict, dependencies: di
           f"run it froze, or write its path as {part}_workdir in {os.path.join(workdir, FROZEN_RECORD)}; "
           "eval and infer read only this run's checkpoints")
 
-
-def restore(workdir, step, build) -> dict:
-  """The parameters of the model `build()` makes, as a pure dict of numpy arrays, from the checkpoint of
-  `step` in run `workdir`."""
-  abstract = nnx.eval_shape(build)
-  restored = checkpoints_lib.restore_model_from(os.path.join(workdir, "checkpoints", str(step)),
-                                                nnx.to_pure_dict(nnx.state(abstract)))
-  return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
 
 # --- building the parts -------------------------------------------------------------------------

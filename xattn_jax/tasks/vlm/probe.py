@@ -24,8 +24,6 @@ answers the sum question (`Reading.total`): the probe that predicts the answers 
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import jax
@@ -175,15 +173,12 @@ def answers_correct(examples, reads) -> list[bool]:
 def load_encoder(workdir: str):
   """The ViT of a finished vlm_encoder run in workdir, with the weights a VLM freezing it reads (those of
   the checkpoint its run names as its result, `checkpoints.result_step`)."""
-  from ml_collections import ConfigDict
-  from xattn_jax.tasks.vlm import frozen  # the VLM's frozen-part restore
-  from xattn_jax.training import checkpoints
-  with open(os.path.join(workdir, "config.json")) as f:
-    model_config = ConfigDict(json.load(f)).model
+  from xattn_jax.training import checkpoints, workdir as workdir_lib
+  model_config = workdir_lib.stored_config(workdir).model
   build = lambda: encoder_task.make_encoder(model_config, rngs=nnx.Rngs(params=0, dropout=0))
   encoder = build()
   state = nnx.state(encoder, nnx.Param)
-  nnx.replace_by_pure_dict(state, frozen.restore(workdir, checkpoints.result_step(workdir), build))
+  nnx.replace_by_pure_dict(state, checkpoints.restore_params(workdir, checkpoints.result_step(workdir), build))
   nnx.update(encoder, state)
   return encoder
 
