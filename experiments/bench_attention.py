@@ -189,8 +189,8 @@ def torch_runners(arrays, mask, case: Case, threads):
       torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
     sync()
 
-  def backward():
-    torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, **kwargs).sum().backward()
+  def backward():  # fresh gradients, as jax.grad returns: .backward() would also add them into .grad each call
+    torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, **kwargs).sum(), (qg, kg, vg))
     sync()
 
   return forward, backward

@@ -53,9 +53,9 @@ def timings(case, repeats: int, l2_bytes: int) -> dict:
       attention.l2_cache_bytes = rule
   tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
   tmask = None if mask is None else torch.from_numpy(mask)
-  def torch_step():
-    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tmask,
-                                                     enable_gqa=n != kv_heads).sum().backward()
+  def torch_step():  # fresh gradients, as jax.grad returns: .backward() would also add them into .grad each call
+    torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=tmask, enable_gqa=n != kv_heads).sum(), (tq, tk, tv))
   fns = {row: (lambda f=f: jax.block_until_ready(f(q, k, v))) for row, f in compiled.items()}
   return bench_common.interleaved_median_seconds({**fns, "torch SDPA": torch_step}, repeats)
 
