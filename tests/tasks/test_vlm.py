@@ -33,8 +33,11 @@ def tiny_chain() -> pathlib.Path:
   test session (tests of the encoder task read encoder/); tests must not write into it."""
   def build(directory):
     overrides = {**TINY_CHAIN, "model.encoder_workdir": directory / "encoder", "model.lm_workdir": directory / "lm"}
+    # in turn: the two missing runs train in this launch's process, not in two fresh interpreters side by side
+    # (half the build's CPU time; the same runs: test_dependencies.py's
+    # test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_trained_in_turn)
     result = helpers.launch("configs/vlm_digits.py:connector=llava,steps=60,lr=0.003,kinds=count",
-                            directory / "vlm", overrides=overrides, timeout=900)
+                            directory / "vlm", "--dependencies=in_turn", overrides=overrides, timeout=900)
     if result.returncode:
       raise RuntimeError(f"the tiny VLM chain failed (exit {result.returncode}): {result.stderr[-3000:]}")
   return helpers.build_once("vlm_tiny_chain", build)
@@ -278,7 +281,7 @@ def pairs_chain() -> pathlib.Path:
                  "model.encoder_config": PAIRS_ENCODER_CONFIG, "model.lm_config": PAIRS_LM_CONFIG,
                  "data.train_file": pairs / "train.tsv", "data.eval_file": pairs / "eval.tsv"}
     result = helpers.launch("configs/vlm_tsv.py:connector=qformer,steps=60,queries=4,canvas=16x16",
-                            directory / "vlm", overrides=overrides)
+                            directory / "vlm", "--dependencies=in_turn", overrides=overrides)  # (as tiny_chain's)
     if result.returncode:
       raise RuntimeError(f"the pairs chain failed (exit {result.returncode}): {result.stderr[-3000:]}")
   return helpers.build_once("vlm_pairs_chain", build)
