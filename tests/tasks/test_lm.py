@@ -266,7 +266,10 @@ def test_microbatches_on_a_two_device_mesh_train_as_the_whole_batch(tmp_path):
     workdir = tmp_path / f"k{microbatches}"
     overrides = {"mesh.data": 2, "num_microbatches": microbatches, "total_steps": 4, "log_every_steps": 1,
                  "eval_every_steps": 4, "checkpoint.every_steps": 4, "model.dropout_rate": 0.0,
-                 "task.num_samples_logged": 0}  # the losses are the point: no sampler to compile
+                 "task.num_samples_logged": 0,  # the losses are the point: no sampler to compile,
+                 # and RANDOMIZED's small model (less to trace and compile) with 16 eval documents, not 256
+                 "model.d_model": 32, "model.num_layers": 1, "model.mlp_dim": 64, "model.max_length": 64,
+                 "data.sequence_length": 32, "data.num_eval_documents": 16}
     result = helpers.launch(TINY[0].split("=", 1)[1], workdir, *TINY[1:],  # then these, which win
                             *(f"--config.{key}={value}" for key, value in overrides.items()), device_count=2)
     assert result.returncode == 0, result.stderr[-3000:]
