@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,8 +127,7 @@ def test_invalid_config_fails_in_one_line_naming_the_field_before_anything_runs(
 def test_missing_or_unloadable_config_is_a_one_line_usage_error(tmp_path, argv, expected):
   workdir = tmp_path / "run"
   argv = [arg.replace("WORKDIR", str(workdir)) for arg in argv]
-  result = subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO, capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120)
+  result = helpers.run([sys.executable, "launch.py", *argv], cwd=REPO, env=subprocess_env(), timeout=120)
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and expected in lines[0], result.stderr
@@ -144,8 +142,8 @@ def test_a_workdir_that_cannot_hold_a_run_is_a_one_line_error(tmp_path, workdir,
   """Swapping --workdir and a data file once ended in a FileExistsError traceback from os.makedirs."""
   (tmp_path / "a_file").write_text("my data\n")
   path = tmp_path / workdir
-  result = subprocess.run([sys.executable, "launch.py", "--config=configs/template.py", f"--workdir={path}"],
-                          cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+  result = helpers.run([sys.executable, "launch.py", "--config=configs/template.py", f"--workdir={path}"],
+                       cwd=REPO, env=subprocess_env(), timeout=120)
   assert result.returncode == 2
   assert result.stderr.strip() == "launch.py: " + expected.replace("PATH", str(path)).replace("TMP", str(tmp_path))
   assert (tmp_path / "a_file").read_text() == "my data\n"
