@@ -19,6 +19,11 @@ from xattn_jax.training import checkpoints, dependencies, loop, metrics, task as
 from xattn_jax.training import workdir as workdir_lib
 from xattn_jax.training.errors import DataError
 
+# The runs this process trains (in turn, or a dependency stopped mid-run) compile the same small programs again and
+# again, and so do the launch.py subprocesses training side by side (they inherit this process's XLA flags): each a
+# cache hit after the first (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_in_process")
+
 QUICK = {"total_steps": 2, "log_every_steps": 1, "eval_every_steps": 2, "checkpoint.every_steps": 2,
          "eval_batch_size": 8, "task.num_eval_examples": 8, "optimizer.warmup_steps": 1,
          "logging.tensorboard": False, "logging.plot": False}
