@@ -68,14 +68,6 @@ def no_training(monkeypatch):
   monkeypatch.setattr(loop, "run", refuse)
 
 
-def test_a_missing_dependency_is_trained_in_its_workdir(tmp_path):
-  config = dependent_config(tmp_path / "dependency")
-  [dependency] = dependencies.resolve(config, str(tmp_path / "run"))
-  assert dependency.workdir == str(tmp_path / "dependency")
-  assert checkpoints.step_numbers(dependency.workdir) == [2]
-  assert not os.path.exists(tmp_path / "run")  # only the dependency ran
-
-
 def test_a_finished_dependency_is_loaded_without_training(tmp_path, no_training):
   fake_run(str(tmp_path / "dependency"), dependency_config(), steps=[2])
   config = dependent_config(tmp_path / "dependency")
@@ -275,7 +267,12 @@ def wait_until_training(*workdirs, timeout_s=300):
 
 def test_missing_dependencies_train_side_by_side_in_subprocesses_as_the_runs_trained_in_turn(
     tmp_path, monkeypatch, capfd):
-  dependencies.resolve(two_dependent_config(tmp_path / "in_turn"), str(tmp_path / "in_turn" / "run"))
+  """In turn (this process trains each missing dependency in its workdir, and only the dependencies), then side by
+  side: the same losses and checkpoints."""
+  resolved = dependencies.resolve(two_dependent_config(tmp_path / "in_turn"), str(tmp_path / "in_turn" / "run"))
+  assert [dependency.workdir for dependency in resolved] == [str(tmp_path / "in_turn" / n) for n in ("first", "second")]
+  assert [checkpoints.step_numbers(dependency.workdir) for dependency in resolved] == [[2], [2]]
+  assert not os.path.exists(tmp_path / "in_turn" / "run")  # only the dependencies ran
   monkeypatch.setattr(loop, "run", lambda *args, **kwargs: pytest.fail("trained in the test's process"))
   dependencies.resolve(two_dependent_config(tmp_path / "side"), str(tmp_path / "side" / "run"), side_by_side=True)
   for name in ("first", "second"):
