@@ -229,13 +229,6 @@ class TwoDependencyTask(TemplateTask):
                                 workdir_field="task.second_workdir")]
 
 
-class UnreadableDataTask(TemplateTask):
-  """The template task whose data cannot be read (in the subprocess that trains it)."""
-
-  def __init__(self, config, workdir=None, mode="train"):
-    raise DataError("pairs.tsv:3: no tab between the image path and the text")
-
-
 class FailingOnceTheOtherTrainsTask(TemplateTask):
   """The template task whose data cannot be read, found once the run in `config.task.other_workdir` has logged a
   training step (in the subprocess that trains it): the other has work to keep by then."""
@@ -310,31 +303,24 @@ def test_sigterm_stops_the_dependencies_training_side_by_side_each_saving_and_th
 
 def test_a_dependency_failing_side_by_side_stops_the_other_with_a_checkpoint_and_ends_the_job_with_its_status_and_line(
     tmp_path):
-  """The other run is mid-training when the first fails: it saves where it is (its work kept for the next start,
-  which resumes it there), and is not trained on to its end."""
+  """launch.py: the other run is mid-training when the first fails: it saves where it is (its work kept for the next
+  start, which resumes it there), and is not trained on to its end; the job ends with the failed run's status
+  (DependencyFailed's code) and a last line naming it, then relaying its own last line."""
   failing = dependency_config(**{"task.name": f"{__name__}:FailingOnceTheOtherTrainsTask"})
   failing.task.other_workdir = str(tmp_path / "second")
   slow = dependency_config(seed=1, **{"total_steps": 10_000, "steps_per_call": 1, "debug.step_delay_s": 0.05,
                                       "checkpoint.every_steps": 10_000, "eval_every_steps": 10_000})
-  with pytest.raises(dependencies.DependencyFailed) as failed:
-    dependencies.resolve(two_dependent_config(tmp_path, failing, slow), str(tmp_path / "run"), side_by_side=True)
-  assert failed.value.code == 2
-  assert str(failed.value).startswith(f"the training of task.dependency_workdir in {tmp_path / 'first'} failed "
-                                      "(exit status 2): launch.py: ")
-  assert str(failed.value).endswith("pairs.tsv:3: no tab between the image path and the text")  # its last line
-  assert 0 < max(checkpoints.step_numbers(str(tmp_path / "second")), default=0) < 10_000  # saved where it stopped
-
-
-def test_launch_ends_with_the_status_and_last_line_of_a_dependency_failing_side_by_side(tmp_path):
-  failing = dependency_config(**{"task.name": f"{__name__}:UnreadableDataTask"})
   config_file = tmp_path / "config.py"
-  config_file.write_text(workdir_lib.config_file_text(two_dependent_config(tmp_path, failing), "two dependencies"))
+  config_file.write_text(workdir_lib.config_file_text(two_dependent_config(tmp_path, failing, slow),
+                                                      "two dependencies"))
   result = helpers.launch(str(config_file), tmp_path / "run")
   assert result.returncode == 2, result.stderr[-2000:]
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith(f"launch.py: the training of task.dependency_workdir in {tmp_path / 'first'} failed")
-  assert last.endswith("pairs.tsv:3: no tab between the image path and the text")
+  assert last.startswith(f"launch.py: the training of task.dependency_workdir in {tmp_path / 'first'} failed "
+                         "(exit status 2): launch.py: "), last
+  assert last.endswith("pairs.tsv:3: no tab between the image path and the text")  # its last line
   assert "[task.second_workdir] " in result.stderr and not (tmp_path / "run").exists()
+  assert 0 < max(checkpoints.step_numbers(str(tmp_path / "second")), default=0) < 10_000  # saved where it stopped
 
 
 @pytest.mark.parametrize("side_by_side", [True, False])
