@@ -364,7 +364,7 @@ def test_dependencies_side_by_side_stop_with_a_checkpoint_when_their_launcher_is
   config_file = tmp_path / "config.py"
   config_file.write_text(workdir_lib.config_file_text(
       two_dependent_config(tmp_path, dependency_config(**slow), dependency_config(seed=1, **slow)), "slow ones"))
-  launcher = helpers.start(helpers.launch_command(str(config_file), tmp_path / "run"), fresh=True)
+  launcher = helpers.start(helpers.launch_command(str(config_file), tmp_path / "run"), env=helpers.subprocess_env())
   wait_until_training(tmp_path / "first", tmp_path / "second")
   launcher.kill()
   launcher.communicate()
