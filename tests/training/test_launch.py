@@ -403,9 +403,11 @@ def test_early_stopping_ends_the_run_at_the_eval_that_exhausts_its_patience_and_
 
 @pytest.mark.slow
 def test_eval_and_infer_read_the_best_checkpoint_when_told(tmp_path):
-  """checkpoint.eval_from=best: the step whose eval ranks best by best_metric, not the latest (or a step named by
-  its number). Here "best" is the
-  highest eval/loss (best_mode=max, at a learning rate that only lowers it): step 4 of evals at 4, 8 and 12."""
+  """checkpoint.eval_from=best: the step whose eval ranks best by best_metric, not the latest. Here "best" is the
+  highest eval/loss (best_mode=max, at a learning rate that only lowers it): step 4 of evals at 4, 8 and 12. A step
+  named by its number goes through the same Trainer.latest_state -> checkpoints.steps_to_read, whose numbered case
+  is test_checkpoints.py's test_a_step_named_by_its_number_is_read_if_kept_and_refused_naming_the_kept_ones_if_not
+  (and test_validation.py's test_eval_from_is_latest_best_or_a_step_number)."""
   workdir = tmp_path / "run"
   overrides = {"total_steps": 12, "optimizer.learning_rate": 1e-3, "checkpoint.best_mode": "max",
                "checkpoint.keep": 1}
@@ -413,7 +415,7 @@ def test_eval_and_infer_read_the_best_checkpoint_when_told(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   logged = {r["step"]: r["eval/loss"] for r in metrics_rows(workdir) if "eval/loss" in r}
   assert max(logged, key=logged.get) == 4 and checkpoint_steps(workdir) == [4, 12], (logged, checkpoint_steps(workdir))
-  for eval_from, step in (("best", 4), ("latest", 12), ("4", 4)):  # or a kept step by its number
+  for eval_from, step in (("best", 4), ("latest", 12)):
     evaluated = launch(workdir, "--mode=eval", f"--config.checkpoint.eval_from={eval_from}", overrides=overrides)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     row = json.loads((workdir / "eval_results.jsonl").read_text().splitlines()[-1])
