@@ -224,17 +224,6 @@ def test_paths_are_made_absolute_and_a_record_of_typed_paths_names_the_same_file
   assert vlm.model.encoder_workdir.startswith(str(tmp_path)) and vlm.model.lm_workdir.startswith(str(tmp_path))
 
 
-def test_a_run_records_its_paths_absolute_so_its_config_py_reads_the_same_files_from_any_folder(tmp_path,
-                                                                                                monkeypatch):
-  """A run's config.py kept paths as typed: --config=<workdir>/config.py from another folder found no file."""
-  (tmp_path / "data").mkdir()
-  monkeypatch.chdir(tmp_path / "data")
-  loop.run(tiny_template(**{"infer.input_file": "questions.txt"}), "../run")
-  monkeypatch.chdir(tmp_path)
-  recorded = validation.load_config_file(str(tmp_path / "run" / "config.py"))
-  assert recorded.infer.input_file == str(tmp_path / "data" / "questions.txt")
-
-
 def tiny_template(**overrides):
   config = template.get_config("size=tiny")
   config.update_from_flattened_dict({"total_steps": 2, "log_every_steps": 1, "eval_every_steps": 2,
@@ -321,12 +310,19 @@ def test_training_on_over_an_edited_data_file_says_so_and_keeps_the_record_it_st
   assert (run / workdir.DATA_RECORD).read_text() == recorded
 
 
-def test_a_run_trained_on_with_other_settings_keeps_the_record_it_started_with(tmp_path):
+def test_a_run_trained_on_with_other_settings_keeps_the_record_it_started_with(tmp_path, monkeypatch):
   """The record claimed the resumed settings (another learning rate, batch size) for every step of the run, and a
-  command that trained nothing rewrote it too."""
+  command that trained nothing rewrote it too. And the run records its paths absolute, so its config.py reads the
+  same files from any folder (it kept them as typed: --config=<workdir>/config.py from another folder found no
+  file)."""
   run = str(tmp_path / "run")
-  (tmp_path / "notes.txt").write_text("a file of yours\n")
-  loop.run(tiny_template(**{"infer.input_file": str(tmp_path / "notes.txt")}), run)
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "notes.txt").write_text("a file of yours\n")
+  monkeypatch.chdir(tmp_path / "data")
+  loop.run(tiny_template(**{"infer.input_file": "notes.txt"}), "../run")  # paths as typed, in another folder
+  monkeypatch.chdir(tmp_path)
+  recorded = validation.load_config_file(str(tmp_path / "run" / "config.py"))
+  assert recorded.infer.input_file == str(tmp_path / "data" / "notes.txt")
   started = (tmp_path / "run" / "config.json").read_text()
   assert json.loads((tmp_path / "run" / workdir.DATA_RECORD).read_text()) == {}  # no data file: only DATA_FIELDS
   loop.run(tiny_template(**{"optimizer.learning_rate": 0.5, "seed": 7}), run)  # at step 2 = total_steps: nothing
