@@ -158,7 +158,8 @@ def main(argv):
   except ValueError as e:
     fail(str(e))
   try:
-    validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value)
+    validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value,
+                               workdir=workdir)
     distributed.set_cpu_devices(_CONFIG.value,  # before anything starts the backend
                                 multi_process=_NUM_PROCESSES.value > 1 or distributed.cluster_detected())
     try:

@@ -526,6 +526,17 @@ def test_total_steps_below_the_runs_step_is_refused_and_the_config_kept(tmp_path
 
 
 @pytest.mark.slow
+def test_a_run_whose_init_from_is_gone_launches_again_from_its_own_checkpoints(tmp_path, reference):
+  """launch.py checks the config before the loop does: it too must know that a run with checkpoints reads no
+  init_from (it refused 'config.init_from=...: no such checkpoint directory')."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  result = launch(workdir, overrides={"init_from": str(tmp_path / "deleted" / "checkpoints")})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"The run is already at step {STEPS}" in result.stderr
+
+
+@pytest.mark.slow
 def test_a_run_that_failed_before_its_first_checkpoint_does_not_lock_the_workdir(tmp_path):
   """Its config.json is not a run to protect: the corrected rerun used to be refused as a change."""
   workdir = tmp_path / "run"

@@ -1,6 +1,7 @@
 """The Trainer: multi-step calls, the train step's update, the resume order, checkpoint round trips."""
 import logging
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from flax import nnx
 from configs import template
 from xattn_jax.tasks import template as template_task
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import optim, schedule, task as task_lib, validation
+from xattn_jax.training import loop, metrics as metrics_lib, optim, schedule, task as task_lib, validation
 from xattn_jax.training.errors import DataError, RunError
 from xattn_jax.training.trainer import Trainer, multi_step
 
@@ -196,6 +197,34 @@ def test_checkpoint_in_the_workdir_wins_over_init_from(saved_run, tmp_path):
   state, step, key = _restore(config, saved_workdir)
   assert step == 3 and _all_ones(state)
   assert list(np.asarray(jax.random.key_data(key))) == [0, 7]  # the run's RNG comes back too
+
+
+def _train_losses(workdir):
+  rows = metrics_lib.read_metrics(str(workdir / "metrics.jsonl"))
+  return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+
+
+def test_a_fine_tuned_run_trains_on_exactly_once_the_run_it_started_from_is_gone(saved_run, tmp_path):
+  """init_from is read at a fresh run's step 0 alone; the run's checkpoints hold the rest. A fine-tuned run could not
+  be resumed (nor given more steps) once init_from's folder was moved or deleted: 'config.init_from=...: no such
+  checkpoint directory', though nothing would have read it."""
+  source = tmp_path / "source"
+  shutil.copytree(saved_run[2], source)
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({
+      "total_steps": 4, "steps_per_call": 2, "checkpoint.every_steps": 2, "eval_every_steps": 100,
+      "batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 8, "log_every_steps": 1,
+      "model.dropout_rate": 0.1, "logging.tensorboard": False, "logging.plot": False,
+      "init_from": str(source / "checkpoints")})
+  loop.run(config.copy_and_resolve_references(), str(tmp_path / "whole"))
+  shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+  shutil.rmtree(tmp_path / "cut" / "checkpoints" / "4")  # the run as a kill after its checkpoint at step 2 left it
+  shutil.rmtree(source)
+  with pytest.raises(validation.ConfigError, match=r"^config\.init_from=.*no such checkpoint directory"):
+    loop.run(config.copy_and_resolve_references(), str(tmp_path / "fresh"))  # a fresh run still needs it
+  loop.run(config.copy_and_resolve_references(), str(tmp_path / "cut"))
+  assert checkpoints_lib.step_numbers(str(tmp_path / "cut")) == [2, 4]
+  assert _train_losses(tmp_path / "cut") == _train_losses(tmp_path / "whole")  # steps 3 and 4 as they were
 
 
 def test_without_checkpoints_training_starts_from_the_seed(saved_run, tmp_path):

@@ -390,5 +390,8 @@ def test_eval_and_infer_of_a_fine_tuned_run_do_not_need_the_run_it_started_from(
   config = template.get_config("size=tiny")
   config.init_from = str(tmp_path / "deleted" / "checkpoints")
   validation.validate_config(config, mode=mode)
-  with pytest.raises(validation.ConfigError, match=r"^config\.init_from=.*no such checkpoint directory"):
-    validation.validate_config(config, mode="train")
+  for workdir in (None, str(tmp_path / "fresh")):  # a fresh training reads it
+    with pytest.raises(validation.ConfigError, match=r"^config\.init_from=.*no such checkpoint directory"):
+      validation.validate_config(config, mode="train", workdir=workdir)
+  (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+  validation.validate_config(config, mode="train", workdir=str(tmp_path / "run"))  # one that resumes does not

@@ -339,7 +339,7 @@ def resolve(config, workdir: str | None, mode: str = "train", *, side_by_side: b
       todo.append((dependency, config_of(dependency)))
   for dependency, dependency_config in todo:  # a bad config fails before anything trains, side by side or in turn
     try:
-      validation.validate_config(dependency_config, mode="train")
+      validation.validate_config(dependency_config, mode="train", workdir=dependency.workdir)
     except validation.ConfigError as error:  # its fields are the dependency's, not this config's: say whose
       field = dependency.config_field or dependency.workdir_field
       value = dependency.config if dependency.config_field else dependency.workdir

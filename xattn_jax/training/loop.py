@@ -189,7 +189,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   """
   _quiet_library_logs()
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
-                             process_count=jax.process_count())
+                             process_count=jax.process_count(), workdir=workdir)
   workdir_lib.absolute_paths(config, workdir)  # the record's config.py then works from any directory
   workdir_lib.check_same_model(config, workdir, mode)
   has_checkpoints = bool(checkpoints_lib.step_numbers(workdir))

@@ -19,6 +19,7 @@ from xattn_jax.layers import layer_stack
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import positions as position_ops
+from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import optim
 from xattn_jax.training import task as tasks_lib
 
@@ -267,10 +268,11 @@ def _check_probabilities(config):
 
 
 def validate_config(config, *, mode: str = "train", device_count: int | None = None,
-                    process_count: int = 1):
+                    process_count: int = 1, workdir: str | None = None):
   """Checks the shared fields, then the model's attention shapes, then the task's own fields.
 
-  With `device_count` (known only after jax.distributed.initialize) the mesh is checked too.
+  With `device_count` (known only after jax.distributed.initialize) the mesh is checked too. With `workdir`, a
+  training that resumes from its checkpoints there does not need the fields only a fresh one reads (init_from).
   """
   if mode not in ("train", "eval", "infer"):
     raise ConfigError("mode", mode, "allowed are ['eval', 'infer', 'train']")
@@ -336,8 +338,10 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
       if axis.strip() not in MESH_AXES:
         raise ConfigError(f"sharding_rules.{name}", axes,
                           f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
-  # Only a training reads it (eval and infer read the run's own checkpoints, which may outlive it).
-  if mode == "train" and config.init_from and not os.path.isdir(config.init_from):
+  # Only a fresh training reads it: eval, infer and a training that resumes read the run's own checkpoints (which
+  # hold what init_from gave it, and may outlive it).
+  if (mode == "train" and config.init_from and not os.path.isdir(config.init_from)
+      and not (workdir and checkpoints_lib.step_numbers(workdir))):
     raise ConfigError("init_from", config.init_from, "no such checkpoint directory")
   if mode == "infer" and config.infer.input_file != "-":
     require_file("infer.input_file", config.infer.input_file)
