@@ -4,8 +4,8 @@ import json
 import pytest
 
 from configs import lm_text, template, translate_dates, translate_tsv, vlm_digits
-from xattn_jax.training import loop, validation, workdir
-from xattn_jax.training.errors import RunError
+from xattn_jax.training import loop, records, validation, workdir
+from xattn_jax.training.errors import DataError, RunError
 
 # Their runs compile the same programs again and again: each a cache hit after the first (conftest.py).
 pytestmark = pytest.mark.usefixtures("compilation_cache_in_process")
@@ -411,9 +411,82 @@ def test_a_record_write_cut_short_leaves_the_record_it_replaces(tmp_path, monkey
     def write(self, text):
       raise OSError(28, "No space left on device")
 
-  monkeypatch.setattr(workdir, "open", DiskFull, raising=False)
+  monkeypatch.setattr(records, "open", DiskFull, raising=False)  # where workdir writes them through
   with pytest.raises(OSError):
     workdir.write_config(_config(total_steps=7), str(tmp_path))
   with pytest.raises(OSError):
     workdir.record_data_files(config, str(tmp_path))
   assert {name: (tmp_path / name).read_text() for name in before} == before
+
+
+def _read_config(path):
+  _with_checkpoint(path)
+  workdir.check_same_model(_config(), str(path), "eval")
+
+
+def _read_result_step(path):
+  from xattn_jax.training import checkpoints  # noqa: PLC0415 - orbax only for this test
+  _with_checkpoint(path)
+  checkpoints.result_step(str(path))
+
+
+def _read_frozen(path):
+  from xattn_jax.tasks.vlm import frozen  # noqa: PLC0415 - the VLM only for this test
+  frozen.dependencies(vlm_digits.get_config(), str(path))
+
+
+def _read_encoder(path):
+  from configs import qformer_digits  # noqa: PLC0415
+  from xattn_jax.tasks.digits import qformer  # noqa: PLC0415 - the Q-Former only for this test
+  qformer.QFormerTask.dependencies(qformer_digits.get_config(), str(path))
+
+
+def _read_metrics(path):
+  from xattn_jax.training import metrics  # noqa: PLC0415
+  metrics.read_metrics(str(path / "metrics.jsonl"))
+
+
+def _read_task_record(name, **overrides):
+  def read(path):
+    from xattn_jax.training import task  # noqa: PLC0415
+    getattr(task, name)(_config(**overrides), str(path))
+  return read
+
+
+@pytest.mark.parametrize("name, text, position, read", [
+    # cut off in place by a kill, as an older version wrote it
+    ("config.json", '{\n  "checkpoint": {\n    "best_metric": "eval/lo', "3:20", _read_config),
+    ("config.json", "", "1:1", _read_result_step),  # checkpoints.result_step: the step a frozen part is read at
+    ("data_files.json", '{"data.train_file": {"path": "a.tsv",}}', "1:38",
+     lambda path: workdir.changed_data_files(_config(), str(path))),
+    ("end_step.json", '{"end_step": 40, "total_st', "1:18", _read_task_record("read_end_step", max_epochs=2.0)),
+    ("early_stop.json", '["step", 4]\n', "1:1", _read_task_record("read_early_stop", **{"early_stopping.patience": 2})),
+    ("frozen.json", '{"encoder_workdir": "/runs/enc" "lm_workdir": ""}', "1:33", _read_frozen),
+    ("encoder.json", '{"encoder_workdir": /runs/vit}', "1:21", _read_encoder),
+    # a whole damaged line is refused (a resume would rewrite the log without it); the last, cut by a kill, is not
+    ("metrics.jsonl", '{"step": 1}\n{"step": 2, "train/loss": 0,5}\n{"step": 3}\n{"step": 4, "tr', "2:29",
+     _read_metrics),
+], ids=["config.json", "config.json-result_step", "data_files.json", "end_step.json", "early_stop.json", "frozen.json",
+        "encoder.json", "metrics.jsonl"])
+def test_a_damaged_record_is_refused_in_one_line_naming_file_and_position_and_left_as_it_is(
+    tmp_path, name, text, position, read):
+  """A record a run reads back, damaged, ends it in one line (launch.py: exit status 2) saying what to do."""
+  (tmp_path / name).write_text(text)
+  with pytest.raises(DataError) as error:
+    read(tmp_path)
+  message = str(error.value)
+  assert message.startswith(f"{tmp_path / name}:{position}: a damaged record") and "\n" not in message
+  assert any(remedy in message for remedy in ("backup", "move it aside", "delete that line"))
+  assert (tmp_path / name).read_text() == text
+
+
+def test_launch_names_a_damaged_config_record_in_one_line_with_exit_status_2(tmp_path):
+  from tests import helpers  # noqa: PLC0415
+  workdir.write_config(_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  cut = (tmp_path / "config.json").read_bytes()[:100]
+  (tmp_path / "config.json").write_bytes(cut)
+  result = helpers.launch("configs/template.py:size=tiny", tmp_path, "--mode=eval")
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.startswith(f"launch.py: {tmp_path / 'config.json'}:") and result.stderr.count("\n") == 1
+  assert (tmp_path / "config.json").read_bytes() == cut

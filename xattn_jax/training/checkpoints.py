@@ -13,7 +13,6 @@ the checkpoints stay where they are.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -27,6 +26,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
+from xattn_jax.training import records
 from xattn_jax.training.errors import RunError
 
 ITEMS = ("model", "optimizer", "meta")
@@ -232,11 +232,7 @@ def result_step(workdir: str) -> int:
   steps = step_numbers(workdir)
   if not steps:
     raise FileNotFoundError(f"{os.path.join(workdir, 'checkpoints')} holds no checkpoint step")
-  path = os.path.join(workdir, "config.json")
-  checkpoint = {}
-  if os.path.isfile(path):
-    with open(path) as f:
-      checkpoint = json.load(f).get("checkpoint", {})
+  checkpoint = (records.read_config(workdir) or {}).get("checkpoint", {})
   eval_from = checkpoint.get("eval_from", "latest")
   if eval_from == "latest":  # the step directories say it: no orbax manager to build
     return steps[-1]

@@ -49,6 +49,8 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   Ctrl-C saves a checkpoint and returns (on every process at the same step).
   """
   config = trainer.config
+  # read first: a damaged log stops the run before it changes anything in the workdir
+  logged = metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl"))
   state, step, rng_key = trainer.restore(checkpoints)
   stopped_early = task_lib.read_early_stop(config, trainer.workdir)
   ended = stopped_early is not None and step >= stopped_early[0]  # where early stopping ended it before
@@ -62,7 +64,6 @@ def train(trainer: Trainer, checkpoints, make_writer, after_restore=None) -> dic
   if trainer.process_index == 0:  # training on: an earlier stop's record (other settings) no longer holds
     task_lib.clear_early_stop(trainer.workdir)
   logging.info(trainer.summary())
-  logged = metrics_lib.read_metrics(os.path.join(trainer.workdir, "metrics.jsonl"))
   if step == 0 and any(row.get("step", 0) > 0 for row in logged) and trainer.process_index == 0:
     logging.warning("%s logs an earlier run but holds no checkpoint to resume from: training starts again at "
                     "step 0 (the earlier log is kept in metrics.jsonl.before_step_0)", trainer.workdir)

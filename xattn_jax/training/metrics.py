@@ -13,19 +13,14 @@ import shutil
 
 from absl import logging
 
+from xattn_jax.training import records
+
 
 def read_metrics(path: str) -> list[dict]:
-  """Every complete line of a metrics.jsonl (a line cut off by a crash is skipped)."""
-  if not os.path.exists(path):
-    return []
-  rows = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
+  """Every row of a metrics.jsonl (`records.read_rows`: a last line cut off by a kill is skipped; another
+  damaged line is a DataError naming it, before a resume rewrites the file without it)."""
+  return records.read_rows(path, "mend or delete that line (copy the file first to keep it): training on "
+                           "rewrites metrics.jsonl from the rows it reads")
 
 
 class MetricsWriter:

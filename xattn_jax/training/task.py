@@ -91,6 +91,8 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
 
+from xattn_jax.training import records
+
 _REGISTRY: dict[str, type["Task"]] = {}
 
 
@@ -147,9 +149,8 @@ _BUDGET_FIELDS = ("total_steps", "max_epochs", "min_steps")
 
 def write_end_step(config, workdir: str, end_step: int) -> None:
   """Records where this run's training ends (`schedule.end_step`) under its config's step budget."""
-  with open(os.path.join(workdir, END_STEP_FILE), "w") as f:
-    json.dump({"end_step": end_step, **{field: config.get(field) for field in _BUDGET_FIELDS}}, f)
-    f.write("\n")
+  records.write_atomically(os.path.join(workdir, END_STEP_FILE), json.dumps(
+      {"end_step": end_step, **{field: config.get(field) for field in _BUDGET_FIELDS}}) + "\n")
 
 
 def read_end_step(config, workdir: str) -> int | None:
@@ -164,16 +165,18 @@ def read_end_step(config, workdir: str) -> int | None:
 
 
 def _read_record(workdir: str, name: str) -> dict | None:
-  """The JSON record `name` in workdir; None when it is missing or unreadable (cut off by a crash)."""
-  try:
-    with open(os.path.join(workdir, name)) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
+  """The JSON record `name` in workdir (written whole: `records.write_atomically`); None when it is missing. A
+  damaged one raises a DataError (`records.read_record`) saying what to do."""
+  return records.read_record(os.path.join(workdir, name), _REMEDIES[name])
 
 
 # Where a run with config.early_stopping stopped, and the settings that stopped it (written when it stops).
 EARLY_STOP_FILE = "early_stop.json"
+_REMEDIES = {
+    END_STEP_FILE: "move it aside: training the run again (its own config.py) writes it anew",
+    EARLY_STOP_FILE: ("restore it from a backup, or move it aside to train the run on from its last checkpoint, "
+                      "past where early stopping ended it"),
+}
 
 
 def early_stopping_settings(config) -> dict | None:
@@ -187,9 +190,8 @@ def early_stopping_settings(config) -> dict | None:
 
 def write_early_stop(config, workdir: str, step: int, reason: str, best_step: int | None) -> None:
   """best_step: the best eval's step (`checkpoint.eval_from=best` reads it)."""
-  with open(os.path.join(workdir, EARLY_STOP_FILE), "w") as f:
-    json.dump({"step": step, "best_step": best_step, "reason": reason, **early_stopping_settings(config)}, f)
-    f.write("\n")
+  records.write_atomically(os.path.join(workdir, EARLY_STOP_FILE), json.dumps(
+      {"step": step, "best_step": best_step, "reason": reason, **early_stopping_settings(config)}) + "\n")
 
 
 def clear_early_stop(workdir: str) -> None:

@@ -3,6 +3,9 @@ changes from it, the results of later evals (eval_results.jsonl), and the lock a
 
 `config.py` loads back as a config file (`--config=<workdir>/config.py`), so a run can be resumed,
 evaluated or loaded (`inference.load_model`) with exactly the config it was made with.
+
+Every JSON record the engine and tasks read back from a workdir goes through `records.read_record`
+(`read_rows` for a JSON-lines log): a damaged one is a DataError in one line (file:line:column, what to do).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from absl import logging
 from ml_collections import ConfigDict
 
 from xattn_jax.training import checkpoints as checkpoints_lib
+from xattn_jax.training import records
 from xattn_jax.training import task as task_lib
 from xattn_jax.training import validation
 from xattn_jax.training.errors import RunError
@@ -36,20 +40,8 @@ PATH_FIELDS = ("data.train_file", "data.eval_file", "init_from", "infer.input_fi
 # declares it as a dependency does not load it after the file was edited in place.
 DATA_FIELDS = ("data.train_file", "data.eval_file")
 DATA_RECORD = "data_files.json"
-
-
-def write_atomically(path: str, text: str) -> None:
-  """Writes `text` to `path` through a temporary file beside it: a process killed mid-write (or a full disk)
-  leaves the file it replaces, never an empty or cut-off record that every later start would fail to read."""
-  temporary = f"{path}.tmp"
-  try:
-    with open(temporary, "w") as f:
-      f.write(text)
-    os.replace(temporary, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(temporary)
-    raise
+DATA_REMEDY = ("restore it from a backup, or move it aside: the run then checks no data file against the "
+               "contents it started on")
 
 
 def _digest(path: str) -> str:
@@ -67,16 +59,12 @@ def record_data_files(config, workdir: str) -> None:
     path = _field(config, field)
     if isinstance(path, str) and os.path.isfile(path):
       record[field] = {"path": _absolute(path), "bytes": os.path.getsize(path), "sha256": _digest(path)}
-  write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
+  records.write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
 
 
 def _data_record(workdir: str) -> dict:
   """DATA_RECORD of the run in `workdir`: {field: {path, bytes, sha256}}; {} without one (a run from before it)."""
-  path = os.path.join(workdir, DATA_RECORD)
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
+  return records.read_record(os.path.join(workdir, DATA_RECORD), DATA_REMEDY) or {}
 
 
 def changed_data_files(config, workdir: str) -> list[str]:
@@ -115,7 +103,7 @@ def record_moved_data_files(config, workdir: str) -> dict[str, str]:
     record = _data_record(workdir)
     for field, now in moved.items():
       record[field]["path"] = now
-    write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
+    records.write_atomically(os.path.join(workdir, DATA_RECORD), json.dumps(record, indent=2))
   return moved
 
 
@@ -151,7 +139,7 @@ def write_config(config, workdir: str) -> None:
   contents = (config.to_json_best_effort(indent=2, sort_keys=True) + "\n", str(config),
               config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
   for name, content in zip(RECORD_FILES, contents):
-    write_atomically(os.path.join(workdir, name), content)
+    records.write_atomically(os.path.join(workdir, name), content)
 
 
 def record_resumed_config(config, workdir: str, step: int) -> dict[str, tuple]:
@@ -240,17 +228,15 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def stored_config(workdir: str) -> ConfigDict:
   """The config of the run in `workdir` (its config.json) as a ConfigDict: what a run that reads that one (a
   frozen part, an encoder) builds it from."""
-  with open(os.path.join(workdir, "config.json")) as f:
-    return ConfigDict(json.load(f))
+  record = records.read_config(workdir)
+  if record is None:
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.path.join(workdir, "config.json"))
+  return ConfigDict(record)
 
 
 def recorded_config(workdir: str) -> dict | None:
   """The config the run in `workdir` recorded (its config.json, as nested dicts), or None without one."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return records.read_config(workdir)
 
 
 def config_differences(config, workdir: str) -> dict[str, tuple]:

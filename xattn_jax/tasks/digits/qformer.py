@@ -27,7 +27,7 @@ from xattn_jax.models import latent_reader
 from xattn_jax.tasks.digits import common, vit as vit_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
-from xattn_jax.training import task as task_lib, validation
+from xattn_jax.training import records, task as task_lib, validation
 from xattn_jax.training import workdir as workdir_lib
 
 ENCODER_RECORD = "encoder.json"  # in a Q-Former workdir: {"encoder_workdir": absolute path, "encoder_step", "model"}
@@ -54,11 +54,9 @@ if set(CONNECTORS) != set(latent_reader.CONNECTORS):
 
 
 def _read_record(workdir: str | None) -> dict | None:
-  path = os.path.join(workdir, ENCODER_RECORD) if workdir else ""
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return records.read_record(os.path.join(workdir, ENCODER_RECORD), (
+      "restore it from a backup, or move it aside: training on then freezes the run in model.encoder_workdir, "
+      "eval and infer read the encoder's model from that run's config.json")) if workdir else None
 
 
 def _check_encoder_patch(config, encoder_model, source: str):
@@ -117,7 +115,7 @@ class QFormerTask(common.DigitsBase):
     if not self.workdir or jax.process_index() != 0 or _read_record(self.workdir) == record:
       return
     # never half-written for a process that reads it
-    workdir_lib.write_atomically(os.path.join(self.workdir, ENCODER_RECORD),
+    records.write_atomically(os.path.join(self.workdir, ENCODER_RECORD),
                                  json.dumps(record, indent=2, sort_keys=True))
 
   def _recorded_encoder_config(self) -> ConfigDict:

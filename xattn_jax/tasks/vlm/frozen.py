@@ -33,7 +33,7 @@ from xattn_jax.tasks.lm import text as lm_task
 from xattn_jax.tasks.vlm import encoder as encoder_task
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import dependencies as dependencies_lib
-from xattn_jax.training import task as task_lib, validation
+from xattn_jax.training import records, task as task_lib, validation
 from xattn_jax.training import workdir as workdir_lib
 
 # The tasks whose runs can be the frozen image encoder: the digit strips' reader, or one trained on a user's pairs.
@@ -44,11 +44,9 @@ TOKENIZER_FILE = lm_task.SPM_FILE
 
 
 def _read_record(workdir: str | None) -> dict | None:
-  path = os.path.join(workdir, FROZEN_RECORD) if workdir else ""
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return records.read_record(os.path.join(workdir, FROZEN_RECORD), (
+      "restore it from a backup: it names the encoder and LM runs this VLM froze and their steps, which eval, "
+      "infer and training on read")) if workdir else None
 
 
 def _weights_digest(weights: dict) -> str:
@@ -219,7 +217,7 @@ def _load_runs(config, workdir):
     os.makedirs(os.path.join(workdir, os.path.dirname(TOKENIZER_FILE)), exist_ok=True)
     shutil.copyfile(tokenizer_path, os.path.join(workdir, TOKENIZER_FILE))
     if _read_record(workdir) != record:
-      workdir_lib.write_atomically(os.path.join(workdir, FROZEN_RECORD), json.dumps(record, indent=2, sort_keys=True))
+      records.write_atomically(os.path.join(workdir, FROZEN_RECORD), json.dumps(record, indent=2, sort_keys=True))
   return record, tokenizer_path, weights
 
 
