@@ -655,6 +655,22 @@ def test_fine_tuning_from_init_from_keeps_that_runs_tokenizer(dates_run, tmp_pat
     translate_task.TranslateTask(config, str(other))
 
 
+def test_a_fine_tune_whose_init_from_run_is_gone_keeps_the_tokenizer_it_copied_in(dates_run, tmp_path, caplog):
+  """Resumed once the run it started from was deleted, a fine-tune on text its inherited vocabulary cannot fully
+  encode (German's "ä") was refused as a workdir's leftover tokenizer of another corpus ("use a new --workdir")."""
+  source_run = tmp_path / "source"
+  shutil.copytree(dates_run, source_run)
+  config = _config(arg="locale=de", **{"init_from": str(source_run / "checkpoints")})
+  workdir = tmp_path / "fine_tune"
+  caplog.set_level(logging.WARNING)
+  translate_task.TranslateTask(config, str(workdir))
+  assert any("The tokenizer of init_from's run" in r.getMessage() for r in caplog.records)  # what it cannot encode
+  shutil.rmtree(source_run)
+  caplog.clear()
+  translate_task.TranslateTask(config, str(workdir))  # resumed: not refused
+  assert any("The tokenizer of init_from's run" in r.getMessage() for r in caplog.records)
+
+
 def test_a_kept_tokenizer_of_another_corpus_is_refused(tmp_path):
   """The tokenizer an earlier attempt in the same workdir trained on another corpus was reused: silently where it
   encoded the new one (a run on part of the corpus kept the whole corpus's pieces), with unknowns where not."""

@@ -347,8 +347,8 @@ class TranslateTask(task_lib.Task):
       return False
     source = next((os.path.join(d, SPM_FILE) for d in _upward(self.config.init_from, 3)
                    if os.path.isfile(os.path.join(d, SPM_FILE))), None)
-    if source is None:
-      return False
+    if source is None:  # init_from's run moved or deleted: a fine-tune resumed here keeps what it copied in then
+      return os.path.exists(path)
     if not os.path.exists(path):
       os.makedirs(os.path.dirname(path), exist_ok=True)
       shutil.copyfile(source, path)
