@@ -79,7 +79,7 @@ def vlm_config(args) -> ConfigDict:
   config.model.qformer_cross_attention_every = 2
   config.model.image_positions = args.positions  # llava: sequence | mrope (Qwen2-VL)
   config.model.spatial_merge = args.merge     # llava: m x m patches per soft token (Qwen2-VL's merger: 2)
-  config.model.feature_positions = "learned_2d"  # connectors.feature_position_encodings(): the connector's grid positions
+  config.model.feature_positions = "learned_2d"  # connectors.feature_position_encodings(): the grid positions
   config.data = ConfigDict({
       "source": "digits",                     # digits | tsv (tasks.vlm.task.SOURCES)
       "max_digits": 4,                        # the canvas: 8 x (8 * max_digits), times scale (the encoder's)
