@@ -180,3 +180,14 @@ def test_a_model_saved_over_other_devices_is_read_onto_this_ones(tmp_path):
   assert saved.returncode == 0, saved.stderr[-2000:]
   restored = checkpoints_lib.restore_model_from(str(tmp_path), {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)})
   assert jnp.array_equal(restored["w"], jnp.arange(8.0).reshape(4, 2))
+
+
+def test_a_failed_reads_message_keeps_tensorstores_reason_without_its_spec_dump():
+  """A damaged checkpoint's log line and RunError carried tensorstore's whole store spec (a JSON dump of thousands
+  of characters ending in a bound method's repr) after the reason."""
+  reason = ('OUT_OF_RANGE: Error reading "w/.zarray": Requested byte range [0, 2588) is not valid for value of '
+            'size 862')
+  spec = ' [tensorstore_spec=\'{"driver":"zarr","kvstore":{"path":"/run/checkpoints/4/model/"}}\'] [tensorstore_spec[1]'
+  error = ValueError(reason + spec + " See full TensorStore details: <bound method X of Y>\nsecond line")
+  assert checkpoints_lib.short_error(error) == f"ValueError: {reason}"
+  assert checkpoints_lib.short_error(KeyError()) == "KeyError: "

@@ -174,7 +174,7 @@ class Checkpoints:
             optimizer=ocp.args.StandardRestore(abstract_optimizer),
             meta=ocp.args.JsonRestore()))
       except Exception as e:  # orbax / tensorstore raise many kinds for a damaged checkpoint
-        message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        message = short_error(e)
         logging.error("Checkpoint step %d in %s cannot be read (%s); trying an older one.",
                       step, self.directory, message)
         failures.append(f"step {step}: {message}")
@@ -250,6 +250,15 @@ def _select(tree: dict, template: dict) -> dict:
   """The entries of nested dict `tree` at the paths of `template`, as numpy arrays."""
   return {key: _select(tree[key], sub) if isinstance(sub, dict) else np.asarray(tree[key])
           for key, sub in template.items()}
+
+
+def short_error(error: Exception) -> str:
+  """`Type: message` of a failed read, its first line without the TensorStore spec that tensorstore's errors
+  append (a JSON dump of the whole store, thousands of characters, and a bound method's repr)."""
+  text = str(error).splitlines()[0] if str(error) else ""
+  for tail in (" [tensorstore_spec", " [source locations", " See full TensorStore details"):
+    text = text.split(tail, 1)[0]
+  return f"{type(error).__name__}: {text}"
 
 
 def restore_params(workdir: str, step: int, build) -> dict:
