@@ -7,7 +7,6 @@ does data the task cannot build (a corpus too small for its vocabulary); a diver
 status 1. Runs the task needs first (its dependencies) train before it, two or more missing ones side by
 side (`--dependencies`); one that fails there ends the job with its exit status and last line.
 """
-import json
 import os
 import re
 import sys
@@ -116,13 +115,14 @@ def workdir_problem(workdir: str, mode: str) -> str | None:
 def config_error_line(error, workdir: str, mode: str) -> str:
   """The line for a ConfigError; for a data field refused in eval or infer of a run in `workdir`, a pointer to the
   run's own config, which names the files it was trained on (the bundled config names none)."""
+  from xattn_jax.training import records, workdir as workdir_lib
+  from xattn_jax.training.errors import DataError
   line = str(error)
-  recorded = os.path.join(workdir, "data_files.json")  # workdir.DATA_RECORD, without importing jax here
-  if getattr(error, "allowed", "") == "no such file" and os.path.isfile(recorded):
-    try:
-      with open(recorded) as f:
-        path = json.load(f).get(error.field, {}).get("path")
-    except (OSError, ValueError, AttributeError):
+  if getattr(error, "allowed", "") == "no such file":
+    try:  # a damaged record only loses this hint here: training names it when it reads the record
+      path = ((records.read_record(os.path.join(workdir, workdir_lib.DATA_RECORD), "") or {})
+              .get(error.field, {}).get("path"))
+    except (DataError, AttributeError):
       path = None
     if path and path == error.value:  # the run's own path: the run (or the file) was moved since
       return (f"{line} (the run in {workdir} read it there; if it moved, name it where it is now: "

@@ -153,14 +153,12 @@ class SegmentTask(task_lib.Task):
     if unknown:
       raise validation.ConfigError(f"task.prompt_mix.{unknown[0]}", mix[unknown[0]],
                                    f"is no prompt kind: allowed are {list(segment_digits.PROMPT_KINDS)}")
-    for kind, weight in mix.items():
-      if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight < float("inf"):
-        raise validation.ConfigError(f"task.prompt_mix.{kind}", weight, "must be a finite non-negative number")
+    for kind in mix:
+      validation.require_non_negative_number(config, f"task.prompt_mix.{kind}", "must be a finite non-negative number")
     if not sum(mix.values()) > 0:
       raise validation.ConfigError("task.prompt_mix", mix.to_dict(), "needs a positive weight on some prompt kind")
     for field in ("iou_loss_weight", "all_masks_loss_weight"):
-      if not 0 <= task[field] < float("inf"):
-        raise validation.ConfigError(f"task.{field}", task[field], "must be a finite number >= 0")
+      validation.require_non_negative_number(config, f"task.{field}", "must be a finite number >= 0")
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
