@@ -46,8 +46,8 @@ def translator_config(args) -> ConfigDict:
                                      "top_k": 0, "top_p": 1.0, "seed": 0, "cache_halves": True})
   config.task.max_decode_length = 0    # 0 = model.max_length (decoding stops at EOS anyway)
   config.task.num_decode_examples = 0  # eval sentences decoded for exact match / BLEU / chrF; 0 = all
-  config.task.bleu_tokenize = "auto"   # sacrebleu tokenizer: auto ("char" for zh / ja / th ... targets and
-  #                                      ones mostly under 4 words, else "13a") | 13a | intl | char | zh | none
+  config.task.bleu_tokenize = "auto"   # sacrebleu tokenizer, one of tasks/translate/bleu.BLEU_TOKENIZERS; auto:
+  #                                      "char" for zh / ja / th ... targets and ones mostly under 4 words, else "13a"
   config.task.num_samples_logged = 3
   config.task.num_attention_plots = 3  # cross-attention PNGs written at each eval
   config.task.attention_per_head = False

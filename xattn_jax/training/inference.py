@@ -112,7 +112,7 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
   config = validation.load_config_file(path)
   for field, value in (overrides or {}).items():
     try:
-      validation._get(config, field)
+      validation.get_field(config, field)
     except (KeyError, TypeError):
       raise validation.ConfigError(field, value, f"is not a field of the run's config ({path})") from None
     try:

@@ -40,7 +40,8 @@ class ConfigError(ValueError):
     self.allowed = allowed
 
 
-def _get(config, field: str):
+def get_field(config, field: str):
+  """config's value at the dotted path `field` ("model.num_layers"); KeyError when a part is missing."""
   node = config
   for part in field.split("."):
     node = node[part]
@@ -54,7 +55,7 @@ EVAL_FROM = ("latest", "best")
 def require_non_negative_number(config, field: str, rule: str = "must be a non-negative number",
                                 below: float = float("inf")):
   """A number in [0, below): a non-negative number, or with below=1 a fraction."""
-  value = _get(config, field)
+  value = get_field(config, field)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < below:
     raise ConfigError(field, value, rule)
 
@@ -72,7 +73,7 @@ def _fields_named(config, matches, prefix: str = "") -> list[str]:
 
 def require_positive(config, *fields: str, allow_zero: bool = False):
   for field in fields:
-    value = _get(config, field)
+    value = get_field(config, field)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
       raise ConfigError(field, value, "must be a " + ("non-negative" if allow_zero else "positive")
                         + " integer")
@@ -87,7 +88,7 @@ def load_config_file(path: str, arg: str | None = None) -> ConfigDict:
 
 
 def require_choice(config, field: str, allowed):
-  value = _get(config, field)
+  value = get_field(config, field)
   if value not in allowed:
     raise ConfigError(field, value, f"allowed are {sorted(allowed)}")
 
@@ -288,7 +289,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   # Every seed (seed, data.split_seed, task.decoding.seed, ...): numpy's legacy seeding and sklearn take integers in
   # [0, 2**32) (sklearn's train_test_split raised its own InvalidParameterError from inside a task's check).
   for field in _fields_named(config, lambda key: key == "seed" or key.endswith("_seed")):
-    seed = _get(config, field)
+    seed = get_field(config, field)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
       raise ConfigError(field, seed, "must be a non-negative integer below 2**32 (numpy's and sklearn's seed range)")
   if "max_epochs" in config:  # a run's config.py written before the fields existed has neither

@@ -116,7 +116,7 @@ def path_fields(config, workdir: str | None) -> tuple[str, ...]:
 
 def _field(config, field: str):
   try:
-    return validation._get(config, field)
+    return validation.get_field(config, field)
   except (KeyError, AttributeError, TypeError):  # a field this config does not have
     return None
 
@@ -130,7 +130,7 @@ def absolute_paths(config, workdir: str | None) -> None:
   in place."""
   for field in path_fields(config, workdir):
     parent, _, key = field.rpartition(".")
-    section = validation._get(config, parent) if parent else config
+    section = validation.get_field(config, parent) if parent else config
     section[key] = _absolute(section[key])
 
 

@@ -85,7 +85,7 @@ def read_pairs_field(config, field: str):
   split = not config.data.eval_file and field in ("data.train_file", "data.eval_file")
   if split:
     field, eval_side = "data.train_file", field == "data.eval_file"
-  path = validation._get(config, field)
+  path = validation.get_field(config, field)
   validation.require_file(field, path)
   try:
     pairs = image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config))

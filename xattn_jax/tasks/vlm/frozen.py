@@ -129,7 +129,7 @@ def _on_the_pairs(config, field: str, reads_pairs):
   """The frozen part's declared config `field` (a file spec), or, for a user's pairs and a config that
   trains on pairs (`reads_pairs(loaded)`) but names no files, that config loaded with this run's
   data.train_file / data.eval_file (absolute)."""
-  spec = validation._get(config, field)
+  spec = validation.get_field(config, field)
   if config.data.source != "tsv":
     return spec
   loaded = dependencies_lib.load_config(spec, field)
