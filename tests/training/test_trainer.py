@@ -412,6 +412,27 @@ def test_microbatches_of_bfloat16_parameters_keep_the_optimizer_state_in_bfloat1
   assert np.all(np.isfinite(metrics["train/loss"])) and metrics["train/loss"].shape == (2,)
 
 
+class _SumTask:
+  """loss_terms alone: total = sum(x * w) over a microbatch's rows, so w's gradient is the sum of its x."""
+
+  def loss_terms(self, model, rows, rngs):
+    del rngs
+    return jnp.sum(rows["x"] * model.w[...].astype(jnp.float32)), jnp.float32(rows["x"].shape[0]), {}
+
+
+def test_microbatch_gradients_of_bfloat16_parameters_add_up_in_float32():
+  """16 microbatches of one row: 256 then fifteen 1s. Added in bfloat16 (8 significant bits), each 1 rounds
+  away against 256 and the mean reads 16; in float32 the sum is 271 and the mean 16.94, rounded once."""
+  from xattn_jax.training.trainer import accumulated_gradients
+  model = nnx.Module()
+  model.w = nnx.Param(jnp.ones((1,), jnp.bfloat16))
+  x = jnp.ones((16, 1), jnp.float32).at[0].set(256.0)
+  (loss, grads), _ = accumulated_gradients(_SumTask(), model, {"x": x}, 16, jax.random.key(0), jnp.int32(0))
+  assert grads["w"][...].dtype == jnp.bfloat16
+  assert float(grads["w"][...][0]) == float(jnp.bfloat16(271.0 / 16))
+  assert float(loss) == pytest.approx(271.0 / 16)
+
+
 _QUICK_IMAGES = ("--config.batch_size=8", "--config.total_steps=4", "--config.steps_per_call=1",
                  "--config.logging.tensorboard=False", "--config.logging.plot=False")
 # Beside train/loss, grad_norm and learning_rate: what each logs of its own
