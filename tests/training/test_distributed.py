@@ -1,5 +1,5 @@
-"""Sharded and multi-process training give the single-device losses: 8 simulated CPU devices
-under three meshes, and two processes on 127.0.0.1 with two devices each."""
+"""Sharded and multi-process training give the single-device losses: 8 simulated CPU devices under two meshes
+(fsdp alone; data x fsdp x tensor), one device a core, and two processes on 127.0.0.1 with two devices each."""
 import json
 import shutil
 import signal
@@ -30,13 +30,14 @@ def launch(workdir, *extra, **kwargs):
 def start(workdir, *extra, **kwargs):
   return test_launch.start(workdir, *extra, fusion_emitters=False, **kwargs)
 
+# A data-only mesh gives the single device's losses in the cpu_devices and two-process tests below; here the axes
+# that shard the parameters, alone and beside the others.
 MESHES = {
-    "data8": {"data": 8, "fsdp": 1, "tensor": 1},
     "data2_fsdp2_tensor2": {"data": 2, "fsdp": 2, "tensor": 2},
     "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1},
 }
 
-# One process, three runs: imports and device setup are paid once.
+# One process, every mesh's run: imports and device setup are paid once.
 _RUN_MESHES = """
 import json, sys
 from configs import template
