@@ -77,7 +77,7 @@ def vlm_config(args) -> ConfigDict:
   config.model.qformer_width = 64
   config.model.qformer_blocks = 2
   config.model.qformer_cross_attention_every = 2
-  config.model.image_positions = args.positions  # llava: sequence | mrope (Qwen2-VL)
+  config.model.image_positions = args.positions  # sequence | mrope (Qwen2-VL; llava only)
   config.model.spatial_merge = args.merge     # llava: m x m patches per soft token (Qwen2-VL's merger: 2)
   config.model.feature_positions = "learned_2d"  # connectors.feature_position_encodings(): the grid positions
   config.data = ConfigDict({

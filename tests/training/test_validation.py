@@ -1,5 +1,7 @@
 """Config parsing and validation: every bad field fails before compiling, in one line naming it."""
 import dataclasses
+import importlib
+import pathlib
 import re
 
 import jax.numpy as jnp
@@ -279,13 +281,52 @@ def test_the_translators_norm_and_activation_choices_are_the_blocks(field, regis
 @pytest.mark.parametrize("config_file, task_name", [
     ("configs/algorithmic.py", "algorithmic"), ("configs/translate_dates.py", "translate"),
     ("configs/lm_text.py", "lm"), ("configs/lm_algorithmic.py", "lm_algorithmic"),
-    ("configs/template.py", "template")])
+    ("configs/template.py", "template"), ("configs/perceiver_digits.py", "digits")])
 def test_an_unknown_position_encoding_lists_exactly_the_encodings_the_tasks_model_builds(config_file, task_name):
-  """Every registered encoding was listed (the grid ones to a sequence model) before the task's own check ran."""
+  """Every registered encoding was listed (the grid ones to a sequence model, the 1D ones to the Perceiver) before
+  the task's own check ran."""
   allowed = task_lib.get_task_class(task_name).position_encodings()
   assert allowed and set(allowed) < set(position_layers.POSITION_ENCODINGS)
   _assert_refused(load_config(f"--config={config_file}"), "model.position_encoding", "nope",
                   rf"^config\.model\.position_encoding='nope': allowed are {re.escape(str(sorted(allowed)))}$")
+
+
+# `config.<field> = ...  # a | b | c`: a config's comment listing a field's choices (a name, optionally followed by
+# "(...)" or ": what it does").
+_CHOICES_COMMENT = re.compile(r"^\s*config\.([a-z_.]+) = .*?#\s*(\S+(?:(?: \(.*?\))?|: [^|]*?)(?: \| .*)+)$")
+
+
+def _commented_choices():
+  for path in sorted(pathlib.Path("configs").glob("*.py")):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+      match = _CHOICES_COMMENT.match(line)
+      if match:
+        names = [re.sub(r" \(.*|:.*", "", part).strip() for part in match.group(2).split(" | ")]
+        yield pytest.param(path.stem, match.group(1), ["" if name == '""' else name for name in names],
+                           id=f"{path.name}:{number}")
+
+
+@pytest.mark.parametrize("config_name, field, listed", list(_commented_choices()))
+def test_a_configs_comment_lists_exactly_the_choices_validation_names(config_name, field, listed):
+  """The registries own the lists; a config's comment beside a field copies one for its reader, so it is held
+  to the names validation gives for an unknown value (a comment that drifted from its registry fails here)."""
+  config = importlib.import_module(f"configs.{config_name}").get_config()
+  *sections, key = field.split(".")
+  parent = config
+  for section in sections:
+    parent = parent[section]
+  parent[key] = "not_a_choice"
+  with pytest.raises(validation.ConfigError) as refused:
+    validation.validate_config(config)
+  assert refused.value.field == field, refused.value
+  assert sorted(listed) == sorted(re.findall(r"'([^']*)'", refused.value.allowed)), refused.value
+
+
+def test_the_config_comments_that_list_choices_are_found():
+  """The pattern above still reads the configs' comments (a test over none of them would pass vacuously)."""
+  found = {(values[0], values[1]) for values in (param.values for param in _commented_choices())}
+  assert {("lm_text", "model.position_encoding"), ("vlm_digits", "model.connector"),
+          ("template", "model.remat")} <= found and len(found) >= 12, found
 
 
 def test_a_task_of_yours_may_list_its_encodings_as_a_tuple(monkeypatch):

@@ -11,12 +11,13 @@ from xattn_jax.training import validation
 
 class PerceiverTask(common.DigitsBase):
   """Classify the digits with N latents that cross-attend to the image's M elements once."""
+  # The grid's encodings alone: validation names these for any other value, unknown or 1D (rope, sinusoidal, ...)
+  position_encodings = staticmethod(latent_reader.grid_encodings)
 
   @classmethod
   def validate(cls, config, mode="train"):
     super().validate(config, mode)
     common.check_patch_size(config)
-    validation.require_choice(config, "model.position_encoding", latent_reader.grid_encodings())
     validation.require_positive(config, "model.num_latents", "model.num_repeats")
 
   def make_model(self, rngs, *, dtype, param_dtype):

@@ -32,6 +32,9 @@ def model_task(config) -> type[common.DigitsBase]:
 class DigitsTask(common.DigitsBase):
   """Stands for the task of `config.model.name`: constructing it builds that task, and its classmethods
   are that task's."""
+  # The Perceiver's grid encodings: the one family with a model.position_encoding (validation reads these
+  # before it knows the family, so an unknown name is answered with the values a digits model takes).
+  position_encodings = staticmethod(perceiver.PerceiverTask.position_encodings)
 
   def __new__(cls, config, workdir=None, mode="train"):
     # Not an instance of DigitsTask, so Python does not run __init__ on it a second time.
