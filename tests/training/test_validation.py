@@ -181,10 +181,38 @@ def test_rope_scaling_without_a_rotary_encoding_is_a_config_error(config_arg):
   validation.validate_config(config)
 
 
+@pytest.mark.parametrize("config_file, field, value, missing", [
+    ("configs/template.py", "task.name", "lm", "'lm': with model.name='reverser' reads a config field 'data'"),
+    ("configs/lm_text.py", "task.name", "lm_algorithmic", "'lm_algorithmic': with model.name='lm' reads a config "
+                                                          "field 'operation'"),
+    ("configs/vit_digits.py", "model.name", "perceiver", "'digits': with model.name='perceiver' reads a config "
+                                                         "field 'num_latents'"),
+])
+def test_a_config_written_for_another_task_or_model_is_a_config_error_naming_the_field_it_lacks(
+    config_file, field, value, missing):
+  """A config whose task.name or model.name is changed to one whose fields it lacks ended in ml_collections'
+  KeyError / AttributeError traceback."""
+  _assert_refused(load_config(f"--config={config_file}"), field, value,
+                  rf"^config\.task\.name={re.escape(missing)} that this config lacks: it was written for another")
+
+
+def test_a_key_error_of_a_tasks_own_code_is_not_taken_for_a_missing_field(monkeypatch):
+  """Only a ConfigDict lookup's error means a field the config lacks; a task's own KeyError is its bug, raised."""
+  def validate(config, mode="train"):
+    return {}["x"]
+
+  monkeypatch.setattr(TemplateTask, "validate", staticmethod(validate))
+  with pytest.raises(KeyError, match="x"):
+    validation.validate_config(load_config("--config=configs/template.py"))
+
+
 def test_float16_parameters_are_a_config_error_that_names_the_alternatives():
   """They trained to NaN at step 2 (Adam's second moment underflows in float16)."""
   _assert_refused(template.get_config("size=tiny"), "precision.param_dtype", "float16",
                   r"^config\.precision\.param_dtype='float16': allowed are \['bfloat16', 'float32'\]")
+  # an unknown name is answered with the same two (float16 was listed, then refused)
+  _assert_refused(template.get_config("size=tiny"), "precision.param_dtype", "half",
+                  r"^config\.precision\.param_dtype='half': allowed are \['bfloat16', 'float32'\]$")
   config = template.get_config("size=tiny")
   config.precision.compute_dtype = "float16"
   validation.validate_config(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -27,7 +28,8 @@ from xattn_jax.training import task as tasks_lib
 # schedules (training.optim), remat policies (layers.layer_stack), position encodings and their
 # rules (layers.positions), attention implementations (ops.attention), RoPE scalings (ops.positions).
 MESH_AXES = ("data", "fsdp", "tensor")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes
+PARAM_DTYPES = ("float32", "bfloat16")       # float16 parameters underflow Adam (no loss scaling here)
 
 
 class ConfigError(ValueError):
@@ -58,6 +60,18 @@ def require_non_negative_number(config, field: str, rule: str = "must be a non-n
   value = get_field(config, field)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < below:
     raise ConfigError(field, value, rule)
+
+
+def _absent_field(error: Exception) -> str | None:
+  """The field a KeyError / AttributeError raised by a ConfigDict lookup names ('data' of "'data'"); None for one
+  raised elsewhere (a bug, raised as it is)."""
+  frame = error.__traceback__
+  while frame.tb_next is not None:
+    frame = frame.tb_next
+  if ConfigDict.__module__.split(".")[0] not in frame.tb_frame.f_code.co_filename:
+    return None
+  names = re.findall(r"'([A-Za-z_][A-Za-z0-9_]*)'", str(error.args[0]) if error.args else "")
+  return names[0] if names else None
 
 
 def _fields_named(config, matches, prefix: str = "") -> list[str]:
@@ -330,9 +344,9 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     # Adam's second moment (grad^2, kept in the parameters' dtype) underflows float16 to 0 and the
     # first update overflows: NaN at step 2. bfloat16 has float32's exponent range.
     raise ConfigError("precision.param_dtype", "float16",
-                      "allowed are ['bfloat16', 'float32']: float16 parameters and optimizer state underflow "
+                      f"allowed are {sorted(PARAM_DTYPES)}: float16 parameters and optimizer state underflow "
                       "(no loss scaling here); float16 is allowed as precision.compute_dtype")
-  require_choice(config, "precision.param_dtype", DTYPES)
+  require_choice(config, "precision.param_dtype", PARAM_DTYPES)
   require_choice(config, "precision.compute_dtype", DTYPES)
   for name, axes in config.sharding_rules.items():
     for axis in filter(None, axes.split(",")):
@@ -379,5 +393,15 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   else:
     _check_mesh_sizes(config.mesh)
   allowed = task_class.position_encodings  # a task of yours may give a tuple, read once, instead of the method
-  check_attention_dims(config.model, allowed_encodings=allowed() if callable(allowed) else allowed)
-  task_class.validate(config, mode)
+  try:
+    check_attention_dims(config.model, allowed_encodings=allowed() if callable(allowed) else allowed)
+    task_class.validate(config, mode)
+  except (KeyError, AttributeError) as error:  # a field the task reads is absent from this config
+    missing = _absent_field(error)
+    if missing is None:
+      raise
+    model = config.model.get("name", "") if "model" in config else ""
+    raise ConfigError("task.name", config.task.name, (
+        f"{'with model.name=' + repr(model) + ' ' if model else ''}reads a config field {missing!r} that this "
+        "config lacks: it was written for another task or model; start from a config file of this one (configs/)"
+    )) from None
