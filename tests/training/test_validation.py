@@ -196,6 +196,47 @@ def test_a_config_written_for_another_task_or_model_is_a_config_error_naming_the
                   rf"^config\.task\.name={re.escape(missing)} that this config lacks: it was written for another")
 
 
+def _leaves(config, prefix=""):
+  for key, value in config.items():
+    if hasattr(value, "items"):
+      yield from _leaves(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}", value
+
+
+# The configs whose defaults validate (the TSV ones need a user's file first).
+_SELF_CONTAINED_CONFIGS = sorted(
+    path.stem for path in pathlib.Path("configs").glob("*.py")
+    if path.stem not in ("__init__", "common", "digits_common", "translate_tsv", "vlm_tsv"))
+
+
+@pytest.mark.parametrize("config_name", _SELF_CONTAINED_CONFIGS)
+def test_a_field_of_the_wrong_type_is_a_config_error_never_another_exception(config_name):
+  """A config file of yours may hold None or a string where a number goes, or a number where a name or spec goes
+  (a command-line override cannot: its type is checked on parsing): validation raised TypeError ('<' not
+  supported ...) from the range checks of ten fields, AttributeError ('int' object has no attribute 'split') from
+  the parsers of grids, bands, formats, sharding rules and config specs."""
+  module = importlib.import_module(f"configs.{config_name}")
+  checked = 0
+  for field, default in _leaves(module.get_config()):
+    numeric = not isinstance(default, bool) and isinstance(default, (int, float))
+    for value in ((None, "ten") if numeric else (3,) if isinstance(default, str) else ()):
+      config = module.get_config()
+      *sections, key = field.split(".")
+      parent = config
+      for section in sections:
+        parent = parent[section]
+      with parent.unlocked():  # as written in a file of yours: not an override of the field's type
+        del parent[key]
+        parent[key] = value
+      checked += 1
+      try:
+        validation.validate_config(config)
+      except validation.ConfigError:
+        pass
+  assert checked > 20
+
+
 def test_a_key_error_of_a_tasks_own_code_is_not_taken_for_a_missing_field(monkeypatch):
   """Only a ConfigDict lookup's error means a field the config lacks; a task's own KeyError is its bug, raised."""
   def validate(config, mode="train"):

@@ -40,7 +40,8 @@ LETTERS = string.ascii_lowercase
 def parse_bands(text: str, field: str = "task.eval_bands") -> list[tuple[int, int]]:
   """"1-32,33-64" -> [(1, 32), (33, 64)]: inclusive length ranges, each non-empty and >= 1."""
   try:
-    bands = [tuple(int(part) for part in item.split("-")) for item in text.split(",")]
+    bands = [tuple(int(part) for part in item.split("-"))
+             for item in validation.require_string(field, text, "1-32,33-64").split(",")]
   except ValueError:
     bands = []
   if not bands or any(len(band) != 2 or not 1 <= band[0] <= band[1] for band in bands):
@@ -109,7 +110,7 @@ class AlgorithmicTask(task_lib.Task):
     validation.require_choice(config, "model.name", ("translator",))
     validation.require_positive(config, "task.min_length", "task.train_max_length", "task.num_eval_examples",
                                 "model.d_model", "model.num_heads", "model.num_layers", "model.mlp_dim")
-    if not 2 <= task.num_symbols <= len(LETTERS):
+    if not validation.is_number(task.num_symbols) or not 2 <= task.num_symbols <= len(LETTERS):
       raise validation.ConfigError("task.num_symbols", task.num_symbols, f"must be in [2, {len(LETTERS)}]")
     if task.min_length > task.train_max_length:
       raise validation.ConfigError("task.min_length", task.min_length,

@@ -108,7 +108,7 @@ def watch_launcher(interval_s: float = 1.0) -> None:
 def load_config(spec: str, field: str) -> ConfigDict:
   """get_config(arg) of "path/to/config.py[:arg]", the path relative to the current directory or else to
   the repository; a missing or failing file is a ConfigError naming `field`."""
-  path, _, arg = spec.partition(":")
+  path, _, arg = validation.require_string(field, spec, "configs/lm_text.py:size=tiny").partition(":")
   if not os.path.isfile(path):
     path = os.path.join(_REPOSITORY, path)
   if not os.path.isfile(path):

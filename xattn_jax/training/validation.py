@@ -54,11 +54,23 @@ def get_field(config, field: str):
 EVAL_FROM = ("latest", "best")
 
 
+def is_number(value) -> bool:
+  """An int or float, not a bool (nor None, a string, ...): what a range check may compare."""
+  return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def require_string(field: str, value, example: str = "") -> str:
+  """value, where it is a string (a config file of yours may hold a number where a name or spec goes)."""
+  if not isinstance(value, str):
+    raise ConfigError(field, value, f"must be a string{', e.g. ' + repr(example) if example else ''}")
+  return value
+
+
 def require_non_negative_number(config, field: str, rule: str = "must be a non-negative number",
                                 below: float = float("inf")):
   """A number in [0, below): a non-negative number, or with below=1 a fraction."""
   value = get_field(config, field)
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < below:
+  if not is_number(value) or not 0 <= value < below:
     raise ConfigError(field, value, rule)
 
 
@@ -196,7 +208,8 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
   rotary = encoding.rotary_kind if encoding is not None else None
   if "randomized_positions_max" in fields:
     _check_randomized_positions(model_config, prefix, encoding, allowed)
-  if "rope_scaling_factor" in fields and not model_config.rope_scaling_factor > 0:
+  if "rope_scaling_factor" in fields and not (is_number(model_config.rope_scaling_factor)
+                                              and model_config.rope_scaling_factor > 0):
     raise ConfigError(f"{prefix}.rope_scaling_factor", model_config.rope_scaling_factor, "must be > 0")
   if "rope_scaling_factor" in fields and model_config.rope_scaling_factor != 1.0 and not model_config.get(
       "rope_scaling"):  # the factor alone changes nothing, and an eval's row would record it as a change
@@ -292,7 +305,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   if mode not in ("train", "eval", "infer"):
     raise ConfigError("mode", mode, "allowed are ['eval', 'infer', 'train']")
   try:
-    task_class = tasks_lib.get_task_class(config.task.name)
+    task_class = tasks_lib.get_task_class(require_string("task.name", config.task.name, "translate"))
   except KeyError as e:
     raise ConfigError("task.name", config.task.name, e.args[0]) from None
   require_positive(config, "total_steps", "batch_size", "eval_batch_size", "log_every_steps",
@@ -329,7 +342,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     if config.checkpoint.eval_from == "best" and not config.checkpoint.best_metric:
       raise ConfigError("checkpoint.eval_from", "best", "needs checkpoint.best_metric, which is '': name the eval "
                         "metric that ranks the checkpoints, or read the 'latest'")
-  best = config.checkpoint.best_metric
+  best = require_string("checkpoint.best_metric", config.checkpoint.best_metric, "eval/loss")
   if best and (not best.startswith("eval/")
                or (task_class.eval_metric_names and best not in task_class.eval_metric_names)):
     allowed = list(task_class.eval_metric_names) or "an eval/<name> metric the task logs"
@@ -349,6 +362,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   require_choice(config, "precision.param_dtype", PARAM_DTYPES)
   require_choice(config, "precision.compute_dtype", DTYPES)
   for name, axes in config.sharding_rules.items():
+    require_string(f"sharding_rules.{name}", axes, "data,fsdp")
     for axis in filter(None, axes.split(",")):
       if axis.strip() not in MESH_AXES:
         raise ConfigError(f"sharding_rules.{name}", axes,

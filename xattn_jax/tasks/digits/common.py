@@ -36,7 +36,7 @@ EVAL_METRICS = ("eval/loss", "eval/accuracy", "eval/tokens_handed_on")
 def parse_grid(text: str, field: str = "grid") -> tuple[int, int]:
   """"12x16" -> (12, 16)."""
   try:
-    height, width = (int(part) for part in text.lower().split("x"))
+    height, width = (int(part) for part in validation.require_string(field, text, "16x16").lower().split("x"))
   except ValueError:
     raise validation.ConfigError(field, text, "must look like HEIGHTxWIDTH, e.g. 16x16") from None
   if height < 1 or width < 1:
@@ -46,7 +46,8 @@ def parse_grid(text: str, field: str = "grid") -> tuple[int, int]:
 
 def parse_grids(text: str, field: str) -> list[tuple[int, int]]:
   """"12x12,16x16" -> [(12, 12), (16, 16)]; "" -> []."""
-  return [parse_grid(part.strip(), field) for part in text.split(",") if part.strip()]
+  return [parse_grid(part.strip(), field) for part in validation.require_string(field, text, "12x12,16x16").split(",")
+          if part.strip()]
 
 
 def check_split_fields(config) -> tuple[float, str, dict[str, np.ndarray]]:
@@ -110,7 +111,7 @@ class DigitsBase(task_lib.Task):
           f"must be at most {digits.MAX_SHIFT}: a larger shift of the native 8x8 images (before any resize to "
           "data.grid) moves some digits entirely off the canvas")
     test_fraction = config.data.test_fraction
-    if not 0.0 < test_fraction < 1.0:
+    if not validation.is_number(test_fraction) or not 0.0 < test_fraction < 1.0:
       raise validation.ConfigError("data.test_fraction", test_fraction, "must be in (0, 1)")
     classes, images, num_test = digits.NUM_CLASSES, digits.NUM_IMAGES, digits.num_test_images(test_fraction)
     if not classes <= num_test <= images - classes:

@@ -41,7 +41,7 @@ class LMAlgorithmicTask(task_lib.Task):
     text_task.validate_model(config)
     validation.require_choice(config, "task.operation", lm_algorithmic.OPERATIONS)
     validation.require_positive(config, "task.min_length", "task.train_max_length", "task.num_eval_examples")
-    if not 2 <= task.num_symbols <= len(LETTERS):
+    if not validation.is_number(task.num_symbols) or not 2 <= task.num_symbols <= len(LETTERS):
       raise validation.ConfigError("task.num_symbols", task.num_symbols, f"must be in [2, {len(LETTERS)}]")
     if task.min_length > task.train_max_length:
       raise validation.ConfigError("task.min_length", task.min_length,

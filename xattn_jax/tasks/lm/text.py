@@ -188,7 +188,7 @@ class LanguageModelTask(task_lib.Task):
     validation.require_choice(config, "data.vocab_size_exact", (True, False))
     if data.tokenizer == "sentencepiece":
       validation.require_positive(config, "data.vocab_size")
-    if not 0 < data.eval_fraction < 1:
+    if not validation.is_number(data.eval_fraction) or not 0 < data.eval_fraction < 1:
       raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
     decoding_config.decoding_options(config)
     if data.get("source", ""):

@@ -121,11 +121,11 @@ class SegmentTask(task_lib.Task):
     if data.min_digits > data.max_digits:
       raise validation.ConfigError("data.min_digits", data.min_digits,
                                    f"must be at most data.max_digits={data.max_digits}")
-    if not 0.0 <= data.threshold < 16.0:
+    if not validation.is_number(data.threshold) or not 0.0 <= data.threshold < 16.0:
       raise validation.ConfigError("data.threshold", data.threshold, "must be in [0, 16) (the digits' 0..16 scale)")
-    if not 0.0 <= data.min_visible <= 1.0:
+    if not validation.is_number(data.min_visible) or not 0.0 <= data.min_visible <= 1.0:
       raise validation.ConfigError("data.min_visible", data.min_visible, "must be in [0, 1]")
-    if not 0.0 < data.test_fraction < 1.0:
+    if not validation.is_number(data.test_fraction) or not 0.0 < data.test_fraction < 1.0:
       raise validation.ConfigError("data.test_fraction", data.test_fraction, "must be in (0, 1)")
     test_images = digits.num_test_images(data.test_fraction)
     if min(test_images, digits.NUM_IMAGES - test_images) < data.max_digits:
@@ -146,7 +146,7 @@ class SegmentTask(task_lib.Task):
                                    "cross-attentions work at half the width; the Fourier features pair sin / cos)")
     if not isinstance(model.encoder.freeze, bool):
       raise validation.ConfigError("model.encoder.freeze", model.encoder.freeze, "must be True or False")
-    if not 0 < model.fourier_scale < float("inf"):
+    if not validation.is_number(model.fourier_scale) or not 0 < model.fourier_scale < float("inf"):
       raise validation.ConfigError("model.fourier_scale", model.fourier_scale, "must be a finite number > 0")
     mix = task.prompt_mix
     unknown = sorted(set(mix) - set(segment_digits.PROMPT_KINDS))

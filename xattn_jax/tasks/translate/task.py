@@ -166,7 +166,7 @@ class TranslateTask(task_lib.Task):
         dates.parse_locale(data.target_locale)
       except ValueError as error:
         raise validation.ConfigError("data.target_locale", data.target_locale, str(error)) from None
-      formats = [f.strip() for f in data.formats.split(",")]
+      formats = [f.strip() for f in validation.require_string("data.formats", data.formats, "long,medium").split(",")]
       if not formats or any(f not in dates.DATE_FORMATS for f in formats) or len(set(formats)) != len(formats):
         raise validation.ConfigError("data.formats", data.formats,
                                      f"comma-separated distinct names from {list(dates.DATE_FORMATS)}")
@@ -176,7 +176,8 @@ class TranslateTask(task_lib.Task):
           raise validation.ConfigError(field, year, "must be an integer year in 1..9999")
       if data.first_year > data.last_year:
         raise validation.ConfigError("data.first_year", data.first_year, f"must be <= data.last_year={data.last_year}")
-    if (data.source == "dates" or not data.eval_file) and not 0 < data.eval_fraction < 1:
+    if (data.source == "dates" or not data.eval_file) and not (
+        validation.is_number(data.eval_fraction) and 0 < data.eval_fraction < 1):
       raise validation.ConfigError("data.eval_fraction", data.eval_fraction, "must be in (0, 1): the share of the "
                                    "dates, or of data.train_file's sources without a data.eval_file, held out for eval")
     eval_split = data.get("eval_split", "validation")  # absent from configs written before it existed

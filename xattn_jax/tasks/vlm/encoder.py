@@ -159,7 +159,7 @@ class StripEncoderTask(task_lib.Task):
     check_grid(config)
     check_eval_split(config)
     smoothing = config.task.label_smoothing
-    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
+    if not validation.is_number(smoothing) or not 0.0 <= smoothing < 1.0:
       raise validation.ConfigError("task.label_smoothing", smoothing, "must be a number in [0, 1)")
 
   def __init__(self, config, workdir=None, mode="train"):

@@ -117,7 +117,7 @@ class VLMTask(task_lib.Task):
                                 "model.spatial_merge", "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
     validation.require_positive(config, "model.num_latents", allow_zero=True)
     distill = config.task.get("distill_weight", 0.0)
-    if isinstance(distill, bool) or not isinstance(distill, (int, float)) or not 0 <= distill < float("inf"):
+    if not validation.is_number(distill) or not 0 <= distill < float("inf"):
       raise validation.ConfigError("task.distill_weight", distill, "must be a finite number >= 0 (0: off)")
     if distill and data.source != "digits":
       raise validation.ConfigError("task.distill_weight", distill,
@@ -154,7 +154,8 @@ class VLMTask(task_lib.Task):
           raise validation.ConfigError(f"data.{field}", data[field], "the bundled strips (data.source='digits') read "
                                        "no file: set data.source='tsv' (configs/vlm_tsv.py), or '' here")
       encoder_task.check_eval_split(config)
-      kinds = [k.strip() for k in data.kinds.split(",") if k.strip()]
+      kinds = [k.strip() for k in validation.require_string("data.kinds", data.kinds, "caption,count").split(",")
+               if k.strip()]
       if not kinds or any(k not in vlm_digits.KINDS for k in kinds):
         raise validation.ConfigError("data.kinds", data.kinds, f"a comma-separated subset of {tuple(vlm_digits.KINDS)}")
     decoding_config.decoding_options(config)
