@@ -145,3 +145,32 @@ def test_a_config_from_before_the_validation_split_keeps_its_old_split():
   task = segment_task.SegmentTask(config)
   assert task.eval_split == "test" and len(task.pools["validation"].labels) == 0
   np.testing.assert_array_equal(task.eval_set["images"], task.prompts("test")["images"])
+
+
+def test_eval_metrics_sum_to_the_same_means_whatever_the_eval_batch_size():
+  import jax.numpy as jnp
+  from flax import nnx
+  tiny = {"data.canvas": 8, "data.digit_size": 8, "data.max_digits": 2, "task.num_eval_scenes": 3,
+          "model.d_model": 8, "model.num_heads": 1, "model.num_blocks": 1, "model.mlp_dim": 8,
+          "model.mask_features": 4, "model.patch_size": 4, "model.encoder.d_model": 8,
+          "model.encoder.num_heads": 1, "model.encoder.num_blocks": 1}
+  task = segment_task.SegmentTask(_config(**tiny))
+  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  metrics = nnx.jit(lambda model, batch: task.eval_metrics(model, batch))
+  examples = task.eval_set
+  kinds = examples["kinds"]
+  assert 0 < np.sum(kinds == 3) < len(kinds)  # some rows ambiguous, some not
+
+  def means(rows_per_batch):
+    totals = {}
+    for start in range(0, len(kinds), rows_per_batch):
+      batch = {key: value[start:start + rows_per_batch] for key, value in examples.items()}
+      for name, (total, weight) in metrics(model, batch).items():
+        totals[name] = np.add(totals.get(name, 0.0), (float(total), float(weight)))
+    return {name: total / max(weight, 1e-12) for name, (total, weight) in totals.items()}
+
+  # a batch without an ambiguous prompt counted as one, and pulled eval/ambiguous_both_iou down
+  whole, single = means(len(kinds)), means(1)
+  assert whole.keys() == single.keys()
+  for name in whole:
+    np.testing.assert_allclose(single[name], whole[name], rtol=1e-4, atol=1e-6, err_msg=name)

@@ -245,7 +245,9 @@ class SegmentTask(task_lib.Task):
       metrics[f"{kind}_oracle_iou"] = (jnp.sum(jnp.max(actual, axis=-1) * selected), count)
     ambiguous = weights * (kinds == segment_digits.PROMPT_KINDS.index("ambiguous"))
     both = 0.5 * (jnp.max(actual, axis=-1) + jnp.max(mask_iou(logits, batch["alt_masks"]), axis=-1))
-    metrics["ambiguous_both_iou"] = (jnp.sum(both * ambiguous), jnp.maximum(jnp.sum(ambiguous), 1.0))
+    # the weight is this batch's count, 0 too: the loop sums weights over batches (a floor of 1 a batch made
+    # the mean depend on eval_batch_size)
+    metrics["ambiguous_both_iou"] = (jnp.sum(both * ambiguous), jnp.sum(ambiguous))
     return metrics
 
   @functools.cached_property
