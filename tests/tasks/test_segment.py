@@ -174,3 +174,11 @@ def test_eval_metrics_sum_to_the_same_means_whatever_the_eval_batch_size():
   assert whole.keys() == single.keys()
   for name in whole:
     np.testing.assert_allclose(single[name], whole[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_min_digits_that_never_fit_the_canvas_are_refused_by_name():
+  # a 12x12 canvas holds one 12x12 digit: every scene held one, whatever data.min_digits said
+  with pytest.raises(validation.ConfigError, match="none of 20 scenes fits 2 digits") as error:
+    segment_task.SegmentTask(_config(**{"data.canvas": 12, "task.num_eval_scenes": 4}))
+  assert error.value.field == "data.min_digits"
+  segment_task.SegmentTask(_config(**{"data.canvas": 12, "data.min_digits": 1, "task.num_eval_scenes": 4}))

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 
 from xattn_jax.data import digits, segment_digits
@@ -56,6 +57,7 @@ METRIC_NAMES = (("loss",) + tuple(f"{kind}_{name}" for kind in PROMPTED for name
 _NUMBER = r"(-?(?:\d+(?:\.\d*)?|\.\d+))"  # 12, 12.5, .5, -3 (not 1.2.3)
 _BOX = re.compile(rf"box={_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}$")
 _CLICK = re.compile(rf"{_NUMBER},{_NUMBER}(?:,([+-]))?$")
+_FIT_SCENES = 20  # training scenes drawn to check that data.min_digits digits fit the canvas
 
 
 def scene_options(config) -> segment_digits.SceneOptions:
@@ -167,6 +169,27 @@ class SegmentTask(task_lib.Task):
     self.pools = segment_digits.load_pools(self.options, test_fraction=config.data.test_fraction,
                                            split_seed=config.data.split_seed, validation_fraction=fraction)
     self._prompts = {}
+    if mode == "train":
+      self._check_digits_fit()
+
+  def _check_digits_fit(self):
+    """make_scene places fewer digits than data.min_digits where they do not fit, each keeping data.min_visible of
+    its mask alone (a canvas of one digit's side holds one): refused where no scene of the first few fits them,
+    said where some do not."""
+    data = self.config.data
+    counts = [len(segment_digits.make_scene(self.pools["train"], np.random.default_rng([data.split_seed, 2, index]),
+                                            self.options).labels) for index in range(_FIT_SCENES)]
+    short = sum(count < data.min_digits for count in counts)
+    if not short:
+      return
+    why = (f"{data.min_digits} digits of data.digit_size={data.digit_size} on data.canvas={data.canvas}, each "
+           f"keeping data.min_visible={data.min_visible:g} of its mask alone")
+    remedy = "raise data.canvas, or lower data.digit_size, data.min_digits or data.min_visible"
+    if short == _FIT_SCENES:
+      raise validation.ConfigError("data.min_digits", data.min_digits,
+                                   f"none of {_FIT_SCENES} scenes fits {why}: {remedy}")
+    logging.warning("%d of %d scenes hold fewer than data.min_digits digits: they do not fit %s (%s)", short,
+                    _FIT_SCENES, why, remedy)
 
   def prompts(self, split: str) -> dict[str, np.ndarray]:
     """The fixed eval prompts of one of digits.EVAL_SPLITS. Drawn from data.split_seed, not the run's seed:
