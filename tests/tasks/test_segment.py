@@ -182,3 +182,16 @@ def test_min_digits_that_never_fit_the_canvas_are_refused_by_name():
     segment_task.SegmentTask(_config(**{"data.canvas": 12, "task.num_eval_scenes": 4}))
   assert error.value.field == "data.min_digits"
   segment_task.SegmentTask(_config(**{"data.canvas": 12, "data.min_digits": 1, "task.num_eval_scenes": 4}))
+
+
+def test_infer_names_data_max_clicks_for_too_many_clicks_and_refuses_an_empty_image(tmp_path):
+  task = segment_task.SegmentTask(_config(**{"data.canvas": 16, "data.digit_size": 8, "data.max_digits": 2,
+                                             "task.num_eval_scenes": 4}), mode="infer")
+  np.save(tmp_path / "scan.npy", np.zeros((8, 8)))
+  np.save(tmp_path / "empty.npy", np.zeros((0, 5)))
+  with pytest.raises(ValueError, match=r"4 clicks: a prompt holds at most 3 \(data.max_clicks=3; "
+                                       r"--config.data.max_clicks=4 takes more"):
+    task._read_line(f"{tmp_path / 'scan.npy'} 1,1 2,2 3,3 4,4")
+  with pytest.raises(ValueError, match=r"holds no pixels \(shape \[0, 5\]\)"):
+    task._read_line(f"{tmp_path / 'empty.npy'} 0,0")
+  assert task._read_line(f"{tmp_path / 'scan.npy'} 1,1 2,2 3,3")[2].shape == (3, 2)

@@ -333,6 +333,8 @@ class SegmentTask(task_lib.Task):
           _CLICK.match(prompt[0]) or _BOX.match(prompt[0])):  # `my scan.png 8,6` read the path as 'my'
         raise ValueError(f"no such file {name!r}; a path holding spaces takes a tab before its prompt")
       image = digits.read_image_file(self.input_path(name))
+      if not image.size:  # a click or box in it was said to lie outside a "5x0 image"
+        raise ValueError(f"{name!r} holds no pixels (shape {list(image.shape)})")
       if not np.isfinite(image).all():
         raise ValueError(f"{name!r} holds NaN or infinite pixel values")
     height, width = image.shape
@@ -348,6 +350,10 @@ class SegmentTask(task_lib.Task):
       points[:2] = [(y0 / height, x0 / width), (y1 / height, x1 / width)]
       labels[:2] = (segment_digits.BOX_TOP_LEFT, segment_digits.BOX_BOTTOM_RIGHT)
     else:
+      if len(prompt) > self.options.num_prompt_tokens:  # click_points would name neither the field nor the fix
+        raise ValueError(f"{len(prompt)} clicks: a prompt holds at most {self.options.num_prompt_tokens} "
+                         f"(data.max_clicks={self.config.data.max_clicks}; --config.data.max_clicks={len(prompt)} "
+                         "takes more, beyond what the run trained with)")
       clicks = []
       for text in prompt:
         match = _CLICK.match(text)
