@@ -22,6 +22,12 @@ def test_crlf_bom_and_trailing_blank_lines_are_accepted(tmp_path):
   assert read_parallel_tsv(path) == [("a", "b"), ("c", "d")]
 
 
+def test_a_byte_order_mark_inside_the_file_is_no_part_of_its_line(tmp_path):
+  # two exports joined with `cat`: the second's mark began a source, an invisible character the model read
+  path = write(tmp_path, b"\xef\xbb\xbfa\tb\r\n\xef\xbb\xbfc\td\r\n")
+  assert read_parallel_tsv(path) == [("a", "b"), ("c", "d")]
+
+
 def test_last_line_without_newline_is_read(tmp_path):
   assert read_parallel_tsv(write(tmp_path, b"a\tb\nc\td")) == [("a", "b"), ("c", "d")]
 

@@ -30,7 +30,8 @@ class LineFileError(ValueError):
 
 
 def read_line_bytes(path, error, kind: str) -> list[bytes]:
-  """The lines of a UTF-8 file as bytes, without their line ends (\\n or \\r\\n) or a byte-order mark.
+  """The lines of a UTF-8 file as bytes, without their line ends (\\n or \\r\\n) or a byte-order mark (at the
+  start of any line: files joined with `cat` keep each one's, and str.strip leaves U+FEFF in the text).
 
   `error(path, problems)` builds the reader's own exception from (line number or None, message) pairs;
   it is raised for a missing or non-regular file, a UTF-16 file and bare carriage-return line ends.
@@ -44,11 +45,9 @@ def read_line_bytes(path, error, kind: str) -> list[bytes]:
     raise error(path, [(None, "not a regular file")])
   with open(path, "rb") as f:
     data = f.read()
-  if data.startswith(b"\xef\xbb\xbf"):
-    data = data[3:]
   if data.startswith((b"\xff\xfe", b"\xfe\xff")):
     raise error(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")])
   if b"\r" in data and b"\n" not in data:
     raise error(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); save it with \\n "
                               "line ends")])
-  return [line[:-1] if line.endswith(b"\r") else line for line in data.split(b"\n")]
+  return [(line[:-1] if line.endswith(b"\r") else line).removeprefix(b"\xef\xbb\xbf") for line in data.split(b"\n")]

@@ -2,7 +2,8 @@
 
 Decisions:
   * CRLF line endings are accepted (the ``\\r`` before ``\\n`` is removed), and so is a UTF-8 byte
-    order mark at the start of the file: both are what spreadsheet exports on Windows write.
+    order mark at the start of the file (or of any line: two exports joined with `cat`): both are what
+    spreadsheet exports on Windows write.
   * Blank lines at the end of the file are ignored; a blank line anywhere else is an error, since it
     usually means a line was split by accident.
   * A side that is empty or only whitespace is an error. Whitespace around a side is removed (spaces a
