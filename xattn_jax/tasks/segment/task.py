@@ -28,8 +28,8 @@ IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resize
 takes a path with spaces (`my scan.png<TAB>12,9`). The answer line is IMAGE, the PNG
 written to `<workdir>/infer/` (image, prompt, every mask; `<name>_<line>.png`, the input line's number from 1 as
 errors give it, blank lines counted; `-2`, `-3` ... where an earlier
-infer wrote that name), the predicted IoU and pixel count of the chosen mask,
-tab-separated.
+infer wrote that name), the predicted IoU and pixel count of the chosen mask (pixels of the canvas the image is
+resized to, data.canvas a side, not of IMAGE), tab-separated.
 """
 from __future__ import annotations
 
