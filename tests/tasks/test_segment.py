@@ -195,3 +195,11 @@ def test_infer_names_data_max_clicks_for_too_many_clicks_and_refuses_an_empty_im
   with pytest.raises(ValueError, match=r"holds no pixels \(shape \[0, 5\]\)"):
     task._read_line(f"{tmp_path / 'empty.npy'} 0,0")
   assert task._read_line(f"{tmp_path / 'scan.npy'} 1,1 2,2 3,3")[2].shape == (3, 2)
+
+
+def test_scenes_without_overlapping_digits_are_said_to_have_no_ambiguous_prompts(caplog):
+  tiny = {"data.canvas": 16, "data.digit_size": 8, "data.max_digits": 2, "task.num_eval_scenes": 4}
+  segment_task.SegmentTask(_config(**tiny))
+  assert "share a pixel" not in caplog.text
+  segment_task.SegmentTask(_config(**tiny, **{"data.min_visible": 1.0}))
+  assert "None of 20 scenes has digits that share a pixel (data.min_visible=1" in caplog.text

@@ -170,26 +170,31 @@ class SegmentTask(task_lib.Task):
                                            split_seed=config.data.split_seed, validation_fraction=fraction)
     self._prompts = {}
     if mode == "train":
-      self._check_digits_fit()
+      self._check_scenes()
 
-  def _check_digits_fit(self):
+  def _check_scenes(self):
     """make_scene places fewer digits than data.min_digits where they do not fit, each keeping data.min_visible of
     its mask alone (a canvas of one digit's side holds one): refused where no scene of the first few fits them,
-    said where some do not."""
+    said where some do not. Scenes without overlapping digits have no ambiguous prompt: said where none of them has
+    one (data.min_visible=1, max_digits=1), as eval/ambiguous_both_iou then reads 0."""
     data = self.config.data
-    counts = [len(segment_digits.make_scene(self.pools["train"], np.random.default_rng([data.split_seed, 2, index]),
-                                            self.options).labels) for index in range(_FIT_SCENES)]
-    short = sum(count < data.min_digits for count in counts)
-    if not short:
-      return
+    scenes = [segment_digits.make_scene(self.pools["train"], np.random.default_rng([data.split_seed, 2, index]),
+                                        self.options) for index in range(_FIT_SCENES)]
+    short = sum(len(scene.labels) < data.min_digits for scene in scenes)
     why = (f"{data.min_digits} digits of data.digit_size={data.digit_size} on data.canvas={data.canvas}, each "
            f"keeping data.min_visible={data.min_visible:g} of its mask alone")
     remedy = "raise data.canvas, or lower data.digit_size, data.min_digits or data.min_visible"
     if short == _FIT_SCENES:
       raise validation.ConfigError("data.min_digits", data.min_digits,
                                    f"none of {_FIT_SCENES} scenes fits {why}: {remedy}")
-    logging.warning("%d of %d scenes hold fewer than data.min_digits digits: they do not fit %s (%s)", short,
-                    _FIT_SCENES, why, remedy)
+    if short:
+      logging.warning("%d of %d scenes hold fewer than data.min_digits digits: they do not fit %s (%s)", short,
+                      _FIT_SCENES, why, remedy)
+    if not any(segment_digits.ambiguous_pairs(scene) for scene in scenes):
+      logging.warning("None of %d scenes has digits that share a pixel (data.min_visible=%g, data.max_digits=%d): "
+                      "ambiguous prompts (task.prompt_mix.ambiguous) train as single clicks, and "
+                      "eval/ambiguous_both_iou reads 0 where no eval prompt is ambiguous", _FIT_SCENES,
+                      data.min_visible, data.max_digits)
 
   def prompts(self, split: str) -> dict[str, np.ndarray]:
     """The fixed eval prompts of one of digits.EVAL_SPLITS. Drawn from data.split_seed, not the run's seed:
