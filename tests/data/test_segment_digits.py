@@ -50,6 +50,16 @@ def test_every_digit_keeps_the_visible_share_of_its_mask(pools):
     assert np.all(alone >= OPTIONS.min_visible * scene.masks.sum(axis=(1, 2)))
 
 
+def test_every_digit_keeps_a_pixel_of_its_own_at_min_visible_zero():
+  # a digit another covered whole had no pixel for its click: training stopped with numpy's "high <= 0"
+  options = sd.SceneOptions(canvas=16, min_digits=4, max_digits=4, min_visible=0.0)
+  pool = sd.load_pools(options)["train"]
+  for index in range(40):
+    scene = sd.make_scene(pool, np.random.default_rng(index), options)
+    assert np.all((scene.masks & (scene.masks.sum(axis=0) == 1)).any(axis=(1, 2)))
+  sd.train_batch(pool, options, seed=0, step=4, batch_size=8, kind_weights=MIX)
+
+
 def test_a_click_lies_on_its_digits_strokes_alone(batch):
   clicks = np.nonzero(batch["kinds"] == sd.PROMPT_KINDS.index("click"))[0]
   assert len(clicks)

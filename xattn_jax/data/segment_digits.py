@@ -3,8 +3,8 @@
 A scene places 2-4 digits (the bundled 8x8 images, resized to `digit_size`) at random on a square canvas;
 digits may touch or overlap (the canvas is the pixel-wise maximum). Digit i's mask is its own resized
 pixels above `threshold` (on the data set's 0..16 scale), including the pixels another digit covers.
-Placements are drawn until every digit keeps at least `min_visible` of its mask outside the others, so
-every digit has strokes that belong to it alone.
+Placements are drawn until every digit keeps at least `min_visible` of its mask outside the others, and one
+pixel at least (min_visible=0 too), so every digit has strokes that belong to it alone.
 
 Prompts are tokens: `points` [P, 2] (row, column) in [0, 1] canvas units (a pixel's centre for a click,
 a corner for a box) and `point_labels` [P] (PAD / POSITIVE / NEGATIVE / BOX_TOP_LEFT / BOX_BOTTOM_RIGHT).
@@ -105,7 +105,8 @@ def make_scene(pool: DigitPool, rng: np.random.Generator, options: SceneOptions)
         pixels[i, row:row + size, col:col + size] = pool.pixels[index]
         masks[i, row:row + size, col:col + size] = pool.masks[index]
       alone = (masks & (masks.sum(axis=0) == 1)[None]).sum(axis=(1, 2))
-      if np.all(alone >= options.min_visible * masks.sum(axis=(1, 2))):
+      # a pixel of its own where a click on the digit alone goes: a digit covered whole had none to pick
+      if np.all(alone >= np.maximum(options.min_visible * masks.sum(axis=(1, 2)), 1)):
         return Scene(image=pixels.max(axis=0), masks=masks, labels=pool.labels[chosen])
   raise AssertionError("unreachable: one digit alone keeps all of its mask")
 
