@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.image
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests import helpers
 from xattn_jax.tasks.segment import task as segment_task
@@ -147,15 +148,19 @@ def test_a_config_from_before_the_validation_split_keeps_its_old_split():
   np.testing.assert_array_equal(task.eval_set["images"], task.prompts("test")["images"])
 
 
-def test_eval_metrics_sum_to_the_same_means_whatever_the_eval_batch_size():
+def _untrained(workdir=None, mode="train"):
+  """(task, model) of a tiny untrained segmenter on 8x8 canvases, built in-process."""
   import jax.numpy as jnp
-  from flax import nnx
-  tiny = {"data.canvas": 8, "data.digit_size": 8, "data.max_digits": 2, "task.num_eval_scenes": 3,
-          "model.d_model": 8, "model.num_heads": 1, "model.num_blocks": 1, "model.mlp_dim": 8,
-          "model.mask_features": 4, "model.patch_size": 4, "model.encoder.d_model": 8,
+  tiny = {"data.canvas": 8, "data.digit_size": 8, "data.min_digits": 1, "data.max_digits": 2,
+          "task.num_eval_scenes": 3, "model.d_model": 8, "model.num_heads": 1, "model.num_blocks": 1,
+          "model.mlp_dim": 8, "model.mask_features": 4, "model.patch_size": 4, "model.encoder.d_model": 8,
           "model.encoder.num_heads": 1, "model.encoder.num_blocks": 1}
-  task = segment_task.SegmentTask(_config(**tiny))
-  model = task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  task = segment_task.SegmentTask(_config(**tiny), workdir and str(workdir), mode)
+  return task, task.make_model(nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+
+
+def test_eval_metrics_sum_to_the_same_means_whatever_the_eval_batch_size():
+  task, model = _untrained()
   metrics = nnx.jit(lambda model, batch: task.eval_metrics(model, batch))
   examples = task.eval_set
   kinds = examples["kinds"]
@@ -203,3 +208,13 @@ def test_scenes_without_overlapping_digits_are_said_to_have_no_ambiguous_prompts
   assert "share a pixel" not in caplog.text
   segment_task.SegmentTask(_config(**tiny, **{"data.min_visible": 1.0}))
   assert "None of 20 scenes has digits that share a pixel (data.min_visible=1" in caplog.text
+
+
+def test_infer_names_a_png_after_a_long_image_name_within_the_file_systems_limit(tmp_path):
+  # a 251-letter name made a 257-byte PNG name: OSError, and every other line's answer was lost
+  task, model = _untrained(tmp_path, mode="infer")
+  image = tmp_path / ("b" * 251 + ".npy")
+  np.save(image, np.zeros((8, 8)))
+  first, second = task.infer(model, ["test:0", f"{image} 1,1"])
+  assert first.split("\t")[1].endswith("test_0_1.png")
+  assert second.split("\t")[1] == str(tmp_path / "infer" / ("b" * 48 + "_2.png"))

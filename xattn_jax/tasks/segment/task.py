@@ -26,9 +26,9 @@ Inference (`launch.py --mode=infer`), one line per prompt:
 IMAGE is an image file (PNG, JPEG, ...: data.image_files) or a .npy file (resized to the canvas) or test:K
 (test prompt K's image; with no prompt after it, test prompt K's own); a tab after IMAGE instead of a space
 takes a path with spaces (`my scan.png<TAB>12,9`). The answer line is IMAGE, the PNG
-written to `<workdir>/infer/` (image, prompt, every mask; `<name>_<line>.png`, the input line's number from 1 as
-errors give it, blank lines counted; `-2`, `-3` ... where an earlier
-infer wrote that name), the predicted IoU and pixel count of the chosen mask (pixels of the canvas the image is
+written to `<workdir>/infer/` (image, prompt, every mask; `<name>_<line>.png`, name cut to 48 characters, the
+input line's number from 1 as errors give it, blank lines counted; `-2`, `-3` ... where an earlier infer wrote
+that name), the predicted IoU and pixel count of the chosen mask (pixels of the canvas the image is
 resized to, data.canvas a side, not of IMAGE), tab-separated.
 """
 from __future__ import annotations
@@ -57,6 +57,7 @@ METRIC_NAMES = (("loss",) + tuple(f"{kind}_{name}" for kind in PROMPTED for name
 _NUMBER = r"(-?(?:\d+(?:\.\d*)?|\.\d+))"  # 12, 12.5, .5, -3 (not 1.2.3)
 _BOX = re.compile(rf"box={_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}$")
 _CLICK = re.compile(rf"{_NUMBER},{_NUMBER}(?:,([+-]))?$")
+_MAX_STEM = 48  # characters of an image's name kept in its PNG's: a file name holds 255 bytes, a UTF-8 letter 1-4
 _FIT_SCENES = 20  # training scenes drawn to check that data.min_digits digits fit the canvas
 
 
@@ -383,7 +384,7 @@ class SegmentTask(task_lib.Task):
     outputs = []
     for index, (name, image, point, label) in enumerate(parsed):
       best = int(np.argmax(predicted[index]))
-      stem = re.sub(r"[^\w.-]", "_", os.path.splitext(os.path.basename(name))[0])
+      stem = re.sub(r"[^\w.-]", "_", os.path.splitext(os.path.basename(name))[0])[:_MAX_STEM]
       # named by the input line's number (as errors name it); an earlier infer's PNG is kept
       path = _free_path(os.path.join(directory, f"{stem}_{self.line_number(index)}.png"))
       plots.plot_prediction(image, point, label, logits[index] > 0, predicted[index], path, title=name)
