@@ -591,3 +591,14 @@ def test_infer_never_continues_with_a_suppressed_id_even_where_the_model_ranks_i
   model.output.bias[...] = jnp.asarray(preference)
   new = config.task.decoding.max_new_tokens
   assert task.infer(model, ["dimanche", ""]) == ["dimanche" + "x" * new, "x" * new]
+
+
+def test_a_prompt_cropped_to_the_context_fits_a_learned_position_table(tmp_path):
+  """model.max_length 128 less BOS and 5 new tokens: a prompt of 122 bytes (123 with BOS) was padded to 128 for
+  the compiled shapes, a cache of 132 positions that the table of 128 rows refused."""
+  config = helpers.load_config(*TINY, "--config.model.position_encoding=learned",
+                               "--config.task.decoding.max_new_tokens=5", "--config.task.decoding.method=greedy")
+  task = lm_task.LanguageModelTask(config, str(tmp_path), "infer")
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  long = "dimanche 29 novembre 2026 " * 8
+  assert task.infer(model, [long])[0].startswith(long)

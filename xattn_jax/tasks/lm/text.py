@@ -403,7 +403,8 @@ class LanguageModelTask(task_lib.Task):
     with key i)."""
     new = self.config.task.decoding.max_new_tokens
     prompts = [[self.tokenizer.bos_id, *ids] for ids in prompts]
-    width = -(-max(map(len, prompts)) // 8) * 8  # few compiled shapes across calls
+    # Few compiled shapes across calls, but a cache of at most model.max_length positions (a learned table's rows).
+    width = min(-(-max(map(len, prompts)) // 8) * 8, self.config.model.max_length + 1 - new)
     tokens, valid = lm_lib.left_pad(prompts, width)
     rng = decoding_config.row_keys(self.config, len(prompts))
     continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
