@@ -150,13 +150,14 @@ def main(argv):
   problem = workdir_problem(workdir, _MODE.value)
   if problem:
     fail(f"--workdir={_WORKDIR.value}: {problem}")
-  from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation
+  from xattn_jax.training import checkpoints, dependencies, distributed, loop, validation, workdir as workdir_lib
   use_compilation_cache(compilation_cache(_COMPILATION_CACHE.value, os.environ))
   dependencies.watch_launcher()  # a side-by-side dependency stops when the launcher that started it ends
   try:
     distributed.check_flags(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
     fail(str(e))
+  workdir_lib.expand_home(_CONFIG.value)  # as the workdir's
   try:
     validation.validate_config(_CONFIG.value, mode=_MODE.value, process_count=_NUM_PROCESSES.value,
                                workdir=workdir)

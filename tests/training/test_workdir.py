@@ -224,6 +224,17 @@ def test_paths_are_made_absolute_and_a_record_of_typed_paths_names_the_same_file
   assert vlm.model.encoder_workdir.startswith(str(tmp_path)) and vlm.model.lm_workdir.startswith(str(tmp_path))
 
 
+def test_a_data_file_under_home_is_found_before_anything_runs(tmp_path, monkeypatch):
+  """The shell leaves `~` after `=` as it is: --config.data.train_file=~/my.txt was refused as no such file."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  (tmp_path / "my.txt").write_text("one document\nanother one\n")
+  config = lm_text.get_config("size=micro")
+  config.data.train_file = "~/my.txt"
+  with pytest.raises(RunError, match="no checkpoint"):  # past validation, which read the file
+    loop.run(config, str(tmp_path / "run"), "eval")
+  assert config.data.train_file == str(tmp_path / "my.txt")
+
+
 def tiny_template(**overrides):
   config = template.get_config("size=tiny")
   config.update_from_flattened_dict({"total_steps": 2, "log_every_steps": 1, "eval_every_steps": 2,

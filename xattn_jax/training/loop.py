@@ -189,6 +189,7 @@ def run(config, workdir: str, mode: str = "train", *, output=None):
   outputs to `output` or stdout). Returns the final eval metrics (train, eval) or the outputs (infer).
   """
   _quiet_library_logs()
+  workdir_lib.expand_home(config)
   validation.validate_config(config, mode=mode, device_count=jax.device_count(),
                              process_count=jax.process_count(), workdir=workdir)
   workdir_lib.absolute_paths(config, workdir)  # the record's config.py then works from any directory

@@ -125,6 +125,16 @@ def _absolute(value):
   return os.path.abspath(os.path.expanduser(value)) if isinstance(value, str) and value not in ("", "-") else value
 
 
+def expand_home(config) -> None:
+  """`~` in `config`'s PATH_FIELDS expanded, in place: the shell leaves it after `=` as it is, and validation checks
+  the files before `absolute_paths` (which needs the task) runs."""
+  for field in PATH_FIELDS:
+    value = _field(config, field)
+    if isinstance(value, str) and value.startswith("~"):
+      parent, _, key = field.rpartition(".")
+      (validation.get_field(config, parent) if parent else config)[key] = os.path.expanduser(value)
+
+
 def absolute_paths(config, workdir: str | None) -> None:
   """Makes `config`'s path fields (`path_fields`) absolute, relative to the current directory (`~` expanded),
   in place."""
