@@ -112,9 +112,10 @@ def workdir_problem(workdir: str, mode: str) -> str | None:
   return None
 
 
-def config_error_line(error, workdir: str, mode: str) -> str:
+def config_error_line(error, workdir: str, mode: str, config_file: str = "") -> str:
   """The line for a ConfigError; for a data field refused in eval or infer of a run in `workdir`, a pointer to the
-  run's own config, which names the files it was trained on (the bundled config names none)."""
+  run's own config, which names the files it was trained on (the bundled config names none), unless `config_file`
+  (--config's) is that config already."""
   from xattn_jax.training import records, workdir as workdir_lib
   from xattn_jax.training.errors import DataError
   line = str(error)
@@ -129,7 +130,7 @@ def config_error_line(error, workdir: str, mode: str) -> str:
               f"--config.{error.field}=PATH)")
   own = os.path.join(workdir, "config.py")
   if (mode != "train" and getattr(error, "field", "").startswith("data.") and os.path.isfile(own)
-      and own not in line):
+      and own not in line and os.path.abspath(os.path.expanduser(config_file)) != os.path.abspath(own)):
     line += f" (the run in {workdir} names its files in --config={own})"
   return line
 
@@ -174,7 +175,7 @@ def main(argv):
                          side_by_side=_DEPENDENCIES.value == "side_by_side")
     loop.run(_CONFIG.value, workdir, _MODE.value)
   except validation.ConfigError as e:
-    fail(config_error_line(e, workdir, _MODE.value))
+    fail(config_error_line(e, workdir, _MODE.value, flags.FLAGS["config"].config_filename))
   except (loop.DataError, checkpoints.CheckpointMismatch) as e:
     fail(str(e))
   except dependencies.DependencyFailed as e:  # its own lines, relayed, said why; this one names it

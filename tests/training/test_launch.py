@@ -176,6 +176,8 @@ def test_a_data_field_refused_in_eval_of_a_run_points_to_the_runs_own_config(tmp
   assert launcher.config_error_line(error, str(tmp_path / "new"), "infer") == str(error)  # no run there
   named = validation.ConfigError("data.train_file", "", f"... or use --config={own}")
   assert launcher.config_error_line(named, str(tmp_path), "eval") == str(named)  # said once
+  # --config was the run's own already (eval at another data.sequence_length refused its data.eval_context)
+  assert launcher.config_error_line(error, str(tmp_path), "eval", str(own)) == str(error)
 
 
 def test_the_compilation_cache_defaults_to_the_users_cache_folder_unless_jax_or_the_flag_names_one(monkeypatch):
