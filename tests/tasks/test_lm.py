@@ -602,3 +602,22 @@ def test_a_prompt_cropped_to_the_context_fits_a_learned_position_table(tmp_path)
   model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
   long = "dimanche 29 novembre 2026 " * 8
   assert task.infer(model, [long])[0].startswith(long)
+
+
+def test_infer_decodes_its_lines_in_batches_of_eval_batch_size_with_the_answers_of_one_batch(tmp_path):
+  """Every line was a row of one decode: a file of thousands of prompts held every row's cache at once."""
+  config = helpers.load_config(*TINY, "--config.eval_batch_size=2", "--config.task.decoding.max_new_tokens=4")
+  task = lm_task.LanguageModelTask(config, str(tmp_path), "infer")
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  generate, rows = task._generate, []
+
+  def counting(model, tokens, *args, **kwargs):
+    rows.append(len(tokens))
+    return generate(model, tokens, *args, **kwargs)
+
+  task._generate = counting
+  lines = ["dimanche", "4,213 is", "", "The 21st", "lundi"]
+  answers = task.infer(model, lines)
+  assert rows == [2, 2, 2]
+  one_batch = helpers.load_config(*TINY, "--config.task.decoding.max_new_tokens=4")  # eval_batch_size 64
+  assert answers == lm_task.LanguageModelTask(one_batch, str(tmp_path), "infer").infer(model, lines)

@@ -67,7 +67,7 @@ from xattn_jax.data import batching, corpus, files, image_text, splits, text, to
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.tasks import decoding_config, reading_fields
-from xattn_jax.training import optim, task as task_lib, validation
+from xattn_jax.training import optim, sharding, task as task_lib, validation
 
 TOKENIZERS = ("bytes", "sentencepiece")
 # data.source -> (train documents, eval documents) generated from the data config.
@@ -400,17 +400,21 @@ class LanguageModelTask(task_lib.Task):
 
   def _continuations(self, model, prompts: list[list[int]]) -> list[str]:
     """The text task.decoding's method adds after each prompt (token ids, BOS not included; row i samples
-    with key i)."""
+    with key i), in batches of eval_batch_size (fewer rows, a smaller batch: `sharding.rows_batch_size`)."""
     new = self.config.task.decoding.max_new_tokens
     prompts = [[self.tokenizer.bos_id, *ids] for ids in prompts]
     # Few compiled shapes across calls, but a cache of at most model.max_length positions (a learned table's rows).
     width = min(-(-max(map(len, prompts)) // 8) * 8, self.config.model.max_length + 1 - new)
-    tokens, valid = lm_lib.left_pad(prompts, width)
-    rng = decoding_config.row_keys(self.config, len(prompts))
-    continuations = np.asarray(self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng,
-                                              capacity=width - 1 + new, max_new_tokens=new, options=self.options,
-                                              suppress_ids=self.tokenizer.never_generated_ids,
-                                              logits_sharding=self.logits_sharding))
+    size = sharding.rows_batch_size(len(prompts), self.config.eval_batch_size, self.rows_sharding)
+    continuations = []
+    for start in range(0, len(prompts), size):
+      chunk = prompts[start:start + size]
+      tokens, valid = lm_lib.left_pad(chunk + [chunk[-1]] * (size - len(chunk)), width)  # one batch shape
+      rng = decoding_config.row_keys(self.config, size, offset=start)
+      generated = self._generate(model, jnp.asarray(tokens), jnp.asarray(valid), rng, capacity=width - 1 + new,
+                                 max_new_tokens=new, options=self.options,
+                                 suppress_ids=self.tokenizer.never_generated_ids, logits_sharding=self.logits_sharding)
+      continuations += list(np.asarray(generated)[:len(chunk)])  # -> [rows, new]
     return [self.tokenizer.continuation(prompt[1:], [i for i in row if i >= 0])
             for prompt, row in zip(prompts, continuations)]
 
