@@ -135,6 +135,18 @@ def config_error_line(error, workdir: str, mode: str, config_file: str = "") -> 
   return line
 
 
+def interrupted_line(workdir: str, mode: str) -> str:
+  """The line for a KeyboardInterrupt: a second Ctrl-C in training (the first asked for a checkpoint), or a first
+  one before training's loop takes Ctrl-C over (reading the data, compiling), or in eval or infer (nothing to save)."""
+  from xattn_jax.training import checkpoints, guards
+  press = "a second Ctrl-C" if guards.stop_requested() else "Ctrl-C"
+  if mode != "train":
+    return f"interrupted by {press}"
+  steps = checkpoints.step_numbers(workdir)
+  return (f"interrupted by {press}, without saving; last checkpoint: {'step ' + str(steps[-1]) if steps else 'none'} "
+          "(a save it cut short is cleaned up on the next start)")
+
+
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; usage: {USAGE}")
@@ -182,11 +194,8 @@ def main(argv):
     fail(str(e), status=e.code)
   except (loop.TrainingDiverged, loop.RunError) as e:
     fail(f"{type(e).__name__}: {e}", status=1)
-  except KeyboardInterrupt:  # a second Ctrl-C: one line, not the traceback of wherever it landed
-    steps = checkpoints.step_numbers(workdir)
-    fail(f"interrupted by a second Ctrl-C, without saving; last checkpoint: "
-         f"{'step ' + str(steps[-1]) if steps else 'none'} (a save it cut short is cleaned up on the next start)",
-         status=130)
+  except KeyboardInterrupt:  # one line, not the traceback of wherever it landed
+    fail(interrupted_line(workdir, _MODE.value), status=130)
 
 
 if __name__ == "__main__":

@@ -496,6 +496,23 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_keeping_the_metrics(tmp_path)
   assert len(metrics_rows(workdir)) >= 2
 
 
+def test_a_first_ctrl_c_before_training_takes_it_over_is_not_called_a_second(tmp_path):
+  """Ctrl-C while the task read its data or compiled stopped with "interrupted by a second Ctrl-C"."""
+  sys.path.insert(0, str(REPO))
+  import launch as launcher
+  from xattn_jax.training import guards
+  guards.clear_stop_request()
+  assert launcher.interrupted_line(str(tmp_path), "train").startswith("interrupted by Ctrl-C, without saving; last "
+                                                                       "checkpoint: none")
+  assert launcher.interrupted_line(str(tmp_path), "infer") == "interrupted by Ctrl-C"  # waiting for its input
+  guards.note_stop_request()  # the first press, taken by training's handler
+  try:
+    assert launcher.interrupted_line(str(tmp_path), "train").startswith("interrupted by a second Ctrl-C, without "
+                                                                         "saving")
+  finally:
+    guards.clear_stop_request()
+
+
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_kept(tmp_path, reference):
   # Without config.json the config check cannot see the change; the checkpoint's shapes do.
