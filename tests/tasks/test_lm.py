@@ -621,3 +621,23 @@ def test_infer_decodes_its_lines_in_batches_of_eval_batch_size_with_the_answers_
   assert rows == [2, 2, 2]
   one_batch = helpers.load_config(*TINY, "--config.task.decoding.max_new_tokens=4")  # eval_batch_size 64
   assert answers == lm_task.LanguageModelTask(one_batch, str(tmp_path), "infer").infer(model, lines)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_another_file(tmp_path):
+  """Ctrl-C while the first call compiled, then the command again with the right file (or vocab_size): the
+  SentencePiece model the stopped attempt trained was refused as trained on other text (or with more pieces than the
+  cap), though no model had read it."""
+  wrong, right = tmp_path / "wrong.txt", tmp_path / "right.txt"
+  wrong.write_text("the wrong file\nwith its own lines\nthree of them\n")
+  right.write_text("zebra quagga\nokapi giraffe\nhippo rhino\n")
+  config = helpers.load_config("--config=configs/lm_text.py:size=micro", f"--config.data.train_file={wrong}")
+  lm_task.LanguageModelTask(config, str(tmp_path / "run"), "train")
+  config.data.train_file = str(right)
+  task = lm_task.LanguageModelTask(config, str(tmp_path / "run"), "train")
+  assert [task.tokenizer.decode(task.tokenizer.encode(text)) for text in task.train_texts] == list(task.train_texts)
+  config.data.vocab_size = 24  # below the pieces it has: its cap was another
+  assert lm_task.LanguageModelTask(config, str(tmp_path / "run"), "train").vocab_size <= 24
+  (tmp_path / "run" / "checkpoints" / "8").mkdir(parents=True)  # a model has read it now: it stays
+  config.data.train_file = str(wrong)
+  with pytest.raises(validation.ConfigError, match="trained on other text"):
+    lm_task.LanguageModelTask(config, str(tmp_path / "run"), "train")

@@ -283,8 +283,8 @@ class OtherTextsError(ValueError):
 
 def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, exact: bool = True,
                         model_type: str = "bpe", max_sentences: int = 100_000,
-                        single_piece_words: Sequence[str] = (), texts_must_match: bool = True
-                        ) -> SentencePieceTokenizer:
+                        single_piece_words: Sequence[str] = (), texts_must_match: bool = True,
+                        retrain_unread: bool = False) -> SentencePieceTokenizer:
   """Trains a SentencePiece model on ``texts`` into ``model_path``; reuses the file if it exists.
 
   With ``exact=False``, ``vocab_size`` is a cap: the model gets as many pieces as the text supports,
@@ -322,6 +322,9 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
       the pieces of a text one by one, joined by single spaces, gives the ids of the whole text.
     texts_must_match: refuse an existing model whose digest names other texts (False: evaluation, which
       keeps the run's tokenizer whatever text it reads).
+    retrain_unread: an existing model this function wrote (its digest is there) that does not fit the arguments
+      (the errors below) is trained again instead of refused: no model has read it yet (a run with no checkpoint:
+      an attempt stopped before one, on another file or vocab_size, left it).
 
   Raises:
     ValueError: bad arguments; with ``exact``, a corpus too small for ``vocab_size`` (says the
@@ -342,24 +345,13 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
   if model_type not in ("bpe", "unigram"):
     raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
   if os.path.exists(model_path):
-    tokenizer = SentencePieceTokenizer(model_path)
-    if tokenizer.vocab_size != vocab_size and (exact or tokenizer.vocab_size > vocab_size):
-      asked = f"vocab_size={vocab_size} was asked" if exact else f"the cap is vocab_size={vocab_size}"
-      raise ValueError(f"existing SentencePiece model {model_path!r} has vocab_size {tokenizer.vocab_size}, "
-                       f"but {asked}; delete the file to retrain")
-    split = [word for word in single_piece_words if len(tokenizer.encode(word)) != 1]
-    if split:
-      raise ValueError(f"existing SentencePiece model {model_path!r} does not keep {split} as one piece each "
-                       f"(single_piece_words); delete the file to retrain")
-    recorded = _read_digest(model_path)
-    if texts_must_match and recorded and isinstance(texts, Sequence) and texts:
-      digest = _texts_digest(texts)
-      if digest != recorded:
-        raise OtherTextsError(f"existing SentencePiece model {model_path!r} was trained on other text "
-                              f"({recorded.split()[0]} texts, not these {digest.split()[0]}): an earlier run in this "
-                              "workdir read another file, or the file changed since; delete the model (and any "
-                              "checkpoints of the run) to train on this text, or use another workdir")
-    return tokenizer
+    try:
+      return _reuse(model_path, texts, vocab_size=vocab_size, exact=exact, single_piece_words=single_piece_words,
+                    texts_must_match=texts_must_match)
+    except ValueError as error:  # OtherTextsError too
+      if not (retrain_unread and _read_digest(model_path)):
+        raise
+      logging.warning("%s: training it again (no model has read it yet)", str(error).split("; ")[0])
   if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
     raise ValueError(f"texts must be a non-empty sequence of strings, got {type(texts).__name__}")
   if isinstance(max_sentences, bool) or not isinstance(max_sentences, int) or max_sentences < 1:
@@ -420,6 +412,29 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
       f.write(content)
     os.replace(partial_path, path)
   return SentencePieceTokenizer(model_path)
+
+
+def _reuse(model_path: str, texts, *, vocab_size: int, exact: bool, single_piece_words, texts_must_match: bool
+           ) -> SentencePieceTokenizer:
+  """The existing model at model_path where it fits train_sentencepiece's arguments, else a ValueError saying why."""
+  tokenizer = SentencePieceTokenizer(model_path)
+  if tokenizer.vocab_size != vocab_size and (exact or tokenizer.vocab_size > vocab_size):
+    asked = f"vocab_size={vocab_size} was asked" if exact else f"the cap is vocab_size={vocab_size}"
+    raise ValueError(f"existing SentencePiece model {model_path!r} has vocab_size {tokenizer.vocab_size}, "
+                     f"but {asked}; delete the file to retrain")
+  split = [word for word in single_piece_words if len(tokenizer.encode(word)) != 1]
+  if split:
+    raise ValueError(f"existing SentencePiece model {model_path!r} does not keep {split} as one piece each "
+                     f"(single_piece_words); delete the file to retrain")
+  recorded = _read_digest(model_path)
+  if texts_must_match and recorded and isinstance(texts, Sequence) and texts:
+    digest = _texts_digest(texts)
+    if digest != recorded:
+      raise OtherTextsError(f"existing SentencePiece model {model_path!r} was trained on other text "
+                            f"({recorded.split()[0]} texts, not these {digest.split()[0]}): an earlier run in this "
+                            "workdir read another file, or the file changed since; delete the model (and any "
+                            "checkpoints of the run) to train on this text, or use another workdir")
+  return tokenizer
 
 
 def _digest_path(model_path: str) -> str:

@@ -67,7 +67,7 @@ from xattn_jax.data import batching, corpus, files, image_text, splits, text, to
 from xattn_jax.layers import blocks
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.tasks import decoding_config, reading_fields
-from xattn_jax.training import optim, sharding, task as task_lib, validation
+from xattn_jax.training import checkpoints, optim, sharding, task as task_lib, validation
 
 TOKENIZERS = ("bytes", "sentencepiece")
 # data.source -> (train documents, eval documents) generated from the data config.
@@ -304,11 +304,12 @@ class LanguageModelTask(task_lib.Task):
       if not os.path.isfile(path):
         raise ValueError(f"{self.mode} needs the SentencePiece model the run trained, {path}, which is missing")
       return tokenizers.SentencePieceTokenizer(path)
+    saved = bool(self.workdir) and bool(checkpoints.step_numbers(self.workdir))  # else no model read the tokenizer
     try:
       tokenizer = tokenizers.train_sentencepiece(list(train_texts), path, vocab_size=data.vocab_size,
                                                  exact=data.vocab_size_exact,
                                                  single_piece_words=tuple(data.get("single_piece_words", ())),
-                                                 texts_must_match=self.mode == "train")
+                                                 texts_must_match=self.mode == "train", retrain_unread=not saved)
     except tokenizers.OtherTextsError as error:
       raise validation.ConfigError("data.train_file", data.train_file, str(error)) from None
     except ValueError as error:
