@@ -1,6 +1,7 @@
 """Config parsing and validation: every bad field fails before compiling, in one line naming it."""
 import dataclasses
 import importlib
+import os
 import pathlib
 import re
 
@@ -505,3 +506,10 @@ def test_eval_and_infer_of_a_fine_tuned_run_do_not_need_the_run_it_started_from(
       validation.validate_config(config, mode="train", workdir=workdir)
   (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
   validation.validate_config(config, mode="train", workdir=str(tmp_path / "run"))  # one that resumes does not
+
+
+def test_a_data_file_that_is_a_pipe_is_refused_as_one_not_as_missing(tmp_path):
+  """--config.data.train_file=<(zcat corpus.gz) names /dev/fd/63, a pipe, which was refused as "no such file"."""
+  os.mkfifo(tmp_path / "pipe")
+  with pytest.raises(validation.ConfigError, match="is not a regular file \\(a pipe or a device\\)"):
+    validation.require_file("data.train_file", str(tmp_path / "pipe"))

@@ -125,8 +125,10 @@ def require_file(field: str, path: str):
     raise ConfigError(field, path, "is required: the path of a file")
   if os.path.isdir(path):
     raise ConfigError(field, path, "is a directory; name a file")
-  if not os.path.isfile(path):
+  if not os.path.exists(path):
     raise ConfigError(field, path, "no such file")
+  if not os.path.isfile(path):  # <(zcat corpus.gz) is a pipe: a run reads its files more than once
+    raise ConfigError(field, path, "is not a regular file (a pipe or a device); save the data to a file and name it")
 
 
 def _check_mesh_sizes(mesh_config) -> dict[str, int]:
