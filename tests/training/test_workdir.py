@@ -148,6 +148,22 @@ def test_an_eval_naming_no_file_of_a_run_trained_on_one_is_refused(tmp_path):
   workdir.check_same_model(lm_text.get_config(), str(tmp_path), mode="infer")  # infer reads no data file
 
 
+def test_an_eval_holding_out_part_of_a_training_file_the_run_read_whole_is_refused(tmp_path):
+  """A run trained on mine.txt and scored on its own eval file: an eval naming mine.txt alone held out 5% of it, lines
+  the run trained on, and recorded their loss as the run's score."""
+  trained = lm_text.get_config()
+  trained.data.update({"train_file": "/data/mine.txt", "eval_file": "/data/eval.txt"})
+  workdir.write_config(trained, str(tmp_path))
+  _with_checkpoint(tmp_path)
+  again = lm_text.get_config()
+  again.data.train_file = "/data/mine.txt"
+  with pytest.raises(validation.ConfigError, match=r"^config\.data\.eval_file='': the run in .* trained on every "
+                     r"document of data.train_file and was scored on '/data/eval.txt'"):
+    workdir.check_same_model(again, str(tmp_path), mode="eval")
+  again.data.train_file = "/data/other.txt"  # held out of a file the run did not read: an eval's to choose
+  workdir.check_same_model(again, str(tmp_path), mode="eval")
+
+
 @pytest.mark.parametrize("field, value", [("data.eval_fraction", 0.5), ("data.corpus_seed", 5)])
 def test_an_eval_scoring_the_held_out_part_keeps_the_fields_that_chose_it(tmp_path, field, value):
   """Another eval_fraction or corpus_seed at eval scored documents the run trained on, as eval/* metrics."""

@@ -316,6 +316,14 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
                                  "this eval names no data file; name data.eval_file (or data.train_file, where the "
                                  "task scores the part it held out), or use "
                                  f"--config={os.path.join(workdir, 'config.py')}")
+  scored_on = recorded.get("data.eval_file")
+  if (mode == "eval" and held_out and scored_on and data.get("train_file")
+      and "data.train_file" not in differences):
+    # the run held nothing out of its training file: a held-out part of it now would be documents it trained on
+    raise validation.ConfigError("data.eval_file", "", f"the run in {workdir} trained on every document of "
+                                 f"data.train_file and was scored on {scored_on!r}: a part of the training file "
+                                 "held out now would score documents it trained on; name data.eval_file, or use "
+                                 f"--config={os.path.join(workdir, 'config.py')}")
   # The first difference reported: another task or model by name (a whole other kind of run: its
   # other fields differ too, and the alphabetically first of them would hide why), then by section.
   reported = [field for field in ("task.name", "model.name") if field in differences] + [
