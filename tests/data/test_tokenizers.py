@@ -250,6 +250,18 @@ def test_a_continuation_keeps_the_space_its_first_word_opens_with(sentencepiece_
   assert byte.continuation(byte.encode("x"), [byte.eos_id, *byte.encode("never")]) == ""
 
 
+def test_a_byte_continuation_cut_within_its_last_character_leaves_that_character_out():
+  """max_new_tokens reached within a character's bytes: the LM printed its first bytes as U+FFFD after the text
+  (likely whenever the output is CJK). A byte that starts no character still reads U+FFFD."""
+  byte = tokenizers.ByteTokenizer()
+  prompt, new = byte.encode("ab"), byte.encode("c日本")  # 1 + 3 + 3 bytes
+  assert [byte.continuation(prompt, new[:k]) for k in range(len(new) + 1)] == [
+      "", "c", "c", "c", "c日", "c日", "c日", "c日本"]
+  invalid = [0xFF + 3]  # byte 0xFF, never part of UTF-8
+  assert byte.continuation(prompt, [*invalid, *byte.encode("c")]) == "\ufffdc"
+  assert byte.continuation(prompt, [*byte.encode("c"), *invalid]) == "c\ufffd"
+
+
 def test_unknown_characters_are_those_without_a_piece(sentencepiece_model, caplog, tmp_path):
   """The tasks warn with them: a user's input line, question or eval text holding them read as '⁇'."""
   assert sentencepiece_model.unknown_characters(["dimanche 29", "novembre"]) == ""

@@ -7,6 +7,7 @@ so it can be fed a decoder's raw output row.
 from __future__ import annotations
 
 import abc
+import codecs
 import collections
 import functools
 import hashlib
@@ -133,6 +134,21 @@ class ByteTokenizer(Tokenizer):
 
   def _decode_ids(self, ids: list[int]) -> str:
     return bytes(token_id - self._OFFSET for token_id in ids).decode("utf-8", errors="replace")
+
+  def continuation(self, prompt_ids: Sequence[int], new_ids: Iterable[int]) -> str:
+    """As Tokenizer.continuation, less a last character whose bytes the continuation cut short (max_new_tokens
+    reached within it): its first bytes are no text yet, where decode shows them as U+FFFD. An invalid sequence
+    anywhere else (a model's mistake) still reads U+FFFD."""
+    new_ids = list(new_ids)
+    tail = []
+    for token_id in reversed(new_ids):
+      if not self._OFFSET <= token_id < self.vocab_size or len(tail) == 3:
+        break
+      tail.insert(0, token_id - self._OFFSET)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(bytes(tail), final=False)
+    unfinished = len(decoder.getstate()[0])  # bytes held back: the start of a character, not yet complete
+    return super().continuation(prompt_ids, new_ids[:len(new_ids) - unfinished])
 
   def _line_break_ids(self) -> tuple[int, ...]:
     return tuple(ord(character) + self._OFFSET for character in LINE_BREAKS)
