@@ -56,8 +56,7 @@ def get_config(arg=None):
   config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope | alibi | t5_bias
   config.model.rope_scaling = ""
   config.model.rope_scaling_factor = 1.0
-  pairs = d_model // num_heads // 2
-  config.model.mrope_sections = (pairs - 2 * (3 * pairs // 8), 3 * pairs // 8, 3 * pairs // 8)
+  config.model.mrope_sections = ()  # mrope's (time, height, width) frequency pairs; () = Qwen2-VL's 2:3:3 split
   # Randomized positions (Ruoss et al. 2023; not with mrope): 0 = off, else training draws each document's
   # positions from [0, randomized_positions_max) (>= model.max_length), sorted.
   config.model.randomized_positions_max = 0

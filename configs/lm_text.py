@@ -25,13 +25,6 @@ SIZES = {
 }
 
 
-def _mrope_sections(head_dim: int) -> tuple[int, int, int]:
-  """Qwen2-VL's split of head_dim / 2 frequency pairs, 2:3:3 between (time, height, width)."""
-  pairs = head_dim // 2
-  spatial = 3 * pairs // 8
-  return (pairs - 2 * spatial, spatial, spatial)
-
-
 def get_config(arg=None):
   args = common.parse_arg(arg, size="tiny", posenc="rope", tokenizer="sentencepiece", epochs=12.0, min_steps=300)
   if args.size not in SIZES:
@@ -88,7 +81,9 @@ def get_config(arg=None):
   config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope | alibi | t5_bias
   config.model.rope_scaling = ""    # "" | linear | ntk
   config.model.rope_scaling_factor = 1.0
-  config.model.mrope_sections = _mrope_sections(d_model // num_heads)
+  # mrope: (time, height, width) frequency pairs summing to rotary_dim / 2; () = Qwen2-VL's 2:3:3 split of
+  # whatever head the model has (a d_model or num_heads override keeps it valid)
+  config.model.mrope_sections = ()
   # Randomized positions (Ruoss et al. 2023; not with mrope): 0 = off, else training draws each document's
   # positions from [0, randomized_positions_max) (>= model.max_length), sorted.
   config.model.randomized_positions_max = 0

@@ -36,10 +36,9 @@ def get_config(arg=None):
   config.model.mlp_dim = mlp_dim
   config.model.position_encoding = args.posenc  # the registry's text encodings: tasks/template.py
   config.model.rotary_dim = 0         # rope / mrope; 0 = the whole head_dim
-  # mrope: (time, height, width) frequency pairs summing to rotary_dim / 2 (Qwen2-VL's 1:1.5:1.5).
-  pairs = d_model // num_heads // 2
-  config.model.mrope_sections = (pairs // 4, pairs - pairs // 4 - (pairs - pairs // 4) // 2,
-                                 (pairs - pairs // 4) // 2)
+  # mrope: (time, height, width) frequency pairs summing to rotary_dim / 2; () = Qwen2-VL's 2:3:3 split of
+  # whatever head the model has (a d_model or num_heads override keeps it valid)
+  config.model.mrope_sections = ()
   config.model.dropout_rate = 0.0     # residual dropout (exact resume: keys depend on (seed, step))
   config.model.scan_layers = args.scan
   config.model.remat = "none"         # none | full | dots | dots_no_batch

@@ -168,8 +168,23 @@ def test_mrope_sections_not_adding_up_is_a_config_error():
 
 def test_mrope_sections_with_an_empty_axis_are_a_config_error():
   config = template.get_config("size=tiny,posenc=mrope")
-  pairs = sum(config.model.mrope_sections)
+  pairs = config.model.d_model // config.model.num_heads // 2
   _assert_refused(config, "model.mrope_sections", (pairs, 0, 0), r"config\.model\.mrope_sections=.*3 positive sections")
+
+
+@pytest.mark.parametrize("config_arg", ["lm_text.py:posenc=mrope", "lm_algorithmic.py:posenc=mrope",
+                                        "template.py:posenc=mrope"])
+def test_default_mrope_sections_follow_a_head_size_override(config_arg):
+  """The configs wrote the split for their own head size: --config.model.num_heads=8 on the LM (head 16, 8 pairs)
+  was refused naming model.mrope_sections, whose sum the user had to work out. () is the 2:3:3 split of any head
+  of 6 or more dimensions; narrower heads are refused naming the field."""
+  config = load_config(f"--config=configs/{config_arg}", "--config.model.num_heads=8", "--config.model.d_model=128")
+  assert tuple(config.model.mrope_sections) == ()
+  validation.validate_config(config)
+  _assert_refused(load_config(f"--config=configs/{config_arg}", "--config.model.num_heads=2",
+                              "--config.model.d_model=8"), "model.num_heads", 2,
+                  r"^config\.model\.mrope_sections=\(\): \(\) splits rotary_dim / 2 = 2 frequency pairs .* needs "
+                  r"rotary_dim >= 6")
 
 
 @pytest.mark.parametrize("config_arg", ["algorithmic:posenc=sinusoidal", "algorithmic:posenc=alibi", "dates"])

@@ -42,7 +42,7 @@ class Reverser(nnx.Module):
     self.positions = make_position_encoding(
         c.position_encoding, features=c.d_model, max_length=max_length, head_dim=c.d_model // c.num_heads,
         num_heads=c.num_heads,
-        rotary_dim=c.rotary_dim or None, mrope_sections=tuple(c.mrope_sections), rngs=rngs, **common)
+        rotary_dim=c.rotary_dim or None, mrope_sections=tuple(c.mrope_sections) or None, rngs=rngs, **common)
     self.blocks = layer_stack.create_stack(  # num_layers blocks as one module, parameters [layers, ...]
         lambda r: EncoderBlock(c.d_model, c.num_heads, c.mlp_dim, dropout_rate=c.dropout_rate,
                                rotary=self.positions.rotary, rngs=r, **common), c.num_layers, rngs)

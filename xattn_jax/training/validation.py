@@ -248,7 +248,12 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
                           f"most head_dim={head_dim} ({position_encoding})")
       if rotary.num_sections and "mrope_sections" in fields:  # a section without the field: the default split,
         sections = tuple(model_config.mrope_sections)           # or a model that takes no M-RoPE (its task says)
-        if len(sections) != rotary.num_sections or sum(sections) != rotary_dim // 2 or min(sections) < 1:
+        if not sections and 3 * (rotary_dim // 2) // 8 < 1:  # () = the default 2:3:3 split, an axis at least a pair
+          raise ConfigError(f"{prefix}.mrope_sections", sections,
+                            f"() splits rotary_dim / 2 = {rotary_dim // 2} frequency pairs 2:3:3 between (time, "
+                            "height, width), which needs rotary_dim >= 6: name the sections, or use wider heads")
+        if sections and (len(sections) != rotary.num_sections or sum(sections) != rotary_dim // 2
+                         or min(sections) < 1):
           raise ConfigError(f"{prefix}.mrope_sections", sections,
                             f"needs {rotary.num_sections} positive sections (one per position axis) summing to "
                             f"rotary_dim / 2 = {rotary_dim // 2} frequency pairs")
