@@ -27,16 +27,25 @@ from configs.vlm_digits import connector_defaults, vlm_config
 # image_encoder=...: one trained on the user's own pairs first (configs/vlm_encoder.py:data=pairs), or the
 # bundled digits' strip reader.
 IMAGE_ENCODERS = ("pairs", "digits")
+# Config arguments that only one image encoder reads (kinds: the bundled strips' questions, which no user's pairs
+# hold): set off their defaults with the other, they would be ignored without a word.
+READ_ONLY_BY = {"canvas": "pairs", "color": "pairs", "scale": "digits", "kinds": None}
+DEFAULTS = dict(steps=1000, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32, latents=32,
+                kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm", bucketing=True, cache=True,
+                image_encoder="pairs", canvas="32x32", color=False)
 
 
 def get_config(arg=None):
   # flamingo by default: of the three it read a user's pairs best at these steps, and steps fastest
   # (experiments/results/intel_xeon_amx/vlm_pairs_encoder.md)
-  args = common.parse_arg(arg, steps=1000, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32,
-                          latents=32, kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm",
-                          bucketing=True, cache=True, image_encoder="pairs", canvas="32x32", color=False)
+  args = common.parse_arg(arg, **DEFAULTS)
   if args.image_encoder not in IMAGE_ENCODERS:
     raise ValueError(f"config argument image_encoder={args.image_encoder!r}: allowed are {list(IMAGE_ENCODERS)}")
+  for key, encoder in READ_ONLY_BY.items():
+    if args[key] != DEFAULTS[key] and encoder != args.image_encoder:
+      reader = f"image_encoder={encoder} only" if encoder else "the bundled strips only (configs/vlm_digits.py)"
+      value = str(args[key]).lower() if isinstance(args[key], bool) else args[key]  # as the argument is written
+      raise ValueError(f"config argument {key}={value}: read by {reader}, not by image_encoder={args.image_encoder}")
   connector_defaults(args)  # lr=0: the connector's DEFAULT_LR
   config = vlm_config(args)
   if args.image_encoder == "pairs":
@@ -45,8 +54,6 @@ def get_config(arg=None):
     config.model.encoder_workdir = args.encoder or "workdirs/vlm_pairs_encoder"
     config.data.canvas = args.canvas  # the encoder's: images fitted into it
     config.data.color = args.color    # RGB images (the encoder's too)
-  elif args.color:
-    raise ValueError("config argument color=true: the digits' encoder reads grey images (image_encoder=pairs)")
   config.model.lm_config = "configs/vlm_lm.py:text=pairs"  # the VLM task names the pairs files there
   config.task.decoding.max_new_tokens = 32  # infer's limit (eval generates as long as its longest caption)
   config.data.source = "tsv"

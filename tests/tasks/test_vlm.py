@@ -373,6 +373,15 @@ def test_colour_is_one_setting_of_the_vlm_and_its_encoder(tmp_path):
     vlm_tsv_config.get_config("image_encoder=digits,color=true")
 
 
+@pytest.mark.parametrize("arg,reader", [("image_encoder=digits,canvas=16x16", "image_encoder=pairs"),
+                                        ("scale=2", "image_encoder=digits"), ("kinds=count", "bundled strips")])
+def test_a_config_argument_the_chosen_image_encoder_does_not_read_is_refused_not_ignored(arg, reader):
+  from configs import vlm_tsv as vlm_tsv_config
+  with pytest.raises(ValueError, match=f"config argument {arg.split(',')[-1]}: read by .*{reader}"):
+    vlm_tsv_config.get_config(arg)
+  assert vlm_tsv_config.get_config("image_encoder=digits,scale=2,color=false").data.scale == 2  # its own, defaults
+
+
 def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_task.VLMTask:
   """The VLM task of a user's pairs (configs/vlm_tsv.py, llava) on the tiny chain's frozen parts: train_text and
   eval_text are the pairs files' contents, each line's image ok.png, a flat grey 8 x 8."""
