@@ -446,6 +446,16 @@ def test_eval_generates_up_to_the_longest_reference_so_none_is_cut_short(tmp_pat
   assert limits == [len(task.tokenizer.encode(long_caption)) + 1] and limits[0] > 8
 
 
+def test_new_tokens_past_the_frozen_lms_context_are_refused_before_anything_compiles(tmp_path):
+  """max_new_tokens=100000 generated 100,000 tokens past the frozen LM's 256 positions, for minutes, where the LM's
+  own task refuses more than its context holds."""
+  with pytest.raises(validation.ConfigError, match="<= 254: the frozen LM's context") as error:
+    _pairs_task(tmp_path, "ok.png\tseven\n", "ok.png\tseven\n", **{"task.decoding.max_new_tokens": 100000})
+  assert error.value.field == "task.decoding.max_new_tokens"
+  assert _pairs_task(tmp_path, "ok.png\tseven\n", "ok.png\tseven\n",
+                     **{"task.decoding.max_new_tokens": 254}).max_new_tokens == 254
+
+
 def test_eval_chrf_is_on_the_translators_0_to_100_scale(tmp_path):
   """The VLM logged chrF on [0, 1] and the translator on sacrebleu's 0-100: one scale for eval/chrf."""
   import sacrebleu

@@ -183,6 +183,11 @@ class VLMTask(task_lib.Task):
     record, tokenizer_path, self.weights = frozen.load(config, workdir, mode)
     self.encoder_model = ConfigDict(record["encoder_model"])
     self.lm_model = frozen.lm_model_config(ConfigDict(record["lm_model"]), config.model.image_positions)
+    context = self.lm_model.max_length  # the frozen LM's context, as its own task bounds its answers
+    if self.max_new_tokens > context - 2:  # BOS and one prompt token at least
+      raise validation.ConfigError("task.decoding.max_new_tokens", self.max_new_tokens,
+                                   f"must be <= {context - 2}: the frozen LM's context (model.max_length={context} "
+                                   f"of {config.model.lm_workdir}) holds a prompt's BOS, its tokens and the new ones")
     self.vocab_size = record["vocab_size"]
     decoding_config.note_top_k(config, self.vocab_size)
     self.tokenizer = tokenizers.SentencePieceTokenizer(tokenizer_path)
