@@ -40,6 +40,14 @@ def test_reads_pairs_in_order_with_paths_relative_to_the_file(folder, monkeypatc
   assert {e.kind for e in examples} == {"user"}
 
 
+def test_a_path_from_the_home_folder_is_read_there_as_an_infer_lines_is(folder, tmp_path_factory, monkeypatch):
+  """`~/sub/one.jpg` was read as <the file's folder>/~/sub/one.jpg, 'does not exist'."""
+  pairs_folder = tmp_path_factory.mktemp("pairs")
+  monkeypatch.setenv("HOME", str(folder))
+  (example,) = read_image_text_pairs(write(pairs_folder, b"~/sub/one.jpg\tone\n"), canvas=CANVAS)
+  assert example.images[0].shape == (8, 8)
+
+
 def test_images_are_grey_ink_high_and_fit_the_canvas_keeping_aspect(folder):
   first, second = read_image_text_pairs(write(folder, b"seven two.png\ta\nsub/one.jpg\tb\n"), canvas=CANVAS)
   assert first.images[0].shape == (8, 16) and second.images[0].shape == (8, 8)

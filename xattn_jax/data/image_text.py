@@ -1,8 +1,8 @@
 """A user's image-caption pairs: UTF-8 lines of ``image_path<TAB>text``, checked before training starts.
 
 Decisions (those of data.tsv, plus the image):
-  * An image path is relative to the folder of the file that names it (an absolute path is kept), so a
-    folder of images and its pairs file can move together.
+  * An image path is relative to the folder of the file that names it (an absolute path is kept, and `~` is the
+    home folder, as in an infer line), so a folder of images and its pairs file can move together.
   * PNG and JPEG (anything Pillow opens) are read grey-scale (or RGB with ``grey=False``) in [0, 1], ink
     high, by data.image_files as every user's image is (EXIF orientation, deep images, transparency): a mostly
     light image (dark ink on paper) is inverted, so a photo of a written number looks like the bundled digits.
@@ -91,7 +91,7 @@ def _line_problem(raw: bytes, folder: str) -> tuple[str | None, tuple[str, str] 
       return f"empty {side}", None
   if IMAGE_TOKEN in text:  # the LM would read it as an image's place (and never write it)
     return f"the text holds {IMAGE_TOKEN!r}, the language model's image marker: reword it", None
-  return None, (os.path.join(folder, image_path.strip()), text)
+  return None, (os.path.join(folder, os.path.expanduser(image_path.strip())), text)
 
 
 def _pair_lines(path) -> list[tuple[int, str | None, tuple[str, str] | None]]:
