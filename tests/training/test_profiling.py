@@ -109,6 +109,19 @@ def test_a_window_past_the_last_step_is_a_config_error():
     validation.validate_config(config)
 
 
+def test_a_window_inside_the_last_call_is_a_config_error():
+  """steps_per_call=16 over 8 steps is one call, from step 0: a trace from step 4 began with no call, and the run
+  ended without a word and without a profile."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"total_steps": 8, "steps_per_call": 16, "profile.first_step": 4,
+                                     "profile.num_steps": 2})
+  with pytest.raises(validation.ConfigError, match=r"^config\.profile\.first_step=4: no training call starts at or "
+                                                   r"after it: the last one runs steps 1-8 \(steps_per_call=16\)"):
+    validation.validate_config(config)
+  config.steps_per_call = 4  # calls 1-4 and 5-8
+  validation.validate_config(config)
+
+
 def test_each_process_of_a_multi_process_run_traces_into_its_own_folder(tmp_path):
   """jax.profiler names trace files by host and second: two processes of one host wrote the same files."""
   config = template.get_config("size=tiny")

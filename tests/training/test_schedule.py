@@ -31,6 +31,17 @@ def test_calls_end_at_every_eval_checkpoint_and_the_last_step(steps_per_call, to
   assert all(b - a == steps_per_call for a, b in zip(starts, ends) if b not in must_end)
 
 
+@pytest.mark.parametrize("steps_per_call,total,eval_every,checkpoint_every,start", [
+    (4, 20, 5, 7, 0), (16, 8, 500, 500, 0), (8, 1000, 500, 500, 0), (3, 7, 100, 100, 2), (4, 20, 5, 7, 15)])
+def test_last_call_start_is_where_the_walked_calls_last_begin(steps_per_call, total, eval_every, checkpoint_every,
+                                                              start):
+  config = _config(steps_per_call, total, eval_every, checkpoint_every)
+  step = start
+  while step + schedule.steps_in_call(step, config) < total:
+    step += schedule.steps_in_call(step, config)
+  assert schedule.last_call_start(config, start) == step
+
+
 @pytest.mark.parametrize("step", [-1, 20, 21])
 def test_a_call_must_start_inside_the_run(step):
   with pytest.raises(ValueError, match=f"step={step}"):

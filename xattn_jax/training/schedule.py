@@ -55,6 +55,14 @@ def steps_in_call(step: int, config) -> int:
   return count
 
 
+def last_call_start(config, start: int = 0) -> int:
+  """The step after which the last call of a run that starts after `start` begins: calls of steps_per_call steps
+  from `start`, cut at every eval and checkpoint (length bucketing may cut them more)."""
+  last, size = config.total_steps - 1, steps_per_call(config)
+  boundary = max(start, *(last // every * every for every in (config.eval_every_steps, config.checkpoint.every_steps)))
+  return boundary + (last - boundary) // size * size
+
+
 @dataclasses.dataclass(frozen=True)
 class CallEnd:
   """What the loop does after a call that ended at some step."""

@@ -21,7 +21,7 @@ from xattn_jax.layers import positions as position_layers
 from xattn_jax.ops import attention as attention_ops
 from xattn_jax.ops import positions as position_ops
 from xattn_jax.training import checkpoints as checkpoints_lib
-from xattn_jax.training import optim
+from xattn_jax.training import optim, schedule
 from xattn_jax.training import task as tasks_lib
 
 # The choices of code elsewhere are read from the registry that implements them: optimizers and
@@ -269,6 +269,19 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
       check_attention_dims(model_config[key], f"{prefix}.{key}", position_encoding)
 
 
+def _check_profile_window(config, start: int):
+  """The trace starts with the first call that begins at or after profile.first_step: a window inside the last call
+  of a run that trains on from `start` would trace nothing."""
+  if start >= config.total_steps:
+    return
+  last_start = schedule.last_call_start(config, start)
+  if config.profile.first_step > last_start:
+    raise ConfigError("profile.first_step", config.profile.first_step,
+                      f"no training call starts at or after it: the last one runs steps {last_start + 1}-"
+                      f"{config.total_steps} (steps_per_call={schedule.steps_per_call(config)}); use at most "
+                      f"{last_start}, or a smaller steps_per_call")
+
+
 # optimizer field -> (test, what it must be); a field a config does not have is not checked.
 _OPTIMIZER_NUMBERS = {
     "learning_rate": (lambda v: v > 0, "must be > 0"),
@@ -336,6 +349,8 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     if config.profile.num_steps and config.profile.first_step >= config.total_steps:
       raise ConfigError("profile.first_step", config.profile.first_step,
                         f"must be below total_steps ({config.total_steps}) to trace any step")
+    if mode == "train" and config.profile.num_steps:
+      _check_profile_window(config, max(checkpoints_lib.step_numbers(workdir), default=0) if workdir else 0)
   require_choice(config, "optimizer.name", optim.OPTIMIZERS)
   require_choice(config, "optimizer.schedule", optim.SCHEDULES)
   _check_optimizer_numbers(config.optimizer)
