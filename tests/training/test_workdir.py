@@ -111,10 +111,18 @@ def test_an_eval_may_lengthen_the_context_and_rescale_rope_but_not_a_learned_tab
       workdir.check_same_model(longer, str(tmp_path), mode=mode)
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length=1024"):  # the first (the kernel
     workdir.check_same_model(longer, str(tmp_path), mode="train")  # may change: COMPUTE_FIELDS)
-  wider = module.get_config(f"posenc={posenc}")
-  wider.model.scan_layers = not wider.model.scan_layers  # the parameters' layout
-  with pytest.raises(validation.ConfigError, match=r"^config\.model\.scan_layers"):
-    workdir.check_same_model(wider, str(tmp_path), mode="eval")
+
+
+@pytest.mark.parametrize("module", [lm_text, translate_dates])
+def test_any_mode_may_scan_or_unroll_the_layers_of_a_run(tmp_path, module):
+  """layer_stack keeps the same stacked parameters either way: a scanned run's eval, infer or resume unrolled was
+  refused as if it read another model ("eval reads the model as it was trained")."""
+  workdir.write_config(module.get_config(), str(tmp_path))
+  _with_checkpoint(tmp_path)
+  other = module.get_config()
+  other.model.scan_layers = not other.model.scan_layers
+  for mode in ("train", "eval", "infer"):
+    workdir.check_same_model(other, str(tmp_path), mode=mode)
 
 
 def test_a_run_made_before_a_model_field_existed_is_pointed_to_its_own_config(tmp_path):

@@ -267,8 +267,9 @@ def _differences(old: dict, config, workdir: str) -> dict[str, tuple]:
 
 
 # Fields that choose how the model computes, not what its parameters are or how they are stored: a resumed run,
-# an eval or an infer may set them otherwise (another attention kernel, rematerialization to fit memory).
-COMPUTE_FIELDS = ("model.implementation", "model.remat")
+# an eval or an infer may set them otherwise (another attention kernel, rematerialization to fit memory, the
+# stacked layers scanned or unrolled: layers.layer_stack keeps the same parameters either way).
+COMPUTE_FIELDS = ("model.implementation", "model.remat", "model.scan_layers")
 # Fields that choose how the parameters are stored: a resumed run keeps them (eval and infer may read otherwise).
 STORAGE_FIELDS = ("precision.param_dtype",)
 
