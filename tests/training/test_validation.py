@@ -318,6 +318,14 @@ def test_batch_not_divisible_by_the_data_shards_is_a_config_error(field):
     validation.validate_config(config, device_count=4)
 
 
+def test_a_mesh_whose_set_axes_do_not_divide_the_devices_names_them():
+  """--config.mesh.tensor=3 on one device read 'config.mesh.data=-1: the other axes (3 devices) do not divide the 1
+  devices': the default axis was named, not the one to change."""
+  with pytest.raises(validation.ConfigError, match=r"^config\.mesh\.data=-1: the other axes \(mesh\.fsdp=1 x "
+                                                   r"mesh\.tensor=3 = 3 devices\) do not divide the 1 devices$"):
+    validation.mesh_shape({"data": -1, "fsdp": 1, "tensor": 3}, 1)
+
+
 def test_mesh_minus_one_takes_the_remaining_devices():
   assert validation.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
 

@@ -150,9 +150,10 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   for size in sizes.values():
     fixed *= size if size != -1 else 1
   if free:
-    if device_count % fixed:
+    if device_count % fixed:  # the axes set (mesh.tensor=3), not the one left to take the rest, are what to change
+      others = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items() if size != -1)
       raise ConfigError(f"mesh.{free[0]}", -1,
-                        f"the other axes ({fixed} devices) do not divide the {device_count} devices")
+                        f"the other axes ({others} = {fixed} devices) do not divide the {device_count} devices")
     sizes[free[0]] = device_count // fixed
   elif fixed != device_count:
     raise ConfigError("mesh", dict(sizes), f"needs {fixed} devices, but {device_count} are available (a "
