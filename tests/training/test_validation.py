@@ -531,6 +531,20 @@ def test_eval_and_infer_of_a_fine_tuned_run_do_not_need_the_run_it_started_from(
   validation.validate_config(config, mode="train", workdir=str(tmp_path / "run"))  # one that resumes does not
 
 
+def test_init_from_a_runs_workdir_is_refused_naming_its_checkpoints_directory(tmp_path):
+  """--config.init_from=RUN (not RUN/checkpoints) compiled the model, then ended in a FileNotFoundError traceback."""
+  (tmp_path / "run" / "checkpoints" / "4" / "model").mkdir(parents=True)
+  config = template.get_config("size=tiny")
+  config.init_from = str(tmp_path / "run")
+  with pytest.raises(validation.ConfigError, match=rf"^config\.init_from='{tmp_path / 'run'}': holds no checkpoint: "
+                                                   rf"name a run's checkpoints directory or one step in it, here "
+                                                   rf"{tmp_path / 'run' / 'checkpoints'}$"):
+    validation.validate_config(config, workdir=str(tmp_path / "fresh"))
+  for path in ("run/checkpoints", "run/checkpoints/4"):
+    config.init_from = str(tmp_path / path)
+    validation.validate_config(config, workdir=str(tmp_path / "fresh"))
+
+
 def test_a_data_file_that_is_a_pipe_is_refused_as_one_not_as_missing(tmp_path):
   """--config.data.train_file=<(zcat corpus.gz) names /dev/fd/63, a pipe, which was refused as "no such file"."""
   os.mkfifo(tmp_path / "pipe")

@@ -271,6 +271,11 @@ def restore_params(workdir: str, step: int, build) -> dict:
   return _select(restored, nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
 
 
+def holds_checkpoint(path: str) -> bool:
+  """Whether `path` is what restore_model_from reads: a step directory, or a directory of numbered steps."""
+  return os.path.isdir(os.path.join(path, "model")) or any(name.isdigit() for name in os.listdir(path))
+
+
 def restore_model_from(path: str, abstract_model):
   """The `model` item of a checkpoint: `path` is a step directory or a checkpoints directory (latest)."""
   path = os.path.abspath(path)

@@ -392,9 +392,13 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                           f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
   # Only a fresh training reads it: eval, infer and a training that resumes read the run's own checkpoints (which
   # hold what init_from gave it, and may outlive it).
-  if (mode == "train" and config.init_from and not os.path.isdir(config.init_from)
-      and not (workdir and checkpoints_lib.step_numbers(workdir))):
-    raise ConfigError("init_from", config.init_from, "no such checkpoint directory")
+  if mode == "train" and config.init_from and not (workdir and checkpoints_lib.step_numbers(workdir)):
+    if not os.path.isdir(config.init_from):
+      raise ConfigError("init_from", config.init_from, "no such checkpoint directory")
+    if not checkpoints_lib.holds_checkpoint(config.init_from):  # a run's workdir, say: its steps are one folder down
+      inside = os.path.join(config.init_from, "checkpoints")
+      raise ConfigError("init_from", config.init_from, "holds no checkpoint: name a run's checkpoints directory or "
+                        f"one step in it{', here ' + inside if checkpoints_lib.step_numbers(config.init_from) else ''}")
   if mode == "infer" and config.infer.input_file != "-":
     require_file("infer.input_file", config.infer.input_file)
   if "cpu_devices" in config:  # a run's config.py written before the field existed has none
