@@ -326,6 +326,15 @@ def test_a_mesh_whose_set_axes_do_not_divide_the_devices_names_them():
     validation.mesh_shape({"data": -1, "fsdp": 1, "tensor": 3}, 1)
 
 
+def test_a_sharding_rule_naming_a_mesh_axis_twice_is_a_config_error():
+  """--config.sharding_rules.heads=tensor,tensor passed validation and ended in JAX's DuplicateSpecError traceback."""
+  config = template.get_config("size=tiny")
+  config.sharding_rules.heads = "tensor, tensor"
+  with pytest.raises(validation.ConfigError, match=r"^config\.sharding_rules\.heads='tensor, tensor': names mesh axis "
+                                                   r"'tensor' twice; each at most once$"):
+    validation.validate_config(config)
+
+
 def test_mesh_minus_one_takes_the_remaining_devices():
   assert validation.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
 

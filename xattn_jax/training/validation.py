@@ -386,10 +386,13 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
   require_choice(config, "precision.compute_dtype", DTYPES)
   for name, axes in config.sharding_rules.items():
     require_string(f"sharding_rules.{name}", axes, "data,fsdp")
-    for axis in filter(None, axes.split(",")):
-      if axis.strip() not in MESH_AXES:
+    named = [axis.strip() for axis in axes.split(",") if axis.strip()]
+    for axis in named:
+      if axis not in MESH_AXES:
         raise ConfigError(f"sharding_rules.{name}", axes,
                           f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
+      if named.count(axis) > 1:  # JAX refuses a PartitionSpec that maps one mesh axis to a dimension twice
+        raise ConfigError(f"sharding_rules.{name}", axes, f"names mesh axis {axis!r} twice; each at most once")
   # Only a fresh training reads it: eval, infer and a training that resumes read the run's own checkpoints (which
   # hold what init_from gave it, and may outlive it).
   if mode == "train" and config.init_from and not (workdir and checkpoints_lib.step_numbers(workdir)):
