@@ -314,6 +314,20 @@ def test_max_epochs_on_a_task_that_does_not_count_its_epochs_is_refused_before_a
     Trainer(config, str(tmp_path))
 
 
+def test_a_profile_window_past_where_max_epochs_ends_the_run_is_refused_before_anything_compiles(tmp_path,
+                                                                                               monkeypatch):
+  """Validation saw total_steps=100 as written; the passes ended the run at step 4, and it ended without a trace
+  and without a word."""
+  monkeypatch.setattr(template_task.TemplateTask, "steps_per_epoch", lambda self: 4)
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"total_steps": 100, "max_epochs": 1.0, "steps_per_call": 2,
+                                     "profile.first_step": 40, "profile.num_steps": 2})
+  validation.validate_config(config, workdir=str(tmp_path))
+  with pytest.raises(validation.ConfigError, match=r"^config\.profile\.first_step=40: training ends at step 4, "
+                                                   r"before it; use at most 2$"):
+    Trainer(config, str(tmp_path))
+
+
 # --- gradient accumulation (config.num_microbatches) ----------------------------------------------
 
 _LM = ("--config=configs/lm_text.py:tokenizer=bytes", "--config.model.d_model=32", "--config.model.num_heads=2",

@@ -167,6 +167,8 @@ class Trainer:
     sized = _sized_by_epochs(config, self.task) if mode == "train" else config
     self.ended_by_epochs = sized is not config  # max_epochs ends the run before the total_steps written
     self.config = config = sized
+    if self.ended_by_epochs:  # validation saw the total_steps written
+      validation.check_profile_window(config, workdir)
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = config.sharding_rules
     self.process_index, self.process_count = jax.process_index(), jax.process_count()

@@ -270,12 +270,18 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
       check_attention_dims(model_config[key], f"{prefix}.{key}", position_encoding)
 
 
-def _check_profile_window(config, start: int):
+def check_profile_window(config, workdir: str | None):
   """The trace starts with the first call that begins at or after profile.first_step: a window inside the last call
-  of a run that trains on from `start` would trace nothing."""
+  of a run that trains on from the checkpoint in `workdir` (or from scratch) would trace nothing."""
+  if not config.get("profile", {}).get("num_steps"):
+    return
+  start = max(checkpoints_lib.step_numbers(workdir), default=0) if workdir else 0
   if start >= config.total_steps:
     return
   last_start = schedule.last_call_start(config, start)
+  if config.profile.first_step >= config.total_steps:  # where max_epochs ends the run (Trainer)
+    raise ConfigError("profile.first_step", config.profile.first_step,
+                      f"training ends at step {config.total_steps}, before it; use at most {last_start}")
   if config.profile.first_step > last_start:
     raise ConfigError("profile.first_step", config.profile.first_step,
                       f"no training call starts at or after it: the last one runs steps {last_start + 1}-"
@@ -350,8 +356,8 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     if config.profile.num_steps and config.profile.first_step >= config.total_steps:
       raise ConfigError("profile.first_step", config.profile.first_step,
                         f"must be below total_steps ({config.total_steps}) to trace any step")
-    if mode == "train" and config.profile.num_steps:
-      _check_profile_window(config, max(checkpoints_lib.step_numbers(workdir), default=0) if workdir else 0)
+    if mode == "train":
+      check_profile_window(config, workdir)
   require_choice(config, "optimizer.name", optim.OPTIMIZERS)
   require_choice(config, "optimizer.schedule", optim.SCHEDULES)
   _check_optimizer_numbers(config.optimizer)
