@@ -273,8 +273,8 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
 def check_profile_window(config, workdir: str | None):
   """The trace starts with the first call that begins at or after profile.first_step: a window inside the last call
   of a run that trains on from the checkpoint in `workdir` (or from scratch) would trace nothing."""
-  if not config.get("profile", {}).get("num_steps"):
-    return
+  if not config.get("profile", {}).get("num_steps") or config.get("data", {}).get("length_bucketing"):
+    return  # batches of another length cut calls where the data says: more calls start than the schedule's
   start = max(checkpoints_lib.step_numbers(workdir), default=0) if workdir else 0
   if start >= config.total_steps:
     return
