@@ -1,10 +1,13 @@
 """The config record of a workdir: written, read back, compared with a new config."""
 import json
 
+import jax
 import pytest
+from flax import nnx
 
 from configs import lm_text, template, translate_dates, translate_tsv, vlm_digits
-from xattn_jax.training import loop, records, validation, workdir
+from tests import helpers
+from xattn_jax.training import loop, records, task as task_lib, validation, workdir
 from xattn_jax.training.errors import DataError, RunError
 
 # Their runs compile the same programs again and again: each a cache hit after the first (conftest.py).
@@ -123,6 +126,19 @@ def test_any_mode_may_scan_or_unroll_the_layers_of_a_run(tmp_path, module):
   other.model.scan_layers = not other.model.scan_layers
   for mode in ("train", "eval", "infer"):
     workdir.check_same_model(other, str(tmp_path), mode=mode)
+
+
+@pytest.mark.parametrize("spec", ["configs/template.py:size=tiny", "configs/lm_text.py:size=micro,tokenizer=bytes",
+                                  "configs/algorithmic.py:size=micro", "configs/perceiver_digits.py",
+                                  "configs/vit_digits.py"])
+def test_scanned_and_unrolled_models_hold_the_same_parameters_so_one_checkpoint_serves_both(spec, tmp_path):
+  """What lets any mode set model.scan_layers otherwise: the state a checkpoint restores has one tree of shapes."""
+  states = []
+  for scan in (False, True):
+    config = helpers.load_config(f"--config={spec}", f"--config.model.scan_layers={scan}")
+    task = task_lib.get_task_class(config.task.name)(config, str(tmp_path), "train")
+    states.append(jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(helpers.abstract_model(task))))
+  assert jax.tree.structure(states[0]) == jax.tree.structure(states[1]) and states[0] == states[1]
 
 
 def test_a_run_made_before_a_model_field_existed_is_pointed_to_its_own_config(tmp_path):
