@@ -295,35 +295,12 @@ def test_infer_may_decode_differently_but_training_may_not_change_the_data(dates
 
 
 @pytest.mark.slow
-def test_tsv_config_trains_on_a_user_corpus(tmp_path):
-  """... for as many passes over it as max_epochs asks (40 pairs, batches of 8: 5 steps a pass), before
-  total_steps."""
-  corpus = "".join(f"{n} cats\t{n} chats\n" for n in range(40))
-  (tmp_path / "train.tsv").write_text(corpus)
-  (tmp_path / "eval.tsv").write_text("41 cats\t41 chats\n")
-  overrides = {**TINY, "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
-               "data.tokenizer": "bytes", "total_steps": 20, "max_epochs": 1.0, "min_steps": 0}
-  result = launch("configs/translate_tsv.py", tmp_path / "work", overrides)
-  assert result.returncode == 0, result.stderr[-3000:]
-  rows = helpers.metric_rows(tmp_path / "work")
-  assert "eval/chrf" in rows[-1] and rows[-1]["step"] == 5, rows[-1]
-  assert json.loads((tmp_path / "work" / "config.json").read_text())["total_steps"] == 20  # as written
-  fewer = launch("configs/translate_tsv.py", tmp_path / "work", {**overrides, "max_epochs": 0.5})  # ends at 3
-  assert fewer.returncode == 2 and "config.max_epochs=0.5: its passes end at step 3, but the run in" in fewer.stderr, \
-      fewer.stderr[-3000:]
-  # Evaluation needs the run's workdir and the eval file; inference only the workdir.
-  (tmp_path / "train.tsv").unlink()
-  evaluated = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=eval")
-  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-  (tmp_path / "eval.tsv").unlink()
-  answer = helpers.launch(tmp_path / "work" / "config.py", tmp_path / "work", "--mode=infer", stdin="7 cats\n")
-  assert answer.returncode == 0 and len(answer.stdout.splitlines()) == 1, answer.stderr[-3000:]
-
-
 @pytest.mark.slow
-def test_a_run_ended_by_its_passes_resumes_exactly_after_sigterm(tmp_path):
-  """The end that max_epochs sets (step 10 of total_steps 40: 2 passes of 5 steps) and the learning-rate decay
-  toward it hold across a SIGTERM and a restart: the same losses, the same end, the same final eval."""
+def test_a_user_corpus_trains_for_its_passes_resumes_exactly_after_sigterm_and_evaluates_without_its_files(tmp_path):
+  """The tsv config trains for as many passes over a user's corpus as max_epochs asks (40 pairs, batches of 8: 5
+  steps a pass; step 10 of total_steps 40), and that end and the learning-rate decay toward it hold across a SIGTERM
+  and a restart: the same losses, the same end, the same final eval. Then evaluation needs the run's workdir and the
+  eval file, inference only the workdir."""
   (tmp_path / "train.tsv").write_text("".join(f"{n} cats\t{n} chats\n" for n in range(40)))
   (tmp_path / "eval.tsv").write_text("41 cats\t41 chats\n")
   overrides = {**TINY, "data.train_file": tmp_path / "train.tsv", "data.eval_file": tmp_path / "eval.tsv",
@@ -354,7 +331,18 @@ def test_a_run_ended_by_its_passes_resumes_exactly_after_sigterm(tmp_path):
             {k: v for k, v in last_eval.items() if k == "step" or k.startswith("eval/")})
   (losses, last_eval), (reference_losses, reference_eval) = map(losses_and_last_eval, (workdir, tmp_path / "reference"))
   assert losses == reference_losses and sorted(losses) == list(range(1, 11))
-  assert last_eval == reference_eval and last_eval["step"] == 10
+  assert last_eval == reference_eval and last_eval["step"] == 10 and "eval/chrf" in last_eval
+  run = tmp_path / "reference"
+  assert json.loads((run / "config.json").read_text())["total_steps"] == 40  # as written
+  fewer = launch("configs/translate_tsv.py", run, {**overrides, "max_epochs": 1.0})  # ends at 5
+  assert fewer.returncode == 2 and "config.max_epochs=1.0: its passes end at step 5, but the run in" in fewer.stderr, \
+      fewer.stderr[-3000:]
+  (tmp_path / "train.tsv").unlink()
+  evaluated = helpers.launch(run / "config.py", run, "--mode=eval")
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  (tmp_path / "eval.tsv").unlink()
+  answer = helpers.launch(run / "config.py", run, "--mode=infer", stdin="7 cats\n")
+  assert answer.returncode == 0 and len(answer.stdout.splitlines()) == 1, answer.stderr[-3000:]
 
 
 def test_the_tsv_default_budget_grows_with_the_corpus_from_the_dates_1200_steps():
