@@ -124,8 +124,8 @@ class SegmentTask(task_lib.Task):
     if data.min_digits > data.max_digits:
       raise validation.ConfigError("data.min_digits", data.min_digits,
                                    f"must be at most data.max_digits={data.max_digits}")
-    if not validation.is_number(data.threshold) or not 0.0 <= data.threshold < 16.0:
-      raise validation.ConfigError("data.threshold", data.threshold, "must be in [0, 16) (the digits' 0..16 scale)")
+    validation.require_non_negative_number(config, "data.threshold", "must be in [0, 16) (the digits' 0..16 scale)",
+                                           below=16.0)
     if not validation.is_number(data.min_visible) or not 0.0 <= data.min_visible <= 1.0:
       raise validation.ConfigError("data.min_visible", data.min_visible, "must be in [0, 1]")
     if not validation.is_number(data.test_fraction) or not 0.0 < data.test_fraction < 1.0:

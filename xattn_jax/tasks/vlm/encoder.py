@@ -158,9 +158,7 @@ class StripEncoderTask(task_lib.Task):
                                    f"must be below a digit's side {position_width}")
     check_grid(config)
     check_eval_split(config)
-    smoothing = config.task.label_smoothing
-    if not validation.is_number(smoothing) or not 0.0 <= smoothing < 1.0:
-      raise validation.ConfigError("task.label_smoothing", smoothing, "must be a number in [0, 1)")
+    validation.require_non_negative_number(config, "task.label_smoothing", "must be a number in [0, 1)", below=1.0)
 
   def __init__(self, config, workdir=None, mode="train"):
     super().__init__(config, workdir, mode)
