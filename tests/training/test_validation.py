@@ -361,6 +361,22 @@ def test_task_can_be_named_by_module_path():
   assert task_lib.get_task_class("xattn_jax.tasks.template:TemplateTask") is TemplateTask
 
 
+def test_a_task_path_that_does_not_resolve_says_why(tmp_path, monkeypatch):
+  """A user's "mytasks.sorter:SortTask" whose folder was not on PYTHONPATH, or whose class name was misspelt, was
+  answered "allowed are [...] or 'package.module:TaskClass'", the form they had written."""
+  with pytest.raises(KeyError, match=r"module 'mytasks.sorter' cannot be imported \(No module named 'mytasks'\): "
+                                     r"put the folder that holds it on PYTHONPATH"):
+    task_lib.get_task_class("mytasks.sorter:SortTask")
+  with pytest.raises(KeyError, match=r"module 'xattn_jax.tasks.template' has no Task subclass 'Template'; its Task "
+                                     r"subclasses: \['TemplateTask'\]"):
+    task_lib.get_task_class("xattn_jax.tasks.template:Template")
+  # a module that imports something missing itself: its own error, not "cannot be imported"
+  (tmp_path / "broken_task.py").write_text("import no_such_dependency\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ModuleNotFoundError, match="no_such_dependency"):
+    task_lib.get_task_class("broken_task:Task")
+
+
 # --- one owner per list of choices ---------------------------------------------------------------
 
 @pytest.mark.parametrize("field, registry", [

@@ -409,7 +409,8 @@ def allowed_names() -> list[str]:
 def get_task_class(name: str) -> type[Task]:
   """The Task class for a registered short name or a "package.module:ClassName" path.
 
-  Raises KeyError (with the allowed names) for an unknown name.
+  Raises KeyError saying why: an unknown name (with the allowed names), a module that cannot be imported, or one
+  without that Task subclass.
   """
   if name not in _REGISTRY and name in TASK_MODULES:
     try:
@@ -422,11 +423,18 @@ def get_task_class(name: str) -> type[Task]:
     raise KeyError(f"{TASK_MODULES[name]} registers no task {name!r} (TASK_MODULES names it so): its @register(...) "
                    f"name must be the same; registered: {sorted(_REGISTRY)}")
   module_name, colon, class_name = name.partition(":")
-  if colon:
-    try:
-      cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError):
-      cls = None
-    if isinstance(cls, type) and issubclass(cls, Task):
-      return cls
-  raise KeyError(f"allowed are {allowed_names()} or 'package.module:TaskClass'")
+  if not (colon and module_name and class_name):
+    raise KeyError(f"allowed are {allowed_names()} or 'package.module:TaskClass'")
+  try:
+    module = importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+      raise  # the user's module imports something missing: its own traceback says what
+    raise KeyError(f"module {module_name!r} cannot be imported ({e}): put the folder that holds it on PYTHONPATH "
+                   f"(launch.py's own folder is on it, the working directory is not)") from None
+  cls = getattr(module, class_name, None)
+  if not (isinstance(cls, type) and issubclass(cls, Task)):
+    found = sorted(key for key, value in vars(module).items()
+                   if isinstance(value, type) and issubclass(value, Task) and value.__module__ == module_name)
+    raise KeyError(f"module {module_name!r} has no Task subclass {class_name!r}; its Task subclasses: {found}")
+  return cls
