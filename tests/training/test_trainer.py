@@ -527,6 +527,49 @@ class MeanOnlyTask(template_task.TemplateTask):
     return loss_sum / weight_sum, {}
 
 
+class ExtraRowTask(template_task.TemplateTask):
+  """A user's task whose train_batch keeps one row too many, and whose eval batches come as lists."""
+
+  def train_batch(self, step, *, process_index, process_count):
+    batch = super().train_batch(step, process_index=process_index, process_count=process_count)
+    return {name: np.concatenate([rows, rows[:1]]) for name, rows in batch.items()}
+
+  def eval_batches(self, *, process_index, process_count):
+    for batch in super().eval_batches(process_index=process_index, process_count=process_count):
+      yield list(batch.values())
+
+
+class VectorLossTask(template_task.TemplateTask):
+  """A user's task whose loss_terms sums over the batch only, leaving the positions axis."""
+
+  def loss_terms(self, model, batch, *, rngs):
+    loss_sum, weight_sum, aux = super().loss_terms(model, batch, rngs=rngs)
+    return loss_sum * jnp.ones(3), weight_sum, aux
+
+
+@pytest.mark.parametrize("microbatches, method", [(1, "loss"), (2, "loss_terms")])
+def test_a_users_batches_and_loss_that_break_the_task_contract_are_named_in_one_line(tmp_path, microbatches, method):
+  """A train batch of 33 rows for a batch_size of 32 ended in JAX's make_array_from_process_local_data error
+  ("global_shape=(8, 32, 12) and local_data.shape=(8, 33, 12)"), a list of arrays in "list indices must be
+  integers", a loss of shape (3,) in "Gradient only defined for scalar-output functions"."""
+  config = template.get_config("size=tiny")
+  config.task.name = "tests.training.test_trainer:ExtraRowTask"
+  trainer = Trainer(config, str(tmp_path / "rows"), "train")
+  with pytest.raises(RunError, match=re.escape("ExtraRowTask.train_batch(step 5) gave ['inputs'] of shape (33, 12): "
+                                               "every array needs 32 rows on axis 0 (batch_size 32 over 1 process")):
+    trainer.read_train_batch(5)
+  with pytest.raises(RunError, match="ExtraRowTask.eval_batches gave a list: the Task contract asks for a dict"):
+    trainer.evaluate(trainer.abstract_state)
+  config.task.name = "tests.training.test_trainer:VectorLossTask"
+  config.num_microbatches = microbatches
+  trainer = Trainer(config, str(tmp_path / "loss"), "train")
+  batch = trainer.batch(trainer.read_train_batch(0), config.batch_size, stacked=False)
+  with pytest.raises(RunError, match=re.escape(f"VectorLossTask.{method} gave ") + "(the loss|loss_sum)" +
+                     re.escape(" of shape (3,): needs a scalar")):
+    jax.eval_shape(trainer.make_train_step(), trainer.abstract_state, jax.tree.map(lambda x: x[None], batch),
+                   jnp.int32(0), jnp.int32(1), jax.random.key(0))
+
+
 @pytest.mark.parametrize("overrides, device_count, message", [
     ({"num_microbatches": 2}, 1, "needs a task whose loss is a sum and a weight (Task.loss_terms); task "
                                  "'tests.training.test_trainer:MeanOnlyTask'"),

@@ -61,6 +61,26 @@ def multi_step(train_step):
   return steps
 
 
+def check_rows(batch, rows: int, where: str, why: str) -> None:
+  """A task's batch as the Task contract asks: a dict of arrays, each with `rows` rows on axis 0. RunError naming
+  the method, the array and its shape otherwise (XLA's own error, raised later, names neither)."""
+  if not isinstance(batch, dict):
+    raise RunError(f"{where} gave a {type(batch).__name__}: the Task contract asks for a dict of arrays, each with "
+                   f"the batch on axis 0")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if np.shape(leaf)[:1] != (rows,):
+      raise RunError(f"{where} gave {jax.tree_util.keystr(path)} of shape {np.shape(leaf)}: every array needs "
+                     f"{rows} rows on axis 0 ({why})")
+
+
+def check_scalars(values: dict, where: str) -> None:
+  """Traced: each of `values` ({name: array}) a scalar, as the loop logs and differentiates them; RunError naming
+  the method and the value otherwise."""
+  for name, value in values.items():
+    if jnp.ndim(value):
+      raise RunError(f"{where} gave {name} of shape {jnp.shape(value)}: needs a scalar (sum or mean over the batch)")
+
+
 def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
   """((mean loss, its gradient wrt the model's nnx.Params), aux means) of the whole batch, computed over
   `microbatches` equal microbatches in sequence: their loss sums, weights, gradient sums and aux (sum, weight)
@@ -76,6 +96,9 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
 
   def terms(model, rows, index):
     total, weight, aux = task.loss_terms(model, rows, rngs=rng.task_rngs(rng_key, step, index))
+    check_scalars({"loss_sum": total, "weight_sum": weight, **{f"aux {name!r} sum": s for name, (s, _) in aux.items()},
+                   **{f"aux {name!r} weight": w for name, (_, w) in aux.items()}},
+                  f"{type(task).__name__}.loss_terms")
     as_float = lambda x: jnp.asarray(x, jnp.float32)  # the scan's carry keeps one dtype (a count may be an int)
     return as_float(total), (as_float(weight), jax.tree.map(as_float, aux))
 
@@ -256,7 +279,10 @@ class Trainer:
 
   def read_train_batch(self, index: int) -> dict:
     """This process's rows of train batch `index` (0-based)."""
-    return self.task.train_batch(index, process_index=self.process_index, process_count=self.process_count)
+    batch = self.task.train_batch(index, process_index=self.process_index, process_count=self.process_count)
+    check_rows(batch, self.config.batch_size // self.process_count, f"{type(self.task).__name__}.train_batch(step "
+               f"{index})", f"batch_size {self.config.batch_size} over {self.process_count} process(es)")
+    return batch
 
   def model(self, state):
     return nnx.merge(self.graphdef, state)[0]
@@ -298,6 +324,8 @@ class Trainer:
 
       def loss_fn(model):
         loss, aux = task.loss(model, batch, rngs=rng.task_rngs(rng_key, step))
+        check_scalars({"the loss": loss, **{f"aux {name!r}": value for name, value in aux.items()}},
+                      f"{type(task).__name__}.loss")
         if nan_at_step >= 0:  # test-only fault injection (static: costs nothing when off)
           loss = jnp.where(step + 1 == nan_at_step, jnp.nan, loss)
         return loss, aux
@@ -329,6 +357,9 @@ class Trainer:
     totals = None
     for local in self.task.eval_batches(process_index=self.process_index,
                                         process_count=self.process_count):
+      check_rows(local, self.config.eval_batch_size // self.process_count,
+                 f"{type(self.task).__name__}.eval_batches",
+                 f"eval_batch_size {self.config.eval_batch_size} over {self.process_count} process(es)")
       sums = self._eval_step(state, self.batch(local, self.config.eval_batch_size))
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     totals = jax.device_get(totals) or {}
