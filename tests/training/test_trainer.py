@@ -540,18 +540,26 @@ class ExtraRowTask(template_task.TemplateTask):
 
 
 class VectorLossTask(template_task.TemplateTask):
-  """A user's task whose loss_terms sums over the batch only, leaving the positions axis."""
+  """A user's task whose loss_terms sums over the batch only, leaving the positions axis; whose eval metrics are
+  means, not (sum, weight) pairs; and whose infer_lines drops the last answer."""
 
   def loss_terms(self, model, batch, *, rngs):
     loss_sum, weight_sum, aux = super().loss_terms(model, batch, rngs=rngs)
     return loss_sum * jnp.ones(3), weight_sum, aux
+
+  def eval_metrics(self, model, batch):
+    return {name: total / weight for name, (total, weight) in super().eval_metrics(model, batch).items()}
+
+  def infer_lines(self, model, lines):
+    return super().infer_lines(model, lines)[:-1]
 
 
 @pytest.mark.parametrize("microbatches, method", [(1, "loss"), (2, "loss_terms")])
 def test_a_users_batches_and_loss_that_break_the_task_contract_are_named_in_one_line(tmp_path, microbatches, method):
   """A train batch of 33 rows for a batch_size of 32 ended in JAX's make_array_from_process_local_data error
   ("global_shape=(8, 32, 12) and local_data.shape=(8, 33, 12)"), a list of arrays in "list indices must be
-  integers", a loss of shape (3,) in "Gradient only defined for scalar-output functions"."""
+  integers", a loss of shape (3,) in "Gradient only defined for scalar-output functions", eval means in "iteration
+  over a 0-d array", one answer short in zip()'s "argument 2 is shorter than argument 1"."""
   config = template.get_config("size=tiny")
   config.task.name = "tests.training.test_trainer:ExtraRowTask"
   trainer = Trainer(config, str(tmp_path / "rows"), "train")
@@ -568,6 +576,13 @@ def test_a_users_batches_and_loss_that_break_the_task_contract_are_named_in_one_
                      re.escape(" of shape (3,): needs a scalar")):
     jax.eval_shape(trainer.make_train_step(), trainer.abstract_state, jax.tree.map(lambda x: x[None], batch),
                    jnp.int32(0), jnp.int32(1), jax.random.key(0))
+  if microbatches == 1:
+    with pytest.raises(RunError, match=re.escape("VectorLossTask.eval_metrics gave 'loss' as an array of shape (): "
+                                                 "the Task contract asks for a (sum, weight) pair of scalars")):
+      trainer.evaluate(trainer.init_state())
+    with pytest.raises(RunError, match=re.escape("VectorLossTask.infer_lines gave 1 answers for 2 lines: the Task "
+                                                 "contract asks for one str per line")):
+      trainer.task.infer(trainer.model(trainer.init_state()), ["abc", "", "ba"])
 
 
 @pytest.mark.parametrize("overrides, device_count, message", [

@@ -92,6 +92,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 import numpy as np
 
 from xattn_jax.training import records
+from xattn_jax.training.errors import RunError
 
 _REGISTRY: dict[str, type["Task"]] = {}
 
@@ -368,6 +369,11 @@ class Task:
       raise InputLineError.of([(asked[index], message) for index, message in error.problems]) from None
     finally:
       self._line_numbers = None
+    if isinstance(answers, str) or len(answers) != len(asked) or not all(isinstance(a, str) for a in answers):
+      got = (f"a {type(answers).__name__}" if isinstance(answers, str) or not hasattr(answers, "__len__") else
+             f"{len(answers)} answers" + ("" if all(isinstance(a, str) for a in answers) else ", not all str"))
+      raise RunError(f"{type(self).__name__}.infer_lines gave {got} for {len(asked)} lines: the Task contract asks "
+                     f"for one str per line")
     by_index = dict(zip(asked, answers, strict=True))
     return [by_index.get(index, "") for index in range(len(lines))]
 

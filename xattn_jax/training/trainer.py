@@ -78,7 +78,20 @@ def check_scalars(values: dict, where: str) -> None:
   the method and the value otherwise."""
   for name, value in values.items():
     if jnp.ndim(value):
-      raise RunError(f"{where} gave {name} of shape {jnp.shape(value)}: needs a scalar (sum or mean over the batch)")
+      raise RunError(f"{where} gave {name} of shape {jnp.shape(value)}: needs a scalar")
+
+
+def check_sum_weight_pairs(metrics, where: str) -> None:
+  """Traced: `metrics` as eval_metrics and loss_terms' aux give them, {name: (sum, weight)} of scalars; RunError
+  naming the method and the metric otherwise."""
+  if not isinstance(metrics, dict):
+    raise RunError(f"{where} gave a {type(metrics).__name__}: the Task contract asks for a dict {{name: (sum, weight)}}")
+  for name, pair in metrics.items():
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+      got = f"an array of shape {jnp.shape(pair)}" if hasattr(pair, "shape") else f"a {type(pair).__name__}"
+      raise RunError(f"{where} gave {name!r} as {got}: the Task contract asks for a (sum, weight) pair of scalars, "
+                     f"whose totals over the batches the loop divides")
+    check_scalars({f"{name!r} sum": pair[0], f"{name!r} weight": pair[1]}, where)
 
 
 def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
@@ -96,9 +109,8 @@ def accumulated_gradients(task, model, batch, microbatches: int, rng_key, step):
 
   def terms(model, rows, index):
     total, weight, aux = task.loss_terms(model, rows, rngs=rng.task_rngs(rng_key, step, index))
-    check_scalars({"loss_sum": total, "weight_sum": weight, **{f"aux {name!r} sum": s for name, (s, _) in aux.items()},
-                   **{f"aux {name!r} weight": w for name, (_, w) in aux.items()}},
-                  f"{type(task).__name__}.loss_terms")
+    check_scalars({"loss_sum": total, "weight_sum": weight}, f"{type(task).__name__}.loss_terms")
+    check_sum_weight_pairs(aux, f"{type(task).__name__}.loss_terms aux")
     as_float = lambda x: jnp.asarray(x, jnp.float32)  # the scan's carry keeps one dtype (a count may be an int)
     return as_float(total), (as_float(weight), jax.tree.map(as_float, aux))
 
@@ -351,9 +363,11 @@ class Trainer:
     derived_eval makes of them, and its host-side extra_eval."""
     if self._eval_step is None:
       task, graphdef = self.task, self.graphdef
-      self._eval_step = jax.jit(
-          lambda s, b: task.eval_metrics(nnx.merge(graphdef, s, copy=True)[0], b),
-          in_shardings=(self.shardings, self.batch_sharding))
+      def eval_step(state, batch):
+        metrics = task.eval_metrics(nnx.merge(graphdef, state, copy=True)[0], batch)
+        check_sum_weight_pairs(metrics, f"{type(task).__name__}.eval_metrics")
+        return metrics
+      self._eval_step = jax.jit(eval_step, in_shardings=(self.shardings, self.batch_sharding))
     totals = None
     for local in self.task.eval_batches(process_index=self.process_index,
                                         process_count=self.process_count):
