@@ -55,4 +55,6 @@ def get_config(arg=None):
   config.model.randomized_positions_max = args.randomized
   config.model.randomized_positions_at_eval = False  # evaluation and decoding: 0..n-1 (True: drawn)
   config.model.scan_layers = False
+  config.model.remat = "none"             # none | full | dots | dots_no_batch
+  config.model.implementation = ""        # ops.attention.IMPLEMENTATIONS; "" = the op's default
   return config

@@ -151,3 +151,14 @@ def test_dates_config_rope_scaling_override_reaches_the_translator(tmp_path):
   model = translate_task.TranslateTask(config, str(tmp_path)).make_model(loop.model_rngs(0), dtype=jnp.float32,
                                                                          param_dtype=jnp.float32)
   assert (model.target_positions.rotary.scaling, model.target_positions.rotary.scaling_factor) == ("linear", 2.0)
+
+
+def test_remat_and_the_attention_implementation_reach_the_model():
+  """configs/algorithmic.py had neither field, and the task built its Translator without them: a length sweep
+  that needed remat or the chunked kernel at long eval bands had no way to ask for it."""
+  config = _config()
+  config.model.remat, config.model.implementation = "full", "chunked"
+  model = algorithmic_task.AlgorithmicTask(config).make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  assert model.remat == "full"
+  implementations = {module.implementation for _, module in nnx.iter_graph(model) if hasattr(module, "implementation")}
+  assert implementations == {"chunked"}, implementations

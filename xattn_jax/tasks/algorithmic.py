@@ -145,7 +145,9 @@ class AlgorithmicTask(task_lib.Task):
     return translator_lib.Translator(
         algorithmic.vocab_size(self.config.task.num_symbols), encoder=side, decoder=side,
         position_encoding=c.position_encoding, max_length=self.max_length, randomized_positions=randomized,
-        scan_layers=c.scan_layers, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **rope_scaling)
+        scan_layers=c.scan_layers, remat=c.get("remat", "none"),  # a run recorded before the two fields has neither
+        implementation=c.get("implementation", "") or None, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        **rope_scaling)
 
   def _examples(self, rng, count, min_length, max_length, width):
     task = self.config.task
