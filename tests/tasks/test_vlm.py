@@ -396,6 +396,27 @@ def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_tas
   return vlm_task.VLMTask(config, None, "train")
 
 
+def test_a_text_past_the_frozen_lms_learned_position_table_is_named_by_file_and_line(tmp_path, monkeypatch):
+  """A caption longer than a learned-position LM's table read NaN positions: the run ended in "TrainingDiverged:
+  train/loss = nan at step 2", naming neither the caption nor the table."""
+  as_built = vlm_frozen.lm_model_config
+  def learned(lm_model, image_positions):
+    lm_model = as_built(lm_model, image_positions)
+    lm_model.position_encoding, lm_model.max_length = "learned", 40
+    return lm_model
+  monkeypatch.setattr(vlm_frozen, "lm_model_config", learned)
+  long = " ".join(["seven"] * 60)
+  Image.fromarray(np.full((8, 8), 60, np.uint8)).save(tmp_path / "dark.png")
+  with pytest.raises(validation.ConfigError, match=r"eval\.tsv:3: the text and its image tokens take \d+ positions; "
+                                                   r"the frozen LM's learned position table holds 40 \(model.max_length"):
+    _pairs_task(tmp_path, "ok.png\tseven\n" * 3, f"ok.png\tseven\nok.png\ttwo\nok.png\t{long}\n")
+  # without an eval file, its line in the training file, on whichever side of the split its image fell
+  with pytest.raises(validation.ConfigError, match=r"train\.tsv:2: the text and its image tokens take"):
+    _pairs_task(tmp_path, f"ok.png\tseven\ndark.png\t{long}\n" + "ok.png\tseven\ndark.png\ttwo\n" * 2, "",
+                **{"data.eval_file": ""})
+  assert _pairs_task(tmp_path, "ok.png\tseven\n" * 3, "ok.png\ttwo\n").length <= 40
+
+
 def test_without_an_eval_file_the_encoder_the_lm_and_the_vlm_hold_out_the_same_pairs(tmp_path):
   """configs/vlm_tsv.py required an eval file. Without one each of the three runs that read the pairs holds out
   image_text.held_out_pairs of the training file, so none trains on a held-out image or its captions."""

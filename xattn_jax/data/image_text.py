@@ -181,6 +181,12 @@ def side_of_split(items: Sequence, path, *, eval_side: bool) -> list:
   return [item for index, item in enumerate(items) if (index in held) == eval_side]
 
 
+def pair_line_numbers(path) -> list[int]:
+  """The 1-based line number of each well-formed ``image_path<TAB>text`` line, in file order: the lines the
+  examples of `read_image_text_pairs` come from."""
+  return [number for number, problem, _ in _pair_lines(path) if problem is None]
+
+
 def read_pair_images(path) -> list[str]:
   """The image path of each well-formed ``image_path<TAB>text`` line (resolved, symlinks too), images not opened."""
   return [os.path.realpath(pair[0]) for _, problem, pair in _pair_lines(path) if problem is None]

@@ -59,6 +59,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from xattn_jax.data import batching, image_text, splits, tokenizers, vlm_digits
+from xattn_jax.layers import positions as position_layers
 from xattn_jax.models import connectors, lm as lm_lib, vlm
 from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
@@ -219,6 +220,7 @@ class VLMTask(task_lib.Task):
     if self.distill_weight:
       self._described_states = distillation.described_states(self.train_layouts, self.lm_model, self._frozen_lm,
                                                              blocks=self.distill_blocks, weight=self.distill_weight)
+    self._check_positions_fit(config)
     lengths = [len(layout.ids) for layout in self.train_layouts + self.eval_layouts]
     self.length = -(-max(lengths, default=8) // 8) * 8  # every row padded to this (static shapes)
     prompts = [p for layout in self.eval_layouts for p, _, _ in layout.targets]
@@ -228,6 +230,29 @@ class VLMTask(task_lib.Task):
     self.prompt_length = -(-max(prompts, default=8) // 8) * 8
     logging.info("VLM %s: %d train / %d eval examples, rows of %d tokens", config.model.connector,
                  len(self.train_examples), len(self.eval_examples), self.length)
+
+  def _check_positions_fit(self, config) -> None:
+    """A frozen LM with a learned position table reads no position past its rows (a longer row read NaN and the
+    run ended as diverged): ConfigError naming the data field, file and lines of the examples that need more."""
+    if not position_layers.get(self.lm_model.position_encoding).max_length_table:
+      return
+    rows = max(self.lm_model.max_length, self.lm_model.get("randomized_positions_max", 0))
+    for side, layouts in (("train", self.train_layouts), ("eval", self.eval_layouts)):
+      long = [(index, len(layout.ids)) for index, layout in enumerate(layouts) if len(layout.ids) > rows]
+      if not long:
+        continue
+      field = "data.train_file" if side == "train" or not config.data.eval_file else "data.eval_file"
+      if config.data.source != "tsv":  # the bundled texts fit the context their LM is trained with
+        raise validation.ConfigError("model.lm_workdir", config.model.lm_workdir, f"its learned position table "
+                                     f"holds {rows} positions, {side} example {long[0][0]} takes {long[0][1]}")
+      path = validation.get_field(config, field)
+      numbers = image_text.pair_line_numbers(path)
+      if not config.data.eval_file:
+        numbers = image_text.side_of_split(numbers, path, eval_side=side == "eval")
+      problems = [(numbers[index], f"the text and its image tokens take {length} positions; the frozen LM's "
+                   f"learned position table holds {rows} (model.max_length of {config.model.lm_workdir}): shorten "
+                   "it, or give the LM rotary positions (posenc=rope in model.lm_config)") for index, length in long]
+      raise validation.ConfigError(field, path, " ".join(str(image_text.ImageTextFormatError(path, problems)).split()))
 
   def _examples(self, side: str) -> list[vlm_digits.VLMExample]:
     data = self.config.data
