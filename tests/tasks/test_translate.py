@@ -669,6 +669,10 @@ def test_a_kept_tokenizer_of_another_corpus_is_refused(tmp_path):
   with pytest.raises(validation.ConfigError, match=r"config\.data\.train_file=.*train.tsv': existing SentencePiece "
                                                    r"model .* was trained on other text \(60 texts, not these 20\)"):
     _tsv_task(tmp_path, lines[:10], ["1 cat\t1 chat"], **sentencepiece)
+  # a run with checkpoints resumes on an edited corpus with the model they read (the loop warns of the edit)
+  (tmp_path / "checkpoints" / "8").mkdir(parents=True)
+  _tsv_task(tmp_path, lines[:10], ["1 cat\t1 chat"], **sentencepiece)
+  shutil.rmtree(tmp_path / "checkpoints")
   (tmp_path / "tokenizer" / "sentencepiece.model.texts").unlink()  # a model written before digests were kept
   with pytest.raises(validation.ConfigError, match=r"cannot encode \['Z', .*e\.g\. 'Zebra'"):
     _tsv_task(tmp_path, lines + ["Zebra\tZèbre"], ["1 cat\t1 chat"], **sentencepiece)

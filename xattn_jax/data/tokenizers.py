@@ -336,8 +336,8 @@ def train_sentencepiece(texts: Sequence[str], model_path, *, vocab_size: int, ex
     single_piece_words: words that are always one piece each where they start a text or follow a space
       (e.g. a multimodal model's "<image>"): SentencePiece user-defined symbols "\u2581word", so encoding
       the pieces of a text one by one, joined by single spaces, gives the ids of the whole text.
-    texts_must_match: refuse an existing model whose digest names other texts (False: evaluation, which
-      keeps the run's tokenizer whatever text it reads).
+    texts_must_match: refuse an existing model whose digest names other texts (False: evaluation, or a resumed
+      run, which keep the run's tokenizer whatever text they read).
     retrain_unread: an existing model this function wrote (its digest is there) that does not fit the arguments
       (the errors below) is trained again instead of refused: no model has read it yet (a run with no checkpoint:
       an attempt stopped before one, on another file or vocab_size, left it).

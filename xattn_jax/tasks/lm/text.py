@@ -305,11 +305,12 @@ class LanguageModelTask(task_lib.Task):
         raise ValueError(f"{self.mode} needs the SentencePiece model the run trained, {path}, which is missing")
       return tokenizers.SentencePieceTokenizer(path)
     saved = bool(self.workdir) and bool(checkpoints.step_numbers(self.workdir))  # else no model read the tokenizer
-    try:
+    try:  # a resumed run keeps the model its checkpoints read, whatever an edited file now holds (the loop warns)
       tokenizer = tokenizers.train_sentencepiece(list(train_texts), path, vocab_size=data.vocab_size,
                                                  exact=data.vocab_size_exact,
                                                  single_piece_words=tuple(data.get("single_piece_words", ())),
-                                                 texts_must_match=self.mode == "train", retrain_unread=not saved)
+                                                 texts_must_match=self.mode == "train" and not saved,
+                                                 retrain_unread=not saved)
     except tokenizers.OtherTextsError as error:
       raise validation.ConfigError("data.train_file", data.train_file, str(error)) from None
     except ValueError as error:

@@ -62,7 +62,7 @@ from xattn_jax.models import translator as translator_lib
 from xattn_jax.tasks import decoding_config, reading_fields
 from xattn_jax.tasks.translate import bleu
 from xattn_jax.tasks.translate import plots as translate_plots
-from xattn_jax.training import optim, sharding, task as task_lib, validation
+from xattn_jax.training import checkpoints, optim, sharding, task as task_lib, validation
 
 DATA_SOURCES = ("dates", "tsv")
 TOKENIZERS = ("sentencepiece", "bytes")
@@ -282,10 +282,12 @@ class TranslateTask(task_lib.Task):
       reused = os.path.exists(path)
       inherited = self._take_init_from_tokenizer(path)
       texts = [text for pair in self.train_pairs for text in pair]
-      try:
+      saved = bool(checkpoints.step_numbers(self.workdir))  # a resumed run keeps the model its checkpoints read,
+      try:                                                  # whatever an edited file now holds (the loop warns)
         tokenizer = tokenizers.train_sentencepiece(texts, path, vocab_size=data.vocab_size,
                                                    exact=data.get("vocab_size_exact", False),
-                                                   texts_must_match=self.mode == "train" and not inherited)
+                                                   texts_must_match=self.mode == "train" and not inherited
+                                                   and not saved)
       except tokenizers.OtherTextsError as error:
         raise validation.ConfigError("data.train_file", data.train_file, str(error)) from None
       except ValueError as error:  # e.g. a corpus too small for an exact vocabulary
