@@ -260,14 +260,17 @@ def provenance_lines(meta: dict) -> list[str]:
 
 def check_folders(args, parser) -> None:
   """--workdir and --results made absolute (a cell's launch.py runs in the repository: a relative workdir failed in
-  orbax after training) and refused in one line, before any cell trains, where either is a file."""
+  orbax after training) and refused in one line, before any cell trains, where either is a file or lies under one
+  (its mkdir failed after training)."""
   for flag in ("workdir", "results"):
     value = getattr(args, flag)
     if value is None:
       continue
     path = pathlib.Path(value).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-      parser.error(f"--{flag}={value}: is a file; name a folder (it is made if missing)")
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())  # the folder it is made in
+    if not existing.is_dir():
+      where = "is a file" if existing == path else f"lies under the file {existing}"
+      parser.error(f"--{flag}={value}: {where}; name a folder (it is made if missing)")
     setattr(args, flag, str(path))
 
 

@@ -210,6 +210,20 @@ def test_a_file_as_workdir_or_results_is_refused_before_any_cell_and_a_relative_
   assert args.workdir == str(tmp_path / "runs") and args.results is None
 
 
+def test_a_workdir_or_results_under_a_file_is_refused_before_any_cell(tmp_path, capsys):
+  """`--results=notes.txt/tables` passed the check and failed in mkdir with a traceback after every cell trained."""
+  import argparse
+  (tmp_path / "notes.txt").write_text("mine\n")
+  for flag in ("workdir", "results"):
+    args = argparse.Namespace(workdir=str(tmp_path / "runs"), results=None)
+    setattr(args, flag, str(tmp_path / "notes.txt" / "sub"))
+    with pytest.raises(SystemExit) as refused:
+      sweep.check_folders(args, argparse.ArgumentParser())
+    assert refused.value.code == 2
+    assert f"--{flag}={tmp_path}/notes.txt/sub: lies under the file {tmp_path}/notes.txt" in capsys.readouterr().err
+  assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
 def test_help_says_what_the_library_holds_and_running_it_names_the_runners():
   """`python experiments/sweep.py --help` printed nothing."""
   import subprocess
