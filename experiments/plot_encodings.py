@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -20,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run as a script: the repository's package
+from experiments import sweep  # noqa: E402
 from xattn_jax.ops import positions as positions_ops  # noqa: E402
 
 
@@ -86,12 +88,11 @@ def main(argv=None) -> int:
   parser.add_argument("--max_offset", type=int, default=128, help="RoPE offsets from -max_offset to max_offset")
   parser.add_argument("--scaling_factor", type=float, default=4.0, help="the linear / NTK RoPE scaling curves' factor")
   args = parser.parse_args(argv)
-  if args.max_offset < 1 or args.scaling_factor <= 0:
-    parser.error(f"--max_offset must be >= 1 and --scaling_factor > 0, got --max_offset={args.max_offset} "
-                 f"--scaling_factor={args.scaling_factor}")
+  if args.max_offset < 1 or not 0 < args.scaling_factor < math.inf:  # nan and inf drew empty curves or a traceback
+    parser.error(f"--max_offset must be >= 1 and --scaling_factor a finite number > 0, got "
+                 f"--max_offset={args.max_offset} --scaling_factor={args.scaling_factor}")
+  sweep.check_folders(args, parser, flags=("out",))  # `~` expanded; a file, or a folder under one, refused
   out = pathlib.Path(args.out)
-  if out.exists() and not out.is_dir():
-    parser.error(f"--out={args.out}: is a file; name a folder (it is made if missing)")
   out.mkdir(parents=True, exist_ok=True)
   try:
     plot_dot_products(str(out / "encoding_dot_products.png"), anchor=args.anchor)

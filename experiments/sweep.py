@@ -258,11 +258,11 @@ def provenance_lines(meta: dict) -> list[str]:
           f"{meta['load_average']} (1, 5, 15 min)", f"- command: `{meta['command']}`"]
 
 
-def check_folders(args, parser) -> None:
-  """--workdir and --results made absolute (a cell's launch.py runs in the repository: a relative workdir failed in
-  orbax after training) and refused in one line, before any cell trains, where either is a file or lies under one
-  (its mkdir failed after training)."""
-  for flag in ("workdir", "results"):
+def check_folders(args, parser, flags=("workdir", "results")) -> None:
+  """--workdir and --results (or the folders `flags` name) made absolute (a cell's launch.py runs in the
+  repository: a relative workdir failed in orbax after training) and refused in one line, before any cell trains,
+  where one is a file or lies under one (its mkdir failed after training)."""
+  for flag in flags:
     value = getattr(args, flag)
     if value is None:
       continue

@@ -50,6 +50,27 @@ def test_plot_encodings_runs_alone_with_a_help_and_writes_its_two_pictures(tmp_p
     assert (tmp_path / f"encoding_{name}.png").stat().st_size > 1000
 
 
+def test_plot_encodings_expands_a_home_out_and_refuses_one_under_a_file(tmp_path, monkeypatch, capsys):
+  """`--out=~/pictures` wrote into a folder named `~` in the current one; `--out=notes.txt/pictures` was a traceback."""
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  assert plot_encodings.main(["--out=~/pictures", "--max_offset=4"]) == 0
+  assert (tmp_path / "home" / "pictures" / "encoding_rope_scores.png").exists() and not (tmp_path / "~").exists()
+  (tmp_path / "notes.txt").write_text("mine\n")
+  with pytest.raises(SystemExit) as refused:
+    plot_encodings.main(["--out=notes.txt/pictures"])
+  assert refused.value.code == 2 and f"lies under the file {tmp_path}/notes.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("factor", ["nan", "inf"])
+def test_plot_encodings_refuses_a_scaling_factor_that_is_not_a_finite_positive_number(tmp_path, capsys, factor):
+  """nan was a traceback from rope_angles; inf drew empty curves."""
+  with pytest.raises(SystemExit) as refused:
+    plot_encodings.main(["--out", str(tmp_path), f"--scaling_factor={factor}"])
+  assert refused.value.code == 2 and f"--scaling_factor={factor}" in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())
+
+
 def test_summary_is_mean_and_sample_std_over_the_seeds_that_finished():
   keys = [key for key, _ in ablate_positions.EXPERIMENTS[1].metrics]
   runs = [{key: value for key in keys} for value in (0.2, 0.4, 0.9)]
