@@ -307,6 +307,15 @@ def main(argv=None):
     seeds, scales = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.scales.split(",")]
   except ValueError as error:
     parser.error(f"--seeds / --scales: comma-separated integers ({error})")
+  # Each told before the frozen parts train: a repeated seed or connector was a second run of the same workdir that
+  # counted twice in the table's mean; a scale below 1 or a probe of fewer than 1 step failed after the training.
+  for flag, values in (("connectors", connectors), ("seeds", seeds), ("scales", scales)):
+    if len(set(values)) < len(values):
+      parser.error(f"--{flag}={getattr(args, flag)}: names a value twice; each value is one run of the table")
+  if min(scales) < 1:
+    parser.error(f"--scales={args.scales}: image scales must be integers >= 1")
+  if not args.quick and args.probe_steps is not None and args.probe_steps < 1:
+    parser.error(f"--probe_steps={args.probe_steps}: must be >= 1 (or left out: the most steps of a connector)")
   for connector in connectors:  # before the frozen parts train: a bad name fails in seconds, in one line
     try:
       validation.validate_config(run_config(connector, seeds[0]))

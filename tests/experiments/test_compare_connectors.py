@@ -61,6 +61,21 @@ def test_a_bad_connector_or_seed_is_one_line_before_anything_trains_and_cost_row
   assert (tmp_path / "vlm_cost_by_scale.json").is_file()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--seeds", "0,0"], "--seeds=0,0: names a value twice"),
+    (["--connectors", "llava,llava"], "--connectors=llava,llava: names a value twice"),
+    (["--scales", "0"], "--scales=0: image scales must be integers >= 1"),
+    (["--probe_steps", "-1"], "--probe_steps=-1: must be >= 1")])
+def test_a_repeated_seed_or_connector_a_scale_or_probe_below_one_is_one_line_before_anything_trains(
+    tmp_path, capsys, monkeypatch, argv, said):
+  """Each trained the frozen parts first: a repeated seed then counted twice in the mean, the others failed after."""
+  from xattn_jax.training import dependencies
+  monkeypatch.setattr(dependencies, "resolve", lambda *a, **k: pytest.fail("the frozen parts were resolved"))
+  with pytest.raises(SystemExit) as exit_:
+    compare_connectors.main([*argv, "--out", str(tmp_path)])
+  assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_quick_names_each_flag_set_by_the_user_that_it_overrides(tmp_path, capsys, monkeypatch):
   """--quick silently ignored --seeds / --steps / --workdirs / --encoder / --lm."""
   from xattn_jax.training import dependencies
