@@ -203,8 +203,8 @@ def write_outputs(results, root: pathlib.Path, out: pathlib.Path, notes: list[st
        [("accuracy", resolution)])):
     if name in summary:
       plot_bars(summary[name], panels, out / filename, title)
-  learned_dir = root / "length" / "learned" / "seed0"
-  table = learned_table(learned_dir) if (learned_dir / "result.json").exists() else None
+  learned = Cell(by_name["length"], "learned", 0)  # a stale cell's table is another run's, as its row is
+  table = learned_table(learned.workdir(root)) if sweep.finished_result(learned, root, quick) else None
   plot_encodings.plot_dot_products(str(out / "ablation_dot_products.png"), learned=table,
                                    learned_note="(length task; rows >= 33 untrained)")
   plot_encodings.plot_rope_scores(str(out / "ablation_rope_scores.png"))

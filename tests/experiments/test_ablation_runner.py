@@ -140,6 +140,22 @@ def test_an_only_run_keeps_the_other_experiments_and_every_finished_seed_in_the_
   assert "dates (2 cells, seeds 0, 1)" in (tmp_path / "results" / "ablation_positions.md").read_text()
 
 
+def test_the_dot_product_plot_leaves_out_a_stale_learned_table_as_the_tables_leave_out_its_row(tmp_path, monkeypatch,
+                                                                                              capsys):
+  """A learned length cell trained under other settings was left out of the tables but drawn as the trained table."""
+  monkeypatch.setattr(ablate_positions.sweep, "subprocess", fake_launch.FakeLaunch(
+      key for experiment in ablate_positions.EXPERIMENTS for key, _ in experiment.metrics))
+  argv = ["--quick", "--only=length", f"--workdir={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
+  assert ablate_positions.main(argv) == 0
+  result_path = tmp_path / "work" / "quick" / "length" / "learned" / "seed0" / "result.json"
+  result = json.loads(result_path.read_text())
+  result_path.write_text(json.dumps({**result, "settings": result["settings"] + ["--config.total_steps=9"]}))
+  read = []
+  monkeypatch.setattr(ablate_positions, "learned_table", read.append)
+  assert ablate_positions.main(argv) == 1 and "STALE" in capsys.readouterr().out
+  assert read == [] and "length" not in json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
+
+
 def test_every_quick_cell_resolves_to_a_valid_config():
   """What --quick launches parses and validates as launch.py would, before any training (which the fake skips)."""
   for cell in ablate_positions.cells(quick=True, seeds=1, only=set()):
