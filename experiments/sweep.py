@@ -113,12 +113,29 @@ def other_commit(result: dict) -> str:
   return f" (trained at commit {trained[:10]}, HEAD is {head_commit()[:10]}: same config, maybe other code)"
 
 
+def read_result(path: pathlib.Path) -> dict:
+  """A cell's result.json; ValueError naming the file and line where it is not a JSON object (a write cut short by
+  a full disk or a kill, a hand edit)."""
+  try:
+    result = json.loads(path.read_text())
+  except json.JSONDecodeError as error:
+    raise ValueError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); delete it to train the cell "
+                     "again") from None
+  if not isinstance(result, dict):
+    raise ValueError(f"{path}:1: not a JSON object of metrics; delete it to train the cell again")
+  return result
+
+
 def finished_result(cell, root: pathlib.Path, quick: bool) -> dict | None:
-  """The cell's kept result, or None when it has none or a stale one."""
+  """The cell's kept result, or None when it has none, a stale one or one that does not read (`read_result`:
+  run_cell names it)."""
   path = cell.workdir(root) / "result.json"
   if not path.exists():
     return None
-  result = json.loads(path.read_text())
+  try:
+    result = read_result(path)
+  except ValueError:
+    return None
   return None if stale(cell, root, quick, result) else result
 
 
@@ -169,7 +186,10 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
   workdir = cell.workdir(root)
   result_path = workdir / "result.json"
   if result_path.exists():
-    result = json.loads(result_path.read_text())
+    try:
+      result = read_result(result_path)
+    except ValueError as error:  # left as it is: it may hold what a user wants back
+      return cell, None, f"FAILED: {error}"
     reason = stale(cell, root, quick, result)
     if reason:
       return cell, None, reason

@@ -159,6 +159,18 @@ def test_a_result_written_before_a_key_joined_the_table_gains_it_from_the_log(tm
   assert json.loads((cell.workdir(tmp_path) / "result.json").read_text()) == metrics
 
 
+def test_a_result_json_that_does_not_read_fails_its_cell_naming_file_and_line_and_is_kept(tmp_path):
+  """A result.json cut short (a full disk, a kill while it was written) ended the whole runner in a traceback."""
+  cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},))
+  path = cell.workdir(tmp_path) / "result.json"
+  path.parent.mkdir(parents=True)
+  path.write_text('{"eval/a": 0.5,\n "eval/b')
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics is None and message.startswith(f"FAILED: {path}:2: not valid JSON")
+  assert path.read_text() == '{"eval/a": 0.5,\n "eval/b' and not (cell.workdir(tmp_path) / "metrics.jsonl").exists()
+  assert sweep.finished_result(cell, tmp_path, quick=True) is None
+
+
 def test_mean_std_is_the_mean_and_sample_std_of_the_keys_every_run_has():
   runs = [{"eval/a": v, "eval/b": 1.0} for v in (0.2, 0.4, 0.9)] + [{"eval/a": 0.5}]
   summary = sweep.mean_std(runs, KEYS)
