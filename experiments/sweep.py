@@ -33,8 +33,11 @@ def final_metrics(workdir: pathlib.Path, keys) -> dict[str, float]:
   """The last logged value of each key in workdir/metrics.jsonl (the final eval)."""
   values = {}
   with open(workdir / "metrics.jsonl") as f:
-    for line in f:
-      row = json.loads(line)
+    for number, line in enumerate(f, 1):
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as error:  # a line cut short by a kill: named, as a run's own data errors are
+        raise RuntimeError(f"{workdir / 'metrics.jsonl'}:{number}: not valid JSON ({error.msg})") from None
       values.update({k: row[k] for k in keys if k in row})
   missing = [k for k in keys if k not in values]
   if missing:

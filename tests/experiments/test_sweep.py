@@ -44,6 +44,15 @@ def test_final_metrics_name_the_keys_the_log_lacks(tmp_path):
     sweep.final_metrics(tmp_path, KEYS)
 
 
+def test_final_metrics_name_the_file_and_line_of_a_row_that_does_not_read(tmp_path):
+  """A row cut short by a kill was a JSON traceback out of the runner's thread, not its cell's FAILED line."""
+  _write_log(tmp_path, [{"step": 1, "eval/a": 0.5}])
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 2, "eval/a\n')
+  with pytest.raises(RuntimeError, match=r"metrics.jsonl:2: not valid JSON"):
+    sweep.final_metrics(tmp_path, KEYS)
+
+
 def test_a_cell_runs_once_and_keeps_its_final_metrics_in_result_json(tmp_path):
   cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},))
   _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
