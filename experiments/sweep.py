@@ -197,7 +197,10 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
     if reason:
       return cell, None, reason
     if any(key not in result for key in keys):
-      result.update(final_metrics(workdir, keys))
+      try:
+        result.update(final_metrics(workdir, keys))
+      except (OSError, RuntimeError) as error:  # a log deleted, or older than the key: the result stays as it is
+        return cell, None, f"FAILED: {error}; delete {result_path} to train the cell again"
       result_path.write_text(json.dumps(result, indent=1) + "\n")
     return cell, result, "done before" + other_commit(result)
   if _STOPPING.is_set():  # Ctrl-C or SIGTERM came while this cell waited in the queue

@@ -180,6 +180,20 @@ def test_a_result_json_that_does_not_read_fails_its_cell_naming_file_and_line_an
   assert sweep.finished_result(cell, tmp_path, quick=True) is None
 
 
+def test_a_result_missing_a_key_its_log_cannot_give_fails_its_cell_and_is_kept(tmp_path):
+  """A result.json older than a table's key, its metrics.jsonl deleted or without the key, ended the runner in a
+  traceback."""
+  cell = _Cell()
+  cell.workdir(tmp_path).mkdir(parents=True)
+  (cell.workdir(tmp_path) / "result.json").write_text(json.dumps({"eval/a": 0.5}))
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics is None and message.startswith("FAILED: ") and "metrics.jsonl" in message
+  _write_log(cell.workdir(tmp_path), [{"step": 9, "eval/a": 0.5}])
+  _, metrics, message = sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert metrics is None and "metrics.jsonl has no ['eval/b']" in message
+  assert json.loads((cell.workdir(tmp_path) / "result.json").read_text()) == {"eval/a": 0.5}
+
+
 def test_mean_std_is_the_mean_and_sample_std_of_the_keys_every_run_has():
   runs = [{"eval/a": v, "eval/b": 1.0} for v in (0.2, 0.4, 0.9)] + [{"eval/a": 0.5}]
   summary = sweep.mean_std(runs, KEYS)
