@@ -234,7 +234,8 @@ def main(argv=None):
   parser.add_argument("--jobs", type=int, default=2, help="cells trained at the same time")
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="tiny models, a few steps, 1 seed, a subset of cells")
-  parser.add_argument("--only", default="", help="comma-separated experiments to run (default: all)")
+  parser.add_argument("--only", action="append", default=[],
+                      help="comma-separated experiments to run, the flag repeatable (default: all)")
   parser.add_argument("--workdir", default=str(REPOSITORY / "workdirs" / "ablation"))
   parser.add_argument("--results", default=None,
                       help="where the tables and plots go; default experiments/results, or a temporary "
@@ -243,7 +244,8 @@ def main(argv=None):
   if args.jobs < 1 or args.seeds < 1:
     parser.error(f"--jobs and --seeds must be >= 1, got --jobs={args.jobs} --seeds={args.seeds}")
   meta = sweep.run_metadata(__file__, argv if argv is not None else sys.argv[1:])  # before any cell: its load
-  only = set(filter(None, args.only.split(",")))
+  # each --only adds, as length_generalization.py's
+  only = {name for group in args.only for name in group.split(",") if name}
   unknown = only - {e.name for e in EXPERIMENTS}
   if unknown:
     parser.error(f"--only: unknown experiments {sorted(unknown)}; allowed: {[e.name for e in EXPERIMENTS]}")

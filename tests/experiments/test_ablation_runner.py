@@ -156,6 +156,16 @@ def test_the_dot_product_plot_leaves_out_a_stale_learned_table_as_the_tables_lea
   assert read == [] and "length" not in json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
 
 
+def test_a_repeated_only_adds_its_experiments_as_length_generalizations_does(tmp_path, monkeypatch, capsys):
+  """`--only=dates --only=length` ran the length cells alone: the second flag replaced the first."""
+  launch = fake_launch.FakeLaunch(key for experiment in ablate_positions.EXPERIMENTS for key, _ in experiment.metrics)
+  monkeypatch.setattr(ablate_positions.sweep, "subprocess", launch)
+  assert ablate_positions.main(["--quick", "--only=dates", "--only=length", f"--workdir={tmp_path / 'work'}",
+                                f"--results={tmp_path / 'results'}"]) == 0
+  said = capsys.readouterr().out
+  assert "dates/rope/seed0" in said and "length/learned/seed0" in said and "resolution" not in said
+
+
 def test_every_quick_cell_resolves_to_a_valid_config():
   """What --quick launches parses and validates as launch.py would, before any training (which the fake skips)."""
   for cell in ablate_positions.cells(quick=True, seeds=1, only=set()):
