@@ -30,7 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from bench_common import add_output_flags, output_dir, parse_output_args  # noqa: E402
+from bench_common import add_output_flags, commit_label, output_dir, parse_output_args, provenance  # noqa: E402
 
 WIDTH, HEADS, BLOCKS, LATENTS, BATCH = 64, 4, 2, 32, 1
 FULL_SIDES = (8, 16, 32, 64, 90, 128)
@@ -187,6 +187,7 @@ def main():
                   record["machine"])
     return
   args = parse_output_args(parser, "bench_latent_reader")  # the output directory made before measuring
+  run = provenance()  # before measuring: its load average
   sides = QUICK_SIDES if args.quick else FULL_SIDES
   repeats = 2 if args.quick else args.repeats
   rows = []
@@ -195,7 +196,8 @@ def main():
       rows.append(_run_subprocess(model_name, side, repeats))
       print(json.dumps(rows[-1]), flush=True)
   stem = os.path.join(output_dir(args, "bench_latent_reader"), "latent_reader_benchmark")
-  write_results(rows, stem, repeats, {"cpu_cores": os.cpu_count(), "load_average_1min": os.getloadavg()[0]})
+  write_results(rows, stem, repeats, {"cpu_cores": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
+                                      "provenance": run})
   print(f"wrote {stem}.md")
 
 
@@ -219,7 +221,10 @@ def write_results(rows: list[dict], stem: str, repeats: int, machine: dict):
   min_m = 1024 if max(r["M"] for r in rows) > 1024 else 64
   slopes = {f"{model}_{key}": fit_slope([r for r in rows if r["model"] == model], key, min_m)
             for model in ("reader", "encoder") for key in ("forward_ms", "peak_rss_growth_mb", "xla_temp_mb")}
-  cores, load = machine["cpu_cores"], machine["load_average_1min"]
+  cores, load, run = machine["cpu_cores"], machine["load_average_1min"], machine.get("provenance")
+  # a results file written before the run was recorded renders without it
+  ran = (f"Commit `{commit_label(run)}`, {run['date']}, `{run['command']}`; 1-minute load average "
+         f"{run['load_average_before']:.1f} before the start. " if run else "")
   with open(stem + ".json", "w") as f:
     json.dump({"machine": machine, "runs": repeats,
                "setup": {"width": WIDTH, "heads": HEADS, "blocks": BLOCKS, "latents": LATENTS, "batch": BATCH},
@@ -230,7 +235,7 @@ def write_results(rows: list[dict], stem: str, repeats: int, machine: dict):
     return "n/a" if slopes[name] is None else f"{slopes[name]:.2f}"
 
   text = [f"# Latent reader vs self-attention encoder: cost against the number of inputs M", "",
-          f"Machine: {cores} CPU cores (1-minute load average {load:.1f} at the end: shared with other jobs). "
+          ran + f"Machine: {cores} CPU cores (1-minute load average {load:.1f} at the end: shared with other jobs). "
           f"Batch {BATCH}, width {WIDTH}, {HEADS} heads, {BLOCKS} blocks; reader: Perceiver with N = {LATENTS} "
           f"latents (1 cross-attention + {BLOCKS} latent blocks, Fourier positions); encoder: ViT with "
           f"{BLOCKS} self-attention blocks over all M pixels. Forward only, float32, median of {repeats} runs "

@@ -38,6 +38,21 @@ def test_latent_reader_benchmark_refuses_bad_arguments_in_one_line(args, message
   assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(message), result.stderr[-2000:]
 
 
+def test_latent_reader_results_record_commit_date_load_before_and_command(tmp_path, monkeypatch):
+  """Its table had the load at the end alone, where README promises every results file the run's provenance."""
+  monkeypatch.syspath_prepend(str(EXPERIMENTS))
+  bench = importlib.import_module("bench_latent_reader")
+  rows = [{"model": model, "side": 8, "M": 64, "N": 32, "forward_ms": 1.0, "runs": 2, "peak_rss_growth_mb": 1.5,
+           "xla_temp_mb": 0.5} for model in ("reader", "encoder")]
+  run = {"commit": "0123456789abcdef", "dirty": False, "date": "2026-12-07 18:00 UTC", "load_average_before": 0.25,
+         "command": "python experiments/bench_latent_reader.py --quick"}
+  bench.write_results(rows, str(tmp_path / "r"), 2, {"cpu_cores": 2, "load_average_1min": 1.0, "provenance": run})
+  text = (tmp_path / "r.md").read_text()
+  assert ("Commit `0123456`, 2026-12-07 18:00 UTC, `python experiments/bench_latent_reader.py --quick`; 1-minute "
+          "load average 0.2 before the start.") in text
+  assert json.loads((tmp_path / "r.json").read_text())["machine"]["provenance"] == run
+
+
 @pytest.fixture(scope="module")
 def torch_translator():
   """bench_translator's torch model at its --quick sizes, its cached decoder, and a batch of sources."""
