@@ -179,11 +179,12 @@ def plot_bars(summary_rows: dict, panels, path: pathlib.Path, title: str):
 def learned_table(workdir: pathlib.Path):
   """The trained target-side position table of a finished "learned" length cell, or None."""
   import orbax.checkpoint as ocp
-  steps = sorted((int(p.name) for p in (workdir / "checkpoints").glob("[0-9]*")), reverse=True)
+  from xattn_jax.training import checkpoints
+  steps = checkpoints.step_numbers(str(workdir))  # a save cut short (`6.orbax-checkpoint-tmp-...`) is no step
   if not steps:
     return None
   with ocp.StandardCheckpointer() as checkpointer:
-    model = checkpointer.restore(workdir / "checkpoints" / str(steps[0]) / "model")
+    model = checkpointer.restore(workdir / "checkpoints" / str(steps[-1]) / "model")
   return model["target_positions"]["table"]
 
 

@@ -174,7 +174,8 @@ def test_every_quick_cell_resolves_to_a_valid_config():
 
 def test_the_learned_table_is_read_from_a_translators_checkpoint(tmp_path):
   """The dot-product plot's learned panel: the runner's test launches no training (fake_launch), so the table is
-  read here from a checkpoint of a real Translator's state, saved as training saves it."""
+  read here from a checkpoint of a real Translator's state, saved as training saves it; a save a kill cut short
+  beside it was a ValueError (int() of its name) after the whole sweep."""
   from flax import nnx
   from xattn_jax.models import translator
   from xattn_jax.training import checkpoints
@@ -184,5 +185,6 @@ def test_the_learned_table_is_read_from_a_translators_checkpoint(tmp_path):
   stored = checkpoints.Checkpoints(str(tmp_path), keep=2, best_metric="eval/loss", best_mode="min")
   stored.save(6, nnx.to_pure_dict(nnx.state(model)), {"count": np.zeros((), np.int32)}, {"step": 6})
   stored.close()
+  (tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp-1733600000").mkdir()  # a later save cut short by a kill
   np.testing.assert_array_equal(ablate_positions.learned_table(tmp_path), model.target_positions.table[...])
   assert ablate_positions.learned_table(tmp_path / "none") is None
