@@ -292,6 +292,8 @@ def check_folders(args, parser, flags=("workdir", "results")) -> None:
     value = getattr(args, flag)
     if value is None:
       continue
+    if not value.strip():  # `--results=$OUT` with OUT unset wrote into the current folder
+      parser.error(f"--{flag}={value!r}: empty; name a folder (it is made if missing)")
     path = pathlib.Path(value).expanduser().absolute()
     existing = next(folder for folder in (path, *path.parents) if folder.exists())  # the folder it is made in
     if not existing.is_dir():

@@ -259,6 +259,18 @@ def test_a_workdir_or_results_under_a_file_is_refused_before_any_cell(tmp_path, 
   assert (tmp_path / "notes.txt").read_text() == "mine\n"
 
 
+def test_an_empty_workdir_or_results_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch, capsys):
+  """`--results=$OUT` with OUT unset wrote the tables into the folder the runner was started in."""
+  import argparse
+  monkeypatch.chdir(tmp_path)
+  for flag in ("workdir", "results"):
+    args = argparse.Namespace(workdir="runs", results=None)
+    setattr(args, flag, "")
+    with pytest.raises(SystemExit) as refused:
+      sweep.check_folders(args, argparse.ArgumentParser())
+    assert refused.value.code == 2 and f"--{flag}='': empty; name a folder" in capsys.readouterr().err
+
+
 def test_help_says_what_the_library_holds_and_running_it_names_the_runners():
   """`python experiments/sweep.py --help` printed nothing."""
   import subprocess
