@@ -1,5 +1,6 @@
 """Checkpoint retention (last K plus the best), the step a run hands on, and the mismatch report, in process."""
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,25 @@ def test_the_best_checkpoint_survives_a_resume(tmp_path):
     resumed.save(step, *_tiny(step), {"step": step}, {"eval/exact_match": 0.5} if step % 100 == 0 else None)
   assert resumed.steps() == [200, 400]
   resumed.close()
+
+
+def test_a_read_only_manager_leaves_a_save_in_progress_alone(tmp_path):
+  """Eval and infer open the checkpoints read-only: a training run's save in progress (orbax's temporary folder)
+  stays, where a training manager removes it as a leftover; removing it failed that run's save."""
+  checkpoints = checkpoints_lib.Checkpoints(str(tmp_path), keep=2)
+  checkpoints.save(100, *_tiny(100), {"step": 100})
+  checkpoints.close()
+  in_progress = tmp_path / "checkpoints" / "200.orbax-checkpoint-tmp"
+  (in_progress / "model.orbax-checkpoint-tmp").mkdir(parents=True)
+  reader = checkpoints_lib.Checkpoints(str(tmp_path), keep=2, read_only=True)
+  assert reader.steps() == [100]
+  time.sleep(1.0)  # orbax removes leftovers in a thread of its own
+  reader.close()
+  assert in_progress.is_dir()
+  trainer = checkpoints_lib.Checkpoints(str(tmp_path), keep=2)
+  trainer.save(300, *_tiny(300), {"step": 300})  # a save waits for that removal
+  trainer.close()
+  assert not in_progress.exists()
 
 
 def test_a_mismatch_names_a_parameter_before_an_rng_counter(tmp_path):

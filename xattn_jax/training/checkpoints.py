@@ -99,7 +99,8 @@ def _ranking(best_metric: str, best_mode: str):
 class Checkpoints:
   """The checkpoint directory of one run (`<workdir>/checkpoints`)."""
 
-  def __init__(self, workdir: str, *, keep: int, best_metric: str = "", best_mode: str = "min"):
+  def __init__(self, workdir: str, *, keep: int, best_metric: str = "", best_mode: str = "min",
+               read_only: bool = False):
     self.workdir = workdir
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.best_metric, self.best_mode = best_metric, best_mode
@@ -116,7 +117,10 @@ class Checkpoints:
         best_fn=rank if best_metric else None, best_mode=best_mode,
         # Synchronous saves: when save() returns the step is on disk, so SIGTERM / SIGKILL right
         # after can never leave a half-written "latest" behind.
-        enable_async_checkpointing=False, cleanup_tmp_directories=True, create=True)
+        enable_async_checkpointing=False,
+        # Eval and infer (`read_only`) leave the temporary folders alone: one may be the save in progress of a
+        # run training in the workdir, which failed when they removed it.
+        cleanup_tmp_directories=not read_only, create=not read_only)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
   def steps(self) -> list[int]:

@@ -133,7 +133,7 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
   trainer = Trainer(config, workdir, mode)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.checkpoint.keep,
                                             best_metric=config.checkpoint.best_metric,
-                                            best_mode=config.checkpoint.best_mode)
+                                            best_mode=config.checkpoint.best_mode, read_only=True)
   try:
     state, _ = trainer.latest_state(checkpoints, "load" if mode == "infer" else mode)
   finally:

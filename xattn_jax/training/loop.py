@@ -242,7 +242,7 @@ def _run_in(config, workdir: str, mode: str, output, *, is_writer: bool, new_wor
     task_lib.write_end_step(config, workdir, trainer.config.total_steps)
   checkpoints = checkpoints_lib.Checkpoints(
       workdir, keep=config.checkpoint.keep, best_metric=config.checkpoint.best_metric,
-      best_mode=config.checkpoint.best_mode)
+      best_mode=config.checkpoint.best_mode, read_only=mode != "train")
   try:
     if mode == "train":
       result = train(trainer, checkpoints, lambda start_step: metrics_lib.MetricsWriter(
