@@ -99,6 +99,17 @@ def test_a_line_the_task_cannot_take_is_reported_by_its_number_in_the_file():
     inference.answer_lines(lambda lines: Upper().infer(None, lines), ["abc", "", "ab1"], "inputs.txt")
 
 
+def test_a_huge_bad_line_is_named_in_one_short_line_that_keeps_its_ends():
+  """A 5 MB line that named no file was echoed whole: a 5 MB error line."""
+  line = "a" * 2_000_000 + "1" + "b" * 3_000_000
+  with pytest.raises(DataError) as error:
+    inference.answer_lines(lambda batch: Upper().infer(None, batch), [line], "in.txt")
+  message = str(error.value)
+  assert len(message) < 500 and "\n" not in message
+  assert message.startswith("in.txt:1: 'aaa") and message.endswith("bbb' has a character outside a-z")
+  assert "[4,999,681 characters left out]" in message
+
+
 def test_every_line_the_task_cannot_take_is_named_at_once_by_its_number_in_the_file():
   """The first bad line alone stopped the run: a user mended an input one line a run."""
   lines = ["ab1", "", "cd", "e f", *[f"{k}" for k in range(12)]]

@@ -97,12 +97,25 @@ from xattn_jax.training.errors import RunError
 _REGISTRY: dict[str, type["Task"]] = {}
 
 
+_MAX_MESSAGE = 400  # characters of one bad line's message: a line of megabytes is not echoed whole
+
+
+def _clipped(message: str) -> str:
+  """`message`, its middle cut where it is longer than _MAX_MESSAGE (its end often says what is allowed); the cut
+  one is no longer, so cutting again leaves it as it is."""
+  if len(message) <= _MAX_MESSAGE:
+    return message
+  half = (_MAX_MESSAGE - 50) // 2  # 50: room for the note of what is left out
+  return f"{message[:half]} ... [{len(message) - 2 * half:,} characters left out] ... {message[-half:]}"
+
+
 class InputLineError(ValueError):
   """Inference inputs the task cannot take: `problems`, (index, message) for each, index its 0-based position in
-  `infer`'s lines; `index` and `message` are the first's."""
+  `infer`'s lines; `index` and `message` are the first's (each message cut to _MAX_MESSAGE characters)."""
 
   def __init__(self, index: int, message: str, *, more: Sequence[tuple[int, str]] = ()):
-    self.problems = [(index, message), *more]
+    self.problems = [(i, _clipped(m)) for i, m in ((index, message), *more)]
+    index, message = self.problems[0]
     self.index, self.message = index, message
     super().__init__("; ".join(f"input line {i + 1}: {m}" for i, m in self.problems))
 
