@@ -119,17 +119,21 @@ def config_error_line(error, workdir: str, mode: str, config_file: str = "") -> 
   from xattn_jax.training import records, workdir as workdir_lib
   from xattn_jax.training.errors import DataError
   line = str(error)
+  try:  # a damaged record only loses these hints here: training names it when it reads the record
+    recorded = records.read_record(os.path.join(workdir, workdir_lib.DATA_RECORD), "")
+  except DataError:
+    recorded = None
   if getattr(error, "allowed", "") == "no such file":
-    try:  # a damaged record only loses this hint here: training names it when it reads the record
-      path = ((records.read_record(os.path.join(workdir, workdir_lib.DATA_RECORD), "") or {})
-              .get(error.field, {}).get("path"))
-    except (DataError, AttributeError):
+    try:
+      path = (recorded or {}).get(error.field, {}).get("path")
+    except AttributeError:  # a hand-edited record whose entry is no object
       path = None
     if path and path == error.value:  # the run's own path: the run (or the file) was moved since
       return (f"{line} (the run in {workdir} read it there; if it moved, name it where it is now: "
               f"--config.{error.field}=PATH)")
   own = os.path.join(workdir, "config.py")
   if (mode != "train" and getattr(error, "field", "").startswith("data.") and os.path.isfile(own)
+      and recorded != {}  # a run recorded as reading no files (the bundled digits) has none to point to
       and own not in line and os.path.abspath(os.path.expanduser(config_file)) != os.path.abspath(own)):
     line += f" (the run in {workdir} names its files in --config={own})"
   return line

@@ -178,6 +178,10 @@ def test_a_data_field_refused_in_eval_of_a_run_points_to_the_runs_own_config(tmp
   assert launcher.config_error_line(named, str(tmp_path), "eval") == str(named)  # said once
   # --config was the run's own already (eval at another data.sequence_length refused its data.eval_context)
   assert launcher.config_error_line(error, str(tmp_path), "eval", str(own)) == str(error)
+  # a run that read no files (the digits): "names its files" pointed to a config naming none
+  (tmp_path / "data_files.json").write_text("{}")
+  split = validation.ConfigError("data.eval_split", "train", "allowed are ['test', 'validation']")
+  assert launcher.config_error_line(split, str(tmp_path), "eval") == str(split)
 
 
 def test_the_compilation_cache_defaults_to_the_users_cache_folder_unless_jax_or_the_flag_names_one(monkeypatch):
