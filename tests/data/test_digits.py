@@ -159,6 +159,10 @@ def test_max_shift_is_the_largest_shift_that_keeps_every_digit_on_the_canvas():
     (np.full((8, 8), -1.0), r"values from -1 to -1"),
     (np.zeros((2, 2, 2, 2)), r"shape \[2, 2, 2, 2\]"),
     (np.array([[np.nan]]), r"NaN or infinite pixel values"),
+    (np.zeros((0, 8, 8)), r"no pixels \(shape \[0, 8, 8\]\)"),  # no image: the model failed on an empty batch
+    (np.zeros((4, 0)), r"no pixels \(shape \[4, 0\]\)"),
+    (np.array([["a", "b"]]), r"<U1 values: a \.npy image holds real numbers"),  # astype's error named no file
+    (np.ones((2, 2), complex), r"complex128 values"),
 ])
 def test_a_npy_input_other_than_grey_images_on_a_known_scale_is_refused_naming_it(tmp_path, array, said):
   np.save(tmp_path / "x.npy", array)

@@ -284,8 +284,8 @@ def read_npy(path: str) -> np.ndarray:
   """A `.npy` of grey images, [height, width] or a stack [n, height, width], in [0, 1] (`to_unit_range`).
 
   Refused, naming the file: another rank, a last axis of 3 or 4 (an RGB or RGBA picture [height, width, 3], which
-  a stack would read as `height` images `width` x 3), and values outside [0, 16] or not finite (a 0..255
-  picture would be read as ink everywhere)."""
+  a stack would read as `height` images `width` x 3), an array of no pixels, values that are not real numbers,
+  and values outside [0, 16] or not finite (a 0..255 picture would be read as ink everywhere)."""
   if os.path.isdir(path):
     raise ValueError(f"{path!r} is a directory, not a .npy file")
   try:
@@ -295,6 +295,11 @@ def read_npy(path: str) -> np.ndarray:
   if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] in (3, 4)):
     raise ValueError(f"{path!r} holds an array of shape {list(array.shape)}: a .npy input is a grey image "
                      "[height, width] or a stack [n, height, width] (save a colour picture as PNG)")
+  if not array.size:  # no image, or one of no pixels: the digits' model failed on an empty batch, and the
+    # segmenter said a click lay outside a "5x0 image"
+    raise ValueError(f"{path!r} holds no pixels (shape {list(array.shape)})")
+  if array.dtype.kind not in "biuf":  # strings, dates, complex numbers: astype failed without naming the file
+    raise ValueError(f"{path!r} holds {array.dtype} values: a .npy image holds real numbers")
   array = array.astype(np.float32)
   if not np.isfinite(array).all():
     raise ValueError(f"{path!r} holds NaN or infinite pixel values")

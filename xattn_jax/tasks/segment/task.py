@@ -338,9 +338,7 @@ class SegmentTask(task_lib.Task):
       if not os.path.exists(self.input_path(name)) and "\t" not in line and prompt and not (
           _CLICK.match(prompt[0]) or _BOX.match(prompt[0])):  # `my scan.png 8,6` read the path as 'my'
         raise ValueError(f"no such file {name!r}; a path holding spaces takes a tab before its prompt")
-      image = digits.read_image_file(self.input_path(name))
-      if not image.size:  # a click or box in it was said to lie outside a "5x0 image"
-        raise ValueError(f"{name!r} holds no pixels (shape {list(image.shape)})")
+      image = digits.read_image_file(self.input_path(name))  # refuses an image of no pixels
       if not np.isfinite(image).all():
         raise ValueError(f"{name!r} holds NaN or infinite pixel values")
     height, width = image.shape
