@@ -13,6 +13,7 @@ from flax import nnx
 from tests import helpers
 from xattn_jax.tasks.segment import task as segment_task
 from xattn_jax.training import inference, task as task_lib, validation
+from xattn_jax.training.errors import RunError
 
 CONFIG = "configs/segment_digits.py"
 # A tiny model on 16x16 canvases of two 8x8 digits: M = 16 features, one two-way block, 200 steps.
@@ -200,6 +201,17 @@ def test_infer_names_data_max_clicks_for_too_many_clicks_and_refuses_an_empty_im
   with pytest.raises(ValueError, match=r"holds no pixels \(shape \[0, 5\]\)"):
     task._read_line(f"{tmp_path / 'empty.npy'} 0,0")
   assert task._read_line(f"{tmp_path / 'scan.npy'} 1,1 2,2 3,3")[2].shape == (3, 2)
+
+
+def test_infer_into_a_workdir_it_cannot_draw_in_is_refused_before_predicting(tmp_path):
+  """The PNGs come after the prediction: a run on read-only storage failed there, in a traceback."""
+  task = segment_task.SegmentTask(_config(**{"data.canvas": 16, "data.digit_size": 8, "data.max_digits": 2,
+                                             "task.num_eval_scenes": 4}), mode="infer")
+  np.save(tmp_path / "scan.npy", np.zeros((8, 8)))
+  (tmp_path / "infer").write_text("")  # where the answers' folder would be
+  task.workdir = str(tmp_path)
+  with pytest.raises(RunError, match=r"draws each answer into .*infer, which cannot be made \(File exists\)"):
+    task.infer_lines(None, [f"{tmp_path / 'scan.npy'} 1,1"])  # no model: refused before it is needed
 
 
 def test_scenes_without_overlapping_digits_are_said_to_have_no_ambiguous_prompts(caplog):

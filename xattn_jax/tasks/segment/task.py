@@ -48,6 +48,7 @@ from xattn_jax.data import digits, segment_digits
 from xattn_jax.models import segmenter
 from xattn_jax.tasks.digits import common as digits_task
 from xattn_jax.training import task as task_lib, validation
+from xattn_jax.training.errors import RunError
 
 MODELS = ("sam",)
 PROMPTED = ("click", "box")  # the prompt kinds with per-kind IoU metrics
@@ -373,12 +374,19 @@ class SegmentTask(task_lib.Task):
   def infer_lines(self, model, lines):
     """One answer line per prompt line (module docstring); the PNG of each into `<workdir>/infer/`."""
     parsed = task_lib.read_each(lines, lambda index, line: self._read_line(line.strip()))
+    directory = os.path.join(self.workdir or ".", "infer")
+    try:  # before predicting: a workdir infer cannot write (read-only storage) failed after it, in a traceback
+      os.makedirs(directory, exist_ok=True)
+      problem = None if os.access(directory, os.W_OK | os.X_OK) else "is not writable"
+    except OSError as error:
+      problem = f"cannot be made ({error.strerror})"
+    if problem:
+      raise RunError(f"the segmenter's infer draws each answer into {directory}, which {problem}; copy the run to "
+                     "a folder you can write")
     images = np.stack([p[1] for p in parsed])[..., None].astype(np.float32)
     points, labels = np.stack([p[2] for p in parsed]), np.stack([p[3] for p in parsed])
     logits, predicted = self._predict_rows(model, images, points, labels)
     from xattn_jax.tasks.segment import plots  # matplotlib only when pictures are asked for
-    directory = os.path.join(self.workdir or ".", "infer")
-    os.makedirs(directory, exist_ok=True)
     outputs = []
     for index, (name, image, point, label) in enumerate(parsed):
       best = int(np.argmax(predicted[index]))
