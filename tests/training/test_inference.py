@@ -23,6 +23,19 @@ def test_a_last_line_without_a_newline_is_read():
     sys.stdin = sys_stdin
 
 
+def test_reading_stdin_from_a_terminal_says_how_to_end_the_input(monkeypatch, capsys):
+  """`launch.py --mode=infer` without piped input waited for the terminal without a word."""
+  class Terminal(io.TextIOWrapper):
+    def isatty(self):
+      return True
+  monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"one\n")))
+  assert inference.read_input_lines("-") == ("<stdin>", ["one"])
+  assert "end them with Ctrl-D" in capsys.readouterr().err
+  monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one\n")))  # a pipe: nothing said
+  inference.read_input_lines("-")
+  assert capsys.readouterr().err == ""
+
+
 def test_a_line_that_is_not_utf8_is_reported_as_file_and_line(tmp_path):
   path = tmp_path / "inputs.txt"
   path.write_bytes(b"abc\nab\xff\n")

@@ -31,6 +31,9 @@ def read_input_lines(input_file: str) -> tuple[str, list[str]]:
   """(name for messages, lines) of an inference input: a UTF-8 file, or "-" for stdin."""
   name = "<stdin>" if input_file == "-" else input_file
   if input_file == "-":
+    if sys.stdin.isatty():  # `--mode=infer` typed without an input: it waited in silence
+      print("Reading input lines from the terminal: end them with Ctrl-D (or pipe a file in, or name one with "
+            "--config.infer.input_file)", file=sys.stderr, flush=True)
     raw = sys.stdin.buffer.read()
   else:
     with open(input_file, "rb") as f:
