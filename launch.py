@@ -99,7 +99,7 @@ def workdir_problem(workdir: str, mode: str) -> str | None:
   if mode == "eval" and os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
     # Told before evaluating: the writes come after it (a run on read-only storage, a colleague's folder).
     return ("is not writable, and eval records its result there (eval_results.jsonl, plots): copy the run to a "
-            "folder you can write, or use --mode=infer, which only reads")
+            "folder you can write, or use --mode=infer, which records no result")
   if mode != "train":
     return None  # eval / infer read a run there and say so when there is none
   existing = path

@@ -683,7 +683,7 @@ def test_eval_of_a_run_in_a_folder_it_cannot_write_is_a_one_line_error_and_infer
   monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK and writable(path, mode))
   assert launcher.workdir_problem(str(run), "eval") == (
       f"is not writable, and eval records its result there (eval_results.jsonl, plots): copy the run to a folder "
-      f"you can write, or use --mode=infer, which only reads")
+      f"you can write, or use --mode=infer, which records no result")
   assert launcher.workdir_problem(str(run), "infer") is None
   assert launcher.workdir_problem(str(tmp_path / "none"), "eval") is None  # no run there: eval says so
 
