@@ -426,6 +426,10 @@ def test_eval_and_infer_read_the_best_checkpoint_when_told(tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     row = json.loads((workdir / "eval_results.jsonl").read_text().splitlines()[-1])
     assert row["step"] == step and row["eval/loss"] == pytest.approx(logged[step], rel=1e-5), (row, logged)
+    # which step was read, said either way (the newest was read unsaid: an eval or infer beside a training run
+    # answered from whichever step it found)
+    assert (f"Reading checkpoint step {step} (checkpoint.eval_from='best'" if eval_from == "best" else
+            f"Read checkpoint step {step}, the newest readable in ") in evaluated.stderr, evaluated.stderr[-3000:]
   from xattn_jax.training import loop
   model, _ = loop.load_model(str(workdir), overrides={"checkpoint.eval_from": "best"})
   helpers.assert_same_arrays(nnx.to_pure_dict(nnx.state(model)), helpers.checkpoint_item(workdir, 4))

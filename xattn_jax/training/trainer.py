@@ -409,6 +409,8 @@ class Trainer:
     restored = checkpoints.restore_latest(*self.abstract_pure(), steps=steps, quarantine=False)  # only reads
     if restored is None:
       raise RunError(f"no checkpoint in {checkpoints.directory} to {purpose} with")
+    if steps is None:  # said once read: a run training in the workdir may have saved a newer one meanwhile
+      logging.info("Read checkpoint step %d, the newest readable in %s", restored[2]["step"], checkpoints.directory)
     return self.from_pure(restored[0], restored[1]), restored[2]["step"]
 
   def save(self, checkpoints: checkpoints_lib.Checkpoints, step: int, state, rng_key, metrics=None):
