@@ -575,3 +575,19 @@ def test_a_data_file_that_is_a_pipe_is_refused_as_one_not_as_missing(tmp_path):
   os.mkfifo(tmp_path / "pipe")
   with pytest.raises(validation.ConfigError, match="is not a regular file \\(a pipe or a device\\)"):
     validation.require_file("data.train_file", str(tmp_path / "pipe"))
+
+
+def test_an_infer_input_that_is_a_pipe_is_read(tmp_path):
+  """--config.infer.input_file=<(zcat prompts.gz) was refused as a data file is, though infer reads it once."""
+  import threading
+
+  from xattn_jax.training import inference
+  pipe = tmp_path / "pipe"
+  os.mkfifo(pipe)
+  config = template.get_config("size=tiny")
+  config.infer.input_file = str(pipe)
+  validation.validate_config(config, mode="infer")
+  writer = threading.Thread(target=lambda: pipe.write_text("abc\nxyz\n"), daemon=True)  # blocks until read
+  writer.start()
+  assert inference.read_input_lines(str(pipe)) == (str(pipe), ["abc", "xyz"])
+  writer.join(timeout=10)

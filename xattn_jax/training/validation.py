@@ -119,15 +119,16 @@ def require_choice(config, field: str, allowed):
     raise ConfigError(field, value, f"allowed are {sorted(allowed)}")
 
 
-def require_file(field: str, path: str):
-  """For tasks: a data file named by `field` must exist before training starts."""
+def require_file(field: str, path: str, *, read_once: bool = False):
+  """For tasks: a data file named by `field` must exist before training starts; a pipe or device only where the
+  file is `read_once` (an infer input: `<(zcat prompts.gz)`)."""
   if not path:
     raise ConfigError(field, path, "is required: the path of a file")
   if os.path.isdir(path):
     raise ConfigError(field, path, "is a directory; name a file")
   if not os.path.exists(path):
     raise ConfigError(field, path, "no such file")
-  if not os.path.isfile(path):  # <(zcat corpus.gz) is a pipe: a run reads its files more than once
+  if not (read_once or os.path.isfile(path)):  # <(zcat corpus.gz) is a pipe: a run reads its files more than once
     raise ConfigError(field, path, "is not a regular file (a pipe or a device); save the data to a file and name it")
 
 
@@ -409,7 +410,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
       raise ConfigError("init_from", config.init_from, "holds no checkpoint: name a run's checkpoints directory or "
                         f"one step in it{', here ' + inside if checkpoints_lib.step_numbers(config.init_from) else ''}")
   if mode == "infer" and config.infer.input_file != "-":
-    require_file("infer.input_file", config.infer.input_file)
+    require_file("infer.input_file", config.infer.input_file, read_once=True)  # inference.read_input_lines
   if "cpu_devices" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "cpu_devices", allow_zero=True)
   if config.batch_size % process_count:
