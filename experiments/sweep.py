@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from xattn_jax.training import records
+
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -201,7 +203,7 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
         result.update(final_metrics(workdir, keys))
       except (OSError, RuntimeError) as error:  # a log deleted, or older than the key: the result stays as it is
         return cell, None, f"FAILED: {error}; delete {result_path} to train the cell again"
-      result_path.write_text(json.dumps(result, indent=1) + "\n")
+      records.write_atomically(str(result_path), json.dumps(result, indent=1) + "\n")
     return cell, result, "done before" + other_commit(result)
   if _STOPPING.is_set():  # Ctrl-C or SIGTERM came while this cell waited in the queue
     return cell, None, "not started: the runner was stopped"
@@ -228,8 +230,10 @@ def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):
     metrics = final_metrics(workdir, keys)
   except (OSError, RuntimeError) as e:
     return cell, None, f"FAILED: {e}"
-  result_path.write_text(json.dumps({**metrics, "train_seconds": seconds, "commit": head_commit(),
-                                     "settings": settings(cell.command(root, quick))}, indent=1) + "\n")
+  # whole or not at all: a kill mid-write left a cut-short result.json
+  records.write_atomically(str(result_path), json.dumps({**metrics, "train_seconds": seconds, "commit": head_commit(),
+                                                         "settings": settings(cell.command(root, quick))}, indent=1)
+                           + "\n")
   return cell, metrics, f"{seconds:.0f}s"
 
 

@@ -180,6 +180,31 @@ def test_a_result_json_that_does_not_read_fails_its_cell_naming_file_and_line_an
   assert sweep.finished_result(cell, tmp_path, quick=True) is None
 
 
+def test_a_cells_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+  """A disk filling (or a kill) while result.json was written left it cut short: the next run of the runner failed
+  the finished cell."""
+  import builtins
+
+  from xattn_jax.training import records
+
+  class FullDisk:
+    def __init__(self, path, mode):
+      self.file = builtins.open(path, mode)
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      self.file.close()
+    def write(self, text):
+      self.file.write(text[:len(text) // 2])
+      raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(records, "open", FullDisk, raising=False)  # the module's own open, builtins' elsewhere
+  cell = _Cell(rows=({"step": 1, "eval/a": 0.5, "eval/b": 0.25},))
+  with pytest.raises(OSError, match="No space left"):
+    sweep.run_cell(cell, tmp_path, quick=True, keys=KEYS, single_thread=True)
+  assert sorted(p.name for p in cell.workdir(tmp_path).iterdir()) == ["log.txt", "metrics.jsonl"]
+
+
 def test_a_result_missing_a_key_its_log_cannot_give_fails_its_cell_and_is_kept(tmp_path):
   """A result.json older than a table's key, its metrics.jsonl deleted or without the key, ended the runner in a
   traceback."""
