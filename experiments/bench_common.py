@@ -37,7 +37,8 @@ def parse_output_args(parser: argparse.ArgumentParser, name: str, argv=None) -> 
 
 def output_dir(args: argparse.Namespace, name: str) -> pathlib.Path:
   """--out if given; else experiments/results, or a new temporary directory for --quick runs."""
-  out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix=f"{name}_quick_") if args.quick else RESULTS))
+  # --out=~/x: the shell leaves a ~ after "=" as it is
+  out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix=f"{name}_quick_") if args.quick else RESULTS)).expanduser()
   out.mkdir(parents=True, exist_ok=True)
   return out
 

@@ -28,6 +28,19 @@ def test_an_output_directory_that_cannot_be_made_fails_before_measuring(script, 
   assert "{" not in result.stdout  # no measured row printed
 
 
+def test_an_output_directory_under_home_is_made_there(tmp_path, monkeypatch):
+  """--out=~/results made a folder named ~ in the current one (the shell leaves a ~ after "=")."""
+  sys.path.insert(0, str(EXPERIMENTS))
+  try:
+    import bench_common
+  finally:
+    sys.path.remove(str(EXPERIMENTS))
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  out = bench_common.output_dir(type("Args", (), {"out": "~/results", "quick": False})(), "bench")
+  assert out == tmp_path / "home" / "results" and out.is_dir() and not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--repeats=0"], "--repeats must be >= 1, got 0"),  # wrote NaN tables, status 0
     (["--one=foo"], "--one must be reader:SIDE or encoder:SIDE, got 'foo'"),
