@@ -17,6 +17,7 @@ from xattn_jax.data import tokenizers, vlm_digits
 from xattn_jax.models import connectors, vit, vlm
 from xattn_jax.tasks.vlm import distillation, frozen as vlm_frozen, probe, task as vlm_task
 from xattn_jax.training import checkpoints, dependencies, distributed, task as task_lib, validation
+from xattn_jax.training.errors import RunError
 
 TINY_CHAIN = {
     # the encoder the vlm_encoder tests read too: strips of up to 2 digits, 4 x 4 patches (2 x 4 per canvas)
@@ -398,7 +399,7 @@ def _pairs_task(folder, train_text: str, eval_text: str, **overrides) -> vlm_tas
 
 def test_a_text_past_the_frozen_lms_learned_position_table_is_named_by_file_and_line(tmp_path, monkeypatch):
   """A caption longer than a learned-position LM's table read NaN positions: the run ended in "TrainingDiverged:
-  train/loss = nan at step 2", naming neither the caption nor the table."""
+  train/loss = nan at step 2", naming neither the caption nor the table; a generation past its end wrote garbage."""
   as_built = vlm_frozen.lm_model_config
   def learned(lm_model, image_positions):
     lm_model = as_built(lm_model, image_positions)
@@ -414,7 +415,13 @@ def test_a_text_past_the_frozen_lms_learned_position_table_is_named_by_file_and_
   with pytest.raises(validation.ConfigError, match=r"train\.tsv:2: the text and its image tokens take"):
     _pairs_task(tmp_path, f"ok.png\tseven\ndark.png\t{long}\n" + "ok.png\tseven\ndark.png\ttwo\n" * 2, "",
                 **{"data.eval_file": ""})
-  assert _pairs_task(tmp_path, "ok.png\tseven\n" * 3, "ok.png\ttwo\n").length <= 40
+  task = _pairs_task(tmp_path, "ok.png\tseven\n" * 3, "ok.png\ttwo\n")
+  assert task.length <= 40
+  # generation stops where the table ends (past it the LM wrote garbage from NaN positions), and a prompt that
+  # fills the table is refused
+  assert (task._new_tokens_that_fit(24, 10), task._new_tokens_that_fit(24, 32)) == (10, 16)
+  with pytest.raises(RunError, match="leave no room"):
+    task._new_tokens_that_fit(40, 8)
 
 
 def test_without_an_eval_file_the_encoder_the_lm_and_the_vlm_hold_out_the_same_pairs(tmp_path):

@@ -65,6 +65,7 @@ from xattn_jax.tasks import decoding_config
 from xattn_jax.tasks.lm import text as lm_task
 from xattn_jax.tasks.vlm import answers as answers_lib, distillation, encoder as encoder_task, frozen
 from xattn_jax.training import optim, sharding, task as task_lib, validation
+from xattn_jax.training.errors import RunError
 
 SOURCES = ("digits", "tsv")
 MAX_IMAGES = 2  # image slots per example: the two-image "larger" kind
@@ -179,6 +180,7 @@ class VLMTask(task_lib.Task):
     self.canvas = canvas(config)
     self.options = decoding_config.decoding_options(config)
     self.max_new_tokens = config.task.decoding.max_new_tokens
+    self._said_cut = False  # _new_tokens_that_fit's warning, once
     # in training the frozen weights, {"encoder": params, "lm": params}; None in eval / infer (the checkpoint
     # restore sets them)
     record, tokenizer_path, self.weights = frozen.load(config, workdir, mode)
@@ -231,12 +233,19 @@ class VLMTask(task_lib.Task):
     logging.info("VLM %s: %d train / %d eval examples, rows of %d tokens", config.model.connector,
                  len(self.train_examples), len(self.eval_examples), self.length)
 
+  @functools.cached_property
+  def _position_rows(self) -> int | None:
+    """The rows of the frozen LM's learned position table (None: its positions take any length)."""
+    if not position_layers.get(self.lm_model.position_encoding).max_length_table:
+      return None
+    return max(self.lm_model.max_length, self.lm_model.get("randomized_positions_max", 0))
+
   def _check_positions_fit(self, config) -> None:
     """A frozen LM with a learned position table reads no position past its rows (a longer row read NaN and the
     run ended as diverged): ConfigError naming the data field, file and lines of the examples that need more."""
-    if not position_layers.get(self.lm_model.position_encoding).max_length_table:
+    rows = self._position_rows
+    if rows is None:
       return
-    rows = max(self.lm_model.max_length, self.lm_model.get("randomized_positions_max", 0))
     for side, layouts in (("train", self.train_layouts), ("eval", self.eval_layouts)):
       long = [(index, len(layout.ids)) for index, layout in enumerate(layouts) if len(layout.ids) > rows]
       if not long:
@@ -514,17 +523,33 @@ class VLMTask(task_lib.Task):
       chunk = requests[start:start + size]
       padded = chunk + [chunk[-1]] * (size - len(chunk))  # one batch shape: one compiled program
       prompt_length = max(self.prompt_length, max(len(ids) for _, ids, _ in padded))
+      new = self._new_tokens_that_fit(prompt_length, max_new)
       tokens, valid = lm_lib.left_pad([ids for _, ids, _ in padded], prompt_length)
       chunk_ids = None if ids is None else [*ids[start:start + size], *[ids[start]] * (size - len(chunk))]
       keys = decoding_config.row_keys(self.config, size, offset=start, ids=chunk_ids)
       if text_only:
-        generated = self._generate_text(model, tokens, valid, keys, max_new=max_new)
+        generated = self._generate_text(model, tokens, valid, keys, max_new=new)
       else:
         images = vlm_digits.collate_images([im for im, _, _ in padded], canvas=self.canvas, max_images=MAX_IMAGES)
         generated = self._generate(model, images["images"], images["pixel_valid"], images["image_valid"], tokens,
-                                   valid, keys, max_new=max_new)
+                                   valid, keys, max_new=new)
       outputs += [self._cut(row, stop) for row, (_, _, stop) in zip(np.asarray(generated), chunk)]
     return outputs
+
+  def _new_tokens_that_fit(self, prompt_length: int, max_new: int) -> int:
+    """max_new, or fewer where a learned position table ends first: past its rows the LM read NaN positions and
+    wrote garbage after the last position it has. RunError where not even one new token fits."""
+    rows = self._position_rows
+    if rows is None or prompt_length + max_new <= rows:
+      return max_new
+    if prompt_length >= rows:
+      raise RunError(f"prompts of {prompt_length} positions (BOS, image tokens, text) leave no room in the frozen "
+                     f"LM's learned position table of {rows} rows (model.max_length of {self.config.model.lm_workdir})")
+    if not self._said_cut:  # once a run
+      logging.warning("Generating at most %d tokens, not %d: prompts of %d positions and the frozen LM's learned "
+                      "position table of %d rows", rows - prompt_length, max_new, prompt_length, rows)
+      self._said_cut = True
+    return rows - prompt_length
 
   def _image_prompt(self, image) -> list[int]:
     """BOS, then one image: its soft-token slots and its marker (what a caption or a question follows)."""
