@@ -236,6 +236,13 @@ def test_rotary_scaling_factor_must_be_positive_when_built(factor):
     RotarySpec(scaling="linear", scaling_factor=factor)
 
 
+@pytest.mark.parametrize("base", [0.0, -10000.0])
+def test_rotary_base_must_be_positive_when_built(base):
+  # A layer with such a spec returned NaN everywhere: base ** (-2i/d) is inf or NaN.
+  with pytest.raises(ValueError, match=f"RotarySpec: base must be a finite number > 0, got base={base}"):
+    RotarySpec(base=base)
+
+
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(x_q=_normal(0, (2, 6, 12))), "x_q"),
     (dict(x_kv=_normal(1, (2, 9, 16))), "x_kv"),

@@ -475,6 +475,11 @@ BAD_INPUTS = {
     "rope_positions_wrong_length": (lambda: P.apply_rope(X, jnp.arange(5)[None]), "positions"),
     "rope_positions_bool": (lambda: P.apply_rope(X, jnp.ones((1, 4), bool)), "positions"),
     "rope_unknown_layout": (lambda: P.apply_rope(X, jnp.arange(4)[None], layout="halves"), "layout"),
+    # base ** (-2i/dim) of a base <= 0 is inf or NaN: every rotated channel came back NaN.
+    "rope_base_zero": (lambda: P.apply_rope(X, jnp.arange(4)[None], base=0.0), "base=0.0"),
+    "mrope_negative_base": (lambda: P.apply_mrope(X, jnp.zeros((3, 1, 4)), [2, 1, 1], base=-1.0), "base"),
+    "sinusoidal_negative_base": (lambda: P.sinusoidal(jnp.arange(3), 8, base=-10.0), "base"),
+    "sincos_2d_zero_base": (lambda: P.sincos_2d((2, 2), 8, base=0), "sincos_2d: base"),
     "rope_unknown_scaling": (lambda: P.apply_rope(X, jnp.arange(4)[None], scaling="yarn"), "scaling"),
     "rope_x_without_heads": (lambda: P.apply_rope(jnp.zeros((4, 8)), jnp.arange(4)), "x"),
     "rope_2d_positions_without_pair": (lambda: P.apply_rope_2d(X, jnp.zeros((1, 4), jnp.int32)), "positions"),

@@ -67,6 +67,7 @@ class RotarySpec:
     if self.scaling not in positions_ops.ROPE_SCALINGS:
       raise ValueError(f"RotarySpec: scaling must be one of {positions_ops.ROPE_SCALINGS}, "
                        f"got scaling={self.scaling!r}")
+    positions_ops._check_base(self.base, "RotarySpec")
     if not self.scaling_factor > 0:
       raise ValueError(f"RotarySpec: scaling_factor must be > 0, got scaling_factor={self.scaling_factor!r}")
     sections_needed = self.rotary_kind.num_sections

@@ -9,6 +9,7 @@ Relative position biases (ALiBi, T5 buckets) live in `xattn_jax.ops.relative_bia
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import chex
@@ -39,6 +40,13 @@ def _check_positive_int(value, function: str, name: str, *, even: bool = False, 
     need = f"a positive multiple of {multiple_of}" if multiple_of > 1 else "a positive int"
     raise ValueError(f"{function}: {name} must be {need}, got {value!r}")
   return int(value)
+
+
+def _check_base(base, function: str) -> None:
+  """A wavelength base must be a finite number > 0: base ** (-2i/dim) of 0 or a negative base is inf or NaN."""
+  if isinstance(base, (bool, np.bool_)) or not isinstance(base, (int, float, np.integer, np.floating)) or not (
+      math.isfinite(base) and base > 0):
+    raise ValueError(f"{function}: base must be a finite number > 0, got base={base!r}")
 
 
 def _check_broadcasts(shape, target, function: str, name: str, need: str) -> None:
@@ -94,6 +102,7 @@ def sinusoidal(positions, dim: int, base: float = 10000.0) -> jax.Array:
   """
   positions = _as_positions(positions, "sinusoidal")
   dim = _check_positive_int(dim, "sinusoidal", "dim", even=True)
+  _check_base(base, "sinusoidal")
   frequencies = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # [dim/2]
   angles = positions.astype(jnp.float32)[..., None] * frequencies  # [..., dim/2]
   table = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., dim/2, (sin, cos)]
@@ -150,6 +159,7 @@ def rope_angles(positions, dim: int, base: float = 10000.0, *, scaling: str | No
   """
   positions = _as_positions(positions, "rope_angles")
   dim = _check_positive_int(dim, "rope_angles", "dim", even=True)
+  _check_base(base, "rope_angles")
   _check_choice(scaling, ROPE_SCALINGS, "rope_angles", "scaling")
   if not scaling_factor > 0:
     raise ValueError(f"rope_angles: scaling_factor must be > 0, got {scaling_factor!r}")
@@ -358,6 +368,7 @@ def sincos_2d(positions, dim: int, base: float = 10000.0) -> jax.Array:
     positions = grid_positions(*positions)
   positions = _as_positions(positions, "sincos_2d")
   dim = _check_positive_int(dim, "sincos_2d", "dim", multiple_of=4)
+  _check_base(base, "sincos_2d")
   if positions.ndim < 1 or positions.shape[-1] != 2:
     raise ValueError(f"sincos_2d: positions must be [..., 2] (row, column) or (height, width), "
                      f"got shape {list(positions.shape)}")
