@@ -146,6 +146,14 @@ def test_mrope_default_sections_refuse_heads_too_narrow_for_three_axes(head_dim)
   assert _make("mrope", head_dim=6).rotary.sections == (1, 1, 1)
 
 
+@pytest.mark.parametrize("name", ["learned", "sinusoidal", *GRID_ENCODINGS])
+def test_add_to_inputs_refuses_x_of_another_width_naming_both(name):
+  # features=16: an x of width 8 failed in the addition (a TypeError of broadcasting, or of concatenate).
+  length = 4 if name in ("learned", "sinusoidal") else 12
+  with pytest.raises(ValueError, match=r"x must be \[batch, length, 16\] .*got x\[2, %d, 8\]" % length):
+    _add(_make(name), np.zeros((2, length, 8), np.float32))
+
+
 def test_rotary_spec_refuses_empty_mrope_sections():
   from xattn_jax.layers.rotary import RotarySpec
   with pytest.raises(ValueError, match=r"sections must be positive ints .*got sections=\(2, 0, 0\)"):

@@ -42,6 +42,14 @@ from xattn_jax.ops import positions as positions_ops
 from xattn_jax.ops import relative_bias
 
 
+def _check_width(where: str, x, features: int) -> None:
+  """x must be [batch, length, features] with the encoding's own width: a narrower or wider x failed to broadcast
+  in the addition, naming neither."""
+  if jnp.ndim(x) != 3 or jnp.shape(x)[-1] != features:
+    raise ValueError(f"{where}: x must be [batch, length, {features}] (the encoding's features), "
+                     f"got x{list(jnp.shape(x))}")
+
+
 def _sequence_positions(x, positions):
   """positions [b, t], or 0..t-1 as one [1, t] row shared by the batch of x [b, t, features] (so a
   table is computed once per length, not once per sequence)."""
@@ -129,6 +137,7 @@ class LearnedPositions(NoPositions):
     positions_ops.check_positions_fit(highest, self.table.shape[0], "LearnedPositions")
 
   def add_to_inputs(self, x, positions=None, *, grid=None):
+    _check_width("LearnedPositions.add_to_inputs", x, self.table.shape[1])
     if positions is None:
       # Positions 0..t-1 are static, so a too-short table is caught at trace time.
       positions_ops.check_positions_fit(x.shape[1] - 1, self.table.shape[0], "LearnedPositions.add_to_inputs")
@@ -143,6 +152,7 @@ class SinusoidalPositions(NoPositions):
     self.features, self.base = features, base
 
   def add_to_inputs(self, x, positions=None, *, grid=None):
+    _check_width("SinusoidalPositions.add_to_inputs", x, self.features)
     encoding = positions_ops.sinusoidal(_sequence_positions(x, positions), self.features, self.base)
     return x + encoding.astype(x.dtype)
 
@@ -150,7 +160,7 @@ class SinusoidalPositions(NoPositions):
 class _GridPositions(NoPositions):
   """Shared handling of image positions: grid defaults, extra leading tokens, shape checks.
 
-  Subclasses define `encode(positions [b, M, 2], grid) -> [b, M, features]` on the input grid.
+  Subclasses set `features` and define `encode(positions [b, M, 2], grid) -> [b, M, features]` on the input grid.
   """
 
   def __init__(self, grid, num_extra_tokens: int):
@@ -165,6 +175,7 @@ class _GridPositions(NoPositions):
     return jnp.zeros((self.num_extra_tokens, features))
 
   def add_to_inputs(self, x, positions=None, *, grid=None):
+    _check_width(f"{type(self).__name__}.add_to_inputs", x, self.features)
     grid = self.grid if grid is None else tuple(grid)
     batch, length = x.shape[:2]
     if positions is None:
@@ -186,7 +197,7 @@ class Learned2DPositions(_GridPositions):
   def __init__(self, grid, features: int, *, num_extra_tokens: int = 0, resize_method: str = "bilinear",
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     super().__init__(grid, num_extra_tokens)
-    self.resize_method = resize_method
+    self.features, self.resize_method = features, resize_method
     rows = num_extra_tokens + self.grid[0] * self.grid[1]
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
     self.table = nnx.Param(init(rngs.params(), (rows, features), param_dtype))
@@ -231,7 +242,7 @@ class FourierPositions(_GridPositions):
   def __init__(self, grid, features: int, *, num_bands: int = 16, max_resolution=None, num_extra_tokens: int = 0,
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     super().__init__(grid, num_extra_tokens)
-    self.num_bands = num_bands
+    self.features, self.num_bands = features, num_bands
     self.max_resolution = self.grid if max_resolution is None else max_resolution
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False)
     self.projection = dense.Dense(2 * (2 * num_bands + 1), features, kernel_init=init, dtype=dtype,
