@@ -279,6 +279,9 @@ def test_extend_with_a_bad_mask_or_bias_names_extend_and_max_length(kwargs, need
     ("rope", "call", r"MultiHeadAttention: query_positions do not fit the \[batch, length\] = \[2, 6\]"),
     ("rope", "extend", r"MultiHeadAttention.extend: positions do not fit the \[batch, length\] = \[2, 6\]"),
     ("rope_2d", "extend", r"MultiHeadAttention.extend: rotary kind 'rope_2d' needs explicit positions "),
+    # Self-attention's keys take query_positions when no key_positions are given: the errors named those.
+    ("rope", "self", r"MultiHeadAttention: query_positions do not fit the \[batch, length\] = \[2, 6\]"),
+    ("rope_2d", "self", r"MultiHeadAttention: rotary kind 'rope_2d' needs explicit query_positions "),
 ])
 def test_rotary_position_errors_name_the_layers_own_argument(kind, call, needle):
   layer = MultiHeadAttention(4, 16, rotary=RotarySpec(kind=kind), rngs=nnx.Rngs(0))
@@ -286,6 +289,8 @@ def test_rotary_position_errors_name_the_layers_own_argument(kind, call, needle)
   with pytest.raises(ValueError, match=needle):
     if call == "call":
       layer(x, query_positions=wrong, key_positions=np.arange(6)[None])
+    elif call == "self":
+      layer(x, query_positions=wrong)
     else:
       layer.extend(x, layer.init_cache(2, 10), positions=wrong)
 

@@ -320,8 +320,20 @@ class MultiHeadAttention(nnx.Module):
 
   def project_memory(self, x_kv, *, key_positions=None) -> MemoryCache:
     """Projects a memory x_kv [b, s, kv_features] once into its keys and values."""
-    keys, values = self._project_key_value(x_kv, key_positions)
+    return self._memory(x_kv, key_positions)
+
+  def _memory(self, x_kv, key_positions, name="key_positions") -> MemoryCache:
+    keys, values = self._project_key_value(x_kv, key_positions, name=name)
     return MemoryCache(keys=_swap_length_and_heads(keys), values=_swap_length_and_heads(values))
+
+  def _own_memory(self, x_q, x_kv, query_positions, key_positions) -> MemoryCache:
+    """The memory of a full pass: x_kv's, or x_q's when x_kv is None (self-attention), whose keys then take
+    query_positions unless key_positions are given (and errors name the argument the caller passed)."""
+    if x_kv is not None:
+      return self._memory(x_kv, key_positions)
+    if key_positions is None:
+      return self._memory(x_q, query_positions, "query_positions")
+    return self._memory(x_q, key_positions)
 
   def attend(self, x_q, memory_cache: MemoryCache, *, mask=None, bias=None, query_positions=None,
              is_causal: bool = False, deterministic: bool = True):
@@ -373,19 +385,15 @@ class MultiHeadAttention(nnx.Module):
     self-attention key_positions defaults to query_positions.
     """
     _check_features("x_q", x_q, self.in_features)
-    if x_kv is None:
-      x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
-    memory_cache = self.project_memory(x_kv, key_positions=key_positions)
+    memory_cache = self._own_memory(x_q, x_kv, query_positions, key_positions)
     return self.attend(x_q, memory_cache, mask=mask, bias=bias, query_positions=query_positions,
                        is_causal=is_causal, deterministic=deterministic)
 
   def attention_weights(self, x_q, x_kv=None, *, mask=None, bias=None, query_positions=None,
                         key_positions=None, is_causal: bool = False):
     """Attention probabilities [b, heads, t, s] in float32 (for plots), same projections as __call__."""
-    if x_kv is None:
-      x_kv, key_positions = x_q, query_positions if key_positions is None else key_positions
-    return self.memory_attention_weights(x_q, self.project_memory(x_kv, key_positions=key_positions), mask=mask,
-                                         bias=bias, query_positions=query_positions, is_causal=is_causal)
+    return self.memory_attention_weights(x_q, self._own_memory(x_q, x_kv, query_positions, key_positions),
+                                         mask=mask, bias=bias, query_positions=query_positions, is_causal=is_causal)
 
   def memory_attention_weights(self, x_q, memory_cache: MemoryCache, *, mask=None, bias=None, query_positions=None,
                                is_causal: bool = False):
