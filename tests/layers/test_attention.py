@@ -309,6 +309,23 @@ def test_init_cache_refuses_non_positive_or_non_int_sizes(batch_size, max_length
     _layer().init_cache(batch_size, max_length)
 
 
+@pytest.mark.parametrize("beam_size", [0, -1, 2.0])
+def test_expand_beams_refuses_a_beam_size_that_is_not_a_positive_int(beam_size):
+  # 0 built an empty beam cache without a word, -1 failed in a broadcast naming neither.
+  with pytest.raises(ValueError, match=f"KVCache.expand_beams: beam_size must be a positive int, got "
+                                       f"beam_size={beam_size}"):
+    _layer().init_cache(2, 4).expand_beams(beam_size)
+
+
+@pytest.mark.parametrize("parent, got", [([[0, 1], [1, 0]], r"int32\[2, 2\]"),
+                                         (np.zeros((2, 3), np.float32), r"float32\[2, 3\]")])
+def test_reorder_beams_refuses_a_parent_that_is_not_int_batch_by_beams(parent, got):
+  # A list failed with an AttributeError (no .shape); float parents were truncated to slots silently.
+  cache = _layer().init_cache(2, 4).expand_beams(3)
+  with pytest.raises(ValueError, match=r"KVCache.reorder_beams: parent must be int \[2, 3\], got " + got):
+    cache.reorder_beams(parent)
+
+
 def _beam_steps(layer, prefix, steps, parents, mask, bias, by_index):
   """Pre-fills prefix [b, p, 16], expands to beams, then one token per beam per step, reordering by
   parents[i] [b, beams] after each step: by index (beam layout) or by copying the cache rows."""

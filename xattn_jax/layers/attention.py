@@ -104,6 +104,7 @@ class KVCache:
     """This cache in the beam layout: every example's filled rows copied to beam_size slots."""
     if self.ancestry is not None:
       raise ValueError("KVCache.expand_beams: the cache is already in the beam layout")
+    _check_positive_int("beam_size", beam_size, "KVCache.expand_beams")  # 0 beams made an empty beam cache
     batch, _, capacity, _ = self.keys.shape
     slots = lambda x: jnp.repeat(x, beam_size, axis=2)  # -> [batch, kv_heads, capacity * beams, head_dim]
     own = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32)[:, None], (batch, beam_size, capacity))
@@ -116,8 +117,10 @@ class KVCache:
     if self.ancestry is None:
       raise ValueError("KVCache.reorder_beams: the cache is not in the beam layout (expand_beams)")
     batch, beams, capacity = self.ancestry.shape
-    if parent.shape != (batch, beams):
-      raise ValueError(f"KVCache.reorder_beams: parent must be int [{batch}, {beams}], got parent{list(parent.shape)}")
+    parent = jnp.asarray(parent)
+    if parent.shape != (batch, beams) or not jnp.issubdtype(parent.dtype, jnp.integer):
+      raise ValueError(f"KVCache.reorder_beams: parent must be int [{batch}, {beams}], got "
+                       f"{parent.dtype}{list(parent.shape)}")
     inherited = jnp.take_along_axis(self.ancestry, parent[:, :, None].astype(jnp.int32), axis=1)
     own = jnp.arange(beams, dtype=jnp.int32)[:, None]
     filled = jnp.arange(capacity) < self.index
@@ -152,10 +155,10 @@ def _check_features(name: str, x, features: int) -> None:
 EXTEND_NAMES = dict(name="positions", where="MultiHeadAttention.extend")
 
 
-def _check_positive_int(name: str, value) -> None:
+def _check_positive_int(name: str, value, where: str = "MultiHeadAttention") -> None:
   """A size argument: a Python or numpy integer (not a bool) above 0."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
-    raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {name}={value!r}")
+    raise ValueError(f"{where}: {name} must be a positive int, got {name}={value!r}")
 
 
 def _check_broadcastable(name: str, array, target: tuple[int, ...], method: str = "__call__"):
