@@ -75,6 +75,17 @@ def test_mismatched_positional_encodings_raise_naming_them(transformer, name, ch
     transformer(tokens, image, **arguments)
 
 
+@pytest.mark.parametrize("layer", [TwoWayAttentionBlock, lambda *a, **o: TwoWayTransformer(*a, 1, **o)],
+                         ids=["block", "transformer"])
+@pytest.mark.parametrize("name, options", [("num_heads", dict(num_heads=0)),
+                                           ("cross_attention_downsample", dict(cross_attention_downsample=0))])
+def test_zero_heads_or_downsample_raise_naming_them(layer, name, options):
+  # Both divided the width: a ZeroDivisionError that named neither.
+  arguments = {"num_heads": 2, **options}
+  with pytest.raises(ValueError, match=f"TwoWayAttentionBlock: {name} must be a positive int, got {name}=0"):
+    layer(WIDTH, arguments.pop("num_heads"), 32, rngs=nnx.Rngs(0), **arguments)
+
+
 def _sam_attention(attention, q, k, v):
   """SAM's `Attention.forward`: project, split heads, softmax(q k^T / sqrt(head_dim)) v, recombine, project out."""
   split = lambda x, n: x.reshape(x.shape[0], x.shape[1], n, -1)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xattn_jax.layers import blocks
-from xattn_jax.layers.attention import MemoryCache, MultiHeadAttention
+from xattn_jax.layers.attention import MemoryCache, MultiHeadAttention, _check_positive_int
 from xattn_jax.ops import masks as masks_lib
 
 
@@ -80,6 +80,9 @@ class TwoWayAttentionBlock(nnx.Module):
 
   def __init__(self, width: int, num_heads: int, mlp_features: int, *, cross_attention_downsample: int = 2,
                skip_first_layer_pe: bool = False, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    for name, value in (("width", width), ("num_heads", num_heads),
+                        ("cross_attention_downsample", cross_attention_downsample)):
+      _check_positive_int(name, value, "TwoWayAttentionBlock")  # 0 divided the widths by zero below
     if width % cross_attention_downsample or (width // cross_attention_downsample) % num_heads:
       raise ValueError(f"TwoWayAttentionBlock: width / cross_attention_downsample must be a multiple of "
                        f"num_heads, got width={width}, cross_attention_downsample={cross_attention_downsample}, "
