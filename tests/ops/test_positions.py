@@ -487,6 +487,11 @@ BAD_INPUTS = {
                                              "rotary_dim"),
     "mrope_sections_not_adding_up": (lambda: P.apply_mrope(X, jnp.zeros((3, 1, 4)), [1, 1, 1]), "sections"),
     "mrope_positions_not_one_row_per_section": (lambda: P.apply_mrope(X, jnp.zeros((1, 4)), [2, 1, 1]), "positions"),
+    "mrope_sections_one_int": (lambda: P.apply_mrope(X, jnp.zeros((3, 1, 4)), 4), "sections"),
+    "mrope_ids_float_pad_to": (lambda: P.mrope_position_ids([[("text", 2)]], pad_to=3.0), "pad_to=3.0"),
+    "mrope_ids_negative_pad_to": (lambda: P.mrope_position_ids([[]], pad_to=-1), "pad_to=-1"),
+    "mrope_ids_float_pad_position": (lambda: P.mrope_position_ids([[("text", 1)], [("text", 2)]], pad_position=1.5),
+                                     "pad_position=1.5"),
     "mrope_ids_unknown_segment": (lambda: P.mrope_position_ids([[("audio", 3)]]), "segments"),
     "mrope_ids_grid_not_divisible_by_merge": (
         lambda: P.mrope_position_ids([[("image", (1, 3, 4))]], spatial_merge_size=2), "spatial_merge_size"),

@@ -269,7 +269,10 @@ def apply_mrope(x, positions, sections: Sequence[int], *, base: float = 10000.0,
   """
   x, rotary_dim = _check_rope_input(x, rotary_dim, layout, "apply_mrope")
   positions = _as_positions(positions, "apply_mrope")
-  sections = list(sections)
+  try:
+    sections = list(sections)
+  except TypeError:  # a single int: iterating it failed with a TypeError naming no argument
+    raise ValueError(f"apply_mrope: sections must be a list of positive ints, got {sections!r}") from None
   if not sections or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s <= 0 for s in sections):
     raise ValueError(f"apply_mrope: sections must be positive ints, got {sections}")
   if sum(sections) != rotary_dim // 2:
@@ -299,6 +302,12 @@ def mrope_position_ids(batch_segments, *, spatial_merge_size: int = 1, pad_to: i
   Built with numpy because segment lengths decide the output shape.
   """
   merge = _check_positive_int(spatial_merge_size, "mrope_position_ids", "spatial_merge_size")
+  # ints only: a float pad_to failed in np.full, a float pad_position was truncated into the int32 ids
+  is_int = lambda value: isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+  if pad_to is not None and not (is_int(pad_to) and pad_to >= 0):
+    raise ValueError(f"mrope_position_ids: pad_to must be None or an int >= 0, got pad_to={pad_to!r}")
+  if not is_int(pad_position):
+    raise ValueError(f"mrope_position_ids: pad_position must be an int, got pad_position={pad_position!r}")
   if isinstance(batch_segments, (str, bytes)) or not isinstance(batch_segments, Sequence):
     raise ValueError(f"mrope_position_ids: batch_segments must be a list (one per example) of segment lists, "
                      f"got {type(batch_segments).__name__}")
