@@ -603,6 +603,16 @@ def test_inputs_may_be_nested_lists_and_attention_weights_validate_like_the_op()
     attention.attention_weights(query, key, scale=np.ones(2))
 
 
+@pytest.mark.parametrize("function", ["dot_product_attention", "attention_weights"])
+def test_a_traced_is_causal_raises_naming_it(function):
+  # It picks the masking while tracing: jit over it failed in a TracerBoolConversionError naming no argument.
+  query, key, value, _ = random_inputs(seed=0)
+  arguments = (query, key, value) if function == "dot_product_attention" else (query, key)
+  call = lambda causal: getattr(attention, function)(*arguments, is_causal=causal)
+  with pytest.raises(ValueError, match=r"is_causal must be a Python bool \(static under jit\), got a traced bool"):
+    jax.jit(call)(True)
+
+
 @pytest.mark.parametrize("implementation", ["chunked", "xla", "dense"])
 def test_memory_of_forward_and_backward_grows_linearly_in_length_but_for_dense(implementation):
   """The module docstring's promise, read from XLA's own buffer plan: 4x the length takes about 4x the temporaries

@@ -116,6 +116,14 @@ def _validate_scale(scale, head_dim: int):
   return scale
 
 
+def _validate_is_causal(is_causal) -> bool:
+  """is_causal as a Python bool: it picks the masking at trace time, so a traced value cannot choose it."""
+  if isinstance(is_causal, jax.core.Tracer):
+    raise ValueError(f"dot_product_attention: is_causal must be a Python bool (static under jit), got a traced "
+                     f"{is_causal.dtype}{_shape(is_causal)}; mark it static or pass a mask")
+  return bool(is_causal)
+
+
 def _validate_broadcast(name, x, target):
   """x must broadcast to target = [batch, heads, q_len, kv_len]; returns x as rank 4."""
   if x is None:
@@ -304,31 +312,32 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     raise ValueError(f"dot_product_attention: implementation must be None or one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
   scale = _validate_scale(scale, h)
+  is_causal = _validate_is_causal(is_causal)
   facts = dict(dtype=query.dtype, head_dim=h, q_len=t, kv_len=s, has_mask=mask is not None,
-               has_bias=bias is not None, is_causal=bool(is_causal))
+               has_bias=bias is not None, is_causal=is_causal)
   backend = jax.default_backend()
   if implementation is None:
     implementation = select_implementation(backend=backend, groups=n // kv_heads, **facts)
   if _runs_fused(implementation, backend, t, s):
     if scale_on_scores(query.dtype, scale):
-      return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh",
+      return dense_attention.dense_attention(query, key, value, mask, bias, is_causal, kv_layout == "bksh",
                                              float(scale))
     # Scaling the queries once is cheaper than scaling every score (autodiff applies it to dq).
     query = query * jnp.asarray(scale, query.dtype)
-    return dense_attention.dense_attention(query, key, value, mask, bias, bool(is_causal), kv_layout == "bksh")
+    return dense_attention.dense_attention(query, key, value, mask, bias, is_causal, kv_layout == "bksh")
   if implementation == "cudnn":
     reason = cudnn_unsupported_reason(backend=backend, **facts)
     if reason is not None:
       raise ValueError(f"dot_product_attention: implementation='cudnn' {reason}")
     if kv_layout == "bksh":  # cuDNN takes the jax.nn layout
       key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
-    return _cudnn_attention(query, key, value, mask, bias, scale, bool(is_causal))
+    return _cudnn_attention(query, key, value, mask, bias, scale, is_causal)
   if isinstance(scale, (int, float, np.floating)):  # a number: each block's rows are scaled in the kernel
     scale = float(scale)
   else:  # a traced (or array) scale keeps its gradient: scale the queries first
     query, scale = query * jnp.asarray(scale, query.dtype), 1.0
   return blocked_attention.blocked_attention(
-      query, key, value, mask=mask, bias=bias, is_causal=bool(is_causal),
+      query, key, value, mask=mask, bias=bias, is_causal=is_causal,
       blocking=choose_blocking(implementation, t, s, backend, units=b * kv_heads, groups=n // kv_heads),
       kv_heads_major=kv_layout == "bksh",
       scale=scale, scale_scores=scale_on_scores(query.dtype, scale))
@@ -380,7 +389,8 @@ def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scal
   mask = _validate_broadcast("mask", mask, (b, n, t, s))
   bias = _validate_broadcast("bias", bias, (b, n, t, s))
   scale = _validate_scale(scale, h)
+  is_causal = _validate_is_causal(is_causal)
   if scale_on_scores(query.dtype, scale):
-    return dense_attention.probabilities(query, key, mask, bias, bool(is_causal), float(scale))
+    return dense_attention.probabilities(query, key, mask, bias, is_causal, float(scale))
   query = query * jnp.asarray(scale, query.dtype)
-  return dense_attention.probabilities(query, key, mask, bias, bool(is_causal))
+  return dense_attention.probabilities(query, key, mask, bias, is_causal)
