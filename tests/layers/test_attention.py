@@ -249,6 +249,8 @@ def test_rotary_base_must_be_positive_when_built(base):
     (dict(mask=np.ones((2, 1, 6, 4), bool)), "mask"),
     (dict(mask=np.ones((2, 1, 1, 9), np.float32)), "mask"),
     (dict(bias=np.ones((7, 9), np.float32)), "bias"),  # q_len is 6
+    # Named by dot_product_attention with the layer's rank-4 copy, bias[1, 1, 6, 9], before.
+    (dict(bias=np.ones((6, 9), np.int32)), "MultiHeadAttention: bias must be floating point, got dtype int32"),
 ])
 def test_bad_inputs_raise_value_error_naming_argument(kwargs, argument):
   kwargs = {"x_q": _normal(0, (2, 6, 16)), "x_kv": _normal(1, (2, 9, 24)), **kwargs}

@@ -174,6 +174,8 @@ def _check_broadcastable(name: str, array, target: tuple[int, ...], method: str 
         f"got {name}{list(array.shape)}")
   if name == "mask" and array.dtype != jnp.bool_:
     raise ValueError(f"{where}: mask must be boolean (True = may attend), got dtype {array.dtype}")
+  if name == "bias" and not jnp.issubdtype(array.dtype, jnp.floating):  # else the op named itself and a rank-4 copy
+    raise ValueError(f"{where}: bias must be floating point, got dtype {array.dtype}")
   return array.reshape((1,) * (4 - array.ndim) + array.shape)
 
 
