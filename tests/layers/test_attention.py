@@ -258,6 +258,12 @@ def test_bad_inputs_raise_value_error_naming_argument(kwargs, argument):
     _run(_layer(kv_features=24), **kwargs)
 
 
+def test_extend_with_no_token_raises_naming_x():
+  layer = _layer()
+  with pytest.raises(ValueError, match=r"extend: x must hold at least one token, got x\[2, 0, 16\]"):
+    layer.extend(np.zeros((2, 0, 16), np.float32), layer.init_cache(2, 8))
+
+
 def test_extend_with_cache_of_other_batch_raises_value_error_naming_cache():
   layer = _layer()
   with pytest.raises(ValueError, match="cache"):

@@ -448,6 +448,8 @@ class MultiHeadAttention(nnx.Module):
     if cache.ancestry is not None:
       return self._extend_beams(x, cache, positions=positions, mask=mask, bias=bias, deterministic=deterministic)
     batch, length = x.shape[:2]
+    if length == 0:  # else causal_mask refused a q_len=0 the caller never passed
+      raise ValueError(f"MultiHeadAttention.extend: x must hold at least one token, got x{list(x.shape)}")
     expected = (batch, self.num_kv_heads, cache.keys.shape[2], self.head_dim)
     if cache.keys.shape != expected or cache.values.shape != expected:
       raise ValueError(
