@@ -264,6 +264,19 @@ def test_learned_query_pooling_takes_valid_as_a_list():
                                 pool(inputs, valid=jnp.asarray([[True, True, False, False]])))
 
 
+def test_learned_query_pooling_refuses_valid_that_is_not_bool_naming_it():
+  # Named padding_mask, which the caller never called, about a kv_len it never passed.
+  with pytest.raises(ValueError, match=r"LearnedQueryPooling: valid must be bool \[1, 4\], got float32\[1, 4\]"):
+    _pool(_pooling(), jnp.ones((1, 4, MEMORY_FEATURES)), np.ones((1, 4), np.float32))
+
+
+@pytest.mark.parametrize("num_queries", [0, 2.5])
+def test_learned_query_pooling_refuses_num_queries_that_is_not_a_positive_int(num_queries):
+  # 2.5 failed in the initializer with a TypeError about shapes.
+  with pytest.raises(ValueError, match=f"num_queries must be a positive int, got num_queries={num_queries}"):
+    blocks.LearnedQueryPooling(num_queries, FEATURES, MEMORY_FEATURES, HEADS, rngs=nnx.Rngs(0))
+
+
 # --- norm types and MLP kinds (the registries the LM reads) -----------------------------------------
 
 def test_rms_norm_is_x_over_its_root_mean_square_times_scale():

@@ -14,6 +14,7 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from xattn_jax.layers import dense
@@ -351,8 +352,8 @@ class LearnedQueryPooling(nnx.Module):
   def __init__(self, num_queries: int, features: int, input_features: int, num_heads: int, *,
                mlp_features: int | None = None, dropout_rate: float = 0.0, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if num_queries <= 0:
-      raise ValueError(f"LearnedQueryPooling: num_queries must be positive, got num_queries={num_queries}")
+    if isinstance(num_queries, (bool, np.bool_)) or not isinstance(num_queries, (int, np.integer)) or num_queries <= 0:
+      raise ValueError(f"LearnedQueryPooling: num_queries must be a positive int, got num_queries={num_queries!r}")
     self.input_features = input_features
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
     self.queries = nnx.Param(init(rngs.params(), (num_queries, features), param_dtype))
@@ -365,9 +366,9 @@ class LearnedQueryPooling(nnx.Module):
       raise ValueError(
           f"LearnedQueryPooling: inputs must be [batch, M, {self.input_features}], got inputs{list(inputs.shape)}")
     valid = None if valid is None else jnp.asarray(valid)
-    if valid is not None and valid.shape != inputs.shape[:2]:
+    if valid is not None and (valid.shape != inputs.shape[:2] or valid.dtype != jnp.bool_):
       raise ValueError(
-          f"LearnedQueryPooling: valid must be bool {list(inputs.shape[:2])}, got valid{list(valid.shape)}")
+          f"LearnedQueryPooling: valid must be bool {list(inputs.shape[:2])}, got {valid.dtype}{list(valid.shape)}")
     queries = jnp.broadcast_to(self.queries[...], (inputs.shape[0], *self.queries.shape))  # [b, N, features]
     mask = None if valid is None else masks_lib.padding_mask(valid)
     return self.block(queries.astype(inputs.dtype), inputs, mask=mask, deterministic=deterministic)
