@@ -154,6 +154,20 @@ def test_add_to_inputs_refuses_x_of_another_width_naming_both(name):
     _add(_make(name), np.zeros((2, length, 8), np.float32))
 
 
+@pytest.mark.parametrize("max_length", [0, -1])
+def test_learned_table_refuses_max_length_below_one(max_length):
+  # Built a table of no rows without a word; only a later add_to_inputs said that no position fit it.
+  with pytest.raises(ValueError, match=f"make_position_encoding: max_length must be a positive int, got {max_length}"):
+    _make("learned", max_length=max_length)
+
+
+@pytest.mark.parametrize("name", GRID_ENCODINGS)
+def test_grid_encodings_refuse_a_grid_that_is_not_ints(name):
+  # int() truncated (2.5, 4) to the 2 x 4 grid.
+  with pytest.raises(ValueError, match=r"grid must be \(height, width\) of positive ints, got grid=\(2.5, 4\)"):
+    _make(name, grid=(2.5, 4))
+
+
 def test_rotary_spec_refuses_empty_mrope_sections():
   from xattn_jax.layers.rotary import RotarySpec
   with pytest.raises(ValueError, match=r"sections must be positive ints .*got sections=\(2, 0, 0\)"):

@@ -164,7 +164,9 @@ class _GridPositions(NoPositions):
   """
 
   def __init__(self, grid, num_extra_tokens: int):
-    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(int(g) > 0 for g in grid)):
+    # ints only: int() truncated a grid of (2.5, 3) to (2, 3)
+    if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(
+        isinstance(g, (int, np.integer)) and not isinstance(g, (bool, np.bool_)) and g > 0 for g in grid)):
       raise ValueError(f"{type(self).__name__}: grid must be (height, width) of positive ints, got grid={grid!r}")
     if num_extra_tokens < 0:
       raise ValueError(f"{type(self).__name__}: num_extra_tokens must be >= 0, got {num_extra_tokens}")
@@ -397,7 +399,9 @@ def _rotary(kind: str) -> PositionEncoding:
 
 def _table_rows(o: PositionOptions) -> int:
   """A learned table covers the model's longest sequence and every randomized position."""
-  return max(o.require("max_length"), o.randomized.max_position)
+  # max_length 0 or less built a table of no rows: only a later add_to_inputs said that no position fit it
+  max_length = positions_ops._check_positive_int(o.require("max_length"), "make_position_encoding", "max_length")
+  return max(max_length, o.randomized.max_position)
 
 
 POSITION_ENCODINGS: dict[str, PositionEncoding] = {
