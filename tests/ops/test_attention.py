@@ -593,14 +593,17 @@ def test_invalid_arguments_raise_value_error_naming_argument_and_shapes(name, kw
     assert needle in str(info.value), (name, str(info.value))
 
 
-def test_inputs_may_be_nested_lists_and_attention_weights_validate_like_the_op():
+def test_inputs_may_be_nested_lists_and_attention_weights_validate_like_the_op_naming_itself():
   query, key, value, _ = random_inputs(seed=0)
   np.testing.assert_allclose(attention.dot_product_attention(np.asarray(query).tolist(), key, value),
                              attention.dot_product_attention(query, key, value), rtol=1e-6)
-  with pytest.raises(ValueError, match="query must be floating point, got int32"):
+  # The errors name attention_weights, the function called (they named dot_product_attention).
+  with pytest.raises(ValueError, match="attention_weights: query must be floating point, got int32"):
     attention.attention_weights(query.astype(jnp.int32), key)
-  with pytest.raises(ValueError, match="scale must be a scalar"):
+  with pytest.raises(ValueError, match="attention_weights: scale must be a scalar"):
     attention.attention_weights(query, key, scale=np.ones(2))
+  with pytest.raises(ValueError, match=r"attention_weights: mask must broadcast to \[batch, heads, q_len, kv_len\]"):
+    attention.attention_weights(query, key, mask=np.ones((3, 2), bool))
 
 
 @pytest.mark.parametrize("function", ["dot_product_attention", "attention_weights"])

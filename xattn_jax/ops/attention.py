@@ -81,61 +81,61 @@ KV_LAYOUTS = ("bskh", "bksh")
 _KV_AXES = {"bskh": "[batch, kv_len, kv_heads, head_dim]", "bksh": "[batch, kv_heads, kv_len, head_dim]"}
 
 
-def _validate_qkv(query, key, value, kv_layout: str = "bskh"):
+def _validate_qkv(query, key, value, kv_layout: str = "bskh", function: str = "dot_product_attention"):
   """Checks ranks, dtypes and shapes (arrays, not lists); returns (kv_len, kv_heads)."""
   if kv_layout not in KV_LAYOUTS:
-    raise ValueError(f"dot_product_attention: kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    raise ValueError(f"{function}: kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
   for name, x in (("query", query), ("key", key), ("value", value)):
     axes = "[batch, length, heads, head_dim]" if name == "query" else _KV_AXES[kv_layout]
     if jnp.ndim(x) != 4:
-      raise ValueError(f"dot_product_attention: {name} must be rank 4 {axes}, got {name}{_shape(x)}")
+      raise ValueError(f"{function}: {name} must be rank 4 {axes}, got {name}{_shape(x)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):  # an int query would turn the scale into 0
-      raise ValueError(f"dot_product_attention: {name} must be floating point, got {x.dtype}{_shape(x)}")
+      raise ValueError(f"{function}: {name} must be floating point, got {x.dtype}{_shape(x)}")
     if 0 in x.shape:
-      raise ValueError(f"dot_product_attention: {name} {axes} must have no empty dimension, got {name}{_shape(x)}")
+      raise ValueError(f"{function}: {name} {axes} must have no empty dimension, got {name}{_shape(x)}")
   b, _, n, h = query.shape
   s, k = (key.shape[1], key.shape[2]) if kv_layout == "bskh" else (key.shape[2], key.shape[1])
   if key.shape[0] != b or key.shape[3] != h:
     needed = f"[{b}, kv_len, kv_heads, {h}]" if kv_layout == "bskh" else f"[{b}, kv_heads, kv_len, {h}]"
-    raise ValueError(f"dot_product_attention: key must be {needed} (query's batch and head_dim), got "
+    raise ValueError(f"{function}: key must be {needed} (query's batch and head_dim), got "
                      f"key{_shape(key)} with query{_shape(query)}")
   if n % k:
-    raise ValueError(f"dot_product_attention: heads={n} of query{_shape(query)} must be divisible by "
+    raise ValueError(f"{function}: heads={n} of query{_shape(query)} must be divisible by "
                      f"kv_heads={k} of key{_shape(key)}")
   if value.shape != key.shape:
-    raise ValueError(f"dot_product_attention: value must have key's shape {_shape(key)}, got value{_shape(value)}")
+    raise ValueError(f"{function}: value must have key's shape {_shape(key)}, got value{_shape(value)}")
   return s, k
 
 
-def _validate_scale(scale, head_dim: int):
+def _validate_scale(scale, head_dim: int, function: str = "dot_product_attention"):
   """head_dim ** -0.5 by default; else a scalar (a float or a 0-d array, traced or not)."""
   if scale is None:
     return head_dim ** -0.5
   if jnp.ndim(scale) != 0:
-    raise ValueError(f"dot_product_attention: scale must be a scalar, got shape {list(jnp.shape(scale))}")
+    raise ValueError(f"{function}: scale must be a scalar, got shape {list(jnp.shape(scale))}")
   return scale
 
 
-def _validate_is_causal(is_causal) -> bool:
+def _validate_is_causal(is_causal, function: str = "dot_product_attention") -> bool:
   """is_causal as a Python bool: it picks the masking at trace time, so a traced value cannot choose it."""
   if isinstance(is_causal, jax.core.Tracer):
-    raise ValueError(f"dot_product_attention: is_causal must be a Python bool (static under jit), got a traced "
+    raise ValueError(f"{function}: is_causal must be a Python bool (static under jit), got a traced "
                      f"{is_causal.dtype}{_shape(is_causal)}; mark it static or pass a mask")
   return bool(is_causal)
 
 
-def _validate_broadcast(name, x, target):
+def _validate_broadcast(name, x, target, function: str = "dot_product_attention"):
   """x must broadcast to target = [batch, heads, q_len, kv_len]; returns x as rank 4."""
   if x is None:
     return None
   x = jnp.asarray(x)
   if x.ndim > 4 or any(d not in (1, t) for d, t in zip(x.shape[::-1], target[::-1])):
-    raise ValueError(f"dot_product_attention: {name} must broadcast to [batch, heads, q_len, kv_len]="
+    raise ValueError(f"{function}: {name} must broadcast to [batch, heads, q_len, kv_len]="
                      f"{list(target)}, got {name}{_shape(x)}")
   if name == "mask" and x.dtype != jnp.bool_:
-    raise ValueError(f"dot_product_attention: mask must be bool (True = may attend), got {x.dtype}{_shape(x)}")
+    raise ValueError(f"{function}: mask must be bool (True = may attend), got {x.dtype}{_shape(x)}")
   if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"dot_product_attention: bias must be floating point, got {x.dtype}{_shape(x)}")
+    raise ValueError(f"{function}: bias must be floating point, got {x.dtype}{_shape(x)}")
   return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
@@ -383,13 +383,14 @@ def attention_weights(query, key, *, bias=None, mask=None, is_causal=False, scal
   Rows whose keys are all masked are zero. Arguments as in `dot_product_attention`.
   """
   query, key = jnp.asarray(query), jnp.asarray(key)
-  _validate_qkv(query, key, key)
+  where = dict(function="attention_weights")  # the errors name the function the caller called
+  _validate_qkv(query, key, key, **where)
   b, t, n, h = query.shape
   s = key.shape[1]
-  mask = _validate_broadcast("mask", mask, (b, n, t, s))
-  bias = _validate_broadcast("bias", bias, (b, n, t, s))
-  scale = _validate_scale(scale, h)
-  is_causal = _validate_is_causal(is_causal)
+  mask = _validate_broadcast("mask", mask, (b, n, t, s), **where)
+  bias = _validate_broadcast("bias", bias, (b, n, t, s), **where)
+  scale = _validate_scale(scale, h, **where)
+  is_causal = _validate_is_causal(is_causal, **where)
   if scale_on_scores(query.dtype, scale):
     return dense_attention.probabilities(query, key, mask, bias, is_causal, float(scale))
   query = query * jnp.asarray(scale, query.dtype)
