@@ -92,6 +92,13 @@ def test_dropout_in_scanned_layers_is_active_only_when_not_deterministic():
   assert not np.allclose(run(stack, False), deterministic)
 
 
+@pytest.mark.parametrize("layers", [0, 2.0])
+def test_num_layers_must_be_a_positive_int(layers):
+  # 2.0 failed inside nnx.split_rngs with a TypeError about its splits.
+  with pytest.raises(ValueError, match=f"create_stack: num_layers must be an int >= 1, got {layers}"):
+    layer_stack.create_stack(_Block, layers, nnx.Rngs(0))
+
+
 def test_unknown_remat_policy_is_rejected():
   with pytest.raises(ValueError, match="allowed are"):
     layer_stack.remat_policy("everything")

@@ -38,8 +38,8 @@ def remat_policy(name: str):
 
 def create_stack(make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
   """`num_layers` independently initialised blocks stored as one module, params [num_layers, ...]."""
-  if num_layers < 1:
-    raise ValueError(f"create_stack: num_layers must be >= 1, got {num_layers}")
+  if isinstance(num_layers, (bool, np.bool_)) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
+    raise ValueError(f"create_stack: num_layers must be an int >= 1, got {num_layers!r}")  # 2.0 failed in split_rngs
 
   @nnx.split_rngs(splits=num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
