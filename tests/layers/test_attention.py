@@ -334,6 +334,12 @@ def test_reorder_beams_refuses_a_parent_that_is_not_int_batch_by_beams(parent, g
     cache.reorder_beams(parent)
 
 
+def test_init_cache_refuses_a_dtype_that_is_not_floating_point():
+  # An int32 cache took every projected key and value truncated to ints, and decoded on without a word.
+  with pytest.raises(ValueError, match="init_cache: dtype must be floating point, got dtype=int32"):
+    _layer().init_cache(2, 4, dtype=jnp.int32)
+
+
 def _beam_steps(layer, prefix, steps, parents, mask, bias, by_index):
   """Pre-fills prefix [b, p, 16], expands to beams, then one token per beam per step, reordering by
   parents[i] [b, beams] after each step: by index (beam layout) or by copying the cache rows."""

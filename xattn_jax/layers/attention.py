@@ -421,6 +421,8 @@ class MultiHeadAttention(nnx.Module):
           f"batch_size={batch_size}, max_length={max_length}")
     shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
     dtype = self.dtype if dtype is None else dtype
+    if not jnp.issubdtype(dtype, jnp.floating):  # an int cache truncated every key and value written to it
+      raise ValueError(f"MultiHeadAttention.init_cache: dtype must be floating point, got dtype={jnp.dtype(dtype)}")
     return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), index=jnp.zeros((), jnp.int32))
 
   def extend(self, x, cache: KVCache, *, positions=None, mask=None, bias=None, deterministic: bool = True):
