@@ -90,6 +90,17 @@ def test_invalid_mask_arguments_raise_value_error_naming_them(call, needle):
   assert needle in str(info.value)
 
 
+def test_padding_lengths_take_numpy_integers_and_refuse_bools():
+  # np.int64(3) was refused as not a static int, and True failed in iota with a TypeError.
+  lengths = jnp.array([1, 3])
+  np.testing.assert_array_equal(masks.padding_mask(lengths, np.int64(3)), masks.padding_mask(lengths, 3))
+  np.testing.assert_array_equal(masks.lengths_to_valid(lengths, np.int32(3)), masks.lengths_to_valid(lengths, 3))
+  with pytest.raises(ValueError, match="lengths_to_valid: length must be a positive static int, got True"):
+    masks.lengths_to_valid(lengths, True)
+  with pytest.raises(ValueError, match="padding_mask: kv_len must be None or a positive static int, got kv_len=0"):
+    masks.padding_mask(lengths, 0)
+
+
 def test_causal_mask_takes_numpy_integer_lengths_and_refuses_bools():
   np.testing.assert_array_equal(masks.causal_mask(np.int64(3), np.int32(5)), masks.causal_mask(3, 5))
   with pytest.raises(ValueError, match="q_len=True"):

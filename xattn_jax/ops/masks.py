@@ -18,6 +18,11 @@ def _shape(x) -> list[int]:
   return list(jnp.shape(x))
 
 
+def _static_length(n) -> bool:
+  """A length known while tracing: a Python or numpy int (not a bool) above 0."""
+  return isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n > 0
+
+
 def causal_mask(q_len: int, kv_len: int | None = None, offset=None) -> jnp.ndarray:
   """Mask where query i may attend to keys 0 .. offset + i.
 
@@ -29,8 +34,7 @@ def causal_mask(q_len: int, kv_len: int | None = None, offset=None) -> jnp.ndarr
       `[batch]` integer array (one cache position per sequence) gives `[batch, 1, q_len, kv_len]`.
   """
   kv_len = q_len if kv_len is None else kv_len
-  static_int = lambda n: isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0
-  if not (static_int(q_len) and static_int(kv_len)):
+  if not (_static_length(q_len) and _static_length(kv_len)):
     raise ValueError(
         f"causal_mask: q_len and kv_len must be positive static ints, got q_len={q_len!r}, kv_len={kv_len!r}")
   q_len, kv_len = int(q_len), int(kv_len)
@@ -51,9 +55,9 @@ def lengths_to_valid(lengths, length: int) -> jnp.ndarray:
   lengths = jnp.asarray(lengths)
   if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"lengths_to_valid: lengths must be int [batch], got {lengths.dtype}{_shape(lengths)}")
-  if not isinstance(length, int) or length <= 0:
+  if not _static_length(length):  # numpy ints too, as causal_mask; a bool failed in iota
     raise ValueError(f"lengths_to_valid: length must be a positive static int, got {length!r}")
-  return jnp.arange(length) < lengths[:, None]
+  return jnp.arange(int(length)) < lengths[:, None]
 
 
 def padding_mask(valid, kv_len: int | None = None) -> jnp.ndarray:
@@ -63,6 +67,8 @@ def padding_mask(valid, kv_len: int | None = None) -> jnp.ndarray:
   together with `kv_len` (keys at positions >= lengths[b] are padding).
   """
   valid = jnp.asarray(valid)
+  if kv_len is not None and not _static_length(kv_len):  # named here: lengths_to_valid calls it length
+    raise ValueError(f"padding_mask: kv_len must be None or a positive static int, got kv_len={kv_len!r}")
   if valid.ndim == 1 and jnp.issubdtype(valid.dtype, jnp.integer):
     if kv_len is None:
       raise ValueError(
