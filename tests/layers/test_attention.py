@@ -258,6 +258,15 @@ def test_bad_inputs_raise_value_error_naming_argument(kwargs, argument):
     _run(_layer(kv_features=24), **kwargs)
 
 
+def test_a_memory_of_another_batch_is_refused_by_the_full_pass():
+  """x_q of 4 rows and x_kv of 2 ran as attend's grouped rows (query rows 0-1 read memory row 0, as a beam search's
+  beams of one source do): a batch mismatch gave a result and no error."""
+  with pytest.raises(ValueError, match=r"x_kv must have x_q's batch 4, got x_kv \[2, 9, 24\]"):
+    _run(_layer(kv_features=24), x_q=_normal(0, (4, 6, 16)), x_kv=_normal(1, (2, 9, 24)))
+  with pytest.raises(ValueError, match="x_kv must have x_q's batch 4"):
+    _layer(kv_features=24).attention_weights(_normal(0, (4, 6, 16)), _normal(1, (2, 9, 24)))
+
+
 def test_extend_with_no_token_raises_naming_x():
   layer = _layer()
   with pytest.raises(ValueError, match=r"extend: x must hold at least one token, got x\[2, 0, 16\]"):

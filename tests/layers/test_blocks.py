@@ -27,6 +27,15 @@ def _decoder(norm="pre", seed=0):
                              rotary=RotarySpec(), rngs=nnx.Rngs(seed))
 
 
+def test_a_decoder_block_refuses_a_memory_of_another_batch():
+  """DecoderBlock(x[2, ...], memory[1, ...]) read memory row 0 for both rows of x, without a word."""
+  x, memory = _normal(0, (2, 5, FEATURES)), _normal(1, (1, 7, MEMORY_FEATURES))
+  with pytest.raises(ValueError, match=r"DecoderBlock: memory must have x's batch 2, got memory\[1, 7, "):
+    _decoder()(x, memory)
+  with pytest.raises(ValueError, match=r"DecoderBlock.cross_attention_weights: memory must have x's batch 2"):
+    _decoder().cross_attention_weights(x, memory)
+
+
 @nnx.jit
 def _decode(block, x, cache, memory_mask):
   return block.decode(x, cache, memory_mask=memory_mask)

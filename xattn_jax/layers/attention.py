@@ -335,6 +335,10 @@ class MultiHeadAttention(nnx.Module):
     """The memory of a full pass: x_kv's, or x_q's when x_kv is None (self-attention), whose keys then take
     query_positions unless key_positions are given (and errors name the argument the caller passed)."""
     if x_kv is not None:
+      if jnp.ndim(x_kv) >= 1 and jnp.ndim(x_q) >= 1 and jnp.shape(x_kv)[0] != jnp.shape(x_q)[0]:
+        # attend's grouped rows (a beam search's beams of one source) read a wrong batch without a word here
+        raise ValueError(f"MultiHeadAttention: x_kv must have x_q's batch {jnp.shape(x_q)[0]}, got x_kv "
+                         f"{list(jnp.shape(x_kv))}; memory rows shared by several query rows go through attend")
       return self._memory(x_kv, key_positions)
     if key_positions is None:
       return self._memory(x_q, query_positions, "query_positions")
@@ -386,8 +390,8 @@ class MultiHeadAttention(nnx.Module):
                is_causal: bool = False, deterministic: bool = True):
     """Full pass: self-attention over x_q when x_kv is None, else cross-attention to x_kv.
 
-    x_q [b, t, in_features], x_kv [b, s, kv_features] -> [b, t, out_features]. For
-    self-attention key_positions defaults to query_positions.
+    x_q [b, t, in_features], x_kv [b, s, kv_features] (the same b; memory rows shared by several query rows go
+    through `attend`) -> [b, t, out_features]. For self-attention key_positions defaults to query_positions.
     """
     _check_features("x_q", x_q, self.in_features)
     memory_cache = self._own_memory(x_q, x_kv, query_positions, key_positions)

@@ -38,6 +38,12 @@ def _check_stream(where: str, name: str, x, features: int) -> None:
     raise ValueError(f"{where}: {name} must be [batch, length, {features}], got {name}{list(x.shape)}")
 
 
+def _check_same_batch(where: str, x, memory) -> None:
+  # attend would read a memory of fewer rows as one row per group of queries (the beams of one source)
+  if memory.shape[0] != x.shape[0]:
+    raise ValueError(f"{where}: memory must have x's batch {x.shape[0]}, got memory{list(memory.shape)}")
+
+
 def _partitioned(init, axes):
   return nnx.with_partitioning(init, axes, eager_sharding=False)
 
@@ -241,6 +247,7 @@ class DecoderBlock(nnx.Module):
     """
     _check_stream("DecoderBlock", "x", x, self.self_attention.in_features)
     _check_stream("DecoderBlock", "memory", memory, self.cross_attention.kv_features)
+    _check_same_batch("DecoderBlock", x, memory)
     x = self._self_attend(x, self_mask, positions, self_bias, deterministic)
     memory_cache = self.cross_attention.project_memory(memory)
     return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
@@ -260,6 +267,7 @@ class DecoderBlock(nnx.Module):
     """
     _check_stream("DecoderBlock.cross_attention_weights", "x", x, self.self_attention.in_features)
     _check_stream("DecoderBlock.cross_attention_weights", "memory", memory, self.cross_attention.kv_features)
+    _check_same_batch("DecoderBlock.cross_attention_weights", x, memory)
     x = self._self_attend(x, self_mask, positions, self_bias, deterministic=True)
     return self.cross_attention.attention_weights(self.cross_residual.branch_inputs(x), memory,
                                                   mask=memory_mask)
