@@ -330,6 +330,14 @@ def test_sampling_with_top_k_one_or_tiny_temperature_equals_greedy(options, seed
   np.testing.assert_allclose(np.asarray(sample.scores), np.asarray(greedy.scores), rtol=1e-6)
 
 
+def test_a_tiny_temperature_picks_the_best_token_where_the_tempered_logits_overflow():
+  """logits / 2e-38 made 9 and 10 both inf, and the draw took the first of them: not greedy, as the docstring says
+  small temperatures approach."""
+  pick = decoding._sample_pick(jax.random.split(jax.random.key(0), 1), 2e-38, 0, 1.0)
+  choice, log_prob = pick(0, jnp.array([[9.0, 10.0, -10.0]]))
+  assert int(choice[0]) == 1 and np.isfinite(float(log_prob[0]))
+
+
 def test_sampled_frequencies_match_the_tempered_softmax():
   """A chi-square test over 20,000 seeded draws: deterministic, and it rejects the untempered softmax."""
   from scipy import stats
@@ -419,6 +427,7 @@ def test_beam_search_feeds_first_tokens_to_every_beam():
 @pytest.mark.parametrize("argument, kwargs", [
     ("temperature", dict(temperature=0.0)),
     ("temperature", dict(temperature=float("nan"))),
+    ("temperature", dict(temperature=1e-40)),  # flushed to 0 on CPU and GPU
     ("top_k", dict(top_k=-1)),
     ("top_k", dict(top_k=1.5)),
     ("top_p", dict(top_p=0.0)),

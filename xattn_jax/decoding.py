@@ -299,7 +299,9 @@ def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float, logits_
   def pick(step, logits):
     vocab = logits.shape[-1]
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)  # -> [batch] keys
-    scaled = logits / temperature
+    row_max = jnp.max(logits, axis=-1)
+    # shifted first: the best logit is 0 whatever the temperature, so a small one gives -inf elsewhere, not inf - inf
+    scaled = (logits - row_max[:, None]) / temperature
     k = top_k if 0 < top_k < vocab else vocab
     if k == vocab and top_p >= 1.0:
       choice = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
@@ -313,7 +315,6 @@ def _sample_pick(row_keys, temperature: float, top_k: int, top_p: float, logits_
         candidates = jnp.where(mass_above < top_p, candidates, -jnp.inf)
       rank = jax.vmap(jax.random.categorical)(keys, candidates)  # -> [batch]
       choice = jnp.take_along_axis(ids, rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    row_max = jnp.max(logits, axis=-1)
     log_prob = (jnp.take_along_axis(logits, choice[:, None], axis=-1)[:, 0] - row_max
                 - jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1)))
     return choice, log_prob
@@ -496,7 +497,7 @@ class DecodingOptions:
   method: one of DECODING_METHODS. Only the chosen method's options are read:
     greedy  none
     beam    beam_size (>= 1), alpha (GNMT length-penalty exponent, >= 0)
-    sample  temperature (> 0; small values approach greedy), top_k (>= 0, 0 = every token),
+    sample  temperature (>= float32's smallest normal; small values approach greedy), top_k (>= 0, 0 = every token),
             top_p (in (0, 1], 1 = no nucleus cut)
   every   cache_halves (bool: a cache of 2 * HEAD_MIN_POSITIONS positions or more decodes its first half
           on that half alone, holding 1.5x its memory meanwhile; False: one loop on the whole cache)
@@ -522,12 +523,16 @@ class DecodingOptions:
       object.__setattr__(self, name, value)  # numpy scalars and ints become plain ints / floats
 
 
+_TINY = float(np.finfo(np.float32).tiny)
+
+
 # DecodingOptions' numeric fields and their checks (each returns the plain value or raises ValueError).
 _OPTION_CHECKS = {
     "beam_size": lambda v: _as_int("beam_size", v, 1),
     "alpha": lambda v: _as_float("alpha", v, "a finite number >= 0", lambda x: x >= 0),
-    "temperature": lambda v: _as_float("temperature", v, "a finite number > 0 (method='greedy' is temperature 0)",
-                                       lambda x: x > 0),
+    # float32's smallest normal at least: a smaller one is flushed to 0 on CPU and GPU, and 0 / 0 is NaN
+    "temperature": lambda v: _as_float("temperature", v, f"a finite number >= {_TINY:.3g} (float32's smallest normal; "
+                                       "method='greedy' is temperature 0)", lambda x: x >= _TINY),
     "top_k": lambda v: _as_int("top_k", v, 0),
     "top_p": lambda v: _as_float("top_p", v, "a number in (0, 1]", lambda x: 0 < x <= 1),
     "cache_halves": lambda v: _as_bool("cache_halves", v),

@@ -3,7 +3,7 @@
   task.decoding.method       greedy | beam | sample (decoding.DECODING_METHODS)
   task.decoding.beam_size    beam: hypotheses kept (>= 1)
   task.decoding.alpha        beam: GNMT length-penalty exponent (>= 0)
-  task.decoding.temperature  sample: softmax temperature (> 0)
+  task.decoding.temperature  sample: softmax temperature (> 0, float32's smallest normal at least)
   task.decoding.top_k        sample: keep the k most likely tokens (0 = all)
   task.decoding.top_p        sample: nucleus mass (in (0, 1], 1 = no cut)
   task.decoding.seed         sample: the PRNG seed of the per-row keys (>= 0)
