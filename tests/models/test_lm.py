@@ -340,3 +340,9 @@ def test_bfloat16_compute_returns_float32_logits_in_every_pass(encoding):
   logits, cache = _prefill(model, tokens[:, :5], jnp.ones((2, 5), bool), model.init_cache(2, 12))
   step_logits, _ = _loop_step(model, tokens[:, 5:], cache)
   assert [x.dtype for x in (_plain_forward(model, tokens), logits, step_logits)] == [jnp.float32] * 3
+
+
+def test_a_cache_of_another_depth_is_refused():
+  deeper = _model("rope", num_layers=2)
+  with pytest.raises(ValueError, match="cache has 1 layers, the model num_layers=2"):
+    deeper.prefill(_tokens((1, 4)), _model("rope").init_cache(1, 8))

@@ -431,6 +431,10 @@ class LanguageModel(nnx.Module):
     batch = tokens.shape[0]
     if cache.key_valid.shape[0] != batch:
       raise ValueError(f"LanguageModel.prefill: tokens batch {batch} differs from the cache's {cache.key_valid.shape[0]}")
+    # zip would run only as many layers as the shorter of the two, without a word.
+    if len(cache.layers) != self.num_layers:
+      raise ValueError(f"LanguageModel.prefill: cache has {len(cache.layers)} layers, the model "
+                       f"num_layers={self.num_layers} (a cache of another model)")
     valid = (tokens != PAD_ID) if valid is None else jnp.asarray(valid)
     if valid.shape != tokens.shape or valid.dtype != jnp.bool_:
       raise ValueError(f"LanguageModel.prefill: valid must be bool {list(tokens.shape)}, got "
