@@ -346,3 +346,11 @@ def test_a_cache_of_another_depth_is_refused():
   deeper = _model("rope", num_layers=2)
   with pytest.raises(ValueError, match="cache has 1 layers, the model num_layers=2"):
     deeper.prefill(_tokens((1, 4)), _model("rope").init_cache(1, 8))
+
+
+def test_a_prompt_longer_than_the_cache_and_a_bad_step_are_named():
+  model = _model("rope")
+  with pytest.raises(ValueError, match=r"prefill: 10 tokens .* capacity=8"):
+    model.prefill(_tokens((1, 10)), model.init_cache(1, 8))
+  with pytest.raises(ValueError, match=r"LanguageModel\.decode_step: tokens must be int"):
+    model.decode_step(jnp.ones((1, 1)), model.init_cache(1, 8))

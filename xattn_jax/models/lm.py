@@ -411,7 +411,8 @@ class LanguageModel(nnx.Module):
 
   def decode_step(self, tokens, cache: LMCache, *, insert: Insert | None = None):
     """tokens [b, t] (t = 1 per step) continue every row -> (logits [b, t, vocab], cache)."""
-    return self._extend(self.layers(), tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert)
+    return self._extend(self.layers(), tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert,
+                        where="decode_step")
 
   def loop_step(self, *, transpose_kernels: bool = True):
     """`decode_step` with the per-layer parameters sliced out of the stack once, now (for search loops:
@@ -422,22 +423,22 @@ class LanguageModel(nnx.Module):
     table = None if self.output is not None else self.embed.embedding[...].T.astype(self.dtype)
     def step(tokens, cache, *, insert=None):
       return self._extend(layers_at(tokens), tokens, cache, valid=jnp.ones(tokens.shape, bool), insert=insert,
-                          output_table=table)
+                          output_table=table, where="loop_step")
     return step
 
   def _extend(self, layers, tokens, cache: LMCache, *, valid=None, positions=None, prefix=None, prefix_valid=None,
-              insert=None, output_table=None):
-    _check_tokens("prefill", tokens)
+              insert=None, output_table=None, where="prefill"):
+    _check_tokens(where, tokens)
     batch = tokens.shape[0]
     if cache.key_valid.shape[0] != batch:
-      raise ValueError(f"LanguageModel.prefill: tokens batch {batch} differs from the cache's {cache.key_valid.shape[0]}")
+      raise ValueError(f"LanguageModel.{where}: tokens batch {batch} differs from the cache's {cache.key_valid.shape[0]}")
     # zip would run only as many layers as the shorter of the two, without a word.
     if len(cache.layers) != self.num_layers:
-      raise ValueError(f"LanguageModel.prefill: cache has {len(cache.layers)} layers, the model "
+      raise ValueError(f"LanguageModel.{where}: cache has {len(cache.layers)} layers, the model "
                        f"num_layers={self.num_layers} (a cache of another model)")
     valid = (tokens != PAD_ID) if valid is None else jnp.asarray(valid)
     if valid.shape != tokens.shape or valid.dtype != jnp.bool_:
-      raise ValueError(f"LanguageModel.prefill: valid must be bool {list(tokens.shape)}, got "
+      raise ValueError(f"LanguageModel.{where}: valid must be bool {list(tokens.shape)}, got "
                        f"{valid.dtype}{list(valid.shape)}")
     if prefix is not None:
       prefix_valid = jnp.ones(prefix.shape[:2], bool) if prefix_valid is None else jnp.asarray(prefix_valid)
@@ -446,6 +447,9 @@ class LanguageModel(nnx.Module):
                          f"{prefix_valid.dtype}{list(prefix_valid.shape)}")
       valid = jnp.concatenate([prefix_valid, valid], axis=1)
     length = valid.shape[1]
+    if length > cache.capacity:  # the slot updates below would fail in XLA with a shape error
+      raise ValueError(f"LanguageModel.{where}: {length} tokens (prefix included) do not fit the cache's "
+                       f"capacity={cache.capacity}")
     if positions is None:
       # Real tokens count up from the row's next index; a padded slot repeats it (it is never seen).
       counted = cache.next_position[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
