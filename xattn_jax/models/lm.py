@@ -242,6 +242,9 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"LanguageModel: randomized_positions.max_position must be >= max_length={max_length} (every "
                        f"position a row can hold must be drawable), got {randomized_positions.max_position}")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
+    if head_dim is None and d_model % num_heads:  # as MultiHeadAttention: no silently floored head width
+      raise ValueError(f"LanguageModel: d_model must be divisible by num_heads when head_dim is None, got "
+                       f"d_model={d_model}, num_heads={num_heads}")
     head_dim = d_model // num_heads if head_dim is None else head_dim
     self.vocab_size, self.d_model, self.num_layers, self.max_length = vocab_size, d_model, num_layers, max_length
     self.position_encoding, self.scan_layers, self.remat, self.dtype = position_encoding, scan_layers, remat, dtype
