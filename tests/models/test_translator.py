@@ -343,3 +343,13 @@ def test_cached_decode_steps_on_randomized_eval_positions_equal_full_forward(pos
 def test_randomized_positions_that_cannot_cover_max_length_are_refused():
   with pytest.raises(ValueError, match=r"randomized_positions.max_position must be >= max_length=16"):
     _model("rope", randomized_positions=translator_lib.RandomizedPositions(8))
+
+
+def test_a_cache_of_another_depth_or_too_short_is_refused():
+  inputs = _tokens(0, 1, 5)
+  model = _model()
+  cache = model.init_cache(model.encode(inputs), inputs != 0, 4)
+  with pytest.raises(ValueError, match="cache has 1 layers, the decoder num_layers=2"):
+    _model(decoder=TWO_LAYERS, encoder=TWO_LAYERS).decode_step(jnp.ones((1, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match="6 tokens do not fit the cache's capacity=4"):
+    model.decode_step(jnp.ones((1, 6), jnp.int32), cache)

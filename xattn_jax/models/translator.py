@@ -379,6 +379,13 @@ class Translator(nnx.Module):
   def _decode_step(self, layers_at, output_kernel, tokens, cache: TranslatorCache):
     """layers_at(tokens) -> the decoder's blocks (`dense.loop_kernels`' function in a loop)."""
     _check_tokens("tokens", tokens)
+    # zip would run only as many layers as the shorter of the two; a slice past the capacity fails in XLA.
+    if len(cache.layers) != self.decoder_size.num_layers:
+      raise ValueError(f"Translator.decode_step: cache has {len(cache.layers)} layers, the decoder "
+                       f"num_layers={self.decoder_size.num_layers} (a cache of another model)")
+    if tokens.shape[1] > cache.capacity:
+      raise ValueError(f"Translator.decode_step: {tokens.shape[1]} tokens do not fit the cache's "
+                       f"capacity={cache.capacity}")
     layers = layers_at(tokens)
     positions = jax.lax.dynamic_slice_in_dim(cache.positions, cache.position, tokens.shape[1], axis=1)  # [b, t]
     x = self._embed(self._target_table(), self.target_positions, tokens, positions, deterministic=True)
