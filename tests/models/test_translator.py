@@ -259,6 +259,20 @@ def test_invalid_options_are_rejected(options, argument):
     _model(**options)
 
 
+@pytest.mark.parametrize("sizes, argument", [((32, 0, 1, 64), "num_heads=0"), ((32, 4, 1, 0), "mlp_dim=0"),
+                                             ((32.0, 4, 1, 64), "d_model=32.0")])
+def test_bad_stack_sizes_are_named(sizes, argument):
+  with pytest.raises(ValueError, match=argument):
+    StackSize(*sizes)
+
+
+def test_bad_max_length_and_sides_are_named():
+  with pytest.raises(ValueError, match="max_length=0"):
+    Translator(VOCAB, encoder=ENCODER, decoder=DECODER, max_length=0, share_embeddings=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="encoder must be a StackSize"):
+    Translator(VOCAB, encoder=(32, 4, 1, 64), decoder=DECODER, share_embeddings=False, rngs=nnx.Rngs(0))
+
+
 def test_float_tokens_are_rejected():
   with pytest.raises(ValueError, match="inputs"):
     _model().encode(jnp.zeros((1, 3)))

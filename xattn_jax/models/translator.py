@@ -62,6 +62,12 @@ class StackSize:
   num_layers: int
   mlp_dim: int
 
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"StackSize: {field.name} must be a positive int, got {field.name}={value!r}")
+
 
 @flax.struct.dataclass
 class TranslatorCache:
@@ -167,6 +173,11 @@ class Translator(nnx.Module):
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     if not isinstance(vocab_size, int) or vocab_size < 2:
       raise ValueError(f"Translator: vocab_size must be an int >= 2, got vocab_size={vocab_size!r}")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+      raise ValueError(f"Translator: max_length must be a positive int, got max_length={max_length!r}")
+    for name, side in (("encoder", encoder), ("decoder", decoder)):
+      if not isinstance(side, StackSize):
+        raise ValueError(f"Translator: {name} must be a StackSize, got {name}={side!r}")
     if position_encoding not in position_encodings():
       raise ValueError(f"Translator: position_encoding must be one of {position_encodings()}, "
                        f"got position_encoding={position_encoding!r}")
