@@ -273,6 +273,12 @@ def test_bad_max_length_and_sides_are_named():
     Translator(VOCAB, encoder=(32, 4, 1, 64), decoder=DECODER, share_embeddings=False, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("positions", [jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 5))])
+def test_bad_explicit_positions_are_named(positions):
+  with pytest.raises(ValueError, match=r"inputs_positions must be int \[1, 5\]"):
+    _model().encode(_tokens(0, 1, 5), inputs_positions=positions)
+
+
 def test_float_tokens_are_rejected():
   with pytest.raises(ValueError, match="inputs"):
     _model().encode(jnp.zeros((1, 3)))

@@ -126,10 +126,13 @@ def _check_tokens(name: str, tokens) -> None:
     raise ValueError(f"Translator: {name} must be int [batch, length], got {tokens.dtype}{list(tokens.shape)}")
 
 
-def _positions(encoding, tokens, positions, rng=None):
+def _positions(encoding, tokens, positions, rng=None, name="positions"):
   """Explicit positions [b, t] as given, else the ones the position module chooses for tokens [b, t]."""
   if positions is not None:
-    chex.assert_equal_shape([tokens, positions])
+    positions = jnp.asarray(positions)
+    if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise ValueError(f"Translator: {name} must be int {list(tokens.shape)}, got "
+                       f"{positions.dtype}{list(positions.shape)}")
     return positions
   return encoding.sequence_positions(*tokens.shape, rng=rng)[0]
 
@@ -285,7 +288,7 @@ class Translator(nnx.Module):
     position_rng: a key for randomized positions (training passes); None = the evaluation positions.
     """
     _check_tokens("inputs", inputs)
-    positions = _positions(self.source_positions, inputs, inputs_positions, position_rng)  # [b, s]
+    positions = _positions(self.source_positions, inputs, inputs_positions, position_rng, "inputs_positions")  # [b, s]
     if inputs_segmentation is None:
       mask = masks_lib.padding_mask(inputs != PAD_ID)  # [b, 1, 1, s]
     else:
@@ -302,7 +305,8 @@ class Translator(nnx.Module):
              position_rng=None, deterministic: bool = True):
     """Full teacher-forced decoder pass: decoder_inputs [b, t] -> logits [b, t, vocab] (float32)."""
     _check_tokens("decoder_inputs", decoder_inputs)
-    positions = _positions(self.target_positions, decoder_inputs, targets_positions, position_rng)  # [b, t]
+    positions = _positions(self.target_positions, decoder_inputs, targets_positions, position_rng,
+                           "targets_positions")  # [b, t]
     x = self._embed(self._target_table(), self.target_positions, decoder_inputs, positions, deterministic)
     return self.decode_embeddings(x, memory, memory_mask, targets_positions=positions,
                                   targets_segmentation=targets_segmentation, deterministic=deterministic)
@@ -311,7 +315,7 @@ class Translator(nnx.Module):
                         position_rng=None, deterministic: bool = True):
     """The decoder stack and output layer on embedded targets x [b, t, decoder.d_model] -> logits."""
     chex.assert_rank(x, 3)
-    positions = _positions(self.target_positions, x[..., 0], targets_positions, position_rng)
+    positions = _positions(self.target_positions, x[..., 0], targets_positions, position_rng, "targets_positions")
     self_mask = None if targets_segmentation is None else masks_lib.segment_mask(
         targets_segmentation, targets_segmentation)  # [b, 1, t, t]; the block adds the causal mask
     self_bias = self.target_positions.attention_bias(positions, positions)  # [b, heads, t, t] or None
