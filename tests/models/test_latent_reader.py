@@ -160,6 +160,12 @@ def test_unknown_connector_raises_naming_it():
     latent_reader.QFormer(encoder, num_classes=10, connector="resampler", width=WIDTH, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("num_queries", [0, 2.0, True])
+def test_learned_queries_refuse_a_count_that_is_not_a_positive_int(num_queries):
+  with pytest.raises(ValueError, match="LearnedQueries: num_queries must be a positive int"):
+    latent_reader.LearnedQueries(num_queries, 4, rngs=nnx.Rngs(0))
+
+
 def test_valid_mask_of_the_wrong_shape_raises_naming_it():
   features, positions, grid = random_inputs(16)
   with pytest.raises(ValueError, match="valid"):

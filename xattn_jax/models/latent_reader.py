@@ -34,6 +34,7 @@ from xattn_jax.layers import MLP, EncoderBlock, MultiHeadAttention, make_positio
 from xattn_jax.layers import dense
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.models import vit as vit_lib
+from xattn_jax.ops.positions import _check_positive_int
 from xattn_jax.ops import masks as masks_lib
 from xattn_jax.layers import layer_stack
 
@@ -76,8 +77,8 @@ class LearnedQueries(nnx.Module):
   """N learned vectors (normal, std 0.02), the same for every input: `(batch_size) -> [b, N, features]`."""
 
   def __init__(self, num_queries: int, features: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if num_queries < 1:
-      raise ValueError(f"LearnedQueries: num_queries must be positive, got num_queries={num_queries}")
+    num_queries = _check_positive_int(num_queries, "LearnedQueries", "num_queries")
+    features = _check_positive_int(features, "LearnedQueries", "features")
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
     self.queries = nnx.Param(init(rngs.params(), (num_queries, features), param_dtype))
 
