@@ -14,8 +14,8 @@ POSITION_ENCODINGS = ("fourier", "sincos_2d", "learned_2d", "rope_2d", "none")
 
 
 def make_perceiver(posenc="fourier", **options):
-  return latent_reader.Perceiver(num_classes=10, grid=(8, 8), width=WIDTH, num_latents=LATENTS, num_heads=HEADS,
-                                 num_blocks=1, mlp_ratio=2, position_encoding=posenc, rngs=nnx.Rngs(0), **options)
+  sizes = dict(grid=(8, 8), width=WIDTH, num_latents=LATENTS, num_heads=HEADS, num_blocks=1, mlp_ratio=2)
+  return latent_reader.Perceiver(num_classes=10, position_encoding=posenc, rngs=nnx.Rngs(0), **{**sizes, **options})
 
 
 def make_qformer(connector="qformer"):
@@ -164,6 +164,15 @@ def test_unknown_connector_raises_naming_it():
 def test_learned_queries_refuse_a_count_that_is_not_a_positive_int(num_queries):
   with pytest.raises(ValueError, match="LearnedQueries: num_queries must be a positive int"):
     latent_reader.LearnedQueries(num_queries, 4, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("make", [make_perceiver, lambda **o: vit.ViT(num_classes=10, rngs=nnx.Rngs(0), **o)])
+@pytest.mark.parametrize("options, argument", [(dict(num_heads=0), "num_heads must be a positive int, got 0"),
+                                               (dict(mlp_ratio=0), "mlp_ratio"), (dict(channels=0), "channels"),
+                                               (dict(patch_size=2.0), "patch_size"), (dict(remat="all"), "remat")])
+def test_vit_and_perceiver_sizes_are_checked_when_built(make, options, argument):
+  with pytest.raises(ValueError, match=argument):
+    make(**options)
 
 
 def test_valid_mask_of_the_wrong_shape_raises_naming_it():

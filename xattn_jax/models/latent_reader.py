@@ -160,10 +160,11 @@ class Perceiver(nnx.Module):
                num_repeats: int = 1, mlp_ratio: int = 4, position_encoding: str = "fourier",
                dropout_rate: float = 0.0, scan_layers: bool = False, remat: str = "none", dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    for name, value in (("num_classes", num_classes), ("num_latents", num_latents), ("num_blocks", num_blocks),
-                        ("num_repeats", num_repeats), ("patch_size", patch_size)):
-      if value < 1:
-        raise ValueError(f"Perceiver: {name} must be positive, got {name}={value}")
+    for name, value in (("num_classes", num_classes), ("channels", channels), ("patch_size", patch_size),
+                        ("width", width), ("num_latents", num_latents), ("num_heads", num_heads),
+                        ("num_blocks", num_blocks), ("num_repeats", num_repeats), ("mlp_ratio", mlp_ratio)):
+      _check_positive_int(value, "Perceiver", name)
+    layer_stack.remat_policy(remat)  # raises for an unknown policy name
     if position_encoding not in grid_encodings():
       raise ValueError(f"Perceiver: position_encoding must be one of {grid_encodings()} (2D grid encodings), "
                        f"got position_encoding={position_encoding!r}")

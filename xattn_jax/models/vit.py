@@ -19,6 +19,7 @@ from xattn_jax.layers import EncoderBlock, make_position_encoding
 from xattn_jax.layers import dense
 from xattn_jax.layers import layer_stack
 from xattn_jax.ops import masks as masks_lib
+from xattn_jax.ops.positions import _check_positive_int
 
 
 POOLS = ("token", "gap")
@@ -72,9 +73,11 @@ class ViT(nnx.Module):
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if pool not in POOLS:
       raise ValueError(f"ViT: pool must be one of {POOLS}, got pool={pool!r}")
-    if patch_size < 1 or num_blocks < 1 or num_classes < 1:
-      raise ValueError(f"ViT: patch_size, num_blocks and num_classes must be positive, got patch_size={patch_size}, "
-                       f"num_blocks={num_blocks}, num_classes={num_classes}")
+    for name, value in (("num_classes", num_classes), ("channels", channels), ("patch_size", patch_size),
+                        ("width", width), ("num_heads", num_heads), ("num_blocks", num_blocks),
+                        ("mlp_ratio", mlp_ratio)):
+      _check_positive_int(value, "ViT", name)
+    layer_stack.remat_policy(remat)  # raises for an unknown policy name
     self.width, self.patch_size, self.scan_layers, self.remat, self.dtype = width, patch_size, scan_layers, remat, dtype
     self.pool = pool
     self.embed = dense.Dense(
