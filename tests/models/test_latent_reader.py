@@ -175,6 +175,13 @@ def test_vit_and_perceiver_sizes_are_checked_when_built(make, options, argument)
     make(**options)
 
 
+@pytest.mark.parametrize("make", [make_perceiver, lambda: vit.ViT(num_classes=10, width=WIDTH, num_blocks=1,
+                                                                 rngs=nnx.Rngs(0))])
+def test_images_of_other_channels_than_the_model_reads_are_named(make):
+  with pytest.raises(ValueError, match=r"images must be \[batch, height, width, channels=1\], got images\[1, 8, 8, 3\]"):
+    make()(jnp.zeros((1, 8, 8, 3)))
+
+
 def test_valid_mask_of_the_wrong_shape_raises_naming_it():
   features, positions, grid = random_inputs(16)
   with pytest.raises(ValueError, match="valid"):

@@ -170,7 +170,7 @@ class Perceiver(nnx.Module):
                        f"got position_encoding={position_encoding!r}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.patch_size, self.num_repeats, self.scan_layers, self.remat = patch_size, num_repeats, scan_layers, remat
-    self.dtype = dtype
+    self.dtype, self.channels = dtype, channels
     self.embed = _linear(channels * patch_size ** 2, width, (None, "embed"), **common)
     self.positions = make_position_encoding(
         position_encoding, features=width, grid=tuple(grid), num_heads=num_heads, head_dim=width // num_heads,
@@ -193,7 +193,7 @@ class Perceiver(nnx.Module):
 
   def elements(self, images):
     """images [b, H, W, C] -> (elements [b, M, width], positions [b, M, 2]), patches row-major."""
-    patches, positions, grid = vit_lib.patchify(images, self.patch_size)
+    patches, positions, grid = vit_lib.patchify(images, self.patch_size, self.channels)
     return self.embed_elements(patches, positions, grid), positions
 
   def read(self, elements, positions, *, valid=None, deterministic: bool = True):

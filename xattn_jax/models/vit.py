@@ -25,13 +25,15 @@ from xattn_jax.ops.positions import _check_positive_int
 POOLS = ("token", "gap")
 
 
-def patchify(images, patch_size: int):
+def patchify(images, patch_size: int, channels: int | None = None):
   """images [b, H, W, C] -> (patches [b, M, p*p*C], positions [b, M, 2] int32 (row, col), grid (H/p, W/p)).
 
-  Patches are taken row-major; a patch's position is its (row, column) on the patch grid.
+  Patches are taken row-major; a patch's position is its (row, column) on the patch grid. channels: the C
+  a model's patch embedding reads (None = any).
   """
-  if images.ndim != 4:
-    raise ValueError(f"patchify: images must be [batch, height, width, channels], got images{list(images.shape)}")
+  if images.ndim != 4 or channels not in (None, images.shape[-1]):
+    raise ValueError(f"patchify: images must be [batch, height, width, channels={channels or 'C'}], got "
+                     f"images{list(images.shape)}")
   batch, height, width, _ = images.shape
   if patch_size < 1 or height % patch_size or width % patch_size:
     raise ValueError(f"patchify: height and width must be multiples of patch_size={patch_size}, got "
@@ -79,7 +81,7 @@ class ViT(nnx.Module):
       _check_positive_int(value, "ViT", name)
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
     self.width, self.patch_size, self.scan_layers, self.remat, self.dtype = width, patch_size, scan_layers, remat, dtype
-    self.pool = pool
+    self.pool, self.channels = pool, channels
     self.embed = dense.Dense(
         channels * patch_size ** 2, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "embed"), eager_sharding=False),
@@ -100,7 +102,7 @@ class ViT(nnx.Module):
     valid: bool [b, M] (True = a real patch, e.g. `patch_valid` of an image on a padded canvas) or None;
     padded patches are hidden from every attention, so the real tokens do not depend on the padding.
     """
-    patches, positions, grid = patchify(images, self.patch_size)
+    patches, positions, grid = patchify(images, self.patch_size, self.channels)
     mask = None
     if valid is not None:
       valid = jnp.asarray(valid)
