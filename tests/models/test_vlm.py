@@ -313,6 +313,15 @@ def test_mrope_needs_an_mrope_lm_and_a_spatial_connector():
                             rngs=nnx.Rngs(0))
 
 
+def test_images_of_another_batch_than_the_text_are_refused():
+  model = make_vlm("llava")  # the check is the connectors' shared positions(); llava ran on, broadcasting
+  one_row = jnp.ones((1, 2), jnp.int32)  # the context of one row of two images (a generate given images[:1])
+  context = vlm.ImageContext(counts=one_row, grid_height=one_row, grid_width=one_row)
+  tokens, valid = batch_of([interleaved(model)] * 2)
+  with pytest.raises(ValueError, match=r"need an image context of their batch 2, got images of batch 1"):
+    model.prefill(context, tokens, valid, tokens.shape[1] + 2)
+
+
 def test_unknown_connector_raises_naming_it():
   encoder, lm = make_parts()
   with pytest.raises(ValueError, match="connector must be one of"):

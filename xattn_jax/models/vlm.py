@@ -341,6 +341,10 @@ class VisionLanguageModel(nnx.Module):
     """Position ids of tokens [b, T]: int32 [b, T] (1D: the real tokens counted from 0) or, for
     image_positions="mrope", [3, b, T] (see the module docstring)."""
     valid = self._check_text(tokens, valid)
+    # A context of one row would broadcast its images to every text row without a word.
+    if context.counts.shape[0] != tokens.shape[0]:
+      raise ValueError(f"VisionLanguageModel: tokens{list(tokens.shape)} need an image context of their batch "
+                       f"{tokens.shape[0]}, got images of batch {context.counts.shape[0]}")
     if self.image_positions == "sequence":
       return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
     is_slot, image, k = self._slots(tokens, valid, context)
