@@ -365,7 +365,7 @@ def test_randomized_positions_that_cannot_cover_max_length_are_refused():
     _model("rope", randomized_positions=translator_lib.RandomizedPositions(8))
 
 
-def test_a_cache_of_another_depth_or_too_short_is_refused():
+def test_a_cache_of_another_depth_batch_or_too_short_is_refused():
   inputs = _tokens(0, 1, 5)
   model = _model()
   cache = model.init_cache(model.encode(inputs), inputs != 0, 4)
@@ -373,3 +373,5 @@ def test_a_cache_of_another_depth_or_too_short_is_refused():
     _model(decoder=TWO_LAYERS, encoder=TWO_LAYERS).decode_step(jnp.ones((1, 1), jnp.int32), cache)
   with pytest.raises(ValueError, match="6 tokens do not fit the cache's capacity=4"):
     model.decode_step(jnp.ones((1, 6), jnp.int32), cache)
+  with pytest.raises(ValueError, match="tokens batch 2 differs from the cache's 1 rows"):
+    model.decode_step(jnp.ones((2, 1), jnp.int32), cache)

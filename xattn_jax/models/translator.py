@@ -398,6 +398,9 @@ class Translator(nnx.Module):
     if len(cache.layers) != self.decoder_size.num_layers:
       raise ValueError(f"Translator.decode_step: cache has {len(cache.layers)} layers, the decoder "
                        f"num_layers={self.decoder_size.num_layers} (a cache of another model)")
+    if tokens.shape[0] != cache.positions.shape[0]:
+      raise ValueError(f"Translator.decode_step: tokens batch {tokens.shape[0]} differs from the cache's "
+                       f"{cache.positions.shape[0]} rows")
     if tokens.shape[1] > cache.capacity:
       raise ValueError(f"Translator.decode_step: {tokens.shape[1]} tokens do not fit the cache's "
                        f"capacity={cache.capacity}")
