@@ -174,6 +174,8 @@ def test_bad_arguments_are_named():
     lm.LanguageModel(VOCAB, **{**_options("rope"), "position_encoding": "rope_2d"}, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="norm_type"):
     lm.LanguageModel(VOCAB, **{**_options("rope"), "norm_type": "batchnorm"}, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\), got dropout_rate=1.5"):
+    lm.LanguageModel(VOCAB, **_options("rope"), dropout_rate=1.5, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="d_model=18, num_heads=4"):
     lm.LanguageModel(VOCAB, **{**_options("rope"), "d_model": 18, "num_heads": 4}, rngs=nnx.Rngs(0))
   model = _model("learned")

@@ -253,6 +253,7 @@ def test_bfloat16_compute_stays_close_to_float32():
     (dict(position_encoding="rope_2d"), "position_encoding"),
     (dict(share_embeddings=True), "share_embeddings"),
     (dict(remat="everything"), "remat"),
+    (dict(dropout_rate=1.5), r"dropout_rate must be in \[0, 1\), got dropout_rate=1.5"),
 ])
 def test_invalid_options_are_rejected(options, argument):
   with pytest.raises(ValueError, match=argument):
