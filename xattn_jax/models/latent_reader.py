@@ -247,9 +247,12 @@ class QFormer(nnx.Module):
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     if connector not in CONNECTORS:
       raise ValueError(f"QFormer: connector must be one of {CONNECTORS}, got connector={connector!r}")
-    if cross_attention_every < 1 or num_blocks < 1:
-      raise ValueError(f"QFormer: num_blocks and cross_attention_every must be positive, got "
-                       f"num_blocks={num_blocks}, cross_attention_every={cross_attention_every}")
+    for name, value in (("num_classes", num_classes), ("num_queries", num_queries), ("width", width),
+                        ("num_heads", num_heads), ("num_blocks", num_blocks),
+                        ("cross_attention_every", cross_attention_every), ("mlp_ratio", mlp_ratio)):
+      _check_positive_int(value, "QFormer", name)
+    if isinstance(num_consumer_blocks, bool) or not isinstance(num_consumer_blocks, int) or num_consumer_blocks < 0:
+      raise ValueError(f"QFormer: num_consumer_blocks must be an int >= 0, got {num_consumer_blocks!r}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.encoder = freeze(encoder)
     self.connector, self.dtype = connector, dtype
