@@ -313,6 +313,16 @@ def test_mrope_needs_an_mrope_lm_and_a_spatial_connector():
                             rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("connector, options, argument", [
+    ("qformer", dict(mlp_ratio=0), "QFormerConnector: mlp_ratio must be a positive int, got 0"),
+    ("flamingo", dict(mlp_ratio=0), "FlamingoConnector: mlp_ratio"),
+    ("flamingo", dict(cross_attention_every=1.5), "cross_attention_every"),
+    ("flamingo", dict(num_latents=-1), "num_latents must be an int >= 0")])
+def test_connector_sizes_are_checked_when_built(connector, options, argument):
+  with pytest.raises(ValueError, match=argument):
+    make_vlm(connector, **options)
+
+
 def test_images_of_another_batch_than_the_text_are_refused():
   model = make_vlm("llava")  # the check is the connectors' shared positions(); llava ran on, broadcasting
   one_row = jnp.ones((1, 2), jnp.int32)  # the context of one row of two images (a generate given images[:1])

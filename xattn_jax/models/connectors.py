@@ -33,6 +33,7 @@ from xattn_jax.layers import positions as positions_lib
 from xattn_jax.models import latent_reader
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.ops import masks as masks_lib
+from xattn_jax.ops.positions import _check_positive_int
 
 
 def feature_position_encodings() -> tuple[str, ...]:
@@ -73,10 +74,11 @@ class FlamingoConnector(_Connector):
                cross_attention_every: int = 1, num_latents: int = 0, resampler_blocks: int = 1,
                feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
                rngs: nnx.Rngs):
-    if cross_attention_every < 1 or num_latents < 0 or resampler_blocks < 1:
-      raise ValueError(f"FlamingoConnector: cross_attention_every and resampler_blocks must be positive and "
-                       f"num_latents >= 0, got cross_attention_every={cross_attention_every}, "
-                       f"num_latents={num_latents}, resampler_blocks={resampler_blocks}")
+    for name, value in (("num_heads", num_heads), ("mlp_ratio", mlp_ratio),
+                        ("cross_attention_every", cross_attention_every), ("resampler_blocks", resampler_blocks)):
+      _check_positive_int(value, "FlamingoConnector", name)
+    if isinstance(num_latents, bool) or not isinstance(num_latents, int) or num_latents < 0:
+      raise ValueError(f"FlamingoConnector: num_latents must be an int >= 0 (0 = no resampler), got {num_latents!r}")
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
     self.layers = tuple(range(0, lm.num_layers, cross_attention_every))
@@ -136,9 +138,9 @@ class QFormerConnector(_Connector):
                num_queries: int = 32, width: int = 64, num_blocks: int = 2, cross_attention_every: int = 2,
                feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
                rngs: nnx.Rngs):
-    if num_blocks < 1 or cross_attention_every < 1:
-      raise ValueError(f"QFormerConnector: num_blocks and cross_attention_every must be positive, got "
-                       f"num_blocks={num_blocks}, cross_attention_every={cross_attention_every}")
+    for name, value in (("num_heads", num_heads), ("mlp_ratio", mlp_ratio), ("num_blocks", num_blocks),
+                        ("cross_attention_every", cross_attention_every)):
+      _check_positive_int(value, "QFormerConnector", name)
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self._init_feature_positions(feature_positions, feature_width, feature_grid, param_dtype=param_dtype, rngs=rngs)
     self.num_queries = num_queries
