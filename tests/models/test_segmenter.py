@@ -99,3 +99,11 @@ def test_the_frozen_encoder_stays_bit_for_bit_unchanged_by_training():
 def test_a_point_batch_unlike_the_images_raises_naming_points(model):
   with pytest.raises(ValueError, match="points"):
     model.decode(model.encode(_images(2)), *_clicks([[[0.3, 0.6]]], [[1]]))
+
+
+@pytest.mark.parametrize("size, argument", [(dict(num_masks=3.0), "num_masks must be a positive int, got 3.0"),
+                                            (dict(mlp_features=0), "mlp_features"),
+                                            (dict(num_point_labels=0), "num_point_labels")])
+def test_bad_sizes_are_named_when_built(size, argument):
+  with pytest.raises(ValueError, match=argument):
+    segmenter.Segmenter(freeze_encoder=False, **{**SIZES, **size}, rngs=nnx.Rngs(0))

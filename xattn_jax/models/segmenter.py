@@ -40,6 +40,7 @@ from flax import nnx
 from xattn_jax.layers import blocks, dense
 from xattn_jax.layers.two_way import TwoWayTransformer
 from xattn_jax.models import latent_reader, vit as vit_lib
+from xattn_jax.ops.positions import _check_positive_int
 
 
 class FixedRandom(nnx.Variable):
@@ -155,9 +156,9 @@ class Segmenter(nnx.Module):
                num_blocks: int, mlp_features: int, num_masks: int = 3, mask_features: int = 16,
                num_point_labels: int = 5, fourier_scale: float = 1.0, channels: int = 1, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    for name, value in (("num_masks", num_masks), ("mask_features", mask_features), ("width", width)):
-      if value < 1:
-        raise ValueError(f"Segmenter: {name} must be positive, got {name}={value}")
+    for name, value in (("num_masks", num_masks), ("mask_features", mask_features), ("width", width),
+                        ("mlp_features", mlp_features), ("num_point_labels", num_point_labels)):
+      _check_positive_int(value, "Segmenter", name)
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.patch_size, self.num_masks, self.freeze_encoder, self.dtype = patch_size, num_masks, freeze_encoder, dtype
     encoder = vit_lib.ViT(num_classes=1, channels=channels, patch_size=patch_size, grid=tuple(grid),
