@@ -111,3 +111,10 @@ def test_loop_kernels_give_the_modules_function_with_their_kernels_read_out_in_i
 def test_loop_kernels_refuse_what_is_not_a_module():
   with pytest.raises(ValueError, match=r"modules must be nnx.Modules, got \['Dense', 'ndarray'\]"):
     dense.loop_kernels([dense.Dense(2, 3, rngs=nnx.Rngs(0)), np.zeros((2, 3))])
+
+
+def test_embed_ids_is_nan_for_negative_ids_as_for_ids_past_the_table():
+  table = nnx.Embed(4, 3, rngs=nnx.Rngs(0))
+  rows = dense.embed_ids(table, jnp.asarray([0, 3, -1, 4]))
+  np.testing.assert_array_equal(rows[:2], table.embedding[...][jnp.asarray([0, 3])])
+  assert np.isnan(rows[2:]).all()

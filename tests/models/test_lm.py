@@ -358,3 +358,10 @@ def test_a_prompt_longer_than_the_cache_and_a_bad_step_are_named():
     model.prefill(_tokens((1, 10)), model.init_cache(1, 8))
   with pytest.raises(ValueError, match=r"LanguageModel\.decode_step: tokens must be int"):
     model.decode_step(jnp.ones((1, 1)), model.init_cache(1, 8))
+
+
+@pytest.mark.parametrize("bad_id", [-1, VOCAB])
+def test_an_id_outside_the_vocabulary_makes_its_row_nan(bad_id):
+  tokens = _tokens((2, LENGTH)).at[1, 1].set(bad_id)  # the shape other tests compile the pass for
+  logits = _plain_forward(_model("rope"), tokens)
+  assert not np.isnan(logits[0]).any() and np.isnan(logits[1, 1]).all()

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -23,6 +24,12 @@ def flat_matmul(x: jax.Array, fn) -> jax.Array:
   leading = x.shape[:-1]
   y = fn(x.reshape(-1, x.shape[-1]))
   return y.reshape(*leading, y.shape[-1])
+
+
+def embed_ids(table: nnx.Embed, ids: jax.Array) -> jax.Array:
+  """table(ids) [..., features], NaN for every id outside [0, num_embeddings): the lookup fills ids past the
+  table with NaN but wraps negative ones to its end, so -1 read the last row without a word."""
+  return jnp.where((ids < 0)[..., None], jnp.nan, table(ids))
 
 
 class Dense(nnx.Linear):

@@ -194,6 +194,9 @@ def randomized_document_positions(rng, positions, max_position: int) -> jax.Arra
 class LanguageModel(nnx.Module):
   """Decoder-only transformer over token ids (id 0 = padding); see the module docstring.
 
+  Ids outside [0, vocab_size) are not checked (a jitted pass cannot read them): they embed as NaN
+  (`dense.embed_ids`), and NaN reaches the logits (a search marks such a row INVALID_TOKEN).
+
   Args:
     vocab_size: number of token ids.
     d_model, num_heads, num_layers, mlp_dim: width, query heads, depth, MLP hidden width.
@@ -279,7 +282,7 @@ class LanguageModel(nnx.Module):
   def _embed(self, tokens, prefix, positions, deterministic):
     """tokens [b, t] (after prefix [b, p, d_model]) -> [b, p + t, d_model]: scaled embeddings plus additive
     positions (None = 0.. for every row)."""
-    x = self.embed(tokens) * jnp.sqrt(float(self.d_model)).astype(self.dtype)
+    x = dense.embed_ids(self.embed, tokens) * jnp.sqrt(float(self.d_model)).astype(self.dtype)
     if prefix is not None:
       if prefix.ndim != 3 or prefix.shape[0] != tokens.shape[0] or prefix.shape[2] != self.d_model:
         raise ValueError(f"LanguageModel: prefix must be [batch={tokens.shape[0]}, p, d_model={self.d_model}], "

@@ -145,6 +145,9 @@ def _split(rng):
 class Translator(nnx.Module):
   """Encoder-decoder transformer over one shared token id space (id 0 = padding).
 
+  Ids outside [0, vocab_size) are not checked (a jitted pass cannot read them): they embed as NaN
+  (`dense.embed_ids`), and NaN reaches the logits (a search marks such a row INVALID_TOKEN).
+
   Args:
     vocab_size: number of token ids (source and target share the id space).
     encoder, decoder: StackSize of each side; their widths may differ (the decoder's
@@ -249,7 +252,7 @@ class Translator(nnx.Module):
   def _embed(self, table: nnx.Embed, position_encoding, tokens, positions, deterministic):
     """tokens [b, t], positions [b, t] -> [b, t, d_model]: scaled embeddings (Vaswani et al.) plus
     additive positions."""
-    x = table(tokens) * jnp.sqrt(float(table.features)).astype(self.dtype)
+    x = dense.embed_ids(table, tokens) * jnp.sqrt(float(table.features)).astype(self.dtype)
     x = position_encoding.add_to_inputs(x, positions)
     return self.dropout(x, deterministic=deterministic)
 
