@@ -283,6 +283,8 @@ def test_bad_explicit_positions_are_named(positions):
 def test_float_tokens_are_rejected():
   with pytest.raises(ValueError, match="inputs"):
     _model().encode(jnp.zeros((1, 3)))
+  with pytest.raises(ValueError, match="inputs must be int .*list"):
+    _model().encode([[1, 2, 3]])
 
 
 def test_decoding_past_a_learned_position_table_is_refused():

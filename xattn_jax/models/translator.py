@@ -122,8 +122,9 @@ class TranslatorCache:
 
 
 def _check_tokens(name: str, tokens) -> None:
-  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"Translator: {name} must be int [batch, length], got {tokens.dtype}{list(tokens.shape)}")
+  if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"Translator: {name} must be int [batch, length], got "
+                     f"{getattr(tokens, 'dtype', type(tokens))}{list(getattr(tokens, 'shape', ()))}")
 
 
 def _positions(encoding, tokens, positions, rng=None, name="positions"):
