@@ -194,6 +194,11 @@ def test_qformer_sizes_are_checked_when_built(options, argument):
                           rngs=nnx.Rngs(0))
 
 
+def test_float_positions_are_refused_naming_them():
+  with pytest.raises(ValueError, match=r"positions must be int \[batch, M, 2\]"):
+    make_perceiver().read(jnp.zeros((2, 16, WIDTH)), jnp.zeros((2, 16, 2)))
+
+
 def test_valid_mask_of_the_wrong_shape_raises_naming_it():
   features, positions, grid = random_inputs(16)
   with pytest.raises(ValueError, match="valid"):

@@ -201,9 +201,9 @@ class Perceiver(nnx.Module):
     width = self.latents.queries.shape[1]
     if elements.ndim != 3 or elements.shape[-1] != width:
       raise ValueError(f"Perceiver.read: elements must be [batch, M, {width}], got elements{list(elements.shape)}")
-    if positions.shape != (*elements.shape[:2], 2):
-      raise ValueError(f"Perceiver.read: positions must be [batch, M, 2] = {[*elements.shape[:2], 2]}, got "
-                       f"positions{list(positions.shape)}")
+    if positions.shape != (*elements.shape[:2], 2) or not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise ValueError(f"Perceiver.read: positions must be int [batch, M, 2] = {[*elements.shape[:2], 2]}, got "
+                       f"positions {positions.dtype}{list(positions.shape)}")
     latents = self.latents(elements.shape[0], elements.dtype)
     latents = self.cross(latents, elements, input_mask=_padding_mask(valid, elements), input_positions=positions,
                          deterministic=deterministic)
