@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 
-from xattn_jax.training import records
-
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPOSITORY))  # run as a script (its --help) too, not only imported by the runners
+
+from xattn_jax.training import records  # noqa: E402
 
 
 def final_metrics(workdir: pathlib.Path, keys) -> dict[str, float]:
