@@ -27,6 +27,16 @@ def _decoder(norm="pre", seed=0):
                              rotary=RotarySpec(), rngs=nnx.Rngs(seed))
 
 
+@pytest.mark.parametrize("rate", [1.5, -0.1, 1.0])
+def test_blocks_refuse_a_dropout_rate_outside_zero_to_one(rate):
+  """EncoderBlock(dropout_rate=1.5) built, and in training its dropout zeroed every activation (the ViT, Perceiver,
+  Q-Former and connectors build on these blocks; the LM and Translator checked their own rates)."""
+  with pytest.raises(ValueError, match=rf"dropout_rate must be in \[0, 1\), got dropout_rate={rate}"):
+    blocks.EncoderBlock(FEATURES, HEADS, MLP_FEATURES, dropout_rate=rate, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dropout_rate must be in"):
+    blocks.make_mlp("mlp", FEATURES, MLP_FEATURES, dropout_rate=rate, rngs=nnx.Rngs(0))
+
+
 def test_a_decoder_block_refuses_a_memory_of_another_batch():
   """DecoderBlock(x[2, ...], memory[1, ...]) read memory row 0 for both rows of x, without a word."""
   x, memory = _normal(0, (2, 5, FEATURES)), _normal(1, (1, 7, MEMORY_FEATURES))

@@ -9,6 +9,7 @@ step is a pure function of (x, cache) -> (out, cache).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import flax.struct
@@ -31,6 +32,12 @@ ACTIVATIONS: dict[str, Callable] = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "s
 def _check_choice(name: str, value, allowed) -> None:
   if value not in allowed:
     raise ValueError(f"{name} must be one of {tuple(allowed)}, got {name}={value!r}")
+
+
+def _check_dropout_rate(rate) -> None:
+  # nnx.Dropout takes any rate: 1.5 zeroed (and rescaled) every activation of a block without a word
+  if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < 1:
+    raise ValueError(f"dropout_rate must be in [0, 1), got dropout_rate={rate!r}")
 
 
 def _check_stream(where: str, name: str, x, features: int) -> None:
@@ -134,6 +141,7 @@ def make_mlp(mlp_type: str, features: int, hidden_features: int, *, activation: 
              dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
   """The MLP_TYPES entry mlp_type, [..., features] -> [..., features]; activation is read by "mlp" only."""
   _check_choice("mlp_type", mlp_type, MLP_TYPES)
+  _check_dropout_rate(dropout_rate)
   kind = MLP_TYPES[mlp_type]
   options = dict(activation=activation) if kind.takes_activation else {}
   return kind(features, hidden_features, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
@@ -148,6 +156,7 @@ class _Residual(nnx.Module):
 
   def __init__(self, features, norm, dropout_rate, dtype, param_dtype, rngs, gated=False):
     _check_choice("norm", norm, NORM_PLACEMENTS)
+    _check_dropout_rate(dropout_rate)
     self.norm_placement = norm
     self.norm = layer_norm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
