@@ -15,11 +15,10 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from xattn_jax.layers import dense
-from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention
+from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention, _check_positive_int
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
@@ -34,10 +33,11 @@ def _check_choice(name: str, value, allowed) -> None:
     raise ValueError(f"{name} must be one of {tuple(allowed)}, got {name}={value!r}")
 
 
-def _check_dropout_rate(rate) -> None:
-  # nnx.Dropout takes any rate: 1.5 zeroed (and rescaled) every activation of a block without a word
+def check_dropout_rate(rate, name: str = "dropout_rate", where: str = "") -> None:
+  """A dropout rate in [0, 1): nnx.Dropout takes any, and at 1.5 zeroed (and rescaled) every activation without a
+  word. ValueError naming `name` (and `where`, the model or layer) otherwise."""
   if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < 1:
-    raise ValueError(f"dropout_rate must be in [0, 1), got dropout_rate={rate!r}")
+    raise ValueError(f"{where + ': ' if where else ''}{name} must be in [0, 1), got {name}={rate!r}")
 
 
 def _check_stream(where: str, name: str, x, features: int) -> None:
@@ -141,7 +141,7 @@ def make_mlp(mlp_type: str, features: int, hidden_features: int, *, activation: 
              dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
   """The MLP_TYPES entry mlp_type, [..., features] -> [..., features]; activation is read by "mlp" only."""
   _check_choice("mlp_type", mlp_type, MLP_TYPES)
-  _check_dropout_rate(dropout_rate)
+  check_dropout_rate(dropout_rate)
   kind = MLP_TYPES[mlp_type]
   options = dict(activation=activation) if kind.takes_activation else {}
   return kind(features, hidden_features, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
@@ -156,7 +156,7 @@ class _Residual(nnx.Module):
 
   def __init__(self, features, norm, dropout_rate, dtype, param_dtype, rngs, gated=False):
     _check_choice("norm", norm, NORM_PLACEMENTS)
-    _check_dropout_rate(dropout_rate)
+    check_dropout_rate(dropout_rate)
     self.norm_placement = norm
     self.norm = layer_norm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
@@ -369,8 +369,7 @@ class LearnedQueryPooling(nnx.Module):
   def __init__(self, num_queries: int, features: int, input_features: int, num_heads: int, *,
                mlp_features: int | None = None, dropout_rate: float = 0.0, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if isinstance(num_queries, (bool, np.bool_)) or not isinstance(num_queries, (int, np.integer)) or num_queries <= 0:
-      raise ValueError(f"LearnedQueryPooling: num_queries must be a positive int, got num_queries={num_queries!r}")
+    _check_positive_int("num_queries", num_queries, "LearnedQueryPooling")
     self.input_features = input_features
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("length", "embed"), eager_sharding=False)
     self.queries = nnx.Param(init(rngs.params(), (num_queries, features), param_dtype))

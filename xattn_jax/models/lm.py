@@ -245,8 +245,7 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"LanguageModel: randomized_positions.max_position must be >= max_length={max_length} (every "
                        f"position a row can hold must be drawable), got {randomized_positions.max_position}")
     for name, rate in (("dropout_rate", dropout_rate), ("attention_dropout_rate", attention_dropout_rate)):
-      if not 0.0 <= rate < 1.0:  # nnx.Dropout zeroes everything at a rate >= 1 without a word
-        raise ValueError(f"LanguageModel: {name} must be in [0, 1), got {name}={rate}")
+      blocks.check_dropout_rate(rate, name, "LanguageModel")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
     if head_dim is None and d_model % num_heads:  # as MultiHeadAttention: no silently floored head width
       raise ValueError(f"LanguageModel: d_model must be divisible by num_heads when head_dim is None, got "

@@ -195,8 +195,7 @@ class Translator(nnx.Module):
       raise ValueError(f"Translator: randomized_positions.max_position must be >= max_length={max_length} (every "
                        f"sequence position must be drawable), got {randomized_positions.max_position}")
     for name, rate in (("dropout_rate", dropout_rate), ("attention_dropout_rate", attention_dropout_rate)):
-      if not 0.0 <= rate < 1.0:  # nnx.Dropout zeroes everything at a rate >= 1 without a word
-        raise ValueError(f"Translator: {name} must be in [0, 1), got {name}={rate}")
+      blocks.check_dropout_rate(rate, name, "Translator")
     layer_stack.remat_policy(remat)  # raises for an unknown policy name
     self.vocab_size, self.max_length, self.norm = vocab_size, max_length, norm
     self.share_embeddings, self.tie_output = share_embeddings, tie_output
