@@ -152,6 +152,21 @@ def test_eval_from_is_latest_best_or_a_step_number():
                   r"step number")
 
 
+def test_eval_from_a_step_the_run_does_not_keep_is_a_config_error_naming_the_kept_steps(tmp_path):
+  """eval / infer of a step no longer kept ended in a RunError (status 1) after building the model."""
+  for step in (4, 12):
+    (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+  config = template.get_config("size=tiny")
+  config.checkpoint.eval_from = "8"
+  for mode in ("eval", "infer"):
+    with pytest.raises(validation.ConfigError, match=r"^config\.checkpoint\.eval_from='8': no checkpoint at step 8 "
+                       r"in .*checkpoints; it keeps steps \[4, 12\]"):
+      validation.validate_config(config, mode=mode, workdir=str(tmp_path))
+  config.checkpoint.eval_from = "12"
+  validation.validate_config(config, mode="eval", workdir=str(tmp_path))
+  validation.validate_config(config, mode="train", workdir=str(tmp_path))  # training does not read eval_from
+
+
 def test_early_stopping_without_a_metric_to_watch_is_a_config_error():
   config = template.get_config("size=tiny")
   config.checkpoint.best_metric = ""

@@ -369,6 +369,10 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     if eval_from not in EVAL_FROM and not (isinstance(eval_from, str) and eval_from.isdigit()):
       raise ConfigError("checkpoint.eval_from", eval_from, f"allowed are {list(EVAL_FROM)} or a kept checkpoint's "
                         f"step number (e.g. '4000')")
+    kept = checkpoints_lib.step_numbers(workdir) if workdir and mode != "train" else []
+    if eval_from.isdigit() and kept and int(eval_from) not in kept:  # none kept: eval / infer say there is no run
+      raise ConfigError("checkpoint.eval_from", eval_from, f"no checkpoint at step {eval_from} in "
+                        f"{os.path.join(workdir, 'checkpoints')}; it keeps steps {kept}, or read 'latest' or 'best'")
     if config.checkpoint.eval_from == "best" and not config.checkpoint.best_metric:
       raise ConfigError("checkpoint.eval_from", "best", "needs checkpoint.best_metric, which is '': name the eval "
                         "metric that ranks the checkpoints, or read the 'latest'")
