@@ -12,7 +12,7 @@ from flax import nnx
 
 from tests import helpers
 from xattn_jax.tasks.segment import task as segment_task
-from xattn_jax.training import inference, task as task_lib, validation
+from xattn_jax.training import inference, task as task_lib, validation, workdir as workdir_lib
 from xattn_jax.training.errors import RunError
 
 CONFIG = "configs/segment_digits.py"
@@ -125,6 +125,19 @@ def test_the_default_config_is_valid_and_its_best_metric_is_logged():
   config = _config()
   validation.validate_config(config)
   assert config.checkpoint.best_metric in segment_task.SegmentTask.eval_metric_names
+
+
+@pytest.mark.parametrize("field, value, trained", [("data.canvas", 32, 16), ("task.num_masks", 5, 3)])
+def test_eval_and_infer_refuse_the_canvas_or_mask_count_the_run_was_not_trained_with(tmp_path, field, value, trained):
+  """Both build the parameters (the encoder's patch grid, the mask tokens): a changed one reached orbax's shape
+  check, which named a parameter, not the field."""
+  workdir_lib.write_config(_config(**TINY), str(tmp_path))
+  (tmp_path / "checkpoints" / "200").mkdir(parents=True)
+  workdir_lib.check_same_model(_config(**{**TINY, "task.num_eval_scenes": 8}), str(tmp_path), mode="eval")
+  for mode in ("eval", "infer"):
+    with pytest.raises(validation.ConfigError, match=rf"^config\.{field}={value}: the run in .* was made with "
+                       rf"{trained}; {mode} reads the model as it was trained: keep it$"):
+      workdir_lib.check_same_model(_config(**{**TINY, field: value}), str(tmp_path), mode=mode)
 
 
 def test_eval_reads_the_configured_splits_prompts_and_test_k_always_the_tests():

@@ -276,6 +276,9 @@ class Task:
   # The data fields that choose the part of the training data held out for eval: an eval that scores that part
   # (names no data.eval_file) must keep them, or it would score examples the run trained on.
   held_out_fields: ClassVar[tuple[str, ...]] = ()
+  # The fields outside model.* that the model's parameters are built from (an image's side, a count of outputs):
+  # eval and infer keep them as they keep the model, so that a changed one is named, not a parameter's shape.
+  model_building_fields: ClassVar[tuple[str, ...]] = ()
   # While `infer` runs: the caller's 1-based numbers of the lines handed to `infer_lines` (`line_number`).
   _line_numbers: list[int] | None = None
 

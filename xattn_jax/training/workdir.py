@@ -278,8 +278,8 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
   """Raises ConfigError when `config` changes the run already in `workdir`: training must keep its
   model, task and data sections (resuming on other data or another tokenizer is another experiment) but for
   COMPUTE_FIELDS, and the parameters' STORAGE_FIELDS;
-  eval and infer must keep the model (but for the task's `eval_model_fields`) and the tokenizer (they may
-  decode differently, e.g. another task.decoding, and evaluate other files). Eval and infer take a
+  eval and infer must keep the model (but for the task's `eval_model_fields`; with its `model_building_fields`) and
+  the tokenizer (they may decode differently, e.g. another task.decoding, and evaluate other files). Eval and infer take a
   dependency's frozen parameters from the run's own checkpoint and record, so the fields naming where
   training found them and how (the task's `Dependency.workdir_field`s and `config_field`s) may differ. An
   eval that names no data file where the run was trained on one is refused: it would score the bundled data
@@ -302,7 +302,7 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
     if mode == "train":
       return True
     return ((field.startswith("model.") and field not in unread) or field in ("data.tokenizer", "data.vocab_size")
-            or field in held_out)
+            or field in task_class.model_building_fields or field in held_out)
 
   raw = recorded_config(workdir)
   recorded = _flat(raw or {})

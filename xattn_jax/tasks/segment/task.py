@@ -110,6 +110,7 @@ class SegmentTask(task_lib.Task):
   """Segment the digit a prompt points at (see the module docstring)."""
 
   eval_metric_names = tuple(f"eval/{name}" for name in METRIC_NAMES)
+  model_building_fields = ("data.canvas", "task.num_masks")  # the encoder's patch grid, the mask tokens
 
   @classmethod
   def validate(cls, config, mode="train"):
