@@ -115,6 +115,16 @@ def test_a_bad_config_field_is_refused_by_name_before_anything_builds(field, val
   assert error.value.field == field
 
 
+@pytest.mark.parametrize("scenes, plots, most", [(200, 101, 100), (200, 10**6, 100), (3, 7, 6)])
+def test_num_plot_examples_is_bounded_by_a_page_of_pngs_and_by_the_eval_prompts(scenes, plots, most):
+  """A huge value drew every eval prompt's PNG at every eval (num_eval_scenes=5000: 10,000 or more)."""
+  config = _config(**{"task.num_eval_scenes": scenes, "task.num_plot_examples": plots})
+  with pytest.raises(validation.ConfigError, match=rf"^config\.task\.num_plot_examples={plots}: must be in "
+                     rf"\[0, {most}\]: each eval draws them anew"):
+    validation.validate_config(config)
+  validation.validate_config(_config(**{"task.num_eval_scenes": scenes, "task.num_plot_examples": most}))
+
+
 def test_a_prompt_mix_of_zeros_is_refused():
   config = _config(**{f"task.prompt_mix.{kind}": 0.0 for kind in ("click", "clicks", "box", "ambiguous")})
   with pytest.raises(validation.ConfigError, match="task.prompt_mix"):

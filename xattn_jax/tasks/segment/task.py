@@ -60,6 +60,9 @@ _BOX = re.compile(rf"box={_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}$")
 _CLICK = re.compile(rf"{_NUMBER},{_NUMBER}(?:,([+-]))?$")
 _MAX_STEM = 48  # characters of an image's name kept in its PNG's: a file name holds 255 bytes, a UTF-8 letter 1-4
 _FIT_SCENES = 20  # training scenes drawn to check that data.min_digits digits fit the canvas
+# PNGs drawn at each eval (task.num_plot_examples) at the most: matplotlib takes a good part of a second for one,
+# every eval draws them anew, and more than a page of them is no longer looked at one by one.
+MAX_PLOT_EXAMPLES = 100
 
 
 def scene_options(config) -> segment_digits.SceneOptions:
@@ -121,6 +124,12 @@ class SegmentTask(task_lib.Task):
                                 "model.encoder.num_blocks", "model.encoder.mlp_ratio")
     validation.require_positive(config, "task.num_plot_examples", allow_zero=True)
     data, model, task = config.data, config.model, config.task
+    # every eval scene gives a click and a box prompt (an ambiguous click only where digits overlap)
+    most_plots = min(MAX_PLOT_EXAMPLES, 2 * task.num_eval_scenes)
+    if task.num_plot_examples > most_plots:
+      raise validation.ConfigError("task.num_plot_examples", task.num_plot_examples,
+                                   f"must be in [0, {most_plots}]: each eval draws them anew ({MAX_PLOT_EXAMPLES} at "
+                                   f"most), from its 2 prompts per scene of task.num_eval_scenes={task.num_eval_scenes}")
     if data.digit_size > data.canvas:
       raise validation.ConfigError("data.digit_size", data.digit_size, f"must be at most data.canvas={data.canvas}")
     if data.min_digits > data.max_digits:
