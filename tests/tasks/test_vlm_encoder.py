@@ -243,3 +243,25 @@ def test_a_pairs_encoder_run_made_before_colour_and_word_runs_still_loads(tmp_pa
   task = pairs_encoder.CaptionWordsEncoderTask(cfg, None, "eval")
   assert task.ngrams == 1 and encoder.grey(cfg) and task.words == ("a", "box", "dark")
   assert encoder.make_encoder(cfg.model, rngs=nnx.Rngs(0)).embed.in_features == 16  # 4 x 4 patches, 1 channel
+
+
+def test_the_held_out_side_of_a_pairs_file_opens_only_its_own_images(tmp_path, monkeypatch):
+  """Without a data.eval_file, an eval (of the VLM, the encoder) decoded every training image of
+  data.train_file to keep the 5% it held out."""
+  from PIL import Image
+  from xattn_jax.data import image_text
+  for n in range(60):
+    Image.fromarray(np.full((8, 8), 3 * n, np.uint8)).save(tmp_path / f"img{n}.png")
+  (tmp_path / "train.tsv").write_text("".join(f"img{n}.png\tcaption {n}\n" for n in range(60)))
+  held = sorted(image_text.held_out_pairs(tmp_path / "train.tsv"))
+  opened = []
+  load_image = image_text.load_image
+  monkeypatch.setattr(image_text, "load_image", lambda path, *a, **k: opened.append(path) or load_image(path, *a, **k))
+  pairs_config = helpers.load_config("--config=configs/vlm_encoder.py:data=pairs,canvas=16x16",
+                                     f"--config.data.train_file={tmp_path / 'train.tsv'}")
+  evaluated = encoder.read_pairs_field(pairs_config, "data.eval_file")
+  assert [e.targets()[0] for e in evaluated] == [f"caption {n}" for n in held]
+  assert sorted(opened) == sorted(str(tmp_path / f"img{n}.png") for n in held)
+  opened.clear()
+  assert len(encoder.read_pairs_field(pairs_config, "data.train_file")) == 60 - len(held)
+  assert len(opened) == 60 - len(held)

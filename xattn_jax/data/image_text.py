@@ -106,10 +106,13 @@ def _pair_lines(path) -> list[tuple[int, str | None, tuple[str, str] | None]]:
   return [(number, *_line_problem(raw, folder)) for number, raw in enumerate(lines, start=1)]
 
 
-def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -> list[VLMExample]:
+def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True,
+                          eval_side: bool | None = None) -> list[VLMExample]:
   """Reads ``image_path<TAB>text`` lines into examples of kind "user", in file order.
 
-  Each example has one image (see `load_image`) and segments (("image", 0), ("target", text)).
+  Each example has one image (see `load_image`) and segments (("image", 0), ("target", text)). With `eval_side`
+  True / False only the pairs on that side of `held_out_pairs` (`side_of_split`): the other side's images are not
+  opened (an eval of the held-out 5% decoded every training image), its lines are still checked for form.
 
   Raises:
     ImageTextFormatError (a files.LineFileError, a ValueError): the file is missing, not a regular file,
@@ -117,8 +120,12 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -
       unreadable image); the message names the file and the 1-based line numbers.
   """
   canvas = _check_canvas(canvas, "read_image_text_pairs")
-  examples, problems = [], []
+  held = held_out_pairs(path) if eval_side is not None else frozenset()
+  examples, problems, index = [], [], -1
   for line_number, problem, pair in _pair_lines(path):
+    index += problem is None  # the pair's index among the well-formed lines, as held_out_pairs counts them
+    if problem is None and eval_side is not None and (index in held) != eval_side:
+      continue
     if problem is None:
       image_path, text = pair
       try:
@@ -135,18 +142,19 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True) -
   return examples
 
 
-def read_image_text_pairs_cached(path, *, canvas: tuple[int, int], grey: bool = True) -> list[VLMExample]:
-  """`read_image_text_pairs`, read once per (file, modification time, canvas, grey): a task's validation and
+def read_image_text_pairs_cached(path, *, canvas: tuple[int, int], grey: bool = True,
+                                 eval_side: bool | None = None) -> list[VLMExample]:
+  """`read_image_text_pairs`, read once per (file, modification time, canvas, grey, side): a task's validation and
   the task itself read the same file. Raises what it raises."""
   path = os.path.abspath(os.fspath(path))
   mtime_ns = os.stat(path).st_mtime_ns if os.path.exists(path) else None
-  return _read_cached(path, mtime_ns, _check_canvas(canvas, "read_image_text_pairs_cached"), grey)
+  return _read_cached(path, mtime_ns, _check_canvas(canvas, "read_image_text_pairs_cached"), grey, eval_side)
 
 
 @functools.lru_cache(maxsize=4)
-def _read_cached(path: str, mtime_ns, canvas: tuple[int, int], grey: bool) -> list[VLMExample]:
+def _read_cached(path: str, mtime_ns, canvas: tuple[int, int], grey: bool, eval_side: bool | None) -> list[VLMExample]:
   del mtime_ns  # part of the cache key: an edited file is read again
-  return read_image_text_pairs(path, canvas=canvas, grey=grey)
+  return read_image_text_pairs(path, canvas=canvas, grey=grey, eval_side=eval_side)
 
 
 # Without an eval file, this share of a pairs file's distinct images (every pair of each) is held out for eval.

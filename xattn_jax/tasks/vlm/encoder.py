@@ -81,23 +81,22 @@ def grey(config) -> bool:
 def read_pairs_field(config, field: str):
   """The pairs of the file that config `field` names (data.image_text, at the run's canvas and colour, read once
   per file version); a missing file or any bad line raises a ConfigError naming the field, file and lines.
-  Without a data.eval_file, the two sides of data.train_file's held-out split (image_text.held_out_pairs)."""
-  split = not config.data.eval_file and field in ("data.train_file", "data.eval_file")
-  if split:
+  Without a data.eval_file, the two sides of data.train_file's held-out split (image_text.held_out_pairs), each
+  opening only its own images."""
+  eval_side = None
+  if not config.data.eval_file and field in ("data.train_file", "data.eval_file"):
     field, eval_side = "data.train_file", field == "data.eval_file"
   path = validation.get_field(config, field)
   validation.require_file(field, path)
   try:
-    pairs = image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config))
+    pairs = image_text.read_image_text_pairs_cached(path, canvas=canvas(config), grey=grey(config),
+                                                    eval_side=eval_side)
   except files.LineFileError as error:
     raise validation.ConfigError(field, path, " ".join(str(error).split())) from None
-  if not split:
-    return pairs
-  side = image_text.side_of_split(pairs, path, eval_side=eval_side)
-  if eval_side and not side:
+  if eval_side and not pairs:
     raise validation.ConfigError("data.eval_file", "", f"no eval pairs: {path} shows one image, which training "
                                  "needs; name an eval file, or give pairs of two images at least (one is held out)")
-  return side
+  return pairs
 
 
 def check_grid(config) -> None:
