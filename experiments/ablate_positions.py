@@ -242,8 +242,8 @@ def main(argv=None):
                       help="where the tables and plots go; default experiments/results, or a temporary "
                            "directory with --quick (a smoke run must not overwrite the recorded results)")
   args = parser.parse_args(argv)
-  if args.jobs < 1 or args.seeds < 1:
-    parser.error(f"--jobs and --seeds must be >= 1, got --jobs={args.jobs} --seeds={args.seeds}")
+  sweep.check_jobs(args.jobs, parser)
+  sweep.check_seeds(args.seeds, args.seeds, parser)
   meta = sweep.run_metadata(__file__, argv if argv is not None else sys.argv[1:])  # before any cell: its load
   # each --only adds, as length_generalization.py's
   only = {name for group in args.only for name in group.split(",") if name}

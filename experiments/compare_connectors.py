@@ -47,7 +47,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from experiments import bench_common  # noqa: E402
+from experiments import bench_common, sweep  # noqa: E402
 
 # The default comparison: every connector of models/connectors.py, named here so that --help imports no JAX (a test
 # keeps the two lists equal).
@@ -307,6 +307,9 @@ def main(argv=None):
     seeds, scales = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.scales.split(",")]
   except ValueError as error:
     parser.error(f"--seeds / --scales: comma-separated integers ({error})")
+  sweep.check_seeds(args.seeds, len(seeds), parser)
+  if not all(0 <= seed < 2**32 for seed in seeds):  # validation sees the first seed's config alone
+    parser.error(f"--seeds={args.seeds}: each seed must be a non-negative integer below 2**32")
   # Each told before the frozen parts train: a repeated seed or connector was a second run of the same workdir that
   # counted twice in the table's mean; a scale below 1 or a probe of fewer than 1 step failed after the training.
   for flag, values in (("connectors", connectors), ("seeds", seeds), ("scales", scales)):

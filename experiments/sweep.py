@@ -307,6 +307,28 @@ def check_folders(args, parser, flags=("workdir", "results")) -> None:
     setattr(args, flag, str(path))
 
 
+# Seeds a runner trains each cell with, at the most: the recorded tables use 3, and every seed is another pass over
+# the whole grid (an hour or more on 2 cores); --seeds=1000 queued a thousand passes without a word.
+MAX_SEEDS = 20
+
+
+def check_jobs(jobs: int, parser) -> None:
+  """--jobs refused in one line outside [1, twice this machine's cores]: each job is a launch.py process on one core
+  (a single-threaded XLA), so more only slow each other down and fill the memory (--jobs=10000 started a process for
+  every cell at once); twice the cores still lets one job compile or write while another computes."""
+  most = 2 * (os.cpu_count() or 1)
+  if not 1 <= jobs <= most:
+    parser.error(f"--jobs={jobs}: must be in [1, {most}] (twice this machine's {most // 2} cores: each job is a "
+                 "launch.py on one core)")
+
+
+def check_seeds(flag_value, count: int, parser) -> None:
+  """A --seeds asking for `count` seeds refused in one line outside [1, MAX_SEEDS]."""
+  if not 1 <= count <= MAX_SEEDS:
+    parser.error(f"--seeds={flag_value}: {count} seeds; allowed are 1 to {MAX_SEEDS} (each is another pass over "
+                 "every cell)")
+
+
 def seeds_to_run(args, parser) -> int:
   """The seeds a runner trains: 1 with --quick (saying so where --seeds asked for others), else --seeds."""
   if not args.quick:

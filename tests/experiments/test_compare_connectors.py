@@ -65,7 +65,10 @@ def test_a_bad_connector_or_seed_is_one_line_before_anything_trains_and_cost_row
     (["--seeds", "0,0"], "--seeds=0,0: names a value twice"),
     (["--connectors", "llava,llava"], "--connectors=llava,llava: names a value twice"),
     (["--scales", "0"], "--scales=0: image scales must be integers >= 1"),
-    (["--probe_steps", "-1"], "--probe_steps=-1: must be >= 1")])
+    (["--probe_steps", "-1"], "--probe_steps=-1: must be >= 1"),
+    # a thousand seeds queued three thousand trainings; a bad seed after the first failed once the others trained
+    (["--seeds", ",".join(map(str, range(1000)))], "1000 seeds; allowed are 1 to 20"),
+    (["--seeds", "0,-1"], "--seeds=0,-1: each seed must be a non-negative integer below 2**32")])
 def test_a_repeated_seed_or_connector_a_scale_or_probe_below_one_is_one_line_before_anything_trains(
     tmp_path, capsys, monkeypatch, argv, said):
   """Each trained the frozen parts first: a repeated seed then counted twice in the mean, the others failed after."""

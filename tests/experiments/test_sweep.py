@@ -296,6 +296,32 @@ def test_an_empty_workdir_or_results_is_refused_not_taken_for_the_current_folder
     assert refused.value.code == 2 and f"--{flag}='': empty; name a folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("runner", ["ablate_positions", "length_generalization"])
+@pytest.mark.parametrize("argv, said", [
+    (["--jobs=10000"], "--jobs=10000: must be in [1, "), (["--jobs=0"], "--jobs=0: must be in [1, "),
+    (["--seeds=1000"], "--seeds=1000: 1000 seeds; allowed are 1 to 20"),
+    (["--seeds=0"], "--seeds=0: 0 seeds; allowed are 1 to")])
+def test_too_many_jobs_or_seeds_are_one_line_before_any_cell(tmp_path, monkeypatch, capsys, runner, argv, said):
+  """--jobs=10000 started a launch.py process for every cell at once; --seeds=1000 queued a thousand passes."""
+  import importlib
+  module = importlib.import_module(f"experiments.{runner}")
+  monkeypatch.setattr(sweep, "run_cells", lambda *a, **k: pytest.fail("a cell was started"))
+  monkeypatch.setattr(sweep.os, "cpu_count", lambda: 4)
+  with pytest.raises(SystemExit) as refused:
+    module.main([*argv, f"--workdir={tmp_path / 'w'}", f"--results={tmp_path / 'r'}"])
+  error = capsys.readouterr().err
+  assert refused.value.code == 2 and said in error and len(error.strip().splitlines()[-1]) > len(said)
+  if argv[0].startswith("--jobs"):
+    assert "--jobs" in error and "[1, 8]" in error
+
+
+def test_jobs_up_to_twice_the_cores_and_up_to_max_seeds_are_taken(monkeypatch):
+  import argparse
+  monkeypatch.setattr(sweep.os, "cpu_count", lambda: 4)
+  sweep.check_jobs(8, argparse.ArgumentParser())
+  sweep.check_seeds(sweep.MAX_SEEDS, sweep.MAX_SEEDS, argparse.ArgumentParser())
+
+
 def test_help_says_what_the_library_holds_and_running_it_names_the_runners():
   """`python experiments/sweep.py --help` printed nothing."""
   import subprocess
