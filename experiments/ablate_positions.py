@@ -266,8 +266,9 @@ def main(argv=None):
 
   sweep.run_cells(todo, lambda cell: run_cell(cell, root, args.quick, args.jobs > 1), args.jobs, report)
   # The tables count every finished cell on disk: an --only run adds to the others, fewer --seeds hide none.
-  finished = sweep.finished_cells(cells(args.quick, 1, set()), root, args.quick)
-  from_disk = sweep.taken_from_disk(finished, todo, root, lambda cell: cell.experiment.name)
+  rows = cells(args.quick, 1, set())
+  finished = sweep.finished_cells(rows, root, args.quick)
+  from_disk = sweep.taken_from_disk(finished, todo, root, lambda cell: cell.experiment.name, rows)
   if from_disk:
     print(from_disk, flush=True)
   notes = NOTES + ([f"- Run note: {from_disk}."] if from_disk else [])

@@ -336,8 +336,9 @@ def main(argv=None):
 
   sweep.run_cells(todo, lambda cell: run_cell(cell, root, args.quick, args.jobs > 1), args.jobs, report)
   # The tables count every finished cell on disk: an --only run adds to the others, fewer --seeds hide none.
-  finished = sweep.finished_cells(cells(args.quick, 1, randomized=randomized), root, args.quick)
-  from_disk = sweep.taken_from_disk(finished, todo, root, lambda cell: cell.task)
+  rows = cells(args.quick, 1, randomized=randomized)
+  finished = sweep.finished_cells(rows, root, args.quick)
+  from_disk = sweep.taken_from_disk(finished, todo, root, lambda cell: cell.task, rows)
   if from_disk:
     print(from_disk, flush=True)
     notes.append(f"- Run note: {from_disk}.")

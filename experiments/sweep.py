@@ -149,16 +149,19 @@ def finished_cells(rows, root: pathlib.Path, quick: bool) -> list[tuple]:
   """(cell, result) for every seed that finished on disk of each table row: `rows` holds a cell of each row (any
   seed), and every seed<k> folder beside its workdir with a result that is not stale (`finished_result`) counts,
   whatever seeds or rows this run asked for. The cells are dataclasses with a `seed` field."""
-  by_folder = {row.workdir(root).parent: row for row in rows}
   finished = []
-  for folder, row in by_folder.items():
-    seeds = sorted(int(p.name[4:]) for p in folder.glob("seed*") if p.name[4:].isdigit())
-    for seed in seeds:
-      cell = dataclasses.replace(row, seed=seed)
-      result = finished_result(cell, root, quick)
-      if result is not None:
-        finished.append((cell, result))
+  for cell in _cells_on_disk(rows, root):
+    result = finished_result(cell, root, quick)
+    if result is not None:
+      finished.append((cell, result))
   return finished
+
+
+def _cells_on_disk(rows, root: pathlib.Path):
+  """A cell for every seed<k> folder beside the workdir of each row's cell (any seed of the row)."""
+  for folder, row in {row.workdir(root).parent: row for row in rows}.items():
+    for seed in sorted(int(p.name[4:]) for p in folder.glob("seed*") if p.name[4:].isdigit()):
+      yield dataclasses.replace(row, seed=seed)
 
 
 def grouped(finished: list[tuple], key) -> dict:
@@ -169,19 +172,30 @@ def grouped(finished: list[tuple], key) -> dict:
   return results
 
 
-def taken_from_disk(finished: list[tuple], todo, root: pathlib.Path, label) -> str:
+def taken_from_disk(finished: list[tuple], todo, root: pathlib.Path, label, rows=()) -> str:
   """The line saying which finished cells the tables count that this run did not launch (rows --only left out,
-  seeds beyond --seeds), by label(cell) (experiment or task) with their seeds; "" where there are none."""
+  seeds beyond --seeds), by label(cell) (experiment or task) with their seeds, and naming each result.json of such a
+  cell of `rows` (as finished_cells takes them) that does not read (`read_result`), which the tables leave out, as
+  run_cell names a launched cell's; "" where there are none."""
   launched = {cell.workdir(root) for cell in todo}
   seeds = collections.defaultdict(list)
   for cell, _ in finished:
     if cell.workdir(root) not in launched:
       seeds[label(cell)].append(cell.seed)
-  if not seeds:
-    return ""
-  return (f"the tables also count finished cells this run did not launch, read from their result.json under {root}: "
-          + "; ".join(f"{name} ({len(found)} cell{'s' * (len(found) != 1)}, seeds "
-                      f"{', '.join(map(str, sorted(set(found))))})" for name, found in seeds.items()))
+  parts = []
+  if seeds:
+    parts.append(f"the tables also count finished cells this run did not launch, read from their result.json under "
+                 f"{root}: " + "; ".join(f"{name} ({len(found)} cell{'s' * (len(found) != 1)}, seeds "
+                                         f"{', '.join(map(str, sorted(set(found))))})" for name, found in seeds.items()))
+  for cell in _cells_on_disk(rows, root):
+    path = cell.workdir(root) / "result.json"
+    if cell.workdir(root) in launched or not path.exists():
+      continue
+    try:
+      read_result(path)
+    except ValueError as error:  # left as it is, as run_cell leaves a launched cell's
+      parts.append(f"WARNING: a cell this run did not launch is left out of the tables: {error}")
+  return "; ".join(parts)
 
 
 def run_cell(cell, root: pathlib.Path, quick: bool, keys, single_thread: bool):

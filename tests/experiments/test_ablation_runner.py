@@ -130,6 +130,9 @@ def test_an_only_run_keeps_the_other_experiments_and_every_finished_seed_in_the_
   dates = ablate_positions.EXPERIMENTS[0]
   extra = ablate_positions.Cell(dates, "rope", 1)  # a second seed, finished earlier
   assert ablate_positions.run_cell(extra, tmp_path / "work" / "quick", quick=True, single_thread=True)[1] is not None
+  cut_short = ablate_positions.Cell(dates, "rope", 2).workdir(tmp_path / "work" / "quick") / "result.json"
+  cut_short.parent.mkdir(parents=True)
+  cut_short.write_text('{"eval/exact_match": 0.')  # a seed not launched now, its result cut short: named, not hidden
   capsys.readouterr()
   assert ablate_positions.main([*argv, "--only=length"]) == 0
   summary = json.loads((tmp_path / "results" / "ablation_positions.json").read_text())
@@ -137,6 +140,8 @@ def test_an_only_run_keeps_the_other_experiments_and_every_finished_seed_in_the_
   assert summary["dates"]["rope"]["eval/exact_match"]["seeds"] == 2
   said = capsys.readouterr().out
   assert "dates (2 cells, seeds 0, 1); resolution (1 cell, seeds 0)" in said
+  warning = f"WARNING: a cell this run did not launch is left out of the tables: {cut_short}:1: not valid JSON"
+  assert warning in said and warning in (tmp_path / "results" / "ablation_positions.md").read_text()
   assert "dates (2 cells, seeds 0, 1)" in (tmp_path / "results" / "ablation_positions.md").read_text()
 
 

@@ -180,6 +180,23 @@ def test_a_result_json_that_does_not_read_fails_its_cell_naming_file_and_line_an
   assert sweep.finished_result(cell, tmp_path, quick=True) is None
 
 
+def test_an_unreadable_result_of_a_cell_not_launched_now_is_named_and_a_launched_ones_left_to_run_cell(tmp_path):
+  """A result.json cut short of a seed beyond --seeds (or a row --only left out) was left out of the tables without a
+  word, where a launched cell's is named as FAILED by run_cell."""
+  from experiments import ablate_positions
+  dates = ablate_positions.EXPERIMENTS[0]
+  launched, earlier = ablate_positions.Cell(dates, "rope", 0), ablate_positions.Cell(dates, "rope", 1)
+  for cell, text in ((launched, "{"), (earlier, "[1, 2]")):
+    cell.workdir(tmp_path).mkdir(parents=True)
+    (cell.workdir(tmp_path) / "result.json").write_text(text)
+  rows = ablate_positions.cells(quick=True, seeds=1, only=set())
+  line = sweep.taken_from_disk([], [launched], tmp_path, lambda cell: cell.experiment.name, rows)
+  assert line == (f"WARNING: a cell this run did not launch is left out of the tables: "
+                  f"{earlier.workdir(tmp_path) / 'result.json'}:1: not a JSON object of metrics; delete it to train "
+                  "the cell again")
+  assert sweep.taken_from_disk([], [launched, earlier], tmp_path, lambda cell: cell.experiment.name, rows) == ""
+
+
 def test_a_cells_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
   """A disk filling (or a kill) while result.json was written left it cut short: the next run of the runner failed
   the finished cell."""
