@@ -74,8 +74,7 @@ def main(argv=None):
   l2 = attention.l2_cache_bytes()
   run = record["provenance"]
   lines = ["# The CPU backward's blocks: the 512 KiB L2 rule against this CPU's L2", "",
-           f"Commit {bench_common.commit_label(run)}, {run['date']}, `{run['command']}`; 1-minute load average "
-           f"{run['load_average_before']:.1f} before the start. {run['cpu_cores']} CPU cores ({run['cpu']}).", "",
+           f"{bench_common.provenance_line(run)} {run['cpu_cores']} CPU cores ({run['cpu']}).", "",
            f"Forward+backward of the default path (`dot_product_attention`, gradients w.r.t. q, k, v), float32 on "
            f"both sides, torch {torch.__version__} SDPA on {attention.usable_cores()} threads; medians of "
            f"{args.repeats} interleaved runs after warm-up. This CPU's L2 per core: {l2 // 1024} KiB.", "",

@@ -304,6 +304,13 @@ def commit_label(record: dict, length: int | None = 7) -> str:
   return (record["commit"][:length] or "unknown") + ("+changes" if record["dirty"] else "")
 
 
+def provenance_line(record: dict, commit_length: int | None = 7) -> str:
+  """The sentence every results file gives its run, from a provenance() record: the commit (`commit_label`), the
+  date, the exact command and the 1-minute load average before the start."""
+  return (f"Commit `{commit_label(record, commit_length)}`, {record['date']}, `{record['command']}`; 1-minute load "
+          f"average {record['load_average_before']:.1f} before the start.")
+
+
 def run_record() -> dict:
   """{"commit": commit_label (the short hash, "+changes" when the work tree differs from it), "command": the
   exact command line, "cpu": the processor}: provenance() in the compact form the speed tables print."""

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from bench_common import add_output_flags, commit_label, output_dir, parse_output_args, provenance  # noqa: E402
+from bench_common import add_output_flags, output_dir, parse_output_args, provenance, provenance_line  # noqa: E402
 
 WIDTH, HEADS, BLOCKS, LATENTS, BATCH = 64, 4, 2, 32, 1
 FULL_SIDES = (8, 16, 32, 64, 90, 128)
@@ -223,8 +223,7 @@ def write_results(rows: list[dict], stem: str, repeats: int, machine: dict):
             for model in ("reader", "encoder") for key in ("forward_ms", "peak_rss_growth_mb", "xla_temp_mb")}
   cores, load, run = machine["cpu_cores"], machine["load_average_1min"], machine.get("provenance")
   # a results file written before the run was recorded renders without it
-  ran = (f"Commit `{commit_label(run)}`, {run['date']}, `{run['command']}`; 1-minute load average "
-         f"{run['load_average_before']:.1f} before the start. " if run else "")
+  ran = provenance_line(run) + " " if run else ""
   with open(stem + ".json", "w") as f:
     json.dump({"machine": machine, "runs": repeats,
                "setup": {"width": WIDTH, "heads": HEADS, "blocks": BLOCKS, "latents": LATENTS, "batch": BATCH},

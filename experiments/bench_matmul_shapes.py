@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import (blocked_median_seconds, commit_label, output_dir, parse_jax_vs_torch_args,  # noqa: E402
-                          provenance)
+from bench_common import (blocked_median_seconds, output_dir, parse_jax_vs_torch_args, provenance,  # noqa: E402
+                          provenance_line)
 
 FULL = dict(tokens=2048, d_model=512, mlp=2048, vocab=8000, batch=32, heads=8, length=64, head_dim=64,
             layers=3, repeats=15)
@@ -115,9 +115,7 @@ def main():
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
   lines = ["# Matmuls of the translator's training step: XLA:CPU vs torch", "",
-           f"Commit {commit_label(run)}, {run['date']}, "
-           f"`{run['command']}`; 1-minute load average {run['load_average_before']:.1f} before the start, "
-           f"{os.getloadavg()[0]:.1f} when writing.", "",
+           f"{provenance_line(run)} 1-minute load average {os.getloadavg()[0]:.1f} when writing.", "",
            f"{cores} CPU cores ({run['cpu']}, {platform.machine()}), jax {jax.__version__}, torch {torch.__version__} "
            f"({torch.get_num_threads()} threads), float32. Each shape timed alone, JAX and torch in one process in "
            f"3 alternating blocks of {s['repeats']} back-to-back calls, medians after warm-up.", "",

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from bench_common import (add_output_flags, blocked_median_seconds, commit_label, parse_output_args,  # noqa: E402
-                          provenance as run_provenance)
+                          provenance as run_provenance, provenance_line)
 
 FULL = {"sides": (32, 64, 128), "blocks": 10, "per_block": 10}
 QUICK = {"sides": (32,), "blocks": 2, "per_block": 3}
@@ -99,9 +99,8 @@ def main(argv=None):
   table += [f"| {r['side']}x{r['side']} | {r['M']} | {r['encode_ms']:.2f} | {r['decode_ms']:.2f} | "
             f"{r['full_ms']:.2f} | {r['full_over_decode']:.1f}x |" for r in rows]
   text = ["# Segmenter: a click decoded from cached features vs the image re-encoded per click", "",
-          f"Commit `{commit_label(run, 12)}`, {started}, `{command}`. Machine: {provenance['cores']} CPU cores, "
-          f"shared with other jobs (1-minute load average {load_before:.1f} before, "
-          f"{provenance['load_average_1min_after']:.1f} after). Model: configs/segment_digits.py (ViT 3 blocks "
+          f"{provenance_line({**run, 'command': command}, 12)} Machine: {provenance['cores']} CPU cores, "
+          f"shared with other jobs (1-minute load average {provenance['load_average_1min_after']:.1f} after). Model: configs/segment_digits.py (ViT 3 blocks "
           f"width 64, 4x4 patches; 2 two-way blocks width 64; 3 masks), batch 1, one positive click, float32; "
           f"median of {sizes['blocks']} alternating blocks of {sizes['per_block']} back-to-back runs after warm-up, `block_until_ready` on every result.",
           "", *table, "",

@@ -431,9 +431,8 @@ def render(record: dict) -> str:
   def mean(values):
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else float("nan")
-  header = [f"Commit {bench_common.commit_label(p, 10)}, {p['date']}, {p['cpu_cores']} CPU "
-            f"cores shared with other jobs (1-minute load {p['load_average_before']:.1f} before, "
-            f"{record['load_average_after']:.1f} after). Command: `{p['command']}`.", ""]
+  header = [f"{bench_common.provenance_line(p, 10)} {p['cpu_cores']} CPU cores shared with other jobs (1-minute load "
+            f"average {record['load_average_after']:.1f} after).", ""]
   if not runs:  # --cost_only
     return "\n".join(["# Three connectors into one frozen LM: cost as the image grows", "", *header,
                       *render_cost(record.get("cost", {}))]) + "\n"

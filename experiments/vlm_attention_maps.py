@@ -56,8 +56,7 @@ def main(argv=None):
   from experiments import bench_common
   record = bench_common.provenance(argv)
   text = ["# Where the connectors look (attention maps of trained runs)", "",
-          f"Commit {bench_common.commit_label(record, 10)}, {record['date']}, 1-minute load "
-          f"{record['load_average_before']:.1f} before the start. Command: `{record['command']}`.", ""]
+          bench_common.provenance_line(record, 10), ""]
   for workdir in args.workdir:
     path, lines = draw(workdir, args.out, args.examples)
     print(path)

@@ -44,8 +44,7 @@ def table(rows) -> dict:
 def render(record: dict) -> str:
   prov = record["provenance"]
   lines = ["# Where the VLM runs go wrong (exact match by question kind and digit count)", "",
-           f"Commit {bench_common.commit_label(prov, 10)}, {prov['date']}, 1-minute load "
-           f"{prov['load_average_before']:.1f} before the start. Command: `{prov['command']}`.", "",
+           bench_common.provenance_line(prov, 10), "",
            "Each cell: targets answered exactly / targets, counted at the digit count of the largest image "
            "(the two-image \"larger\" questions at their larger image).", ""]
   for run in record["runs"]:

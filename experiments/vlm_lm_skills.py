@@ -69,8 +69,7 @@ def render(record: dict) -> str:
   kinds = list(runs[0]["scores"][FORMS[0]]["kind"])
   digits = list(runs[0]["scores"][FORMS[0]]["digits"])
   lines = ["# What the VLM's frozen LM answers from text alone", "",
-           f"Commit {bench_common.commit_label(prov, 10)}, {prov['date']}, 1-minute load "
-           f"{prov['load_average_before']:.1f} before the start. Command: `{prov['command']}`.", "",
+           bench_common.provenance_line(prov, 10), "",
            f"{record['examples']} \"{record.get('split', 'test')}\" examples of data.vlm_digits (seed {record['eval_seed']}, up to "
            f"{record['max_digits']} digits); greedy, the last target of each text, earlier targets given.", "",
            "| LM run | its data.describe_images | prompt | exact match | " + " | ".join(kinds) + " | "

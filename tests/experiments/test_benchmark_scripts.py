@@ -66,6 +66,18 @@ def test_latent_reader_results_record_commit_date_load_before_and_command(tmp_pa
   assert json.loads((tmp_path / "r.json").read_text())["machine"]["provenance"] == run
 
 
+@pytest.mark.parametrize("script, results", [("compare_connectors", "compare_connectors"),
+                                             ("vlm_lm_skills", "intel_xeon_amx/vlm_lm_skills_test")])
+def test_results_files_give_their_run_in_bench_commons_one_sentence(script, results):
+  """Eight scripts each spelled the commit, date, command and load sentence themselves, in five wordings."""
+  from experiments import bench_common
+  module = importlib.import_module(f"experiments.{script}")
+  record = json.loads((EXPERIMENTS / "results" / f"{results}.json").read_text())
+  line = bench_common.provenance_line(record["provenance"], 10)
+  assert line.startswith(f"Commit `{record['provenance']['commit'][:10]}") and line.endswith("before the start.")
+  assert line in module.render(record)
+
+
 @pytest.fixture(scope="module")
 def torch_translator():
   """bench_translator's torch model at its --quick sizes, its cached decoder, and a batch of sources."""
