@@ -205,6 +205,12 @@ def test_valid_mask_of_the_wrong_shape_raises_naming_it():
     read(make_perceiver(), features, positions, jnp.ones((2, 15), bool))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_patch_valid_refuses_a_pixel_mask_that_is_not_bool(dtype):
+  with pytest.raises(ValueError, match=r"pixel_valid must be bool .* got pixel_valid (float32|int32)\[1, 4, 4\]"):
+    vit.patch_valid(jnp.full((1, 4, 4), 0.5).astype(dtype), 2)
+
+
 @pytest.mark.parametrize("posenc", ["rope", "alibi", "sinusoidal"])
 def test_perceiver_refuses_one_dimensional_position_encodings(posenc):
   with pytest.raises(ValueError, match="position_encoding"):

@@ -48,9 +48,10 @@ def patchify(images, patch_size: int, channels: int | None = None):
 def patch_valid(pixel_valid, patch_size: int):
   """pixel_valid bool [b, H, W] -> bool [b, M] (row-major, as `patchify`): a patch is real when all its
   pixels are (an image placed top-left on a padded canvas covers whole patches)."""
-  if pixel_valid.ndim != 3 or pixel_valid.shape[1] % patch_size or pixel_valid.shape[2] % patch_size:
+  if (pixel_valid.ndim != 3 or pixel_valid.shape[1] % patch_size or pixel_valid.shape[2] % patch_size
+      or pixel_valid.dtype != jnp.bool_):  # a 0.5 or 2 would count as real: masks are bool, True = real
     raise ValueError(f"patch_valid: pixel_valid must be bool [batch, H, W] with H, W multiples of "
-                     f"patch_size={patch_size}, got pixel_valid{list(pixel_valid.shape)}")
+                     f"patch_size={patch_size}, got pixel_valid {pixel_valid.dtype}{list(pixel_valid.shape)}")
   grid = einops.rearrange(pixel_valid, "b (gh p) (gw q) -> b (gh gw) (p q)", p=patch_size, q=patch_size)
   return jnp.all(grid, axis=-1)
 
