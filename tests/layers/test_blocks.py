@@ -46,6 +46,19 @@ def test_a_decoder_block_refuses_a_memory_of_another_batch():
     _decoder().cross_attention_weights(x, memory)
 
 
+@pytest.mark.parametrize("argument, value, message", [
+    ("self_mask", np.ones((2, 1, 1, 5), bool), r"self_mask must broadcast to .* got self_mask\[2, 1, 1, 5\]"),
+    ("self_mask", np.ones((2, 1, 1, 4), np.float32), "self_mask must be boolean"),
+    ("self_bias", np.ones((2, 1, 1, 4), bool), "self_bias must be floating point"),
+    ("memory_mask", np.ones((2, 1, 1, 6), bool), r"memory_mask must broadcast to .* got memory_mask\[2, 1, 1, 6\]"),
+])
+def test_decoder_block_decode_errors_name_its_own_arguments(argument, value, message):
+  """A bad self_mask was called `mask` (and from MultiHeadAttention.extend), an argument decode does not have."""
+  cache = _decoder().init_cache(_normal(1, (2, 7, MEMORY_FEATURES)), 4)
+  with pytest.raises(ValueError, match=rf"^DecoderBlock.decode: {message}"):
+    _decoder().decode(_normal(0, (2, 1, FEATURES)), cache, **{argument: value})
+
+
 @nnx.jit
 def _decode(block, x, cache, memory_mask):
   return block.decode(x, cache, memory_mask=memory_mask)

@@ -22,6 +22,8 @@ builds anywhere); the training code maps the names to mesh axes:
 """
 from __future__ import annotations
 
+import re
+
 import chex
 import einops
 import flax.struct
@@ -161,21 +163,33 @@ def _check_positive_int(name: str, value, where: str = "MultiHeadAttention") -> 
     raise ValueError(f"{where}: {name} must be a positive int, got {name}={value!r}")
 
 
+class MaskBiasError(ValueError):
+  """A mask or bias that does not fit the attention: `argument` ("mask" or "bias") is the layer's name for it,
+  so a block that passed its own argument (a DecoderBlock's self_mask) can say so with `renamed`."""
+
+  def __init__(self, where: str, argument: str, complaint: str):
+    super().__init__(f"{where}: {complaint}")
+    self.argument, self.complaint = argument, complaint
+
+  def renamed(self, where: str, argument: str) -> MaskBiasError:
+    """The same complaint from `where`, about its argument of that name."""
+    return MaskBiasError(where, argument, re.sub(rf"\b{self.argument}\b", argument, self.complaint))
+
+
 def _check_broadcastable(name: str, array, target: tuple[int, ...], method: str = "__call__"):
   """array (rank <= 4, numpy broadcasting from the right) as rank 4 broadcasting to target =
-  (batch, heads, q_len, kv_len); raises ValueError naming the method and the shapes otherwise."""
+  (batch, heads, q_len, kv_len); raises MaskBiasError naming the method and the shapes otherwise."""
   array = jnp.asarray(array)
   where = "MultiHeadAttention" if method == "__call__" else f"MultiHeadAttention.{method}"
   kv_len = "kv_len" if method == "__call__" else "max_length"
   ok = array.ndim <= 4 and all(a in (1, t) for a, t in zip(array.shape[::-1], target[::-1]))
   if not ok:
-    raise ValueError(
-        f"{where}: {name} must broadcast to [batch, heads, q_len, {kv_len}] = {list(target)}, "
-        f"got {name}{list(array.shape)}")
+    raise MaskBiasError(where, name, f"{name} must broadcast to [batch, heads, q_len, {kv_len}] = {list(target)}, "
+                                     f"got {name}{list(array.shape)}")
   if name == "mask" and array.dtype != jnp.bool_:
-    raise ValueError(f"{where}: mask must be boolean (True = may attend), got dtype {array.dtype}")
+    raise MaskBiasError(where, name, f"mask must be boolean (True = may attend), got dtype {array.dtype}")
   if name == "bias" and not jnp.issubdtype(array.dtype, jnp.floating):  # else the op named itself and a rank-4 copy
-    raise ValueError(f"{where}: bias must be floating point, got dtype {array.dtype}")
+    raise MaskBiasError(where, name, f"bias must be floating point, got dtype {array.dtype}")
   return array.reshape((1,) * (4 - array.ndim) + array.shape)
 
 
@@ -369,9 +383,9 @@ class MultiHeadAttention(nnx.Module):
       for name, array in (("mask", mask), ("bias", bias)):
         if array is not None and not (jnp.ndim(array) <= 4 and jnp.shape(array)[-2:-1] in ((), (1,))
                                       and (jnp.ndim(array) < 4 or jnp.shape(array)[0] in (1, batch))):
-          raise ValueError(f"MultiHeadAttention.attend: x_q has {group} rows per memory row, so {name} must "
-                           f"broadcast to [{batch}, heads, 1, kv_len] (one per memory row), got {name}"
-                           f"{list(jnp.shape(array))}")
+          raise MaskBiasError("MultiHeadAttention.attend", name,
+                              f"x_q has {group} rows per memory row, so {name} must broadcast to [{batch}, heads, "
+                              f"1, kv_len] (one per memory row), got {name}{list(jnp.shape(array))}")
       q = q.reshape(batch, group * length, *q.shape[2:])
     if not memory_cache.keys_transposed:
       out = self._attend_heads(q, memory_cache.keys, memory_cache.values, mask=mask, bias=bias, is_causal=False,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xattn_jax.layers import dense
-from xattn_jax.layers.attention import KVCache, MemoryCache, MultiHeadAttention, _check_positive_int
+from xattn_jax.layers.attention import KVCache, MaskBiasError, MemoryCache, MultiHeadAttention, _check_positive_int
 from xattn_jax.layers.rotary import RotarySpec
 from xattn_jax.ops import masks as masks_lib
 
@@ -49,6 +49,22 @@ def _check_same_batch(where: str, x, memory) -> None:
   # attend would read a memory of fewer rows as one row per group of queries (the beams of one source)
   if memory.shape[0] != x.shape[0]:
     raise ValueError(f"{where}: memory must have x's batch {x.shape[0]}, got memory{list(memory.shape)}")
+
+
+def _naming(where: str, names: dict[str, str], call: Callable):
+  """call(), a complaint of the attention inside about its mask / bias re-raised from `where`, naming the
+  argument the caller passed (names: the attention's name -> the block's, e.g. {"mask": "self_mask"})."""
+  try:
+    return call()
+  except MaskBiasError as error:
+    if error.argument not in names:
+      raise
+    raise error.renamed(where, names[error.argument]) from None
+
+
+# The attention's mask / bias as DecoderBlock's arguments call them
+_SELF_NAMES = {"mask": "self_mask", "bias": "self_bias"}
+_MEMORY_NAMES = {"mask": "memory_mask"}
 
 
 def _partitioned(init, axes):
@@ -240,9 +256,9 @@ class DecoderBlock(nnx.Module):
     self.cross_residual = _Residual(features, norm, dropout_rate, **common)
     self.mlp_residual = _Residual(features, norm, dropout_rate, **common)
 
-  def _cross_and_mlp(self, x, memory_cache, memory_mask, deterministic):
-    x, _ = self.cross_residual(x, lambda h: (self.cross_attention.attend(
-        h, memory_cache, mask=memory_mask, deterministic=deterministic), None), deterministic)
+  def _cross_and_mlp(self, x, memory_cache, memory_mask, deterministic, where):
+    x, _ = self.cross_residual(x, lambda h: (_naming(where, _MEMORY_NAMES, lambda: self.cross_attention.attend(
+        h, memory_cache, mask=memory_mask, deterministic=deterministic)), None), deterministic)
     x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
     return x
 
@@ -257,14 +273,14 @@ class DecoderBlock(nnx.Module):
     _check_stream("DecoderBlock", "x", x, self.self_attention.in_features)
     _check_stream("DecoderBlock", "memory", memory, self.cross_attention.kv_features)
     _check_same_batch("DecoderBlock", x, memory)
-    x = self._self_attend(x, self_mask, positions, self_bias, deterministic)
+    x = self._self_attend(x, self_mask, positions, self_bias, deterministic, "DecoderBlock")
     memory_cache = self.cross_attention.project_memory(memory)
-    return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic)
+    return self._cross_and_mlp(x, memory_cache, memory_mask, deterministic, "DecoderBlock")
 
-  def _self_attend(self, x, self_mask, positions, self_bias, deterministic):
-    x, _ = self.self_residual(x, lambda h: (self.self_attention(
+  def _self_attend(self, x, self_mask, positions, self_bias, deterministic, where):
+    x, _ = self.self_residual(x, lambda h: (_naming(where, _SELF_NAMES, lambda: self.self_attention(
         h, mask=self_mask, bias=self_bias, query_positions=positions, is_causal=True,
-        deterministic=deterministic), None), deterministic)
+        deterministic=deterministic)), None), deterministic)
     return x
 
   def cross_attention_weights(self, x, memory, *, positions=None, self_mask=None, memory_mask=None,
@@ -277,9 +293,10 @@ class DecoderBlock(nnx.Module):
     _check_stream("DecoderBlock.cross_attention_weights", "x", x, self.self_attention.in_features)
     _check_stream("DecoderBlock.cross_attention_weights", "memory", memory, self.cross_attention.kv_features)
     _check_same_batch("DecoderBlock.cross_attention_weights", x, memory)
-    x = self._self_attend(x, self_mask, positions, self_bias, deterministic=True)
-    return self.cross_attention.attention_weights(self.cross_residual.branch_inputs(x), memory,
-                                                  mask=memory_mask)
+    where = "DecoderBlock.cross_attention_weights"
+    x = self._self_attend(x, self_mask, positions, self_bias, True, where)
+    return _naming(where, _MEMORY_NAMES, lambda: self.cross_attention.attention_weights(
+        self.cross_residual.branch_inputs(x), memory, mask=memory_mask))
 
   def init_cache(self, memory, max_length: int) -> DecoderCache:
     """An empty self-attention cache of capacity max_length and the memory's keys / values, projected once."""
@@ -297,11 +314,11 @@ class DecoderBlock(nnx.Module):
     """
     _check_stream("DecoderBlock.decode", "x", x, self.self_attention.in_features)
     def self_attend(h):
-      return self.self_attention.extend(h, cache.self_attention, positions=positions, mask=self_mask,
-                                        bias=self_bias, deterministic=deterministic)
+      return _naming("DecoderBlock.decode", _SELF_NAMES, lambda: self.self_attention.extend(
+          h, cache.self_attention, positions=positions, mask=self_mask, bias=self_bias, deterministic=deterministic))
 
     x, self_cache = self.self_residual(x, self_attend, deterministic)
-    x = self._cross_and_mlp(x, cache.cross_attention, memory_mask, deterministic)
+    x = self._cross_and_mlp(x, cache.cross_attention, memory_mask, deterministic, "DecoderBlock.decode")
     return x, cache.replace(self_attention=self_cache)
 
 
