@@ -195,6 +195,16 @@ def test_rope_2d_score_depends_only_on_row_and_column_offsets(row_offset, column
   np.testing.assert_allclose(score(jnp.array(shift)), score(jnp.zeros(2, jnp.int32)), rtol=1e-4, atol=1e-4)
 
 
+def test_rope_2d_refuses_positions_that_could_be_per_token_or_per_row():
+  """positions [2, 2] meant one cell per row (batch 2) rotated x [2, 2, ...] as one cell per token, silently."""
+  x = _normal(14, (2, 2, 1, 8))
+  with pytest.raises(ValueError, match=r"positions\[2, 2\] could be .* pass \[1, length, 2\] or \[batch, 1, 2\]"):
+    P.apply_rope_2d(x, jnp.array([[0, 0], [5, 7]]))
+  per_row = jnp.array([[0, 0], [5, 7]])[:, None]  # [batch, 1, 2]: the spelt-out shape still rotates
+  np.testing.assert_allclose(P.apply_rope_2d(x, per_row)[0], x[0], atol=1e-6)  # row 0 sits at the origin
+  assert P.apply_rope_2d(x, jnp.array([5, 7])).shape == x.shape  # [2]: one cell for every token
+
+
 def test_rope_2d_first_half_turns_with_row_second_half_with_column():
   x = _normal(13, (1, 6, 2, 16))
   positions = P.grid_positions(2, 3)[None] * 5  # [1, 6, 2]

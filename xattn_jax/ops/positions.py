@@ -241,6 +241,10 @@ def apply_rope_2d(x, positions, *, base: float = 10000.0, rotary_dim: int | None
                   layout: str = "split", scaling: str | None = None, scaling_factor: float = 1.0) -> jax.Array:
   """Axial 2D RoPE: x [batch, length, heads, head_dim], positions [batch, length, 2] (row, column).
 
+  positions may be [batch | 1, length | 1, 2] or [2] (one cell for every token); never [n, 2], which would
+  read as [length, 2] even where it was meant as one cell per row [batch, 2] (the same shape when n = batch
+  = length), so either shape is spelt out as [1, length, 2] or [batch, 1, 2].
+
   The first half of the rotary pairs turns with the row, the second half with the column, each
   half with the 1D frequencies of a rotary_dim/2 rope (Heo et al. 2024, "RoPE-Axial"). Scores
   then depend only on (row offset, column offset). rotary_dim must be a multiple of 4.
@@ -249,6 +253,10 @@ def apply_rope_2d(x, positions, *, base: float = 10000.0, rotary_dim: int | None
   positions = _as_positions(positions, "apply_rope_2d")
   if positions.ndim < 1 or positions.shape[-1] != 2:
     raise ValueError(f"apply_rope_2d: positions must be [batch, length, 2] (row, column), got {list(positions.shape)}")
+  if positions.ndim == 2:
+    raise ValueError(f"apply_rope_2d: positions{list(positions.shape)} could be one cell per token [length, 2] or "
+                     f"per row [batch, 2]: pass [1, length, 2] or [batch, 1, 2] (x is [batch, length] = "
+                     f"{list(x.shape[:2])})")
   _check_broadcasts(positions.shape[:-1], x.shape[:-2], "apply_rope_2d", "positions[..., 0]", "[batch, length]")
   per_axis = [rope_angles(positions[..., axis], rotary_dim // 2, base, scaling=scaling,
                           scaling_factor=scaling_factor) for axis in range(2)]  # 2 x [..., rotary_dim/4]
