@@ -168,6 +168,14 @@ def test_grid_encodings_refuse_a_grid_that_is_not_ints(name):
     _make(name, grid=(2.5, 4))
 
 
+@pytest.mark.parametrize("kind", ["rope", "rope_2d"])
+def test_rotary_spec_refuses_sections_its_kind_would_ignore(kind):
+  """RotarySpec(kind="rope", sections=(2, 3, 3)) built and rotated as plain rope: only mrope reads sections."""
+  from xattn_jax.layers.rotary import RotarySpec
+  with pytest.raises(ValueError, match=rf"kind='{kind}' takes no sections .*got sections=\(2, 3, 3\)"):
+    RotarySpec(kind=kind, sections=(2, 3, 3))
+
+
 def test_rotary_spec_refuses_empty_mrope_sections():
   from xattn_jax.layers.rotary import RotarySpec
   with pytest.raises(ValueError, match=r"sections must be positive ints .*got sections=\(2, 0, 0\)"):

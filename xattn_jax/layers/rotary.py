@@ -74,6 +74,10 @@ class RotarySpec:
     if sections_needed and (not self.sections or len(self.sections) != sections_needed):
       raise ValueError(f"RotarySpec: kind={self.kind!r} needs {sections_needed} sections (frequency pairs per "
                        f"position axis), e.g. sections=(16, 24, 24), got sections={self.sections}")
+    if self.sections is not None and not sections_needed:  # apply would rotate without them, silently
+      takers = [name for name, kind in ROTARY_KINDS.items() if kind.num_sections]
+      raise ValueError(f"RotarySpec: kind={self.kind!r} takes no sections (only {takers} rotate each position "
+                       f"axis by its own frequency pairs), got sections={self.sections}")
     if self.sections is not None:
       if any(int(s) != s or s < 1 for s in self.sections):
         raise ValueError(f"RotarySpec: sections must be positive ints (frequency pairs per axis), "
