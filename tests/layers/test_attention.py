@@ -292,6 +292,18 @@ def test_extend_with_a_bad_mask_or_bias_names_extend_and_max_length(kwargs, need
     layer.extend(_normal(0, (2, 6, 16)), layer.init_cache(2, 10), **kwargs)
 
 
+@pytest.mark.parametrize("call, argument", [("call", "query_positions"), ("call", "key_positions"),
+                                            ("extend", "positions")])
+def test_an_attention_without_rotary_refuses_positions_it_would_ignore(call, argument):
+  """Positions handed to a layer with rotary=None changed nothing, without a word."""
+  layer, x, positions = _layer(), _normal(0, (2, 6, 16)), np.arange(6)[None]
+  with pytest.raises(ValueError, match=rf"{argument} given to an attention without a rotary encoding"):
+    if call == "call":
+      layer(x, **{argument: positions})
+    else:
+      layer.extend(x, layer.init_cache(2, 10), positions=positions)
+
+
 @pytest.mark.parametrize("kind, call, needle", [
     ("rope", "call", r"MultiHeadAttention: query_positions do not fit the \[batch, length\] = \[2, 6\]"),
     ("rope", "extend", r"MultiHeadAttention.extend: positions do not fit the \[batch, length\] = \[2, 6\]"),

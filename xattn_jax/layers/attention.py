@@ -272,6 +272,9 @@ class MultiHeadAttention(nnx.Module):
 
   def _default_positions(self, name: str, positions, batch: int, length: int, start=0, where="MultiHeadAttention"):
     """Positions for the rotary spec: given ones, or start + arange(length) for 1D RoPE."""
+    if self.rotary is None and positions is not None:  # nothing would read them
+      raise ValueError(f"{where}: {name} given to an attention without a rotary encoding (rotary=None), which "
+                       f"cannot use them; pass {name}=None, or build the layer with a RotarySpec")
     if self.rotary is None or positions is not None:
       return positions
     if self.rotary.kind != "rope":

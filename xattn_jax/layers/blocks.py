@@ -62,6 +62,13 @@ def _naming(where: str, names: dict[str, str], call: Callable):
     raise error.renamed(where, names[error.argument]) from None
 
 
+def rotary_positions(attention: MultiHeadAttention, positions):
+  """positions where the attention rotates q and k by them, else None: a block takes its model's positions
+  whatever the model's encoding (the Translator's, for an additive or relative one), which a MultiHeadAttention
+  without a rotary encoding refuses."""
+  return positions if attention.rotary is not None else None
+
+
 # The attention's mask / bias as DecoderBlock's arguments call them
 _SELF_NAMES = {"mask": "self_mask", "bias": "self_bias"}
 _MEMORY_NAMES = {"mask": "memory_mask"}
@@ -212,7 +219,8 @@ class EncoderBlock(nnx.Module):
     position bias [b, heads, t, t] added to the self-attention scores (ALiBi, T5)."""
     _check_stream("EncoderBlock", "x", x, self.attention.in_features)
     x, _ = self.attention_residual(x, lambda h: (self.attention(
-        h, mask=mask, bias=bias, query_positions=positions, deterministic=deterministic), None), deterministic)
+        h, mask=mask, bias=bias, query_positions=rotary_positions(self.attention, positions),
+        deterministic=deterministic), None), deterministic)
     x, _ = self.mlp_residual(x, lambda h: (self.mlp(h, deterministic=deterministic), None), deterministic)
     return x
 
@@ -220,7 +228,7 @@ class EncoderBlock(nnx.Module):
     """Self-attention probabilities [b, heads, t, t] (float32) of this block on x [b, t, features]."""
     _check_stream("EncoderBlock.attention_weights", "x", x, self.attention.in_features)
     return self.attention.attention_weights(self.attention_residual.branch_inputs(x), mask=mask, bias=bias,
-                                            query_positions=positions)
+                                            query_positions=rotary_positions(self.attention, positions))
 
 
 @flax.struct.dataclass
@@ -279,7 +287,8 @@ class DecoderBlock(nnx.Module):
 
   def _self_attend(self, x, self_mask, positions, self_bias, deterministic, where):
     x, _ = self.self_residual(x, lambda h: (_naming(where, _SELF_NAMES, lambda: self.self_attention(
-        h, mask=self_mask, bias=self_bias, query_positions=positions, is_causal=True,
+        h, mask=self_mask, bias=self_bias, query_positions=rotary_positions(self.self_attention, positions),
+        is_causal=True,
         deterministic=deterministic)), None), deterministic)
     return x
 
@@ -315,7 +324,8 @@ class DecoderBlock(nnx.Module):
     _check_stream("DecoderBlock.decode", "x", x, self.self_attention.in_features)
     def self_attend(h):
       return _naming("DecoderBlock.decode", _SELF_NAMES, lambda: self.self_attention.extend(
-          h, cache.self_attention, positions=positions, mask=self_mask, bias=self_bias, deterministic=deterministic))
+          h, cache.self_attention, positions=rotary_positions(self.self_attention, positions), mask=self_mask,
+          bias=self_bias, deterministic=deterministic))
 
     x, self_cache = self.self_residual(x, self_attend, deterministic)
     x = self._cross_and_mlp(x, cache.cross_attention, memory_mask, deterministic, "DecoderBlock.decode")

@@ -32,6 +32,7 @@ from flax import nnx
 
 from xattn_jax.layers import MLP, EncoderBlock, MultiHeadAttention, make_position_encoding
 from xattn_jax.layers import dense
+from xattn_jax.layers.blocks import rotary_positions
 from xattn_jax.layers import positions as position_layers
 from xattn_jax.models import vit as vit_lib
 from xattn_jax.ops.positions import _check_positive_int
@@ -119,7 +120,7 @@ class ReaderBlock(nnx.Module):
     if self.cross_attention is not None:
       x = x + self.cross_attention(
           self.cross_norm(x), self.input_norm(inputs), mask=input_mask, query_positions=self._query_positions(x),
-          key_positions=input_positions, deterministic=deterministic)
+          key_positions=rotary_positions(self.cross_attention, input_positions), deterministic=deterministic)
     return x + self.mlp(self.mlp_norm(x), deterministic=deterministic)
 
   def cross_attention_weights(self, x, inputs, *, input_mask=None, input_positions=None):
@@ -128,7 +129,7 @@ class ReaderBlock(nnx.Module):
       x = x + self.self_attention(self.self_norm(x))
     return self.cross_attention.attention_weights(
         self.cross_norm(x), self.input_norm(inputs), mask=input_mask, query_positions=self._query_positions(x),
-        key_positions=input_positions)
+        key_positions=rotary_positions(self.cross_attention, input_positions))
 
 
 def _padding_mask(valid, elements):
