@@ -332,6 +332,19 @@ def test_images_of_another_batch_than_the_text_are_refused():
     model.prefill(context, tokens, valid, tokens.shape[1] + 2)
 
 
+@pytest.mark.parametrize("connector, edit, have, counts", [
+    ("qformer", lambda ids: ids[:2] + ids[3:], 5, [3, 3]),  # one of image 0's 3 slots missing
+    ("qformer", lambda ids: ids + [vlm.SOFT_TOKEN], 7, [3, 3]),  # a slot past the last image's
+    ("flamingo", lambda ids: ids + [vlm.SOFT_TOKEN], 1, [0, 0])])  # flamingo: an image is its marker alone
+def test_tokens_whose_slots_cut_an_image_short_are_refused(connector, edit, have, counts):
+  """A row one slot short handed image 0's soft tokens on to image 1's slots, and the model ran on."""
+  model = make_vlm(connector)
+  tokens, valid = batch_of([edit(interleaved(model))] * 2)
+  with pytest.raises(ValueError, match=rf"tokens row 0 holds {have} SOFT_TOKEN slots, which end no image: its "
+                                       rf"images take \{counts}"):
+    model.positions(tokens, valid, model.encode_images(*make_images()))
+
+
 def test_unknown_connector_raises_naming_it():
   encoder, lm = make_parts()
   with pytest.raises(ValueError, match="connector must be one of"):

@@ -339,12 +339,14 @@ class VisionLanguageModel(nnx.Module):
 
   def positions(self, tokens, valid, context: ImageContext):
     """Position ids of tokens [b, T]: int32 [b, T] (1D: the real tokens counted from 0) or, for
-    image_positions="mrope", [3, b, T] (see the module docstring)."""
+    image_positions="mrope", [3, b, T] (see the module docstring). Concrete tokens whose SOFT_TOKEN slots cut an
+    image short (or outrun the images) raise ValueError."""
     valid = self._check_text(tokens, valid)
     # A context of one row would broadcast its images to every text row without a word.
     if context.counts.shape[0] != tokens.shape[0]:
       raise ValueError(f"VisionLanguageModel: tokens{list(tokens.shape)} need an image context of their batch "
                        f"{tokens.shape[0]}, got images of batch {context.counts.shape[0]}")
+    _check_slots(tokens, valid, context)
     if self.image_positions == "sequence":
       return jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
     is_slot, image, k = self._slots(tokens, valid, context)
@@ -523,6 +525,22 @@ class VisionLanguageModel(nnx.Module):
                           bos_id=0, eos_id=eos_id, pad_id=pad_id, rng=rng, first_tokens=first,
                           suppress_ids=suppress_ids, logits_sharding=logits_sharding)
     return out.tokens, out.scores
+
+
+def _check_slots(tokens, valid, context: ImageContext) -> None:
+  """Concrete tokens (outside jit) must hold in each row the SOFT_TOKEN slots of its first k images, whole (a
+  prompt may stop before its later images): with an image's slots cut short its soft tokens spill into the next
+  image's slots or are dropped, past the last image's the last soft token repeats, and the model runs on.
+  Traced tokens cannot be checked."""
+  if any(isinstance(array, jax.core.Tracer) for array in (tokens, valid, context.counts)):
+    return
+  have = jnp.sum((tokens == SOFT_TOKEN) & valid, axis=1)  # [b]
+  ends = jnp.cumsum(context.counts, axis=1)  # [b, n]: the slots of the first 1, 2, .. n images
+  for row in range(tokens.shape[0]):
+    if int(have[row]) and not bool(jnp.any(ends[row] == have[row])):
+      raise ValueError(f"VisionLanguageModel: tokens row {row} holds {int(have[row])} SOFT_TOKEN slots, which end "
+                       f"no image: its images take {[int(c) for c in context.counts[row]]} slots in turn "
+                       f"(slots_per_image of each, before its marker), and the text holds its first images whole")
 
 
 def _patch_valid(pixel_valid, image_valid, patch_size: int):
