@@ -107,6 +107,10 @@ def test_learned_2d_refuses_a_cell_off_its_grid_and_reads_nan_under_jit(cell):
     encoding.add_to_inputs(x, np.array([[cell]]))
   assert np.isnan(_add(encoding, x, np.array([[cell]]))).all()
   np.testing.assert_array_equal(_add(encoding, x, np.array([[(1, 3)]]))[0, 0], encoding.table[...][7])
+  # cells a jitted function closes over are known, so checked (jnp's ops on them were traced: an error)
+  cells = jnp.array([[cell]])
+  with pytest.raises(ValueError, match=rf"cells of the 3x4 grid, got \({cell[0]}, {cell[1]}\)"):
+    nnx.jit(lambda e: e.add_to_inputs(x, cells))(encoding)
 
 
 def test_fourier_encoding_projects_fourier_features_of_the_normalized_grid():

@@ -107,3 +107,12 @@ def test_a_point_batch_unlike_the_images_raises_naming_points(model):
 def test_bad_sizes_are_named_when_built(size, argument):
   with pytest.raises(ValueError, match=argument):
     segmenter.Segmenter(freeze_encoder=False, **{**SIZES, **size}, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("label", [-1, 5])
+def test_point_labels_outside_the_type_table_are_named(label):
+  """A label past the table embedded as NaN and a negative one read as padding, both silently."""
+  points, labels = _clicks([[[0.3, 0.6], [0.5, 0.5]]], [[1, label]])
+  with pytest.raises(ValueError, match=rf"point_labels must be in \[0, num_point_labels=5\) .* from {min(label, 1)} "
+                                       rf"to {max(label, 1)}"):
+    _model().prompts(points, labels)

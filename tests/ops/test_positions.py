@@ -391,6 +391,16 @@ def test_learned_lookup_jits_without_retracing():
   np.testing.assert_array_equal(jnp.concatenate([first, second]), table[jnp.array([[1, 2], [7, 3]])])
 
 
+def test_learned_lookup_checks_the_positions_a_jitted_function_closes_over():
+  """Known while tracing, they are checked; the check computed on them with jnp, whose ops inside the jit
+  returned tracers: every closed-over position array ended in a ConcretizationTypeError."""
+  table = _normal(21, (10, 4))
+  inside, outside = jnp.array([[1, 9]]), jnp.array([[1, 10]])
+  np.testing.assert_array_equal(jax.jit(lambda t: P.learned_lookup(t, inside))(table), table[inside])
+  with pytest.raises(ValueError, match="position"):
+    jax.jit(lambda t: P.learned_lookup(t, outside))(table)
+
+
 def test_learned_lookup_under_jit_gives_nan_rows_outside_table():
   out = jax.jit(P.learned_lookup)(jnp.ones((10, 4)), jnp.array([3, 10, -1]))
   assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1:]))

@@ -40,6 +40,7 @@ from xattn_jax.layers import dense
 from xattn_jax.layers.rotary import ROTARY_KINDS, RotaryKind, RotarySpec
 from xattn_jax.ops import positions as positions_ops
 from xattn_jax.ops import relative_bias
+from xattn_jax.ops.concrete import concrete
 
 
 def _check_width(where: str, x, features: int) -> None:
@@ -210,15 +211,18 @@ class Learned2DPositions(_GridPositions):
   def encode(self, positions, grid):
     table = positions_ops.resize_2d_table(self.table[...], self.grid, grid, self.resize_method,
                                           self.num_extra_tokens)[self.num_extra_tokens:]  # [h2 * w2, features]
-    rows, columns = positions[..., 0], positions[..., 1]
-    off_grid = (rows < 0) | (rows >= grid[0]) | (columns < 0) | (columns >= grid[1])
-    if not isinstance(positions, jax.core.Tracer) and positions.size and bool(off_grid.any()):
-      row, column = np.asarray(positions)[tuple(np.argwhere(np.asarray(off_grid))[0])]
-      raise ValueError(f"Learned2DPositions: positions must be (row, column) cells of the {grid[0]}x{grid[1]} "
-                       f"grid, got ({row}, {column})")
+    outside = lambda cells: ((cells[..., 0] < 0) | (cells[..., 0] >= grid[0]) | (cells[..., 1] < 0)
+                             | (cells[..., 1] >= grid[1]))
+    values = concrete(positions)
+    if values is not None and values.size:
+      if (cells := outside(values)).any():
+        row, column = values[tuple(np.argwhere(cells)[0])]
+        raise ValueError(f"Learned2DPositions: positions must be (row, column) cells of the {grid[0]}x{grid[1]} "
+                         f"grid, got ({row}, {column})")
     # A flattened index would read a neighbour's row for a column off the grid; off-grid cells (under jit,
     # where they cannot be checked) read learned_lookup's NaN row instead.
-    return positions_ops.learned_lookup(table, jnp.where(off_grid, -1, rows * grid[1] + columns))
+    rows, columns = positions[..., 0], positions[..., 1]
+    return positions_ops.learned_lookup(table, jnp.where(outside(positions), -1, rows * grid[1] + columns))
 
 
 class SinCos2DPositions(_GridPositions):

@@ -40,6 +40,7 @@ from flax import nnx
 from xattn_jax.layers import blocks, dense
 from xattn_jax.layers.two_way import TwoWayTransformer
 from xattn_jax.models import latent_reader, vit as vit_lib
+from xattn_jax.ops.concrete import concrete
 from xattn_jax.ops.positions import _check_positive_int
 
 
@@ -128,6 +129,12 @@ class PromptEncoder(nnx.Module):
     if point_labels.shape != points.shape[:2] or not jnp.issubdtype(point_labels.dtype, jnp.integer):
       raise ValueError(f"PromptEncoder: point_labels must be int {list(points.shape[:2])}, got "
                        f"{point_labels.dtype}{list(point_labels.shape)}")
+    labels = concrete(point_labels)  # traced labels cannot be checked
+    if labels is not None and labels.size:
+      low, high = int(labels.min()), int(labels.max())
+      if low < 0 or high >= self.num_point_labels:  # a negative one read as padding, one past the table NaN
+        raise ValueError(f"PromptEncoder: point_labels must be in [0, num_point_labels={self.num_point_labels}) "
+                         f"(0 = padding), got labels from {low} to {high}")
     valid = point_labels > 0  # [b, P]
     prompt = self.positions(points) + jnp.take(self.type_embeddings[...], point_labels, axis=0)
     prompt = jnp.where(valid[..., None], prompt, 0.0)

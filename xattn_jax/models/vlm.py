@@ -68,6 +68,7 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from xattn_jax import decoding
@@ -76,6 +77,7 @@ from xattn_jax.models import latent_reader
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.models import vit as vit_lib
 from xattn_jax.models.connectors import CONNECTORS, LlavaConnector, feature_position_encodings, slots_per_image
+from xattn_jax.ops.concrete import concrete
 
 IMAGE_POSITIONS = ("sequence", "mrope")
 SOFT_TOKEN = -1  # the id of a soft-token slot in `tokens` (never embedded: the connector's token replaces it)
@@ -532,14 +534,15 @@ def _check_slots(tokens, valid, context: ImageContext) -> None:
   prompt may stop before its later images): with an image's slots cut short its soft tokens spill into the next
   image's slots or are dropped, past the last image's the last soft token repeats, and the model runs on.
   Traced tokens cannot be checked."""
-  if any(isinstance(array, jax.core.Tracer) for array in (tokens, valid, context.counts)):
+  tokens, valid, counts = concrete(tokens), concrete(valid), concrete(context.counts)
+  if tokens is None or valid is None or counts is None:
     return
-  have = jnp.sum((tokens == SOFT_TOKEN) & valid, axis=1)  # [b]
-  ends = jnp.cumsum(context.counts, axis=1)  # [b, n]: the slots of the first 1, 2, .. n images
+  have = np.sum((tokens == SOFT_TOKEN) & valid, axis=1)  # [b]
+  ends = np.cumsum(counts, axis=1)  # [b, n]: the slots of the first 1, 2, .. n images
   for row in range(tokens.shape[0]):
-    if int(have[row]) and not bool(jnp.any(ends[row] == have[row])):
+    if have[row] and not np.any(ends[row] == have[row]):
       raise ValueError(f"VisionLanguageModel: tokens row {row} holds {int(have[row])} SOFT_TOKEN slots, which end "
-                       f"no image: its images take {[int(c) for c in context.counts[row]]} slots in turn "
+                       f"no image: its images take {[int(c) for c in counts[row]]} slots in turn "
                        f"(slots_per_image of each, before its marker), and the text holds its first images whole")
 
 

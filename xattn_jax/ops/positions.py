@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xattn_jax.ops.concrete import concrete
+
 ROPE_LAYOUTS = ("split", "interleaved")
 ROPE_SCALINGS = (None, "linear", "ntk")
 RESIZE_METHODS = {"bilinear": "linear", "bicubic": "cubic"}
@@ -135,8 +137,9 @@ def learned_lookup(table, positions) -> jax.Array:
   if not jnp.issubdtype(positions.dtype, jnp.integer):
     raise ValueError(f"learned_lookup: positions must be integers, got dtype {positions.dtype}")
   table_size = table.shape[0]
-  if not isinstance(positions, jax.core.Tracer) and positions.size:
-    low, high = int(positions.min()), int(positions.max())
+  values = concrete(positions)
+  if values is not None and values.size:
+    low, high = int(values.min()), int(values.max())
     if low < 0:
       raise ValueError(f"learned_lookup: positions must be >= 0, got minimum {low}")
     check_positions_fit(high, table_size)
