@@ -45,6 +45,22 @@ def test_a_file_without_documents_is_an_error_naming_it(tmp_path, content, messa
     text.read_documents(path)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_without_a_byte_order_mark_is_refused_not_read_as_nul_riddled_text(tmp_path, encoding):
+  path = tmp_path / "docs.txt"
+  path.write_bytes("first document\nsecond one\n".encode(encoding))
+  with pytest.raises(text.TextFormatError, match=rf"{path}: .* NUL .*UTF-16 without a byte-order mark"):
+    text.read_documents(path)
+
+
+def test_a_line_holding_a_nul_byte_is_named_by_file_and_line(tmp_path):
+  path = tmp_path / "docs.txt"
+  path.write_bytes(b"a long enough first document\nbinary \x00 here\nfine\n")
+  with pytest.raises(text.TextFormatError, match=rf"{path}:2: holds a NUL byte .* at byte 8 ") as error:
+    text.read_documents(path)
+  assert len(error.value.problems) == 1
+
+
 def test_a_missing_file_is_an_error_naming_it(tmp_path):
   with pytest.raises(text.TextFormatError, match=rf"{tmp_path / 'none.txt'}: no such file"):
     text.read_documents(tmp_path / "none.txt")

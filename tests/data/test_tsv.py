@@ -101,6 +101,7 @@ def test_a_minimum_of_eval_keys_takes_the_lowest_hash_train_keys_and_leaves_one_
 @pytest.mark.parametrize("content, message", [
     ("a\tb\n".encode("utf-16"), "UTF-16"),
     (b"a\tb\rc\td\r", "carriage return"),
+    ("a\tb\n".encode("utf-16-le"), "UTF-16 without a byte-order mark"),
 ])
 def test_utf16_and_cr_only_files_are_named_for_what_they_are(tmp_path, content, message):
   path = tmp_path / "corpus.tsv"

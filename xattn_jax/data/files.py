@@ -34,7 +34,8 @@ def read_line_bytes(path, error, kind: str) -> list[bytes]:
   start of any line: files joined with `cat` keep each one's, and str.strip leaves U+FEFF in the text).
 
   `error(path, problems)` builds the reader's own exception from (line number or None, message) pairs;
-  it is raised for a missing or non-regular file, a UTF-16 file and bare carriage-return line ends.
+  it is raised for a missing or non-regular file, a UTF-16 file (with a byte-order mark or without: NUL bytes),
+  a line holding a NUL byte (a binary file) and bare carriage-return line ends.
   `kind` names the file in the message for a `path` that is no path ("a TSV file").
   """
   if not isinstance(path, (str, os.PathLike)):
@@ -47,7 +48,21 @@ def read_line_bytes(path, error, kind: str) -> list[bytes]:
     data = f.read()
   if data.startswith((b"\xff\xfe", b"\xfe\xff")):
     raise error(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")])
+  if b"\x00" in data:  # no UTF-8 text holds NUL; UTF-16 without a byte-order mark holds one in every other byte
+    raise error(path, _nul_problems(data))
   if b"\r" in data and b"\n" not in data:
     raise error(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); save it with \\n "
                               "line ends")])
   return [(line[:-1] if line.endswith(b"\r") else line).removeprefix(b"\xef\xbb\xbf") for line in data.split(b"\n")]
+
+
+def _nul_problems(data: bytes) -> list[tuple[int | None, str]]:
+  """The problems of a file that holds NUL bytes, which no UTF-8 text does: UTF-16 without a byte-order mark (it
+  decodes as "UTF-8" with a NUL after every ASCII character, and trained as that), or the lines that hold one."""
+  nuls = data.count(b"\x00")
+  if nuls * 4 >= len(data):  # ASCII text in UTF-16 is half NULs
+    return [(None, f"{nuls} of its {len(data)} bytes are NUL (\\x00): it is UTF-16 without a byte-order mark, most "
+                   "likely; save it as UTF-8")]
+  return [(number, f"holds a NUL byte (\\x00) at byte {line.index(0) + 1} of the line: binary data, or UTF-16; save "
+                   "the file as UTF-8 text")
+          for number, line in enumerate(data.split(b"\n"), start=1) if 0 in line]
