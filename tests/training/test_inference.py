@@ -43,6 +43,21 @@ def test_a_line_that_is_not_utf8_is_reported_as_file_and_line(tmp_path):
     inference.read_input_lines(str(path))
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_a_utf16_input_without_a_byte_order_mark_is_refused_not_answered_line_by_nul(tmp_path, encoding):
+  """Read as UTF-8, two such lines were three of NUL-riddled text, answered with three lines and status 0."""
+  path = tmp_path / "inputs.txt"
+  path.write_bytes("the cat\nmy house\n".encode(encoding))
+  with pytest.raises(DataError, match=rf"^{path}: .* NUL .*UTF-16 without a byte-order mark"):
+    inference.read_input_lines(str(path))
+
+
+def test_inputs_joined_with_cat_lose_each_byte_order_mark_as_data_files_do(tmp_path):
+  path = tmp_path / "inputs.txt"
+  path.write_bytes("\ufeffabc\r\n".encode() * 2)
+  assert inference.read_input_lines(str(path)) == (str(path), ["abc", "abc"])
+
+
 class Upper(task_lib.Task):
   """Answers each line in capitals; records what reached infer_lines."""
 

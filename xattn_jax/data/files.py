@@ -30,12 +30,10 @@ class LineFileError(ValueError):
 
 
 def read_line_bytes(path, error, kind: str) -> list[bytes]:
-  """The lines of a UTF-8 file as bytes, without their line ends (\\n or \\r\\n) or a byte-order mark (at the
-  start of any line: files joined with `cat` keep each one's, and str.strip leaves U+FEFF in the text).
+  """The lines of a UTF-8 file as bytes (`split_line_bytes`).
 
   `error(path, problems)` builds the reader's own exception from (line number or None, message) pairs;
-  it is raised for a missing or non-regular file, a UTF-16 file (with a byte-order mark or without: NUL bytes),
-  a line holding a NUL byte (a binary file) and bare carriage-return line ends.
+  it is raised for a missing or non-regular file and for what `split_line_bytes` refuses.
   `kind` names the file in the message for a `path` that is no path ("a TSV file").
   """
   if not isinstance(path, (str, os.PathLike)):
@@ -45,13 +43,23 @@ def read_line_bytes(path, error, kind: str) -> list[bytes]:
   if not os.path.isfile(path):
     raise error(path, [(None, "not a regular file")])
   with open(path, "rb") as f:
-    data = f.read()
+    return split_line_bytes(f.read(), path, error)
+
+
+def split_line_bytes(data: bytes, name, error) -> list[bytes]:
+  """The lines of UTF-8 text as bytes, without their line ends (\\n or \\r\\n) or a byte-order mark (at the
+  start of any line: files joined with `cat` keep each one's, and str.strip leaves U+FEFF in the text); the
+  last is b"" where the text ends with a line end.
+
+  `error(name, problems)` is raised for a UTF-16 text (with a byte-order mark or without: NUL bytes), a line
+  holding a NUL byte, and bare carriage-return line ends.
+  """
   if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-    raise error(path, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")])
+    raise error(name, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")])
   if b"\x00" in data:  # no UTF-8 text holds NUL; UTF-16 without a byte-order mark holds one in every other byte
-    raise error(path, _nul_problems(data))
+    raise error(name, _nul_problems(data))
   if b"\r" in data and b"\n" not in data:
-    raise error(path, [(None, "lines end with a bare carriage return (\\r, old Mac style); save it with \\n "
+    raise error(name, [(None, "lines end with a bare carriage return (\\r, old Mac style); save it with \\n "
                               "line ends")])
   return [(line[:-1] if line.endswith(b"\r") else line).removeprefix(b"\xef\xbb\xbf") for line in data.split(b"\n")]
 

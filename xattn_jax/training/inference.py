@@ -1,12 +1,12 @@
 """Inference on a trained run: input lines in, one answer line per input line out; and
 `load_model`, the newest checkpoint of a run as (model, task) for notebooks and scripts.
 
-Input is UTF-8 (a file, or "-" for stdin); lines end at \\n or \\r\\n only. A blank input line is
-answered with a blank line (`Task.infer`: the task's `infer_lines` never sees it; a task with
-`infers_blank_lines`, the language model, answers it: a sample from nothing), so output line i always answers
-input line i (an answer's
-line breaks, which no bundled task generates, are written as spaces). A line the task cannot take
-(`task.InputLineError`) or that is not UTF-8 is reported as `file:line: why` (a `DataError`).
+Input is UTF-8 (a file, or "-" for stdin), checked as a data file is (`files.split_line_bytes`: UTF-16, NUL bytes
+and bare carriage returns refused, a byte-order mark at a line's start dropped); lines end at \\n or \\r\\n only.
+A blank input line is answered with a blank line (`Task.infer`: the task's `infer_lines` never sees it; a task
+with `infers_blank_lines`, the language model, answers it: a sample from nothing), so output line i always
+answers input line i (an answer's line breaks, which no bundled task generates, are written as spaces). A line
+the task cannot take (`task.InputLineError`) or that is not UTF-8 is reported as `file:line: why` (a `DataError`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import jax
 from absl import logging
 
-from xattn_jax.data import tokenizers
+from xattn_jax.data import files, tokenizers
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import task as task_lib, validation, workdir as workdir_lib
 from xattn_jax.training.errors import DataError, RunError
@@ -38,18 +38,25 @@ def read_input_lines(input_file: str) -> tuple[str, list[str]]:
   else:
     with open(input_file, "rb") as f:
       raw = f.read()
-  # Lines end at \n (\r\n too), not at U+2028, \x0c, \x85 ... as str.splitlines would have it.
-  raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not part of line 1
-  raw_lines = raw.split(b"\n")
+  # Lines end at \n (\r\n too), not at U+2028, \x0c, \x85 ... as str.splitlines would have it; checked as a
+  # data file's are (UTF-16 without a byte-order mark read as text gave more answer lines than input lines).
+  raw_lines = files.split_line_bytes(raw, name, _input_error)
   if raw_lines[-1] == b"":
     raw_lines.pop()
   lines = []
   for number, line in enumerate(raw_lines, 1):
     try:
-      lines.append(line.removesuffix(b"\r").decode("utf-8"))
+      lines.append(line.decode("utf-8"))
     except UnicodeDecodeError as error:
       raise DataError(f"{name}:{number}: not valid UTF-8 at byte {error.start + 1} of the line") from None
   return name, lines
+
+
+def _input_error(name: str, problems: list[tuple[int | None, str]]) -> DataError:
+  """The DataError of an input that `files.split_line_bytes` refuses: `name[:line]: why` for each problem."""
+  shown = [f"{name}:{number}: {why}" if number is not None else f"{name}: {why}" for number, why in problems]
+  more = len(shown) - _MAX_REPORTED
+  return DataError("\n".join(shown[:_MAX_REPORTED] + ([f"... and {more} more"] if more > 0 else [])))
 
 
 def answer_lines(infer, lines: list[str], name: str = "<input>") -> list[str]:
