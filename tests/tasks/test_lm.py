@@ -182,6 +182,17 @@ def test_a_sentencepiece_vocab_cap_above_what_a_small_file_supports_still_trains
   assert batch["inputs"].shape == (2, 64) and np.all(batch["inputs"] < task.vocab_size)
 
 
+def test_a_text_too_small_for_an_exact_vocabulary_names_the_field_that_makes_it_a_cap(tmp_path):
+  """The message said '(exact=False)', a tokenizer argument no config field is called."""
+  train_file = tmp_path / "small.txt"
+  train_file.write_text("the cat sat\nthe dog ran\na bird flew\n", encoding="utf-8")
+  config = helpers.load_config(*TINY, "--config.data.tokenizer=sentencepiece", "--config.data.vocab_size=1024",
+                               "--config.data.vocab_size_exact=True", f"--config.data.train_file={train_file}")
+  with pytest.raises(validation.ConfigError, match=r"at most \d+ pieces.*data\.vocab_size_exact=False") as error:
+    lm_task.LanguageModelTask(config, str(tmp_path / "work"), "train")
+  assert error.value.field == "data.vocab_size" and len(str(error.value).splitlines()) == 1
+
+
 def test_bits_per_byte_divide_the_eval_loss_in_bits_by_the_eval_texts_utf8_bytes(trained, tmp_path, caplog):
   """Bytes: bits per byte is eval/loss / ln 2. SentencePiece: the eval text's UTF-8 bytes, EOS one each,
   whatever its pieces (a text's leading word-boundary mark, characters without a piece, said in a warning)."""

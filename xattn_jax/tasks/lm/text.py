@@ -313,8 +313,9 @@ class LanguageModelTask(task_lib.Task):
                                                  retrain_unread=not saved)
     except tokenizers.OtherTextsError as error:
       raise validation.ConfigError("data.train_file", data.train_file, str(error)) from None
-    except ValueError as error:
-      raise validation.ConfigError("data.vocab_size", data.vocab_size, " ".join(str(error).split())) from None
+    except ValueError as error:  # e.g. a text too small for an exact vocabulary: name the field that takes a cap
+      message = " ".join(str(error).split()).replace("exact=False", "data.vocab_size_exact=False")
+      raise validation.ConfigError("data.vocab_size", data.vocab_size, message) from None
     logging.info("SentencePiece vocabulary: %d pieces (data.vocab_size=%d, exact=%s)", tokenizer.vocab_size,
                  data.vocab_size, data.vocab_size_exact)
     return tokenizer
