@@ -133,6 +133,16 @@ def test_caption_words_vocabulary_and_targets():
   assert pairs_encoder.vocabulary([one, other], 3, ngrams=2) == ("a", "a cross", "a square")
 
 
+def test_caption_words_keep_combining_marks_and_split_scripts_written_without_spaces():
+  """`\\w+` cut a Hindi word at each vowel sign and kept a Chinese caption whole: one term no other caption held."""
+  from xattn_jax.tasks.vlm import pairs_encoder
+  assert pairs_encoder.caption_words("हिन्दी भाषा") == ["हिन्दी", "भाषा"]
+  assert pairs_encoder.caption_words("cafe\u0301 Caf\u00e9") == ["caf\u00e9", "caf\u00e9"]  # NFD and NFC: one word
+  assert pairs_encoder.caption_words("黑猫の写真 ok") == ["黑", "猫", "の", "写", "真", "ok"]
+  assert pairs_encoder.vocabulary(["一只黑猫", "两只黑猫"], 5, ngrams=2) == ("只", "只 黑", "猫", "黑", "黑 猫")
+  assert "黑 猫" in pairs_encoder.caption_terms("一只黑猫", 2)
+
+
 def _pairs_config(tmp_path, arg="data=pairs,canvas=16x16", **overrides):
   from PIL import Image
   Image.fromarray(np.full((12, 20), 40, np.uint8)).save(tmp_path / "a.png")

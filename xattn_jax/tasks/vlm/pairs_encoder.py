@@ -6,11 +6,11 @@ encoder that has seen them, at a canvas that keeps them legible. This one learns
 weakly supervised pretraining from captions does (predict the caption's words from the image; Joulin et al.,
 2016; with runs of adjacent words, Li et al., 2017): the ViT's mean patch token goes through its head to one
 logit per term of the vocabulary, trained with a sigmoid cross-entropy per term against whether the caption
-holds it. Terms are the captions' words (runs of letters and digits, lower-cased) and their runs of 2 to
-data.ngrams adjacent words, which keep what a bag of words loses, the order ("a square left of a cross"
-against "a cross left of a square"); the vocabulary is the data.vocab_size terms in the most training
-captions; the head's bias starts at each term's log-odds in the training captions
-(`prior_logits`). A VLM that freezes it (configs/vlm_tsv.py, the default there) reads its patch features.
+holds it. Terms are the captions' words (`caption_words`: runs of letters and digits, lower-cased, each
+character of Chinese or Japanese) and their runs of 2 to data.ngrams adjacent words, which keep what a bag of
+words loses, the order ("a square left of a cross" against "a cross left of a square"); the vocabulary is the
+data.vocab_size terms in the most training captions; the head's bias starts at each term's log-odds in the
+training captions (`prior_logits`). A VLM that freezes it (configs/vlm_tsv.py, the default there) reads its patch features.
 
 Images come from data.train_file / data.eval_file (`image_path<TAB>text`, data.image_text: grey, or RGB with
 data.color, ink high, fitted top-left into the canvas data.canvas "HxW"); every bad line stops the run before anything is written,
@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import unicodedata
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +41,26 @@ from xattn_jax.tasks.vlm import encoder as encoder_lib
 from xattn_jax.training import task as task_lib, validation
 
 EVAL_METRICS = ("eval/loss", "eval/word_f1", "eval/word_precision", "eval/word_recall")
-_WORD = re.compile(r"\w+")
+# Scripts written without spaces between words (Han, hiragana, katakana): each character is a word, and runs of
+# two (data.ngrams) stand for the words of two characters; a Chinese caption was one term, shared by no other.
+_UNSPACED = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
 
 def caption_words(text: str) -> list[str]:
-  """The words of a caption: runs of letters and digits, lower-cased, in order."""
-  return _WORD.findall(text.lower())
+  """The words of a caption, lower-cased and in NFC, in order: runs of letters and digits with the marks that
+  combine with them (a Devanagari vowel sign; `\\w+` split "हिन्दी" into "ह", "न", "द"), and each character of a
+  script written without spaces (`_UNSPACED`)."""
+  words, word = [], ""
+  for char in unicodedata.normalize("NFC", text).lower():
+    if _UNSPACED.match(char):
+      words += [word, char] if word else [char]
+      word = ""
+    elif char.isalnum() or char == "_" or (word and unicodedata.category(char).startswith("M")):
+      word += char
+    elif word:
+      words.append(word)
+      word = ""
+  return words + [word] if word else words
 
 
 def caption_terms(text: str, ngrams: int) -> set[str]:
