@@ -201,6 +201,16 @@ def test_infer_strips_a_line_and_crops_an_over_long_one_answering_every_line(tmp
              in record.getMessage() for record in caplog.records)
 
 
+def test_an_infer_line_holding_a_tab_is_refused_not_translated_with_its_target(tmp_path):
+  """A pairs file piped into infer was answered with translations of 'source ⁇ target' (the tab an unknown
+  piece), exit 0."""
+  task = _infer_task(tmp_path)
+  model = task.make_model(loop.model_rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)  # untrained
+  with pytest.raises(task_lib.InputLineError) as error:
+    task.infer(model, ["Jan 4, 2001", "Jan 4, 2001\t2001-01-04", "\tJan 5, 2001 "])
+  assert [index for index, _ in error.value.problems] == [1] and "holds a tab" in error.value.problems[0][1]
+
+
 def test_infer_never_writes_a_suppressed_id_even_where_the_model_ranks_it_first(tmp_path):
   """The output layer ranks padding, BOS and the bytes of line breaks (never_generated_ids) above every other
   id, 'x' next: infer (the config's decoding method) translates every line to 'x's alone."""

@@ -596,6 +596,12 @@ class TranslateTask(task_lib.Task):
     training crops a long pair, and logged: the other lines' translations do not wait on it."""
     limit = self.config.model.max_length
     lines = [line.strip() for line in lines]
+    # A training source holds no tab (`tsv`): a tab here is most likely a pairs file's line, whose target would be
+    # translated with its source (the tab read as the unknown piece, unwarned).
+    if tabbed := [index for index, line in enumerate(lines) if "\t" in line]:
+      raise task_lib.InputLineError.of([(index, "holds a tab: an infer line is a source alone, as the training "
+                                                "pairs' sources are (a pairs file's sources: `cut -f1 pairs.tsv`)")
+                                        for index in tabbed])
     self.tokenizer.warn_unknown_characters(lines, "the input lines")
     encoded = self.tokenizer.encode_batch(lines)
     if empty := [index for index, ids in enumerate(encoded) if not ids]:
