@@ -281,6 +281,13 @@ def test_unknown_characters_are_those_without_a_piece(sentencepiece_model, caplo
                                  "as its unknown piece ('⁇'); more")
 
 
+def test_white_space_without_a_piece_is_named_with_the_unknown_characters(sentencepiece_model):
+  """A tab or a no-break space the training text never held read as '⁇' without the warning: it left out all
+  white space, though only the plain space always has a piece."""
+  assert sentencepiece_model.unknown_characters(["dimanche\t29", "29\u00a0novembre \u3000"]) == "\t\u00a0\u3000"
+  assert sentencepiece_model.unknown_characters(["  dimanche  29 "]) == ""
+
+
 def test_the_ids_a_text_never_holds_are_padding_bos_the_unknown_piece_and_line_breaks(sentencepiece_model):
   assert sentencepiece_model.never_generated_ids == (tokenizers.PAD_ID, tokenizers.BOS_ID, sentencepiece_model.unk_id)
   byte_tokenizer = tokenizers.ByteTokenizer()

@@ -212,13 +212,14 @@ class SentencePieceTokenizer(Tokenizer):
 
   def unknown_characters(self, texts: Iterable[str]) -> str:
     """The characters of `texts` that encode as unk_id where they stand, sorted (a character alone may have no
-    piece yet belong to one: the "<" of a single-piece word "<image>")."""
+    piece yet belong to one: the "<" of a single-piece word "<image>"). The space always has a piece; other
+    white space may not (a tab, a no-break space pasted from the web, the ideographic space U+3000)."""
     texts = list(texts)
     unknown = set()
     for text, ids in zip(texts, self.encode_batch(texts)):
       if self.unk_id in ids:  # where, from the pieces' spans (rare: the batch encode above is the cost)
         unknown.update(c for piece in self._processor.encode(text, return_type="proto").pieces
-                       if piece.id == self.unk_id for c in piece.surface if not c.isspace())
+                       if piece.id == self.unk_id for c in piece.surface if c != " ")
     return "".join(sorted(unknown))
 
   def encode(self, text: str) -> list[int]:
