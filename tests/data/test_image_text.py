@@ -48,6 +48,17 @@ def test_a_path_from_the_home_folder_is_read_there_as_an_infer_lines_is(folder, 
   assert example.images[0].shape == (8, 8)
 
 
+def test_a_path_written_from_the_current_directory_is_named_with_the_path_to_write(folder, monkeypatch):
+  """`sub/one.jpg` in sub/pairs.tsv, run from the folder above: '.../sub/sub/one.jpg does not exist', no more."""
+  monkeypatch.chdir(folder)
+  with pytest.raises(ImageTextFormatError) as error:
+    read_image_text_pairs(write(folder / "sub", b"sub/one.jpg\tone\nmissing.jpg\tnone\n"), canvas=CANVAS)
+  first, second = (message for _, message in error.value.problems)
+  assert first.endswith(f"(paths are relative to the pairs file's folder, {folder / 'sub'}; 'sub/one.jpg' is a file "
+                        "from the current directory: write it as 'one.jpg')")
+  assert second.endswith("does not exist")
+
+
 def test_images_are_grey_ink_high_and_fit_the_canvas_keeping_aspect(folder):
   first, second = read_image_text_pairs(write(folder, b"seven two.png\ta\nsub/one.jpg\tb\n"), canvas=CANVAS)
   assert first.images[0].shape == (8, 16) and second.images[0].shape == (8, 8)
