@@ -59,6 +59,11 @@ def test_a_path_written_from_the_current_directory_is_named_with_the_path_to_wri
   assert second.endswith("does not exist")
 
 
+def test_a_path_with_windows_backslashes_is_named_with_the_path_to_write(folder):
+  with pytest.raises(ImageTextFormatError, match=r"sub\\\\one\.jpg' does not exist \(write 'sub/one\.jpg': folders "):
+    read_image_text_pairs(write(folder, b"sub\\one.jpg\tone\n"), canvas=CANVAS)
+
+
 def test_images_are_grey_ink_high_and_fit_the_canvas_keeping_aspect(folder):
   first, second = read_image_text_pairs(write(folder, b"seven two.png\ta\nsub/one.jpg\tb\n"), canvas=CANVAS)
   assert first.images[0].shape == (8, 16) and second.images[0].shape == (8, 8)

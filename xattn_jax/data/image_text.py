@@ -131,7 +131,7 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True,
       try:
         image = load_image(image_path, canvas, grey=grey)
       except (OSError, ValueError) as error:
-        problem = str(error) + _from_the_current_directory(image_path, path)
+        problem = str(error) + _missing_image_hint(image_path, path)
     if problem is not None:
       problems.append((line_number, problem))
       continue
@@ -142,15 +142,21 @@ def read_image_text_pairs(path, *, canvas: tuple[int, int], grey: bool = True,
   return examples
 
 
-def _from_the_current_directory(image_path: str, pairs_path) -> str:
-  """Where a missing image's path, as written in the pairs file, names a file from the current directory instead
-  of the file's folder (`data/img/1.png` in data/pairs.tsv): the path to write; else ""."""
+def _missing_image_hint(image_path: str, pairs_path) -> str:
+  """Where a missing image's path, as written in the pairs file, names a file another way, the path to write: one
+  from the current directory instead of the file's folder (`data/img/1.png` in data/pairs.tsv), or one with
+  Windows' backslashes between folders (`img\\1.png`); else ""."""
   folder = os.path.dirname(os.path.abspath(os.fspath(pairs_path)))
   written = os.path.relpath(image_path, folder)
-  if os.path.exists(image_path) or not os.path.isfile(written):
+  if os.path.exists(image_path):
     return ""
-  return (f" (paths are relative to the pairs file's folder, {folder}; {written!r} is a file from the current "
-          f"directory: write it as {os.path.relpath(os.path.abspath(written), folder)!r})")
+  if os.path.isfile(written):
+    return (f" (paths are relative to the pairs file's folder, {folder}; {written!r} is a file from the current "
+            f"directory: write it as {os.path.relpath(os.path.abspath(written), folder)!r})")
+  forward = written.replace("\\", "/")
+  if forward != written and os.path.isfile(os.path.join(folder, forward)):
+    return f" (write {forward!r}: folders are separated by '/', not '\\')"
+  return ""
 
 
 def read_image_text_pairs_cached(path, *, canvas: tuple[int, int], grey: bool = True,
