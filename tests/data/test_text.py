@@ -61,6 +61,15 @@ def test_a_line_holding_a_nul_byte_is_named_by_file_and_line(tmp_path):
   assert len(error.value.problems) == 1
 
 
+def test_a_carriage_return_inside_a_line_is_named_not_read_as_one_document(tmp_path):
+  """An old Mac file joined to a Unix one: its three documents were read as one, \\r and all."""
+  path = tmp_path / "docs.txt"
+  path.write_bytes(b"first\rsecond\rthird\r\nfourth\r\nfifth\n")
+  with pytest.raises(text.TextFormatError, match=rf"{path}:1: holds a carriage return .* that ends no line") as error:
+    text.read_documents(path)
+  assert len(error.value.problems) == 1
+
+
 def test_a_missing_file_is_an_error_naming_it(tmp_path):
   with pytest.raises(text.TextFormatError, match=rf"{tmp_path / 'none.txt'}: no such file"):
     text.read_documents(tmp_path / "none.txt")

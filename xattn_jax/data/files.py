@@ -52,7 +52,7 @@ def split_line_bytes(data: bytes, name, error) -> list[bytes]:
   last is b"" where the text ends with a line end.
 
   `error(name, problems)` is raised for a UTF-16 text (with a byte-order mark or without: NUL bytes), a line
-  holding a NUL byte, and bare carriage-return line ends.
+  holding a NUL byte, and bare carriage returns (line ends, or inside a line).
   """
   if data.startswith((b"\xff\xfe", b"\xfe\xff")):
     raise error(name, [(None, "the file is UTF-16 (it starts with a UTF-16 byte-order mark); save it as UTF-8")])
@@ -61,7 +61,13 @@ def split_line_bytes(data: bytes, name, error) -> list[bytes]:
   if b"\r" in data and b"\n" not in data:
     raise error(name, [(None, "lines end with a bare carriage return (\\r, old Mac style); save it with \\n "
                               "line ends")])
-  return [(line[:-1] if line.endswith(b"\r") else line).removeprefix(b"\xef\xbb\xbf") for line in data.split(b"\n")]
+  lines = [line.removesuffix(b"\r").removeprefix(b"\xef\xbb\xbf") for line in data.split(b"\n")]
+  # A carriage return inside a line is an old Mac file's line end, in a file joined to others (three documents
+  # were read as one); text has no other use for it.
+  if bare := [number for number, line in enumerate(lines, start=1) if b"\r" in line]:
+    raise error(name, [(number, "holds a carriage return (\\r) that ends no line: lines end at \\n or \\r\\n (part "
+                                "of an old Mac file?); save it with \\n line ends") for number in bare])
+  return lines
 
 
 def _nul_problems(data: bytes) -> list[tuple[int | None, str]]:

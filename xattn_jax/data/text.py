@@ -60,7 +60,7 @@ def read_documents(path) -> list[str]:
   Raises:
     TextFormatError (a ValueError): the file is missing, not a regular file, UTF-16 (with a byte-order mark
       or without: NUL bytes), ends its lines with bare carriage returns, has a line that is not UTF-8 or
-      holds a NUL byte (each named ``file:line``), or holds no non-blank line.
+      holds a NUL byte or a bare carriage return (each named ``file:line``), or holds no non-blank line.
   """
   lines = files.read_line_bytes(path, TextFormatError, "a text file")
   documents, problems = [], []
