@@ -50,8 +50,9 @@ def get_config(arg=None):
   config.model.num_kv_heads = 0
   config.model.num_layers = num_layers
   config.model.mlp_dim = mlp_dim
-  # Positions of the longest eval row (the task computes the same; a learned table has this many rows).
-  config.model.max_length = lm_algorithmic.row_width(args.operation, 80) + 1 \
+  # Positions of the longest eval row (the task builds the model with its own longest row's, from task.eval_bands;
+  # training refuses another value than that or this one, which it would ignore).
+  config.model.max_length = lm_algorithmic.row_width(args.operation, lm_algorithmic.CONFIG_LONGEST_INPUT) + 1 \
       if args.operation in lm_algorithmic.OPERATIONS else 1
   config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope | alibi | t5_bias
   config.model.rope_scaling = ""

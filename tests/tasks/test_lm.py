@@ -414,6 +414,22 @@ def test_lm_text_config_variants_validate(arg):
   validation.validate_config(helpers.load_config(f"--config=configs/lm_text.py:{arg}"), mode="train")
 
 
+@pytest.mark.parametrize("max_length", [8, 1000])
+def test_lm_algorithmic_max_length_it_would_ignore_is_a_config_error(max_length):
+  """The task builds its model with the positions of its longest row (task.eval_bands): model.max_length=8 or 1000
+  trained the same 163-position model without a word. That value, or one the config writes, passes (other eval bands
+  or --config.task.operation keep the config's value valid); eval and infer read a recorded run's as it is."""
+  config = helpers.load_config("--config=configs/lm_algorithmic.py", f"--config.model.max_length={max_length}")
+  with pytest.raises(validation.ConfigError, match=rf"^config.model.max_length={max_length}: lm_algorithmic builds "
+                                                   r"its model with the positions of its longest row, 163 \("):
+    validation.validate_config(config, mode="train")
+  validation.validate_config(config, mode="eval")
+  for fields in ([], ["--config.task.eval_bands=1-20,21-40"], ["--config.task.eval_bands=1-20,21-40",
+                                                                "--config.model.max_length=83"],
+                 ["--config.task.operation=duplicate"]):  # the config wrote copy's 163: duplicate's rows need 243
+    validation.validate_config(helpers.load_config("--config=configs/lm_algorithmic.py", *fields), mode="train")
+
+
 def test_kv_heads_that_do_not_divide_the_heads_are_a_config_error():
   config = helpers.load_config(*TINY, "--config.model.num_kv_heads=3")
   with pytest.raises(validation.ConfigError, match="model.num_kv_heads"):

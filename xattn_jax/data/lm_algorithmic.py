@@ -22,6 +22,8 @@ from xattn_jax.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
 FIRST_SYMBOL = 3
 OPERATIONS = ("copy", "reverse", "sort", "duplicate", "parity")
+# The longest input of configs/lm_algorithmic.py's eval bands: its model.max_length is the row of this many symbols.
+CONFIG_LONGEST_INPUT = 80
 
 
 def vocab_size(num_symbols: int) -> int:

@@ -47,6 +47,16 @@ class LMAlgorithmicTask(task_lib.Task):
       raise validation.ConfigError("task.min_length", task.min_length,
                                    f"must be <= task.train_max_length={task.train_max_length}")
     longest = cls.positions_needed(config)  # parses task.eval_bands
+    # The model is built with `longest` positions whatever model.max_length says (positions_for); the field is there
+    # for the shared LM checks. A value other than that, or one configs/lm_algorithmic.py writes (the row of its
+    # :operation= at CONFIG_LONGEST_INPUT symbols, kept where --config.task.* change the rows), would be ignored.
+    written = {lm_algorithmic.row_width(operation, lm_algorithmic.CONFIG_LONGEST_INPUT) + 1
+               for operation in lm_algorithmic.OPERATIONS}
+    if mode == "train" and config.model.max_length != longest and config.model.max_length not in written:
+      raise validation.ConfigError("model.max_length", config.model.max_length,
+                                   f"lm_algorithmic builds its model with the positions of its longest row, {longest} "
+                                   f"(task.operation, task.train_max_length and task.eval_bands set it): use {longest} "
+                                   "or the config's value, and change task.eval_bands for longer rows")
     decoding_config.decoding_options(config)
     randomized = config.model.get("randomized_positions_max", 0)
     if randomized and randomized < longest:
