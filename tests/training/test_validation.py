@@ -197,6 +197,36 @@ def test_mrope_sections_with_an_empty_axis_are_a_config_error():
   _assert_refused(config, "model.mrope_sections", (pairs, 0, 0), r"config\.model\.mrope_sections=.*3 positive sections")
 
 
+@pytest.mark.parametrize("config_arg, field, value, message", [
+    ("template.py:posenc=learned", "model.rotary_dim", 8,
+     r"^config\.model\.rotary_dim=8: rotates part of each head: needs position_encoding in \['rope', 'mrope'\], "
+     r"this model has 'learned'; leave it 0 otherwise$"),
+    ("template.py:posenc=rope", "model.mrope_sections", (2, 3, 3),
+     r"^config\.model\.mrope_sections=\(2, 3, 3\): splits M-RoPE's frequency pairs: needs position_encoding in "
+     r"\['mrope'\], this model has 'rope'; leave it \(\) otherwise$"),
+    ("lm_text.py:posenc=alibi", "model.mrope_sections", (4, 6, 6), r"^config\.model\.mrope_sections=\(4, 6, 6\): "),
+    ("lm_algorithmic.py", "model.randomized_positions_at_eval", True,
+     r"^config\.model\.randomized_positions_at_eval=True: draws eval positions from \[0, "
+     r"model\.randomized_positions_max\), which is 0 \(off\)"),
+    ("translate_dates.py", "model.randomized_positions_at_eval", True, r"^config\.model\.randomized_positions_at_eval"),
+])
+def test_a_position_field_the_encoding_does_not_read_is_a_config_error(config_arg, field, value, message):
+  """rotary_dim with a learned table, M-RoPE sections with 1D RoPE or ALiBi, randomized eval positions with
+  randomization off: each trained the same model as without the field, without a word (rope_scaling was refused
+  that way already)."""
+  _assert_refused(load_config(f"--config=configs/{config_arg}"), field, value, message)
+
+
+@pytest.mark.parametrize("config_arg, fields", [
+    ("template.py:posenc=rope", {"model.rotary_dim": 8}),
+    ("template.py:posenc=mrope", {"model.mrope_sections": (4, 6, 6), "model.d_model": 64, "model.num_heads": 2}),
+    ("lm_text.py:posenc=rope", {"model.randomized_positions_at_eval": True, "model.randomized_positions_max": 1024}),
+])
+def test_a_position_field_its_encoding_reads_passes(config_arg, fields):
+  config = load_config(f"--config=configs/{config_arg}", *(f"--config.{k}={v}" for k, v in fields.items()))
+  validation.validate_config(config)
+
+
 @pytest.mark.parametrize("config_arg", ["lm_text.py:posenc=mrope", "lm_algorithmic.py:posenc=mrope",
                                         "template.py:posenc=mrope"])
 def test_default_mrope_sections_follow_a_head_size_override(config_arg):

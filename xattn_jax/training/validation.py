@@ -238,6 +238,22 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
                       f"this model has {position_encoding!r}; leave it () otherwise")
   if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
     raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
+  # Fields only some encodings read, as rope_scaling above: set for another, an ablation would measure nothing.
+  if model_config.get("rotary_dim") and rotary is None:
+    raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim,
+                      f"rotates part of each head: needs position_encoding in "
+                      f"{[name for name in position_layers.names(role='rotary') if name in allowed]}, this model has "
+                      f"{position_encoding!r}; leave it 0 otherwise")
+  if "mrope_sections" in fields and tuple(model_config.mrope_sections) and not (rotary and rotary.num_sections):
+    sectioned = [name for name in position_layers.names(role="rotary")
+                 if name in allowed and position_layers.POSITION_ENCODINGS[name].rotary_kind.num_sections]
+    raise ConfigError(f"{prefix}.mrope_sections", tuple(model_config.mrope_sections),
+                      f"splits M-RoPE's frequency pairs: needs position_encoding in {sectioned}, this model has "
+                      f"{position_encoding!r}; leave it () otherwise")
+  if model_config.get("randomized_positions_at_eval") and not model_config.get("randomized_positions_max"):
+    raise ConfigError(f"{prefix}.randomized_positions_at_eval", True,
+                      f"draws eval positions from [0, {prefix}.randomized_positions_max), which is 0 (off): set it, or "
+                      "leave this False")
   if "d_model" in fields and "num_heads" in fields:
     d_model, num_heads = model_config.d_model, model_config.num_heads
     if not isinstance(d_model, int) or d_model < 1:
