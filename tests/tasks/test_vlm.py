@@ -73,6 +73,28 @@ def test_a_bad_config_field_is_named_before_anything_compiles(argument, field):
   assert config_error_field("--config=configs/vlm_digits.py", argument) == field
 
 
+@pytest.mark.parametrize("arguments, message", [
+    # flamingo's gated blocks attend at the frozen LM's width (128), its resampler at the encoder's (64)
+    (("connector=flamingo", "--config.model.num_heads=3"),
+     r"^config\.model\.num_heads=3: must divide the frozen LM's model\.d_model, 128 \(configs/vlm_lm\.py\)"),
+    (("connector=flamingo", "--config.model.num_heads=3", "--config.model.num_latents=0"),
+     r"^config\.model\.num_heads=3: must divide the frozen LM's model\.d_model, 128"),
+    (("connector=flamingo", "--config.model.num_heads=128"),
+     r"^config\.model\.num_heads=128: must divide the frozen encoder's model\.d_model, 64"),
+    (("connector=qformer", "--config.model.qformer_width=30"),
+     r"^config\.model\.num_heads=4: must divide model\.qformer_width=30"),
+])
+def test_connector_heads_that_do_not_divide_its_widths_are_a_config_error(arguments, message):
+  """Validation passed them; building the connector then failed in MultiHeadAttention's ValueError, after the frozen
+  encoder and LM had been trained or loaded. llava's projector has no heads; heads that divide the widths pass."""
+  variant, *fields = arguments
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(helpers.load_config(f"--config=configs/vlm_digits.py:{variant}", *fields), mode="train")
+  for variant, fields in (("llava", ["--config.model.num_heads=3"]), ("flamingo", ["--config.model.num_heads=8"]),
+                          ("qformer", ["--config.model.num_heads=3", "--config.model.qformer_width=48"])):
+    assert config_error_field(f"--config=configs/vlm_digits.py:connector={variant}", *fields) is None
+
+
 def test_description_distillation_needs_the_bundled_strips_descriptions():
   assert config_error_field("--config=configs/vlm_tsv.py", "--config.task.distill_weight=1.0") == \
       "config.task.distill_weight"

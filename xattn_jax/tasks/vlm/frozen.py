@@ -123,6 +123,16 @@ def check_configs(config) -> None:
   if config.model.image_positions == "mrope" and lm.model.position_encoding not in ("rope", "mrope"):
     raise validation.ConfigError("model.image_positions", "mrope", f"needs a rope or mrope LM, got "
                                  f"position_encoding={lm.model.position_encoding!r} ({config.model.lm_config})")
+  # The connector's attention splits these widths into model.num_heads heads (connectors.py): a width they do not
+  # divide failed in MultiHeadAttention's ValueError when the model was built, after the frozen runs had trained.
+  widths = {"flamingo": [("the frozen LM's model.d_model", lm.model.d_model, config.model.lm_config)]
+                        + ([("the frozen encoder's model.d_model", encoder.model.d_model, config.model.encoder_config)]
+                           if config.model.num_latents else [])}.get(config.model.connector, [])
+  for what, width, spec in widths:
+    if width % config.model.num_heads:
+      raise validation.ConfigError("model.num_heads", config.model.num_heads,
+                                   f"must divide {what}, {width} ({spec}): the {config.model.connector} connector's "
+                                   "attention splits it into these heads")
 
 
 def _on_the_pairs(config, field: str, reads_pairs):

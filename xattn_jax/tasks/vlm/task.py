@@ -118,6 +118,9 @@ class VLMTask(task_lib.Task):
                                 "model.qformer_blocks", "model.qformer_cross_attention_every",
                                 "model.spatial_merge", "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
     validation.require_positive(config, "model.num_latents", allow_zero=True)
+    if model.connector == "qformer" and model.qformer_width % model.num_heads:
+      raise validation.ConfigError("model.num_heads", model.num_heads, f"must divide model.qformer_width="
+                                   f"{model.qformer_width}: the Q-Former's queries attend in these heads")
     distill = config.task.get("distill_weight", 0.0)
     if not validation.is_number(distill) or not 0 <= distill < float("inf"):
       raise validation.ConfigError("task.distill_weight", distill, "must be a finite number >= 0 (0: off)")
