@@ -110,6 +110,10 @@ def test_odd_rotary_dimension_is_a_config_error():
     ("size=tiny", "early_stopping.patience", -1, "must be a non-negative integer"),
     ("size=tiny", "early_stopping.min_delta", -0.5, "must be a non-negative number"),
     ("size=tiny", "debug.step_delay_s", -1.0, "must be a non-negative number of seconds"),  # time.sleep's traceback
+    # no step matched: the run trained on without the NaN it was asked for
+    ("size=tiny", "debug.nan_at_step", 0, "-1 (off) or the step whose loss to make NaN, in [1, total_steps=2000]"),
+    ("size=tiny", "debug.nan_at_step", -5, "-1 (off) or the step whose loss to make NaN, in [1, total_steps=2000]"),
+    ("size=tiny", "debug.nan_at_step", 2001, "-1 (off) or the step whose loss to make NaN, in [1, total_steps=2000]"),
 ])
 def test_out_of_range_numbers_are_config_errors_naming_the_field(config_arg, field, value, rule):
   """Each of these trained silently (optimizer numbers) or ended in a traceback from inside the model."""

@@ -375,6 +375,10 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     require_positive(config, "min_steps", allow_zero=True)  # capped by total_steps, as every end is
   if "debug" in config:
     require_non_negative_number(config, "debug.step_delay_s", "must be a non-negative number of seconds")
+    nan_at = config.debug.get("nan_at_step", -1)  # the loss of step nan_at_step is NaN; 0 or -5 matched no step
+    if nan_at != -1 and not (is_number(nan_at) and nan_at == int(nan_at) and 1 <= nan_at <= config.total_steps):
+      raise ConfigError("debug.nan_at_step", nan_at, f"-1 (off) or the step whose loss to make NaN, in [1, "
+                        f"total_steps={config.total_steps}] (test-only fault injection)")
   if "profile" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "profile.first_step", "profile.num_steps", allow_zero=True)
     if config.profile.num_steps and config.profile.first_step >= config.total_steps:
