@@ -111,6 +111,15 @@ def test_a_finished_dependency_run_with_other_optimizer_settings_is_loaded(tmp_p
   dependencies.resolve(dependent_config(tmp_path / "dependency"), str(tmp_path / "run"))
 
 
+def test_a_finished_dependency_run_with_other_compute_fields_is_loaded(tmp_path, no_training):
+  """A frozen ViT trained with --config.model.remat=full (to fit memory) was refused by the Q-Former declaring
+  configs/vit_digits.py (remat 'none'), though its parameters are those the declared config builds: remat, scan and
+  the attention kernel may change on resume (workdir.COMPUTE_FIELDS), so they may here too."""
+  fake_run(str(tmp_path / "dependency"), dependency_config(**{"model.remat": "full", "model.scan_layers": True}),
+           steps=[2])
+  dependencies.resolve(dependent_config(tmp_path / "dependency"), str(tmp_path / "run"))
+
+
 def test_a_finished_dependency_differing_only_in_its_unchecked_fields_is_loaded(tmp_path, no_training):
   """The VLM's pairs LM only evaluates on the VLM's eval file: another eval file retrained it (4 minutes)."""
   fake_run(str(tmp_path / "dependency"), dependency_config(**{"task.num_eval_examples": 16}), steps=[2])

@@ -134,12 +134,14 @@ def is_finished(dependency: task_lib.Dependency) -> bool:
 def check(dependency: task_lib.Dependency) -> None:
   """Raises ConfigError when the dependency's workdir holds a run (a checkpoint) made with another model,
   task or data config than the declared one, naming the first field that differs (task.name, model.name,
-  then by section; the dependency's unchecked_fields aside)."""
+  then by section; the dependency's unchecked_fields and workdir.COMPUTE_FIELDS aside)."""
   if not checkpoints_lib.step_numbers(dependency.workdir):
     return  # no run there yet (or one that failed before its first save): nothing to protect
   differences = workdir_lib.config_differences(config_of(dependency), dependency.workdir)  # {} without a record
+  # COMPUTE_FIELDS (remat, scan, the attention kernel) leave the parameters as they are: a resumed run may set them
+  # otherwise, so a frozen run trained with remat to fit memory is the run the declared config describes.
   differing = [key for key in differences if key.split(".")[0] in RUN_SECTIONS
-               and key not in dependency.unchecked_fields]
+               and key not in dependency.unchecked_fields and key not in workdir_lib.COMPUTE_FIELDS]
   differing = [key for key in ("task.name", "model.name") if key in differing] + differing
   field, value = ((dependency.config_field, dependency.config) if dependency.config_field
                   else (dependency.workdir_field, dependency.workdir))
