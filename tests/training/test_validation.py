@@ -394,6 +394,31 @@ def test_a_sharding_rule_naming_a_mesh_axis_twice_is_a_config_error():
     validation.validate_config(config)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"sharding_rules.batch": "tensor", "batch_size": 8, "eval_batch_size": 9},
+     r"^config\.batch_size=8: must be divisible by mesh tensor = 3 \(sharding_rules\.batch='tensor'\)$"),
+    ({"sharding_rules.batch": "tensor", "batch_size": 9, "eval_batch_size": 8},
+     r"^config\.eval_batch_size=8: must be divisible by mesh tensor = 3"),
+    ({"sharding_rules.batch": "data,tensor", "mesh.data": 2, "mesh.tensor": -1, "batch_size": 12, "eval_batch_size": 8,
+      "num_microbatches": 2},
+     r"^config\.num_microbatches=2: leaves microbatches of 6 rows, not divisible by mesh data x tensor = 4 "
+     r"\(sharding_rules\.batch='data,tensor'\)$"),
+])
+def test_a_batch_the_batch_rules_mesh_axes_do_not_divide_is_a_config_error(overrides, message):
+  """The batch's rows lie over the axes sharding_rules.batch names, not always data x fsdp: batch_size=8 with the
+  rows over tensor=3 passed validation and ended in JAX's IndivisibleError traceback at the first batch."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"mesh.data": 1, "mesh.tensor": 3, "eval_batch_size": 9, **overrides})
+  devices = 4 if "mesh.data" in overrides else 3
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(config, device_count=devices)
+  config.update_from_flattened_dict({"batch_size": 24, "eval_batch_size": 24})
+  validation.validate_config(config, device_count=devices)  # divisible: passes
+  config.sharding_rules.batch = ""  # replicated rows: any batch
+  config.update_from_flattened_dict({"batch_size": 7, "eval_batch_size": 7, "num_microbatches": 1})
+  validation.validate_config(config, device_count=devices)
+
+
 def test_mesh_minus_one_takes_the_remaining_devices():
   assert validation.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
 

@@ -167,14 +167,19 @@ def check_mesh(config, device_count: int) -> dict[str, int]:
   """The mesh's axis sizes on `device_count` devices; raises ConfigError where the mesh does not fit them or the
   batch (and each microbatch) does not split evenly over its data x fsdp shards."""
   sizes = mesh_shape(config.mesh, device_count)
-  batch_shards = sizes["data"] * sizes["fsdp"]
+  # The batch's rows are split over the mesh axes sharding_rules.batch names (sharding.batch_sharding); an axis
+  # not in MESH_AXES is refused with the rules.
+  rule = config.get("sharding_rules", {}).get("batch", "data,fsdp")
+  axes = [axis.strip() for axis in rule.split(",") if axis.strip() in MESH_AXES] if isinstance(rule, str) else []
+  batch_shards = math.prod(sizes[axis] for axis in axes)
+  over = f"mesh {' x '.join(axes)} = {batch_shards}" + ("" if rule == "data,fsdp" else f" (sharding_rules.batch={rule!r})")
   for field in ("batch_size", "eval_batch_size"):
     if config[field] % batch_shards:
-      raise ConfigError(field, config[field], f"must be divisible by mesh data x fsdp = {batch_shards}")
+      raise ConfigError(field, config[field], f"must be divisible by {over}")
   microbatches = config.get("num_microbatches", 1)  # a run's config.py written before the field has none
   if microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
     raise ConfigError("num_microbatches", microbatches, f"leaves microbatches of "
-                      f"{config.batch_size // microbatches} rows, not divisible by mesh data x fsdp = {batch_shards}")
+                      f"{config.batch_size // microbatches} rows, not divisible by {over}")
   return sizes
 
 
