@@ -95,6 +95,21 @@ def test_connector_heads_that_do_not_divide_its_widths_are_a_config_error(argume
     assert config_error_field(f"--config=configs/vlm_digits.py:connector={variant}", *fields) is None
 
 
+@pytest.mark.parametrize("variant, argument, field", [
+    ("connector=llava", "--config.model.cross_attention_every=3", "config.model.cross_attention_every"),
+    ("connector=qformer", "--config.model.cross_attention_every=2", "config.model.cross_attention_every"),
+    ("connector=qformer", "--config.model.resampler_blocks=2", "config.model.resampler_blocks"),
+    ("connector=flamingo,latents=0", "--config.model.resampler_blocks=3", "config.model.resampler_blocks"),
+    ("connector=flamingo", "--config.model.resampler_blocks=3", None),  # 32 latents: its resampler reads it
+    ("connector=flamingo", "--config.model.cross_attention_every=2", None),
+])
+def test_flamingo_fields_set_for_a_connector_that_does_not_read_them_are_a_config_error(variant, argument, field):
+  """Only flamingo builds gated blocks every k-th layer and a resampler (with latents): llava with
+  cross_attention_every=3 or a resampler of 3 blocks without latents trained the model the defaults give, without a
+  word (spatial_merge, llava's own, was refused for the others already)."""
+  assert config_error_field(f"--config=configs/vlm_digits.py:{variant}", argument) == field
+
+
 def test_description_distillation_needs_the_bundled_strips_descriptions():
   assert config_error_field("--config=configs/vlm_tsv.py", "--config.task.distill_weight=1.0") == \
       "config.task.distill_weight"
