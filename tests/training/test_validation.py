@@ -185,16 +185,6 @@ def test_mrope_sections_not_adding_up_is_a_config_error():
     validation.validate_config(config)
 
 
-@pytest.mark.parametrize("posenc", ["rope", "sinusoidal"])
-def test_mrope_sections_of_an_encoding_without_sections_are_a_config_error(posenc):
-  """They were built into the model and never read (an M-RoPE ablation row that changed nothing); since RotarySpec
-  refuses them, a rotary model failed when built, naming no config field."""
-  config = template.get_config(f"size=tiny,posenc={posenc}")
-  _assert_refused(config, "model.mrope_sections", (1, 1, 2),
-                  rf"^config\.model\.mrope_sections=\(1, 1, 2\): .* needs position_encoding in \['mrope'\], "
-                  rf"this model has '{posenc}'")
-
-
 def test_mrope_sections_with_an_empty_axis_are_a_config_error():
   config = template.get_config("size=tiny,posenc=mrope")
   pairs = config.model.d_model // config.model.num_heads // 2

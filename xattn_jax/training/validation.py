@@ -234,13 +234,6 @@ def check_attention_dims(model_config, prefix: str = "model", position_encoding:
                       f"{[name for name in position_layers.names(role='rotary') if name in allowed]}, this model has "
                       f"{position_encoding!r}; "
                       f"leave it '' otherwise")
-  if "mrope_sections" in fields and tuple(model_config.mrope_sections) and not (rotary and rotary.num_sections):
-    # Only a sectioned rotary encoding reads them: anywhere else an ablation's sections would change nothing.
-    sectioned = [name for name in allowed
-                 if getattr(position_layers.POSITION_ENCODINGS[name].rotary_kind, "num_sections", 0)]
-    raise ConfigError(f"{prefix}.mrope_sections", tuple(model_config.mrope_sections),
-                      f"split a sectioned rotary encoding's frequency pairs: needs position_encoding in {sectioned}, "
-                      f"this model has {position_encoding!r}; leave it () otherwise")
   if "rotary_dim" in fields and not (isinstance(model_config.rotary_dim, int) and model_config.rotary_dim >= 0):
     raise ConfigError(f"{prefix}.rotary_dim", model_config.rotary_dim, "must be a positive integer, or 0 (= head_dim)")
   # Fields only some encodings read, as rope_scaling above: set for another, an ablation would measure nothing.
