@@ -8,9 +8,11 @@ Each cell = task x encoding x randomized positions or not x seed, one `launch.py
 configs/lm_algorithmic.py (`input SEP output`, trained on inputs of 1-20 symbols); its result is
 the final eval's exact match (and token accuracy) per input-length band 1-20, 21-40, 41-80.
   tasks       copy, reverse (both papers), sort (Kazemnejad et al.), duplicate (Ruoss et al.)
-  encodings   none (NoPE), learned, sinusoidal, rope, alibi, t5_bias
-  randomized  every encoding that reads positions (all but none) also trains with randomized
-              positions (Ruoss et al.): `--config.model.randomized_positions_max=RANDOMIZED_MAX`.
+  encodings   every 1D encoding of the position registry (none = NoPE, learned, sinusoidal, rope, alibi,
+              t5_bias, and any entry added to xattn_jax/layers/positions.py's POSITION_ENCODINGS)
+  randomized  every encoding that reads positions and takes randomized ones (the registry's `randomizable`;
+              not none) also trains with randomized positions (Ruoss et al.):
+              `--config.model.randomized_positions_max=RANDOMIZED_MAX`.
               When configs/lm_algorithmic.py has no such field yet, those cells are skipped and
               the results say so.
 
@@ -46,8 +48,16 @@ CONFIG = "configs/lm_algorithmic.py"
 TASKS = ("copy", "reverse", "sort", "duplicate")
 # Every 1D encoding of the registry: one registered there is a column here.
 ENCODINGS = position_layers.names(layout="sequence")
-# NoPE has no positions to randomize.
-RANDOMIZED_ENCODINGS = tuple(encoding for encoding in ENCODINGS if encoding != "none")
+
+
+def randomizable(encodings) -> tuple[str, ...]:
+  """The encodings of `encodings` that take randomized positions (the registry's rule, which launch.py's validation
+  applies) and read positions at all (NoPE has none to randomize)."""
+  takes = set(position_layers.names(randomizable=True)) - set(position_layers.names(role="none"))
+  return tuple(encoding for encoding in encodings if encoding in takes)
+
+
+RANDOMIZED_ENCODINGS = randomizable(ENCODINGS)
 # Positions are drawn from [0, RANDOMIZED_MAX): it covers the longest eval row of every task
 # (duplicate at 80 symbols: BOS + 80 + SEP + 160 + EOS = 243 positions).
 RANDOMIZED_MAX = 256
