@@ -54,7 +54,7 @@ def get_config(arg=None):
   # training refuses another value than that or this one, which it would ignore).
   config.model.max_length = lm_algorithmic.row_width(args.operation, lm_algorithmic.CONFIG_LONGEST_INPUT) + 1 \
       if args.operation in lm_algorithmic.OPERATIONS else 1
-  config.model.position_encoding = args.posenc  # none | learned | sinusoidal | rope | mrope | alibi | t5_bias
+  config.model.position_encoding = args.posenc  # one of xattn_jax.models.lm.position_encodings()
   config.model.rope_scaling = ""
   config.model.rope_scaling_factor = 1.0
   config.model.mrope_sections = ()  # mrope's (time, height, width) frequency pairs; () = Qwen2-VL's 2:3:3 split

@@ -17,7 +17,7 @@ def get_config(arg=None):
   args = common.parse_arg(arg, steps=2000, posenc="fourier", latents=32, width=64, blocks=2, repeats=1, patch=1)
   config = digits_config(total_steps=args.steps, learning_rate=3e-3)
   config.model.name = "perceiver"
-  config.model.position_encoding = args.posenc  # fourier | sincos_2d | learned_2d | rope_2d | none
+  config.model.position_encoding = args.posenc  # one of xattn_jax.models.latent_reader.grid_encodings()
   config.model.patch_size = args.patch      # 1: pixels are the elements (M = 64 on 8x8 images)
   side = 8 // max(args.patch, 1)            # (a patch below 1 is left to validation, which names the field)
   config.model.grid = f"{side}x{side}"      # element grid in training (learned_2d table)

@@ -93,7 +93,8 @@ def test_markdown_has_one_row_per_finished_encoding_with_its_seed_count():
 
 def test_every_cell_has_its_own_workdir_and_seed():
   todo = ablate_positions.cells(quick=False, seeds=2, only=set())
-  assert len({cell.workdir(pathlib.Path("/w")) for cell in todo}) == len(todo) == 2 * (6 + 6 + 5)
+  encodings = sum(len(experiment.encodings) for experiment in ablate_positions.EXPERIMENTS)
+  assert len({cell.workdir(pathlib.Path("/w")) for cell in todo}) == len(todo) == 2 * encodings
   assert all(f"--config.seed={cell.seed}" in cell.command(pathlib.Path("/w"), False) for cell in todo)
 
 

@@ -517,7 +517,7 @@ def test_a_configs_comment_lists_exactly_the_choices_validation_names(config_nam
 def test_the_config_comments_that_list_choices_are_found():
   """The pattern above still reads the configs' comments (a test over none of them would pass vacuously)."""
   found = {(values[0], values[1]) for values in (param.values for param in _commented_choices())}
-  assert {("lm_text", "model.position_encoding"), ("vlm_digits", "model.connector"),
+  assert {("lm_text", "model.norm_type"), ("vlm_digits", "model.connector"),
           ("template", "model.remat")} <= found and len(found) >= 12, found
 
 
