@@ -27,8 +27,9 @@ def decoding_options(config) -> decoding.DecodingOptions:
   """config.task.decoding as a DecodingOptions; a bad field (or a missing section) is one ConfigError
   line naming task.decoding.<field>."""
   if "decoding" not in config.task:
-    raise validation.ConfigError(SECTION, None, "is required: a section with method (greedy | beam | sample) and "
-                                 "its options (beam_size, alpha, temperature, top_k, top_p, seed)")
+    options = ", ".join(field for field in (*decoding.OPTION_FIELDS, "seed") if field != "method")
+    raise validation.ConfigError(SECTION, None, f"is required: a section with method "
+                                 f"({' | '.join(decoding.DECODING_METHODS)}) and its options ({options})")
   section = config.task.decoding
   try:
     options = decoding.options_from_mapping(section)
