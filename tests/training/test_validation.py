@@ -463,6 +463,23 @@ def test_an_unknown_choice_lists_exactly_its_registrys_names(field, registry):
                   rf"^config\.{re.escape(field)}='nope': allowed are {re.escape(str(names))}$")
 
 
+def test_an_optimizer_added_as_readme_shows_is_accepted_and_listed():
+  import optax
+  readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+  snippet = re.search(r"```python\n(optim\.OPTIMIZERS\[.*?)```", readme, re.S).group(1)
+  before = dict(optim.OPTIMIZERS)
+  exec(snippet, {"optim": optim, "optax": optax})  # noqa: S102 - README's own example
+  try:
+    (added,) = set(optim.OPTIMIZERS) - set(before)
+    config = template.get_config("size=tiny")
+    config.optimizer.name = added
+    validation.validate_config(config)
+    _assert_refused(template.get_config("size=tiny"), "optimizer.name", "nope", rf"allowed are .*'{added}'")
+  finally:
+    optim.OPTIMIZERS.clear()
+    optim.OPTIMIZERS.update(before)
+
+
 @pytest.mark.parametrize("field, registry", [("model.norm", blocks.NORM_PLACEMENTS),
                                              ("model.activation", blocks.ACTIVATIONS)])
 def test_the_translators_norm_and_activation_choices_are_the_blocks(field, registry):
