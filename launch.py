@@ -187,6 +187,10 @@ def main(argv):
       # At once: JAX's exit handler would wait at the shutdown barrier for peers of a group that cannot form.
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {' '.join(str(e).split())}", at_once=True)
+    try:
+      distributed.check_same_run(_CONFIG.value, _MODE.value, _DISTRIBUTED_TIMEOUT.value)
+    except ValueError as e:  # all processes reach this verdict and stop together
+      fail(str(e))
     dependencies.resolve(_CONFIG.value, workdir, _MODE.value,  # runs the task needs finished first
                          side_by_side=_DEPENDENCIES.value == "side_by_side")
     loop.run(_CONFIG.value, workdir, _MODE.value)

@@ -352,6 +352,29 @@ def test_processes_given_different_process_counts_are_stopped_in_one_line(tmp_pa
   assert f"process 0 of 2: waiting up to 60 s for all 2 processes to connect to {address}" in first_stderr
 
 
+@pytest.mark.slow
+def test_processes_given_different_overrides_are_stopped_in_one_line(tmp_path):
+  """--config.total_steps=12 on one process of two, 8 on the other: before, each compiled its own program, the
+  first finished and the second waited in a collective its peer never joined until it was killed (then a
+  traceback). Both now stop before building anything, each with the line naming the field, status 2."""
+  address = f"127.0.0.1:{_free_port()}"
+  args = [launch_args(tmp_path / "run", f"--coordinator_address={address}", "--num_processes=2",
+                      f"--process_id={i}", "--distributed_timeout=60", overrides={"total_steps": steps})
+          for i, steps in ((0, 8), (1, 12))]
+  processes = [helpers.start(a, cwd=REPO, env=subprocess_env()) for a in args]
+  try:
+    outputs = [p.communicate(timeout=120) for p in processes]
+  finally:
+    for p in processes:
+      p.kill()
+  for process, (_, stderr) in zip(processes, outputs):
+    assert process.returncode == 2, stderr[-3000:]
+    assert ("launch.py: process 1 was given --config.total_steps=12, process 0 --config.total_steps=8"
+            in stderr), stderr[-3000:]
+    assert "Traceback" not in stderr
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_process_whose_peer_never_connects_is_aborted_after_the_distributed_timeout(tmp_path):
   """Process 0 of 2 alone, --distributed_timeout=1: JAX's coordination client aborts it (a fatal error, no
   Python exception) a few seconds later, before it trains or writes anything; without the flag it waits 300 s."""

@@ -224,12 +224,12 @@ def config_file_text(config, docstring: str) -> str:
           "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flat(tree: dict, prefix: str = "") -> dict:
   """{"a.b.c": value} of a nested dict."""
   out = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
+      out.update(flat(value, f"{prefix}{key}."))
     else:
       out[prefix + key] = value
   return out
@@ -253,13 +253,13 @@ def config_differences(config, workdir: str) -> dict[str, tuple]:
   """{dotted field: (value in the run's config.json, value in `config`)} for every field where they
   differ, sorted by field (None for a field one side lacks); {} when the workdir holds no config.json."""
   recorded = recorded_config(workdir)
-  return {} if recorded is None else _differences(_flat(recorded), config, workdir)
+  return {} if recorded is None else _differences(flat(recorded), config, workdir)
 
 
 def _differences(old: dict, config, workdir: str) -> dict[str, tuple]:
   """A path field differs where the paths, made absolute, do: a run recorded before paths were made absolute
   (or a config not launched) names the same file relative to the current directory."""
-  new = _flat(json.loads(config.to_json_best_effort()))
+  new = flat(json.loads(config.to_json_best_effort()))
   paths = path_fields(config, workdir)
   same = lambda key: (_absolute(old.get(key)) == _absolute(new.get(key)) if key in paths
                       else old.get(key) == new.get(key))
@@ -305,7 +305,7 @@ def check_same_model(config, workdir: str, mode: str = "train") -> None:
             or field in task_class.model_building_fields or field in held_out)
 
   raw = recorded_config(workdir)
-  recorded = _flat(raw or {})
+  recorded = flat(raw or {})
   differences = {} if raw is None else _differences(recorded, config, workdir)
   for field in moved_data_files(config, workdir):  # the file the run read, at another path: the same data
     differences.pop(field, None)
