@@ -188,7 +188,7 @@ def main(argv):
       fail(f"multi-host start at --coordinator_address={_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {' '.join(str(e).split())}", at_once=True)
     try:
-      distributed.check_same_run(_CONFIG.value, _MODE.value, _DISTRIBUTED_TIMEOUT.value)
+      distributed.check_same_run(_CONFIG.value, workdir, _MODE.value, _DISTRIBUTED_TIMEOUT.value)
     except ValueError as e:  # all processes reach this verdict and stop together
       fail(str(e))
     dependencies.resolve(_CONFIG.value, workdir, _MODE.value,  # runs the task needs finished first

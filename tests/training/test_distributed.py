@@ -352,16 +352,27 @@ def test_processes_given_different_process_counts_are_stopped_in_one_line(tmp_pa
   assert f"process 0 of 2: waiting up to 60 s for all 2 processes to connect to {address}" in first_stderr
 
 
+# What each of two processes is given, and the line both stop with.
+_DIFFERENT_RUNS = {
+    # before: each compiled its own program; the first finished, the second waited in a collective its peer never
+    # joined until it was killed (then a traceback)
+    "overrides": ((("run", {"total_steps": 8}), ("run", {"total_steps": 12})),
+                  "process 1 was given --config.total_steps=12, process 0 --config.total_steps=8"),
+    # before: both trained to the first checkpoint and waited there for ever, each for the other's half of it
+    "workdirs": ((("run0", {}), ("run1", {})), "process 1 was given --workdir='{root}/run1', process 0 "
+                 "--workdir='{root}/run0'"),
+}
+
+
 @pytest.mark.slow
-def test_processes_given_different_overrides_are_stopped_in_one_line(tmp_path):
-  """--config.total_steps=12 on one process of two, 8 on the other: before, each compiled its own program, the
-  first finished and the second waited in a collective its peer never joined until it was killed (then a
-  traceback). Both now stop before building anything, each with the line naming the field, status 2."""
+@pytest.mark.parametrize("case", _DIFFERENT_RUNS)
+def test_processes_given_different_runs_are_stopped_in_one_line(tmp_path, case):
+  """Both processes stop before building anything, each with the line naming the first differing field, status 2."""
+  given, line = _DIFFERENT_RUNS[case]
   address = f"127.0.0.1:{_free_port()}"
-  args = [launch_args(tmp_path / "run", f"--coordinator_address={address}", "--num_processes=2",
-                      f"--process_id={i}", "--distributed_timeout=60", overrides={"total_steps": steps})
-          for i, steps in ((0, 8), (1, 12))]
-  processes = [helpers.start(a, cwd=REPO, env=subprocess_env()) for a in args]
+  processes = [helpers.start(launch_args(tmp_path / name, f"--coordinator_address={address}", "--num_processes=2",
+                                         f"--process_id={i}", "--distributed_timeout=60", overrides=overrides),
+                             cwd=REPO, env=subprocess_env()) for i, (name, overrides) in enumerate(given)]
   try:
     outputs = [p.communicate(timeout=120) for p in processes]
   finally:
@@ -369,10 +380,8 @@ def test_processes_given_different_overrides_are_stopped_in_one_line(tmp_path):
       p.kill()
   for process, (_, stderr) in zip(processes, outputs):
     assert process.returncode == 2, stderr[-3000:]
-    assert ("launch.py: process 1 was given --config.total_steps=12, process 0 --config.total_steps=8"
-            in stderr), stderr[-3000:]
-    assert "Traceback" not in stderr
-  assert not (tmp_path / "run").exists()
+    assert "launch.py: " + line.format(root=tmp_path) in stderr and "Traceback" not in stderr, stderr[-3000:]
+  assert not any(tmp_path.iterdir())
 
 
 def test_a_process_whose_peer_never_connects_is_aborted_after_the_distributed_timeout(tmp_path):

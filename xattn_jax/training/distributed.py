@@ -110,17 +110,18 @@ def initialize(coordinator_address: str = "", num_processes: int = 1, process_id
   return False
 
 
-def check_same_run(config, mode: str, timeout_seconds: int = 300) -> None:
+def check_same_run(config, workdir: str, mode: str, timeout_seconds: int = 300) -> None:
   """Raises ValueError (one line naming the first field) where the processes of a multi-process run were given
-  other configs or modes: each would compile its own program, and they met in collectives that never matched (one
-  given --config.total_steps=12 beside 8 waited for its peer until it was killed). Every process publishes its
+  other configs, workdirs or modes: each would compile its own program, and they met in collectives that never
+  matched (one given --config.total_steps=12 beside 8 waited for its peer until it was killed; two workdirs left
+  each process waiting for the other's half of the first checkpoint). Every process publishes its
   fields in the coordination service, reads every other's and reaches the same verdict, so all stop together."""
   from jax._src import distributed as jax_distributed  # the coordination service's key-value store
   from xattn_jax.training import workdir as workdir_lib
   client, count = jax_distributed.global_state.client, jax.process_count()
   if count == 1 or client is None:
     return
-  fields = {"--mode": mode, **{f"--config.{k}": v
+  fields = {"--workdir": os.path.abspath(workdir), "--mode": mode, **{f"--config.{k}": v
                                for k, v in workdir_lib.flat(json.loads(config.to_json_best_effort())).items()}}
   client.key_value_set(f"xattn_jax/run_fields/{jax.process_index()}", json.dumps(fields, sort_keys=True))
   timeout_ms = timeout_seconds * 1000
@@ -131,4 +132,4 @@ def check_same_run(config, mode: str, timeout_seconds: int = 300) -> None:
       if given[0].get(field) != other.get(field):
         raise ValueError(f"process {i} was given {field}={other.get(field)!r}, process 0 "
                          f"{field}={given[0].get(field)!r}: every process of a run needs the same --config, "
-                         "--config.* overrides and --mode")
+                         "--config.* overrides, --workdir and --mode")
