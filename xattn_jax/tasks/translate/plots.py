@@ -48,6 +48,13 @@ def _drawable(piece: str, fonts) -> str:
                  for c in piece)
 
 
+def drawable_text(text: str) -> tuple[str, list[str]]:
+  """(text as _drawable writes it with the fonts installed here, those fonts' family names): for any figure's
+  user-written text (a VLM's prompt and caption), drawn with `fontfamily=` the names."""
+  names, fonts = _installed_fonts()
+  return _drawable(text, fonts), names
+
+
 def _label(piece: str, fonts, limit: int = _MAX_LABEL_CHARACTERS) -> str:
   """The tick label of piece: _drawable, and when longer than limit characters cut after a whole
   character (never inside an escape) and ended with an ellipsis."""

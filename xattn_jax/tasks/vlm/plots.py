@@ -16,6 +16,7 @@ from flax import nnx
 
 from xattn_jax.data import vlm_digits
 from xattn_jax.models import lm as lm_lib
+from xattn_jax.tasks.translate.plots import drawable_text
 from xattn_jax.tasks.vlm.task import MAX_IMAGES
 
 MAX_COLUMNS = 8  # maps per row of panels
@@ -97,14 +98,18 @@ def attention_figure(task, model, examples, path: str) -> list:
   for (image, prompt, answer, panels), n_rows in zip(drawn, map_rows):
     head = axes[row, 0]
     head.imshow(image, cmap="gray_r", vmin=0.0, vmax=1.0)
-    head.set_title(f"{prompt.strip() or '(caption)'} -> {answer or '(nothing)'}", fontsize=8, loc="left")
+    # A user's captions in a script no installed font draws (Chinese without a CJK font) read as \uXXXX, not as
+    # empty boxes with one matplotlib warning per character.
+    text, fonts = drawable_text(f"{prompt.strip() or '(caption)'} -> {answer or '(nothing)'}")
+    head.set_title(text, fontsize=8, loc="left", fontfamily=fonts)
     top = max([float(grid_map.max()) for _, grid_map in panels] + [1e-6])  # one colour scale per example
     for k, (title, grid_map) in enumerate(panels):
       ax = axes[row + 1 + k // columns, k % columns]
       ax.imshow(image, cmap="gray_r", vmin=0.0, vmax=1.0)
       upsampled = np.kron(grid_map, np.ones((patch, patch)))[:image.shape[0], :image.shape[1]]
       ax.imshow(upsampled, cmap="magma", alpha=0.6, vmin=0.0, vmax=top)
-      ax.set_title(title, fontsize=7)
+      text, fonts = drawable_text(title)
+      ax.set_title(text, fontsize=7, fontfamily=fonts)
     row += 1 + n_rows
   figure.tight_layout()
   figure.savefig(path, dpi=110)
