@@ -16,6 +16,27 @@ def test_resuming_drops_later_metric_rows_but_keeps_a_copy_of_them(tmp_path):
 
 
 
+def test_the_loss_plot_of_a_single_logged_step_draws_it(tmp_path, monkeypatch):
+  """A run of one step (or one shorter than log_every_steps) logs one train row: its line of one point drew
+  nothing in loss.png but the legend."""
+  from matplotlib import pyplot as plt
+
+  from xattn_jax.training import metrics
+  writer = metrics.MetricsWriter(str(tmp_path), active=True, tensorboard=False)
+  writer.write(1, {"train/loss": 4.6, "eval/loss": 5.0})
+  writer.close()
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  metrics.plot_losses(str(tmp_path))
+  assert (tmp_path / "loss.png").exists()
+  lines = figures[0].axes[0].get_lines()
+  assert [line.get_label() for line in lines] == ["train/loss", "eval/loss"]
+  for line in lines:  # a line of several points, or a marker
+    assert len(line.get_xdata()) > 1 or line.get_marker() not in (None, "None", "", " ")
+  monkeypatch.undo()  # plt.close again
+  plt.close(figures[0])
+
+
 class _FakeSummaryWriter:
   """tensorboardX.SummaryWriter's calls, recorded."""
   scalars = []

@@ -91,7 +91,9 @@ def plot_losses(workdir: str):
     logging.warning("matplotlib is not installed: no loss plot")
     return
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(*zip(*train), label="train/loss")
+  # A single logged step (a run of one step, or one shorter than log_every_steps: its last step only) is a
+  # line of one point, which matplotlib draws as nothing: a marker shows it.
+  ax.plot(*zip(*train), marker="o" if len(train) == 1 else None, label="train/loss")
   if evals:
     ax.plot(*zip(*evals), "o-", label="eval/loss")
   ax.set_xlabel("step")
