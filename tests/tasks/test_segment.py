@@ -253,3 +253,19 @@ def test_infer_names_a_png_after_a_long_image_name_within_the_file_systems_limit
   first, second = task.infer(model, ["test:0", f"{image} 1,1"])
   assert first.split("\t")[1].endswith("test_0_1.png")
   assert second.split("\t")[1] == str(tmp_path / "infer" / ("b" * 48 + "_2.png"))
+
+
+def test_a_prediction_titled_in_a_script_no_font_draws_warns_of_no_missing_glyph(tmp_path):
+  """infer titles each picture with its input line's image path: a Chinese file name on a machine without a CJK
+  font drew empty boxes with one matplotlib "Glyph ... missing" warning per distinct character."""
+  import warnings
+
+  from xattn_jax.tasks.segment import plots
+  image = np.zeros((8, 8), np.float32)
+  masks = np.zeros((2, 8, 8), bool)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plots.plot_prediction(image, np.array([[0.5, 0.5]]), np.array([1]), masks, np.array([0.3, 0.6]),
+                          str(tmp_path / "p.png"), title="扫描/猫的照片.png")
+  assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert [str(w.message) for w in caught if "missing from" in str(w.message)] == []

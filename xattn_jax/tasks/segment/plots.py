@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from xattn_jax.data import segment_digits
+from xattn_jax.tasks.translate.plots import drawable_text
 
 
 def plot_prediction(image: np.ndarray, points: np.ndarray, point_labels: np.ndarray, masks: np.ndarray,
@@ -30,7 +31,10 @@ def plot_prediction(image: np.ndarray, points: np.ndarray, point_labels: np.ndar
   if len(corners) == 2:
     (top, left), (bottom, right) = corners[segment_digits.BOX_TOP_LEFT], corners[segment_digits.BOX_BOTTOM_RIGHT]
     axes[0].add_patch(plt.Rectangle((left, top), right - left, bottom - top, fill=False, color="yellow"))
-  axes[0].set_title(title or "prompt", fontsize=8)
+  # infer's title is the input line's image path: one in a script no installed font draws (a Chinese file name
+  # without a CJK font) reads as \uXXXX, not as empty boxes with a matplotlib warning per character.
+  text, fonts = drawable_text(title or "prompt")
+  axes[0].set_title(text, fontsize=8, fontfamily=fonts)
   best = int(np.argmax(predicted_iou))
   for k, mask in enumerate(masks):
     axes[1 + k].imshow(image, cmap="gray", vmin=0.0, vmax=1.0)
