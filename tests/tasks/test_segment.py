@@ -269,3 +269,11 @@ def test_a_prediction_titled_in_a_script_no_font_draws_warns_of_no_missing_glyph
                           str(tmp_path / "p.png"), title="扫描/猫的照片.png")
   assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert [str(w.message) for w in caught if "missing from" in str(w.message)] == []
+
+
+def test_a_prediction_titled_with_dollar_signs_is_drawn_as_text(tmp_path):
+  """A file name holding '$^$' raised matplotlib's mathtext ParseSyntaxException: infer stopped."""
+  from xattn_jax.tasks.segment import plots
+  plots.plot_prediction(np.zeros((8, 8), np.float32), np.array([[0.5, 0.5]]), np.array([1]), np.zeros((2, 8, 8), bool),
+                        np.array([0.3, 0.6]), str(tmp_path / "p.png"), title="scan$^$1.png")
+  assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

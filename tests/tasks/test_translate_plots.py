@@ -107,3 +107,14 @@ def test_panels_do_not_overlap(tmp_path):
   for i, a in enumerate(boxes):
     for b in boxes[i + 1:]:
       assert a.x1 <= b.x0 or b.x1 <= a.x0 or a.y1 <= b.y0 or b.y1 <= a.y0
+
+
+def test_pieces_holding_dollar_signs_are_drawn_as_text_not_mathtext(tmp_path):
+  """A corpus with LaTeX or prices: a piece '$^$' raised matplotlib's mathtext ParseSyntaxException at savefig
+  (ending the training run at its eval), and '$x$' was drawn as math."""
+  figure = _plot_without_warnings(["▁$^$", "▁$x$"], ["▁$5", "</s>"], tmp_path / "map.png")
+  labels = [label for label in figure.axes[0].get_xticklabels() + figure.axes[0].get_yticklabels()]
+  translate_plots.close(figure)
+  assert (tmp_path / "map.png").exists()
+  assert [label.get_text() for label in labels] == ["▁$^$", "▁$x$", "▁$5", "</s>"]
+  assert not any(label.get_parse_math() for label in labels)

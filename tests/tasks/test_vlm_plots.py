@@ -32,12 +32,13 @@ def test_the_qformer_figure_draws_one_map_per_query_for_each_example(tmp_path):
 def test_a_caption_in_a_script_no_font_draws_warns_of_no_missing_glyph(tmp_path, monkeypatch):
   """A user's Chinese captions (configs/vlm_tsv.py) on a machine without a CJK font: the titles read \\uXXXX
   (drawn as is where a font has the characters), never one matplotlib "Glyph ... missing" warning per distinct
-  character, which flooded the log and drew empty boxes."""
+  character, which flooded the log and drew empty boxes. A '$' is text: '$^$' raised mathtext's
+  ParseSyntaxException at savefig."""
   import types
   import warnings
   grid = np.full((2, 4), 1 / 8)
   monkeypatch.setattr(plots, "example_maps", lambda task, model, example: (
-      np.zeros((8, 16)), "描述这张图片", "一只猫 مرحبا", [("'猫' (cls 5%)", grid), ("'垫子' (cls 3%)", grid)]))
+      np.zeros((8, 16)), "描述这张图片 $^$", "一只猫 مرحبا $5 $x$", [("'猫' (cls 5%)", grid), ("'$^$' (cls 3%)", grid)]))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     plots.attention_figure(types.SimpleNamespace(patch_size=4), None, [None], str(tmp_path / "maps.png"))

@@ -34,7 +34,7 @@ def plot_prediction(image: np.ndarray, points: np.ndarray, point_labels: np.ndar
   # infer's title is the input line's image path: one in a script no installed font draws (a Chinese file name
   # without a CJK font) reads as \uXXXX, not as empty boxes with a matplotlib warning per character.
   text, fonts = drawable_text(title or "prompt")
-  axes[0].set_title(text, fontsize=8, fontfamily=fonts)
+  axes[0].set_title(text, fontsize=8, fontfamily=fonts, parse_math=False)  # a '$' in a file name is text
   best = int(np.argmax(predicted_iou))
   for k, mask in enumerate(masks):
     axes[1 + k].imshow(image, cmap="gray", vmin=0.0, vmax=1.0)

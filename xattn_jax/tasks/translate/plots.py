@@ -50,7 +50,8 @@ def _drawable(piece: str, fonts) -> str:
 
 def drawable_text(text: str) -> tuple[str, list[str]]:
   """(text as _drawable writes it with the fonts installed here, those fonts' family names): for any figure's
-  user-written text (a VLM's prompt and caption), drawn with `fontfamily=` the names."""
+  user-written text (a VLM's prompt and caption), drawn with `fontfamily=` the names and `parse_math=False`
+  (a '$' in it is a character, not mathtext: '$^$' raises at savefig)."""
   names, fonts = _installed_fonts()
   return _drawable(text, fonts), names
 
@@ -120,9 +121,11 @@ def plot_cross_attention(weights, source_pieces, target_pieces, path, *, per_hea
     for column in range(columns):
       ax = axes[layer, column]
       ax.imshow(panels[layer, column], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+      # parse_math=False: a piece is text, never mathtext ('$x$' drawn as math, '$^$' raising at savefig)
       ax.set_xticks(range(len(source_labels)), source_labels, rotation=90, fontsize=_LABEL_POINTS,
-                    fontfamily=font_names)
-      ax.set_yticks(range(len(target_labels)), target_labels, fontsize=_LABEL_POINTS, fontfamily=font_names)
+                    fontfamily=font_names, parse_math=False)
+      ax.set_yticks(range(len(target_labels)), target_labels, fontsize=_LABEL_POINTS, fontfamily=font_names,
+                    parse_math=False)
       ax.set_title(f"layer {layer}" + (f", head {column}" if per_head else f" ({heads} heads averaged)"),
                    fontsize=_TITLE_POINTS)
       ax.set_xlabel("source", fontsize=_LABEL_POINTS)

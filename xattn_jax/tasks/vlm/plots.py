@@ -101,7 +101,7 @@ def attention_figure(task, model, examples, path: str) -> list:
     # A user's captions in a script no installed font draws (Chinese without a CJK font) read as \uXXXX, not as
     # empty boxes with one matplotlib warning per character.
     text, fonts = drawable_text(f"{prompt.strip() or '(caption)'} -> {answer or '(nothing)'}")
-    head.set_title(text, fontsize=8, loc="left", fontfamily=fonts)
+    head.set_title(text, fontsize=8, loc="left", fontfamily=fonts, parse_math=False)
     top = max([float(grid_map.max()) for _, grid_map in panels] + [1e-6])  # one colour scale per example
     for k, (title, grid_map) in enumerate(panels):
       ax = axes[row + 1 + k // columns, k % columns]
@@ -109,7 +109,7 @@ def attention_figure(task, model, examples, path: str) -> list:
       upsampled = np.kron(grid_map, np.ones((patch, patch)))[:image.shape[0], :image.shape[1]]
       ax.imshow(upsampled, cmap="magma", alpha=0.6, vmin=0.0, vmax=top)
       text, fonts = drawable_text(title)
-      ax.set_title(text, fontsize=7, fontfamily=fonts)
+      ax.set_title(text, fontsize=7, fontfamily=fonts, parse_math=False)
     row += 1 + n_rows
   figure.tight_layout()
   figure.savefig(path, dpi=110)
