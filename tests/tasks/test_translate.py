@@ -20,6 +20,7 @@ from xattn_jax.data import batching
 from xattn_jax.models import translator
 from xattn_jax.training import loop, schedule, task as task_lib, validation
 from xattn_jax.tasks.translate import bleu
+from xattn_jax.tasks import figure_text
 from xattn_jax.tasks.translate import plots as translate_plots
 from xattn_jax.tasks.translate import task as translate_task
 
@@ -607,7 +608,7 @@ def test_attention_plot_has_one_panel_per_layer_or_per_layer_and_head(tmp_path, 
 
 def test_attention_plot_of_characters_no_font_has_writes_them_escaped_without_warnings(tmp_path):
   import warnings
-  fonts = translate_plots._installed_fonts()[1]
+  fonts = figure_text.installed_fonts()[1]
   missing = [c for c in "日曜日🙂" if not any(font.get_char_index(ord(c)) for font in fonts)]
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # matplotlib's "Glyph ... missing from font" is a UserWarning

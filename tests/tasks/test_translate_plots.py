@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from matplotlib import font_manager
 
+from xattn_jax.tasks import figure_text
 from xattn_jax.tasks.translate import plots as translate_plots
 
 ARABIC = "▁الاثنين"  # a SentencePiece piece of "Monday"
@@ -13,7 +14,7 @@ TARGET = [ARABIC, "،", "▁15", "▁يناير", "▁1900", "</s>"]
 
 
 def _fonts():
-  return translate_plots._installed_fonts()[1]
+  return figure_text.installed_fonts()[1]
 
 
 def _covered(character, fonts) -> bool:
@@ -48,7 +49,7 @@ def test_arabic_pieces_are_drawn_unescaped_when_a_font_matplotlib_uses_has_their
   default = font_manager.get_font(font_manager.findfont("DejaVu Sans"))
   if not all(_covered(c, [default]) for c in ARABIC):
     pytest.skip("matplotlib's DejaVu Sans has no Arabic here")
-  assert translate_plots._drawable(ARABIC, _fonts()) == ARABIC
+  assert figure_text.drawable(ARABIC, _fonts()) == ARABIC
   figure = _plot_without_warnings(SOURCE, TARGET, tmp_path / "map.png")
   labels = _labels(figure.axes[0])
   translate_plots.close(figure)
@@ -74,7 +75,7 @@ def test_long_labels_end_in_an_ellipsis_after_whole_characters():
     label = translate_plots._label(piece, fonts)
     kept = label.rstrip(".…")
     assert len(label) <= limit and label != kept
-    assert any(translate_plots._drawable(piece[:k], fonts) == kept for k in range(len(piece)))
+    assert any(figure_text.drawable(piece[:k], fonts) == kept for k in range(len(piece)))
   assert translate_plots._label("▁January", fonts) == "▁January"
 
 

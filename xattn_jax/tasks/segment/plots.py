@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from xattn_jax.data import segment_digits
-from xattn_jax.tasks.translate.plots import drawable_text
+from xattn_jax.tasks.figure_text import drawable_text
 
 
 def plot_prediction(image: np.ndarray, points: np.ndarray, point_labels: np.ndarray, masks: np.ndarray,

@@ -1,14 +1,12 @@
 """Cross-attention maps of the translator as PNG files (matplotlib, no display needed)."""
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 
-# Tried in order for each character (matplotlib font fallback); the CJK ones only where installed.
-_FONTS = ("DejaVu Sans", "Noto Sans CJK JP", "Noto Sans CJK SC", "Noto Sans", "IPAexGothic", "IPAGothic",
-          "Source Han Sans", "WenQuanYi Zen Hei", "Arial Unicode MS")
+from xattn_jax.tasks.figure_text import drawable, installed_fonts
+
 _LABEL_POINTS = 7  # tick and axis labels
 _TITLE_POINTS = 8
 _CELL_INCHES = 0.28  # one source or target piece
@@ -17,52 +15,13 @@ _MAX_LABEL_CHARACTERS = 40  # longer tick labels (escaped ones grow 6x) end in a
 _PAD_INCHES = 0.12  # around each panel's labels and title
 
 
-@functools.cache
-def _installed_fonts():
-  """(names, FT2Font objects) of the _FONTS matplotlib can find on this machine.
-
-  Each FT2Font is of the file matplotlib itself draws that family from (font_manager.findfont, as
-  its per-character fallback does), not of any file registered under the name: e.g. "DejaVu Sans"
-  is both matplotlib's own DejaVuSans.ttf (with Arabic) and a system DejaVuSansCondensed-Oblique.ttf
-  (without).
-  """
-  from matplotlib import font_manager, ft2font
-  names, paths = [], []
-  for name in _FONTS:
-    try:
-      path = font_manager.findfont(font_manager.FontProperties(family=name, size=_LABEL_POINTS),
-                                   fallback_to_default=False)
-    except ValueError:  # family not installed
-      continue
-    names.append(name)
-    if path not in paths:
-      paths.append(path)
-  # findfont may return a FontPath (a str with the face index in a .ttc collection).
-  return names, [ft2font.FT2Font(path, face_index=getattr(path, "face_index", 0)) for path in paths]
-
-
-def _drawable(piece: str, fonts) -> str:
-  """piece with every character no installed font can draw written as \\uXXXX (e.g. Japanese
-  without a CJK font): a readable label instead of empty boxes and a warning per glyph."""
-  return "".join(c if c.isspace() or any(font.get_char_index(ord(c)) for font in fonts) else f"\\u{ord(c):04x}"
-                 for c in piece)
-
-
-def drawable_text(text: str) -> tuple[str, list[str]]:
-  """(text as _drawable writes it with the fonts installed here, those fonts' family names): for any figure's
-  user-written text (a VLM's prompt and caption), drawn with `fontfamily=` the names and `parse_math=False`
-  (a '$' in it is a character, not mathtext: '$^$' raises at savefig)."""
-  names, fonts = _installed_fonts()
-  return _drawable(text, fonts), names
-
-
 def _label(piece: str, fonts, limit: int = _MAX_LABEL_CHARACTERS) -> str:
-  """The tick label of piece: _drawable, and when longer than limit characters cut after a whole
+  """The tick label of piece: drawable, and when longer than limit characters cut after a whole
   character (never inside an escape) and ended with an ellipsis."""
-  characters = [_drawable(c, fonts) for c in piece]
+  characters = [drawable(c, fonts) for c in piece]
   if sum(map(len, characters)) <= limit:
     return "".join(characters)
-  ellipsis = "…" if _drawable("…", fonts) == "…" else "..."
+  ellipsis = "…" if drawable("…", fonts) == "…" else "..."
   label = ""
   for drawn in characters:
     if len(label) + len(drawn) + len(ellipsis) > limit:
@@ -110,7 +69,7 @@ def plot_cross_attention(weights, source_pieces, target_pieces, path, *, per_hea
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
 
-  font_names, fonts = _installed_fonts()
+  font_names, fonts = installed_fonts()
   source_labels = [_label(piece, fonts) for piece in source_pieces]
   target_labels = [_label(piece, fonts) for piece in target_pieces]
   layers, heads = weights.shape[:2]

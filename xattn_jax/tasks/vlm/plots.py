@@ -16,7 +16,7 @@ from flax import nnx
 
 from xattn_jax.data import vlm_digits
 from xattn_jax.models import lm as lm_lib
-from xattn_jax.tasks.translate.plots import drawable_text
+from xattn_jax.tasks.figure_text import drawable_text
 from xattn_jax.tasks.vlm.task import MAX_IMAGES
 
 MAX_COLUMNS = 8  # maps per row of panels
