@@ -53,19 +53,14 @@ def test_utf16_without_a_byte_order_mark_is_refused_not_read_as_nul_riddled_text
     text.read_documents(path)
 
 
-def test_a_line_holding_a_nul_byte_is_named_by_file_and_line(tmp_path):
+@pytest.mark.parametrize("data, problem", [
+    (b"a long enough first document\nbinary \x00 here\nfine\n", "2: holds a NUL byte .* at byte 8 "),
+    # an old Mac file joined to a Unix one: its three documents were read as one, \\r and all
+    (b"first\rsecond\rthird\r\nfourth\r\nfifth\n", "1: holds a carriage return .* that ends no line")])
+def test_a_line_holding_a_nul_byte_or_a_carriage_return_inside_is_named_by_file_and_line(tmp_path, data, problem):
   path = tmp_path / "docs.txt"
-  path.write_bytes(b"a long enough first document\nbinary \x00 here\nfine\n")
-  with pytest.raises(text.TextFormatError, match=rf"{path}:2: holds a NUL byte .* at byte 8 ") as error:
-    text.read_documents(path)
-  assert len(error.value.problems) == 1
-
-
-def test_a_carriage_return_inside_a_line_is_named_not_read_as_one_document(tmp_path):
-  """An old Mac file joined to a Unix one: its three documents were read as one, \\r and all."""
-  path = tmp_path / "docs.txt"
-  path.write_bytes(b"first\rsecond\rthird\r\nfourth\r\nfifth\n")
-  with pytest.raises(text.TextFormatError, match=rf"{path}:1: holds a carriage return .* that ends no line") as error:
+  path.write_bytes(data)
+  with pytest.raises(text.TextFormatError, match=rf"{path}:{problem}") as error:
     text.read_documents(path)
   assert len(error.value.problems) == 1
 

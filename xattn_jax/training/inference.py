@@ -52,11 +52,18 @@ def read_input_lines(input_file: str) -> tuple[str, list[str]]:
   return name, lines
 
 
-def _input_error(name: str, problems: list[tuple[int | None, str]]) -> DataError:
-  """The DataError of an input that `files.split_line_bytes` refuses: `name[:line]: why` for each problem."""
-  shown = [f"{name}:{number}: {why}" if number is not None else f"{name}: {why}" for number, why in problems]
-  more = len(shown) - _MAX_REPORTED
-  return DataError("\n".join(shown[:_MAX_REPORTED] + ([f"... and {more} more"] if more > 0 else [])))
+def _input_error(name: str, problems: list[tuple[int | None, str]],
+                 what: str = "problems in the input") -> DataError:
+  """The DataError "`name`[:line]: why" of (1-based line number or None, why) problems, a line each (the first
+  _MAX_REPORTED, under a heading counting them where there are several): an input that `files.split_line_bytes`
+  refuses, or input lines the task cannot take."""
+  shown = [f"{name}:{number}: {why}" if number is not None else f"{name}: {why}"
+           for number, why in problems[:_MAX_REPORTED]]
+  if len(problems) > 1:
+    more = len(problems) - len(shown)
+    shown = [f"{name}: {len(problems)} {what}:", *(f"  {line}" for line in shown),
+             *([f"  ... and {more} more"] if more else [])]
+  return DataError("\n".join(shown))
 
 
 def answer_lines(infer, lines: list[str], name: str = "<input>") -> list[str]:
@@ -66,12 +73,8 @@ def answer_lines(infer, lines: list[str], name: str = "<input>") -> list[str]:
   try:
     answers = infer(lines)
   except task_lib.InputLineError as error:
-    shown = [f"{name}:{index + 1}: {message}" for index, message in error.problems[:_MAX_REPORTED]]
-    if len(error.problems) > 1:
-      more = len(error.problems) - len(shown)
-      shown = [f"{name}: {len(error.problems)} input lines the task cannot take:",
-               *(f"  {line}" for line in shown), *([f"  ... and {more} more"] if more else [])]
-    raise DataError("\n".join(shown)) from None
+    raise _input_error(name, [(index + 1, message) for index, message in error.problems],
+                       "input lines the task cannot take") from None
   by_number = dict(enumerate(answers, 1))
   broken = [number for number, answer in by_number.items() if _LINE_BREAK.search(answer)]
   if broken:  # the bundled tasks never generate one (Tokenizer.never_generated_ids); a task of yours may

@@ -125,9 +125,11 @@ def check_configs(config) -> None:
                                  f"position_encoding={lm.model.position_encoding!r} ({config.model.lm_config})")
   # The connector's attention splits these widths into model.num_heads heads (connectors.py): a width they do not
   # divide failed in MultiHeadAttention's ValueError when the model was built, after the frozen runs had trained.
-  widths = {"flamingo": [("the frozen LM's model.d_model", lm.model.d_model, config.model.lm_config)]
-                        + ([("the frozen encoder's model.d_model", encoder.model.d_model, config.model.encoder_config)]
-                           if config.model.num_latents else [])}.get(config.model.connector, [])
+  widths = []
+  if config.model.connector == "flamingo":
+    widths.append(("the frozen LM's model.d_model", lm.model.d_model, config.model.lm_config))
+    if config.model.num_latents:
+      widths.append(("the frozen encoder's model.d_model", encoder.model.d_model, config.model.encoder_config))
   for what, width, spec in widths:
     if width % config.model.num_heads:
       raise validation.ConfigError("model.num_heads", config.model.num_heads,

@@ -144,14 +144,14 @@ class VLMTask(task_lib.Task):
       validation.require_positive(config, "task.distill_blocks", allow_zero=True)
     # flamingo's own fields, each 1 by default: set for another connector (or the resampler without latents) they
     # would change nothing, as spatial_merge below
-    for field, reads in (("cross_attention_every", model.connector == "flamingo"),
-                         ("resampler_blocks", model.connector == "flamingo" and model.num_latents > 0)):
+    flamingo = model.connector == "flamingo"
+    got = f"model.connector={model.connector!r}" + (f", model.num_latents={model.num_latents}" if flamingo else "")
+    for field, reads, reader in (
+        ("cross_attention_every", flamingo, "connector=flamingo"),
+        ("resampler_blocks", flamingo and model.num_latents > 0,
+         "connector=flamingo with model.num_latents > 0 (its resampler)")):
       if model[field] != 1 and not reads:
-        raise validation.ConfigError(f"model.{field}", model[field], "is read by connector=flamingo"
-                                     + (" with model.num_latents > 0 (its resampler)" if field == "resampler_blocks"
-                                        else "") + f" only (or 1), got model.connector={model.connector!r}"
-                                     + (f", model.num_latents={model.num_latents}" if model.connector == "flamingo"
-                                        else ""))
+        raise validation.ConfigError(f"model.{field}", model[field], f"is read by {reader} only (or 1), got {got}")
     if model.spatial_merge > 1 and not connectors.CONNECTORS[model.connector].spatial:
       raise validation.ConfigError("model.spatial_merge", model.spatial_merge,
                                    f"merges the patches that become soft tokens: connector=llava only (or 1), got "
