@@ -1,4 +1,5 @@
 """Greedy and beam search over explicit caches, checked on tiny hand-made models."""
+import dataclasses
 import functools
 import itertools
 
@@ -667,3 +668,30 @@ def test_beam_search_returns_the_beams_of_a_beam_search_written_out_in_python(vo
       assert list(tokens[example, slot, :len(expected)]) == expected, (example, slot, tokens[example], reference)
       assert (tokens[example, slot, len(expected):] == pad).all(), tokens[example, slot]
       np.testing.assert_allclose(scores[example, slot], score, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method, field, value", [
+    ("greedy", "temperature", 0.7), ("greedy", "top_p", 0.9), ("greedy", "top_k", 5), ("beam", "top_k", 5),
+    ("sample", "beam_size", 8), ("greedy", "alpha", 1.0)])
+def test_an_option_the_method_does_not_read_set_away_from_its_default_is_named_with_its_reader(method, field, value):
+  """A temperature beside method greedy decoded greedily without a word."""
+  options = decoding.options_from_mapping({"method": method, field: value})
+  (named, reader), = decoding.unread_options(options)
+  assert named == field and field in decoding.METHOD_OPTIONS[reader] and reader != method
+
+
+_AWAY = {"beam_size": 2, "alpha": 1.0, "temperature": 0.5, "top_k": 3, "top_p": 0.5}  # valid, not defaults
+
+
+@pytest.mark.parametrize("method", decoding.DECODING_METHODS)
+def test_every_option_at_its_default_is_unread_by_no_method(method):
+  section = {**decoding.OPTION_DEFAULTS, "method": method, "cache_halves": False}  # cache_halves: every method's
+  options = decoding.options_from_mapping(section)
+  assert options == decoding.DecodingOptions(method=method, cache_halves=False)
+  assert decoding.unread_options(options) == ()
+  assert decoding.unread_options(dataclasses.replace(options, **{f: _AWAY[f] for f in decoding.METHOD_OPTIONS[method]})) == ()
+
+
+def test_each_option_but_method_and_cache_halves_is_read_by_exactly_one_method():
+  read = [field for reads in decoding.METHOD_OPTIONS.values() for field in reads]
+  assert sorted(read) == sorted(set(decoding.OPTION_FIELDS) - {"method", "cache_halves"})

@@ -494,14 +494,16 @@ class DecodingOptionError(ValueError):
 class DecodingOptions:
   """A decoding method and its options, validated on construction; hashable, so a static jit argument.
 
-  method: one of DECODING_METHODS. Only the chosen method's options are read:
-    greedy  none
-    beam    beam_size (>= 1), alpha (GNMT length-penalty exponent, >= 0)
-    sample  temperature (>= float32's smallest normal; small values approach greedy), top_k (>= 0, 0 = every token),
-            top_p (in (0, 1], 1 = no nucleus cut)
-  every   cache_halves (bool: a cache of 2 * HEAD_MIN_POSITIONS positions or more decodes its first half
-          on that half alone, holding 1.5x its memory meanwhile; False: one loop on the whole cache)
-  Every option is checked whatever the method, so a bad value in a config fails at once.
+  method: one of DECODING_METHODS; it reads the options METHOD_OPTIONS lists for it, and cache_halves:
+    beam_size    >= 1
+    alpha        GNMT length-penalty exponent, >= 0
+    temperature  >= float32's smallest normal; small values approach greedy
+    top_k        >= 0, 0 = every token
+    top_p        in (0, 1], 1 = no nucleus cut
+    cache_halves bool: a cache of 2 * HEAD_MIN_POSITIONS positions or more decodes its first half on that half
+                 alone, holding 1.5x its memory meanwhile; False: one loop on the whole cache
+  Every option is checked whatever the method, so a bad value in a config fails at once; `unread_options` names
+  those set away from their defaults that the chosen method does not read.
   """
   method: str = "greedy"
   beam_size: int = 4
@@ -549,6 +551,13 @@ def options_from_mapping(values) -> DecodingOptions:
   return DecodingOptions(**{name: values[name] for name in OPTION_FIELDS if name in values})
 
 
+def unread_options(options: DecodingOptions) -> tuple[tuple[str, str], ...]:
+  """(field, the method that reads it) for each option set away from its default that options.method does not
+  read (METHOD_OPTIONS): a temperature beside method greedy, which decodes as if it were not there."""
+  return tuple((name, reader) for name, reader in _OPTION_READERS.items()
+               if reader != options.method and getattr(options, name) != OPTION_DEFAULTS[name])
+
+
 def _run_greedy(decode_step, cache, options, rng, *, logits_sharding, **common):
   del rng, logits_sharding  # greedy draws nothing and ranks nothing
   return greedy_search(decode_step, cache, cache_halves=options.cache_halves, **common)
@@ -568,9 +577,23 @@ def _run_sample(decode_step, cache, options, rng, *, logits_sharding, **common):
                        **common)
 
 
-# The decoding methods: the names configs choose from, and what runs each.
-_SEARCHES = {"greedy": _run_greedy, "beam": _run_beam, "sample": _run_sample}
-DECODING_METHODS = tuple(_SEARCHES)
+class _Method(NamedTuple):
+  run: Callable  # (decode_step, cache, options, rng, **common) -> GreedyOutput
+  reads: tuple[str, ...]  # the DecodingOptions fields it reads besides cache_halves, which every method reads
+
+
+# The decoding methods: the names configs choose from, what runs each and which options it reads.
+_METHODS = {
+    "greedy": _Method(_run_greedy, reads=()),
+    "beam": _Method(_run_beam, reads=("beam_size", "alpha")),
+    "sample": _Method(_run_sample, reads=("temperature", "top_k", "top_p")),
+}
+DECODING_METHODS = tuple(_METHODS)
+# Which options each method reads (DecodingOptions' docstring and options_from_mapping's check read it).
+METHOD_OPTIONS = {name: method.reads for name, method in _METHODS.items()}
+# The one method that reads each option it lists (method and cache_halves, read by every method, are not).
+_OPTION_READERS = {field: name for name, reads in METHOD_OPTIONS.items() for field in reads}
+OPTION_DEFAULTS = {field.name: field.default for field in dataclasses.fields(DecodingOptions)}
 
 
 def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
@@ -614,7 +637,7 @@ def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_si
                 first_tokens=first_tokens, logits_sharding=logits_sharding)
   if options.method == "beam":
     common["cache_batch_axis"] = cache_batch_axis
-  return _SEARCHES[options.method](decode_step, cache, options, rng, **common)
+  return _METHODS[options.method].run(decode_step, cache, options, rng, **common)
 
 
 def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id: int = 0, beam_size: int = 1,

@@ -1,4 +1,7 @@
 """task.decoding read into DecodingOptions (xattn_jax/tasks/decoding_config.py)."""
+import importlib
+import logging
+
 import ml_collections
 import pytest
 
@@ -14,3 +17,23 @@ def test_a_missing_section_lists_the_decoding_methods_and_options_of_their_owner
     decoding_config.decoding_options(config)
   assert " | ".join(decoding.DECODING_METHODS) in str(error.value) and "my_search" in str(error.value)
   assert all(field in str(error.value) for field in decoding.OPTION_FIELDS)
+
+
+def test_an_option_the_method_does_not_read_is_named_once_in_a_warning_with_its_reader(caplog):
+  config = ml_collections.ConfigDict({"task": {"decoding": {"method": "greedy", "temperature": 0.731}}})
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):  # validate and the task's setup both read the section
+      assert decoding_config.decoding_options(config).method == "greedy"
+  said = [r.getMessage() for r in caplog.records if "temperature" in r.getMessage()]
+  assert len(said) == 1 and "task.decoding.temperature=0.731 is read by method=sample only" in said[0], said
+
+
+# configs/vlm_lm.py decodes greedily on lm_text's sampling section: finished LM runs recorded it, and a VLM
+# refuses a declared LM config that differs from its run's, so it stays (one warning)
+@pytest.mark.parametrize("spec", ["lm_algorithmic", "lm_text", "translate_dates", "translate_tsv", "vlm_digits",
+                                  "vlm_tsv"])
+def test_every_bundled_decoding_section_sets_only_what_its_method_reads(spec):
+  name, _, arg = spec.partition(":")
+  config = importlib.import_module(f"configs.{name}").get_config(arg or None)
+  options = decoding_config.decoding_options(config)
+  assert options.method == config.task.decoding.method and decoding.unread_options(options) == ()
