@@ -23,6 +23,7 @@ from __future__ import annotations
 from ml_collections import ConfigDict
 
 from configs import common
+from xattn_jax.models import connectors
 
 
 def vlm_config(args) -> ConfigDict:
@@ -69,10 +70,10 @@ def vlm_config(args) -> ConfigDict:
   config.model.num_heads = 4
   config.model.mlp_ratio = 2
   config.model.dropout_rate = 0.0
-  config.model.cross_attention_every = 1      # flamingo: a gated block before every k-th LM layer
+  # each connector's own fields at their value in its `own_fields` (models/connectors.py, which says what each is)
+  config.model.update(connectors.config_defaults())
   config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features; 32
   #                                             lift it by 0.047: experiments/results/intel_xeon_amx/flamingo_resampler.md)
-  config.model.resampler_blocks = 1
   config.model.num_queries = args.queries     # qformer: N soft tokens per image (BLIP-2: 32)
   config.model.qformer_width = 64
   config.model.qformer_blocks = 2

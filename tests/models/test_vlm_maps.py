@@ -20,7 +20,7 @@ def test_qformer_maps_are_each_querys_probabilities_over_the_real_features_of_it
   tokens, valid = batch_of([interleaved(model)] * 2)
   maps = np.asarray(maps_of(model, images, pixel_valid, image_valid, tokens, valid))
   cross_blocks = sum(block.cross_attention is not None for block in model.connector.blocks)
-  assert maps.shape == (2, 2, cross_blocks, 2, model.num_queries, 1 + GRID_PATCHES)
+  assert maps.shape == (2, 2, cross_blocks, 2, model.connector.num_queries, 1 + GRID_PATCHES)
   np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)
   # Image 0 covers the left 2 x 2 patches of the 2 x 4 canvas: its padded patches get no attention.
   padded = np.array([c >= 2 for r in range(2) for c in range(4)])

@@ -11,11 +11,14 @@ frozen language model reads (the `vlm` module docstring says how the model lays 
 - "llava" (`LlavaConnector`, LLaVA-1.5, Liu et al. 2023): Linear-GELU-Linear on every patch feature, one soft
   token per patch; with merge m > 1 on every m x m block of patches concatenated (Qwen2-VL's merger).
 
-What the model reads of a connector: `prefix_tokens` (it hands the LM soft tokens, `tokens`, each placed by
-`slot_token`; else the LM reads its `memory` through the gated `blocks` inserted before `layers`), `spatial` (its
-soft tokens sit on the image's patch grid, which M-RoPE positions and spatial merging need), `slots` (how many
-soft-token slots an image takes in the text) and `positioned` (the features with the connector's own position
-encoding of the encoder's patch grid, one of `feature_position_encodings()`).
+What the model, its task and its plots read of a connector class (none of them names a connector; `_Connector`
+documents each): `prefix_tokens` (it hands the LM soft tokens, `tokens`, each placed by `slot_token`; else the LM
+reads its `memory` through the gated `blocks` inserted before `layers`), `spatial` (its soft tokens sit on the
+image's patch grid, `token_grid`, which M-RoPE positions and spatial merging need), `slots` (how many soft-token
+slots an image takes in the text), `config_fields` and `own_fields` (the model config fields it reads, and those
+only it reads), `attention_maps`, and the config hooks `check_config`, `reads`, `reader`, `reading_settings` and
+`frozen_widths`. `register_connector` adds one; `positioned` gives the features with the connector's own
+position encoding of the encoder's patch grid, one of `feature_position_encodings()`.
 
 Shapes: features [B, 1 + P, w] (the class token, then P = gh * gw patches row-major), valid [B, 1 + P],
 soft tokens [B, K, d_lm].
@@ -36,6 +39,9 @@ from xattn_jax.ops import masks as masks_lib
 from xattn_jax.ops.positions import _check_positive_int
 
 
+ATTENTION_MAPS = ("queries", "text", None)  # what `_Connector.attention_maps` may name
+
+
 def feature_position_encodings() -> tuple[str, ...]:
   """The encodings a connector may add to the features of the encoder's patch grid: the registry's grid
   encodings that are not rotary, read when called."""
@@ -43,7 +49,51 @@ def feature_position_encodings() -> tuple[str, ...]:
 
 
 class _Connector(nnx.Module):
-  """What every connector shares: its position encoding of the features' patch grid."""
+  """What every connector shares: its position encoding of the features' patch grid, and what the generic code
+  (the model, the VLM task, its plots) reads of a connector class. A new connector subclasses it and sets each."""
+  prefix_tokens: bool = True  # hands the LM soft tokens (`tokens`, `slot_token`), else gated layers (`memory`, ...)
+  spatial: bool = False  # its soft tokens sit on the patch grid (`token_grid(grid, merge)`); model.spatial_merge
+  # The model config fields (model.<field>, the model's keywords) it reads -> its constructor's keyword for each.
+  config_fields: dict[str, str] = {}
+  # The fields of config_fields that only it reads -> the bundled configs' value (configs/vlm_digits.py reads it
+  # here). Another connector refuses any other value there: it would change nothing.
+  own_fields: dict = {}
+  # What `VisionLanguageModel.attention_maps` draws of it: "queries" (each soft token's cross-attention over the
+  # features, `cross_attention_weights`), "text" (each text token's, through its gated layers) or None (none).
+  attention_maps: str | None = None
+
+  @staticmethod
+  def slots(grid, fields) -> int:
+    """How many soft-token slots an image of real patch grid (gh, gw) takes in the text; fields: the model's
+    config (model.<field> as in config_fields, a mapping)."""
+    raise NotImplementedError
+
+  @classmethod
+  def check_config(cls, model) -> tuple[str, object, str] | None:
+    """What stops it being built from the model config `model` (`config.model`): None, or (the field, its value,
+    what it needs), which the VLM task raises as a ConfigError."""
+    return None
+
+  @classmethod
+  def reads(cls, field: str, model) -> bool:
+    """Whether this connector reads its own field `field` under the model config `model`."""
+    return field in cls.own_fields
+
+  @classmethod
+  def reader(cls, name: str, field: str) -> str:
+    """Who reads its own field `field`, in a ConfigError's words (name: its name in CONNECTORS)."""
+    return f"connector={name}"
+
+  @classmethod
+  def reading_settings(cls, model) -> str:
+    """The model config fields that decide which of its own fields it reads, as a ConfigError's ", field=value"."""
+    return ""
+
+  @classmethod
+  def frozen_widths(cls, model) -> tuple[str, ...]:
+    """The frozen parts whose width its attention splits into model.num_heads heads: "lm" (the LM's d_model),
+    "encoder" (the image encoder's)."""
+    return ()
 
   def _init_feature_positions(self, name: str, feature_width: int, grid, *, param_dtype, rngs):
     if name not in feature_position_encodings():
@@ -68,7 +118,10 @@ def _resampler_keys(features, valid, latents):
 class FlamingoConnector(_Connector):
   """Gated cross-attention dense blocks before LM layers 0, k, 2k, ... and an optional resampler."""
   prefix_tokens = False  # reads the image through inserted layers, not soft tokens
-  spatial = False
+  config_fields = {"num_heads": "num_heads", "mlp_ratio": "mlp_ratio", "cross_attention_every": "cross_attention_every",
+                   "num_latents": "num_latents", "resampler_blocks": "resampler_blocks"}
+  own_fields = {"cross_attention_every": 1, "resampler_blocks": 1}  # k: a gated block before every k-th LM layer
+  attention_maps = "text"
 
   def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
                cross_attention_every: int = 1, num_latents: int = 0, resampler_blocks: int = 1,
@@ -95,8 +148,24 @@ class FlamingoConnector(_Connector):
         for _ in self.layers])
 
   @staticmethod
-  def slots(grid, num_queries: int, merge: int = 1) -> int:
+  def slots(grid, fields) -> int:
     return 0
+
+  @classmethod
+  def reads(cls, field: str, model) -> bool:
+    return field in cls.own_fields and (field != "resampler_blocks" or model.num_latents > 0)
+
+  @classmethod
+  def reader(cls, name: str, field: str) -> str:
+    return f"connector={name}" + (" with model.num_latents > 0 (its resampler)" if field == "resampler_blocks" else "")
+
+  @classmethod
+  def reading_settings(cls, model) -> str:
+    return f", model.num_latents={model.num_latents}"
+
+  @classmethod
+  def frozen_widths(cls, model) -> tuple[str, ...]:
+    return ("lm", "encoder") if model.num_latents else ("lm",)  # gated blocks at the LM's, resampler the encoder's
 
   def memory(self, features, valid, *, deterministic):
     """features [B, 1 + P, w], valid [B, 1 + P] -> (memory [B, S, w], memory_valid [B, S])."""
@@ -132,7 +201,10 @@ class FlamingoConnector(_Connector):
 class QFormerConnector(_Connector):
   """BLIP-2: N learned queries read the features in ReaderBlocks, then a linear to the LM width."""
   prefix_tokens = True
-  spatial = False
+  config_fields = {"num_heads": "num_heads", "mlp_ratio": "mlp_ratio", "num_queries": "num_queries",
+                   "qformer_width": "width", "qformer_blocks": "num_blocks",
+                   "qformer_cross_attention_every": "cross_attention_every"}
+  attention_maps = "queries"
 
   def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
                num_queries: int = 32, width: int = 64, num_blocks: int = 2, cross_attention_every: int = 2,
@@ -154,8 +226,15 @@ class QFormerConnector(_Connector):
     self.projection = latent_reader._linear(width, lm.d_model, ("embed", "embed"), **common)
 
   @staticmethod
-  def slots(grid, num_queries: int, merge: int = 1) -> int:
-    return num_queries
+  def slots(grid, fields) -> int:
+    return fields["num_queries"]
+
+  @classmethod
+  def check_config(cls, model) -> tuple[str, object, str] | None:
+    if model.qformer_width % model.num_heads:
+      return ("model.num_heads", model.num_heads, f"must divide model.qformer_width={model.qformer_width}: the "
+              "Q-Former's queries attend in these heads")
+    return None
 
   def tokens(self, features, valid, *, grid, deterministic):
     """features [B, 1 + P, w], valid [B, 1 + P] -> soft tokens [B, N, d_lm] (N whatever the grid)."""
@@ -188,6 +267,7 @@ class LlavaConnector(_Connector):
   m > 1, on every m x m block of patches concatenated (Qwen2-VL's merger), one LM token per block."""
   prefix_tokens = True
   spatial = True
+  config_fields = {"spatial_merge": "merge"}
 
   def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, merge: int = 1,
                feature_positions: str = "none", feature_grid=None, dropout_rate: float = 0.0, dtype, param_dtype,
@@ -203,8 +283,8 @@ class LlavaConnector(_Connector):
     return -(-grid[0] // merge), -(-grid[1] // merge)
 
   @staticmethod
-  def slots(grid, num_queries: int, merge: int = 1) -> int:
-    return math.prod(LlavaConnector.token_grid(grid, merge))
+  def slots(grid, fields) -> int:
+    return math.prod(LlavaConnector.token_grid(grid, fields["spatial_merge"]))
 
   def tokens(self, features, valid, *, grid, deterministic):
     """features [B, 1 + P, w] of the canvas patch grid (gh, gw) -> soft tokens [B, K, d_lm], the canvas's
@@ -226,6 +306,34 @@ class LlavaConnector(_Connector):
 CONNECTORS = {"flamingo": FlamingoConnector, "qformer": QFormerConnector, "llava": LlavaConnector}
 
 
-def slots_per_image(connector: str, grid: tuple[int, int], *, num_queries: int = 32, spatial_merge: int = 1) -> int:
-  """How many `vlm.SOFT_TOKEN` slots `connector` gives an image whose real patch grid is grid = (gh, gw)."""
-  return CONNECTORS[connector].slots(tuple(grid), num_queries, spatial_merge)
+def register_connector(name: str, connector: type, *, replace: bool = False) -> None:
+  """Adds the connector class `connector` to CONNECTORS as `name`: the model, the VLM task and config validation
+  accept it from then on (a subclass of `_Connector` that sets what its docstring lists; README "Add a
+  connector"). Register it before the config is validated: a run of launch.py registers it from a module its
+  config file imports. ValueError for a name that is not a non-empty str, or is registered already (unless
+  replace), or a class that is not a `_Connector` subclass, or whose config_fields / own_fields do not fit."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"register_connector: name must be a non-empty str, got name={name!r}")
+  if name in CONNECTORS and not replace:
+    raise ValueError(f"register_connector: {name!r} is registered already (replace=True overrides it)")
+  if not isinstance(connector, type) or not issubclass(connector, _Connector):
+    raise ValueError(f"register_connector: connector must be a subclass of connectors._Connector, got "
+                     f"{connector!r}")
+  if not set(connector.own_fields) <= set(connector.config_fields):
+    raise ValueError(f"register_connector: {connector.__name__}.own_fields {sorted(connector.own_fields)} must be "
+                     f"among its config_fields {sorted(connector.config_fields)}")
+  if connector.attention_maps not in ATTENTION_MAPS:
+    raise ValueError(f"register_connector: {connector.__name__}.attention_maps must be one of {ATTENTION_MAPS}, "
+                     f"got {connector.attention_maps!r}")
+  CONNECTORS[name] = connector
+
+
+def config_defaults() -> dict:
+  """Every registered connector's own fields with the bundled configs' value (`own_fields`), read when called."""
+  return {field: value for connector in CONNECTORS.values() for field, value in connector.own_fields.items()}
+
+
+def slots_per_image(connector: str, grid: tuple[int, int], fields) -> int:
+  """How many `vlm.SOFT_TOKEN` slots `connector` gives an image whose real patch grid is grid = (gh, gw); fields:
+  the model config (model.<field>: num_queries, spatial_merge, ..., a mapping)."""
+  return CONNECTORS[connector].slots(tuple(grid), fields)

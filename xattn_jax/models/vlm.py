@@ -76,7 +76,7 @@ from xattn_jax.layers.attention import MemoryCache
 from xattn_jax.models import latent_reader
 from xattn_jax.models import lm as lm_lib
 from xattn_jax.models import vit as vit_lib
-from xattn_jax.models.connectors import CONNECTORS, LlavaConnector, feature_position_encodings, slots_per_image
+from xattn_jax.models.connectors import CONNECTORS, feature_position_encodings
 from xattn_jax.ops.concrete import concrete
 
 IMAGE_POSITIONS = ("sequence", "mrope")
@@ -168,7 +168,8 @@ class VisionLanguageModel(nnx.Module):
       `patch_size`); frozen here.
     lm: a `lm.LanguageModel`; frozen here. image_positions="mrope" needs its position_encoding "mrope".
     connector: a name in CONNECTORS. image_token_id: the LM's id of the image marker (IMAGE_TOKEN).
-    num_heads, mlp_ratio: sizes of the connector's attention / MLP layers.
+    num_heads, mlp_ratio: sizes of the connector's attention / MLP layers. Each connector takes the fields of its
+      `config_fields` (these keywords, the model config's field names); the others are not read.
     cross_attention_every, num_latents, resampler_blocks: flamingo (k; resampler latents, 0 = none).
     hide_padding: hide padded canvas patches from the encoder and the connector (module docstring).
     num_queries, qformer_width, qformer_blocks, qformer_cross_attention_every: qformer.
@@ -177,6 +178,7 @@ class VisionLanguageModel(nnx.Module):
     feature_positions: a name in feature_position_encodings(), the connector's encoding of the features' patch
       grid (module docstring); feature_grid: the grid it is built for (default: the encoder's `positions.grid`).
     dropout_rate: the connector's dropout. dtype: compute dtype; param_dtype: the connector's storage dtype.
+    connector_options: the fields of a registered connector's config_fields not named above.
   """
 
   def __init__(self, encoder: nnx.Module, lm: lm_lib.LanguageModel, *, connector: str, image_token_id: int,
@@ -184,7 +186,8 @@ class VisionLanguageModel(nnx.Module):
                resampler_blocks: int = 1, num_queries: int = 32, qformer_width: int = 64, qformer_blocks: int = 2,
                qformer_cross_attention_every: int = 2, image_positions: str = "sequence", spatial_merge: int = 1,
                feature_positions: str = "learned_2d", feature_grid=None, hide_padding: bool = True,
-               dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dropout_rate: float = 0.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+               **connector_options):
     if connector not in CONNECTORS:
       raise ValueError(f"VisionLanguageModel: connector must be one of {tuple(CONNECTORS)}, got "
                        f"connector={connector!r}")
@@ -219,19 +222,23 @@ class VisionLanguageModel(nnx.Module):
         or not 0 < image_token_id < lm.vocab_size):
       raise ValueError(f"VisionLanguageModel: image_token_id must be an id in [1, {lm.vocab_size}), got "
                        f"image_token_id={image_token_id!r}")
+    known = {field for k in CONNECTORS.values() for field in k.config_fields}
+    if unknown := sorted(set(connector_options) - known):
+      raise ValueError(f"VisionLanguageModel: {unknown} are no registered connector's config_fields (known: "
+                       f"{sorted(known)})")
+    fields = dict(num_heads=num_heads, mlp_ratio=mlp_ratio, cross_attention_every=cross_attention_every,
+                  num_latents=num_latents, resampler_blocks=resampler_blocks, num_queries=num_queries,
+                  qformer_width=qformer_width, qformer_blocks=qformer_blocks,
+                  qformer_cross_attention_every=qformer_cross_attention_every, spatial_merge=spatial_merge,
+                  **connector_options)
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.connector_name, self.image_token_id, self.image_positions = connector, image_token_id, image_positions
     self.patch_size, self.dtype, self.hide_padding = encoder.patch_size, dtype, hide_padding
-    self.num_queries, self.spatial_merge = num_queries, spatial_merge
+    self.spatial_merge = spatial_merge
+    self.connector_fields = {field: fields[field] for field in kind.config_fields if field in fields}  # what `slots` reads
     self.encoder = latent_reader.freeze(encoder)
     self.lm = latent_reader.freeze(lm)
-    options = {
-        "flamingo": dict(num_heads=num_heads, mlp_ratio=mlp_ratio, cross_attention_every=cross_attention_every,
-                         num_latents=num_latents, resampler_blocks=resampler_blocks),
-        "qformer": dict(num_heads=num_heads, mlp_ratio=mlp_ratio, num_queries=num_queries, width=qformer_width,
-                        num_blocks=qformer_blocks, cross_attention_every=qformer_cross_attention_every),
-        "llava": dict(merge=spatial_merge),
-    }[connector]
+    options = {keyword: self.connector_fields[field] for field, keyword in kind.config_fields.items() if field in self.connector_fields}
     self.connector = kind(encoder.width, lm, feature_positions=feature_positions, feature_grid=feature_grid,
                           dropout_rate=dropout_rate, **options, **common)
 
@@ -242,8 +249,7 @@ class VisionLanguageModel(nnx.Module):
     if height % self.patch_size or width % self.patch_size or height < 1 or width < 1:
       raise ValueError(f"VisionLanguageModel.slots_per_image: an image must be a positive multiple of the "
                        f"encoder's patch size {self.patch_size} on each side, got {height}x{width}")
-    return slots_per_image(self.connector_name, (height // self.patch_size, width // self.patch_size),
-                           num_queries=self.num_queries, spatial_merge=self.spatial_merge)
+    return self.connector.slots((height // self.patch_size, width // self.patch_size), self.connector_fields)
 
   # --- images -------------------------------------------------------------------------------------
 
@@ -263,13 +269,12 @@ class VisionLanguageModel(nnx.Module):
     grid_height = jnp.sum(on_grid[..., 0], axis=-1, dtype=jnp.int32)  # [b, n]
     grid_width = jnp.sum(on_grid[:, :, 0, :], axis=-1, dtype=jnp.int32)
     canvas_width = grid[1]
-    if isinstance(self.connector, LlavaConnector):  # its soft tokens' grid: the patches', or merged blocks'
+    if self.connector.spatial:  # its soft tokens' grid: the patches', or merged blocks'
       grid_height, grid_width = self.connector.token_grid((grid_height, grid_width), self.spatial_merge)
       canvas_width = self.connector.token_grid(grid, self.spatial_merge)[1]
       counts = grid_height * grid_width
     else:
-      counts = jnp.where(image_valid, slots_per_image(self.connector_name, grid, num_queries=self.num_queries),
-                         0).astype(jnp.int32)
+      counts = jnp.where(image_valid, self.connector.slots(grid, self.connector_fields), 0).astype(jnp.int32)
     context = ImageContext(counts=counts, grid_height=grid_height, grid_width=grid_width, canvas_width=canvas_width)
     if self.connector.prefix_tokens:
       tokens = self.connector.tokens(features, feature_valid, grid=grid, deterministic=deterministic)  # [B, K, d]
@@ -438,20 +443,21 @@ class VisionLanguageModel(nnx.Module):
   def attention_maps(self, images, pixel_valid, image_valid, tokens, valid=None) -> jax.Array:
     """Where the connector looks in the images (float32 probabilities, deterministic; arrays as in __call__).
 
-    qformer: [b, n, C, heads, N, 1 + P], each of the N queries' attention over image j's features (the class
-      token first, then the canvas patches row-major) in each of the C Q-Former blocks that cross-attend.
-    flamingo: [b, L, heads, T, n * (1 + P)], each text token's attention in each of the L gated layers over
+    What they are is the connector's `attention_maps`:
+    "queries" (qformer): [b, n, C, heads, N, 1 + P], each of the N queries' attention over image j's features (the
+      class token first, then the canvas patches row-major) in each of the C Q-Former blocks that cross-attend.
+    "text" (flamingo): [b, L, heads, T, n * (1 + P)], each text token's attention in each of the L gated layers over
       image j's features at j * (1 + P) .. (j + 1) * (1 + P) - 1 (as for qformer); with a resampler, its
       attention over the latents composed with the latents' over the features (`feature_weights`), so a row
       sums to the share that reached the image. A token reads only its latest image, so its weights over every
       other image are 0 (all 0 before the first image's marker).
-    llava has no cross-attention (the LM's self-attention reads its soft tokens): a ValueError.
+    None (llava) has no cross-attention (the LM's self-attention reads its soft tokens): a ValueError.
     """
-    if self.connector_name == "llava":
-      raise ValueError("VisionLanguageModel.attention_maps: connector='llava' has no cross-attention; its soft "
-                       "tokens are read by the LM's own self-attention")
+    if self.connector.attention_maps is None:
+      raise ValueError(f"VisionLanguageModel.attention_maps: connector={self.connector_name!r} has no "
+                       "cross-attention; its soft tokens are read by the LM's own self-attention")
     valid = self._check_text(tokens, valid)
-    if self.connector_name == "qformer":
+    if self.connector.attention_maps == "queries":
       self._check_images(images, pixel_valid, image_valid)
       features, feature_valid, _ = self._features(images, pixel_valid, image_valid)
       weights = self.connector.cross_attention_weights(features, feature_valid)

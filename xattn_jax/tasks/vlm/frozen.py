@@ -29,6 +29,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from xattn_jax.data import tokenizers, vlm_digits
+from xattn_jax.models import connectors
 from xattn_jax.tasks.lm import text as lm_task
 from xattn_jax.tasks.vlm import encoder as encoder_task
 from xattn_jax.training import checkpoints as checkpoints_lib
@@ -125,12 +126,10 @@ def check_configs(config) -> None:
                                  f"position_encoding={lm.model.position_encoding!r} ({config.model.lm_config})")
   # The connector's attention splits these widths into model.num_heads heads (connectors.py): a width they do not
   # divide failed in MultiHeadAttention's ValueError when the model was built, after the frozen runs had trained.
-  widths = []
-  if config.model.connector == "flamingo":
-    widths.append(("the frozen LM's model.d_model", lm.model.d_model, config.model.lm_config))
-    if config.model.num_latents:
-      widths.append(("the frozen encoder's model.d_model", encoder.model.d_model, config.model.encoder_config))
-  for what, width, spec in widths:
+  parts = {"lm": ("the frozen LM's model.d_model", lm.model.d_model, config.model.lm_config),
+           "encoder": ("the frozen encoder's model.d_model", encoder.model.d_model, config.model.encoder_config)}
+  kind = connectors.CONNECTORS[config.model.connector]
+  for what, width, spec in (parts[part] for part in kind.frozen_widths(config.model)):
     if width % config.model.num_heads:
       raise validation.ConfigError("model.num_heads", config.model.num_heads,
                                    f"must divide {what}, {width} ({spec}): the {config.model.connector} connector's "

@@ -1,8 +1,9 @@
 """Where a trained VLM's connector looks: attention maps over the image, next to the generated text (PNG).
 
-  qformer: each learned query's cross-attention over the image's patches (the last Q-Former block that
-    cross-attends, mean over heads): what each of the N soft tokens summarises.
-  flamingo: each generated token's gated cross-attention over the image it reads (mean over the gated
+What is drawn follows the connector's `attention_maps` (models/connectors.py):
+  "queries" (qformer): each learned query's cross-attention over the image's patches (the last Q-Former block
+    that cross-attends, mean over heads): what each of the N soft tokens summarises.
+  "text" (flamingo): each generated token's gated cross-attention over the image it reads (mean over the gated
     layers and heads), at the position whose output produced the token: what the LM looked at to write it.
 
 `attention_figure(task, model, examples, path)` draws one row group per example: the image with its prompt
@@ -15,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from xattn_jax.data import vlm_digits
-from xattn_jax.models import lm as lm_lib
+from xattn_jax.models import connectors, lm as lm_lib
 from xattn_jax.tasks.figure_text import drawable_text
 from xattn_jax.tasks.vlm.task import MAX_IMAGES
 
@@ -61,7 +62,7 @@ def example_maps(task, model, example):
     return float(weights[0]), weights[1:].reshape(canvas_grid)[:grid[0], :grid[1]]
 
   panels = []
-  if task.config.model.connector == "qformer":
+  if connectors.CONNECTORS[task.config.model.connector].attention_maps == "queries":
     weights = maps[0, 0, -1].mean(axis=0)  # [N, 1 + P]: image 0, the last cross-attending block, mean over heads
     for query, row in enumerate(weights):
       share, grid_map = on_grid(row)

@@ -109,18 +109,19 @@ class VLMTask(task_lib.Task):
     validation.require_choice(config, "model.connector", connectors.CONNECTORS)
     validation.require_choice(config, "model.image_positions", vlm.IMAGE_POSITIONS)
     validation.require_choice(config, "model.feature_positions", connectors.feature_position_encodings())
-    if model.image_positions == "mrope" and not connectors.CONNECTORS[model.connector].spatial:
+    kind = connectors.CONNECTORS[model.connector]
+    spatial = " or ".join(f"connector={name}" for name, k in connectors.CONNECTORS.items() if k.spatial)
+    if model.image_positions == "mrope" and not kind.spatial:
       raise validation.ConfigError("model.image_positions", model.image_positions,
-                                   f"'mrope' places soft tokens on their patch grid: connector=llava only, got "
+                                   f"'mrope' places soft tokens on their patch grid: {spatial} only, got "
                                    f"model.connector={model.connector!r}")
     validation.require_positive(config, "model.num_heads", "model.mlp_ratio", "model.cross_attention_every",
                                 "model.resampler_blocks", "model.num_queries", "model.qformer_width",
                                 "model.qformer_blocks", "model.qformer_cross_attention_every",
                                 "model.spatial_merge", "data.max_digits", "data.scale", "task.decoding.max_new_tokens")
     validation.require_positive(config, "model.num_latents", allow_zero=True)
-    if model.connector == "qformer" and model.qformer_width % model.num_heads:
-      raise validation.ConfigError("model.num_heads", model.num_heads, f"must divide model.qformer_width="
-                                   f"{model.qformer_width}: the Q-Former's queries attend in these heads")
+    if problem := kind.check_config(model):
+      raise validation.ConfigError(*problem)
     distill = config.task.get("distill_weight", 0.0)
     if not validation.is_number(distill) or not 0 <= distill < float("inf"):
       raise validation.ConfigError("task.distill_weight", distill, "must be a finite number >= 0 (0: off)")
@@ -142,19 +143,17 @@ class VLMTask(task_lib.Task):
                                    f"only (or False), got data.source={data.source!r}")
     if "distill_blocks" in config.task:
       validation.require_positive(config, "task.distill_blocks", allow_zero=True)
-    # flamingo's own fields, each 1 by default: set for another connector (or the resampler without latents) they
-    # would change nothing, as spatial_merge below
-    flamingo = model.connector == "flamingo"
-    got = f"model.connector={model.connector!r}" + (f", model.num_latents={model.num_latents}" if flamingo else "")
-    for field, reads, reader in (
-        ("cross_attention_every", flamingo, "connector=flamingo"),
-        ("resampler_blocks", flamingo and model.num_latents > 0,
-         "connector=flamingo with model.num_latents > 0 (its resampler)")):
-      if model[field] != 1 and not reads:
-        raise validation.ConfigError(f"model.{field}", model[field], f"is read by {reader} only (or 1), got {got}")
-    if model.spatial_merge > 1 and not connectors.CONNECTORS[model.connector].spatial:
+    # a connector's own fields (its `own_fields`): set off their bundled value for another connector (or flamingo's
+    # resampler without latents) they would change nothing, as spatial_merge below
+    got = f"model.connector={model.connector!r}" + kind.reading_settings(model)
+    for name, owner in connectors.CONNECTORS.items():
+      for field, value in owner.own_fields.items():
+        if field in model and model[field] != value and not kind.reads(field, model):
+          raise validation.ConfigError(f"model.{field}", model[field],
+                                       f"is read by {owner.reader(name, field)} only (or {value}), got {got}")
+    if model.spatial_merge > 1 and not kind.spatial:
       raise validation.ConfigError("model.spatial_merge", model.spatial_merge,
-                                   f"merges the patches that become soft tokens: connector=llava only (or 1), got "
+                                   f"merges the patches that become soft tokens: {spatial} only (or 1), got "
                                    f"model.connector={model.connector!r}")
     validation.require_choice(config, "data.source", SOURCES)
     for field in ("length_bucketing", "cache_features", "color"):  # absent from configs written before them: False
@@ -336,8 +335,7 @@ class VLMTask(task_lib.Task):
     """SOFT_TOKEN slots of one image [h, w] (its real patch grid)."""
     grid = (-(-image.shape[0] // self.patch_size), -(-image.shape[1] // self.patch_size))
     model = self.config.model
-    return connectors.slots_per_image(model.connector, grid, num_queries=model.num_queries,
-                                      spatial_merge=model.spatial_merge)
+    return connectors.slots_per_image(model.connector, grid, model)
 
   def layout(self, example: vlm_digits.VLMExample, *, teacher: bool = False) -> Layout:
     """The example's token layout (see the module docstring); teacher: with its described text (Layout)."""
@@ -456,14 +454,11 @@ class VLMTask(task_lib.Task):
     rngs = nnx.Rngs(params=rngs.params(), dropout=rngs.params())  # the layers' Dropout wants a stream
     encoder = self._frozen_encoder(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     lm = self._frozen_lm(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    fields = {field: model[field] for field in connectors.CONNECTORS[model.connector].config_fields}
     return vlm.VisionLanguageModel(
-        encoder, lm, connector=model.connector, image_token_id=self.marker, num_heads=model.num_heads,
-        mlp_ratio=model.mlp_ratio, cross_attention_every=model.cross_attention_every,
-        num_latents=model.num_latents, resampler_blocks=model.resampler_blocks, num_queries=model.num_queries,
-        qformer_width=model.qformer_width, qformer_blocks=model.qformer_blocks,
-        qformer_cross_attention_every=model.qformer_cross_attention_every, image_positions=model.image_positions,
-        spatial_merge=model.spatial_merge, feature_positions=model.feature_positions, hide_padding=model.hide_padding,
-        dropout_rate=model.dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        encoder, lm, connector=model.connector, image_token_id=self.marker, image_positions=model.image_positions,
+        feature_positions=model.feature_positions, hide_padding=model.hide_padding, dropout_rate=model.dropout_rate,
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs, **{"spatial_merge": model.spatial_merge, **fields})
 
   def loaded_params(self):
     return self.weights  # {"encoder": ..., "lm": ...}: the model's own paths; None outside training
