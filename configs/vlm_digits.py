@@ -25,6 +25,11 @@ from ml_collections import ConfigDict
 from configs import common
 from xattn_jax.models import connectors
 
+# The config arguments of connectors' own fields, at the value their connector owns (`own_fields`): configs/vlm_tsv.py
+# takes them from here.
+CONNECTOR_ARGS = dict(queries=connectors.config_defaults()["num_queries"],
+                      latents=connectors.config_defaults()["num_latents"])
+
 
 def vlm_config(args) -> ConfigDict:
   """What both VLM configs share: the loop, the model and the frozen parts (args from common.parse_arg)."""
@@ -72,9 +77,8 @@ def vlm_config(args) -> ConfigDict:
   config.model.dropout_rate = 0.0
   # each connector's own fields at their value in its `own_fields` (models/connectors.py, which says what each is)
   config.model.update(connectors.config_defaults())
-  config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features; 32
-  #                                             lift it by 0.047: experiments/results/intel_xeon_amx/flamingo_resampler.md)
-  config.model.num_queries = args.queries     # qformer: N soft tokens per image (BLIP-2: 32)
+  config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features)
+  config.model.num_queries = args.queries     # qformer: N soft tokens per image
   config.model.qformer_width = 64
   config.model.qformer_blocks = 2
   config.model.qformer_cross_attention_every = 2
@@ -125,7 +129,7 @@ def get_config(arg=None):
   # steps=0, lr=0: the connector's DEFAULT_STEPS, DEFAULT_LR; distill=W: task.distill_weight (0: off); batch=B:
   # the batch size (64 at 10,000 steps gave flamingo no gain: experiments/results/intel_xeon_amx/vlm_trials_stop54.md)
   args = common.parse_arg(arg, steps=0, lr=0.0, batch=32, connector="flamingo", positions="sequence", merge=1,
-                          queries=32, latents=32, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
+                          **CONNECTOR_ARGS, kinds="caption+count+nth+sum+larger", scale=1, encoder="",
                           lm="workdirs/vlm_lm", bucketing=True, cache=True, distill=0.0,
                           distill_blocks=0)
   connector_defaults(args)

@@ -22,7 +22,7 @@ field that differs):
 from __future__ import annotations
 
 from configs import common
-from configs.vlm_digits import connector_defaults, vlm_config
+from configs.vlm_digits import CONNECTOR_ARGS, connector_defaults, vlm_config
 
 # image_encoder=...: one trained on the user's own pairs first (configs/vlm_encoder.py:data=pairs), or the
 # bundled digits' strip reader.
@@ -30,7 +30,7 @@ IMAGE_ENCODERS = ("pairs", "digits")
 # Config arguments that only one image encoder reads (kinds: the bundled strips' questions, which no user's pairs
 # hold): set off their defaults with the other, they would be ignored without a word.
 READ_ONLY_BY = {"canvas": "pairs", "color": "pairs", "scale": "digits", "kinds": None}
-DEFAULTS = dict(steps=1000, lr=0.0, connector="flamingo", positions="sequence", merge=1, queries=32, latents=32,
+DEFAULTS = dict(steps=1000, lr=0.0, connector="flamingo", positions="sequence", merge=1, **CONNECTOR_ARGS,
                 kinds="caption", scale=1, encoder="", lm="workdirs/vlm_pairs_lm", bucketing=True, cache=True,
                 image_encoder="pairs", canvas="32x32", color=False)
 

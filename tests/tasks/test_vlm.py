@@ -110,6 +110,19 @@ def test_flamingo_fields_set_for_a_connector_that_does_not_read_them_are_a_confi
   assert config_error_field(f"--config=configs/vlm_digits.py:{variant}", argument) == field
 
 
+@pytest.mark.parametrize("variant, field", [
+    ("connector=qformer,latents=0", "config.model.num_latents"), ("connector=llava,latents=8", "config.model.num_latents"),
+    ("connector=llava,queries=4", "config.model.num_queries"), ("connector=flamingo,queries=8", "config.model.num_queries"),
+    ("connector=flamingo,latents=0", None), ("connector=qformer,queries=4", None),
+])
+def test_latents_and_queries_set_for_a_connector_that_does_not_read_them_are_a_config_error(variant, field):
+  """Only flamingo's resampler reads num_latents and only the Q-Former num_queries: llava with queries=4 trained the
+  model the defaults give, without a word. The bundled configs' defaults (32 each) are the connectors' own_fields;
+  configs/vlm_tsv.py (no pairs file named here) refuses the same before it asks for one."""
+  assert config_error_field(f"--config=configs/vlm_digits.py:{variant}") == field
+  assert config_error_field(f"--config=configs/vlm_tsv.py:{variant}") == (field or "config.data.train_file")
+
+
 def test_description_distillation_needs_the_bundled_strips_descriptions():
   assert config_error_field("--config=configs/vlm_tsv.py", "--config.task.distill_weight=1.0") == \
       "config.task.distill_weight"
