@@ -123,6 +123,12 @@ def test_latents_and_queries_set_for_a_connector_that_does_not_read_them_are_a_c
   assert config_error_field(f"--config=configs/vlm_tsv.py:{variant}") == (field or "config.data.train_file")
 
 
+@pytest.mark.parametrize("mode", ["eval", "infer"])
+def test_a_run_recorded_with_an_unread_connector_field_still_validates_for_eval_and_infer(mode):
+  """Runs recorded when llava's and the Q-Former's num_latents defaulted to 0: eval and infer keep the run's model."""
+  validation.validate_config(helpers.load_config("--config=configs/vlm_digits.py:connector=llava,latents=0"), mode=mode)
+
+
 def test_description_distillation_needs_the_bundled_strips_descriptions():
   assert config_error_field("--config=configs/vlm_tsv.py", "--config.task.distill_weight=1.0") == \
       "config.task.distill_weight"

@@ -144,9 +144,10 @@ class VLMTask(task_lib.Task):
     if "distill_blocks" in config.task:
       validation.require_positive(config, "task.distill_blocks", allow_zero=True)
     # a connector's own fields (its `own_fields`): set off their bundled value for another connector (or flamingo's
-    # resampler without latents) they would change nothing, as spatial_merge below
+    # resampler without latents) they would change nothing, as spatial_merge below. Training only: eval and infer
+    # keep the run's model fields, and a run recorded before a field had its value here must stay readable
     got = f"model.connector={model.connector!r}" + kind.reading_settings(model)
-    for name, owner in connectors.CONNECTORS.items():
+    for name, owner in connectors.CONNECTORS.items() if mode == "train" else ():
       for field, value in owner.own_fields.items():
         if field in model and model[field] != value and not kind.reads(field, model):
           raise validation.ConfigError(f"model.{field}", model[field],
