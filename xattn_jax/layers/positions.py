@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xattn_jax import registry
 from xattn_jax.layers import dense
 from xattn_jax.layers.rotary import ROTARY_KINDS, RotaryKind, RotarySpec
 from xattn_jax.ops import positions as positions_ops
@@ -452,10 +453,7 @@ def register_position_encoding(name: str, entry: PositionEncoding, *, replace: b
   ValueError for a name that is not a non-empty str, or is registered already (unless replace), or an entry
   that is not a PositionEncoding.
   """
-  if not isinstance(name, str) or not name:
-    raise ValueError(f"register_position_encoding: name must be a non-empty str, got name={name!r}")
-  if name in POSITION_ENCODINGS and not replace:
-    raise ValueError(f"register_position_encoding: {name!r} is registered already (replace=True overrides it)")
+  registry.check_new_name("register_position_encoding", POSITION_ENCODINGS, name, replace=replace)
   if not isinstance(entry, PositionEncoding):
     raise ValueError(f"register_position_encoding: entry must be a PositionEncoding, got {type(entry).__name__}")
   POSITION_ENCODINGS[name] = entry
