@@ -49,8 +49,13 @@ from bench_common import (HostContention, add_output_flags, blocked_median_secon
                           run_record)
 from xattn_jax.ops import attention  # noqa: E402
 
-OURS = {"ours (default)": None, "ours dense": "dense", "ours xla": "xla", "ours chunked": "chunked",
-        "ours cudnn": "cudnn"}
+
+def ours() -> dict[str, str | None]:
+  """Our rows' names and the implementation each runs: the default path, then every name in the registry
+  (`attention.IMPLEMENTATIONS`, read when called, so one registered before the run gets its rows)."""
+  return {"ours (default)": None, **{f"ours {name}": name for name in attention.IMPLEMENTATIONS}}
+
+
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -135,15 +140,16 @@ def jax_attention_fn(name, case: Case, mask):
   if name in ("jax.nn", "jax.nn cudnn"):
     implementation = "cudnn" if name == "jax.nn cudnn" else "xla"
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
-  return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation=OURS[name], **kwargs)
+  return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation=ours()[name], **kwargs)
 
 
 def names_for(dtype: str, case: Case) -> tuple[str, ...]:
-  """The rows measured besides torch: the paths the default can take ("xla", "chunked"), and cuDNN rows
-  only where cuDNN can run (GPU, half precision). "dense" is what "xla" runs up to 256 x 256 scores."""
+  """The rows measured besides torch: the paths the default can take ("xla", "chunked"), cuDNN rows only
+  where cuDNN can run (GPU, half precision), and registered implementations. "dense" is what "xla" runs up to
+  256 x 256 scores."""
   cudnn = ON_GPU and dtype != "float32"
-  ours = [n for n in OURS if n not in ("ours (default)", "ours dense") and (cudnn or n != "ours cudnn")]
-  return ("jax.nn", *(("jax.nn cudnn",) if cudnn else ()), *ours)
+  rows = [n for n in ours() if n not in ("ours (default)", "ours dense") and (cudnn or n != "ours cudnn")]
+  return ("jax.nn", *(("jax.nn cudnn",) if cudnn else ()), *rows)
 
 
 def forward_and_backward(fn, equal_precision: bool = ON_GPU):

@@ -247,9 +247,7 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"MultiHeadAttention: dropout_rate must be in [0, 1), got dropout_rate={dropout_rate}")
     if rotary is not None:
       rotary.check_head_dim(head_dim)
-    if implementation not in (None, *attention_ops.IMPLEMENTATIONS):
-      raise ValueError(f"MultiHeadAttention: implementation must be None or one of "
-                       f"{attention_ops.IMPLEMENTATIONS}, got implementation={implementation!r}")
+    attention_ops.check_implementation(implementation, "MultiHeadAttention")
 
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.in_features, self.kv_features, self.out_features = in_features, kv_features, out_features

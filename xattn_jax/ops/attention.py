@@ -35,22 +35,30 @@ Implementations:
   None:      cuDNN when allowed, otherwise "xla", or "chunked" from 4096 x 4096 scores per (batch,
              head) (on CPU from 32768 keys, and causal or GQA attention from 2048 queries and keys)
              (`select_implementation`, `takes_chunked`).
+
+IMPLEMENTATIONS is the one list of names: layers, config validation and messages read it when they check, so
+an implementation registered from outside the package (`register_attention_implementation`) counts as a
+built-in one (the default choice, None, takes only the built-ins).
 """
 from __future__ import annotations
 
 import functools
 import math
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xattn_jax import registry
 from xattn_jax.ops import blocked_attention
 from xattn_jax.ops import dense_attention
 from xattn_jax.ops import masks as masks_lib
 
-IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn")
+# The implementations by name: None for this module's own kernels (dot_product_attention runs them itself), the
+# function of one registered with register_attention_implementation.
+IMPLEMENTATIONS: dict[str, Callable | None] = {"dense": None, "xla": None, "chunked": None, "cudnn": None}
 # Up to this many scores per (batch, head) "xla" runs as one fused program ("dense"): below it the
 # blocked kernel's loop costs more than the cache locality it buys (CPU), and cuDNN's fixed costs
 # more than its fusion saves (GPU): experiments/results/attention_benchmark.md and _gpu.md.
@@ -284,6 +292,50 @@ def _backward_block_q(block_q: int, block_k: int, groups: int, l2_bytes: int = _
   return max(rows) if rows and max(rows) < block_q else None
 
 
+def register_attention_implementation(name: str, fn: Callable, *, replace: bool = False) -> None:
+  """Adds `fn` to IMPLEMENTATIONS as `name`: dot_product_attention, the layers and config validation
+  (`model.implementation`) take it from then on.
+
+  dot_product_attention validates the arguments, then calls
+      fn(query, key, value, *, mask, bias, is_causal, scale) -> [batch, q_len, heads, head_dim] in query's dtype
+  with query [batch, q_len, heads, head_dim], key and value [batch, kv_len, kv_heads, head_dim] (heads % kv_heads
+  == 0; a kv_layout="bksh" caller's are transposed to this layout first), mask bool (True = may attend) and bias
+  float, each None or rank 4 broadcastable to [batch, heads, q_len, kv_len], is_causal a Python bool (query i
+  sees keys 0 .. kv_len - q_len + i: the queries are the last keys) and scale a scalar (head_dim ** -0.5 unless
+  given). A query that may attend to no key should get zeros, as in the built-ins. Register it before the config
+  is validated: a run of launch.py registers it from a module its config file imports.
+  ValueError for a name that is not a non-empty str, or is registered already (unless replace; a built-in
+  kernel's name even then), or an fn that is not callable.
+  """
+  registry.check_new_name("register_attention_implementation", IMPLEMENTATIONS, name, replace=replace)
+  if name in IMPLEMENTATIONS and IMPLEMENTATIONS[name] is None:  # the default choice would still run the kernel
+    raise ValueError(f"register_attention_implementation: {name!r} is a built-in kernel, which replace=True does "
+                     "not override; register the function under a name of its own")
+  if not callable(fn):
+    raise ValueError(f"register_attention_implementation: fn must be callable, got {type(fn).__name__}")
+  IMPLEMENTATIONS[name] = fn
+
+
+def check_implementation(implementation, function: str = "dot_product_attention") -> None:
+  """ValueError (from `function`) unless implementation is None or a name in IMPLEMENTATIONS (read when called)."""
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"{function}: implementation must be None or one of {list(IMPLEMENTATIONS)}, "
+                     f"got implementation={implementation!r}")
+
+
+def _run_registered(implementation: str, fn: Callable, query, key, value, mask, bias, is_causal: bool, scale,
+                    kv_layout: str):
+  """A registered implementation's output for validated arguments; ValueError unless it is query's shape and dtype."""
+  if kv_layout == "bksh":  # registered functions take the jax.nn layout
+    key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+  out = fn(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale)
+  if jnp.shape(out) != query.shape or getattr(out, "dtype", None) != query.dtype:
+    raise ValueError(f"dot_product_attention: implementation {implementation!r} must return query's "
+                     f"{query.dtype}{_shape(query)} [batch, q_len, heads, head_dim], got "
+                     f"{getattr(out, 'dtype', type(out).__name__)}{_shape(out)}")
+  return out
+
+
 def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False, scale=None,
                           implementation=None, kv_layout: str = "bskh"):
   """softmax(query key^T * scale + bias, masked) value.
@@ -295,7 +347,8 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     mask: bool, broadcastable to [batch, heads, q_len, kv_len]; True = may attend.
     is_causal: query i may attend to keys 0 .. kv_len - q_len + i (queries are the last keys).
     scale: score scale; default head_dim ** -0.5.
-    implementation: None, "dense", "xla", "chunked" or "cudnn" (see the module docstring).
+    implementation: None, "dense", "xla", "chunked", "cudnn" (see the module docstring) or a name registered
+      with register_attention_implementation.
     kv_layout: "bskh" (key / value [batch, kv_len, kv_heads, head_dim], as jax.nn) or "bksh"
       ([batch, kv_heads, kv_len, head_dim]: the layout a decode cache should keep, so that a step
       never transposes the whole cache).
@@ -308,11 +361,12 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
   target = (b, n, t, s)
   mask = _validate_broadcast("mask", mask, target)
   bias = _validate_broadcast("bias", bias, target)
-  if implementation not in (None, *IMPLEMENTATIONS):
-    raise ValueError(f"dot_product_attention: implementation must be None or one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
+  check_implementation(implementation)
   scale = _validate_scale(scale, h)
   is_causal = _validate_is_causal(is_causal)
+  if implementation is not None and IMPLEMENTATIONS[implementation] is not None:
+    return _run_registered(implementation, IMPLEMENTATIONS[implementation], query, key, value, mask, bias,
+                           is_causal, scale, kv_layout)
   facts = dict(dtype=query.dtype, head_dim=h, q_len=t, kv_len=s, has_mask=mask is not None,
                has_bias=bias is not None, is_causal=is_causal)
   backend = jax.default_backend()
