@@ -676,8 +676,9 @@ def test_beam_search_returns_the_beams_of_a_beam_search_written_out_in_python(vo
 def test_an_option_the_method_does_not_read_set_away_from_its_default_is_named_with_its_reader(method, field, value):
   """A temperature beside method greedy decoded greedily without a word."""
   options = decoding.options_from_mapping({"method": method, field: value})
-  (named, reader), = decoding.unread_options(options)
-  assert named == field and field in decoding.METHOD_OPTIONS[reader] and reader != method
+  (named, readers), = decoding.unread_options(options)
+  assert named == field and method not in readers
+  assert readers and all(field in decoding.DECODING_METHODS[reader].reads for reader in readers)
 
 
 _AWAY = {"beam_size": 2, "alpha": 1.0, "temperature": 0.5, "top_k": 3, "top_p": 0.5}  # valid, not defaults
@@ -689,9 +690,9 @@ def test_every_option_at_its_default_is_unread_by_no_method(method):
   options = decoding.options_from_mapping(section)
   assert options == decoding.DecodingOptions(method=method, cache_halves=False)
   assert decoding.unread_options(options) == ()
-  assert decoding.unread_options(dataclasses.replace(options, **{f: _AWAY[f] for f in decoding.METHOD_OPTIONS[method]})) == ()
+  assert decoding.unread_options(dataclasses.replace(options, **{f: _AWAY[f] for f in decoding.DECODING_METHODS[method].reads})) == ()
 
 
-def test_each_option_but_method_and_cache_halves_is_read_by_exactly_one_method():
-  read = [field for reads in decoding.METHOD_OPTIONS.values() for field in reads]
+def test_each_option_but_method_and_cache_halves_is_read_by_exactly_one_built_in_method():
+  read = [field for name in ("greedy", "beam", "sample") for field in decoding.DECODING_METHODS[name].reads]
   assert sorted(read) == sorted(set(decoding.OPTION_FIELDS) - {"method", "cache_halves"})

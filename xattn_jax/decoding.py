@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xattn_jax import registry
+
 DecodeStep = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
 # Large negative score for impossible hypotheses: finite so that arithmetic on it stays finite.
@@ -494,7 +496,7 @@ class DecodingOptionError(ValueError):
 class DecodingOptions:
   """A decoding method and its options, validated on construction; hashable, so a static jit argument.
 
-  method: one of DECODING_METHODS; it reads the options METHOD_OPTIONS lists for it, and cache_halves:
+  method: one of DECODING_METHODS; it reads the options its entry's `reads` lists, and cache_halves:
     beam_size    >= 1
     alpha        GNMT length-penalty exponent, >= 0
     temperature  >= float32's smallest normal; small values approach greedy
@@ -540,6 +542,7 @@ _OPTION_CHECKS = {
     "cache_halves": lambda v: _as_bool("cache_halves", v),
 }
 OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(DecodingOptions))
+OPTION_DEFAULTS = {field.name: field.default for field in dataclasses.fields(DecodingOptions)}
 
 
 def options_from_mapping(values) -> DecodingOptions:
@@ -551,15 +554,17 @@ def options_from_mapping(values) -> DecodingOptions:
   return DecodingOptions(**{name: values[name] for name in OPTION_FIELDS if name in values})
 
 
-def unread_options(options: DecodingOptions) -> tuple[tuple[str, str], ...]:
-  """(field, the method that reads it) for each option set away from its default that options.method does not
-  read (METHOD_OPTIONS): a temperature beside method greedy, which decodes as if it were not there."""
-  return tuple((name, reader) for name, reader in _OPTION_READERS.items()
-               if reader != options.method and getattr(options, name) != OPTION_DEFAULTS[name])
+def unread_options(options: DecodingOptions) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """(field, the methods that read it) for each option set away from its default that options.method does not
+  read (DECODING_METHODS' `reads`): a temperature beside method greedy, which decodes as if it were not there."""
+  read = DECODING_METHODS[options.method].reads
+  return tuple((field, readers) for field in OPTION_FIELDS if field not in ("method", "cache_halves", *read)
+               and getattr(options, field) != OPTION_DEFAULTS[field]
+               for readers in [tuple(name for name, m in DECODING_METHODS.items() if field in m.reads)])
 
 
-def _run_greedy(decode_step, cache, options, rng, *, logits_sharding, **common):
-  del rng, logits_sharding  # greedy draws nothing and ranks nothing
+def _run_greedy(decode_step, cache, options, rng, *, cache_batch_axis, logits_sharding, **common):
+  del rng, cache_batch_axis, logits_sharding  # greedy draws nothing, keeps no beams and ranks nothing
   return greedy_search(decode_step, cache, cache_halves=options.cache_halves, **common)
 
 
@@ -571,29 +576,52 @@ def _run_beam(decode_step, cache, options, rng, *, cache_batch_axis, logits_shar
   return GreedyOutput(beams.tokens[:, 0], beams.scores[:, 0])  # the best beam
 
 
-def _run_sample(decode_step, cache, options, rng, *, logits_sharding, **common):
+def _run_sample(decode_step, cache, options, rng, *, cache_batch_axis, logits_sharding, **common):
+  del cache_batch_axis  # each row samples alone: no beams
   return sample_search(decode_step, cache, rng=rng, temperature=options.temperature, top_k=options.top_k,
                        top_p=options.top_p, logits_sharding=logits_sharding, cache_halves=options.cache_halves,
                        **common)
 
 
-class _Method(NamedTuple):
-  run: Callable  # (decode_step, cache, options, rng, **common) -> GreedyOutput
-  reads: tuple[str, ...]  # the DecodingOptions fields it reads besides cache_halves, which every method reads
+@dataclasses.dataclass(frozen=True)
+class DecodingMethod:
+  """One decoding method: what runs it and the DecodingOptions fields it reads.
+
+  run: (decode_step, cache, options, rng, *, batch_size, max_length, bos_id, eos_id, pad_id, first_tokens,
+    cache_batch_axis, logits_sharding) -> GreedyOutput(tokens [batch, max_length], scores [batch]); `search`'s
+    arguments (rng: one key, or one per row, or None).
+  reads: the DecodingOptions fields it reads besides method and cache_halves (which every method is handed).
+  """
+  run: Callable[..., GreedyOutput]
+  reads: tuple[str, ...] = ()
 
 
-# The decoding methods: the names configs choose from, what runs each and which options it reads.
-_METHODS = {
-    "greedy": _Method(_run_greedy, reads=()),
-    "beam": _Method(_run_beam, reads=("beam_size", "alpha")),
-    "sample": _Method(_run_sample, reads=("temperature", "top_k", "top_p")),
+# The decoding methods: the names configs choose from (read when checked, so registered ones count), and what
+# runs each.
+DECODING_METHODS: dict[str, DecodingMethod] = {
+    "greedy": DecodingMethod(_run_greedy),
+    "beam": DecodingMethod(_run_beam, reads=("beam_size", "alpha")),
+    "sample": DecodingMethod(_run_sample, reads=("temperature", "top_k", "top_p")),
 }
-DECODING_METHODS = tuple(_METHODS)
-# Which options each method reads (DecodingOptions' docstring and options_from_mapping's check read it).
-METHOD_OPTIONS = {name: method.reads for name, method in _METHODS.items()}
-# The one method that reads each option it lists (method and cache_halves, read by every method, are not).
-_OPTION_READERS = {field: name for name, reads in METHOD_OPTIONS.items() for field in reads}
-OPTION_DEFAULTS = {field.name: field.default for field in dataclasses.fields(DecodingOptions)}
+
+
+def register_decoding_method(name: str, run: Callable[..., GreedyOutput], *, reads: tuple[str, ...] = (),
+                             replace: bool = False) -> None:
+  """Adds `run` to DECODING_METHODS as `name`: DecodingOptions, `search`, `generate` and the tasks'
+  task.decoding.method take it from then on (see DecodingMethod for run's arguments and `reads`).
+
+  Register it before the config is validated: a run of launch.py registers it from a module its config file
+  imports. ValueError for a name that is not a non-empty str, or is registered already (unless replace), a run
+  that is not callable, or reads that are not DecodingOptions fields.
+  """
+  registry.check_new_name("register_decoding_method", DECODING_METHODS, name, replace=replace)
+  if not callable(run):
+    raise ValueError(f"register_decoding_method: run must be callable, got {type(run).__name__}")
+  fields = [field for field in OPTION_FIELDS if field not in ("method", "cache_halves")]
+  if isinstance(reads, str) or not isinstance(reads, (tuple, list)) or not set(reads) <= set(fields):
+    raise ValueError(f"register_decoding_method: reads must be a tuple of DecodingOptions fields from {fields}, "
+                     f"got reads={reads!r}")
+  DECODING_METHODS[name] = DecodingMethod(run, tuple(reads))
 
 
 def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
@@ -627,17 +655,23 @@ def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_si
   """Runs options.method: tokens [batch, max_length] and scores [batch] (beam: its best beam's).
 
   rng (one key, or one per row) is needed by method "sample" only; cache_batch_axis is beam's;
+  a registered method (register_decoding_method) gets them all;
   suppress_ids are never emitted (`suppressing`); logits_sharding (beam and sample's top_k: see
   beam_search) changes where candidates are ranked, never which.
   """
   if not isinstance(options, DecodingOptions):
     raise ValueError(f"decoding: options must be a DecodingOptions, got {type(options).__name__}")
   decode_step = suppressing(decode_step, suppress_ids)
-  common = dict(batch_size=batch_size, max_length=max_length, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                first_tokens=first_tokens, logits_sharding=logits_sharding)
-  if options.method == "beam":
-    common["cache_batch_axis"] = cache_batch_axis
-  return _METHODS[options.method].run(decode_step, cache, options, rng, **common)
+  out = DECODING_METHODS[options.method].run(
+      decode_step, cache, options, rng, batch_size=batch_size, max_length=max_length, bos_id=bos_id,
+      eos_id=eos_id, pad_id=pad_id, first_tokens=first_tokens, cache_batch_axis=cache_batch_axis,
+      logits_sharding=logits_sharding)
+  if not isinstance(out, GreedyOutput) or jnp.shape(out.tokens) != (batch_size, max_length) \
+      or jnp.shape(out.scores) != (batch_size,):
+    raise ValueError(f"decoding: method {options.method!r} must return GreedyOutput(tokens [batch_size, max_length]="
+                     f"[{batch_size}, {max_length}], scores [{batch_size}]), got {type(out).__name__} with shapes "
+                     f"{[list(jnp.shape(x)) for x in out] if isinstance(out, tuple) else None}")
+  return out
 
 
 def generate(model, inputs, *, max_length: int, bos_id: int, eos_id: int, pad_id: int = 0, beam_size: int = 1,

@@ -11,7 +11,7 @@ from xattn_jax.training import validation
 
 
 def test_a_missing_section_lists_the_decoding_methods_and_options_of_their_owner(monkeypatch):
-  monkeypatch.setattr(decoding, "DECODING_METHODS", (*decoding.DECODING_METHODS, "my_search"))
+  monkeypatch.setitem(decoding.DECODING_METHODS, "my_search", decoding.DECODING_METHODS["greedy"])
   config = ml_collections.ConfigDict({"task": {}})
   with pytest.raises(validation.ConfigError) as error:
     decoding_config.decoding_options(config)
