@@ -1,5 +1,6 @@
 """The one rule every name registry of the package keeps when code from outside adds an entry: position
-encodings (layers.positions), attention implementations (ops.attention), decoding methods (decoding)."""
+encodings (layers.positions), attention implementations (ops.attention), decoding methods (decoding), VLM connectors
+(models.connectors)."""
 from __future__ import annotations
 
 

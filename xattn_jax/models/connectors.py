@@ -31,6 +31,7 @@ import einops
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn_jax import registry
 from xattn_jax.layers import MLP, blocks
 from xattn_jax.layers import positions as positions_lib
 from xattn_jax.models import latent_reader
@@ -315,10 +316,7 @@ def register_connector(name: str, connector: type, *, replace: bool = False) -> 
   connector"). Register it before the config is validated: a run of launch.py registers it from a module its
   config file imports. ValueError for a name that is not a non-empty str, or is registered already (unless
   replace), or a class that is not a `_Connector` subclass, or whose config_fields / own_fields do not fit."""
-  if not isinstance(name, str) or not name:
-    raise ValueError(f"register_connector: name must be a non-empty str, got name={name!r}")
-  if name in CONNECTORS and not replace:
-    raise ValueError(f"register_connector: {name!r} is registered already (replace=True overrides it)")
+  registry.check_new_name("register_connector", CONNECTORS, name, replace=replace)
   if not isinstance(connector, type) or not issubclass(connector, _Connector):
     raise ValueError(f"register_connector: connector must be a subclass of connectors._Connector, got "
                      f"{connector!r}")
