@@ -367,6 +367,23 @@ def test_batch_not_divisible_by_the_data_shards_is_a_config_error(field):
     validation.validate_config(config, device_count=4)
 
 
+@pytest.mark.parametrize("overrides, devices, processes", [
+    ({"batch_size": 8}, 3, 1),                           # trained on 8 devices, read on 3
+    ({"batch_size": 6}, 4, 1),                           # trained on 1 device, read on 4
+    ({"batch_size": 6}, 4, 4),                           # ... by 4 processes
+    ({"batch_size": 12, "num_microbatches": 2}, 4, 1),   # microbatches of 6 rows
+])
+def test_eval_and_infer_need_no_training_batch_their_mesh_divides(overrides, devices, processes):
+  """`--mode=eval` / `infer` of a run on another device count was refused for the training batch_size, which they
+  never read; training on those devices still is."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"eval_batch_size": 12, **overrides})  # an eval batch 3 and 4 devices divide
+  with pytest.raises(validation.ConfigError, match=r"^config\.(batch_size|num_microbatches)="):
+    validation.validate_config(config, mode="train", device_count=devices, process_count=processes)
+  for mode in ("eval", "infer"):
+    validation.validate_config(config, mode=mode, device_count=devices, process_count=processes)
+
+
 def test_a_mesh_whose_set_axes_do_not_divide_the_devices_names_them():
   """--config.mesh.tensor=3 on one device read 'config.mesh.data=-1: the other axes (3 devices) do not divide the 1
   devices': the default axis was named, not the one to change."""

@@ -241,7 +241,7 @@ class Trainer:
     self.task.logits_sharding = sharding.logits_sharding(self.mesh, self.rules)
     self.stacked_batch_sharding = sharding.batch_sharding(self.mesh, self.rules, stacked=True)
     self._eval_step = None
-    self._check_process_rows()
+    self._check_process_rows(mode)
 
   def summary(self) -> str:
     """One line on what a step trains, and where: the model's trainable parameters (nnx.Param) and its other
@@ -277,8 +277,9 @@ class Trainer:
           f"{', '.join(repr(p) for p in unmatched)} is part of no trainable parameter's path; allowed are "
           f"substrings of the paths, whose parts are {', '.join(parts)}")
 
-  def _check_process_rows(self):
-    for size in (self.config.batch_size, self.config.eval_batch_size):
+  def _check_process_rows(self, mode: str):
+    sizes = (self.config.batch_size, self.config.eval_batch_size) if mode == "train" else (self.config.eval_batch_size,)
+    for size in sizes:  # eval and infer read no training batch
       local = size // self.process_count
       expected = (self.process_index * local, (self.process_index + 1) * local)
       if sharding.process_rows(self.batch_sharding, size) != expected:

@@ -163,21 +163,30 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   return sizes
 
 
-def check_mesh(config, device_count: int) -> dict[str, int]:
-  """The mesh's axis sizes on `device_count` devices; raises ConfigError where the mesh does not fit them or the
-  batch (and each microbatch) does not split evenly over its data x fsdp shards."""
-  sizes = mesh_shape(config.mesh, device_count)
-  # The batch's rows are split over the mesh axes sharding_rules.batch names (sharding.batch_sharding); an axis
-  # not in MESH_AXES is refused with the rules.
+def _batch_shards(config, sizes: dict[str, int]) -> tuple[int, str]:
+  """(the shards a batch's rows split into on a mesh of axis `sizes`, those axes as messages name them). The rows
+  lie over the mesh axes sharding_rules.batch names (sharding.batch_sharding); an axis not in MESH_AXES is refused
+  with the rules."""
   rule = config.get("sharding_rules", {}).get("batch", "data,fsdp")
   axes = [axis.strip() for axis in rule.split(",") if axis.strip() in MESH_AXES] if isinstance(rule, str) else []
-  batch_shards = math.prod(sizes[axis] for axis in axes)
-  over = f"mesh {' x '.join(axes)} = {batch_shards}" + ("" if rule == "data,fsdp" else f" (sharding_rules.batch={rule!r})")
-  for field in ("batch_size", "eval_batch_size"):
+  shards = math.prod(sizes[axis] for axis in axes)
+  return shards, f"mesh {' x '.join(axes)} = {shards}" + ("" if rule == "data,fsdp" else
+                                                          f" (sharding_rules.batch={rule!r})")
+
+
+def check_mesh(config, device_count: int, mode: str = "train") -> dict[str, int]:
+  """The mesh's axis sizes on `device_count` devices; raises ConfigError where the mesh does not fit them or a
+  batch `mode` reads (and, to train, each microbatch) does not split evenly over its data x fsdp shards. Eval and
+  infer read no training batch: a run trained on a mesh its batch_size fits is evaluated on any other."""
+  if mode not in ("train", "eval", "infer"):
+    raise ValueError(f"check_mesh: mode must be 'train', 'eval' or 'infer', got mode={mode!r}")
+  sizes = mesh_shape(config.mesh, device_count)
+  batch_shards, over = _batch_shards(config, sizes)
+  for field in ("batch_size", "eval_batch_size") if mode == "train" else ("eval_batch_size",):
     if config[field] % batch_shards:
       raise ConfigError(field, config[field], f"must be divisible by {over}")
   microbatches = config.get("num_microbatches", 1)  # a run's config.py written before the field has none
-  if microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
+  if mode == "train" and microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
     raise ConfigError("num_microbatches", microbatches, f"leaves microbatches of "
                       f"{config.batch_size // microbatches} rows, not divisible by {over}")
   return sizes
@@ -442,7 +451,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
     require_file("infer.input_file", config.infer.input_file, read_once=True)  # inference.read_input_lines
   if "cpu_devices" in config:  # a run's config.py written before the field existed has none
     require_positive(config, "cpu_devices", allow_zero=True)
-  if config.batch_size % process_count:
+  if mode == "train" and config.batch_size % process_count:  # eval and infer read no training batch
     raise ConfigError("batch_size", config.batch_size,
                       f"must be divisible by the number of processes ({process_count})")
   microbatches = config.get("num_microbatches", 1)  # a run's config.py written before the field has none
@@ -463,7 +472,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                       f"needs precision.compute_dtype bfloat16 or float16, got {config.precision.compute_dtype!r}")
   if device_count is not None:
     try:
-      check_mesh(config, device_count)
+      check_mesh(config, device_count, mode)
     except ConfigError as error:  # devices the config itself asked for: say so, or the mesh looks to blame alone
       asked = config.get("cpu_devices", 1)
       if asked == device_count != 1:
