@@ -112,6 +112,21 @@ def test_a_weight_decay_exclusion_that_names_no_parameter_is_refused_naming_it(t
   Trainer(config, str(tmp_path))
 
 
+@pytest.mark.parametrize("mode", ["eval", "infer"])
+def test_eval_and_infer_read_batches_their_mesh_divides(tmp_path, monkeypatch, mode):
+  """A run trained in 8-row eval batches on 8 devices, evaluated on 3: eval and infer read 9-row batches (weight-0
+  rows fill the last), where the 8 rows could not split over 3 devices. This process has one device: the count is
+  pretended, as validation and the rounding read it (the mesh itself takes the one device there is)."""
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"batch_size": 8, "eval_batch_size": 8, "task.num_eval_examples": 16})
+  monkeypatch.setattr(jax, "device_count", lambda *backend: 3)
+  trainer = Trainer(config, str(tmp_path), mode)
+  assert trainer.config.eval_batch_size == 9 and config.eval_batch_size == 8  # the run's config is left as it is
+  batches = list(trainer.task.eval_batches(process_index=0, process_count=1))
+  assert [len(batch["weights"]) for batch in batches] == [9, 9]
+  assert sum(float(batch["weights"].sum()) for batch in batches) == 16  # every example once, 2 rows of padding
+
+
 def test_a_train_call_updates_every_parameter_and_reports_its_steps(tmp_path):
   """A train step that skipped the optimizer update would leave the parameters as they were."""
   config = template.get_config("size=tiny")

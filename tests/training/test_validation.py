@@ -377,11 +377,24 @@ def test_eval_and_infer_need_no_training_batch_their_mesh_divides(overrides, dev
   """`--mode=eval` / `infer` of a run on another device count was refused for the training batch_size, which they
   never read; training on those devices still is."""
   config = template.get_config("size=tiny")
-  config.update_from_flattened_dict({"eval_batch_size": 12, **overrides})  # an eval batch 3 and 4 devices divide
+  config.update_from_flattened_dict({"eval_batch_size": 8, **overrides})
   with pytest.raises(validation.ConfigError, match=r"^config\.(batch_size|num_microbatches)="):
     validation.validate_config(config, mode="train", device_count=devices, process_count=processes)
   for mode in ("eval", "infer"):
     validation.validate_config(config, mode=mode, device_count=devices, process_count=processes)
+
+
+@pytest.mark.parametrize("overrides, devices, size", [
+    ({}, 3, 9), ({}, 4, 8), ({}, 1, 8), ({"mesh.data": 2, "mesh.fsdp": -1}, 6, 12),
+    ({"mesh.data": 1, "mesh.tensor": -1}, 3, 8),  # the rows are not split: any size
+    ({"sharding_rules.batch": ""}, 3, 8),
+])
+def test_an_eval_batch_is_rounded_up_to_a_multiple_of_its_batch_shards(overrides, devices, size):
+  config = template.get_config("size=tiny")
+  config.update_from_flattened_dict({"eval_batch_size": 8, **overrides})
+  assert validation.eval_batch_size_on_mesh(config, devices) == size
+  with pytest.raises(ValueError, match=r"device_count must be a positive integer, got 0"):
+    validation.eval_batch_size_on_mesh(config, 0)
 
 
 def test_a_mesh_whose_set_axes_do_not_divide_the_devices_names_them():

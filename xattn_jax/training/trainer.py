@@ -154,6 +154,21 @@ def initial_model(task, seed: int, *, dtype, param_dtype) -> nnx.Module:
   return model
 
 
+def _eval_batch_on_mesh(config):
+  """`config` as eval and infer read it on this process's devices: as it is, or a copy whose eval_batch_size is
+  rounded up to a multiple of the shards the rows split into here (a run trained on 8 devices with 8-row batches,
+  read on 3), so that any device count evaluates a run; logged."""
+  size = validation.eval_batch_size_on_mesh(config, jax.device_count())
+  if size == config.eval_batch_size:
+    return config
+  logging.info("eval_batch_size=%d does not split evenly over the batch shards of the mesh on these %d device(s): "
+               "reading batches of %d rows (weight-0 rows fill what the examples leave)", config.eval_batch_size,
+               jax.device_count(), size)
+  resized = config.copy_and_resolve_references()
+  resized.eval_batch_size = size
+  return resized
+
+
 def _sized_by_epochs(config, task):
   """`config` ending where `schedule.end_step` says: as it is, or a copy whose total_steps is the step that
   completes config.max_epochs passes over the task's training data, so that the schedule, the loop and the
@@ -187,6 +202,8 @@ class Trainer:
   """
 
   def __init__(self, config, workdir: str, mode: str = "train"):
+    if mode != "train":  # training's mesh divides its batches (validation.check_mesh); this one may be another
+      config = _eval_batch_on_mesh(config)
     self.config = config
     self.workdir = workdir
     task_class = task_lib.get_task_class(config.task.name)

@@ -175,21 +175,35 @@ def _batch_shards(config, sizes: dict[str, int]) -> tuple[int, str]:
 
 
 def check_mesh(config, device_count: int, mode: str = "train") -> dict[str, int]:
-  """The mesh's axis sizes on `device_count` devices; raises ConfigError where the mesh does not fit them or a
-  batch `mode` reads (and, to train, each microbatch) does not split evenly over its data x fsdp shards. Eval and
-  infer read no training batch: a run trained on a mesh its batch_size fits is evaluated on any other."""
+  """The mesh's axis sizes on `device_count` devices; raises ConfigError where the mesh does not fit them or, to
+  train, where the batch (and each microbatch) does not split evenly over its data x fsdp shards. Eval and infer
+  read no training batch, and pad their own to a size the shards divide (`eval_batch_size_on_mesh`): a run
+  trained on any mesh is evaluated on any other."""
   if mode not in ("train", "eval", "infer"):
     raise ValueError(f"check_mesh: mode must be 'train', 'eval' or 'infer', got mode={mode!r}")
   sizes = mesh_shape(config.mesh, device_count)
+  if mode != "train":
+    return sizes
   batch_shards, over = _batch_shards(config, sizes)
-  for field in ("batch_size", "eval_batch_size") if mode == "train" else ("eval_batch_size",):
+  for field in ("batch_size", "eval_batch_size"):
     if config[field] % batch_shards:
       raise ConfigError(field, config[field], f"must be divisible by {over}")
   microbatches = config.get("num_microbatches", 1)  # a run's config.py written before the field has none
-  if mode == "train" and microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
+  if microbatches > 1 and (config.batch_size // microbatches) % batch_shards:
     raise ConfigError("num_microbatches", microbatches, f"leaves microbatches of "
                       f"{config.batch_size // microbatches} rows, not divisible by {over}")
   return sizes
+
+
+def eval_batch_size_on_mesh(config, device_count: int) -> int:
+  """config.eval_batch_size rounded up to a multiple of the shards its rows split into on `device_count` devices:
+  the eval batch size of an eval or infer run, whose mesh may be another than training's. The metrics stay the
+  same (up to float rounding): the tasks fill an eval batch's spare rows with weight-0 rows, and the loop adds
+  up (sum, weight) pairs over the batches."""
+  if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 1:
+    raise ValueError(f"eval_batch_size_on_mesh: device_count must be a positive integer, got {device_count!r}")
+  shards, _ = _batch_shards(config, mesh_shape(config.mesh, device_count))
+  return -(-config.eval_batch_size // shards) * shards
 
 
 def _check_randomized_positions(model_config, prefix: str, encoding: position_layers.PositionEncoding | None,
