@@ -690,7 +690,8 @@ def test_every_option_at_its_default_is_unread_by_no_method(method):
   options = decoding.options_from_mapping(section)
   assert options == decoding.DecodingOptions(method=method, cache_halves=False)
   assert decoding.unread_options(options) == ()
-  assert decoding.unread_options(dataclasses.replace(options, **{f: _AWAY[f] for f in decoding.DECODING_METHODS[method].reads})) == ()
+  own = {field: _AWAY[field] for field in decoding.DECODING_METHODS[method].reads}
+  assert decoding.unread_options(dataclasses.replace(options, **own)) == ()
 
 
 def test_each_option_but_method_and_cache_halves_is_read_by_exactly_one_built_in_method():
