@@ -181,6 +181,39 @@ def test_a_best_result_without_ranked_checkpoints_is_refused(tmp_path):
   assert checkpoints_lib.result_step(str(tmp_path)) == 10
 
 
+
+def _listed_then_deleted(tmp_path):
+  """A read-only manager (eval, infer) that lists step 2, which a run training with checkpoint.keep=1 then deletes
+  on saving step 4: the window between choosing a step and restoring it."""
+  abstract = jax.eval_shape(lambda: _tiny(0))
+  training = checkpoints_lib.Checkpoints(str(tmp_path), keep=1)
+  training.save(2, *_tiny(2), {"step": 2})
+  reader = checkpoints_lib.Checkpoints(str(tmp_path), keep=1, read_only=True)
+  assert reader.steps() == [2]
+  training.save(4, *_tiny(4), {"step": 4})
+  training.close()
+  assert checkpoints_lib.step_numbers(str(tmp_path)) == [4]
+  return reader, abstract
+
+
+def test_a_newest_step_deleted_while_being_read_gives_way_to_the_newest_kept_one(tmp_path):
+  """An eval started beside training read a step the training run's retention deleted, and failed with 'no
+  checkpoint could be read' while a newer one was there."""
+  reader, abstract = _listed_then_deleted(tmp_path)
+  model, _, meta = reader.restore_latest(*abstract, quarantine=False)
+  reader.close()
+  assert meta["step"] == 4 and float(model["w"][0]) == 4.0
+
+
+def test_a_chosen_step_deleted_while_being_read_is_named_with_the_reason_and_the_kept_steps(tmp_path):
+  reader, abstract = _listed_then_deleted(tmp_path)
+  with pytest.raises(checkpoints_lib.RunError, match=r"^checkpoint step 2 in \S+ was deleted while it was being "
+                                                     r"read, by the retention \(checkpoint.keep\) of a run training "
+                                                     r"in the workdir; it keeps steps \[4\] now"):
+    reader.restore_latest(*abstract, steps=[2], quarantine=False)
+  reader.close()
+
+
 _SAVE_OVER_TWO_DEVICES = """
 import sys, jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
 mesh = jax.make_mesh((2,), ("data",))

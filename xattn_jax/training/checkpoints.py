@@ -161,9 +161,15 @@ class Checkpoints:
   def restore_latest(self, abstract_model, abstract_optimizer, *, steps=None, quarantine: bool = True):
     """(model_state, optimizer_state, meta) of the newest readable step (of `steps`, else of all), or None if
     there is none; RunError when there are steps and none can be read. An unreadable step is moved to
-    corrupt_checkpoints/ when `quarantine` (training), else left where it is (eval and infer only read)."""
-    failures = []
-    for step in reversed(self.steps() if steps is None else sorted(steps)):
+    corrupt_checkpoints/ when `quarantine` (training), else left where it is (eval and infer only read).
+
+    A step that disappears while it is read was deleted by the retention (checkpoint.keep) of a run training in
+    the workdir, not damaged: without `steps` the newest step kept then is read instead; a step of `steps` (one the
+    caller chose) raises RunError naming it and the steps kept."""
+    failures, tried = [], set()
+    while candidates := [step for step in (self.steps() if steps is None else sorted(steps)) if step not in tried]:
+      step = candidates[-1]
+      tried.add(step)
       # Checked before restoring: orbax fails on another model's shapes only after starting its
       # reads, and leaves their threads printing tracebacks.
       mismatch = model_mismatch(os.path.join(self.directory, str(step), "model"), abstract_model)
@@ -178,6 +184,9 @@ class Checkpoints:
             optimizer=ocp.args.StandardRestore(abstract_optimizer),
             meta=ocp.args.JsonRestore()))
       except Exception as e:  # orbax / tensorstore raise many kinds for a damaged checkpoint
+        if not os.path.isdir(os.path.join(self.directory, str(step))):
+          self._deleted_while_read(step, chosen=steps is not None)
+          continue
         message = short_error(e)
         logging.error("Checkpoint step %d in %s cannot be read (%s); trying an older one.",
                       step, self.directory, message)
@@ -193,6 +202,17 @@ class Checkpoints:
                      + self._unreadable_note(quarantine)
                      + ("; run again to train from step 0" if quarantine else ""))
     return None
+
+  def _deleted_while_read(self, step: int, *, chosen: bool):
+    """After `step` vanished during its read: RunError naming it where the caller `chosen` it, else a warning, the
+    steps listed again (the newest kept is read next)."""
+    kept = step_numbers(self.workdir)
+    why = (f"checkpoint step {step} in {self.directory} was deleted while it was being read, by the retention "
+           f"(checkpoint.keep) of a run training in the workdir")
+    if chosen:
+      raise RunError(f"{why}; it keeps steps {kept} now: read one of them, or wait for training to end")
+    logging.warning("%s; reading the newest step it keeps instead (of %s)", why, kept)
+    self.manager.reload()
 
   def _unreadable_note(self, quarantined: bool) -> str:
     corrupt = os.path.join(self.workdir, "corrupt_checkpoints")
