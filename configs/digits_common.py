@@ -12,7 +12,7 @@ def digits_config(*, total_steps: int, learning_rate: float) -> ConfigDict:
                               learning_rate=learning_rate, warmup_steps=100)
   config.task.name = "digits"
   config.task.label_smoothing = 0.0
-  config.task.num_attention_images = 4      # test images whose query attention maps are drawn (0 = none)
+  config.task.num_attention_images = 4      # data.eval_split images whose query attention is drawn (0 = none)
   config.data = ConfigDict({
       "test_fraction": 0.2,                 # 360 test images, stratified, fixed
       "validation_fraction": 0.1,           # of each class's other images held out: 1,288 train / 149 validation

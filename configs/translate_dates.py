@@ -49,7 +49,7 @@ def translator_config(args) -> ConfigDict:
   config.task.bleu_tokenize = "auto"   # sacrebleu tokenizer, one of tasks/translate/bleu.BLEU_TOKENIZERS; auto:
   #                                      "char" for zh / ja / th ... targets and ones mostly under 4 words, else "13a"
   config.task.num_samples_logged = 3
-  config.task.num_attention_plots = 3  # cross-attention PNGs written at each eval
+  config.task.num_attention_plots = 3  # cross-attention PNGs written at each eval (0 = none)
   config.task.attention_per_head = False
 
   d_model, num_heads, num_layers, mlp_dim = SIZES[args.size]

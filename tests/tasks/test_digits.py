@@ -282,6 +282,22 @@ def test_eval_reads_every_image_of_the_configured_split_once(split, size):
   np.testing.assert_allclose(images, task.split.standardize(expected_images))
 
 
+def test_attention_maps_drawn_with_a_lower_count_leave_no_earlier_maps_of_that_split_behind(tmp_path, monkeypatch):
+  """An eval with task.num_attention_images lowered kept the earlier eval's higher-numbered maps, which looked
+  current; another split's maps are another eval's and stay."""
+  from xattn_jax.tasks.digits import plots as digits_plots  # noqa: PLC0415
+  config = digits_config("perceiver", task__num_attention_images=1)
+  task = task_lib.get_task_class(config.task.name)(config)
+  monkeypatch.setattr(type(task), "query_attention", lambda self, model, images: (np.full((len(images), 1, 2, 64),
+                                                                                          1 / 64), 1))
+  monkeypatch.setattr(digits_plots, "plot_query_attention", lambda image, maps, path, title: open(path, "w").close())
+  for name in ("validation_0.png", "validation_1.png", "validation_2.png", "test_2.png"):
+    (tmp_path / name).write_bytes(b"earlier eval")
+  assert task.write_attention_maps(None, str(tmp_path)) == [str(tmp_path / "validation_0.png")]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["test_2.png", "validation_0.png"]
+  assert (tmp_path / "validation_0.png").read_bytes() == b""  # drawn again
+
+
 @pytest.mark.parametrize("field, value", [("data__grid", "9x9"), ("data__grid", "8x9"),
                                           ("data__extra_eval_grids", "12x12,9x9")])
 def test_qformer_grids_must_split_into_the_encoders_patches(qformer, field, value):

@@ -71,7 +71,8 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   total sum / total weight, without the `eval/` prefix), e.g. perplexity = exp(loss), with no second pass
   over the eval data; logged as `eval/<name>`. Default: none.
 - `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
-  of generated text); logged as `eval/<name>`. Default: none.
+  of generated text); logged as `eval/<name>`. Default: none. Numbered figures it draws (attention maps) take
+  their paths from `figure_family`, which removes those an earlier eval drew beyond this one's count.
 - `infer_lines(model, lines: list[str]) -> list[str]`: one output line per input line, for a non-empty list
   of non-blank lines (`Task.infer`, what the launcher and a notebook call, answers an empty list and blank lines
   itself, unless the task sets `infers_blank_lines`); lines the task cannot take raise one `InputLineError` with
@@ -83,10 +84,12 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import os
+import re
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
@@ -140,6 +143,29 @@ def read_each(lines: Sequence[str], read: Callable[[int, str], Any]) -> list:
   if problems:
     raise InputLineError.of(problems)
   return values
+
+
+def figure_family(directory: str, prefix: str, count: int, suffix: str = ".png") -> list[str]:
+  """The paths `<directory>/<prefix>K<suffix>`, K = 0 .. count - 1, of a family of figures an eval draws: the
+  folder is made (where count > 0), and the family's files numbered count and above removed, those an earlier eval
+  drew with a higher count (a setting lowered since, a run resumed or evaluated with fewer), which would otherwise
+  pass for this eval's. Only names of exactly that form are removed (K written without leading zeros)."""
+  if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+    raise ValueError(f"figure_family: count must be an int >= 0, got {count!r}")
+  for name, value in (("prefix", prefix), ("suffix", suffix)):
+    if os.sep in value or (os.altsep and os.altsep in value):
+      raise ValueError(f"figure_family: {name} must be a file name's part, without {os.sep!r}, got {value!r}")
+  family = re.compile(f"{re.escape(prefix)}(0|[1-9][0-9]*){re.escape(suffix)}")
+  if os.path.isdir(directory):
+    for name in os.listdir(directory):
+      match, path = family.fullmatch(name), os.path.join(directory, name)
+      if match and int(match.group(1)) >= count and os.path.isfile(path):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(path)
+  if count:
+    os.makedirs(directory, exist_ok=True)
+  return [os.path.join(directory, f"{prefix}{k}{suffix}") for k in range(count)]
+
 
 # Short names whose module is imported on first use (so importing this file stays cheap).
 TASK_MODULES = {

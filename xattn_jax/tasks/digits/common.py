@@ -9,7 +9,8 @@ Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the m
 follows it). Eval reads `data.eval_split` of `digits.load_digits_split` (validation while training: what a best
 checkpoint or early stopping reads; `--mode=eval --config.data.eval_split=test` for the final score), reports
 `eval/accuracy_HxW` on its images resized to each grid in `data.extra_eval_grids` and writes the queries'
-attention maps as `attention_maps/<split>_K.png` in the workdir.
+attention maps of its first `task.num_attention_images` images as `attention_maps/<split>_K.png` in the workdir
+(removing those of the split an earlier eval drew beyond that count).
 
 Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
 or an image file (PNG, JPEG, ...: data.image_files); the output line is the file name and the predicted digit(s).
@@ -208,28 +209,26 @@ class DigitsBase(task_lib.Task):
     for grid in self.extra_grids:
       predictions = self._classify(model, digits.resize_images(self.eval_images, grid))
       results[f"accuracy_{grid[0]}x{grid[1]}"] = float(np.mean(predictions == self.eval_labels))
-    if self.workdir and jax.process_index() == 0 and self.config.task.num_attention_images:
+    if self.workdir and jax.process_index() == 0:
       self.write_attention_maps(model, os.path.join(self.workdir, "attention_maps"))
     return results
 
   def write_attention_maps(self, model, directory: str) -> list[str]:
-    """One PNG per image of data.eval_split (`<split>_K.png`): the image next to each query's attention over it
-    (heads averaged); none for a model without queries."""
+    """One PNG per image of data.eval_split (`<split>_K.png`, K < task.num_attention_images): the image next to
+    each query's attention over it (heads averaged); none for a model without queries. The split's maps numbered
+    from the count on, an earlier eval's, are removed (`task.figure_family`)."""
     count, split = self.config.task.num_attention_images, self.eval_split
     images = digits.resize_images(self.eval_images[:count], self.grid)
-    attention = self.query_attention(model, self.split.standardize(images)[..., None])
-    if attention is None:
+    attention = self.query_attention(model, self.split.standardize(images)[..., None]) if count else None
+    paths = task_lib.figure_family(directory, f"{split}_", count if attention is not None else 0)
+    if not paths:
       return []
     from xattn_jax.tasks.digits import plots as digits_plots  # matplotlib only when pictures are asked for
     weights, patch = np.asarray(attention[0]), attention[1]  # [count, heads, N, M]
     grid = (self.grid[0] // patch, self.grid[1] // patch)
-    os.makedirs(directory, exist_ok=True)
-    paths = []
-    for k in range(count):
-      path = os.path.join(directory, f"{split}_{k}.png")
+    for k, path in enumerate(paths):
       digits_plots.plot_query_attention(images[k], weights[k].mean(axis=0).reshape(-1, *grid), path,
                                         title=f"{split} image {k} (label {self.eval_labels[k]})")
-      paths.append(path)
     return paths
 
   def _read_input(self, line: str) -> np.ndarray:

@@ -18,7 +18,8 @@ bounding box: mean_iou, iou50_rate / iou75_rate (share with IoU >= 0.5 / 0.75) a
 of the K masks). eval/ambiguous_both_iou: for a click on a pixel two digits share, the mean over the two
 digits of the best mask's IoU with it (do the K masks hold both readings?). eval/iou_head_pearson: the
 correlation of predicted with actual IoU over every mask of every eval prompt. PNGs of the first
-task.num_plot_examples eval prompts go to `<workdir>/segment_plots/<split>_K.png`.
+task.num_plot_examples eval prompts go to `<workdir>/segment_plots/<split>_K.png` (those of the split an earlier
+eval drew beyond that count are removed).
 
 Inference (`launch.py --mode=infer`), one line per prompt:
     IMAGE x,y[,+|-] [x,y[,+|-] ...]      clicks (x = column, y = row in IMAGE's pixels; + positive, - negative)
@@ -312,15 +313,15 @@ class SegmentTask(task_lib.Task):
     examples = self.eval_set
     logits, predicted = self._predict_rows(model, examples["images"], examples["points"], examples["point_labels"])
     actual = np.asarray(mask_iou(jnp.asarray(logits), jnp.asarray(examples["masks"])))
-    if self.workdir and jax.process_index() == 0 and self.config.task.num_plot_examples:
-      from xattn_jax.tasks.segment import plots  # matplotlib only when pictures are asked for
-      directory = os.path.join(self.workdir, "segment_plots")
-      os.makedirs(directory, exist_ok=True)
-      for k in range(min(self.config.task.num_plot_examples, len(logits))):
+    if self.workdir and jax.process_index() == 0:  # an earlier eval's PNGs beyond this one's count are removed
+      paths = task_lib.figure_family(os.path.join(self.workdir, "segment_plots"), f"{self.eval_split}_",
+                                     min(self.config.task.num_plot_examples, len(logits)))
+      if paths:
+        from xattn_jax.tasks.segment import plots  # matplotlib only when pictures are asked for
+      for k, path in enumerate(paths):
         kind = segment_digits.PROMPT_KINDS[examples["kinds"][k]]
         plots.plot_prediction(examples["images"][k, ..., 0], examples["points"][k], examples["point_labels"][k],
-                              logits[k] > 0, predicted[k],
-                              os.path.join(directory, f"{self.eval_split}_{k}.png"),
+                              logits[k] > 0, predicted[k], path,
                               target=examples["masks"][k] > 0.5,
                               title=f"{kind}: IoU {actual[k, np.argmax(predicted[k])]:.2f}")
     return {"iou_head_pearson": pearson(predicted.ravel(), actual.ravel())}

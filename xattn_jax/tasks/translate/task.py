@@ -37,7 +37,8 @@ pair; decoded by the model alone as task.decoding says, greedy by default):
   eval/chrf         sacrebleu corpus chrF (0-100: F-score of character 1- to 6-grams, recall weighted by
                     beta 2) of the decoded pairs; defined on any corpus
 Each eval also logs a few sample translations and writes cross-attention maps (target tokens by source
-tokens, per decoder layer) to <workdir>/plots/cross_attention_<k>.png.
+tokens, per decoder layer) of its first task.num_attention_plots decoded pairs to
+<workdir>/plots/cross_attention_<k>.png, removing those an earlier eval drew beyond that count.
 """
 from __future__ import annotations
 
@@ -562,7 +563,7 @@ class TranslateTask(task_lib.Task):
     references = [target for _, target in pairs]
     for (source, target), hypothesis in list(zip(pairs, hypotheses))[:task.num_samples_logged]:
       logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
-    if self.workdir and task.num_attention_plots and jax.process_index() == 0:
+    if self.workdir and jax.process_index() == 0:
       self._plot_attention(model, inputs[:task.num_attention_plots])
     metrics = {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
     if self._bleu.defined:
@@ -573,19 +574,22 @@ class TranslateTask(task_lib.Task):
     return metrics
 
   def _plot_attention(self, model, inputs):
-    """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each."""
+    """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each (none for n = 0: the
+    family's earlier PNGs are removed)."""
+    paths = task_lib.figure_family(os.path.join(self.workdir, "plots"), "cross_attention_", len(inputs))
+    if not paths:
+      return
     generated = np.asarray(self._generate(model, jnp.asarray(inputs), max_length=self._max_decode_length(),
                                           bos_id=self.tokenizer.bos_id, eos_id=self.tokenizer.eos_id,
                                           suppress_ids=self.tokenizer.never_generated_ids))
     decoder_inputs = np.concatenate([np.full((len(inputs), 1), self.tokenizer.bos_id, np.int32),
                                      generated[:, :-1]], axis=1)
     weights = np.asarray(self._attention(model, jnp.asarray(inputs), jnp.asarray(decoder_inputs)))
-    for k in range(len(inputs)):
+    for k, path in enumerate(paths):
       source = [self.tokenizer.id_to_piece(i) for i in inputs[k] if i != 0]
       length = int(np.argmax(generated[k] == self.tokenizer.eos_id)) + 1 if (
           generated[k] == self.tokenizer.eos_id).any() else generated.shape[1]
       target = [self.tokenizer.id_to_piece(i) for i in generated[k, :length]]
-      path = os.path.join(self.workdir, "plots", f"cross_attention_{k}.png")
       figure = translate_plots.plot_cross_attention(weights[:, k, :, :length, :len(source)], source, target,
                                                     path, per_head=self.config.task.attention_per_head)
       translate_plots.close(figure)
