@@ -1,5 +1,6 @@
 """The config record of a workdir: written, read back, compared with a new config."""
 import json
+import pathlib
 
 import jax
 import pytest
@@ -414,6 +415,33 @@ def test_eval_reads_past_an_unreadable_checkpoint_and_moves_nothing(tmp_path):
   assert len(list((run / "corrupt_checkpoints").iterdir())) == 2
   loop.run(tiny_template(total_steps=4), str(run))  # from step 0, the earlier log kept aside
   assert (run / "metrics.jsonl.before_step_0").exists() and (run / "checkpoints" / "4").is_dir()
+
+
+def test_eval_draws_its_figures_under_its_step_and_leaves_the_ones_training_drew(tmp_path, monkeypatch):
+  """--mode=eval drew over the attention maps of training's last eval: comparing the two lost training's."""
+  from xattn_jax.tasks.template import TemplateTask  # noqa: PLC0415
+  from xattn_jax.training import inference  # noqa: PLC0415
+
+  def extra_eval(self, model):
+    if self.figure_directory:
+      for path in task_lib.figure_family(str(pathlib.Path(self.figure_directory) / "plots"), "map_", 1):
+        pathlib.Path(path).write_text(self.mode)
+    return {}
+
+  monkeypatch.setattr(TemplateTask, "extra_eval", extra_eval)
+  run = tmp_path / "run"
+  loop.run(tiny_template(), str(run))
+  loop.run(tiny_template(), str(run), "eval")
+  assert (run / "plots" / "map_0.png").read_text() == "train"
+  assert (run / "eval_results" / "step_2" / "plots" / "map_0.png").read_text() == "eval"
+  assert inference.load_model(str(run), mode="eval")[1].figure_directory == str(run / "eval_results" / "step_2")
+  assert inference.load_model(str(run))[1].figure_directory is None  # infer draws no eval figures
+
+
+@pytest.mark.parametrize("step", [-1, 2.0, True, "2"])
+def test_an_eval_figure_directory_needs_a_checkpoint_step(step):
+  with pytest.raises(ValueError, match=r"^eval_figure_directory: step must be a checkpoint's step, an int >= 0, got "):
+    workdir.eval_figure_directory("run", step)
 
 
 def test_a_run_moved_with_its_data_file_trains_on_reading_the_file_at_its_new_path(tmp_path):

@@ -109,7 +109,8 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
       task.infer(model, ["Sunday, November 29, 2026"])   # the task's own inference
 
   The run's resolved config (`<workdir>/config.py`) rebuilds the task in `mode`: "infer" reads the
-  workdir's tokenizer, not the training data; "eval" reads the eval data too (the task's eval examples).
+  workdir's tokenizer, not the training data; "eval" reads the eval data too (the task's eval examples), and
+  the figures `task.extra_eval` draws go where `--mode=eval`'s do (`workdir.eval_figure_directory`).
   `overrides` ({dotted field: value}) changes that config first, as `--config.a.b=V` does for
   `launch.py --mode=eval`, e.g. {"data.num_eval_examples": 2000}; a change to the model, or a value the field
   cannot take, is refused (ConfigError naming the field). A run trained on a mesh of more devices than this
@@ -148,7 +149,9 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
                                             best_metric=config.checkpoint.best_metric,
                                             best_mode=config.checkpoint.best_mode, read_only=True)
   try:
-    state, _ = trainer.latest_state(checkpoints, "load" if mode == "infer" else mode)
+    state, step = trainer.latest_state(checkpoints, "load" if mode == "infer" else mode)
   finally:
     checkpoints.close()
+  if mode == "eval":  # figures task.extra_eval draws go where --mode=eval's do
+    trainer.task.figure_directory = workdir_lib.eval_figure_directory(workdir, step)
   return trainer.model(state), trainer.task

@@ -253,6 +253,7 @@ def _run_in(config, workdir: str, mode: str, output, *, is_writer: bool, new_wor
       return result
     state, step = trainer.latest_state(checkpoints, mode)
     if mode == "eval":
+      trainer.task.figure_directory = workdir_lib.eval_figure_directory(workdir, step)  # training's figures stay
       values = trainer.evaluate(state)
       logging.info("eval at step %d: %s", step, values)
       if is_writer:

@@ -71,8 +71,9 @@ The contract (all shapes are per process unless said otherwise; B = config.batch
   total sum / total weight, without the `eval/` prefix), e.g. perplexity = exp(loss), with no second pass
   over the eval data; logged as `eval/<name>`. Default: none.
 - `extra_eval(model) -> dict[str, float]`: host-side metrics that need decoding (BLEU, exact match
-  of generated text); logged as `eval/<name>`. Default: none. Numbered figures it draws (attention maps) take
-  their paths from `figure_family`, which removes those an earlier eval drew beyond this one's count.
+  of generated text); logged as `eval/<name>`. Default: none. Figures it draws (attention maps) go under
+  `self.figure_directory` (none where it is None), numbered ones at the paths `figure_family` gives, which removes
+  those an earlier eval drew beyond this one's count.
 - `infer_lines(model, lines: list[str]) -> list[str]`: one output line per input line, for a non-empty list
   of non-blank lines (`Task.infer`, what the launcher and a notebook call, answers an empty list and blank lines
   itself, unless the task sets `infers_blank_lines`); lines the task cannot take raise one `InputLineError` with
@@ -320,6 +321,9 @@ class Task:
     self.logits_sharding = None
     # Set by the engine's infer: the folder of the input file ("" for stdin: the current directory).
     self.input_directory = ""
+    # Where extra_eval draws its figures (None: it draws none): the workdir while training; set by the engine's
+    # eval to `workdir.eval_figure_directory` of the step it reads, so that training's figures stay as they were.
+    self.figure_directory = workdir if mode == "train" else None
 
   @staticmethod
   def position_encodings() -> tuple[str, ...] | None:

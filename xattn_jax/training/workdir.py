@@ -365,3 +365,12 @@ def append_eval_result(config, workdir: str, step: int, values: dict[str, float]
   with open(os.path.join(workdir, "eval_results.jsonl"), "a") as f:
     f.write(json.dumps(row) + "\n")
   return row
+
+
+def eval_figure_directory(workdir: str, step: int) -> str:
+  """Where `--mode=eval` of checkpoint `step` draws its figures (`Task.figure_directory`):
+  `<workdir>/eval_results/step_<step>`, named as its row of eval_results.jsonl, each family in the folder that
+  training draws it in there. Training's evals draw in the workdir itself, and keep what they drew."""
+  if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    raise ValueError(f"eval_figure_directory: step must be a checkpoint's step, an int >= 0, got {step!r}")
+  return os.path.join(workdir, "eval_results", f"step_{step}")

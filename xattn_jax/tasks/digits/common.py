@@ -9,8 +9,9 @@ Logged besides the loss: `accuracy`, and `tokens_handed_on` (how many rows the m
 follows it). Eval reads `data.eval_split` of `digits.load_digits_split` (validation while training: what a best
 checkpoint or early stopping reads; `--mode=eval --config.data.eval_split=test` for the final score), reports
 `eval/accuracy_HxW` on its images resized to each grid in `data.extra_eval_grids` and writes the queries'
-attention maps of its first `task.num_attention_images` images as `attention_maps/<split>_K.png` in the workdir
-(removing those of the split an earlier eval drew beyond that count).
+attention maps of its first `task.num_attention_images` images as `attention_maps/<split>_K.png` under
+`Task.figure_directory` (the workdir while training, `eval_results/step_N/` in it for --mode=eval), removing those of
+the split an earlier eval drew beyond that count.
 
 Inference (`launch.py --mode=infer`): each input line names a `.npy` file ([H, W] or a stack [n, H, W])
 or an image file (PNG, JPEG, ...: data.image_files); the output line is the file name and the predicted digit(s).
@@ -209,8 +210,8 @@ class DigitsBase(task_lib.Task):
     for grid in self.extra_grids:
       predictions = self._classify(model, digits.resize_images(self.eval_images, grid))
       results[f"accuracy_{grid[0]}x{grid[1]}"] = float(np.mean(predictions == self.eval_labels))
-    if self.workdir and jax.process_index() == 0:
-      self.write_attention_maps(model, os.path.join(self.workdir, "attention_maps"))
+    if self.figure_directory and jax.process_index() == 0:
+      self.write_attention_maps(model, os.path.join(self.figure_directory, "attention_maps"))
     return results
 
   def write_attention_maps(self, model, directory: str) -> list[str]:

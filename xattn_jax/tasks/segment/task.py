@@ -18,8 +18,9 @@ bounding box: mean_iou, iou50_rate / iou75_rate (share with IoU >= 0.5 / 0.75) a
 of the K masks). eval/ambiguous_both_iou: for a click on a pixel two digits share, the mean over the two
 digits of the best mask's IoU with it (do the K masks hold both readings?). eval/iou_head_pearson: the
 correlation of predicted with actual IoU over every mask of every eval prompt. PNGs of the first
-task.num_plot_examples eval prompts go to `<workdir>/segment_plots/<split>_K.png` (those of the split an earlier
-eval drew beyond that count are removed).
+task.num_plot_examples eval prompts go to `segment_plots/<split>_K.png` under `Task.figure_directory` (the workdir
+while training, `eval_results/step_N/` in it for --mode=eval); those of the split an earlier eval drew beyond that
+count are removed.
 
 Inference (`launch.py --mode=infer`), one line per prompt:
     IMAGE x,y[,+|-] [x,y[,+|-] ...]      clicks (x = column, y = row in IMAGE's pixels; + positive, - negative)
@@ -313,8 +314,8 @@ class SegmentTask(task_lib.Task):
     examples = self.eval_set
     logits, predicted = self._predict_rows(model, examples["images"], examples["points"], examples["point_labels"])
     actual = np.asarray(mask_iou(jnp.asarray(logits), jnp.asarray(examples["masks"])))
-    if self.workdir and jax.process_index() == 0:  # an earlier eval's PNGs beyond this one's count are removed
-      paths = task_lib.figure_family(os.path.join(self.workdir, "segment_plots"), f"{self.eval_split}_",
+    if self.figure_directory and jax.process_index() == 0:  # an earlier eval's PNGs beyond its count are removed
+      paths = task_lib.figure_family(os.path.join(self.figure_directory, "segment_plots"), f"{self.eval_split}_",
                                      min(self.config.task.num_plot_examples, len(logits)))
       if paths:
         from xattn_jax.tasks.segment import plots  # matplotlib only when pictures are asked for

@@ -37,8 +37,9 @@ pair; decoded by the model alone as task.decoding says, greedy by default):
   eval/chrf         sacrebleu corpus chrF (0-100: F-score of character 1- to 6-grams, recall weighted by
                     beta 2) of the decoded pairs; defined on any corpus
 Each eval also logs a few sample translations and writes cross-attention maps (target tokens by source
-tokens, per decoder layer) of its first task.num_attention_plots decoded pairs to
-<workdir>/plots/cross_attention_<k>.png, removing those an earlier eval drew beyond that count.
+tokens, per decoder layer) of its first task.num_attention_plots decoded pairs to plots/cross_attention_<k>.png under
+Task.figure_directory (the workdir while training, eval_results/step_N/ in it for --mode=eval), removing those an
+earlier eval drew beyond that count.
 """
 from __future__ import annotations
 
@@ -563,7 +564,7 @@ class TranslateTask(task_lib.Task):
     references = [target for _, target in pairs]
     for (source, target), hypothesis in list(zip(pairs, hypotheses))[:task.num_samples_logged]:
       logging.info("sample translation: %r -> %r (reference %r)", source, hypothesis, target)
-    if self.workdir and jax.process_index() == 0:
+    if self.figure_directory and jax.process_index() == 0:
       self._plot_attention(model, inputs[:task.num_attention_plots])
     metrics = {"exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
     if self._bleu.defined:
@@ -576,7 +577,7 @@ class TranslateTask(task_lib.Task):
   def _plot_attention(self, model, inputs):
     """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each (none for n = 0: the
     family's earlier PNGs are removed)."""
-    paths = task_lib.figure_family(os.path.join(self.workdir, "plots"), "cross_attention_", len(inputs))
+    paths = task_lib.figure_family(os.path.join(self.figure_directory, "plots"), "cross_attention_", len(inputs))
     if not paths:
       return
     generated = np.asarray(self._generate(model, jnp.asarray(inputs), max_length=self._max_decode_length(),
