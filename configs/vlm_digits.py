@@ -79,9 +79,6 @@ def vlm_config(args) -> ConfigDict:
   config.model.update(connectors.config_defaults())
   config.model.num_latents = args.latents     # flamingo: Perceiver resampler latents (0 = read the features)
   config.model.num_queries = args.queries     # qformer: N soft tokens per image
-  config.model.qformer_width = 64
-  config.model.qformer_blocks = 2
-  config.model.qformer_cross_attention_every = 2
   config.model.image_positions = args.positions  # sequence | mrope (Qwen2-VL; llava only)
   config.model.spatial_merge = args.merge     # llava: m x m patches per soft token (Qwen2-VL's merger: 2)
   config.model.feature_positions = "learned_2d"  # connectors.feature_position_encodings(): the grid positions

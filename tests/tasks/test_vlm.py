@@ -123,6 +123,16 @@ def test_latents_and_queries_set_for_a_connector_that_does_not_read_them_are_a_c
   assert config_error_field(f"--config=configs/vlm_tsv.py:{variant}") == (field or "config.data.train_file")
 
 
+@pytest.mark.parametrize("variant, argument", [
+    ("connector=llava", "--config.model.qformer_blocks=3"), ("connector=flamingo", "--config.model.qformer_width=32"),
+    ("connector=llava", "--config.model.qformer_cross_attention_every=1")])
+def test_qformer_fields_set_for_a_connector_that_does_not_read_them_are_a_config_error(variant, argument):
+  """llava or flamingo with qformer_blocks=3 trained the model the defaults give, without a word."""
+  field = argument.removeprefix("--").split("=")[0]
+  assert config_error_field(f"--config=configs/vlm_digits.py:{variant}", argument) == field
+  assert config_error_field("--config=configs/vlm_digits.py:connector=qformer", argument) is None
+
+
 @pytest.mark.parametrize("mode", ["eval", "infer"])
 def test_a_run_recorded_with_an_unread_connector_field_still_validates_for_eval_and_infer(mode):
   """Runs recorded when llava's and the Q-Former's num_latents defaulted to 0: eval and infer keep the run's model."""

@@ -207,7 +207,8 @@ class QFormerConnector(_Connector):
   config_fields = {"num_heads": "num_heads", "mlp_ratio": "mlp_ratio", "num_queries": "num_queries",
                    "qformer_width": "width", "qformer_blocks": "num_blocks",
                    "qformer_cross_attention_every": "cross_attention_every"}
-  own_fields = {"num_queries": 32}  # N soft tokens per image (BLIP-2: 32)
+  # N soft tokens per image (BLIP-2: 32); the Q-Former's width, blocks and cross-attention every k-th block
+  own_fields = {"num_queries": 32, "qformer_width": 64, "qformer_blocks": 2, "qformer_cross_attention_every": 2}
   attention_maps = "queries"
 
   def __init__(self, feature_width: int, lm: lm_lib.LanguageModel, *, num_heads: int, mlp_ratio: int,
