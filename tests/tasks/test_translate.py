@@ -127,6 +127,30 @@ def test_dates_evaluate_on_validation_and_score_test_dates_apart(tmp_path):
   assert trained.eval_pairs == validation_pairs
 
 
+def test_eval_attention_maps_name_the_side_they_read_so_two_evals_of_a_step_keep_both(tmp_path):
+  """--mode=eval draws plots/cross_attention_<split>_K.png (validation and test side by side in one step's folder);
+  training keeps plots/cross_attention_K.png, the names the README gives."""
+  names = []
+  for mode, split in (("eval", "validation"), ("eval", "test"), ("train", "validation")):
+    task = translate_task.TranslateTask(_config(**{"data.eval_split": split, "data.tokenizer": "bytes"}),
+                                        str(tmp_path / mode), mode=mode)
+    task.figure_directory = str(tmp_path / "figures")
+    names += [os.path.relpath(path, task.figure_directory) for path in task._attention_plot_paths(1)]
+  assert names == [os.path.join("plots", name) for name in (
+      "cross_attention_validation_0.png", "cross_attention_test_0.png", "cross_attention_0.png")]
+
+
+def test_an_eval_file_names_its_figures_by_its_name_and_folder(tmp_path):
+  def evaluated(path):
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("a\tb\n")
+    config = _config(translate_tsv, **{"data.train_file": str(path), "data.eval_file": str(path),
+                                       "data.tokenizer": "bytes"})
+    return translate_task.TranslateTask(config, str(tmp_path), mode="eval").evaluated_name()
+  first, second = evaluated(tmp_path / "v1" / "test.tsv"), evaluated(tmp_path / "v2" / "test.tsv")
+  assert first.startswith("test.tsv-") and second.startswith("test.tsv-") and first != second
+
+
 def test_a_dates_config_from_before_the_test_side_trains_on_its_old_split(tmp_path):
   config = _config(**{"data.tokenizer": "bytes"})
   with config.unlocked():

@@ -38,13 +38,16 @@ pair; decoded by the model alone as task.decoding says, greedy by default):
                     beta 2) of the decoded pairs; defined on any corpus
 Each eval also logs a few sample translations and writes cross-attention maps (target tokens by source
 tokens, per decoder layer) of its first task.num_attention_plots decoded pairs to plots/cross_attention_<k>.png under
-Task.figure_directory (the workdir while training, eval_results/step_N/ in it for --mode=eval), removing those an
-earlier eval drew beyond that count.
+Task.figure_directory (the workdir while training), removing those an earlier eval drew beyond that count;
+--mode=eval draws them to eval_results/step_N/plots/cross_attention_<evaluated>_<k>.png in it, named for what it read
+(`TranslateTask.evaluated_name`: data.eval_split, or the data.eval_file), so evals of one step on other sides or
+files keep each other's.
 """
 from __future__ import annotations
 
 import filecmp
 import functools
+import hashlib
 import os
 import shutil
 import warnings
@@ -574,10 +577,26 @@ class TranslateTask(task_lib.Task):
     metrics["chrf"] = sacrebleu.corpus_chrf(hypotheses, [references]).score
     return metrics
 
+  def evaluated_name(self) -> str:
+    """What eval reads, as a file name's part: data.eval_split ('validation' or 'test'), or for a data.eval_file its
+    base name and the first 8 hex digits of the SHA-256 of its absolute path (files of one name in two folders)."""
+    eval_file = self.config.data.get("eval_file")
+    if not eval_file:
+      return self.config.data.get("eval_split", "validation")  # absent from configs written before it existed
+    path_digest = hashlib.sha256(os.path.abspath(eval_file).encode()).hexdigest()[:8]
+    return f"{os.path.basename(eval_file)}-{path_digest}"
+
+  def _attention_plot_paths(self, count: int) -> list[str]:
+    """The `count` PNG paths of this eval's cross-attention maps (`task.figure_family`: an earlier eval's beyond them
+    are removed). --mode=eval names what it evaluated, so that evals of one step on other sides or files keep each
+    other's; training keeps its own names (it reads one eval side)."""
+    prefix = "cross_attention_" if self.mode == "train" else f"cross_attention_{self.evaluated_name()}_"
+    return task_lib.figure_family(os.path.join(self.figure_directory, "plots"), prefix, count)
+
   def _plot_attention(self, model, inputs):
     """Cross-attention maps of the model's own translations of inputs [n, s], one PNG each (none for n = 0: the
     family's earlier PNGs are removed)."""
-    paths = task_lib.figure_family(os.path.join(self.figure_directory, "plots"), "cross_attention_", len(inputs))
+    paths = self._attention_plot_paths(len(inputs))
     if not paths:
       return
     generated = np.asarray(self._generate(model, jnp.asarray(inputs), max_length=self._max_decode_length(),
