@@ -86,4 +86,8 @@ def test_a_registered_name_is_not_registered_again(registered):
   with pytest.raises(ValueError, match=re.escape("reads must be a tuple of DecodingOptions fields from ['beam_size', "
                                                  "'alpha', 'temperature', 'top_k', 'top_p'], got reads=('seed',)")):
     register_decoding_method("nucleus", recorded_greedy, reads=("seed",))
+  with pytest.raises(ValueError, match=re.escape("draws must be a bool (True: run draws from rng), got draws='yes'")):
+    register_decoding_method("nucleus", recorded_greedy, draws="yes")
   assert "nucleus" not in decoding.DECODING_METHODS
+  register_decoding_method("recorded_greedy", recorded_greedy, draws=True, replace=True)
+  assert decoding.DECODING_METHODS["recorded_greedy"].draws

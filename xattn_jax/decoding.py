@@ -591,9 +591,12 @@ class DecodingMethod:
     cache_batch_axis, logits_sharding) -> GreedyOutput(tokens [batch, max_length], scores [batch]); `search`'s
     arguments (rng: one key, or one per row, or None).
   reads: the DecodingOptions fields it reads besides method and cache_halves (which every method is handed).
+  draws: whether run draws from rng (the tasks' keys come from task.decoding.seed, which a method that draws nothing
+    leaves unread: `decoding_config` says so where it is set).
   """
   run: Callable[..., GreedyOutput]
   reads: tuple[str, ...] = ()
+  draws: bool = False
 
 
 # The decoding methods: the names configs choose from (read when checked, so registered ones count), and what
@@ -601,18 +604,18 @@ class DecodingMethod:
 DECODING_METHODS: dict[str, DecodingMethod] = {
     "greedy": DecodingMethod(_run_greedy),
     "beam": DecodingMethod(_run_beam, reads=("beam_size", "alpha")),
-    "sample": DecodingMethod(_run_sample, reads=("temperature", "top_k", "top_p")),
+    "sample": DecodingMethod(_run_sample, reads=("temperature", "top_k", "top_p"), draws=True),
 }
 
 
 def register_decoding_method(name: str, run: Callable[..., GreedyOutput], *, reads: tuple[str, ...] = (),
-                             replace: bool = False) -> None:
+                             draws: bool = False, replace: bool = False) -> None:
   """Adds `run` to DECODING_METHODS as `name`: DecodingOptions, `search`, `generate` and the tasks'
-  task.decoding.method take it from then on (see DecodingMethod for run's arguments and `reads`).
+  task.decoding.method take it from then on (see DecodingMethod for run's arguments, `reads` and `draws`).
 
   Register it before the config is validated: a run of launch.py registers it from a module its config file
   imports. ValueError for a name that is not a non-empty str, or is registered already (unless replace), a run
-  that is not callable, or reads that are not DecodingOptions fields.
+  that is not callable, reads that are not DecodingOptions fields, or draws that is not a bool.
   """
   registry.check_new_name("register_decoding_method", DECODING_METHODS, name, replace=replace)
   if not callable(run):
@@ -621,7 +624,9 @@ def register_decoding_method(name: str, run: Callable[..., GreedyOutput], *, rea
   if isinstance(reads, str) or not isinstance(reads, (tuple, list)) or not set(reads) <= set(fields):
     raise ValueError(f"register_decoding_method: reads must be a tuple of DecodingOptions fields from {fields}, "
                      f"got reads={reads!r}")
-  DECODING_METHODS[name] = DecodingMethod(run, tuple(reads))
+  if not isinstance(draws, bool):
+    raise ValueError(f"register_decoding_method: draws must be a bool (True: run draws from rng), got draws={draws!r}")
+  DECODING_METHODS[name] = DecodingMethod(run, tuple(reads), draws)
 
 
 def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:
@@ -654,7 +659,8 @@ def search(decode_step: DecodeStep, cache, options: DecodingOptions, *, batch_si
            cache_batch_axis: int = 0, suppress_ids: tuple[int, ...] = (), logits_sharding=None) -> GreedyOutput:
   """Runs options.method: tokens [batch, max_length] and scores [batch] (beam: its best beam's).
 
-  rng (one key, or one per row) is needed by method "sample" only; cache_batch_axis is beam's;
+  rng (one key, or one per row) is needed by a method that draws (DecodingMethod.draws: "sample") only;
+  cache_batch_axis is beam's;
   a registered method (register_decoding_method) gets them all;
   suppress_ids are never emitted (`suppressing`); logits_sharding (beam and sample's top_k: see
   beam_search) changes where candidates are ranked, never which.

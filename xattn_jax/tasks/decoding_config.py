@@ -6,13 +6,15 @@
   task.decoding.temperature  sample: softmax temperature (> 0, float32's smallest normal at least)
   task.decoding.top_k        sample: keep the k most likely tokens (0 = all)
   task.decoding.top_p        sample: nucleus mass (in (0, 1], 1 = no cut)
-  task.decoding.seed         sample: the PRNG seed of the per-row keys (>= 0)
+  task.decoding.seed         sample (a method that draws: decoding.DecodingMethod.draws): the PRNG seed of the
+                             per-row keys (>= 0)
   task.decoding.cache_halves every method: a cache of 64+ positions decodes its first half on that half alone
                              (True, default; 1.5x the cache's memory meanwhile) or in one loop (False)
-Each method reads the options its decoding.DECODING_METHODS entry's `reads` lists, and cache_halves; an option
-the chosen method does not read, set away from its decoding.DecodingOptions default (a temperature beside
-method=greedy), is named in a warning: the decode goes on without it (a run's recorded section stays usable with
-another method). A task may add its own fields to the section (the LM's max_new_tokens); they are not read here.
+Each method reads the options its decoding.DECODING_METHODS entry's `reads` lists, and cache_halves, and the seed
+where it `draws`; an option the chosen method does not read, set away from its decoding.DecodingOptions default (a
+temperature beside method=greedy), or a seed other than 0 beside a method that draws nothing, is named in a
+warning: the decode goes on without it (a run's recorded section stays usable with another method). A task may
+add its own fields to the section (the LM's max_new_tokens); they are not read here.
 """
 from __future__ import annotations
 
@@ -42,13 +44,17 @@ def decoding_options(config) -> decoding.DecodingOptions:
                                  str(error).removeprefix("decoding: ")) from None
   if "seed" in section:
     validation.require_positive(config, f"{SECTION}.seed", allow_zero=True)
-  for field, readers in decoding.unread_options(options):
-    said = (field, getattr(options, field), options.method)
+  unread = [(field, getattr(options, field), readers) for field, readers in decoding.unread_options(options)]
+  if section.get("seed", 0) and not decoding.DECODING_METHODS[options.method].draws:
+    unread.append(("seed", section.seed, tuple(name for name, method in decoding.DECODING_METHODS.items()
+                                               if method.draws)))
+  for field, value, readers in unread:
+    said = (field, value, options.method)
     if said in _SAID_UNREAD:  # validate and the task's setup both read the section: one warning
       continue
     _SAID_UNREAD.add(said)
-    logging.warning("%s.%s=%r is read by method=%s only: method=%s decodes without it", SECTION, field,
-                    getattr(options, field), " | ".join(readers), options.method)
+    logging.warning("%s.%s=%r is read by method=%s only: method=%s decodes without it", SECTION, field, value,
+                    " | ".join(readers), options.method)
   return options
 
 
