@@ -626,7 +626,7 @@ def register_decoding_method(name: str, run: Callable[..., GreedyOutput], *, rea
                      f"got reads={reads!r}")
   if not isinstance(draws, bool):
     raise ValueError(f"register_decoding_method: draws must be a bool (True: run draws from rng), got draws={draws!r}")
-  DECODING_METHODS[name] = DecodingMethod(run, tuple(reads), draws)
+  registry.add("register_decoding_method", DECODING_METHODS, name, DecodingMethod(run, tuple(reads), draws))
 
 
 def suppressing(decode_step: DecodeStep, suppress_ids) -> DecodeStep:

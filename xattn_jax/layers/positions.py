@@ -456,7 +456,7 @@ def register_position_encoding(name: str, entry: PositionEncoding, *, replace: b
   registry.check_new_name("register_position_encoding", POSITION_ENCODINGS, name, replace=replace)
   if not isinstance(entry, PositionEncoding):
     raise ValueError(f"register_position_encoding: entry must be a PositionEncoding, got {type(entry).__name__}")
-  POSITION_ENCODINGS[name] = entry
+  registry.add("register_position_encoding", POSITION_ENCODINGS, name, entry)
 
 
 def names(*, layout: str | tuple[str, ...] | None = None, role: str | None = None,

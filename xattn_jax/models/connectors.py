@@ -327,7 +327,7 @@ def register_connector(name: str, connector: type, *, replace: bool = False) -> 
   if connector.attention_maps not in ATTENTION_MAPS:
     raise ValueError(f"register_connector: {connector.__name__}.attention_maps must be one of {ATTENTION_MAPS}, "
                      f"got {connector.attention_maps!r}")
-  CONNECTORS[name] = connector
+  registry.add("register_connector", CONNECTORS, name, connector)
 
 
 def config_defaults() -> dict:

@@ -313,7 +313,7 @@ def register_attention_implementation(name: str, fn: Callable, *, replace: bool 
                      "not override; register the function under a name of its own")
   if not callable(fn):
     raise ValueError(f"register_attention_implementation: fn must be callable, got {type(fn).__name__}")
-  IMPLEMENTATIONS[name] = fn
+  registry.add("register_attention_implementation", IMPLEMENTATIONS, name, fn)
 
 
 def check_implementation(implementation, function: str = "dot_product_attention") -> None:

@@ -2,7 +2,8 @@
 changes from it, the results of later evals (eval_results.jsonl), and the lock a training process holds.
 
 `config.py` loads back as a config file (`--config=<workdir>/config.py`), so a run can be resumed,
-evaluated or loaded (`inference.load_model`) with exactly the config it was made with.
+evaluated or loaded (`inference.load_model`) with exactly the config it was made with; it imports the modules that
+registered the entries of the package's registries it names (`registry.named_by`), as the run's config file did.
 
 Every JSON record the engine and tasks read back from a workdir goes through `records.read_record`
 (`read_rows` for a JSON-lines log): a damaged one is a DataError in one line (file:line:column, what to do).
@@ -21,6 +22,7 @@ import socket
 from absl import logging
 from ml_collections import ConfigDict
 
+from xattn_jax import registry
 from xattn_jax.training import checkpoints as checkpoints_lib
 from xattn_jax.training import records
 from xattn_jax.training import task as task_lib
@@ -150,6 +152,11 @@ def write_config(config, workdir: str) -> None:
               config_file_text(config, "The resolved config of this run; pass it back as --config=<this file>."))
   for name, content in zip(RECORD_FILES, contents):
     records.write_atomically(os.path.join(workdir, name), content)
+  for field, function, name, module, folder in registry.named_by(flat(json.loads(config.to_json_best_effort()))):
+    if folder is None:
+      logging.warning("%s=%r was added by %s(%r) in %s, which no import by name runs: %s/config.py loads only in a "
+                      "process that registers it first (register it at the top level of a module the config file "
+                      "imports)", field, name, function, name, module, workdir)
 
 
 def record_resumed_config(config, workdir: str, step: int) -> dict[str, tuple]:
@@ -217,11 +224,23 @@ def training_lock(workdir: str):
 
 
 def config_file_text(config, docstring: str) -> str:
-  """A config file (for --config) whose get_config() returns `config` as its JSON record holds it."""
+  """A config file (for --config) whose get_config() returns `config` as its JSON record holds it. Where the config
+  names registry entries that code outside xattn_jax added (`registry.named_by`: another attention implementation,
+  decoding method, position encoding, connector, optimizer), get_config() first imports the modules that registered
+  them (`registry.restore`), as the config file that made the run did."""
+  text = config.to_json_best_effort(sort_keys=True)
+  added = registry.named_by(flat(json.loads(text)))
+  if not added:
+    return (f'"""{docstring}"""\n'
+            "import json\n\nfrom ml_collections import ConfigDict\n\n"
+            f"CONFIG = {text!r}\n\n\n"
+            "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
   return (f'"""{docstring}"""\n'
-          "import json\n\nfrom ml_collections import ConfigDict\n\n"
-          f"CONFIG = {config.to_json_best_effort(sort_keys=True)!r}\n\n\n"
-          "def get_config(arg=None):\n  return ConfigDict(json.loads(CONFIG))\n")
+          "import json\n\nfrom ml_collections import ConfigDict\n\nfrom xattn_jax import registry\n\n"
+          f"CONFIG = {text!r}\n"
+          "# (field, register function, entry, the module whose import registered it, the folder it imports from)\n"
+          f"ADDED = {added!r}\n\n\n"
+          "def get_config(arg=None):\n  registry.restore(ADDED)\n  return ConfigDict(json.loads(CONFIG))\n")
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
