@@ -11,14 +11,15 @@ from tests import helpers
 from xattn_jax import decoding, registry
 from xattn_jax.layers import positions
 from xattn_jax.ops import attention
-from xattn_jax.training import validation, workdir
+from xattn_jax.training import optim, validation, workdir
 
 MODULE = "my_fork_entries"
-# A researcher's module: the dense op, greedy search and sinusoidal positions, each under a name of its own.
+# A researcher's module: the dense op, greedy search, SGD and sinusoidal positions, each under a name of its own.
 FORK = """
 from xattn_jax import decoding
 from xattn_jax.layers import positions
 from xattn_jax.ops import attention
+from xattn_jax.training import optim
 
 
 def my_dense(query, key, value, *, mask, bias, is_causal, scale):
@@ -28,10 +29,11 @@ def my_dense(query, key, value, *, mask, bias, is_causal, scale):
 
 attention.register_attention_implementation("my_dense", my_dense)
 decoding.register_decoding_method("my_greedy", decoding.DECODING_METHODS["greedy"].run)
+optim.register_optimizer("my_sgd", optim.OPTIMIZERS["sgd"].build, reads=("momentum",))
 positions.register_position_encoding("my_sinusoidal", positions.POSITION_ENCODINGS["sinusoidal"])
 """
 ENTRIES = ((attention.IMPLEMENTATIONS, "my_dense"), (decoding.DECODING_METHODS, "my_greedy"),
-           (positions.POSITION_ENCODINGS, "my_sinusoidal"))
+           (optim.OPTIMIZERS, "my_sgd"), (positions.POSITION_ENCODINGS, "my_sinusoidal"))
 
 
 def _unregister():
@@ -61,6 +63,7 @@ def _forked_config():
   config = lm_algorithmic.get_config("size=micro")
   config.model.implementation = "my_dense"
   config.task.decoding.method = "my_greedy"
+  config.optimizer.name = "my_sgd"
   config.model.position_encoding = "my_sinusoidal"
   return config
 

@@ -1,6 +1,6 @@
 """The rules every name registry of the package keeps when code from outside adds an entry: position encodings
 (layers.positions), attention implementations (ops.attention), decoding methods (decoding), VLM connectors
-(models.connectors).
+(models.connectors), optimizers and schedules (training.optim).
 
 Each register_* function checks the name (`check_new_name`) and adds the entry through `add`, which remembers the
 module whose import ran the registration. A run's recorded config.py lists the entries its config names that

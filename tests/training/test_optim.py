@@ -151,3 +151,25 @@ def test_the_fields_a_choice_does_not_read_are_named_from_the_registries(name, s
   assert optim.unread_fields(config) == unread
   assert optim.reads(config, "weight_decay_exclude") == (name == "adamw")
 
+
+
+def test_a_registered_schedule_is_the_decay_after_warmup():
+  optim.register_schedule("halved", lambda c, total_steps: lambda count: c.learning_rate / 2)
+  try:
+    config = template.get_config("size=tiny").optimizer
+    config.schedule, config.warmup_steps = "halved", 2
+    assert float(optim.make_schedule(config, 10)(5)) == pytest.approx(config.learning_rate / 2)
+  finally:
+    optim.SCHEDULES.pop("halved")
+
+
+@pytest.mark.parametrize("name, build, reads, message", [
+    ("", optax.sgd, (), r"name must be a non-empty str, got name=''"),
+    ("adamw", optax.sgd, (), r"'adamw' is registered already"),
+    ("mine", "sgd", (), r"build must be callable, got str"),
+    ("mine", optax.sgd, "momentum", r"reads must be a tuple of optimizer.\* field names, got reads='momentum'"),
+])
+def test_register_optimizer_refuses_what_the_registry_could_not_hold(name, build, reads, message):
+  with pytest.raises(ValueError, match=rf"^register_optimizer: {message}"):
+    optim.register_optimizer(name, build, reads=reads)
+  assert "mine" not in optim.OPTIMIZERS

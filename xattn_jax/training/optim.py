@@ -1,7 +1,8 @@
 """Optimizer, learning-rate schedule, weight-decay mask and the shared cross-entropy loss.
 
 OPTIMIZERS and SCHEDULES are the one list of each choice (config validation reads them): adding
-one is one function and one entry, which names the optimizer.* fields the choice reads.
+one is one function and one entry, which names the optimizer.* fields the choice reads. Code outside the package
+adds one with `register_optimizer` / `register_schedule`, so that a run's recorded config.py imports it again.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+
+from xattn_jax import registry
 
 
 def _cosine(optimizer_config, total_steps: int) -> optax.Schedule:
@@ -129,6 +132,30 @@ OPTIMIZERS: dict[str, Choice] = {
     "adam": Choice(_adam, ("b1", "b2", "eps")),
     "sgd": Choice(_sgd, ("momentum",)),
 }
+
+
+def _register(function: str, choices: dict, name: str, build: Callable, reads, replace: bool) -> None:
+  registry.check_new_name(function, choices, name, replace=replace)
+  if not callable(build):
+    raise ValueError(f"{function}: build must be callable, got {type(build).__name__}")
+  if isinstance(reads, str) or not isinstance(reads, (tuple, list)) or not all(isinstance(f, str) for f in reads):
+    raise ValueError(f"{function}: reads must be a tuple of optimizer.* field names, got reads={reads!r}")
+  registry.add(function, choices, name, Choice(build, tuple(reads)))
+
+
+def register_optimizer(name: str, build: Callable, *, reads: tuple[str, ...] = (), replace: bool = False) -> None:
+  """Adds Choice(build, reads) to OPTIMIZERS as `name`: optimizer.name and config validation take it from then on.
+  build(optimizer config, schedule) -> optax.GradientTransformation; reads: the optimizer.* fields it uses (see
+  Choice). Register it before the config is validated: a run of launch.py registers it from a module its config
+  file imports. ValueError for a name that is not a non-empty str, or is registered already (unless replace), a
+  build that is not callable, or reads that are not a tuple of names."""
+  _register("register_optimizer", OPTIMIZERS, name, build, reads, replace)
+
+
+def register_schedule(name: str, build: Callable, *, reads: tuple[str, ...] = (), replace: bool = False) -> None:
+  """Adds Choice(build, reads) to SCHEDULES as `name` (optimizer.schedule), as `register_optimizer` does;
+  build(optimizer config, total_steps) -> the optax schedule after warmup."""
+  _register("register_schedule", SCHEDULES, name, build, reads, replace)
 
 
 def reads(optimizer_config, field: str) -> bool:
