@@ -21,6 +21,15 @@ HAS_GPU = jax.default_backend() == "gpu"
 # "dense"; the fixture sends them through the blocked one-pass kernel, so both kernels are tested.
 IMPLEMENTATIONS = ["dense", "xla", "chunked"]
 SMALL_BLOCKS = blocked_attention.Blocking(block_q=4, block_k=8)
+# Schedules of several units a loop step whose units have block loops, vmapped: (implementation, block_q,
+# units_per_step). Units of one block, 4 a step as separate computations, are how "xla" runs the test shapes
+# (test_xla_runs_the_test_shapes_as_units_of_one_block_four_a_step), so test_attention_and_gradients_match_reference
+# checks that schedule for every kind.
+_VMAPPED_SCHEDULES = [("xla", 4, 2), ("chunked", 4, 4)]
+# The kinds whose mask or bias a unit slices out by its (batch, kv head), and whose bias gradient it adds back: a mask
+# over batch and heads, a bias over heads alone (its gradient summed over the batch), and a bias over the batch alone
+# with a mask and a causal offset. Several units a step run all of them; the other kinds once each.
+_UNIT_SLICED_KINDS = ["bool_mask", "bias", "bias_mask_causal"]
 
 
 @pytest.fixture(autouse=True)
@@ -104,11 +113,14 @@ def test_gradient_with_respect_to_a_traced_scale_matches_reference(implementatio
   assert abs(float(want[1])) > 1e-3  # the gradient is not trivially zero
 
 
-@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "chunked_parallel_units", "chunked_4_units_per_step"])
-@pytest.mark.parametrize("kind", ["bias_mask_causal", "segments"])
+@pytest.mark.parametrize("implementation, kind", [
+    *((implementation, "bias_mask_causal") for implementation in
+      [*IMPLEMENTATIONS, "chunked_parallel_units", "chunked_4_units_per_step"]), ("chunked", "segments")])
 def test_heads_major_key_value_layout_matches_reference(implementation, kind, monkeypatch):
   # kv_layout="bksh" takes key / value as [batch, kv_heads, kv_len, head_dim] (a decode cache's
-  # layout); outputs and gradients (returned in that layout) must match the default layout's.
+  # layout); outputs and gradients (returned in that layout) must match the default layout's. Every schedule
+  # reads it with a mask, a bias (its gradient beside the keys') and a causal offset; a mask alone, without
+  # causal (every key block visited), once: no code reads the layout differently by mask.
   if implementation != "chunked" and implementation.startswith("chunked"):  # other schedules read it too
     blocking = blocked_attention.Blocking(block_q=4, block_k=8, parallel_units=implementation.endswith("parallel_units"),
                                           units_per_step=4 if implementation.endswith("per_step") else 1)
@@ -153,12 +165,13 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_reference(implementation
 
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation, dtype", [
+    *((implementation, jnp.bfloat16) for implementation in IMPLEMENTATIONS), ("chunked", jnp.float16)])
 def test_half_precision_scores_are_scaled_in_float32(implementation, dtype):
   """head_dim 24: a scale 24 ** -0.5 that the dtype cannot hold. The queries were multiplied by it in their own
   dtype, one more rounding of every score: at scores ~60, bfloat16 outputs 0.09 off the float32 attention of
-  the same inputs (the output's own rounding is below 0.01)."""
+  the same inputs (the output's own rounding is below 0.01). Every implementation in bfloat16, the coarser;
+  float16 takes the same code (scale_on_scores holds for both), checked once."""
   query, key, value, rng = random_inputs(seed=3, t=6, s=11, h=24)
   query, key, value = (x.astype(dtype) for x in (query * 18, key, value))  # scores up to ~60
   mask = jnp.asarray(rng.random((2, 1, 6, 11)) < 0.8).at[0, :, 1].set(False)  # query 1 of batch 0 sees no key
@@ -188,22 +201,22 @@ def test_chunked_matches_reference_over_random_shapes(b, t, s, kv_heads, groups,
     assert_function_matches_reference(ours, query, key, value, {"mask": mask, "is_causal": causal}, atol=2e-5)
 
 
-@pytest.mark.parametrize("per_step", [1, 2])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, per_step", [*((kind, 1) for kind in KINDS),
+                                            *((kind, 2) for kind in _UNIT_SLICED_KINDS)])
 def test_a_backward_with_its_own_smaller_query_blocks_matches_reference(kind, per_step, monkeypatch):
-  # Blocking.backward_block_q: 14 queries in forward blocks of 8 rows over all keys (the second padded), the
-  # backward in blocks of 4 (masks, biases and causal offsets sliced at the backward's own boundaries), with one
-  # unit a step or two (their backward blocks then run vmapped).
+  # Blocking.backward_block_q: 6 queries in forward blocks of 4 rows over all keys (the second padded), the
+  # backward in blocks of 2 (masks, biases and causal offsets sliced at the backward's own boundaries), with one
+  # unit a step (every kind) or two (their backward blocks then run vmapped; the kinds units slice).
   monkeypatch.setattr(attention, "_runs_fused", lambda implementation, *_: implementation == "dense")
   monkeypatch.setattr(attention, "choose_blocking", lambda impl, t, s, backend="cpu", **_: blocked_attention.Blocking(
-      block_q=8, block_k=s, units_per_step=per_step, backward_block_q=4))
+      block_q=4, block_k=s, units_per_step=per_step, backward_block_q=2))
   backward_blocks = []
   unit_backward = blocked_attention._unit_backward
   monkeypatch.setattr(blocked_attention, "_unit_backward", lambda *args: (
       backward_blocks.append(args[-1].blocking.block_q), unit_backward(*args))[1])
-  query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind), t=14)
+  query, key, value, kwargs = make_case(kind, seed=40 + KINDS.index(kind))  # the reference's shapes, compiled once
   assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
-  assert set(backward_blocks) == {4}
+  assert set(backward_blocks) == {2}
 
 
 def test_the_backward_takes_blocks_of_256_query_rows_where_a_units_forward_block_is_large():
@@ -254,18 +267,28 @@ def test_one_pass_kernel_over_several_query_blocks_matches_reference(kind, monke
   assert_matches_reference("xla", query, key, value, kwargs, atol=2e-5)
 
 
-@pytest.mark.parametrize("implementation, block_q, units_per_step", [("xla", 1024, 4), ("xla", 4, 2), ("chunked", 4, 4)])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, implementation, block_q, units_per_step", [
+    *((kind, *schedule) for schedule in _VMAPPED_SCHEDULES for kind in _UNIT_SLICED_KINDS),
+    ("none", "xla", 4, 2), ("key_padding", "xla", 4, 2), ("segments", "chunked", 4, 4), ("causal", "chunked", 4, 4)])
 def test_several_units_per_step_match_reference(kind, implementation, block_q, units_per_step, monkeypatch):
   # The CPU schedules for small blocks, several (batch, kv head) units per loop step. 2 batch x
-  # 2 kv heads. Units of one block (all queries, all keys) are separate computations in the step,
-  # here all 4; units with block loops are vmapped, so their matmuls are batched: 2 units are one
+  # 2 kv heads. Units with block loops are vmapped, so their matmuls are batched: 2 units are one
   # batch element's kv heads (the one-pass kernel over query blocks), 4 span both batch elements
   # (the online softmax; the random-shape test mixes the rest).
   force_blocking(monkeypatch, lambda impl, s: blocked_attention.Blocking(
       block_q=block_q, block_k=8 if impl == "chunked" else s, units_per_step=units_per_step))
   query, key, value, kwargs = make_case(kind, seed=60 + KINDS.index(kind))
   assert_matches_reference(implementation, query, key, value, kwargs, atol=2e-5)
+
+
+def test_xla_runs_the_test_shapes_as_units_of_one_block_four_a_step():
+  # Units of one block (all queries, all keys) are separate computations in the step, here all 4:
+  # test_attention_and_gradients_match_reference checks that schedule for every kind through "xla".
+  query, key, _, _ = make_case("bias_mask_causal", seed=0)
+  (b, t, n, _), (_, s, kv_heads, _) = query.shape, key.shape
+  blocking = attention.choose_blocking("xla", t, s, units=b * kv_heads, groups=n // kv_heads)
+  assert (blocking.block_q, blocking.block_k, blocking.units_per_step) == (t, s, b * kv_heads) == (6, 11, 4)
+  assert not blocking.parallel_units and blocking.backward_block_q is None
 
 
 def test_units_per_step_must_divide_the_units():
