@@ -267,11 +267,17 @@ def test_cached_generation_equals_the_full_forward_on_the_growing_prefix(connect
   rows = [interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])]  # a prompt may end with an image
   prompt, prompt_valid = batch_of(rows)
   steps = 4
-  generate = nnx.jit(lambda m, *a: m.generate(*a, max_length=steps, eos_id=VOCAB + 1))
-  generated, scores = generate(model, *images, prompt, prompt_valid)
-  full = jnp.concatenate([prompt, generated], axis=1)
-  full_valid = jnp.concatenate([prompt_valid, jnp.ones(generated.shape, bool)], axis=1)
-  logits = logits_of(model, *images, full, full_valid)[:, prompt.shape[1] - 1:-1]  # -> [b, steps, vocab]
+
+  @nnx.jit  # one program, one compile: the generation, then the full forward on its tokens
+  def generate_and_rescore(model, images, pixel_valid, image_valid, prompt, prompt_valid):
+    generated, scores = model.generate(images, pixel_valid, image_valid, prompt, prompt_valid, max_length=steps,
+                                       eos_id=VOCAB + 1)
+    full = jnp.concatenate([prompt, generated], axis=1)
+    full_valid = jnp.concatenate([prompt_valid, jnp.ones(generated.shape, bool)], axis=1)
+    return generated, scores, model(images, pixel_valid, image_valid, full, full_valid)
+
+  generated, scores, logits = generate_and_rescore(model, *images, prompt, prompt_valid)
+  logits = logits[:, prompt.shape[1] - 1:-1]  # -> [b, steps, vocab]
   # Each generated token is the full forward's greedy choice on the prefix before it, with its log-probability.
   np.testing.assert_array_equal(jnp.argmax(logits, axis=-1), generated)
   log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), generated[..., None], axis=-1)[..., 0]
@@ -288,16 +294,17 @@ def test_a_long_cache_decodes_its_first_half_on_that_half_with_the_same_tokens_a
   nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))  # sharper: varied beams
   images = make_images()
   prompt, prompt_valid = batch_of([interleaved(model), layout(model, [("text", [1]), ("image", (8, 8))])])
-  # jitted: run eagerly, the prefill compiled each op on its own, most of this test's time
-  prefill = nnx.jit(lambda m, *a: m.prefill(m.encode_images(*a[:3]), *a[3:], 64))
-  cache, _ = prefill(model, *images, prompt, prompt_valid)
-  assert cache.capacity == 64 and int(cache.filled) < 32  # the search starts on the first half
-  def search(cache_halves):
+  # The search starts on the first half: the prefill fills the prompt but its last token. Shapes only (the
+  # capacity is the cache's length): nothing compiles beyond the two searches.
+  cache, _ = nnx.eval_shape(lambda m, *a: m.prefill(m.encode_images(*a[:3]), *a[3:], 64), model, *images, prompt,
+                            prompt_valid)
+  assert cache.capacity == 64 and prompt.shape[1] - 1 < 32
+  def search(model, *arrays, cache_halves):
     options = decoding.DecodingOptions(method="beam", beam_size=3, cache_halves=cache_halves)
-    generate = nnx.jit(lambda m, *a: m.generate(*a, max_length=64 - prompt.shape[1], eos_id=VOCAB + 1,
-                                                options=options))
-    return [np.asarray(x) for x in generate(model, *images, prompt, prompt_valid)]
-  (halves, halves_scores), (whole, whole_scores) = search(True), search(False)
+    return model.generate(*arrays, max_length=64 - prompt.shape[1], eos_id=VOCAB + 1, options=options)
+  # Both searches in one program: one compile, not two.
+  both = nnx.jit(lambda m, *a: (search(m, *a, cache_halves=True), search(m, *a, cache_halves=False)))
+  (halves, halves_scores), (whole, whole_scores) = jax.tree.map(np.asarray, both(model, *images, prompt, prompt_valid))
   np.testing.assert_array_equal(halves, whole)
   np.testing.assert_allclose(halves_scores, whole_scores, rtol=1e-5, atol=1e-5)
 
