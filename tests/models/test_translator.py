@@ -33,16 +33,20 @@ def _tokens(seed, batch, length, pad_from=None):
 
 def _full_and_cached(state, graphdef, inputs, decoder_inputs, prompt_length):
   """Teacher-forced logits, and the same from a prompt pre-fill (decode_step) then one token per step
-  (loop_step, the decoding loops' step with the per-layer weights sliced once)."""
+  (loop_step, the decoding loops' step with the per-layer weights sliced once, in a loop as theirs: the step is
+  compiled once, however many steps)."""
   model = nnx.merge(graphdef, state)
   full = model(inputs, decoder_inputs)
   cache = model.init_cache(model.encode(inputs), inputs != 0, decoder_inputs.shape[1])
   first, cache = model.decode_step(decoder_inputs[:, :prompt_length], cache)
-  steps, step = [first], model.loop_step()
-  for t in range(prompt_length, decoder_inputs.shape[1]):
-    logits, cache = step(decoder_inputs[:, t:t + 1], cache)
-    steps.append(logits)
-  return full, jnp.concatenate(steps, axis=1)
+  step = model.loop_step()
+
+  def scan_step(cache, tokens):  # tokens [b]
+    logits, cache = step(tokens[:, None], cache)
+    return cache, logits[:, 0]
+
+  _, steps = jax.lax.scan(scan_step, cache, decoder_inputs[:, prompt_length:].T)  # -> [t - prompt, b, vocab]
+  return full, jnp.concatenate([first, steps.transpose(1, 0, 2)], axis=1)
 
 
 @nnx.jit
