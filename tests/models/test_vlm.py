@@ -62,6 +62,12 @@ def logits_of(model, images, pixel_valid, image_valid, tokens, valid):
 
 
 @nnx.jit
+def encode_images(model, images, pixel_valid, image_valid):
+  """The model's ImageContext, as one compiled program (run eagerly, each op compiles on its own)."""
+  return model.encode_images(images, pixel_valid, image_valid)
+
+
+@nnx.jit
 def recorded(model, images, pixel_valid, image_valid, tokens, valid):
   """The logits and the residual stream after each LM block the forward records."""
   hidden = []
@@ -190,7 +196,7 @@ def test_the_connectors_feature_positions_tell_where_each_feature_sits():
 def test_llava_mrope_image_positions_are_mrope_position_ids():
   model = make_vlm("llava", image_positions="mrope")
   tokens, valid = batch_of([interleaved(model)])
-  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, *make_images(batch=1))
+  context = encode_images(model, *make_images(batch=1))
   expected = positions_ops.mrope_position_ids(
       [[("text", 2), ("image", (1, 2, 2)), ("text", 1 + 2), ("image", (1, 2, 4)), ("text", 1 + 3)]])
   np.testing.assert_array_equal(model.positions(tokens, valid, context), expected)
@@ -200,7 +206,7 @@ def test_llava_mrope_text_after_an_image_resumes_at_its_maximum_plus_one():
   model = make_vlm("llava", image_positions="mrope")
   tokens, valid = batch_of([layout(model, [("image", (8, 16)), ("text", [5, 6])])])
   images, pixel_valid, image_valid = make_images(batch=1)  # the row's first image: the 8 x 16 one
-  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, images[:, ::-1], pixel_valid[:, ::-1], image_valid)
+  context = encode_images(model, images[:, ::-1], pixel_valid[:, ::-1], image_valid)
   positions = np.asarray(model.positions(tokens, valid, context))[:, 0]  # [3, T]
   image_end = model.slots_per_image(8, 16)
   assert positions[:, image_end].tolist() == [positions[:, :image_end].max() + 1] * 3
@@ -230,7 +236,7 @@ def test_llava_spatial_merge_makes_one_token_of_each_block_of_patches():
 def test_llava_spatial_merge_positions_are_mrope_position_ids_of_the_merged_grid():
   model = make_vlm("llava", image_positions="mrope", spatial_merge=2)
   tokens, valid = batch_of([interleaved(model)])
-  context = nnx.jit(lambda m, *a: m.encode_images(*a))(model, *make_images(batch=1))
+  context = encode_images(model, *make_images(batch=1))
   assert context.counts.tolist() == [[1, 2]] and context.tokens.shape[2] == 2
   expected = positions_ops.mrope_position_ids(
       [[("text", 2), ("image", (1, 1, 1)), ("text", 1 + 2), ("image", (1, 1, 2)), ("text", 1 + 3)]])
@@ -349,7 +355,7 @@ def test_tokens_whose_slots_cut_an_image_short_are_refused(connector, edit, have
   tokens, valid = batch_of([edit(interleaved(model))] * 2)
   with pytest.raises(ValueError, match=rf"tokens row 0 holds {have} SOFT_TOKEN slots, which end no image: its "
                                        rf"images take \{counts}"):
-    model.positions(tokens, valid, model.encode_images(*make_images()))
+    model.positions(tokens, valid, encode_images(model, *make_images()))
 
 
 def test_unknown_connector_raises_naming_it():
