@@ -496,7 +496,7 @@ def test_an_unknown_choice_lists_exactly_its_registrys_names(field, registry):
 def test_an_optimizer_added_as_readme_shows_is_accepted_and_listed():
   import optax
   readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-  snippet = re.search(r"```python\n(optim\.OPTIMIZERS\[.*?)```", readme, re.S).group(1)
+  snippet = re.search(r"```python\n(optim\.register_optimizer\(.*?)```", readme, re.S).group(1)
   before = dict(optim.OPTIMIZERS)
   exec(snippet, {"optim": optim, "optax": optax})  # noqa: S102 - README's own example
   try:
