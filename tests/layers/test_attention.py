@@ -161,6 +161,18 @@ def test_extend_past_capacity_under_jit_returns_nan():
   assert np.all(np.isnan(out))
 
 
+def test_a_beam_cache_extended_past_capacity_under_jit_returns_nan():
+  # The beam layout's write clamps as the plain one's would: under jit, the step past capacity is NaN, not a
+  # plausible output over an overwritten slot.
+  layer = _layer()
+  _, cache = _run(layer, _normal(19, (2, 4, 16)), layer.init_cache(2, 5), method="extend")
+  cache = cache.expand_beams(3)
+  out, cache = _run(layer, _normal(20, (6, 1, 16)), cache, method="extend")
+  assert np.all(np.isfinite(out)) and int(cache.index) == 5
+  out, _ = _run(layer, _normal(21, (6, 1, 16)), cache, method="extend")
+  assert np.all(np.isnan(out))
+
+
 def test_init_cache_is_empty_with_declared_shapes():
   cache = _layer(num_kv_heads=2).init_cache(3, 5, dtype=jnp.bfloat16)
   assert isinstance(cache, KVCache)
