@@ -1,5 +1,6 @@
 """Logical-axis sharding rules."""
 import jax
+import pytest
 from flax import nnx
 
 from configs import common
@@ -60,3 +61,23 @@ def test_rows_decode_in_the_eval_batch_or_the_next_power_of_two_split_over_the_d
   assert [sharding.rows_batch_size(n, 256, None) for n in (1, 2, 3, 5, 200, 256, 1000)] == [1, 2, 4, 8, 256, 256, 256]
   assert [sharding.rows_batch_size(n, 256, batches((4, 2, 1))) for n in (1, 3, 9, 1000)] == [8, 8, 16, 256]
   assert sharding.rows_batch_size(3, 256, batches((1, 1, 4))) == 4  # rows whole on every device (tensor-parallel)
+
+
+def test_rules_that_name_no_mesh_axis_are_refused_in_one_line_naming_the_function_and_the_rule():
+  """A notebook's rules (place_model, logits_sharding) are not validated with a config: a misspelt axis raised
+  KeyError 'model', a list raised AttributeError, and 'tensor,tensor' left the dimension replicated, warned as
+  'not divisible by {tensor: 4}'."""
+  mesh = jax.sharding.AbstractMesh((1, 1, 4), ("data", "fsdp", "tensor"))
+  model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"^place_model: rules\['mlp'\]='model': comma-separated mesh axes from "):
+    sharding.place_model(model, mesh, {"mlp": "model"})
+  with pytest.raises(ValueError, match=r"^place_model: rules\['mlp'\]='tensor,tensor': names mesh axis 'tensor' twice"):
+    sharding.place_model(model, mesh, {"mlp": "tensor,tensor"})
+  with pytest.raises(ValueError, match=r"^logits_sharding: rules\['vocab'\]=\['tensor'\]: must be a string"):
+    sharding.logits_sharding(mesh, {"vocab": ["tensor"]})
+  with pytest.raises(ValueError, match=r"^logits_sharding: rules must map logical axis names to mesh axes"):
+    sharding.logits_sharding(mesh, None)
+  tensor_only = jax.sharding.AbstractMesh((4,), ("tensor",))
+  with pytest.raises(ValueError, match=r"^batch_sharding: rules\['batch'\]='data,fsdp' names mesh axis 'data', "
+                                       r"which the mesh \(axes \('tensor',\)\) lacks"):
+    sharding.batch_sharding(tensor_only, common.DEFAULT_SHARDING_RULES)

@@ -35,6 +35,23 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   return Mesh(device_grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
+def _check_rules(function: str, rules, mesh) -> None:
+  """A ValueError naming `function` where `rules` is no mapping {logical axis name: "mesh axes"} of MESH_AXES (a
+  notebook's own rules: the launcher's are validated with the config), or names an axis `mesh` lacks."""
+  if not hasattr(rules, "items"):
+    raise ValueError(f"{function}: rules must map logical axis names to mesh axes, e.g. {{'mlp': 'tensor'}} "
+                     f"(configs/common.py's DEFAULT_SHARDING_RULES), got {rules!r}")
+  try:
+    validation.check_sharding_rules(rules)
+  except validation.ConfigError as error:
+    raise ValueError(f"{function}: rules[{error.field.split('.', 1)[1]!r}]={error.value!r}: {error.allowed}") \
+        from None
+  for name in rules:
+    if missing := [axis for axis in _rule_axes(rules, name) if axis not in mesh.shape]:
+      raise ValueError(f"{function}: rules[{name!r}]={rules[name]!r} names mesh axis {missing[0]!r}, which the mesh "
+                       f"(axes {tuple(mesh.shape)}) lacks; make_mesh gives {MESH_AXES}")
+
+
 def _rule_axes(rules, name) -> tuple[str, ...]:
   if name is None or name not in rules:
     return ()
@@ -68,6 +85,7 @@ def state_shardings(abstract_state, mesh: Mesh, rules):
   Dimensions left replicated because their mesh axes do not divide them (a d_model of 10 on
   tensor=4) are logged in one warning naming the parameters: a run sized so is correct, but holds
   and computes those arrays in full on every device of the axis."""
+  _check_rules("state_shardings", rules, mesh)
   fallbacks = []
 
   def sharding(path, variable):
@@ -98,6 +116,7 @@ def place_model(model: nnx.Module, mesh: Mesh, rules) -> nnx.Module:
   """
   if not isinstance(model, nnx.Module):
     raise ValueError(f"place_model: model must be an nnx.Module, got {type(model).__name__}")
+  _check_rules("place_model", rules, mesh)
   graphdef, state = nnx.split(model)
   shardings = state_shardings(state, mesh, rules)
   placements = jax.tree.map(lambda v: v.get_value(), shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -107,6 +126,7 @@ def place_model(model: nnx.Module, mesh: Mesh, rules) -> nnx.Module:
 def batch_sharding(mesh: Mesh, rules, stacked: bool = False) -> NamedSharding:
   """Sharding of a batch array: axis 0 over the `batch` rule's mesh axes, the rest replicated.
   stacked: the batch axis is axis 1, after a leading (replicated) axis of stacked steps."""
+  _check_rules("batch_sharding", rules, mesh)
   axes = _rule_axes(rules, "batch")
   spec = (axes if axes else None,)
   return NamedSharding(mesh, PartitionSpec(*((None,) * stacked + spec)))
@@ -117,6 +137,7 @@ def logits_sharding(mesh: Mesh, rules) -> NamedSharding | None:
   rule's mesh axes, the vocabulary over the `vocab` rule's (the output projection's); None when no axis of
   the `vocab` rule splits anything (`decoding.search`'s logits_sharding: beam search and top-k sampling then
   rank each device's part of the vocabulary where it lies)."""
+  _check_rules("logits_sharding", rules, mesh)
   vocab = tuple(a for a in _rule_axes(rules, "vocab") if mesh.shape[a] > 1)
   if not vocab:
     return None

@@ -163,6 +163,20 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   return sizes
 
 
+def check_sharding_rules(rules) -> None:
+  """Raises ConfigError (field `sharding_rules.<name>`) where a rule of `rules` ({logical axis name: "mesh axes"})
+  is no string of comma-separated MESH_AXES, each named at most once."""
+  for name, axes in rules.items():
+    require_string(f"sharding_rules.{name}", axes, "data,fsdp")
+    named = [axis.strip() for axis in axes.split(",") if axis.strip()]
+    for axis in named:
+      if axis not in MESH_AXES:
+        raise ConfigError(f"sharding_rules.{name}", axes,
+                          f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
+      if named.count(axis) > 1:  # JAX refuses a PartitionSpec that maps one mesh axis to a dimension twice
+        raise ConfigError(f"sharding_rules.{name}", axes, f"names mesh axis {axis!r} twice; each at most once")
+
+
 def _batch_shards(config, sizes: dict[str, int]) -> tuple[int, str]:
   """(the shards a batch's rows split into on a mesh of axis `sizes`, those axes as messages name them). The rows
   lie over the mesh axes sharding_rules.batch names (sharding.batch_sharding); an axis not in MESH_AXES is refused
@@ -443,15 +457,7 @@ def validate_config(config, *, mode: str = "train", device_count: int | None = N
                       "(no loss scaling here); float16 is allowed as precision.compute_dtype")
   require_choice(config, "precision.param_dtype", PARAM_DTYPES)
   require_choice(config, "precision.compute_dtype", DTYPES)
-  for name, axes in config.sharding_rules.items():
-    require_string(f"sharding_rules.{name}", axes, "data,fsdp")
-    named = [axis.strip() for axis in axes.split(",") if axis.strip()]
-    for axis in named:
-      if axis not in MESH_AXES:
-        raise ConfigError(f"sharding_rules.{name}", axes,
-                          f"comma-separated mesh axes from {list(MESH_AXES)}, or '' (replicated)")
-      if named.count(axis) > 1:  # JAX refuses a PartitionSpec that maps one mesh axis to a dimension twice
-        raise ConfigError(f"sharding_rules.{name}", axes, f"names mesh axis {axis!r} twice; each at most once")
+  check_sharding_rules(config.sharding_rules)
   # Only a fresh training reads it: eval, infer and a training that resumes read the run's own checkpoints (which
   # hold what init_from gave it, and may outlive it).
   if mode == "train" and config.init_from and not (workdir and checkpoints_lib.step_numbers(workdir)):
