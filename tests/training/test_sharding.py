@@ -63,6 +63,23 @@ def test_rows_decode_in_the_eval_batch_or_the_next_power_of_two_split_over_the_d
   assert sharding.rows_batch_size(3, 256, batches((1, 1, 4))) == 4  # rows whole on every device (tensor-parallel)
 
 
+def test_optimizer_moments_are_not_counted_again_in_the_replicated_parameters_warning(caplog):
+  """The trainer places (model, optimizer) together: Adam's mu and nu of each replicated parameter tripled the
+  count and filled the five names shown with copies of the same parameter."""
+  import optax
+  mesh = jax.sharding.AbstractMesh((1, 1, 8), ("data", "fsdp", "tensor"))
+  init = lambda: (lambda model: (model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)))(  # noqa: E731
+      nnx.Linear(16, 20, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), ("embed", "mlp"), eager_sharding=False)))
+  abstract = nnx.state(nnx.eval_shape(init))
+  with caplog.at_level("WARNING"):
+    shardings = sharding.state_shardings(abstract, mesh, common.DEFAULT_SHARDING_RULES)
+  (record,) = [r for r in caplog.records if "replicated, not sharded" in r.getMessage()]
+  assert record.getMessage() == ("sharding: 1 parameter dimensions are replicated, not sharded, because their mesh "
+                                 "axes do not divide them: 0.kernel [16, 20] (mlp=20 not divisible by {'tensor': 8})")
+  assert shardings[1]["opt_state"][0]["mu"]["kernel"].get_value().spec == jax.sharding.PartitionSpec(None, None)
+
+
 def test_rules_that_name_no_mesh_axis_are_refused_in_one_line_naming_the_function_and_the_rule():
   """A notebook's rules (place_model, logits_sharding) are not validated with a config: a misspelt axis raised
   KeyError 'model', a list raised AttributeError, and 'tensor,tensor' left the dimension replicated, warned as

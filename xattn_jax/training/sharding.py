@@ -84,7 +84,8 @@ def state_shardings(abstract_state, mesh: Mesh, rules):
 
   Dimensions left replicated because their mesh axes do not divide them (a d_model of 10 on
   tensor=4) are logged in one warning naming the parameters: a run sized so is correct, but holds
-  and computes those arrays in full on every device of the axis."""
+  and computes those arrays in full on every device of the axis. An optimizer's state (nnx.OptState: Adam's
+  moments) is placed as its parameter is, and named in the warning only through that parameter."""
   _check_rules("state_shardings", rules, mesh)
   fallbacks = []
 
@@ -92,8 +93,9 @@ def state_shardings(abstract_state, mesh: Mesh, rules):
     names = variable.get_metadata().get("out_sharding")
     replicated = []
     spec = logical_to_spec(names, variable.shape, rules, mesh, replicated)
-    fallbacks.extend((jax.tree_util.keystr(path, simple=True, separator="."), list(variable.shape), *r)
-                     for r in replicated)
+    if not isinstance(variable, nnx.OptState):  # an optimizer's moments lie as their parameter does: named once
+      fallbacks.extend((jax.tree_util.keystr(path, simple=True, separator="."), list(variable.shape), *r)
+                       for r in replicated)
     return variable.replace(NamedSharding(mesh, spec))
 
   shardings = jax.tree_util.tree_map_with_path(sharding, abstract_state,
