@@ -418,6 +418,16 @@ def test_query_rows_sharing_a_memory_row_equal_attending_to_it_repeated(transpos
   np.testing.assert_allclose(out, expected, atol=1e-5)
 
 
+def test_a_nan_key_read_through_transposed_keys_gives_nan_not_zeros():
+  """As `ops.attention`: a query seeing a NaN key is NaN, not a query that sees no key (zeros)."""
+  layer = _layer(num_kv_heads=2, kv_features=24)
+  memory_cache = _run(layer, _normal(30, (2, 5, 24)), method="project_memory")
+  shared = memory_cache.replace(keys=memory_cache.keys.at[1, :, 0].set(jnp.nan)).transpose_keys()
+  out = np.asarray(_run(layer, _normal(31, (6, 2, 16)), shared, mask=masks_lib.padding_mask(np.ones((2, 5), bool)),
+                        method="attend"))  # 3 query rows per memory row
+  assert np.all(np.isfinite(out[:3])) and np.all(np.isnan(out[3:]))
+
+
 def test_a_cache_head_is_refused_past_the_capacity_and_merged_back_only_into_its_own_cache():
   cache = MultiHeadAttention(2, 8, rngs=nnx.Rngs(0)).init_cache(2, 6)
   with pytest.raises(ValueError, match=r"KVCache.head: n must be an int in \[1, 6\]"):

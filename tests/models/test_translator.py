@@ -149,6 +149,18 @@ def test_greedy_generation_equals_argmax_of_full_model_on_growing_prefix():
       prefix = prefix.at[:, t + 1].set(choice)
 
 
+def test_a_source_id_past_the_vocabulary_reaches_the_logits_as_nan_and_the_search_marks_its_row():
+  """The cross-attention's guard for a query that sees no key read the NaN memory of such an id as "no key" and
+  gave zeros: the row decoded a plausible translation of nothing, where the class docstring promises NaN. (The
+  shapes and model of test_greedy_generation_equals_argmax_of_full_model_on_growing_prefix: its compiles.)"""
+  model = _model("learned")
+  inputs = _tokens(0, 2, 6, pad_from=3).at[0, 1].set(VOCAB + 5)
+  assert bool(jnp.all(jnp.isnan(_forward(model, inputs, _tokens(1, 2, 5))[0])))
+  tokens = nnx.jit(decoding.generate, static_argnames=("max_length", "bos_id", "eos_id"))(
+      model, inputs, max_length=5, bos_id=1, eos_id=2)
+  assert bool(jnp.all(tokens[0] == decoding.INVALID_TOKEN)) and bool(jnp.all(tokens[1] >= 0))
+
+
 def test_beam_search_scores_equal_full_model_rescoring_of_its_beams():
   """Beam search reorders the real TranslatorCache rows; a wrong reorder breaks these scores."""
   model = _model("rope")

@@ -466,6 +466,18 @@ def test_fully_padded_query_gives_zeros_and_finite_gradients(implementation):
     assert bool(jnp.all(jnp.isfinite(g)))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("masking", [{}, {"mask": masks.padding_mask(jnp.array([11, 11]), kv_len=11)},
+                                     {"is_causal": True}])
+def test_a_nan_key_gives_nan_outputs_with_or_without_a_mask(implementation, masking):
+  """The guard that gives a query seeing no key zeros read a NaN row sum as "no key": behind a mask a NaN input
+  (an id past an embedding table) came out as zeros, a plausible output, where without one it came out NaN."""
+  query, key, value, _ = random_inputs(seed=11)
+  out = attention.dot_product_attention(query, key.at[1, 0].set(jnp.nan), value, implementation=implementation,
+                                        **masking)
+  assert bool(jnp.all(jnp.isfinite(out[0]))) and bool(jnp.all(jnp.isnan(out[1])))
+
+
 # --- tracing ---------------------------------------------------------------------------------------
 
 

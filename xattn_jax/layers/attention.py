@@ -585,7 +585,8 @@ def _attention_keys_transposed(q, keys, values, mask, bias):
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-  weights = jnp.where(row_sum > 0, weights / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
+  seen = row_sum != 0  # a NaN sum stays NaN, as in `ops.attention`
+  weights = jnp.where(seen, weights / jnp.where(seen, row_sum, 1.0), 0.0)
   out = jnp.einsum("bkqs,bksh->bkqh", weights.reshape(b, kv_heads, groups * beams, slots).astype(values.dtype),
                    values, preferred_element_type=jnp.float32)  # -> [b, k, g * beams, h]
   out = out.reshape(b, kv_heads, groups, beams, head_dim).transpose(0, 3, 1, 2, 4)

@@ -11,7 +11,8 @@ Differentiation is reverse mode: grad and vjp everywhere, grad of grad in "dense
 or `jax.nn.dot_product_attention` for those; `jax.hessian` (forward mode over the hand-written backward)
 works where grad of grad does. Scores and softmax run in float32 (a half-precision query is not scaled in its
 own dtype where the scale is not exact in it: `scale_on_scores`); a query that may attend to no key returns
-zeros with finite gradients, in every implementation.
+zeros with finite gradients, in every implementation; a NaN score (a NaN query or key) makes its query's output
+NaN with or without a mask, never zeros.
 
 Implementations:
   "dense":   the whole [q, kv] score matrix as one fused XLA program with a hand-written VJP

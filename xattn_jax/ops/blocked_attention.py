@@ -218,8 +218,9 @@ def _forward_block(q_rows, k_u, v_u, mask_u, bias_u, q_start, st: _Static):
     row_max, row_sum, acc = _over_key_blocks(q_start, st, num_key_blocks, step, init)
   if not st.may_hide_rows:  # every row saw a key: no guards (a measurable part of the forward)
     return acc / row_sum[..., None], row_max + jnp.log(row_sum)
-  seen = row_sum > 0
-  # A query that sees no key returns zeros; lse=+inf makes its recomputed probabilities 0.
+  # A query that sees no key (sum exactly 0) returns zeros; lse=+inf makes its recomputed probabilities 0. A NaN
+  # sum (NaN scores or values) counts as seen, so the NaN reaches the output as it does without a mask.
+  seen = row_sum != 0
   out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
   return out, jnp.where(seen, _finite_or_zero(row_max, st) + jnp.log(row_sum), jnp.inf)
 

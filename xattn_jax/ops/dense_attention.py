@@ -87,9 +87,12 @@ def _exp_and_sums(logits, hide: bool):
 
 
 def _safe_divide(x, row_sum, hide: bool):
+  """x / row_sum, 0 for a row that sees no key (sum exactly 0); a NaN sum (NaN scores) stays NaN, as without
+  `hide`: NaN inputs are never turned into zeros."""
   if not hide:
     return x / row_sum
-  return jnp.where(row_sum > 0, x / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
+  seen = row_sum != 0
+  return jnp.where(seen, x / jnp.where(seen, row_sum, 1.0), 0.0)
 
 
 def _unnormalized(query, key, mask, bias, is_causal: bool, kv_heads_major: bool, scale: float = 1.0):
