@@ -17,7 +17,7 @@ from xattn_jax.data import corpus, lm_algorithmic, text as text_data, tokenizers
 from xattn_jax.layers import blocks
 from xattn_jax.tasks import lm as lm_task
 from xattn_jax.tasks.lm import text as lm_text_task
-from xattn_jax.training import loop, validation
+from xattn_jax.training import errors, loop, validation
 
 # Bytes, a 2-layer d64 model, 120 steps of 16 rows of 64 tokens; 256 eval documents.
 TINY = ("--config=configs/lm_text.py:tokenizer=bytes", "--config.model.d_model=64", "--config.model.num_heads=2",
@@ -670,3 +670,12 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_another_file(
   config.data.train_file = str(wrong)                             # data files edited" warning)
   task = lm_task.LanguageModelTask(config, str(tmp_path / "run"), "train")
   assert model_file.read_bytes() == kept and task.vocab_size <= 24
+
+
+def test_the_batches_of_a_task_built_for_infer_are_refused_naming_the_mode_that_reads_them(tmp_path):
+  """Built for infer (`loop.load_model`'s default) the task holds no data: its batches were an AttributeError."""
+  task = lm_task.LanguageModelTask(helpers.load_config(*TINY), str(tmp_path), "infer")
+  with pytest.raises(errors.RunError, match=r"eval_batches: needs the task built in mode 'train' or 'eval', got mode="):
+    task.eval_batches(process_index=0, process_count=1)
+  with pytest.raises(errors.RunError, match=r"train_batch: needs the task built in mode 'train', got mode='infer'"):
+    task.train_batch(0, process_index=0, process_count=1)

@@ -204,3 +204,13 @@ def test_load_model_takes_eval_overrides_and_refuses_a_model_change_or_an_unknow
     inference.load_model(str(trained_translator), overrides={"data.no_such_field": 3})
   with pytest.raises(validation.ConfigError, match=r"^config\.model\.max_length='abc': "):  # ml_collections' TypeError
     inference.load_model(str(trained_translator), overrides={"model.max_length": "abc"})
+
+
+def test_the_batches_of_a_task_loaded_for_infer_are_refused_naming_the_mode_that_reads_them(trained_translator):
+  """A task built for infer reads no data: its batches failed deep in the batching ('examples must be a non-empty
+  sequence'), with no word of the mode."""
+  _, task = inference.load_model(str(trained_translator))
+  for call in (lambda: task.eval_batches(process_index=0, process_count=1),
+               lambda: task.train_batch(0, process_index=0, process_count=1)):
+    with pytest.raises(RunError, match=r"got mode='infer' .* loop\.load_model\(workdir, mode='eval'\)"):
+      call()

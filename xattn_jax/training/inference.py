@@ -109,7 +109,8 @@ def load_model(workdir: str, mode: str = "infer", overrides: dict | None = None)
       task.infer(model, ["Sunday, November 29, 2026"])   # the task's own inference
 
   The run's resolved config (`<workdir>/config.py`) rebuilds the task in `mode`: "infer" reads the
-  workdir's tokenizer, not the training data; "eval" reads the eval data too (the task's eval examples), and
+  workdir's tokenizer, not the training data (the translator's and the LM's batches are then refused, a RunError
+  naming the mode); "eval" reads the eval data too (the task's eval examples), and
   the figures `task.extra_eval` draws go where `--mode=eval`'s do (`workdir.eval_figure_directory`).
   `overrides` ({dotted field: value}) changes that config first, as `--config.a.b=V` does for
   `launch.py --mode=eval`, e.g. {"data.num_eval_examples": 2000}; a change to the model, or a value the field

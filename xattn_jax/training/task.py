@@ -436,6 +436,15 @@ class Task:
     return os.path.join(self.input_directory, os.path.expanduser(path))
 
 
+def check_reads_data(task: Task, method: str, modes: tuple[str, ...] = ("train", "eval")) -> None:
+  """RunError unless `task` was built in one of `modes`: a task built for infer (`loop.load_model`'s default)
+  reads no training or eval data, so its batches would fail deep inside the batching with no word of the mode."""
+  if task.mode not in modes:
+    raise RunError(f"{type(task).__name__}.{method}: needs the task built in mode {' or '.join(map(repr, modes))}, "
+                   f"got mode={task.mode!r} (infer reads neither training nor eval data; "
+                   f"loop.load_model(workdir, mode='eval') reads the eval data)")
+
+
 def mean_terms(loss_sum, weight_sum, aux: dict) -> tuple[Any, dict[str, Any]]:
   """(loss, aux means) of `loss_terms`' sums: loss_sum / max(weight_sum, 1); each aux sum over its weight (0
   where the weight is 0)."""

@@ -330,6 +330,7 @@ class LanguageModelTask(task_lib.Task):
     return batching.steps_per_epoch(self.train_data.num_rows, self.config.batch_size)
 
   def train_batch(self, step, *, process_index, process_count):
+    task_lib.check_reads_data(self, "train_batch", ("train",))
     return self.train_data.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
                                        process_index=process_index, process_count=process_count)
 
@@ -346,6 +347,7 @@ class LanguageModelTask(task_lib.Task):
     return (*optim.cross_entropy(logits, batch["targets"], batch["weights"]), {})
 
   def eval_batches(self, *, process_index, process_count):
+    task_lib.check_reads_data(self, "eval_batches")
     return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,
                                        process_count=process_count)
 

@@ -500,6 +500,7 @@ class TranslateTask(task_lib.Task):
     return self.train_batches.steps_per_epoch(self.config.batch_size)
 
   def train_batch(self, step, *, process_index, process_count):
+    task_lib.check_reads_data(self, "train_batch")
     return self.train_batches.train_batch(step, seed=self.config.seed, batch_size=self.config.batch_size,
                                           process_index=process_index, process_count=process_count)
 
@@ -517,6 +518,7 @@ class TranslateTask(task_lib.Task):
             {})
 
   def eval_batches(self, *, process_index, process_count):
+    task_lib.check_reads_data(self, "eval_batches")
     return self.eval_data.eval_batches(self.config.eval_batch_size, process_index=process_index,
                                        process_count=process_count)
 
@@ -559,6 +561,7 @@ class TranslateTask(task_lib.Task):
   def extra_eval(self, model):
     """exact_match, bleu and chrf of the decoded pairs (the module docstring says what each measures);
     bleu is left out, with a log line saying why, where this corpus cannot define it."""
+    task_lib.check_reads_data(self, "extra_eval")
     task = self.config.task
     pairs = self._decoded_pairs
     inputs = np.concatenate([batch["inputs"] for batch in self.eval_data.eval_batches(self.config.eval_batch_size)])
