@@ -617,6 +617,10 @@ def _validation_cases():
       ("empty_batch", dict(query=q[:0], key=k[:0], value=v[:0]), ["query", "empty", "[0, 5, 4, 8]"]),
       ("empty_kv", dict(query=q, key=k[:, :0], value=v[:, :0]), ["key", "empty", "[2, 0, 2, 8]"]),
       ("scale_vector", dict(query=q, key=k, value=v, scale=jnp.ones(4)), ["scale", "scalar", "[4]"]),
+      ("scale_str", dict(query=q, key=k, value=v, scale="0.5"), ["scale must be a real number", "'0.5'"]),
+      ("is_causal_str", dict(query=q, key=k, value=v, is_causal="no"), ["is_causal must be True or False", "'no'"]),
+      ("is_causal_mask", dict(query=q, key=k, value=v, is_causal=jnp.ones((5, 7), bool)),
+       ["is_causal must be True or False"]),
   ]
 
 

@@ -120,6 +120,11 @@ def _validate_scale(scale, head_dim: int, function: str = "dot_product_attention
   """head_dim ** -0.5 by default; else a scalar (a float or a 0-d array, traced or not)."""
   if scale is None:
     return head_dim ** -0.5
+  # a str failed deep in the kernel ("could not convert string to float") and a bool scaled by 1 or 0
+  dtype = getattr(scale, "dtype", None) if not isinstance(scale, (int, float)) else type(scale)
+  if isinstance(scale, bool) or dtype is None or not jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(
+      dtype, jnp.complexfloating):
+    raise ValueError(f"{function}: scale must be a real number, got {scale!r}"[:300])
   if jnp.ndim(scale) != 0:
     raise ValueError(f"{function}: scale must be a scalar, got shape {list(jnp.shape(scale))}")
   return scale
@@ -130,6 +135,10 @@ def _validate_is_causal(is_causal, function: str = "dot_product_attention") -> b
   if isinstance(is_causal, jax.core.Tracer):
     raise ValueError(f"{function}: is_causal must be a Python bool (static under jit), got a traced "
                      f"{is_causal.dtype}{_shape(is_causal)}; mark it static or pass a mask")
+  # bool() of anything else guessed: is_causal="no" or a mask given here ran causal attention without a word
+  if not isinstance(is_causal, bool) and not (getattr(is_causal, "dtype", None) == np.bool_
+                                              and jnp.ndim(is_causal) == 0):
+    raise ValueError(f"{function}: is_causal must be True or False, got {is_causal!r}"[:300])
   return bool(is_causal)
 
 
@@ -346,8 +355,9 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
     key, value: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0.
     bias: float, broadcastable to [batch, heads, q_len, kv_len], added to the scaled scores.
     mask: bool, broadcastable to [batch, heads, q_len, kv_len]; True = may attend.
-    is_causal: query i may attend to keys 0 .. kv_len - q_len + i (queries are the last keys).
-    scale: score scale; default head_dim ** -0.5.
+    is_causal: a bool (static under jit); True: query i may attend to keys 0 .. kv_len - q_len + i (queries
+      are the last keys).
+    scale: score scale, a real number or a 0-d array (traced or not); default head_dim ** -0.5.
     implementation: None, "dense", "xla", "chunked", "cudnn" (see the module docstring) or a name registered
       with register_attention_implementation.
     kv_layout: "bskh" (key / value [batch, kv_len, kv_heads, head_dim], as jax.nn) or "bksh"
