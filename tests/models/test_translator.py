@@ -303,6 +303,14 @@ def test_float_tokens_are_rejected():
     _model().encode([[1, 2, 3]])
 
 
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
+def test_empty_tokens_are_refused_naming_the_argument(shape):
+  # They failed inside the attention op: "query [batch, length, heads, head_dim] must have no empty dimension".
+  with pytest.raises(ValueError, match=rf"^Translator: inputs must be int \[batch, length\] with batch and length "
+                                       rf">= 1, got int32\[{shape[0]}, {shape[1]}\]"):
+    decoding.generate(_model(), jnp.zeros(shape, jnp.int32), max_length=2, bos_id=1, eos_id=2)
+
+
 def test_decoding_past_a_learned_position_table_is_refused():
   # The table has 16 rows; 20 decode steps would read rows 16-19 (NaN logits, which a search would
   # turn into tokens).

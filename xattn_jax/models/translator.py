@@ -122,8 +122,9 @@ class TranslatorCache:
 
 
 def _check_tokens(name: str, tokens) -> None:
-  if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"Translator: {name} must be int [batch, length], got "
+  # an empty batch or length failed inside the attention op, naming its query, not this argument
+  if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or 0 in tokens.shape:
+    raise ValueError(f"Translator: {name} must be int [batch, length] with batch and length >= 1, got "
                      f"{getattr(tokens, 'dtype', type(tokens))}{list(getattr(tokens, 'shape', ()))}")
 
 
