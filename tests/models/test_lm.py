@@ -185,6 +185,16 @@ def test_bad_arguments_are_named():
     model(_tokens((1, 4)), insert={3: lambda x: x})
 
 
+def test_init_cache_takes_numpy_ints_as_the_shapes_they_are():
+  # A batch size read from an array's shape (np.int64) was refused as "must be a positive int", where the attention
+  # layers' init_cache and the searches take NumPy ints.
+  model = _model("rope")
+  numpy_sized = model.init_cache(np.int64(2), np.int32(12))
+  assert jax.tree.map(jnp.shape, numpy_sized) == jax.tree.map(jnp.shape, model.init_cache(2, 12))
+  with pytest.raises(ValueError, match="batch_size must be a positive int"):
+    model.init_cache(np.bool_(True), 12)
+
+
 # --- randomized positions ---------------------------------------------------------------------------
 
 RANDOMIZED = 64  # max_position of the randomized models below (max_length 16)

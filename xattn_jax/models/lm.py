@@ -387,8 +387,9 @@ class LanguageModel(nnx.Module):
   def init_cache(self, batch_size: int, capacity: int) -> LMCache:
     """An empty cache for up to capacity tokens per row (prompt and generated, prefix included)."""
     for name, value in (("batch_size", batch_size), ("capacity", capacity)):
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"LanguageModel.init_cache: {name} must be a positive int, got {name}={value!r}")
+    batch_size, capacity = int(batch_size), int(capacity)  # NumPy ints (a shape read from an array) as Python's
     randomized = self.positions.randomized
     drawn = bool(randomized.max_position and randomized.at_eval)
     if drawn and capacity > randomized.max_position:
