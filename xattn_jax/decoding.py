@@ -557,10 +557,10 @@ def options_from_mapping(values) -> DecodingOptions:
 def unread_options(options: DecodingOptions) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """(field, the methods that read it) for each option set away from its default that options.method does not
   read (DECODING_METHODS' `reads`): a temperature beside method greedy, which decodes as if it were not there."""
-  read = DECODING_METHODS[options.method].reads
-  return tuple((field, readers) for field in OPTION_FIELDS if field not in ("method", "cache_halves", *read)
-               and getattr(options, field) != OPTION_DEFAULTS[field]
-               for readers in [tuple(name for name, m in DECODING_METHODS.items() if field in m.reads)])
+  read = ("method", "cache_halves", *DECODING_METHODS[options.method].reads)
+  unread = [field for field in OPTION_FIELDS if field not in read and getattr(options, field) != OPTION_DEFAULTS[field]]
+  return tuple((field, tuple(name for name, method in DECODING_METHODS.items() if field in method.reads))
+               for field in unread)
 
 
 def _run_greedy(decode_step, cache, options, rng, *, cache_batch_axis, logits_sharding, **common):

@@ -235,10 +235,11 @@ class VisionLanguageModel(nnx.Module):
     self.connector_name, self.image_token_id, self.image_positions = connector, image_token_id, image_positions
     self.patch_size, self.dtype, self.hide_padding = encoder.patch_size, dtype, hide_padding
     self.spatial_merge = spatial_merge
-    self.connector_fields = {field: fields[field] for field in kind.config_fields if field in fields}  # what `slots` reads
+    # the fields this connector reads (what `slots` reads too), and its constructor's keyword for each
+    self.connector_fields = {field: fields[field] for field in kind.config_fields if field in fields}
+    options = {kind.config_fields[field]: value for field, value in self.connector_fields.items()}
     self.encoder = latent_reader.freeze(encoder)
     self.lm = latent_reader.freeze(lm)
-    options = {keyword: self.connector_fields[field] for field, keyword in kind.config_fields.items() if field in self.connector_fields}
     self.connector = kind(encoder.width, lm, feature_positions=feature_positions, feature_grid=feature_grid,
                           dropout_rate=dropout_rate, **options, **common)
 
